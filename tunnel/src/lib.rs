@@ -1,1 +1,25 @@
-//! placeholder
+//! Shared runtime pieces of `proxy-server` and `proxy-agent`.
+//!
+//! # Layout
+//! - [`ids`]: newtypes for connection, dial, agent and server ids.
+//! - [`pump`]: moves bytes between a socket and DATA packets.
+//! - [`client`]: the frontend side of `ProxyService/Proxy` (what
+//!   konnectivity-client does for kube-apiserver), for tests and tools.
+//! - [`tls`]: PEM loading and rustls configs (ring provider only).
+//! - [`duration`]: Go duration syntax for flags (`1h0m0s`, `100ms`).
+//! - [`signal`]: SIGINT/SIGTERM as futures.
+//! - [`telemetry`]: tracing subscriber set-up shared by both binaries.
+//! - [`error`]: printing error chains.
+//! - [`flags`]: Go booleans, Go durations and klog flags for clap.
+//! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
+
+pub mod client;
+pub mod conn;
+pub mod duration;
+pub mod error;
+pub mod flags;
+pub mod ids;
+pub mod pump;
+pub mod signal;
+pub mod telemetry;
+pub mod tls;

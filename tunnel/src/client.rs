@@ -1,0 +1,269 @@
+//! The frontend side of `ProxyService/Proxy`: what konnectivity-client does
+//! for kube-apiserver. One gRPC stream carries one dial ("single-use tunnel"
+//! when the channel is fresh, the newer reusable tunnel when a channel is
+//! shared); the established connection is an ordinary byte stream.
+
+use std::{
+    io,
+    path::{Path, PathBuf},
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use hyper_util::rt::TokioIo;
+use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf},
+    net::UnixStream,
+    sync::{mpsc, oneshot},
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::{
+    ids::{ConnId, DialId},
+    pump::{PumpEnd, pump},
+};
+
+/// How long a dial may wait for its DIAL_RSP (konnectivity-client's backstop).
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a close waits for CLOSE_RSP (konnectivity-client's `CloseTimeout`).
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Packets queued towards the server per tunnel.
+const OUTBOUND_CAPACITY: usize = 16;
+/// DATA payloads queued towards the caller per tunnel.
+const INBOUND_CAPACITY: usize = 16;
+/// Bytes buffered between the caller's end and the tunnel driver.
+const PIPE_BYTES: usize = 256 * 1024;
+
+/// What can go wrong on the frontend side.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The Unix socket could not be connected.
+    #[error("cannot connect to proxy-server at {path}")]
+    Connect {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The gRPC stream failed.
+    #[error("proxy stream failed: {0}")]
+    Stream(#[from] tonic::Status),
+    /// The server or the agent answered the dial with an error.
+    #[error("dial to {address} failed: {error}")]
+    Dial {
+        /// The destination.
+        address: String,
+        /// The error text of DIAL_RSP.
+        error: String,
+    },
+    /// No DIAL_RSP within [`DIAL_TIMEOUT`].
+    #[error("dial to {address} timed out")]
+    DialTimeout {
+        /// The destination.
+        address: String,
+    },
+    /// The stream ended before the connection was closed with CLOSE_RSP.
+    #[error("proxy stream closed before the connection was closed")]
+    StreamClosed,
+    /// The connection was closed with an error (CLOSE_RSP error or DIAL_CLS).
+    #[error("connection closed by the proxy: {0}")]
+    Remote(String),
+    /// CLOSE_RSP did not come within [`CLOSE_TIMEOUT`].
+    #[error("no CLOSE_RSP within {CLOSE_TIMEOUT:?}")]
+    CloseTimeout,
+}
+
+/// A gRPC channel over a fresh connection to a Unix socket.
+///
+/// # Errors
+/// [`ClientError::Connect`] naming the path.
+pub async fn uds_channel(path: &Path) -> Result<Channel, ClientError> {
+    let socket = path.to_owned();
+    Endpoint::from_static("http://proxy-server.invalid")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move { UnixStream::connect(socket).await.map(TokioIo::new) }
+        }))
+        .await
+        .map_err(|source| ClientError::Connect {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+/// An established tunneled connection: read and write it like a socket.
+/// Dropping it (or shutting down its write side) closes the connection with
+/// CLOSE_REQ; [`TunnelConn::finish`] tells how the connection ended.
+pub struct TunnelConn {
+    /// The caller's end of the pipe to the driver task.
+    io: DuplexStream,
+    /// The connection id the agent assigned.
+    conn_id: ConnId,
+    /// The driver's verdict once the connection is over.
+    outcome: oneshot::Receiver<Result<(), ClientError>>,
+}
+
+impl TunnelConn {
+    /// The connection id the agent assigned.
+    pub fn conn_id(&self) -> ConnId {
+        self.conn_id
+    }
+
+    /// Closes the caller's end and waits for the connection to end: `Ok` after
+    /// a clean CLOSE_RSP, else why it ended.
+    ///
+    /// # Errors
+    /// The ways a connection can end badly; see [`ClientError`].
+    pub async fn finish(self) -> Result<(), ClientError> {
+        drop(self.io);
+        self.outcome.await.unwrap_or(Err(ClientError::StreamClosed))
+    }
+}
+
+/// Dials `address` through proxy-server on `channel` (a new `Proxy` stream).
+///
+/// # Errors
+/// The stream cannot be opened, the dial is refused or times out.
+pub async fn dial(channel: Channel, address: &str) -> Result<TunnelConn, ClientError> {
+    let (out_tx, out_rx) = mpsc::channel(OUTBOUND_CAPACITY);
+    let random = DialId::random();
+    out_tx
+        .send(Packet::dial_request("tcp", address, random.0))
+        .await
+        .map_err(|_| ClientError::StreamClosed)?;
+    let handshake = async {
+        let mut inbound = ProxyServiceClient::new(channel)
+            .proxy(ReceiverStream::new(out_rx))
+            .await?
+            .into_inner();
+        loop {
+            let Some(packet) = inbound.message().await? else {
+                return Err(ClientError::StreamClosed);
+            };
+            match packet.into_kind() {
+                PacketKind::DialRsp(rsp) if rsp.random == random.0 => {
+                    if !rsp.error.is_empty() {
+                        return Err(ClientError::Dial {
+                            address: address.to_owned(),
+                            error: rsp.error,
+                        });
+                    }
+                    return Ok((ConnId(rsp.connect_id), inbound));
+                }
+                PacketKind::DialCls(cls) if cls.random == random.0 => {
+                    return Err(ClientError::Dial {
+                        address: address.to_owned(),
+                        error: "dial closed by the proxy".to_owned(),
+                    });
+                }
+                other => tracing::debug!(packet = ?other, "ignoring packet before DIAL_RSP"),
+            }
+        }
+    };
+    let (conn_id, inbound) = tokio::time::timeout(DIAL_TIMEOUT, handshake)
+        .await
+        .map_err(|_| ClientError::DialTimeout {
+            address: address.to_owned(),
+        })??;
+
+    let (io, ours) = tokio::io::duplex(PIPE_BYTES);
+    let (outcome_tx, outcome) = oneshot::channel();
+    tokio::spawn(async move {
+        let result = drive(ours, conn_id, inbound, out_tx).await;
+        let _ = outcome_tx.send(result);
+    });
+    Ok(TunnelConn {
+        io,
+        conn_id,
+        outcome,
+    })
+}
+
+/// Runs an established connection: the pump between the caller's pipe and
+/// DATA packets, and the reader of the inbound stream.
+async fn drive(
+    pipe: DuplexStream,
+    conn_id: ConnId,
+    mut inbound: tonic::Streaming<Packet>,
+    out_tx: mpsc::Sender<Packet>,
+) -> Result<(), ClientError> {
+    let (data_tx, data_rx) = mpsc::channel(INBOUND_CAPACITY);
+    let reader = async move {
+        // `data_tx` lives in here: when this returns, the pump drains and
+        // closes the caller's pipe.
+        let data_tx = data_tx;
+        loop {
+            let Some(packet) = inbound.message().await? else {
+                return Err(ClientError::StreamClosed);
+            };
+            match packet.into_kind() {
+                PacketKind::Data(data) if data.connect_id == conn_id.0 => {
+                    // The caller may be gone; keep reading until CLOSE_RSP.
+                    let _ = data_tx.send(data.data).await;
+                }
+                PacketKind::CloseRsp(rsp) if rsp.connect_id == conn_id.0 => {
+                    return if rsp.error.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(ClientError::Remote(rsp.error))
+                    };
+                }
+                PacketKind::DialCls(_) => {
+                    return Err(ClientError::Remote("dial closed by the proxy".to_owned()));
+                }
+                other => tracing::debug!(packet = ?other, "ignoring unexpected packet"),
+            }
+        }
+    };
+    let pumping = pump(pipe, conn_id, data_rx, out_tx.clone());
+    tokio::pin!(reader, pumping);
+    tokio::select! {
+        result = &mut reader => {
+            // Remote side closed (or the stream broke): let the pump write
+            // what is queued, then it ends on its own.
+            let _ = pumping.await;
+            result
+        }
+        end = &mut pumping => match end {
+            PumpEnd::LocalEof | PumpEnd::LocalError(_) => {
+                if out_tx.send(Packet::close_request(conn_id.0)).await.is_err() {
+                    return Err(ClientError::StreamClosed);
+                }
+                tokio::time::timeout(CLOSE_TIMEOUT, reader)
+                    .await
+                    .unwrap_or(Err(ClientError::CloseTimeout))
+            }
+            PumpEnd::PeerClosed | PumpEnd::TunnelGone => reader.await,
+        },
+    }
+}
+
+impl AsyncRead for TunnelConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TunnelConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}

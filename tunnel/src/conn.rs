@@ -1,0 +1,142 @@
+//! Accepting TLS connections for tonic without letting one slow or broken
+//! handshake hold up the accept loop.
+
+use std::{
+    io,
+    net::SocketAddr,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{TcpListener, TcpStream},
+    sync::mpsc,
+};
+use tokio_rustls::{TlsAcceptor, server::TlsStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
+use tracing::debug;
+
+/// How long a peer may take to complete its TLS handshake.
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshaken connections waiting for the gRPC server to pick them up.
+const ACCEPT_BACKLOG: usize = 64;
+
+/// The peer's address, available in request extensions of TLS connections.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// A server-side TLS connection that tonic can serve.
+pub struct TlsConn {
+    /// The stream.
+    inner: TlsStream<TcpStream>,
+    /// Who is on the other end.
+    peer: SocketAddr,
+}
+
+impl TlsConn {
+    /// The peer's certificate chain, if it presented one.
+    pub fn peer_certificates(&self) -> Option<&[rustls_pki_types::CertificateDer<'static>]> {
+        self.inner.get_ref().1.peer_certificates()
+    }
+}
+
+impl Connected for TlsConn {
+    type ConnectInfo = PeerAddr;
+    fn connect_info(&self) -> PeerAddr {
+        PeerAddr(self.peer)
+    }
+}
+
+impl AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
+/// own task (bounded by [`TLS_HANDSHAKE_TIMEOUT`]) and yields the completed
+/// ones. Failed handshakes (plain TCP, wrong CA, garbage) are logged at debug
+/// with the peer address and dropped; they never reach the gRPC server.
+pub fn tls_incoming(
+    listener: TcpListener,
+    acceptor: Arc<rustls::ServerConfig>,
+    shutdown: CancellationToken,
+    what: &'static str,
+) -> ReceiverStream<Result<TlsConn, io::Error>> {
+    let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
+    let acceptor = TlsAcceptor::from(acceptor);
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = tokio::select! {
+                () = shutdown.cancelled() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok(pair) => pair,
+                    Err(error) => {
+                        // EMFILE and friends: back off a little instead of spinning.
+                        tracing::warn!(%error, listener = what, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = tcp.set_nodelay(true);
+            let acceptor = acceptor.clone();
+            let tx = tx.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
+                let result = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    r = handshake => r,
+                };
+                match result {
+                    Ok(Ok(inner)) => {
+                        let _ = tx.send(Ok(TlsConn { inner, peer })).await;
+                    }
+                    Ok(Err(error)) => {
+                        debug!(%error, peer.addr = %peer, listener = what, "tls handshake failed");
+                    }
+                    Err(_) => {
+                        debug!(peer.addr = %peer, listener = what, "tls handshake timed out");
+                    }
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}

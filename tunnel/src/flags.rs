@@ -1,0 +1,165 @@
+//! Flag syntax shared by both binaries, so ANP manifests parse unchanged:
+//! Go booleans (`--x`, `--x=false`), Go durations, and the klog flags.
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::Args;
+
+/// Parses a boolean as Go's `strconv.ParseBool` does.
+///
+/// # Errors
+/// Anything but `1 t T TRUE true True 0 f F FALSE false False`.
+pub fn go_bool(text: &str) -> Result<bool, String> {
+    match text {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        _ => Err(format!("invalid boolean {text:?} (want true or false)")),
+    }
+}
+
+/// Parses a Go duration (`1h0m0s`, `100ms`); see [`crate::duration`].
+///
+/// # Errors
+/// See [`crate::duration::parse`].
+pub fn go_duration(text: &str) -> Result<Duration, String> {
+    crate::duration::parse(text)
+}
+
+/// Output format of the log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The klog flags ANP registers on both binaries, plus `--log-format`.
+///
+/// `-v`/`--v` picks the level (0–4 info, 5–8 debug, 9+ trace; ANP's default
+/// is 4); `RUST_LOG` overrides it. The other klog flags are accepted so that
+/// manifests keep working; only those documented here have an effect.
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log verbosity as klog's -v: 0-4 info, 5-8 debug, 9+ trace (RUST_LOG overrides).
+    #[arg(short = 'v', long = "v", default_value_t = 4, value_name = "LEVEL")]
+    pub verbosity: u8,
+    /// Log to standard error instead of files (klog; when true, --log-file is ignored).
+    #[arg(long, alias = "logtostderr", num_args = 0..=1, require_equals = true,
+          default_value = "true", default_missing_value = "true", value_parser = go_bool)]
+    pub logtostderr: bool,
+    /// Also log to standard error when logging to a file (klog).
+    #[arg(long, alias = "alsologtostderr", num_args = 0..=1, require_equals = true,
+          default_value = "false", default_missing_value = "true", value_parser = go_bool)]
+    pub alsologtostderr: bool,
+    /// Log file to write to when --logtostderr=false (klog).
+    #[arg(long, alias = "log_file", value_name = "PATH")]
+    pub log_file: Option<PathBuf>,
+    /// Maximum size of the log file in MB before it is started afresh; 0 = unlimited (klog).
+    #[arg(long, alias = "log_file_max_size", default_value_t = 1800, value_name = "MB")]
+    pub log_file_max_size: u64,
+    /// Log line format: text or json.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "log_dir", hide = true)]
+    pub log_dir: Option<String>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "vmodule", hide = true)]
+    pub vmodule: Option<String>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "stderrthreshold", hide = true)]
+    pub stderrthreshold: Option<String>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "alsologtostderrthreshold", hide = true)]
+    pub alsologtostderrthreshold: Option<String>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "log_backtrace_at", hide = true)]
+    pub log_backtrace_at: Option<String>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "add_dir_header", hide = true, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool)]
+    pub add_dir_header: Option<bool>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "one_output", hide = true, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool)]
+    pub one_output: Option<bool>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "skip_headers", hide = true, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool)]
+    pub skip_headers: Option<bool>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "skip_log_headers", hide = true, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = go_bool)]
+    pub skip_log_headers: Option<bool>,
+    /// Accepted for klog compatibility; no effect.
+    #[arg(long, alias = "legacy_stderr_threshold_behavior", hide = true, num_args = 0..=1,
+          require_equals = true, default_missing_value = "true", value_parser = go_bool)]
+    pub legacy_stderr_threshold_behavior: Option<bool>,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        log: LogArgs,
+    }
+
+    #[test]
+    fn go_bools() {
+        for t in ["1", "t", "T", "TRUE", "true", "True"] {
+            assert_eq!(go_bool(t), Ok(true));
+        }
+        for f in ["0", "f", "F", "FALSE", "false", "False"] {
+            assert_eq!(go_bool(f), Ok(false));
+        }
+        assert!(go_bool("yes").is_err());
+    }
+
+    #[test]
+    fn klog_flags_parse_as_manifests_write_them() {
+        let cli = Cli::try_parse_from([
+            "x",
+            "--logtostderr=false",
+            "--log-file=/var/log/konnectivity.log",
+            "--log_file_max_size=10",
+            "--v=2",
+            "--alsologtostderr",
+            "--skip-headers=true",
+        ])
+        .unwrap();
+        assert!(!cli.log.logtostderr);
+        assert!(cli.log.alsologtostderr);
+        assert_eq!(
+            cli.log.log_file.as_deref(),
+            Some(std::path::Path::new("/var/log/konnectivity.log"))
+        );
+        assert_eq!(cli.log.log_file_max_size, 10);
+        assert_eq!(cli.log.verbosity, 2);
+
+        let cli = Cli::try_parse_from(["x", "-v=5"]).unwrap();
+        assert_eq!(cli.log.verbosity, 5);
+        let cli = Cli::try_parse_from(["x", "-v", "6"]).unwrap();
+        assert_eq!(cli.log.verbosity, 6);
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(cli.log.verbosity, 4);
+        assert!(cli.log.logtostderr);
+    }
+
+    #[test]
+    fn bad_klog_values_name_the_flag() {
+        let err = Cli::try_parse_from(["x", "--logtostderr=maybe"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--logtostderr"), "{err}");
+        let err = Cli::try_parse_from(["x", "--v=loud"]).err().unwrap().to_string();
+        assert!(err.contains("--v"), "{err}");
+    }
+}
