@@ -140,3 +140,18 @@ pub fn tls_incoming(
     });
     ReceiverStream::new(rx)
 }
+
+/// Binds a TCP listener; an unspecified IPv6 address (`[::]`, what an empty
+/// bind-address flag means) falls back to `0.0.0.0` where IPv6 is disabled.
+///
+/// # Errors
+/// The bind error.
+pub async fn bind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
+    match TcpListener::bind(addr).await {
+        Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+            let v4 = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port());
+            TcpListener::bind(v4).await.map_err(|_| e)
+        }
+        other => other,
+    }
+}

@@ -1,0 +1,158 @@
+//! The `AgentService/Connect` handler: one call is one [`Backend`].
+
+use std::{pin::Pin, sync::Arc};
+
+use futures_util::{Stream, StreamExt};
+use proto::{Packet, agent_service_server::AgentService, header};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
+use tracing::{Instrument, debug, info, info_span};
+use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
+
+use super::{Backend, strategy::AgentIdentifiers};
+use crate::tunnels::Tunnels;
+
+/// Packets queued towards one agent, shared by all its connections.
+const BACKEND_QUEUE: usize = 256;
+
+/// The packet stream returned to an agent.
+pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
+/// Serves `AgentService`.
+pub(crate) struct AgentServiceImpl {
+    /// Shared proxy state.
+    pub(crate) tunnels: Arc<Tunnels>,
+    /// This server's id (`serverid` header).
+    pub(crate) server_id: ServerId,
+    /// Replica count (`servercount` header).
+    pub(crate) server_count: u32,
+    /// Tracker of the reader tasks.
+    pub(crate) tasks: TaskTracker,
+    /// Parent of every backend's token.
+    pub(crate) shutdown: CancellationToken,
+}
+
+/// Reads the single value of a metadata key that must appear exactly once.
+fn exactly_one(request: &Request<Streaming<Packet>>, key: &str) -> Result<String, Status> {
+    let values: Vec<_> = request.metadata().get_all(key).iter().collect();
+    match values.as_slice() {
+        [one] => one
+            .to_str()
+            .map(str::to_owned)
+            .map_err(|_| Status::invalid_argument(format!("{key} is not valid text"))),
+        _ => Err(Status::invalid_argument(format!(
+            "expected one agent ID in the context, got {:?}",
+            values.iter().map(|v| v.to_str().unwrap_or("?")).collect::<Vec<_>>()
+        ))),
+    }
+}
+
+fn identifiers(request: &Request<Streaming<Packet>>) -> Result<AgentIdentifiers, Status> {
+    let values: Vec<_> = request
+        .metadata()
+        .get_all(header::AGENT_IDENTIFIERS)
+        .iter()
+        .collect();
+    match values.as_slice() {
+        [] => Ok(AgentIdentifiers::default()),
+        [one] => one
+            .to_str()
+            .map(AgentIdentifiers::parse)
+            .map_err(|_| Status::invalid_argument("agentidentifiers is not valid text")),
+        many => Err(Status::invalid_argument(format!(
+            "expected at most one agent identifiers value, got {}",
+            many.len()
+        ))),
+    }
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentServiceImpl {
+    type ConnectStream = PacketStream;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<PacketStream>, Status> {
+        let peer = request.extensions().get::<PeerAddr>().map(|p| p.0);
+        let agent_id = match exactly_one(&request, header::AGENT_ID) {
+            Ok(id) => AgentId(id),
+            Err(status) => {
+                debug!(peer.addr = ?peer, error = %status.message(), "agent refused");
+                return Err(status);
+            }
+        };
+        let identifiers = identifiers(&request)?;
+        let mut inbound = request.into_inner();
+
+        let (tx, rx) = mpsc::channel(BACKEND_QUEUE);
+        let cancel = self.shutdown.child_token();
+        let backend = Arc::new(Backend::new(
+            self.tunnels.next_uid(),
+            agent_id.clone(),
+            identifiers,
+            peer,
+            tx,
+            cancel.clone(),
+        ));
+        self.tunnels.add_backend(&backend);
+        info!(agent.id = %agent_id, peer.addr = ?peer, "agent connected");
+
+        let tunnels = self.tunnels.clone();
+        let span = info_span!("backend", agent.id = %agent_id);
+        self.tasks.spawn(
+            async move {
+                let guard = BackendGuard {
+                    tunnels: tunnels.clone(),
+                    backend: backend.clone(),
+                };
+                loop {
+                    let packet = tokio::select! {
+                        () = backend.cancel.cancelled() => break,
+                        packet = inbound.message() => packet,
+                    };
+                    match packet {
+                        Ok(Some(packet)) => tunnels.backend_packet(&backend, packet).await,
+                        Ok(None) => break,
+                        Err(status) => {
+                            debug!(error = %status, "agent stream failed");
+                            break;
+                        }
+                    }
+                }
+                drop(guard);
+            }
+            .instrument(span),
+        );
+
+        let stream = ReceiverStream::new(rx)
+            .map(Ok)
+            .take_until(cancel.cancelled_owned());
+        let mut response = Response::new(Box::pin(stream) as PacketStream);
+        let headers = response.metadata_mut();
+        headers.insert(
+            header::SERVER_ID,
+            MetadataValue::try_from(self.server_id.0.as_str())
+                .map_err(|_| Status::internal("server id is not valid metadata"))?,
+        );
+        headers.insert(header::SERVER_COUNT, MetadataValue::from(self.server_count));
+        Ok(response)
+    }
+}
+
+/// Removes the backend everywhere when its reader ends, on error, cancel or
+/// panic alike.
+struct BackendGuard {
+    /// Shared proxy state.
+    tunnels: Arc<Tunnels>,
+    /// The backend to remove.
+    backend: Arc<Backend>,
+}
+
+impl Drop for BackendGuard {
+    fn drop(&mut self) {
+        self.tunnels.backend_closed(&self.backend);
+    }
+}

@@ -1,0 +1,158 @@
+//! Proxy strategies (`--proxy-strategies`) and agent identifiers.
+
+use std::net::IpAddr;
+
+/// How a dial picks an agent; tried in the order of `--proxy-strategies`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProxyStrategy {
+    /// Any agent, starting at a random one; non-draining preferred.
+    Default,
+    /// The agent whose `host`/`ipv4`/`ipv6` identifier equals the destination host.
+    DestHost,
+    /// Any agent that announced `default-route=true`.
+    DefaultRoute,
+}
+
+impl ProxyStrategy {
+    /// The flag spelling (also the `proxy_strategy` metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Default => "default",
+            Self::DestHost => "destHost",
+            Self::DefaultRoute => "defaultRoute",
+        }
+    }
+}
+
+/// Parses `--proxy-strategies`: comma-separated, ordered, no duplicates.
+///
+/// # Errors
+/// An empty list, an unknown name or a repeated one.
+pub fn parse_strategies(text: &str) -> Result<Vec<ProxyStrategy>, String> {
+    let mut out = Vec::new();
+    for name in text.split(',').map(str::trim) {
+        let strategy = match name {
+            "default" => ProxyStrategy::Default,
+            "destHost" => ProxyStrategy::DestHost,
+            "defaultRoute" => ProxyStrategy::DefaultRoute,
+            "" => return Err("empty proxy strategy".to_owned()),
+            other => {
+                return Err(format!(
+                    "unknown proxy strategy {other:?} (want default, destHost or defaultRoute)"
+                ));
+            }
+        };
+        if out.contains(&strategy) {
+            return Err(format!("proxy strategy {name:?} given twice"));
+        }
+        out.push(strategy);
+    }
+    Ok(out)
+}
+
+/// What an agent says about itself in `agentidentifiers`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentIdentifiers {
+    /// `host=` values.
+    pub hosts: Vec<String>,
+    /// `ipv4=` values, kept as given (destHost matches strings exactly, as ANP).
+    pub ipv4: Vec<String>,
+    /// `ipv6=` values, kept as given.
+    pub ipv6: Vec<String>,
+    /// `cidr=` values that parse.
+    pub cidrs: Vec<String>,
+    /// `default-route=` (first value, Go bool syntax).
+    pub default_route: bool,
+}
+
+impl AgentIdentifiers {
+    /// Parses the URL query string; unknown keys are ignored ("fail open").
+    pub fn parse(query: &str) -> Self {
+        let mut ids = Self::default();
+        let mut saw_default_route = false;
+        for (key, value) in form_urlencoded::parse(query.as_bytes()) {
+            match key.as_ref() {
+                "host" => ids.hosts.push(value.into_owned()),
+                "ipv4" => ids.ipv4.push(value.into_owned()),
+                "ipv6" => ids.ipv6.push(value.into_owned()),
+                "cidr" => ids.cidrs.push(value.into_owned()),
+                "default-route" if !saw_default_route => {
+                    saw_default_route = true;
+                    ids.default_route = tunnel::flags::go_bool(&value).unwrap_or(false);
+                }
+                _ => {}
+            }
+        }
+        ids
+    }
+
+    /// The destHost keys: every host, ipv4 and ipv6 identifier.
+    pub fn dest_host_keys(&self) -> impl Iterator<Item = &str> {
+        self.hosts
+            .iter()
+            .chain(&self.ipv4)
+            .chain(&self.ipv6)
+            .map(String::as_str)
+    }
+}
+
+/// The host part of a dial address as ANP's `RemovePortFromHost` gives it:
+/// `[v6]:port` → `v6`, a bare IPv6 address unchanged, else up to the first `:`.
+pub fn host_of(address: &str) -> &str {
+    if let Some(rest) = address.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    if address.parse::<IpAddr>().is_ok() {
+        return address;
+    }
+    address.split(':').next().unwrap_or(address)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_strategy_lists() {
+        assert_eq!(parse_strategies("default"), Ok(vec![ProxyStrategy::Default]));
+        assert_eq!(
+            parse_strategies("destHost,defaultRoute"),
+            Ok(vec![ProxyStrategy::DestHost, ProxyStrategy::DefaultRoute])
+        );
+        assert!(parse_strategies("").is_err());
+        assert!(parse_strategies("random").unwrap_err().contains("random"));
+        assert!(parse_strategies("default,default").is_err());
+    }
+
+    #[test]
+    fn parses_identifiers() {
+        let ids = AgentIdentifiers::parse(
+            "host=node-1&host=node%2Da&ipv4=10.0.0.1&ipv6=%3A%3A1&cidr=10.0.0.0%2F8&default-route=true&default-route=false&uid=x&junk",
+        );
+        assert_eq!(ids.hosts, ["node-1", "node-a"]);
+        assert_eq!(ids.ipv4, ["10.0.0.1"]);
+        assert_eq!(ids.ipv6, ["::1"]);
+        assert_eq!(ids.cidrs, ["10.0.0.0/8"]);
+        assert!(ids.default_route);
+        assert_eq!(
+            ids.dest_host_keys().collect::<Vec<_>>(),
+            ["node-1", "node-a", "10.0.0.1", "::1"]
+        );
+        assert!(!AgentIdentifiers::parse("default-route=maybe").default_route);
+    }
+
+    #[test]
+    fn strips_ports_like_anp() {
+        let cases = [
+            ("node-1:10250", "node-1"),
+            ("10.0.0.1:22", "10.0.0.1"),
+            ("[::1]:443", "::1"),
+            ("::1", "::1"),
+            ("fe80::1", "fe80::1"),
+            ("plainhost", "plainhost"),
+        ];
+        for (address, host) in cases {
+            assert_eq!(host_of(address), host, "{address}");
+        }
+    }
+}

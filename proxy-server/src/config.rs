@@ -1,0 +1,394 @@
+//! Command-line flags (ANP's names and defaults) and their validated form.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
+
+use clap::Parser;
+use tunnel::{
+    flags::{LogArgs, go_bool, go_duration},
+    ids::ServerId,
+    tls::{self, TlsError},
+};
+
+use crate::backend::strategy::{ProxyStrategy, parse_strategies};
+
+/// proxy-server: serves kube-apiserver (frontends) and proxy-agents (backends).
+///
+/// Flag names and defaults are ANP's, so an existing manifest works unchanged.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "proxy-server", version, about)]
+pub struct Args {
+    /// Frontend TLS certificate (TCP frontend only).
+    #[arg(long, default_value = "")]
+    pub server_cert: String,
+    /// Frontend TLS private key (TCP frontend only).
+    #[arg(long, default_value = "")]
+    pub server_key: String,
+    /// CA that frontend client certificates must chain to; required for the TCP frontend.
+    #[arg(long, default_value = "")]
+    pub server_ca_cert: String,
+    /// TLS certificate of the agent listener.
+    #[arg(long, default_value = "")]
+    pub cluster_cert: String,
+    /// TLS private key of the agent listener.
+    #[arg(long, default_value = "")]
+    pub cluster_key: String,
+    /// If set, agents must present a client certificate that chains to this CA (mTLS).
+    #[arg(long, default_value = "")]
+    pub cluster_ca_cert: String,
+    /// Frontend protocol: grpc or http-connect.
+    #[arg(long, default_value = "grpc")]
+    pub mode: String,
+    /// Unix socket path of the frontend; when set, --server-port must be 0.
+    #[arg(long, default_value = "")]
+    pub uds_name: String,
+    /// Remove a stale file at --uds-name before listening.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub delete_existing_uds_file: bool,
+    /// TCP port of the frontend (0 with --uds-name).
+    #[arg(long, default_value_t = 8090)]
+    pub server_port: u16,
+    /// Bind address of the TCP frontend; empty means all interfaces.
+    #[arg(long, default_value = "")]
+    pub server_bind_address: String,
+    /// Port agents connect to (0 picks a free port).
+    #[arg(long, default_value_t = 8091)]
+    pub agent_port: u16,
+    /// Bind address of the agent listener; empty means all interfaces.
+    #[arg(long, default_value = "")]
+    pub agent_bind_address: String,
+    /// Admin port (metrics, profiling).
+    #[arg(long, default_value_t = 8095)]
+    pub admin_port: u16,
+    /// Bind address of the admin port.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_bind_address: String,
+    /// Health port: /healthz, /readyz, /ready (0 picks a free port).
+    #[arg(long, default_value_t = 8092)]
+    pub health_port: u16,
+    /// Bind address of the health port; empty means all interfaces.
+    #[arg(long, default_value = "")]
+    pub health_bind_address: String,
+    /// Interval of HTTP/2 keepalive pings on agent connections (Go duration).
+    #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
+    pub keepalive_time: Duration,
+    /// Interval of HTTP/2 keepalive pings on gRPC frontend connections (Go duration).
+    #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
+    pub frontend_keepalive_time: Duration,
+    /// Serve pprof-format profiles on the admin port.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub enable_profiling: bool,
+    /// Enable contention profiling (requires --enable-profiling).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub enable_contention_profiling: bool,
+    /// Unique id of this server, sent to agents (default: env PROXY_SERVER_ID, else a random UUID).
+    #[arg(long, env = "PROXY_SERVER_ID", default_value = "")]
+    pub server_id: String,
+    /// Number of proxy-server replicas, sent to agents.
+    #[arg(long, default_value_t = 1)]
+    pub server_count: u32,
+    /// Expected namespace of the agents' service account (turns token auth on).
+    #[arg(long, default_value = "")]
+    pub agent_namespace: String,
+    /// Expected name of the agents' service account.
+    #[arg(long, default_value = "")]
+    pub agent_service_account: String,
+    /// Audience the agents' tokens must carry.
+    #[arg(long, default_value = "")]
+    pub authentication_audience: String,
+    /// Kubeconfig for TokenReview and leases; empty means in-cluster config.
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    /// Kube client queries per second (0: client default).
+    #[arg(long, default_value_t = 0.0)]
+    pub kubeconfig_qps: f32,
+    /// Kube client burst (0: client default).
+    #[arg(long, default_value_t = 0)]
+    pub kubeconfig_burst: u32,
+    /// Content type of kube API requests.
+    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
+    pub kube_api_content_type: String,
+    /// Ordered, comma-separated backend selection strategies: default, destHost, defaultRoute.
+    #[arg(long, default_value = "default")]
+    pub proxy_strategies: String,
+    /// Comma-separated TLS cipher suites (IANA names) of both listeners.
+    #[arg(long, default_value = "")]
+    pub cipher_suites: String,
+    /// Minimum TLS version of both listeners (VersionTLS12, VersionTLS13).
+    #[arg(long, default_value = "")]
+    pub tls_min_version: String,
+    /// Capacity, in packets, of the per-stream receive and send channels.
+    #[arg(long, default_value_t = 10)]
+    pub xfr_channel_size: usize,
+    /// Publish and renew this server's Lease.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub enable_lease_controller: bool,
+    /// Namespace of the leases.
+    #[arg(long, default_value = "kube-system")]
+    pub lease_namespace: String,
+    /// Labels (comma-separated k=v) put on the lease.
+    #[arg(long, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label: String,
+    /// Time allowed for a graceful shutdown (Go duration; 0 disables).
+    #[arg(long, default_value = "0s", value_parser = go_duration)]
+    pub graceful_shutdown_timeout: Duration,
+    /// Bound on forwarding a DIAL_REQ to an agent and on waiting for its DIAL_RSP (Go duration; 0 disables).
+    #[arg(long, default_value = "0s", value_parser = go_duration)]
+    pub backend_dial_timeout: Duration,
+    /// Deprecated, no effect.
+    #[arg(long, hide = true, num_args = 0..=1, require_equals = true, default_value = "true",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub warn_on_channel_limit: bool,
+    /// klog-compatible logging flags.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Frontend protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `ProxyService/Proxy` gRPC streams.
+    Grpc,
+    /// `CONNECT host:port HTTP/1.1`.
+    HttpConnect,
+}
+
+/// Where frontends connect.
+#[derive(Debug, Clone)]
+pub enum FrontendListen {
+    /// A Unix socket (no TLS; access by file mode 0770).
+    Uds {
+        /// Socket path.
+        path: PathBuf,
+        /// Remove an existing file first.
+        delete_existing: bool,
+    },
+    /// TCP with mandatory client certificates.
+    Tcp {
+        /// Address to bind.
+        addr: SocketAddr,
+        /// TLS with client verification against --server-ca-cert.
+        tls: Arc<rustls::ServerConfig>,
+    },
+}
+
+/// Validated configuration; tests build it directly.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Frontend protocol.
+    pub mode: Mode,
+    /// Frontend listener.
+    pub frontend: FrontendListen,
+    /// Agent listener address.
+    pub agent_addr: SocketAddr,
+    /// TLS of the agent listener (mTLS when --cluster-ca-cert is set).
+    pub agent_tls: Arc<rustls::ServerConfig>,
+    /// Health listener address.
+    pub health_addr: SocketAddr,
+    /// This server's id.
+    pub server_id: ServerId,
+    /// Replica count announced to agents.
+    pub server_count: u32,
+    /// Backend selection strategies, in order.
+    pub strategies: Vec<ProxyStrategy>,
+    /// Capacity of per-stream channels.
+    pub xfr_channel_size: usize,
+    /// Agent keepalive ping interval.
+    pub keepalive_time: Duration,
+    /// Frontend keepalive ping interval.
+    pub frontend_keepalive_time: Duration,
+    /// Bound on dial forwarding and waiting; `None` disables it.
+    pub backend_dial_timeout: Option<Duration>,
+    /// Flags given that this build accepts but does not act on, for a start-up warning.
+    pub not_implemented: Vec<&'static str>,
+}
+
+/// A flag combination or value that cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A flag has a value outside what it allows.
+    #[error("invalid value for --{flag}: {reason}")]
+    Invalid {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// TLS material named by a flag cannot be used.
+    #[error("--{flag}: {source}")]
+    Tls {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Why.
+        #[source]
+        source: TlsError,
+    },
+}
+
+fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        flag,
+        reason: reason.into(),
+    }
+}
+
+/// ANP's port rule (1024..=49151), extended so that 0 binds a free port.
+fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
+    if port == 0 || (1024..=49151).contains(&port) {
+        Ok(port)
+    } else {
+        Err(invalid(
+            flag,
+            format!("port {port} is outside 1024..49151 (0 picks a free port)"),
+        ))
+    }
+}
+
+/// Joins a bind address flag ("" = all interfaces) and a port.
+fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
+    let ip = if host.is_empty() {
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+    } else if host == "localhost" {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| invalid(flag, format!("{host:?} is not an IP address")))?
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+fn path_flag(value: &str) -> Option<PathBuf> {
+    (!value.is_empty()).then(|| PathBuf::from(value))
+}
+
+impl TryFrom<Args> for Config {
+    type Error = ConfigError;
+
+    fn try_from(args: Args) -> Result<Self, ConfigError> {
+        let mode = match args.mode.as_str() {
+            "grpc" => Mode::Grpc,
+            "http-connect" => Mode::HttpConnect,
+            other => return Err(invalid("mode", format!("{other:?} is not grpc or http-connect"))),
+        };
+        if mode == Mode::HttpConnect {
+            return Err(invalid("mode", "http-connect is not implemented yet in this build"));
+        }
+        let frontend = if args.uds_name.is_empty() {
+            let port = check_port("server-port", args.server_port)?;
+            let ca = path_flag(&args.server_ca_cert)
+                .ok_or_else(|| invalid("server-ca-cert", "required for the TCP frontend (--uds-name is empty)"))?;
+            let cert = path_flag(&args.server_cert)
+                .ok_or_else(|| invalid("server-cert", "required for the TCP frontend"))?;
+            let key = path_flag(&args.server_key)
+                .ok_or_else(|| invalid("server-key", "required for the TCP frontend"))?;
+            let tls = tls::server_config(&cert, &key, Some(&ca))
+                .map_err(|source| ConfigError::Tls { flag: "server-cert", source })?;
+            FrontendListen::Tcp {
+                addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
+                tls,
+            }
+        } else {
+            if args.server_port != 0 {
+                return Err(invalid("server-port", "must be 0 when --uds-name is set"));
+            }
+            for (flag, value) in [
+                ("server-cert", &args.server_cert),
+                ("server-key", &args.server_key),
+                ("server-ca-cert", &args.server_ca_cert),
+            ] {
+                if !value.is_empty() {
+                    return Err(invalid(flag, "must be empty when --uds-name is set"));
+                }
+            }
+            FrontendListen::Uds {
+                path: PathBuf::from(&args.uds_name),
+                delete_existing: args.delete_existing_uds_file,
+            }
+        };
+        let cluster_cert = path_flag(&args.cluster_cert)
+            .ok_or_else(|| invalid("cluster-cert", "required: the agent listener always uses TLS"))?;
+        let cluster_key = path_flag(&args.cluster_key)
+            .ok_or_else(|| invalid("cluster-key", "required: the agent listener always uses TLS"))?;
+        let token_auth = [
+            &args.agent_namespace,
+            &args.agent_service_account,
+            &args.authentication_audience,
+        ];
+        if token_auth.iter().any(|v| !v.is_empty()) {
+            if token_auth.iter().any(|v| v.is_empty()) {
+                return Err(invalid(
+                    "agent-namespace",
+                    "--agent-namespace, --agent-service-account and --authentication-audience must be set together",
+                ));
+            }
+            if !args.cluster_ca_cert.is_empty() {
+                return Err(invalid(
+                    "cluster-ca-cert",
+                    "must be empty when service-account token auth (--agent-namespace) is on",
+                ));
+            }
+        }
+        let cluster_ca = path_flag(&args.cluster_ca_cert);
+        let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
+            .map_err(|source| ConfigError::Tls {
+                flag: if cluster_ca.is_some() { "cluster-ca-cert" } else { "cluster-cert" },
+                source,
+            })?;
+        if args.xfr_channel_size == 0 {
+            return Err(invalid("xfr-channel-size", "must be greater than 0"));
+        }
+        if args.enable_contention_profiling && !args.enable_profiling {
+            return Err(invalid("enable-contention-profiling", "requires --enable-profiling"));
+        }
+        if args.server_count == 0 {
+            return Err(invalid("server-count", "must be at least 1"));
+        }
+        if args.lease_label.is_empty() {
+            return Err(invalid("lease-label", "must not be empty"));
+        }
+        let strategies = parse_strategies(&args.proxy_strategies)
+            .map_err(|reason| invalid("proxy-strategies", reason))?;
+        let server_id = if args.server_id.is_empty() {
+            ServerId(uuid::Uuid::new_v4().to_string())
+        } else {
+            ServerId(args.server_id.clone())
+        };
+        let not_implemented = [
+            ("agent-namespace", !args.agent_namespace.is_empty()),
+            ("kubeconfig", !args.kubeconfig.is_empty()),
+            ("enable-profiling", args.enable_profiling),
+            ("cipher-suites", !args.cipher_suites.is_empty()),
+            ("tls-min-version", !args.tls_min_version.is_empty()),
+            ("enable-lease-controller", args.enable_lease_controller),
+            ("graceful-shutdown-timeout", !args.graceful_shutdown_timeout.is_zero()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        Ok(Self {
+            mode,
+            frontend,
+            agent_addr: bind_addr("agent-bind-address", &args.agent_bind_address, check_port("agent-port", args.agent_port)?)?,
+            agent_tls,
+            health_addr: bind_addr("health-bind-address", &args.health_bind_address, check_port("health-port", args.health_port)?)?,
+            server_id,
+            server_count: args.server_count,
+            strategies,
+            xfr_channel_size: args.xfr_channel_size,
+            keepalive_time: args.keepalive_time,
+            frontend_keepalive_time: args.frontend_keepalive_time,
+            backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
+            not_implemented,
+        })
+    }
+}

@@ -1,0 +1,73 @@
+//! Frontends: one [`Frontend`] per `ProxyService/Proxy` stream (or, later,
+//! per HTTP CONNECT request). Packets for it are queued on a bounded channel
+//! whose receiver the transport drains.
+
+pub(crate) mod grpc;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard},
+};
+
+use proto::Packet;
+use tokio::sync::mpsc;
+use tunnel::ids::{ConnId, DialId};
+
+use crate::{backend::Backend, lock};
+
+/// The frontend is gone; the packet was not delivered.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("frontend closed")]
+pub(crate) struct FrontendGone;
+
+/// One frontend stream.
+pub(crate) struct Frontend {
+    /// Unique per stream, for logs and ownership checks.
+    pub(crate) uid: u64,
+    /// Packets to the frontend; the transport drains the receiver.
+    tx: mpsc::Sender<Packet>,
+    /// Dials and connections of this stream.
+    state: Mutex<FrontendState>,
+}
+
+/// What a frontend has open. Guarded by the frontend's mutex, which is taken
+/// before any backend's (never the other way round).
+#[derive(Default)]
+pub(crate) struct FrontendState {
+    /// Set once the stream ended: nothing new may be attached.
+    pub(crate) closed: bool,
+    /// Set after a protocol violation: further packets are ignored.
+    pub(crate) failed: bool,
+    /// Dials sent and not yet answered, with the backend each went to.
+    pub(crate) pending: HashMap<DialId, Arc<Backend>>,
+    /// Established connections and their backend.
+    pub(crate) conns: HashMap<ConnId, Arc<Backend>>,
+    /// Whether a dial was ever made on this stream.
+    pub(crate) dialed: bool,
+}
+
+impl Frontend {
+    pub(crate) fn new(uid: u64, tx: mpsc::Sender<Packet>) -> Self {
+        Self {
+            uid,
+            tx,
+            state: Mutex::new(FrontendState::default()),
+        }
+    }
+
+    /// Queues a packet for the frontend, waiting while its queue is full.
+    pub(crate) async fn send(&self, packet: Packet) -> Result<(), FrontendGone> {
+        tracing::trace!(frontend = self.uid, packet = packet.type_name(), "to frontend");
+        self.tx.send(packet).await.map_err(|_| FrontendGone)
+    }
+
+    pub(crate) fn state(&self) -> MutexGuard<'_, FrontendState> {
+        lock(&self.state)
+    }
+}
+
+impl std::fmt::Debug for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frontend").field("uid", &self.uid).finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,95 @@
+//! The `ProxyService/Proxy` handler: one call is one [`Frontend`].
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use proto::{Packet, proxy_service_server::ProxyService};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{Instrument, debug, debug_span};
+
+use super::Frontend;
+use crate::{backend::service::PacketStream, tunnels::Tunnels};
+
+/// Serves `ProxyService`.
+pub(crate) struct ProxyServiceImpl {
+    /// Shared proxy state.
+    pub(crate) tunnels: Arc<Tunnels>,
+    /// Capacity of each frontend's outbound queue (`--xfr-channel-size`).
+    pub(crate) queue: usize,
+    /// Tracker of the reader tasks.
+    pub(crate) tasks: TaskTracker,
+    /// Stops every reader.
+    pub(crate) shutdown: CancellationToken,
+}
+
+#[tonic::async_trait]
+impl ProxyService for ProxyServiceImpl {
+    type ProxyStream = PacketStream;
+
+    async fn proxy(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<PacketStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(self.queue);
+        let frontend = Arc::new(Frontend::new(self.tunnels.next_uid(), tx));
+        let tunnels = self.tunnels.clone();
+        let shutdown = self.shutdown.clone();
+        let span = debug_span!("frontend", frontend = frontend.uid);
+        self.tasks.spawn(
+            async move {
+                let guard = FrontendGuard {
+                    tunnels: tunnels.clone(),
+                    frontend: Some(frontend.clone()),
+                };
+                loop {
+                    let packet = tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        packet = inbound.message() => packet,
+                    };
+                    match packet {
+                        Ok(Some(packet)) => tunnels.frontend_packet(&frontend, packet).await,
+                        Ok(None) => break,
+                        Err(status) => {
+                            debug!(error = %status, "frontend stream failed");
+                            break;
+                        }
+                    }
+                }
+                drop(frontend);
+                guard.close().await;
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+}
+
+/// Closes the frontend's dials and connections when its reader ends; on
+/// cancel or panic the cleanup runs in a task of its own.
+struct FrontendGuard {
+    /// Shared proxy state.
+    tunnels: Arc<Tunnels>,
+    /// The frontend; taken by [`FrontendGuard::close`].
+    frontend: Option<Arc<Frontend>>,
+}
+
+impl FrontendGuard {
+    async fn close(mut self) {
+        if let Some(frontend) = self.frontend.take() {
+            self.tunnels.frontend_closed(&frontend).await;
+        }
+    }
+}
+
+impl Drop for FrontendGuard {
+    fn drop(&mut self) {
+        if let Some(frontend) = self.frontend.take() {
+            let tunnels = self.tunnels.clone();
+            tokio::spawn(async move { tunnels.frontend_closed(&frontend).await });
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! [`ProxyServer`]: binds every listener, then serves until shutdown.
+
+use std::{
+    future::Future,
+    io,
+    net::SocketAddr,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tonic::transport::Server;
+use tracing::{info, warn};
+use tunnel::conn::{bind_tcp, tls_incoming};
+
+use crate::{
+    backend::{manager::BackendManager, service::AgentServiceImpl},
+    config::{Config, FrontendListen},
+    frontend::grpc::ProxyServiceImpl,
+    health,
+    tunnels::Tunnels,
+};
+
+/// How long HTTP/2 keepalive pings wait for their ack (gRPC's default).
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long listeners may take to wind down after shutdown before they are dropped.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// A listener could not be set up or a server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A TCP listener could not be bound.
+    #[error("cannot listen on {addr} ({what})")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Which listener.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The Unix socket could not be created.
+    #[error("cannot listen on unix socket {path}")]
+    Uds {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A gRPC server failed.
+    #[error("{what} server failed")]
+    Serve {
+        /// Which server.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+/// Entry point: `ProxyServer::bind(config)` then `Bound::serve(shutdown)`.
+pub struct ProxyServer;
+
+impl ProxyServer {
+    /// Binds the agent, frontend and health listeners.
+    ///
+    /// # Errors
+    /// A port is taken, the socket path cannot be used, …; the error names it.
+    pub async fn bind(config: Config) -> Result<Bound, ServerError> {
+        let agent = bind_tcp(config.agent_addr).await.map_err(|source| ServerError::Bind {
+            addr: config.agent_addr,
+            what: "agent",
+            source,
+        })?;
+        let frontend = match &config.frontend {
+            FrontendListen::Uds {
+                path,
+                delete_existing,
+            } => BoundFrontend::Uds {
+                listener: bind_uds(path, *delete_existing).map_err(|source| ServerError::Uds {
+                    path: path.clone(),
+                    source,
+                })?,
+                path: path.clone(),
+            },
+            FrontendListen::Tcp { addr, tls } => BoundFrontend::Tcp {
+                listener: bind_tcp(*addr).await.map_err(|source| ServerError::Bind {
+                    addr: *addr,
+                    what: "frontend",
+                    source,
+                })?,
+                tls: tls.clone(),
+            },
+        };
+        let health = bind_tcp(config.health_addr).await.map_err(|source| ServerError::Bind {
+            addr: config.health_addr,
+            what: "health",
+            source,
+        })?;
+        let tunnels = Arc::new(Tunnels::new(
+            BackendManager::new(&config.strategies),
+            config.backend_dial_timeout,
+        ));
+        Ok(Bound {
+            config,
+            agent,
+            frontend,
+            health,
+            tunnels,
+        })
+    }
+}
+
+/// Creates the frontend socket with mode 0770, as ANP does with umask 0007.
+fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> {
+    if delete_existing {
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o770))?;
+    Ok(listener)
+}
+
+/// The bound frontend listener.
+enum BoundFrontend {
+    /// Unix socket.
+    Uds {
+        /// The listener.
+        listener: UnixListener,
+        /// Its path, removed at shutdown.
+        path: PathBuf,
+    },
+    /// TCP with mTLS.
+    Tcp {
+        /// The listener.
+        listener: TcpListener,
+        /// Its TLS configuration.
+        tls: Arc<rustls::ServerConfig>,
+    },
+}
+
+/// Where the frontend listens.
+#[derive(Debug, Clone)]
+pub enum FrontendAddr {
+    /// Unix socket path.
+    Uds(PathBuf),
+    /// TCP address.
+    Tcp(SocketAddr),
+}
+
+/// A server with all its listeners bound, ready to [`serve`](Bound::serve).
+pub struct Bound {
+    /// Validated configuration.
+    config: Config,
+    /// Agent listener.
+    agent: TcpListener,
+    /// Frontend listener.
+    frontend: BoundFrontend,
+    /// Health listener.
+    health: TcpListener,
+    /// Shared proxy state.
+    tunnels: Arc<Tunnels>,
+}
+
+impl Bound {
+    /// Address of the agent listener.
+    pub fn agent_addr(&self) -> SocketAddr {
+        self.agent.local_addr().expect("a bound TCP listener has an address")
+    }
+
+    /// Address of the health listener.
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health.local_addr().expect("a bound TCP listener has an address")
+    }
+
+    /// Where frontends connect.
+    pub fn frontend_addr(&self) -> FrontendAddr {
+        match &self.frontend {
+            BoundFrontend::Uds { path, .. } => FrontendAddr::Uds(path.clone()),
+            BoundFrontend::Tcp { listener, .. } => FrontendAddr::Tcp(
+                listener.local_addr().expect("a bound TCP listener has an address"),
+            ),
+        }
+    }
+
+    /// A handle for observing the running server (tests, tools).
+    pub fn handle(&self) -> ServerHandle {
+        ServerHandle {
+            tunnels: self.tunnels.clone(),
+        }
+    }
+
+    /// Serves until `shutdown` resolves, then stops every listener and
+    /// closes every agent and frontend stream.
+    ///
+    /// # Errors
+    /// A gRPC server failed.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+        let Self {
+            config,
+            agent,
+            frontend,
+            health,
+            tunnels,
+        } = self;
+        if !config.not_implemented.is_empty() {
+            warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
+        }
+        let token = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let agent_local = agent.local_addr().ok();
+        info!(server.id = %config.server_id, server.count = config.server_count, "proxy-server starting");
+
+        let agent_service = AgentServiceServer::new(AgentServiceImpl {
+            tunnels: tunnels.clone(),
+            server_id: config.server_id.clone(),
+            server_count: config.server_count,
+            tasks: tasks.clone(),
+            shutdown: token.clone(),
+        });
+        let agent_server = Server::builder()
+            .http2_keepalive_interval(Some(config.keepalive_time))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .add_service(agent_service)
+            .serve_with_incoming_shutdown(
+                tls_incoming(agent, config.agent_tls.clone(), token.clone(), "agent"),
+                token.clone().cancelled_owned(),
+            );
+
+        let proxy_service = ProxyServiceServer::new(ProxyServiceImpl {
+            tunnels: tunnels.clone(),
+            queue: config.xfr_channel_size,
+            tasks: tasks.clone(),
+            shutdown: token.clone(),
+        });
+        let frontend_builder = Server::builder()
+            .http2_keepalive_interval(Some(config.frontend_keepalive_time))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+        let (frontend_server, uds_path) = match frontend {
+            BoundFrontend::Uds { listener, path } => {
+                info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
+                let server = frontend_builder
+                    .clone()
+                    .add_service(proxy_service)
+                    .serve_with_incoming_shutdown(
+                        UnixListenerStream::new(listener),
+                        token.clone().cancelled_owned(),
+                    );
+                (futures_util::future::Either::Left(server), Some(path))
+            }
+            BoundFrontend::Tcp { listener, tls } => {
+                info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (grpc over mTLS)");
+                let server = frontend_builder
+                    .clone()
+                    .add_service(proxy_service)
+                    .serve_with_incoming_shutdown(
+                        tls_incoming(listener, tls, token.clone(), "frontend"),
+                        token.clone().cancelled_owned(),
+                    );
+                (futures_util::future::Either::Right(server), None)
+            }
+        };
+        info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
+
+        let health_server = axum::serve(health, health::router(tunnels.clone()))
+            .with_graceful_shutdown(token.clone().cancelled_owned());
+
+        let agent_task = tokio::spawn(agent_server);
+        let frontend_task = tokio::spawn(frontend_server);
+        let health_task = tokio::spawn(async move { health_server.await });
+
+        shutdown.await;
+        info!("stopping");
+        token.cancel();
+        tasks.close();
+        let stopped = async {
+            let agent = agent_task.await;
+            let frontend = frontend_task.await;
+            let _ = health_task.await;
+            tasks.wait().await;
+            (agent, frontend)
+        };
+        let result = match tokio::time::timeout(STOP_GRACE, stopped).await {
+            Ok((agent, frontend)) => {
+                if let Ok(Err(source)) = agent {
+                    return Err(ServerError::Serve { what: "agent", source });
+                }
+                if let Ok(Err(source)) = frontend {
+                    return Err(ServerError::Serve { what: "frontend", source });
+                }
+                Ok(())
+            }
+            Err(_) => {
+                warn!("listeners did not stop within the grace period; dropping them");
+                Ok(())
+            }
+        };
+        for backend in tunnels.backends_snapshot() {
+            backend.cancel.cancel();
+        }
+        if let Some(path) = uds_path {
+            let _ = std::fs::remove_file(path);
+        }
+        info!("stopped");
+        result
+    }
+}
+
+/// Observes a running server.
+#[derive(Clone)]
+pub struct ServerHandle {
+    /// Shared proxy state.
+    tunnels: Arc<Tunnels>,
+}
+
+impl ServerHandle {
+    /// Connected agent streams.
+    pub fn backend_count(&self) -> usize {
+        self.tunnels.backend_count()
+    }
+
+    /// Dials waiting for an agent's answer.
+    pub fn pending_dials(&self) -> usize {
+        self.tunnels.pending_count()
+    }
+
+    /// Established end-to-end connections.
+    pub fn established_connections(&self) -> usize {
+        self.tunnels.established_count()
+    }
+
+    /// What `/readyz` says.
+    pub fn is_ready(&self) -> bool {
+        self.tunnels.backends.is_ready()
+    }
+}

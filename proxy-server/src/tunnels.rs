@@ -1,0 +1,393 @@
+//! [`Tunnels`]: the packet bookkeeping between frontends and backends.
+//!
+//! Transports (the gRPC frontend, the agent service) feed packets in and
+//! drain the frontends' and backends' channels; everything here is data and
+//! channels, no sockets, so it is unit-tested by feeding packets and reading
+//! what comes out. Lock order: a frontend's state, then the pending-dial
+//! table or a backend's connection map; never the reverse.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use proto::{DialRequest, Packet, packet::PacketKind};
+use tracing::{debug, info, warn};
+use tunnel::ids::{ConnId, DialId};
+
+use crate::{
+    backend::{Backend, manager::BackendManager},
+    dial::{PendingDial, PendingDials},
+    frontend::Frontend,
+    lock,
+};
+
+/// Answer to a dial when no agent can take it (ANP's text, matched by clients).
+pub const NO_AGENT: &str = "No agent available";
+/// Answer to a dial whose DIAL_RSP did not come within `--backend-dial-timeout`.
+pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
+/// CLOSE_RSP error when a frontend used a connection id it does not own.
+pub const MISMATCHED: &str = "mismatched connection IDs";
+/// How long a notification to a frontend may wait for room in its queue when
+/// its backend died; a frontend that does not read for this long is lost anyway.
+const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The proxy's shared state.
+pub(crate) struct Tunnels {
+    /// Connected agents, per strategy.
+    pub(crate) backends: BackendManager,
+    /// Every live backend by uid (for counts and shutdown).
+    all_backends: Mutex<HashMap<u64, Arc<Backend>>>,
+    /// Dials in flight.
+    pending: PendingDials,
+    /// `--backend-dial-timeout`.
+    dial_timeout: Option<Duration>,
+    /// Source of frontend and backend uids.
+    next_uid: AtomicU64,
+}
+
+impl Tunnels {
+    pub(crate) fn new(backends: BackendManager, dial_timeout: Option<Duration>) -> Self {
+        Self {
+            backends,
+            all_backends: Mutex::new(HashMap::new()),
+            pending: PendingDials::default(),
+            dial_timeout,
+            next_uid: AtomicU64::new(1),
+        }
+    }
+
+    pub(crate) fn next_uid(&self) -> u64 {
+        self.next_uid.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Number of connected agent streams.
+    pub(crate) fn backend_count(&self) -> usize {
+        lock(&self.all_backends).len()
+    }
+
+    /// Number of dials waiting for a DIAL_RSP.
+    pub(crate) fn pending_count(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Number of established connections.
+    pub(crate) fn established_count(&self) -> usize {
+        lock(&self.all_backends)
+            .values()
+            .map(|b| b.conn_count())
+            .sum()
+    }
+
+    pub(crate) fn add_backend(&self, backend: &Arc<Backend>) {
+        lock(&self.all_backends).insert(backend.uid, backend.clone());
+        self.backends.add(backend);
+    }
+
+    /// Handles a packet from a frontend.
+    pub(crate) async fn frontend_packet(self: &Arc<Self>, fe: &Arc<Frontend>, packet: Packet) {
+        if fe.state().failed {
+            debug!(frontend = fe.uid, "ignoring packet after a protocol error");
+            return;
+        }
+        match packet.into_kind() {
+            PacketKind::DialReq(req) => self.dial(fe, req).await,
+            PacketKind::Data(data) => {
+                let id = ConnId(data.connect_id);
+                if id.0 == 0 {
+                    debug!(frontend = fe.uid, "dropping DATA with connection id 0");
+                    return;
+                }
+                match self.owner(fe, id) {
+                    Owner::Ours(backend) => {
+                        // A dead backend is reported to the frontend by its teardown.
+                        let _ = backend.send(Packet::data(id.0, data.data)).await;
+                    }
+                    Owner::Nobody => {
+                        let _ = fe
+                            .send(Packet::close_response(id.0, "backend not initialized"))
+                            .await;
+                    }
+                    Owner::Other => self.mismatch(fe, id).await,
+                }
+            }
+            PacketKind::CloseReq(req) => {
+                let id = ConnId(req.connect_id);
+                match self.owner(fe, id) {
+                    Owner::Ours(backend) => {
+                        debug!(frontend = fe.uid, conn.id = %id, "frontend closes connection");
+                        let _ = backend.send(Packet::close_request(id.0)).await;
+                    }
+                    Owner::Nobody => {
+                        let _ = fe
+                            .send(Packet::close_response(id.0, "backend uninitialized"))
+                            .await;
+                    }
+                    Owner::Other => self.mismatch(fe, id).await,
+                }
+            }
+            PacketKind::DialCls(cls) => {
+                let id = DialId(cls.random);
+                if let Some(dial) = self.pending.remove_if(id, |d| d.frontend.uid == fe.uid) {
+                    fe.state().pending.remove(&id);
+                    debug!(frontend = fe.uid, dial.id = %id, "frontend cancelled dial");
+                    // ANP's agent ignores DIAL_CLS; ours stops dialing.
+                    let _ = dial.backend.send(Packet::close_dial(id.0)).await;
+                }
+            }
+            other => debug!(frontend = fe.uid, packet = ?other, "ignoring unexpected packet from frontend"),
+        }
+    }
+
+    fn owner(&self, fe: &Frontend, id: ConnId) -> Owner {
+        let state = fe.state();
+        match state.conns.get(&id) {
+            Some(backend) => Owner::Ours(backend.clone()),
+            None if state.conns.is_empty() && state.pending.is_empty() && !state.dialed => {
+                Owner::Nobody
+            }
+            None => Owner::Other,
+        }
+    }
+
+    /// A frontend used a connection id it does not own: answer it and close
+    /// the frontend's own connections (ANP), touching nobody else's.
+    async fn mismatch(&self, fe: &Arc<Frontend>, bad: ConnId) {
+        warn!(frontend = fe.uid, conn.id = %bad, "frontend used a connection id it does not own");
+        let own: Vec<(ConnId, Arc<Backend>)> = {
+            let mut state = fe.state();
+            state.failed = true;
+            state.conns.drain().collect()
+        };
+        let _ = fe.send(Packet::close_response(bad.0, MISMATCHED)).await;
+        for (id, backend) in own {
+            if backend.remove_conn(id).is_some() {
+                let _ = backend.send(Packet::close_request(id.0)).await;
+            }
+            let _ = fe.send(Packet::close_response(id.0, MISMATCHED)).await;
+        }
+    }
+
+    async fn dial(self: &Arc<Self>, fe: &Arc<Frontend>, req: DialRequest) {
+        let id = DialId(req.random);
+        let Some(backend) = self.backends.pick(&req.address) else {
+            debug!(frontend = fe.uid, dial.id = %id, address = %req.address, "no agent for dial");
+            let _ = fe.send(Packet::dial_response(id.0, 0, NO_AGENT)).await;
+            return;
+        };
+        let registered = {
+            let mut state = fe.state();
+            if state.closed {
+                return;
+            }
+            let dial = PendingDial {
+                frontend: fe.clone(),
+                backend: backend.clone(),
+                started: Instant::now(),
+            };
+            let fresh = self.pending.insert(id, dial);
+            if fresh {
+                state.pending.insert(id, backend.clone());
+                state.dialed = true;
+            }
+            fresh
+        };
+        if !registered {
+            let _ = fe
+                .send(Packet::dial_response(id.0, 0, "dial id already pending"))
+                .await;
+            return;
+        }
+        debug!(frontend = fe.uid, dial.id = %id, address = %req.address, agent.id = %backend.agent_id, "dial");
+        let forward = backend.send(Packet::dial_request(&req.protocol, &req.address, id.0));
+        let sent = match self.dial_timeout {
+            None => forward.await.map_err(|e| e.to_string()),
+            Some(limit) => match tokio::time::timeout(limit, forward).await {
+                Ok(sent) => sent.map_err(|e| e.to_string()),
+                Err(_) => {
+                    warn!(agent.id = %backend.agent_id, "agent did not take a dial in time; retiring its stream");
+                    self.retire(&backend);
+                    Err(DIAL_TIMED_OUT.to_owned())
+                }
+            },
+        };
+        if let Err(error) = sent {
+            if self.pending.remove_if(id, |d| d.frontend.uid == fe.uid).is_some() {
+                fe.state().pending.remove(&id);
+                let _ = fe.send(Packet::dial_response(id.0, 0, &error)).await;
+            }
+            return;
+        }
+        if let Some(limit) = self.dial_timeout {
+            let tunnels = self.clone();
+            let fe = fe.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(limit).await;
+                if let Some(dial) = tunnels.pending.remove_if(id, |d| d.frontend.uid == fe.uid) {
+                    fe.state().pending.remove(&id);
+                    debug!(dial.id = %id, "dial timed out");
+                    let _ = fe.send(Packet::dial_response(id.0, 0, DIAL_TIMED_OUT)).await;
+                    let _ = dial.backend.send(Packet::close_dial(id.0)).await;
+                }
+            });
+        }
+    }
+
+    /// Takes a backend out of service: no new dials, stream ended.
+    fn retire(&self, backend: &Backend) {
+        backend.set_draining();
+        self.backends.remove(backend);
+        backend.cancel.cancel();
+    }
+
+    /// Handles a packet from an agent.
+    pub(crate) async fn backend_packet(&self, be: &Arc<Backend>, packet: Packet) {
+        match packet.into_kind() {
+            PacketKind::DialRsp(rsp) => {
+                let id = DialId(rsp.random);
+                let conn = ConnId(rsp.connect_id);
+                let Some(dial) = self.pending.remove_if(id, |d| d.backend.uid == be.uid) else {
+                    debug!(agent.id = %be.agent_id, dial.id = %id, conn.id = %conn, "DIAL_RSP for no pending dial");
+                    if conn.0 != 0 {
+                        let _ = be.send(Packet::close_request(conn.0)).await;
+                    }
+                    return;
+                };
+                let fe = dial.frontend;
+                if !rsp.error.is_empty() {
+                    fe.state().pending.remove(&id);
+                    debug!(dial.id = %id, error = %rsp.error, "dial failed");
+                    let _ = fe.send(Packet::dial_response(id.0, 0, &rsp.error)).await;
+                    return;
+                }
+                let attached = {
+                    let mut state = fe.state();
+                    state.pending.remove(&id);
+                    if state.closed || state.failed {
+                        false
+                    } else {
+                        state.conns.insert(conn, be.clone());
+                        be.insert_conn(conn, fe.clone());
+                        true
+                    }
+                };
+                if !attached {
+                    let _ = be.send(Packet::close_request(conn.0)).await;
+                    return;
+                }
+                debug!(dial.id = %id, conn.id = %conn, latency = ?dial.started.elapsed(), "connection established");
+                if fe.send(Packet::dial_response(id.0, conn.0, "")).await.is_err() {
+                    fe.state().conns.remove(&conn);
+                    if be.remove_conn(conn).is_some() {
+                        let _ = be.send(Packet::close_request(conn.0)).await;
+                    }
+                }
+            }
+            PacketKind::Data(data) => {
+                let id = ConnId(data.connect_id);
+                match be.conn(id) {
+                    Some(fe) => {
+                        // A gone frontend closes its connections itself.
+                        let _ = fe.send(Packet::data(id.0, data.data)).await;
+                    }
+                    None if id.0 != 0 => {
+                        debug!(agent.id = %be.agent_id, conn.id = %id, "DATA for unknown connection");
+                        let _ = be.send(Packet::close_request(id.0)).await;
+                    }
+                    None => debug!(agent.id = %be.agent_id, "dropping DATA with connection id 0"),
+                }
+            }
+            PacketKind::CloseRsp(rsp) => {
+                let id = ConnId(rsp.connect_id);
+                if let Some(fe) = be.remove_conn(id) {
+                    fe.state().conns.remove(&id);
+                    debug!(conn.id = %id, error = %rsp.error, "connection closed");
+                    let _ = fe.send(Packet::close_response(id.0, &rsp.error)).await;
+                }
+            }
+            PacketKind::DialCls(cls) => {
+                let id = DialId(cls.random);
+                if let Some(dial) = self.pending.remove_if(id, |d| d.backend.uid == be.uid) {
+                    dial.frontend.state().pending.remove(&id);
+                    let _ = dial.frontend.send(Packet::close_dial(id.0)).await;
+                }
+            }
+            PacketKind::Drain => {
+                info!(agent.id = %be.agent_id, "agent is draining");
+                be.set_draining();
+            }
+            other => debug!(agent.id = %be.agent_id, packet = ?other, "ignoring unexpected packet from agent"),
+        }
+    }
+
+    /// A frontend stream ended: cancel its dials and close its connections
+    /// on the agents.
+    pub(crate) async fn frontend_closed(&self, fe: &Arc<Frontend>) {
+        let (pending, conns) = {
+            let mut state = fe.state();
+            state.closed = true;
+            (
+                std::mem::take(&mut state.pending),
+                std::mem::take(&mut state.conns),
+            )
+        };
+        for (id, backend) in pending {
+            if self.pending.remove_if(id, |d| d.frontend.uid == fe.uid).is_some() {
+                debug!(frontend = fe.uid, dial.id = %id, "frontend gone; cancelling dial");
+                let _ = backend.send(Packet::close_dial(id.0)).await;
+            }
+        }
+        for (id, backend) in conns {
+            if backend.remove_conn(id).is_some() {
+                debug!(frontend = fe.uid, conn.id = %id, "frontend gone; closing connection");
+                let _ = backend.send(Packet::close_request(id.0)).await;
+            }
+        }
+    }
+
+    /// An agent stream ended: its connections are closed towards their
+    /// frontends and its pending dials fail at once (not left to a backstop).
+    pub(crate) fn backend_closed(&self, be: &Arc<Backend>) {
+        lock(&self.all_backends).remove(&be.uid);
+        self.backends.remove(be);
+        be.cancel.cancel();
+        let conns = be.take_conns();
+        let dials = self.pending.remove_for_backend(be.uid);
+        info!(agent.id = %be.agent_id, peer.addr = ?be.peer, connections = conns.len(), dials = dials.len(), "agent disconnected");
+        let reason = format!("agent {} disconnected", be.agent_id);
+        for (id, fe) in conns {
+            fe.state().conns.remove(&id);
+            notify(fe, Packet::close_response(id.0, &reason));
+        }
+        for (id, dial) in dials {
+            dial.frontend.state().pending.remove(&id);
+            notify(dial.frontend, Packet::dial_response(id.0, 0, &reason));
+        }
+    }
+
+    /// Every live backend (for shutdown).
+    pub(crate) fn backends_snapshot(&self) -> Vec<Arc<Backend>> {
+        lock(&self.all_backends).values().cloned().collect()
+    }
+}
+
+/// Who owns a connection id a frontend used.
+enum Owner {
+    /// This frontend, over this backend.
+    Ours(Arc<Backend>),
+    /// Nobody: the frontend never dialed.
+    Nobody,
+    /// Not this frontend.
+    Other,
+}
+
+/// Delivers a packet to a frontend without holding up the caller.
+fn notify(fe: Arc<Frontend>, packet: Packet) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(NOTIFY_TIMEOUT, fe.send(packet)).await;
+    });
+}
