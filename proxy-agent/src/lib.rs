@@ -1,1 +1,17 @@
-//! placeholder
+//! proxy-agent: dials out to proxy-server over TLS, keeps one
+//! `AgentService/Connect` stream per server replica, and opens the node-side
+//! TCP connections the server asks for.
+//!
+//! # Layout
+//! - [`config`]: flags (ANP names and defaults) → validated [`config::Config`].
+//! - [`agent`]: [`agent::Agent::bind`] → [`agent::Bound::serve`]; the client
+//!   set and its sync loop.
+//! - [`client`]: one `Connect` stream and its packet handling.
+//! - [`endpoint`]: node-side connections and dials of one stream.
+//! - `health`: `/healthz`, `/readyz`.
+
+pub mod agent;
+pub mod client;
+pub mod config;
+pub mod endpoint;
+mod health;

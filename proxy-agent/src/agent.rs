@@ -1,0 +1,309 @@
+//! [`Agent`]: the set of server connections (one [`Client`] per proxy-server
+//! replica) and the sync loop that keeps it complete.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    io,
+    net::SocketAddr,
+    sync::{
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::net::TcpListener;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{Instrument, info, info_span, warn};
+use tunnel::{conn::bind_tcp, error::DisplayErrorStack, ids::ServerId};
+
+use crate::{
+    client::Client,
+    config::Config,
+    endpoint::ConnectionManager,
+    health,
+};
+
+/// Failure to start the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The health listener could not be bound.
+    #[error("cannot listen on {addr} (health)")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// One live server connection, as the client set sees it.
+struct ClientEntry {
+    /// Stops the client.
+    cancel: CancellationToken,
+    /// Its connections.
+    conns: Arc<ConnectionManager>,
+}
+
+/// State shared by the sync loop, the clients and the health server.
+pub(crate) struct AgentState {
+    /// Live clients by server id.
+    clients: Mutex<HashMap<ServerId, ClientEntry>>,
+    /// Server count from the last new server's `servercount` (0 = unknown).
+    server_count: AtomicU32,
+}
+
+impl AgentState {
+    fn clients(&self) -> MutexGuard<'_, HashMap<ServerId, ClientEntry>> {
+        self.clients.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Number of connected servers.
+    pub(crate) fn server_connections(&self) -> usize {
+        self.clients().len()
+    }
+
+    /// Number of open node-side connections over all servers.
+    fn endpoint_connections(&self) -> usize {
+        self.clients().values().map(|c| c.conns.len()).sum()
+    }
+
+    /// How many servers to hold connections to (ANP: 0 counts as 1).
+    fn target_count(&self) -> usize {
+        self.server_count.load(Ordering::Relaxed).max(1) as usize
+    }
+}
+
+/// Jittered exponential backoff (ANP: factor 1.5, jitter 0.1, capped).
+struct Backoff {
+    /// First and steady interval.
+    initial: Duration,
+    /// Upper bound.
+    cap: Duration,
+    /// The next un-jittered wait.
+    current: Duration,
+}
+
+impl Backoff {
+    fn new(initial: Duration, cap: Duration) -> Self {
+        Self {
+            initial,
+            cap,
+            current: initial,
+        }
+    }
+
+    /// The wait after a failure; grows towards the cap.
+    fn next_failure(&mut self) -> Duration {
+        let wait = jitter(self.current).min(self.cap);
+        self.current = self.current.mul_f64(1.5).min(self.cap);
+        wait
+    }
+
+    /// The wait after a success; resets the growth.
+    fn success(&mut self) -> Duration {
+        self.current = self.initial;
+        jitter(self.initial)
+    }
+}
+
+/// Adds up to 10 % (ANP's `wait.Jitter(d, 0.1)`).
+fn jitter(d: Duration) -> Duration {
+    d + d.mul_f64(0.1 * fastrand::f64())
+}
+
+/// Entry point: `Agent::bind(config)` then `Bound::serve(shutdown)`.
+pub struct Agent;
+
+impl Agent {
+    /// Binds the health listener.
+    ///
+    /// # Errors
+    /// The port is taken or the address unusable.
+    pub async fn bind(config: Config) -> Result<Bound, AgentError> {
+        let health = bind_tcp(config.health_addr)
+            .await
+            .map_err(|source| AgentError::Bind {
+                addr: config.health_addr,
+                source,
+            })?;
+        Ok(Bound {
+            config,
+            health,
+            state: Arc::new(AgentState {
+                clients: Mutex::new(HashMap::new()),
+                server_count: AtomicU32::new(0),
+            }),
+        })
+    }
+}
+
+/// An agent with its health port bound, ready to [`serve`](Bound::serve).
+pub struct Bound {
+    /// Validated configuration.
+    config: Config,
+    /// Health listener.
+    health: TcpListener,
+    /// Shared state.
+    state: Arc<AgentState>,
+}
+
+impl Bound {
+    /// Address of the health listener.
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health.local_addr().expect("a bound TCP listener has an address")
+    }
+
+    /// A handle for observing the running agent.
+    pub fn handle(&self) -> AgentHandle {
+        AgentHandle {
+            state: self.state.clone(),
+        }
+    }
+
+    /// Connects to the server(s) and serves until `shutdown` resolves; every
+    /// connection is closed when it returns.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) {
+        let Self {
+            config,
+            health,
+            state,
+        } = self;
+        if !config.not_implemented.is_empty() {
+            warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
+        }
+        info!(agent.id = %config.agent_id, server = %format!("{}:{}", config.server_host, config.server_port), health.addr = ?health.local_addr().ok(), "proxy-agent starting");
+        let token = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let health_server = axum::serve(health, health::router(state.clone()))
+            .with_graceful_shutdown(token.clone().cancelled_owned());
+        tasks.spawn(async move {
+            let _ = health_server.await;
+        });
+        let sync = sync_loop(config, state.clone(), token.clone(), tasks.clone());
+        tokio::select! {
+            () = shutdown => {}
+            () = sync => {}
+        }
+        info!("stopping");
+        token.cancel();
+        tasks.close();
+        tasks.wait().await;
+        info!("stopped");
+    }
+}
+
+/// Keeps one client per server: connects while fewer than the server count
+/// (or forever with `--sync-forever`), backing off on failures.
+async fn sync_loop(
+    config: Config,
+    state: Arc<AgentState>,
+    token: CancellationToken,
+    tasks: TaskTracker,
+) {
+    let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    loop {
+        let wait = if config.sync_forever || state.server_connections() < state.target_count() {
+            match Client::connect(&config).await {
+                Ok(client) => {
+                    add_client(&config, &state, client, &token, &tasks);
+                    backoff.success()
+                }
+                Err(error) => {
+                    warn!(error = %DisplayErrorStack(&error), "cannot connect to proxy-server; will retry");
+                    backoff.next_failure()
+                }
+            }
+        } else {
+            jitter(config.sync_interval)
+        };
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+fn add_client(
+    config: &Config,
+    state: &Arc<AgentState>,
+    client: Client,
+    token: &CancellationToken,
+    tasks: &TaskTracker,
+) {
+    let server_id = client.server_id.clone();
+    let cancel = token.child_token();
+    let conns = Arc::new(ConnectionManager::default());
+    {
+        let mut clients = state.clients();
+        if clients.contains_key(&server_id) {
+            tracing::debug!(server.id = %server_id, "already connected to this server; closing the duplicate");
+            return;
+        }
+        clients.insert(
+            server_id.clone(),
+            ClientEntry {
+                cancel: cancel.clone(),
+                conns: conns.clone(),
+            },
+        );
+        state.server_count.store(client.server_count, Ordering::Relaxed);
+    }
+    info!(server.id = %server_id, server.count = client.server_count, "connected to proxy-server");
+    let state = state.clone();
+    let xfr = config.xfr_channel_size;
+    let span = info_span!("client", server.id = %server_id);
+    tasks.spawn(
+        async move {
+            client.serve(conns, xfr, cancel).await;
+            state.clients().remove(&server_id);
+            info!("disconnected from proxy-server");
+        }
+        .instrument(span),
+    );
+}
+
+/// Observes a running agent.
+#[derive(Clone)]
+pub struct AgentHandle {
+    /// Shared state.
+    state: Arc<AgentState>,
+}
+
+impl AgentHandle {
+    /// Number of connected servers.
+    pub fn server_connections(&self) -> usize {
+        self.state.server_connections()
+    }
+
+    /// Number of open node-side connections.
+    pub fn endpoint_connections(&self) -> usize {
+        self.state.endpoint_connections()
+    }
+
+    /// Cancels every server connection at once, as a dead network would.
+    pub fn disconnect_all(&self) {
+        for client in self.state.clients().values() {
+            client.cancel.cancel();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_the_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(10));
+        let waits: Vec<Duration> = (0..10).map(|_| b.next_failure()).collect();
+        assert!(waits[0] >= Duration::from_secs(1) && waits[0] <= Duration::from_millis(1100));
+        assert!(waits[1] >= Duration::from_millis(1500) && waits[1] <= Duration::from_millis(1650));
+        assert_eq!(*waits.last().unwrap(), Duration::from_secs(10), "capped");
+        let reset = b.success();
+        assert!(reset >= Duration::from_secs(1) && reset <= Duration::from_millis(1100));
+        assert!(b.next_failure() <= Duration::from_millis(1100));
+    }
+}

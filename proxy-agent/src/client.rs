@@ -1,0 +1,399 @@
+//! [`Client`]: one `AgentService/Connect` stream to one proxy-server replica.
+
+use std::{
+    io,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicI64, Ordering},
+    },
+    time::Duration,
+};
+
+use hyper_util::rt::TokioIo;
+use proto::{Packet, agent_service_client::AgentServiceClient, header, packet::PacketKind};
+use rustls_pki_types::ServerName;
+use tokio::{net::TcpStream, sync::mpsc};
+use tokio_rustls::TlsConnector;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tonic::{
+    Request, Streaming,
+    metadata::MetadataValue,
+    transport::{Channel, Endpoint},
+};
+use tracing::{Instrument, debug, debug_span, warn};
+use tunnel::{
+    ids::{ConnId, DialId, ServerId},
+    pump::{PumpEnd, pump},
+};
+
+use crate::{
+    config::Config,
+    endpoint::{self, ConnectionManager, EndpointConn},
+};
+
+/// How long the TCP connect, TLS handshake and gRPC headers may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long HTTP/2 keepalive pings wait for their ack (gRPC's default).
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Packets queued towards the server, shared by every connection of the stream.
+const OUTBOUND_QUEUE: usize = 256;
+
+/// Why a connection to proxy-server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// TCP connect failed.
+    #[error("cannot connect to proxy-server {server}")]
+    Tcp {
+        /// `host:port`.
+        server: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The TLS handshake failed (untrusted certificate, refused client cert, …).
+    #[error("TLS handshake with proxy-server {server} failed")]
+    Tls {
+        /// `host:port`.
+        server: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// `--proxy-server-host` is not a valid TLS server name.
+    #[error("--proxy-server-host {0:?} is not a valid TLS server name")]
+    ServerName(String),
+    /// No answer within [`CONNECT_TIMEOUT`].
+    #[error("proxy-server {server} did not answer within {CONNECT_TIMEOUT:?}")]
+    Timeout {
+        /// `host:port`.
+        server: String,
+    },
+    /// The HTTP/2 connection could not be set up.
+    #[error("HTTP/2 with proxy-server {server} failed")]
+    Transport {
+        /// `host:port`.
+        server: String,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The server refused the `Connect` call.
+    #[error("proxy-server {server} refused the connection: {status}")]
+    Refused {
+        /// `host:port`.
+        server: String,
+        /// The gRPC status.
+        status: tonic::Status,
+    },
+    /// The response headers lack a valid `serverid`/`servercount`.
+    #[error("proxy-server {server} sent an invalid {header} header")]
+    Header {
+        /// `host:port`.
+        server: String,
+        /// The header.
+        header: &'static str,
+    },
+}
+
+/// A freshly opened stream, not yet serving.
+pub struct Client {
+    /// The server's id (`serverid`).
+    pub server_id: ServerId,
+    /// The replica count the server announced (`servercount`).
+    pub server_count: u32,
+    /// Packets from the server.
+    inbound: Streaming<Packet>,
+    /// Packets to the server.
+    out_tx: mpsc::Sender<Packet>,
+    /// Keeps the HTTP/2 connection alive while the client lives.
+    _channel: Channel,
+}
+
+fn server_label(config: &Config) -> String {
+    if config.server_host.contains(':') {
+        format!("[{}]:{}", config.server_host, config.server_port)
+    } else {
+        format!("{}:{}", config.server_host, config.server_port)
+    }
+}
+
+impl Client {
+    /// Opens TCP, TLS, HTTP/2 and the `Connect` stream, and reads the
+    /// server's id and count.
+    ///
+    /// # Errors
+    /// Each step's failure, naming the server.
+    pub async fn connect(config: &Config) -> Result<Self, ConnectError> {
+        let server = server_label(config);
+        tokio::time::timeout(CONNECT_TIMEOUT, Self::connect_inner(config, &server))
+            .await
+            .map_err(|_| ConnectError::Timeout {
+                server: server.clone(),
+            })?
+    }
+
+    async fn connect_inner(config: &Config, server: &str) -> Result<Self, ConnectError> {
+        let tcp = TcpStream::connect((config.server_host.as_str(), config.server_port))
+            .await
+            .map_err(|source| ConnectError::Tcp {
+                server: server.to_owned(),
+                source,
+            })?;
+        let _ = tcp.set_nodelay(true);
+        let name = ServerName::try_from(config.server_host.clone())
+            .map_err(|_| ConnectError::ServerName(config.server_host.clone()))?;
+        let tls = TlsConnector::from(config.tls.clone())
+            .connect(name, tcp)
+            .await
+            .map_err(|source| ConnectError::Tls {
+                server: server.to_owned(),
+                source,
+            })?;
+        // tonic asks its connector for a connection; hand it this one, once.
+        let slot = Arc::new(Mutex::new(Some(tls)));
+        let channel = Endpoint::from_shared(format!("http://{server}"))
+            .map_err(|source| ConnectError::Transport {
+                server: server.to_owned(),
+                source,
+            })?
+            .http2_keep_alive_interval(config.keepalive_time)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .connect_with_connector(tower::service_fn(move |_| {
+                let stream = slot.lock().ok().and_then(|mut s| s.take());
+                async move {
+                    stream
+                        .map(TokioIo::new)
+                        .ok_or_else(|| io::Error::other("server connection already used"))
+                }
+            }))
+            .await
+            .map_err(|source| ConnectError::Transport {
+                server: server.to_owned(),
+                source,
+            })?;
+
+        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let mut request = Request::new(ReceiverStream::new(out_rx));
+        let metadata = request.metadata_mut();
+        metadata.insert(
+            header::AGENT_ID,
+            MetadataValue::try_from(config.agent_id.0.as_str()).map_err(|_| {
+                ConnectError::Header {
+                    server: server.to_owned(),
+                    header: header::AGENT_ID,
+                }
+            })?,
+        );
+        if !config.agent_identifiers.is_empty() {
+            metadata.insert(
+                header::AGENT_IDENTIFIERS,
+                MetadataValue::try_from(config.agent_identifiers.as_str()).map_err(|_| {
+                    ConnectError::Header {
+                        server: server.to_owned(),
+                        header: header::AGENT_IDENTIFIERS,
+                    }
+                })?,
+            );
+        }
+        let response = AgentServiceClient::new(channel.clone())
+            .connect(request)
+            .await
+            .map_err(|status| ConnectError::Refused {
+                server: server.to_owned(),
+                status,
+            })?;
+        let header_value = |key: &'static str| {
+            response
+                .metadata()
+                .get(key)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+                .ok_or(ConnectError::Header {
+                    server: server.to_owned(),
+                    header: key,
+                })
+        };
+        let server_id = ServerId(header_value(header::SERVER_ID)?);
+        let server_count = header_value(header::SERVER_COUNT)?
+            .parse::<u32>()
+            .map_err(|_| ConnectError::Header {
+                server: server.to_owned(),
+                header: header::SERVER_COUNT,
+            })?;
+        Ok(Self {
+            server_id,
+            server_count,
+            inbound: response.into_inner(),
+            out_tx,
+            _channel: channel,
+        })
+    }
+
+    /// Sender for packets to this server (DRAIN, …).
+    pub fn sender(&self) -> mpsc::Sender<Packet> {
+        self.out_tx.clone()
+    }
+
+    /// Serves the stream until it ends or `cancel` fires; every connection of
+    /// the stream is closed when it returns.
+    pub async fn serve(
+        self,
+        conns: Arc<ConnectionManager>,
+        xfr_channel_size: usize,
+        cancel: CancellationToken,
+    ) {
+        let Self {
+            mut inbound,
+            out_tx,
+            server_id,
+            _channel,
+            ..
+        } = self;
+        let tasks = TaskTracker::new();
+        let next_conn_id = Arc::new(AtomicI64::new(1));
+        let stream = Stream {
+            conns,
+            out_tx,
+            cancel: cancel.clone(),
+            tasks: tasks.clone(),
+            next_conn_id,
+            xfr_channel_size,
+        };
+        loop {
+            let packet = tokio::select! {
+                () = cancel.cancelled() => break,
+                packet = inbound.message() => packet,
+            };
+            match packet {
+                Ok(Some(packet)) => stream.handle(packet).await,
+                Ok(None) => {
+                    debug!(server.id = %server_id, "server closed the stream");
+                    break;
+                }
+                Err(status) => {
+                    warn!(server.id = %server_id, error = %status, "server stream failed");
+                    break;
+                }
+            }
+        }
+        cancel.cancel();
+        tasks.close();
+        tasks.wait().await;
+    }
+}
+
+/// What a stream's packet handlers share.
+struct Stream {
+    /// Connections and dials of this stream.
+    conns: Arc<ConnectionManager>,
+    /// Packets to the server.
+    out_tx: mpsc::Sender<Packet>,
+    /// Ends every task of the stream.
+    cancel: CancellationToken,
+    /// Dial and connection tasks.
+    tasks: TaskTracker,
+    /// Next connection id; ids start at 1 and are unique per stream.
+    next_conn_id: Arc<AtomicI64>,
+    /// Capacity of each connection's inbound channel.
+    xfr_channel_size: usize,
+}
+
+impl Stream {
+    async fn handle(&self, packet: Packet) {
+        match packet.into_kind() {
+            PacketKind::DialReq(req) => self.spawn_dial(req.protocol, req.address, DialId(req.random)),
+            PacketKind::Data(data) => {
+                let id = ConnId(data.connect_id);
+                match self.conns.data_tx(id) {
+                    Some(tx) => {
+                        // A closed receiver means the connection is ending; its
+                        // task sends the CLOSE_RSP.
+                        let _ = tx.send(data.data).await;
+                    }
+                    None => {
+                        debug!(conn.id = %id, "DATA for unknown connection");
+                        let _ = self
+                            .out_tx
+                            .send(Packet::close_response(id.0, "unrecognized connectID"))
+                            .await;
+                    }
+                }
+            }
+            PacketKind::CloseReq(req) => {
+                let id = ConnId(req.connect_id);
+                if self.conns.remove(id).is_some() {
+                    // Dropped: its pump writes what is queued, then the
+                    // connection task answers CLOSE_RSP.
+                    debug!(conn.id = %id, "server closes connection");
+                } else {
+                    let _ = self
+                        .out_tx
+                        .send(Packet::close_response(id.0, "Unknown connectID"))
+                        .await;
+                }
+            }
+            PacketKind::DialCls(cls) => {
+                if self.conns.cancel_dial(DialId(cls.random)) {
+                    debug!(dial.id = cls.random, "dial cancelled by the server");
+                }
+            }
+            other => debug!(packet = ?other, "ignoring unexpected packet from server"),
+        }
+    }
+
+    fn spawn_dial(&self, protocol: String, address: String, dial_id: DialId) {
+        let conn_id = ConnId(self.next_conn_id.fetch_add(1, Ordering::Relaxed));
+        let conns = self.conns.clone();
+        let out_tx = self.out_tx.clone();
+        let cancel = self.cancel.child_token();
+        let capacity = self.xfr_channel_size;
+        conns.start_dial(dial_id, cancel.clone());
+        let span = debug_span!("conn", conn.id = %conn_id, dial.id = %dial_id, %address);
+        self.tasks.spawn(
+            async move {
+                let dialed = tokio::select! {
+                    () = cancel.cancelled() => {
+                        conns.finish_dial(dial_id);
+                        return;
+                    }
+                    dialed = endpoint::dial(&protocol, &address) => dialed,
+                };
+                conns.finish_dial(dial_id);
+                let stream = match dialed {
+                    Ok(stream) => stream,
+                    Err(error) => {
+                        debug!(%error, "dial failed");
+                        let _ = out_tx.send(Packet::dial_response(dial_id.0, 0, &error)).await;
+                        return;
+                    }
+                };
+                let (data_tx, data_rx) = mpsc::channel(capacity);
+                conns.insert(conn_id, EndpointConn { data_tx });
+                if out_tx
+                    .send(Packet::dial_response(dial_id.0, conn_id.0, ""))
+                    .await
+                    .is_err()
+                {
+                    conns.remove(conn_id);
+                    return;
+                }
+                debug!("connected");
+                let end = tokio::select! {
+                    () = cancel.cancelled() => PumpEnd::TunnelGone,
+                    end = pump(stream, conn_id, data_rx, out_tx.clone()) => end,
+                };
+                conns.remove(conn_id);
+                let error = match &end {
+                    PumpEnd::TunnelGone => return,
+                    PumpEnd::LocalError(e) => e.to_string(),
+                    PumpEnd::LocalEof | PumpEnd::PeerClosed => String::new(),
+                };
+                debug!(?end, "connection closed");
+                let _ = out_tx.send(Packet::close_response(conn_id.0, &error)).await;
+            }
+            .instrument(span),
+        );
+    }
+}

@@ -1,0 +1,361 @@
+//! Command-line flags (ANP's names and defaults) and their validated form.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
+
+use clap::Parser;
+use tunnel::{
+    flags::{LogArgs, go_bool, go_duration},
+    ids::AgentId,
+    tls::{self, TlsError},
+};
+
+/// proxy-agent: dials out to proxy-server and opens node-side connections for it.
+///
+/// Flag names and defaults are ANP's, so an existing manifest works unchanged.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "proxy-agent", version, about)]
+pub struct Args {
+    /// Client certificate presented to proxy-server (mTLS).
+    #[arg(long, default_value = "")]
+    pub agent_cert: String,
+    /// Private key of --agent-cert.
+    #[arg(long, default_value = "")]
+    pub agent_key: String,
+    /// CA that proxy-server's certificate must chain to (required).
+    #[arg(long, default_value = "")]
+    pub ca_cert: String,
+    /// proxy-server host (or load balancer); also the TLS server name.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub proxy_server_host: String,
+    /// proxy-server agent port.
+    #[arg(long, default_value_t = 8091)]
+    pub proxy_server_port: u16,
+    /// Extra ALPN protocols to offer before h2 (comma-separated; `[]` is empty).
+    #[arg(long, default_value = "[]")]
+    pub alpn_proto: String,
+    /// Bind host of the health server; empty means all interfaces.
+    #[arg(long, default_value = "")]
+    pub health_server_host: String,
+    /// Health port: /healthz, /readyz, /ready (0 picks a free port).
+    #[arg(long, default_value_t = 8093)]
+    pub health_server_port: u16,
+    /// Bind address of the admin port.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_bind_address: String,
+    /// Admin port (metrics redirect, profiling).
+    #[arg(long, default_value_t = 8094)]
+    pub admin_server_port: u16,
+    /// Serve pprof-format profiles on the admin port.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub enable_profiling: bool,
+    /// Enable contention profiling (requires --enable-profiling).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub enable_contention_profiling: bool,
+    /// This agent's id (default: env PROXY_AGENT_ID, else a random UUID).
+    #[arg(long, env = "PROXY_AGENT_ID", default_value = "")]
+    pub agent_id: String,
+    /// URL-encoded identifiers: host=, ipv4=, ipv6=, cidr=, default-route=true.
+    #[arg(long, default_value = "")]
+    pub agent_identifiers: String,
+    /// Initial and steady interval of the connect loop (Go duration).
+    #[arg(long, default_value = "1s", value_parser = go_duration)]
+    pub sync_interval: Duration,
+    /// How often each server connection is checked (Go duration).
+    #[arg(long, default_value = "1s", value_parser = go_duration)]
+    pub probe_interval: Duration,
+    /// Maximum backoff of the connect loop (Go duration).
+    #[arg(long, default_value = "10s", value_parser = go_duration)]
+    pub sync_interval_cap: Duration,
+    /// Interval of HTTP/2 keepalive pings to the server (Go duration).
+    #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
+    pub keepalive_time: Duration,
+    /// File with a service-account token sent as `authorization: Bearer`.
+    #[arg(long, default_value = "")]
+    pub service_account_token_path: String,
+    /// Log when a per-connection channel is full.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub warn_on_channel_limit: bool,
+    /// Keep opening connections forever to discover server-count changes.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub sync_forever: bool,
+    /// Capacity, in packets, of each connection's channels.
+    #[arg(long, default_value_t = 150)]
+    pub xfr_channel_size: usize,
+    /// Compute the server count from Leases.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub count_server_leases: bool,
+    /// Namespace watched for leases.
+    #[arg(long, default_value = "kube-system")]
+    pub lease_namespace: String,
+    /// Label selector of counted leases.
+    #[arg(long, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label_selector: String,
+    /// Deprecated alias of --lease-label-selector.
+    #[arg(long, hide = true)]
+    pub lease_label: Option<String>,
+    /// Where the server count comes from: default or max.
+    #[arg(long, default_value = "default")]
+    pub server_count_source: String,
+    /// Kubeconfig for leases; empty means in-cluster config.
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    /// Content type of kube API requests.
+    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
+    pub kube_api_content_type: String,
+    /// klog-compatible logging flags.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Validated configuration; tests build it directly.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// proxy-server host (also the TLS server name).
+    pub server_host: String,
+    /// proxy-server agent port.
+    pub server_port: u16,
+    /// TLS to the server.
+    pub tls: Arc<rustls::ClientConfig>,
+    /// This agent's id.
+    pub agent_id: AgentId,
+    /// Raw `agentidentifiers` value (validated).
+    pub agent_identifiers: String,
+    /// Health listener address.
+    pub health_addr: SocketAddr,
+    /// Connect loop interval.
+    pub sync_interval: Duration,
+    /// Connect loop backoff cap.
+    pub sync_interval_cap: Duration,
+    /// Keep connecting forever.
+    pub sync_forever: bool,
+    /// Server connection check interval.
+    pub probe_interval: Duration,
+    /// HTTP/2 keepalive interval.
+    pub keepalive_time: Duration,
+    /// Capacity of per-connection channels.
+    pub xfr_channel_size: usize,
+    /// Flags given that this build accepts but does not act on.
+    pub not_implemented: Vec<&'static str>,
+}
+
+/// A flag combination or value that cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A flag has a value outside what it allows.
+    #[error("invalid value for --{flag}: {reason}")]
+    Invalid {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// TLS material named by a flag cannot be used.
+    #[error("--{flag}: {source}")]
+    Tls {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Why.
+        #[source]
+        source: TlsError,
+    },
+}
+
+fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        flag,
+        reason: reason.into(),
+    }
+}
+
+/// Parses pflag's string-slice syntax: `[]`, `a,b`, `[a,b]`.
+pub fn parse_string_slice(text: &str) -> Vec<String> {
+    let inner = text
+        .strip_prefix('[')
+        .and_then(|t| t.strip_suffix(']'))
+        .unwrap_or(text);
+    inner
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Checks `--agent-identifiers` as ANP's agent does: only known keys, valid
+/// addresses and CIDRs, and a boolean `default-route`.
+fn check_identifiers(text: &str) -> Result<(), String> {
+    for (key, value) in form_urlencoded::parse(text.as_bytes()) {
+        match key.as_ref() {
+            "host" => {}
+            "ipv4" => {
+                value
+                    .parse::<Ipv4Addr>()
+                    .map_err(|_| format!("ipv4={value} is not an IPv4 address"))?;
+            }
+            "ipv6" => {
+                value
+                    .parse::<Ipv6Addr>()
+                    .map_err(|_| format!("ipv6={value} is not an IPv6 address"))?;
+            }
+            "cidr" => {
+                let (ip, bits) = value
+                    .split_once('/')
+                    .ok_or_else(|| format!("cidr={value} is not a CIDR"))?;
+                let ip: IpAddr = ip.parse().map_err(|_| format!("cidr={value} is not a CIDR"))?;
+                let bits: u8 = bits.parse().map_err(|_| format!("cidr={value} is not a CIDR"))?;
+                if bits > if ip.is_ipv4() { 32 } else { 128 } {
+                    return Err(format!("cidr={value} has too many prefix bits"));
+                }
+            }
+            "default-route" => {
+                go_bool(&value).map_err(|_| format!("default-route={value} is not a boolean"))?;
+            }
+            other => {
+                return Err(format!(
+                    "unknown identifier type {other:?} (want host, ipv4, ipv6, cidr or default-route)"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
+    let ip = match host {
+        "" => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        other => other
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| invalid(flag, format!("{other:?} is not an IP address")))?,
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+impl TryFrom<Args> for Config {
+    type Error = ConfigError;
+
+    fn try_from(args: Args) -> Result<Self, ConfigError> {
+        if args.ca_cert.is_empty() {
+            return Err(invalid("ca-cert", "required: the server's certificate is always verified"));
+        }
+        if args.agent_cert.is_empty() != args.agent_key.is_empty() {
+            return Err(invalid("agent-cert", "--agent-cert and --agent-key go together"));
+        }
+        if args.proxy_server_port == 0 {
+            return Err(invalid("proxy-server-port", "must be greater than 0"));
+        }
+        if args.proxy_server_host.is_empty() {
+            return Err(invalid("proxy-server-host", "must not be empty"));
+        }
+        if args.xfr_channel_size == 0 {
+            return Err(invalid("xfr-channel-size", "must be greater than 0"));
+        }
+        if args.sync_interval > args.sync_interval_cap {
+            return Err(invalid("sync-interval", "must not exceed --sync-interval-cap"));
+        }
+        if args.sync_interval.is_zero() {
+            return Err(invalid("sync-interval", "must be greater than 0"));
+        }
+        if args.probe_interval.is_zero() {
+            return Err(invalid("probe-interval", "must be greater than 0"));
+        }
+        if args.enable_contention_profiling && !args.enable_profiling {
+            return Err(invalid("enable-contention-profiling", "requires --enable-profiling"));
+        }
+        if !matches!(args.server_count_source.as_str(), "" | "default" | "max") {
+            return Err(invalid("server-count-source", "want default or max"));
+        }
+        if !args.service_account_token_path.is_empty()
+            && !std::path::Path::new(&args.service_account_token_path).is_file()
+        {
+            return Err(invalid(
+                "service-account-token-path",
+                format!("{} does not exist or is not a file", args.service_account_token_path),
+            ));
+        }
+        check_identifiers(&args.agent_identifiers)
+            .map_err(|reason| invalid("agent-identifiers", reason))?;
+        let alpn = parse_string_slice(&args.alpn_proto);
+        let ca = PathBuf::from(&args.ca_cert);
+        let client_cert = (!args.agent_cert.is_empty())
+            .then(|| (PathBuf::from(&args.agent_cert), PathBuf::from(&args.agent_key)));
+        let tls = tls::client_config(
+            &ca,
+            client_cert.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+            &alpn,
+        )
+        .map_err(|source| ConfigError::Tls {
+            flag: match &source {
+                TlsError::Key { .. } => "agent-key",
+                TlsError::Config { .. } => "agent-cert",
+                _ if client_cert.is_some() && !matches!(source, TlsError::Ca { .. }) => "ca-cert or --agent-cert",
+                _ => "ca-cert",
+            },
+            source,
+        })?;
+        let agent_id = if args.agent_id.is_empty() {
+            AgentId(uuid::Uuid::new_v4().to_string())
+        } else {
+            AgentId(args.agent_id.clone())
+        };
+        let not_implemented = [
+            ("service-account-token-path", !args.service_account_token_path.is_empty()),
+            ("count-server-leases", args.count_server_leases),
+            ("kubeconfig", !args.kubeconfig.is_empty()),
+            ("enable-profiling", args.enable_profiling),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
+        Ok(Self {
+            server_host: args.proxy_server_host.clone(),
+            server_port: args.proxy_server_port,
+            tls,
+            agent_id,
+            agent_identifiers: args.agent_identifiers.clone(),
+            health_addr: bind_addr("health-server-host", &args.health_server_host, args.health_server_port)?,
+            sync_interval: args.sync_interval,
+            sync_interval_cap: args.sync_interval_cap,
+            sync_forever: args.sync_forever,
+            probe_interval: args.probe_interval,
+            keepalive_time: args.keepalive_time,
+            xfr_channel_size: args.xfr_channel_size,
+            not_implemented,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn string_slices_as_pflag_prints_them() {
+        assert!(parse_string_slice("[]").is_empty());
+        assert!(parse_string_slice("").is_empty());
+        assert_eq!(parse_string_slice("[a,b]"), ["a", "b"]);
+        assert_eq!(parse_string_slice("x"), ["x"]);
+    }
+
+    #[test]
+    fn identifiers_are_checked() {
+        assert!(check_identifiers("").is_ok());
+        assert!(check_identifiers("host=n1&ipv4=10.0.0.1&ipv6=::1&cidr=10.0.0.0/8&default-route=true").is_ok());
+        for bad in ["zone=a", "ipv4=nope", "ipv6=1.2.3.4", "cidr=10.0.0.0", "cidr=10.0.0.0/33", "default-route=maybe"] {
+            assert!(check_identifiers(bad).is_err(), "{bad}");
+        }
+        assert!(check_identifiers("zone=a").unwrap_err().contains("zone"));
+    }
+}

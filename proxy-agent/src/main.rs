@@ -1,0 +1,37 @@
+//! proxy-agent binary: parse flags, set up logging, bind, serve until a signal.
+
+use anyhow::Context;
+use clap::{CommandFactory, Parser, error::ErrorKind};
+use proxy_agent::{
+    agent::Agent,
+    config::{Args, Config},
+};
+use tracing::error;
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    if let Err(e) = tunnel::telemetry::init(&args.log) {
+        Args::command().error(ErrorKind::ValueValidation, e).exit();
+    }
+    let config = match Config::try_from(args) {
+        Ok(config) => config,
+        Err(e) => Args::command()
+            .error(ErrorKind::ValueValidation, tunnel::error::DisplayErrorStack(&e))
+            .exit(),
+    };
+    match run(config).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            error!(error = format!("{e:#}"), "proxy-agent failed");
+            eprintln!("proxy-agent: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
+    let bound = Agent::bind(config).await.context("binding listeners")?;
+    bound.serve(tunnel::signal::shutdown()).await;
+    Ok(())
+}
