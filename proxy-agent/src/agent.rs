@@ -283,6 +283,15 @@ impl AgentHandle {
         self.state.endpoint_connections()
     }
 
+    /// Node-side dials in progress.
+    pub fn dials_in_progress(&self) -> usize {
+        self.state
+            .clients()
+            .values()
+            .map(|c| c.conns.dials_in_progress())
+            .sum()
+    }
+
     /// Cancels every server connection at once, as a dead network would.
     pub fn disconnect_all(&self) {
         for client in self.state.clients().values() {

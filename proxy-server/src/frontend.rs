@@ -5,7 +5,7 @@
 pub(crate) mod grpc;
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     sync::{Arc, Mutex, MutexGuard},
 };
 
@@ -44,6 +44,30 @@ pub(crate) struct FrontendState {
     pub(crate) conns: HashMap<ConnId, Arc<Backend>>,
     /// Whether a dial was ever made on this stream.
     pub(crate) dialed: bool,
+    /// The last connections closed under the frontend (agent gone, CLOSE_RSP):
+    /// packets it sent for them before it learnt of the close are dropped,
+    /// not treated as a protocol error.
+    recently_closed: VecDeque<ConnId>,
+}
+
+/// How many closed connection ids a frontend remembers.
+const RECENTLY_CLOSED: usize = 32;
+
+impl FrontendState {
+    /// Removes an established connection and remembers it was closed.
+    pub(crate) fn close_conn(&mut self, id: ConnId) -> Option<Arc<Backend>> {
+        let backend = self.conns.remove(&id)?;
+        if self.recently_closed.len() == RECENTLY_CLOSED {
+            self.recently_closed.pop_front();
+        }
+        self.recently_closed.push_back(id);
+        Some(backend)
+    }
+
+    /// Whether `id` was one of this frontend's connections and is now closed.
+    pub(crate) fn was_closed(&self, id: ConnId) -> bool {
+        self.recently_closed.contains(&id)
+    }
 }
 
 impl Frontend {

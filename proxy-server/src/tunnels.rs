@@ -112,6 +112,7 @@ impl Tunnels {
                             .send(Packet::close_response(id.0, "backend not initialized"))
                             .await;
                     }
+                    Owner::Closed => debug!(frontend = fe.uid, conn.id = %id, "dropping DATA for a closed connection"),
                     Owner::Other => self.mismatch(fe, id).await,
                 }
             }
@@ -127,6 +128,7 @@ impl Tunnels {
                             .send(Packet::close_response(id.0, "backend uninitialized"))
                             .await;
                     }
+                    Owner::Closed => debug!(frontend = fe.uid, conn.id = %id, "CLOSE_REQ for an already closed connection"),
                     Owner::Other => self.mismatch(fe, id).await,
                 }
             }
@@ -147,6 +149,7 @@ impl Tunnels {
         let state = fe.state();
         match state.conns.get(&id) {
             Some(backend) => Owner::Ours(backend.clone()),
+            None if state.was_closed(id) => Owner::Closed,
             None if state.conns.is_empty() && state.pending.is_empty() && !state.dialed => {
                 Owner::Nobody
             }
@@ -161,7 +164,10 @@ impl Tunnels {
         let own: Vec<(ConnId, Arc<Backend>)> = {
             let mut state = fe.state();
             state.failed = true;
-            state.conns.drain().collect()
+            let ids: Vec<ConnId> = state.conns.keys().copied().collect();
+            ids.into_iter()
+                .filter_map(|id| state.close_conn(id).map(|b| (id, b)))
+                .collect()
         };
         let _ = fe.send(Packet::close_response(bad.0, MISMATCHED)).await;
         for (id, backend) in own {
@@ -281,7 +287,7 @@ impl Tunnels {
                 }
                 debug!(dial.id = %id, conn.id = %conn, latency = ?dial.started.elapsed(), "connection established");
                 if fe.send(Packet::dial_response(id.0, conn.0, "")).await.is_err() {
-                    fe.state().conns.remove(&conn);
+                    fe.state().close_conn(conn);
                     if be.remove_conn(conn).is_some() {
                         let _ = be.send(Packet::close_request(conn.0)).await;
                     }
@@ -304,7 +310,7 @@ impl Tunnels {
             PacketKind::CloseRsp(rsp) => {
                 let id = ConnId(rsp.connect_id);
                 if let Some(fe) = be.remove_conn(id) {
-                    fe.state().conns.remove(&id);
+                    fe.state().close_conn(id);
                     debug!(conn.id = %id, error = %rsp.error, "connection closed");
                     let _ = fe.send(Packet::close_response(id.0, &rsp.error)).await;
                 }
@@ -360,7 +366,7 @@ impl Tunnels {
         info!(agent.id = %be.agent_id, peer.addr = ?be.peer, connections = conns.len(), dials = dials.len(), "agent disconnected");
         let reason = format!("agent {} disconnected", be.agent_id);
         for (id, fe) in conns {
-            fe.state().conns.remove(&id);
+            fe.state().close_conn(id);
             notify(fe, Packet::close_response(id.0, &reason));
         }
         for (id, dial) in dials {
@@ -381,6 +387,8 @@ enum Owner {
     Ours(Arc<Backend>),
     /// Nobody: the frontend never dialed.
     Nobody,
+    /// This frontend's, but already closed (the frontend has not learnt it yet).
+    Closed,
     /// Not this frontend.
     Other,
 }

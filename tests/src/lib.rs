@@ -1,1 +1,515 @@
-//! placeholder
+//! Harness of the end-to-end tests: a proxy-server, proxy-agents and
+//! backends on loopback with ephemeral ports, each a handle that shuts down
+//! on drop, with readiness awaited (never slept for).
+//!
+//! # Layout
+//! - [`Pki`]: certificates made fresh for the test process.
+//! - [`TestServer`], [`TestAgent`], [`AgentProcess`]: the proxies.
+//! - [`backend`]: echo, bulk and blackhole backends.
+//! - [`RawFrontend`]: a frontend that sends packets by hand.
+//! - [`wait_for`]: polls a condition until a deadline.
+
+pub mod backend;
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, OnceLock},
+    time::{Duration, Instant},
+};
+
+use proto::{Packet, proxy_service_client::ProxyServiceClient};
+use proxy_agent::agent::{Agent, AgentHandle};
+use proxy_server::{
+    backend::strategy::ProxyStrategy,
+    config::{Config, FrontendListen, Mode},
+    server::{ProxyServer, ServerHandle},
+};
+use tokio::{sync::mpsc, task::JoinHandle};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Streaming, transport::Channel};
+use tunnel::{
+    client::{TunnelConn, dial, uds_channel},
+    ids::{AgentId, ServerId},
+    tls,
+};
+
+/// How long readiness and cleanup conditions may take before a test fails.
+pub const DEADLINE: Duration = Duration::from_secs(10);
+
+/// Installs a test subscriber (once); `RUST_LOG` picks the level.
+pub fn trace_init() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Polls `condition` every few milliseconds until it holds; panics with
+/// `what` after [`DEADLINE`].
+pub async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !condition() {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Certificates for one test process, written to a temporary directory.
+pub struct Pki {
+    /// Where the files are.
+    pub dir: tempfile::TempDir,
+}
+
+impl Pki {
+    /// The process-wide PKI (made once).
+    pub fn get() -> &'static Self {
+        static PKI: OnceLock<Pki> = OnceLock::new();
+        PKI.get_or_init(|| {
+            let dir = tempfile::tempdir().expect("temp dir");
+            certs::ClusterPki::generate(&[])
+                .expect("generating certificates")
+                .write_to(dir.path())
+                .expect("writing certificates");
+            Self { dir }
+        })
+    }
+
+    /// Path of a file written by `make-certs` (`cluster.crt`, `agent-ca.crt`, …).
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A second, unrelated PKI (for "wrong CA" tests).
+    pub fn other() -> &'static Self {
+        static PKI: OnceLock<Pki> = OnceLock::new();
+        PKI.get_or_init(|| {
+            let dir = tempfile::tempdir().expect("temp dir");
+            certs::ClusterPki::generate(&[])
+                .expect("generating certificates")
+                .write_to(dir.path())
+                .expect("writing certificates");
+            Self { dir }
+        })
+    }
+}
+
+/// Options of a [`TestServer`].
+#[derive(Clone)]
+pub struct ServerOpts {
+    /// Agent port; 0 picks one.
+    pub agent_port: u16,
+    /// Require agent client certificates.
+    pub mtls: bool,
+    /// `--backend-dial-timeout`.
+    pub backend_dial_timeout: Option<Duration>,
+    /// `--proxy-strategies`.
+    pub strategies: Vec<ProxyStrategy>,
+    /// Serve the frontend on mTLS TCP instead of a Unix socket.
+    pub tcp_frontend: bool,
+}
+
+impl Default for ServerOpts {
+    fn default() -> Self {
+        Self {
+            agent_port: 0,
+            mtls: true,
+            backend_dial_timeout: None,
+            strategies: vec![ProxyStrategy::Default],
+            tcp_frontend: false,
+        }
+    }
+}
+
+/// An in-process proxy-server.
+pub struct TestServer {
+    /// Observes the server.
+    pub handle: ServerHandle,
+    /// Agent listener.
+    pub agent_addr: SocketAddr,
+    /// Health listener.
+    pub health_addr: SocketAddr,
+    /// Frontend socket (UDS mode).
+    pub uds: PathBuf,
+    /// Stops the server.
+    shutdown: CancellationToken,
+    /// The serving task.
+    task: Option<JoinHandle<()>>,
+    /// Holds the socket's directory.
+    _dir: Arc<tempfile::TempDir>,
+}
+
+impl TestServer {
+    /// Starts a server with default options.
+    pub async fn start() -> Self {
+        Self::start_with(ServerOpts::default()).await
+    }
+
+    /// Starts a server; returns once its listeners are bound.
+    pub async fn start_with(opts: ServerOpts) -> Self {
+        Self::start_in(opts, Arc::new(tempfile::tempdir().expect("temp dir"))).await
+    }
+
+    async fn start_in(opts: ServerOpts, dir: Arc<tempfile::TempDir>) -> Self {
+        trace_init();
+        let pki = Pki::get();
+        let uds = dir.path().join("konnectivity-server.socket");
+        let frontend = if opts.tcp_frontend {
+            FrontendListen::Tcp {
+                addr: "127.0.0.1:0".parse().expect("address"),
+                tls: tls::server_config(
+                    &pki.path("proxy-frontend.crt"),
+                    &pki.path("proxy-frontend.key"),
+                    Some(&pki.path("frontend-ca.crt")),
+                )
+                .expect("frontend TLS"),
+            }
+        } else {
+            FrontendListen::Uds {
+                path: uds.clone(),
+                delete_existing: true,
+            }
+        };
+        let config = Config {
+            mode: Mode::Grpc,
+            frontend,
+            agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
+            agent_tls: tls::server_config(
+                &pki.path("cluster.crt"),
+                &pki.path("cluster.key"),
+                opts.mtls.then(|| pki.path("agent-ca.crt")).as_deref(),
+            )
+            .expect("agent TLS"),
+            health_addr: "127.0.0.1:0".parse().expect("address"),
+            server_id: ServerId("test-server".to_owned()),
+            server_count: 1,
+            strategies: opts.strategies.clone(),
+            xfr_channel_size: 10,
+            keepalive_time: Duration::from_secs(3600),
+            frontend_keepalive_time: Duration::from_secs(3600),
+            backend_dial_timeout: opts.backend_dial_timeout,
+            not_implemented: Vec::new(),
+        };
+        let bound = ProxyServer::bind(config).await.expect("binding the server");
+        let shutdown = CancellationToken::new();
+        let handle = bound.handle();
+        let agent_addr = bound.agent_addr();
+        let health_addr = bound.health_addr();
+        let token = shutdown.clone();
+        let task = tokio::spawn(async move {
+            bound
+                .serve(token.cancelled_owned())
+                .await
+                .expect("server failed");
+        });
+        Self {
+            handle,
+            agent_addr,
+            health_addr,
+            uds,
+            shutdown,
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    /// Stops the server and waits until it has stopped.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            task.await.expect("server task");
+        }
+    }
+
+    /// Stops the server and starts a new one on the same agent port and socket.
+    pub async fn restart(mut self) -> Self {
+        let port = self.agent_addr.port();
+        let dir = self._dir.clone();
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            task.await.expect("server task");
+        }
+        Self::start_in(
+            ServerOpts {
+                agent_port: port,
+                ..ServerOpts::default()
+            },
+            dir,
+        )
+        .await
+    }
+
+    /// A fresh gRPC channel on a new frontend connection (what
+    /// kube-apiserver's single-use tunnel does).
+    pub async fn channel(&self) -> Channel {
+        uds_channel(&self.uds).await.expect("connecting to the frontend")
+    }
+
+    /// Dials `address` through the tunnel on a fresh frontend connection.
+    pub async fn dial(&self, address: &str) -> Result<TunnelConn, tunnel::client::ClientError> {
+        dial(self.channel().await, address).await
+    }
+
+    /// Waits until `n` agent streams are connected.
+    pub async fn wait_for_backends(&self, n: usize) {
+        let handle = self.handle.clone();
+        wait_for(&format!("{n} agent(s) connected"), || {
+            handle.backend_count() == n
+        })
+        .await;
+    }
+
+    /// Waits until no dial is pending and no connection is established.
+    pub async fn wait_idle(&self) {
+        let handle = self.handle.clone();
+        wait_for("server to have no pending dial or connection", || {
+            handle.pending_dials() == 0 && handle.established_connections() == 0
+        })
+        .await;
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Options of a [`TestAgent`].
+#[derive(Clone, Default)]
+pub struct AgentOpts {
+    /// `--agent-id` (default: a fresh one).
+    pub agent_id: Option<String>,
+    /// `--agent-identifiers`.
+    pub identifiers: String,
+    /// Present no client certificate.
+    pub no_client_cert: bool,
+    /// Use the other PKI (wrong CA for the server).
+    pub foreign_pki: bool,
+}
+
+/// An in-process proxy-agent.
+pub struct TestAgent {
+    /// Observes the agent.
+    pub handle: AgentHandle,
+    /// Health listener.
+    pub health_addr: SocketAddr,
+    /// Stops the agent.
+    shutdown: CancellationToken,
+    /// The serving task.
+    task: Option<JoinHandle<()>>,
+}
+
+/// The agent configuration the tests use against `agent_addr`.
+pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::config::Config {
+    let pki = if opts.foreign_pki { Pki::other() } else { Pki::get() };
+    let tls = tls::client_config(
+        &Pki::get().path("agent-ca.crt"),
+        (!opts.no_client_cert).then(|| (pki.path("proxy-agent.crt"), pki.path("proxy-agent.key"))).as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+        &[],
+    )
+    .expect("agent TLS");
+    proxy_agent::config::Config {
+        server_host: agent_addr.ip().to_string(),
+        server_port: agent_addr.port(),
+        tls,
+        agent_id: AgentId(
+            opts.agent_id
+                .clone()
+                .unwrap_or_else(|| format!("agent-{}", fastrand_id())),
+        ),
+        agent_identifiers: opts.identifiers.clone(),
+        health_addr: "127.0.0.1:0".parse().expect("address"),
+        sync_interval: Duration::from_millis(100),
+        sync_interval_cap: Duration::from_secs(1),
+        sync_forever: false,
+        probe_interval: Duration::from_millis(100),
+        keepalive_time: Duration::from_secs(3600),
+        xfr_channel_size: 150,
+        not_implemented: Vec::new(),
+    }
+}
+
+fn fastrand_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    u64::from(std::process::id()) << 20 | NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl TestAgent {
+    /// Starts an agent for `server` and waits until the server sees it.
+    pub async fn start(server: &TestServer) -> Self {
+        let before = server.handle.backend_count();
+        let agent = Self::start_with(server.agent_addr, AgentOpts::default()).await;
+        server.wait_for_backends(before + 1).await;
+        agent
+    }
+
+    /// Starts an agent against `agent_addr`; returns once it is bound (it
+    /// may not be connected yet).
+    pub async fn start_with(agent_addr: SocketAddr, opts: AgentOpts) -> Self {
+        trace_init();
+        let bound = Agent::bind(agent_config(agent_addr, &opts))
+            .await
+            .expect("binding the agent");
+        let shutdown = CancellationToken::new();
+        let handle = bound.handle();
+        let health_addr = bound.health_addr();
+        let token = shutdown.clone();
+        let task = tokio::spawn(async move { bound.serve(token.cancelled_owned()).await });
+        Self {
+            handle,
+            health_addr,
+            shutdown,
+            task: Some(task),
+        }
+    }
+
+    /// Stops the agent and waits until it has stopped.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            task.await.expect("agent task");
+        }
+    }
+}
+
+impl Drop for TestAgent {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// The real `proxy-agent` binary, run as a child process (killed on drop).
+pub struct AgentProcess {
+    /// The child.
+    child: Child,
+}
+
+/// Path of a workspace binary, building it if this test run did not.
+pub fn binary(name: &str) -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
+    let path = dir.join(name);
+    if !path.exists() {
+        BUILT.get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+            let status = Command::new(cargo)
+                .args(["build", "--bin", "proxy-agent", "--bin", "proxy-server"])
+                .status()
+                .expect("running cargo build");
+            assert!(status.success(), "building the binaries failed");
+        });
+    }
+    assert!(path.exists(), "{} not found", path.display());
+    path
+}
+
+impl AgentProcess {
+    /// Starts `proxy-agent` against `server` with the test PKI and waits until
+    /// the server sees it.
+    pub async fn start(server: &TestServer) -> Self {
+        let pki = Pki::get();
+        let before = server.handle.backend_count();
+        let child = Command::new(binary("proxy-agent"))
+            .args([
+                format!("--ca-cert={}", pki.path("agent-ca.crt").display()),
+                format!("--agent-cert={}", pki.path("proxy-agent.crt").display()),
+                format!("--agent-key={}", pki.path("proxy-agent.key").display()),
+                "--proxy-server-host=127.0.0.1".to_owned(),
+                format!("--proxy-server-port={}", server.agent_addr.port()),
+                "--health-server-host=127.0.0.1".to_owned(),
+                "--health-server-port=0".to_owned(),
+                "--sync-interval=100ms".to_owned(),
+                "--sync-interval-cap=1s".to_owned(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting proxy-agent");
+        let agent = Self { child };
+        server.wait_for_backends(before + 1).await;
+        agent
+    }
+
+    /// SIGKILLs the process and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A frontend that speaks packets directly, for protocol tests.
+pub struct RawFrontend {
+    /// Packets to the server.
+    pub tx: mpsc::Sender<Packet>,
+    /// Packets from the server.
+    pub rx: Streaming<Packet>,
+}
+
+impl RawFrontend {
+    /// Opens a `Proxy` stream on a fresh frontend connection; `first` is sent
+    /// before the call so the server's headers come with its answer.
+    pub async fn open(server: &TestServer, first: Packet) -> Self {
+        let (tx, rx) = mpsc::channel(64);
+        tx.send(first).await.expect("queueing the first packet");
+        let response = ProxyServiceClient::new(server.channel().await)
+            .proxy(ReceiverStream::new(rx))
+            .await
+            .expect("opening the proxy stream");
+        Self {
+            tx,
+            rx: response.into_inner(),
+        }
+    }
+
+    /// Sends a packet.
+    pub async fn send(&self, packet: Packet) {
+        self.tx.send(packet).await.expect("sending a packet");
+    }
+
+    /// The next packet, failing the test after [`DEADLINE`].
+    pub async fn recv(&mut self) -> Packet {
+        tokio::time::timeout(DEADLINE, self.rx.message())
+            .await
+            .expect("timed out waiting for a packet")
+            .expect("stream failed")
+            .expect("stream ended")
+    }
+}
+
+/// A plain HTTP/1.1 GET; returns the status code and the body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connecting");
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("writing the request");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.expect("reading the response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}

@@ -1,0 +1,240 @@
+//! Node-side backends for the tests, on `127.0.0.1:0`, stopped on drop.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+use tokio_util::sync::CancellationToken;
+
+/// A running backend.
+pub struct Backend {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Connections currently open on it.
+    pub open: Arc<AtomicUsize>,
+    /// Connections accepted so far.
+    pub accepted: Arc<AtomicUsize>,
+    /// Stops it.
+    stop: CancellationToken,
+}
+
+impl Backend {
+    /// `127.0.0.1:port` as a dial address.
+    pub fn address(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Connections currently open.
+    pub fn open_connections(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Starts a backend that runs `serve` for every accepted connection.
+pub async fn spawn<F, Fut>(serve: F) -> Backend
+where
+    F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("binding a backend");
+    let addr = listener.local_addr().expect("backend address");
+    let open = Arc::new(AtomicUsize::new(0));
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let stop = CancellationToken::new();
+    let serve = Arc::new(serve);
+    {
+        let (open, accepted, stop) = (open.clone(), accepted.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    () = stop.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                accepted.fetch_add(1, Ordering::SeqCst);
+                open.fetch_add(1, Ordering::SeqCst);
+                let (open, stop, serve) = (open.clone(), stop.clone(), serve.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        () = serve(stream) => {}
+                    }
+                    open.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+    }
+    Backend {
+        addr,
+        open,
+        accepted,
+        stop,
+    }
+}
+
+/// Echoes every byte back until the client closes.
+pub async fn echo() -> Backend {
+    spawn(|mut stream| async move {
+        let (mut r, mut w) = stream.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
+    .await
+}
+
+/// Writes `len` bytes of [`pattern`] and closes.
+pub async fn download(len: usize) -> Backend {
+    spawn(move |mut stream| async move {
+        let _ = stream.write_all(&pattern(len, 7)).await;
+        let _ = stream.shutdown().await;
+    })
+    .await
+}
+
+/// Reads an 8-byte big-endian length and that many bytes, answers with the
+/// FNV-1a hash of the bytes (8 bytes, big-endian) and closes.
+pub async fn upload_hash() -> Backend {
+    spawn(|mut stream| async move {
+        let Ok(len) = stream.read_u64().await else {
+            return;
+        };
+        let mut hash = Fnv::new();
+        let mut left = len;
+        let mut buf = vec![0u8; 64 * 1024];
+        while left > 0 {
+            let want = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
+            match stream.read(&mut buf[..want]).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    hash.update(&buf[..n]);
+                    left -= n as u64;
+                }
+            }
+        }
+        let _ = stream.write_u64(hash.finish()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await
+}
+
+/// Accepts and holds connections open without reading or writing.
+pub async fn silent() -> Backend {
+    spawn(|mut stream| async move {
+        let mut byte = [0u8; 1];
+        let _ = stream.read(&mut byte).await;
+    })
+    .await
+}
+
+/// A deterministic, non-repeating-looking byte pattern.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// FNV-1a, 64 bit.
+pub struct Fnv(u64);
+
+impl Fnv {
+    /// A fresh hasher.
+    pub fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+
+    /// Adds bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    /// The hash.
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A loopback address with nothing listening (bound, then released).
+pub fn closed_port() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding");
+    listener.local_addr().expect("address")
+}
+
+/// A loopback address whose TCP connects hang: a listener with a full accept
+/// queue that never accepts, so the kernel drops new SYNs. Keep it alive for
+/// as long as dials to it must hang.
+pub struct Blackhole {
+    /// The listener.
+    _listener: socket2::Socket,
+    /// Connections that fill the queue.
+    _fillers: Vec<std::net::TcpStream>,
+    /// Its address.
+    pub addr: SocketAddr,
+}
+
+impl Blackhole {
+    /// Creates one.
+    pub fn new() -> Self {
+        use socket2::{Domain, Socket, Type};
+        let listener = Socket::new(Domain::IPV4, Type::STREAM, None).expect("socket");
+        listener
+            .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .expect("bind");
+        listener.listen(0).expect("listen");
+        let addr = listener
+            .local_addr()
+            .expect("address")
+            .as_socket()
+            .expect("inet address");
+        // With a backlog of 0 the queue holds one connection; fill it (and a
+        // spare), with a short timeout since the later ones may hang.
+        let mut fillers = Vec::new();
+        for _ in 0..3 {
+            if let Ok(s) =
+                std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(200))
+            {
+                fillers.push(s);
+            }
+        }
+        Self {
+            _listener: listener,
+            _fillers: fillers,
+            addr,
+        }
+    }
+}
+
+impl Default for Blackhole {
+    fn default() -> Self {
+        Self::new()
+    }
+}
