@@ -18,7 +18,7 @@ use tunnel::{
 ///
 /// Flag names and defaults are ANP's, so an existing manifest works unchanged.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "proxy-agent", version, about)]
+#[command(name = "proxy-agent", version, about, args_override_self = true)]
 pub struct Args {
     /// Client certificate presented to proxy-server (mTLS).
     #[arg(long, default_value = "")]
@@ -339,7 +339,124 @@ impl TryFrom<Args> for Config {
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+
+    fn pki() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(dir.path())
+            .unwrap();
+        dir
+    }
+
+    fn parse(dir: &std::path::Path, extra: &[&str]) -> Result<Config, ConfigError> {
+        let mut argv = vec![
+            "proxy-agent".to_owned(),
+            format!("--ca-cert={}", dir.join("agent-ca.crt").display()),
+            format!("--agent-cert={}", dir.join("proxy-agent.crt").display()),
+            format!("--agent-key={}", dir.join("proxy-agent.key").display()),
+        ];
+        argv.extend(extra.iter().map(|s| (*s).to_owned()));
+        Config::try_from(Args::try_parse_from(argv).unwrap())
+    }
+
+    #[test]
+    fn defaults_are_anps() {
+        let a = Args::try_parse_from(["proxy-agent"]).unwrap();
+        assert_eq!(a.proxy_server_host, "127.0.0.1");
+        assert_eq!(a.proxy_server_port, 8091);
+        assert_eq!(a.alpn_proto, "[]");
+        assert_eq!(a.health_server_host, "");
+        assert_eq!(a.health_server_port, 8093);
+        assert_eq!(a.admin_bind_address, "127.0.0.1");
+        assert_eq!(a.admin_server_port, 8094);
+        assert_eq!(a.sync_interval, Duration::from_secs(1));
+        assert_eq!(a.probe_interval, Duration::from_secs(1));
+        assert_eq!(a.sync_interval_cap, Duration::from_secs(10));
+        assert_eq!(a.keepalive_time, Duration::from_secs(3600));
+        assert_eq!(a.xfr_channel_size, 150);
+        assert!(!a.sync_forever);
+        assert!(!a.warn_on_channel_limit);
+        assert_eq!(a.lease_namespace, "kube-system");
+        assert_eq!(a.lease_label_selector, "k8s-app=konnectivity-server");
+        assert_eq!(a.server_count_source, "default");
+        assert_eq!(a.kube_api_content_type, "application/vnd.kubernetes.protobuf");
+    }
+
+    /// What ANP's external-agent test runner passes: every flag as `--name=value`.
+    #[test]
+    fn the_anp_test_runner_argv_parses() {
+        let dir = pki();
+        let c = parse(
+            dir.path(),
+            &[
+                "--admin-bind-address=127.0.0.1",
+                "--admin-server-port=0",
+                "--agent-id=agent-1",
+                "--agent-identifiers=",
+                "--alpn-proto=[]",
+                "--count-server-leases=false",
+                "--enable-contention-profiling=false",
+                "--enable-profiling=false",
+                "--health-server-host=127.0.0.1",
+                "--health-server-port=0",
+                "--keepalive-time=1h0m0s",
+                "--kube-api-content-type=application/vnd.kubernetes.protobuf",
+                "--kubeconfig=",
+                "--lease-label=k8s-app=konnectivity-server",
+                "--lease-label-selector=k8s-app=konnectivity-server",
+                "--lease-namespace=kube-system",
+                "--probe-interval=100ms",
+                "--proxy-server-host=localhost",
+                "--proxy-server-port=8091",
+                "--server-count-source=default",
+                "--service-account-token-path=",
+                "--sync-forever=false",
+                "--sync-interval=100ms",
+                "--sync-interval-cap=1s",
+                "--warn-on-channel-limit=false",
+                "--xfr-channel-size=150",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.agent_id.0, "agent-1");
+        assert_eq!(c.sync_interval, Duration::from_millis(100));
+        assert_eq!(c.sync_interval_cap, Duration::from_secs(1));
+        assert_eq!(c.server_host, "localhost");
+        assert!(c.not_implemented.is_empty(), "{:?}", c.not_implemented);
+    }
+
+    #[test]
+    fn invalid_values_name_the_flag() {
+        let dir = pki();
+        for (extra, needle) in [
+            (&["--sync-interval=20s"][..], "--sync-interval"),
+            (&["--xfr-channel-size=0"], "--xfr-channel-size"),
+            (&["--proxy-server-port=0"], "--proxy-server-port"),
+            (&["--agent-identifiers=zone=a"], "--agent-identifiers"),
+            (&["--server-count-source=min"], "--server-count-source"),
+            (&["--service-account-token-path=/nonexistent/token"], "/nonexistent/token"),
+            (&["--enable-contention-profiling"], "--enable-contention-profiling"),
+            (&["--health-server-host=nope"], "--health-server-host"),
+        ] {
+            let err = parse(dir.path(), extra).err().unwrap_or_else(|| panic!("{extra:?}"));
+            let text = tunnel::error::DisplayErrorStack(&err).to_string();
+            assert!(text.contains(needle), "{extra:?}: {text}");
+        }
+        let err = Config::try_from(Args::try_parse_from(["proxy-agent"]).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("--ca-cert"), "{err}");
+        let err = Config::try_from(
+            Args::try_parse_from(["proxy-agent", "--ca-cert=/nonexistent/ca.crt"]).unwrap(),
+        )
+        .unwrap_err();
+        let text = tunnel::error::DisplayErrorStack(&err).to_string();
+        assert!(text.contains("--ca-cert") && text.contains("/nonexistent/ca.crt"), "{text}");
+        let err = Args::try_parse_from(["proxy-agent", "--sync-interval=5"]).err().unwrap().to_string();
+        assert!(err.contains("--sync-interval"), "{err}");
+    }
 
     #[test]
     fn string_slices_as_pflag_prints_them() {

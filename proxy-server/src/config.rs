@@ -20,7 +20,7 @@ use crate::backend::strategy::{ProxyStrategy, parse_strategies};
 ///
 /// Flag names and defaults are ANP's, so an existing manifest works unchanged.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "proxy-server", version, about)]
+#[command(name = "proxy-server", version, about, args_override_self = true)]
 pub struct Args {
     /// Frontend TLS certificate (TCP frontend only).
     #[arg(long, default_value = "")]
@@ -390,5 +390,188 @@ impl TryFrom<Args> for Config {
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
             not_implemented,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use clap::Parser;
+
+    use super::*;
+
+    /// Certificates for the tests that need real files.
+    fn pki() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(dir.path())
+            .unwrap();
+        dir
+    }
+
+    fn parse(extra: &[String]) -> Result<Config, ConfigError> {
+        let mut argv = vec!["proxy-server".to_owned()];
+        argv.extend(extra.iter().cloned());
+        Config::try_from(Args::try_parse_from(argv).unwrap())
+    }
+
+    fn uds_args(dir: &std::path::Path) -> Vec<String> {
+        vec![
+            format!("--uds-name={}", dir.join("s.sock").display()),
+            "--server-port=0".to_owned(),
+            format!("--cluster-cert={}", dir.join("cluster.crt").display()),
+            format!("--cluster-key={}", dir.join("cluster.key").display()),
+        ]
+    }
+
+    #[test]
+    fn defaults_are_anps() {
+        let a = Args::try_parse_from(["proxy-server"]).unwrap();
+        assert_eq!(a.mode, "grpc");
+        assert_eq!(a.uds_name, "");
+        assert!(a.delete_existing_uds_file);
+        assert_eq!(a.server_port, 8090);
+        assert_eq!(a.agent_port, 8091);
+        assert_eq!(a.admin_port, 8095);
+        assert_eq!(a.admin_bind_address, "127.0.0.1");
+        assert_eq!(a.health_port, 8092);
+        assert_eq!(a.keepalive_time, Duration::from_secs(3600));
+        assert_eq!(a.frontend_keepalive_time, Duration::from_secs(3600));
+        assert_eq!(a.server_count, 1);
+        assert_eq!(a.proxy_strategies, "default");
+        assert_eq!(a.xfr_channel_size, 10);
+        assert_eq!(a.kube_api_content_type, "application/vnd.kubernetes.protobuf");
+        assert_eq!(a.lease_namespace, "kube-system");
+        assert_eq!(a.lease_label, "k8s-app=konnectivity-server");
+        assert_eq!(a.graceful_shutdown_timeout, Duration::ZERO);
+        assert_eq!(a.backend_dial_timeout, Duration::ZERO);
+        assert!(!a.enable_profiling);
+        assert!(a.warn_on_channel_limit);
+        assert_eq!(a.log.verbosity, 4);
+    }
+
+    #[test]
+    fn a_uds_configuration_validates() {
+        let dir = pki();
+        let mut args = uds_args(dir.path());
+        args.extend([
+            "--keepalive-time=1h0m0s".to_owned(),
+            "--backend-dial-timeout=500ms".to_owned(),
+            "--delete-existing-uds-file=false".to_owned(),
+            "--server-id=replica-1".to_owned(),
+            "--server-count=3".to_owned(),
+            "--agent-port=8132".to_owned(),
+            "--proxy-strategies=destHost,default".to_owned(),
+        ]);
+        let c = parse(&args).unwrap();
+        assert!(matches!(c.frontend, FrontendListen::Uds { delete_existing: false, .. }));
+        assert_eq!(c.backend_dial_timeout, Some(Duration::from_millis(500)));
+        assert_eq!(c.server_id.0, "replica-1");
+        assert_eq!(c.server_count, 3);
+        assert_eq!(c.agent_addr.port(), 8132);
+        assert_eq!(c.strategies, [ProxyStrategy::DestHost, ProxyStrategy::Default]);
+        let c = parse(&uds_args(dir.path())).unwrap();
+        assert_eq!(c.backend_dial_timeout, None);
+        assert!(!c.server_id.0.is_empty(), "a random id by default");
+    }
+
+    #[test]
+    fn invalid_combinations_name_the_flag() {
+        let dir = pki();
+        let base = uds_args(dir.path());
+        let with = |extra: &[&str]| {
+            let mut args = base.clone();
+            args.extend(extra.iter().map(|s| (*s).to_owned()));
+            args
+        };
+        let cases: Vec<(Vec<String>, &str)> = vec![
+            (with(&["--server-port=8090"]), "--server-port"),
+            (with(&["--server-cert=/x"]), "--server-cert"),
+            (with(&["--server-ca-cert=/x"]), "--server-ca-cert"),
+            (with(&["--mode=socks"]), "--mode"),
+            (with(&["--xfr-channel-size=0"]), "--xfr-channel-size"),
+            (with(&["--agent-port=80"]), "--agent-port"),
+            (with(&["--health-port=50000"]), "--health-port"),
+            (with(&["--enable-contention-profiling"]), "--enable-contention-profiling"),
+            (with(&["--proxy-strategies=random"]), "--proxy-strategies"),
+            (with(&["--server-count=0"]), "--server-count"),
+            (with(&["--lease-label="]), "--lease-label"),
+            (with(&["--agent-bind-address=not-an-ip"]), "--agent-bind-address"),
+            (with(&["--agent-namespace=kube-system"]), "--agent-namespace"),
+            (
+                with(&[
+                    "--agent-namespace=kube-system",
+                    "--agent-service-account=konnectivity-agent",
+                    "--authentication-audience=system:konnectivity-server",
+                    "--cluster-ca-cert=/x",
+                ]),
+                "--cluster-ca-cert",
+            ),
+            (
+                vec![
+                    format!("--cluster-cert={}", dir.path().join("cluster.crt").display()),
+                    format!("--cluster-key={}", dir.path().join("cluster.key").display()),
+                ],
+                "--server-ca-cert",
+            ),
+            (
+                vec![format!("--uds-name={}", dir.path().join("s").display()), "--server-port=0".to_owned()],
+                "--cluster-cert",
+            ),
+            (
+                {
+                    let mut a = base.clone();
+                    a[2] = "--cluster-cert=/nonexistent/cluster.crt".to_owned();
+                    a
+                },
+                "/nonexistent/cluster.crt",
+            ),
+        ];
+        for (args, needle) in cases {
+            let err = parse(&args).err().unwrap_or_else(|| panic!("{args:?} should fail"));
+            let text = tunnel::error::DisplayErrorStack(&err).to_string();
+            assert!(text.contains(needle), "{args:?}: {text}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_name_the_flag() {
+        for (arg, needle) in [
+            ("--keepalive-time=1", "--keepalive-time"),
+            ("--agent-port=abc", "--agent-port"),
+            ("--delete-existing-uds-file=maybe", "--delete-existing-uds-file"),
+            ("--backend-dial-timeout=-1s", "--backend-dial-timeout"),
+        ] {
+            let err = Args::try_parse_from(["proxy-server", arg]).err().unwrap().to_string();
+            assert!(err.contains(needle), "{arg}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_repeated_flag_takes_the_last_value_as_pflag_does() {
+        let a = Args::try_parse_from(["proxy-server", "--agent-port=8132", "--agent-port", "8133"]).unwrap();
+        assert_eq!(a.agent_port, 8133);
+    }
+
+    #[test]
+    fn a_tcp_frontend_needs_its_ca_and_gets_mtls() {
+        let dir = pki();
+        let p = |f: &str| dir.path().join(f).display().to_string();
+        let c = parse(&[
+            "--server-port=8090".to_owned(),
+            format!("--server-cert={}", p("proxy-frontend.crt")),
+            format!("--server-key={}", p("proxy-frontend.key")),
+            format!("--server-ca-cert={}", p("frontend-ca.crt")),
+            format!("--cluster-cert={}", p("cluster.crt")),
+            format!("--cluster-key={}", p("cluster.key")),
+            "--server-bind-address=127.0.0.1".to_owned(),
+        ])
+        .unwrap();
+        match c.frontend {
+            FrontendListen::Tcp { addr, .. } => assert_eq!(addr.to_string(), "127.0.0.1:8090"),
+            FrontendListen::Uds { .. } => panic!("expected TCP"),
+        }
     }
 }

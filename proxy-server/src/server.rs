@@ -339,6 +339,18 @@ impl ServerHandle {
         self.tunnels.established_count()
     }
 
+    /// The agent id of every connected agent stream, sorted.
+    pub fn agent_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .tunnels
+            .backends_snapshot()
+            .iter()
+            .map(|b| b.agent_id.0.clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
     /// What `/readyz` says.
     pub fn is_ready(&self) -> bool {
         self.tunnels.backends.is_ready()

@@ -391,7 +391,10 @@ pub struct AgentProcess {
     child: Child,
 }
 
-/// Path of a workspace binary, building it if this test run did not.
+/// Path of a workspace binary, (re)building the binaries once per test
+/// process if this one is missing or older than the test executable (as
+/// happens with `cargo test -p integration-tests`, which builds no binaries
+/// of other packages; `cargo nextest run --workspace` builds them all).
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     let exe = std::env::current_exe().expect("test executable path");
@@ -401,13 +404,20 @@ pub fn binary(name: &str) -> PathBuf {
         .and_then(Path::parent)
         .expect("target directory");
     let path = dir.join(name);
-    if !path.exists() {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let stale = match (modified(&path), modified(&exe)) {
+        (Some(bin), Some(test)) => bin < test,
+        _ => true,
+    };
+    if stale {
         BUILT.get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-            let status = Command::new(cargo)
-                .args(["build", "--bin", "proxy-agent", "--bin", "proxy-server"])
-                .status()
-                .expect("running cargo build");
+            let mut command = Command::new(cargo);
+            command.args(["build", "--bin", "proxy-agent", "--bin", "proxy-server"]);
+            if dir.ends_with("release") {
+                command.arg("--release");
+            }
+            let status = command.status().expect("running cargo build");
             assert!(status.success(), "building the binaries failed");
         });
     }

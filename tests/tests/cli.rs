@@ -1,0 +1,183 @@
+//! The real binaries: flag errors exit 2 naming the flag before any socket
+//! is bound, env fallbacks, the frontend socket's mode, `--version`.
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use integration_tests::{Pki, TestServer, binary, http_get, wait_for};
+
+fn run(name: &str, args: &[String]) -> (i32, String) {
+    let out = Command::new(binary(name))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running the binary");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn pki_arg(flag: &str, file: &str) -> String {
+    format!("--{flag}={}", Pki::get().path(file).display())
+}
+
+#[test]
+fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--agent-port=abc".to_owned()], "--agent-port"),
+        (vec!["--keepalive-time=10".to_owned()], "--keepalive-time"),
+        (
+            vec![
+                format!("--uds-name={}", socket.display()),
+                "--server-port=8090".to_owned(),
+                pki_arg("cluster-cert", "cluster.crt"),
+                pki_arg("cluster-key", "cluster.key"),
+            ],
+            "--server-port",
+        ),
+        (
+            vec![
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".to_owned(),
+                "--cluster-cert=/nonexistent/cluster.crt".to_owned(),
+                pki_arg("cluster-key", "cluster.key"),
+            ],
+            "/nonexistent/cluster.crt",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (code, stderr) = run("proxy-server", &args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!socket.exists(), "a socket was bound despite a bad flag");
+    }
+}
+
+#[test]
+fn bad_agent_flags_exit_2_naming_the_flag() {
+    for (args, needle) in [
+        (vec!["--sync-interval=5".to_owned()], "--sync-interval"),
+        (vec![], "--ca-cert"),
+        (
+            vec![pki_arg("ca-cert", "agent-ca.crt"), "--agent-identifiers=zone=a".to_owned()],
+            "--agent-identifiers",
+        ),
+    ] {
+        let (code, stderr) = run("proxy-agent", &args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn both_binaries_print_their_version() {
+    for name in ["proxy-server", "proxy-agent"] {
+        let out = Command::new(binary(name)).arg("--version").output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(name) && text.contains(env!("CARGO_PKG_VERSION")), "{text}");
+    }
+}
+
+/// Kills the child on drop.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn the_agent_id_comes_from_proxy_agent_id() {
+    let server = TestServer::start().await;
+    let _agent = Child(
+        Command::new(binary("proxy-agent"))
+            .env("PROXY_AGENT_ID", "from-the-environment")
+            .args([
+                pki_arg("ca-cert", "agent-ca.crt"),
+                pki_arg("agent-cert", "proxy-agent.crt"),
+                pki_arg("agent-key", "proxy-agent.key"),
+                format!("--proxy-server-port={}", server.agent_addr.port()),
+                "--health-server-port=0".to_owned(),
+                "--sync-interval=100ms".to_owned(),
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    server.wait_for_backends(1).await;
+    assert_eq!(server.handle.agent_ids(), ["from-the-environment"]);
+}
+
+#[tokio::test]
+async fn the_server_serves_its_socket_with_mode_0770_and_its_id_from_proxy_server_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("konnectivity-server.socket");
+    std::fs::write(&socket, "stale").unwrap();
+    let health = free_port();
+    let agent_port = free_port();
+    let _server = Child(
+        Command::new(binary("proxy-server"))
+            .env("PROXY_SERVER_ID", "server-from-env")
+            .args([
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".to_owned(),
+                pki_arg("cluster-cert", "cluster.crt"),
+                pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
+                "--agent-bind-address=127.0.0.1".to_owned(),
+                format!("--agent-port={agent_port}"),
+                "--health-bind-address=127.0.0.1".to_owned(),
+                format!("--health-port={health}"),
+                "--admin-port=0".to_owned(),
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let health_addr = format!("127.0.0.1:{health}").parse().unwrap();
+    wait_for("the server's health port", || {
+        std::net::TcpStream::connect_timeout(&health_addr, Duration::from_millis(100)).is_ok()
+    })
+    .await;
+    assert_eq!(http_get(health_addr, "/healthz").await.0, 200);
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o770, "mode {mode:o}");
+    assert!(std::fs::metadata(&socket).unwrap().file_type().is_socket_like());
+
+    let config = integration_tests::agent_config(
+        format!("127.0.0.1:{agent_port}").parse().unwrap(),
+        &Default::default(),
+    );
+    let client = proxy_agent::client::Client::connect(&config).await.unwrap();
+    assert_eq!(client.server_id.0, "server-from-env");
+    assert_eq!(client.server_count, 1);
+}
+
+/// A port that was free a moment ago (for the binaries, which take ports by flag).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+trait SocketLike {
+    fn is_socket_like(&self) -> bool;
+}
+
+impl SocketLike for std::fs::FileType {
+    fn is_socket_like(&self) -> bool {
+        use std::os::unix::fs::FileTypeExt;
+        self.is_socket()
+    }
+}
