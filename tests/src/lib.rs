@@ -413,7 +413,7 @@ pub fn binary(name: &str) -> PathBuf {
         BUILT.get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
             let mut command = Command::new(cargo);
-            command.args(["build", "--bin", "proxy-agent", "--bin", "proxy-server"]);
+            command.args(["build", "-p", "proxy-agent", "-p", "proxy-server", "--bins"]);
             if dir.ends_with("release") {
                 command.arg("--release");
             }
