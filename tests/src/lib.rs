@@ -136,6 +136,8 @@ pub struct TestServer {
     pub health_addr: SocketAddr,
     /// Frontend socket (UDS mode).
     pub uds: PathBuf,
+    /// Frontend TCP address (TCP mode).
+    pub frontend_tcp: Option<SocketAddr>,
     /// Stops the server.
     shutdown: CancellationToken,
     /// The serving task.
@@ -200,6 +202,10 @@ impl TestServer {
         let handle = bound.handle();
         let agent_addr = bound.agent_addr();
         let health_addr = bound.health_addr();
+        let frontend_tcp = match bound.frontend_addr() {
+            proxy_server::server::FrontendAddr::Tcp(addr) => Some(addr),
+            proxy_server::server::FrontendAddr::Uds(_) => None,
+        };
         let token = shutdown.clone();
         let task = tokio::spawn(async move {
             bound
@@ -212,6 +218,7 @@ impl TestServer {
             agent_addr,
             health_addr,
             uds,
+            frontend_tcp,
             shutdown,
             task: Some(task),
             _dir: dir,
@@ -247,7 +254,12 @@ impl TestServer {
     /// A fresh gRPC channel on a new frontend connection (what
     /// kube-apiserver's single-use tunnel does).
     pub async fn channel(&self) -> Channel {
-        uds_channel(&self.uds).await.expect("connecting to the frontend")
+        match self.frontend_tcp {
+            Some(addr) => tunnel::client::tls_channel(addr, "localhost", frontend_client_tls(Pki::get()))
+                .await
+                .expect("connecting to the TCP frontend"),
+            None => uds_channel(&self.uds).await.expect("connecting to the frontend"),
+        }
     }
 
     /// Dials `address` through the tunnel on a fresh frontend connection.
@@ -278,6 +290,17 @@ impl Drop for TestServer {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// TLS for a frontend client: trusts the test frontend CA and presents the
+/// client certificate of `pki` (another PKI's to test refusal).
+pub fn frontend_client_tls(pki: &Pki) -> Arc<rustls::ClientConfig> {
+    tls::client_config(
+        &Pki::get().path("frontend-ca.crt"),
+        Some((&pki.path("proxy-client.crt"), &pki.path("proxy-client.key"))),
+        &[],
+    )
+    .expect("frontend client TLS")
 }
 
 /// Options of a [`TestAgent`].

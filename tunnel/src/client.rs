@@ -49,6 +49,27 @@ pub enum ClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// TCP connect or the TLS handshake with a TCP frontend failed.
+    #[error("cannot connect to proxy-server at {addr} over TLS")]
+    Tls {
+        /// The frontend address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// HTTP/2 over the TLS connection could not be set up.
+    #[error("HTTP/2 with proxy-server at {addr} failed")]
+    Transport {
+        /// The frontend address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// Not a valid TLS server name.
+    #[error("{0:?} is not a valid TLS server name")]
+    ServerName(String),
     /// The gRPC stream failed.
     #[error("proxy stream failed: {0}")]
     Stream(#[from] tonic::Status),
@@ -93,6 +114,40 @@ pub async fn uds_channel(path: &Path) -> Result<Channel, ClientError> {
             path: path.to_owned(),
             source,
         })
+}
+
+/// A gRPC channel over a fresh mTLS TCP connection to a proxy-server
+/// frontend (`--server-port` with `--server-ca-cert`).
+///
+/// # Errors
+/// TCP or TLS failure, or an invalid server name; the error names the address.
+pub async fn tls_channel(
+    addr: std::net::SocketAddr,
+    server_name: &str,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+) -> Result<Channel, ClientError> {
+    let name = rustls_pki_types::ServerName::try_from(server_name.to_owned())
+        .map_err(|_| ClientError::ServerName(server_name.to_owned()))?;
+    let connect = |source: io::Error| ClientError::Tls { addr, source };
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(connect)?;
+    let _ = tcp.set_nodelay(true);
+    let stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .map_err(connect)?;
+    let slot = std::sync::Mutex::new(Some(stream));
+    Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|source| ClientError::Transport { addr, source })?
+        .connect_with_connector(tower::service_fn(move |_| {
+            let stream = slot.lock().ok().and_then(|mut s| s.take());
+            async move {
+                stream
+                    .map(TokioIo::new)
+                    .ok_or_else(|| io::Error::other("frontend connection already used"))
+            }
+        }))
+        .await
+        .map_err(|source| ClientError::Transport { addr, source })
 }
 
 /// An established tunneled connection: read and write it like a socket.

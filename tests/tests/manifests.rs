@@ -1,0 +1,533 @@
+//! Drift test for `deploy/*.yaml` (house style 3.8): every `args:` list of a
+//! proxy-server or proxy-agent container must parse with that binary's
+//! `Args`, carry the documented values, and validate into a `Config` once its
+//! certificate paths point at real files, so the manifests cannot rot.
+//!
+//! No YAML crate: a small line-based reader takes the `args:` list (block
+//! `- "--flag=value"` items or a `[ ... ]` flow sequence) and decides which
+//! binary it belongs to from the same container's `image:` or `command:`.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use clap::Parser;
+
+/// Which binary a container runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Binary {
+    /// `/proxy-server`.
+    Server,
+    /// `/proxy-agent`.
+    Agent,
+}
+
+impl Binary {
+    /// argv[0] and the name the image and command mention.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Server => "proxy-server",
+            Self::Agent => "proxy-agent",
+        }
+    }
+}
+
+/// One proxy container found in a manifest.
+#[derive(Debug, Clone)]
+struct Container {
+    /// File name inside `deploy/`.
+    file: String,
+    /// What it runs.
+    binary: Binary,
+    /// Its `args:`, unquoted.
+    args: Vec<String>,
+}
+
+impl Container {
+    /// `argv`: the binary name followed by the manifest's args.
+    fn argv(&self) -> Vec<String> {
+        std::iter::once(self.binary.name().to_owned())
+            .chain(self.args.iter().cloned())
+            .collect()
+    }
+
+    fn server_args(&self) -> proxy_server::config::Args {
+        assert_eq!(self.binary, Binary::Server, "{}", self.file);
+        proxy_server::config::Args::try_parse_from(self.argv()).unwrap_or_else(|e| {
+            panic!(
+                "deploy/{}: proxy-server rejects its args {:?}:\n{e}",
+                self.file, self.args
+            )
+        })
+    }
+
+    fn agent_args(&self) -> proxy_agent::config::Args {
+        assert_eq!(self.binary, Binary::Agent, "{}", self.file);
+        proxy_agent::config::Args::try_parse_from(self.argv()).unwrap_or_else(|e| {
+            panic!(
+                "deploy/{}: proxy-agent rejects its args {:?}:\n{e}",
+                self.file, self.args
+            )
+        })
+    }
+}
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+/// Indentation of a line, in spaces.
+fn indent(line: &str) -> usize {
+    line.len() - line.trim_start().len()
+}
+
+/// Skipped by the args reader: blank lines and comments.
+fn is_filler(line: &str) -> bool {
+    let t = line.trim();
+    t.is_empty() || t.starts_with('#')
+}
+
+/// Unquotes one YAML scalar (`"x"`, `'x'` or bare `x`), dropping a trailing
+/// comment.
+fn scalar(text: &str) -> String {
+    let text = text.trim();
+    for quote in ['"', '\''] {
+        if let Some(rest) = text.strip_prefix(quote) {
+            let end = rest
+                .find(quote)
+                .unwrap_or_else(|| panic!("unterminated quote in {text:?}"));
+            let value = &rest[..end];
+            assert!(
+                !value.contains('\\'),
+                "escapes are not supported here: {text:?}"
+            );
+            return value.to_owned();
+        }
+    }
+    text.split(" #").next().unwrap_or(text).trim().to_owned()
+}
+
+/// Reads a flow sequence starting at `text` (just after `args:`): items
+/// separated by commas outside quotes, up to the `]` outside quotes, with
+/// `#` comments skipped.
+fn flow_items(text: &str) -> Vec<String> {
+    let text = text
+        .trim_start()
+        .strip_prefix('[')
+        .expect("a flow sequence starts with [");
+    let mut items = Vec::new();
+    let mut current = String::new();
+    let mut quote = None;
+    let mut comment = false;
+    let mut previous = ' ';
+    for c in text.chars() {
+        match (quote, c) {
+            (_, '\n') => comment = false,
+            _ if comment => {}
+            (None, '#') if previous.is_whitespace() => comment = true,
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                current.push(c);
+            }
+            (Some(q), _) if c == q => {
+                quote = None;
+                current.push(c);
+            }
+            (None, ',') => items.push(std::mem::take(&mut current)),
+            (None, ']') => {
+                items.push(std::mem::take(&mut current));
+                return items
+                    .iter()
+                    .filter(|item| !item.trim().is_empty())
+                    .map(|item| scalar(item))
+                    .collect();
+            }
+            _ => current.push(c),
+        }
+        previous = c;
+    }
+    panic!("unterminated flow sequence: {text:?}");
+}
+
+/// Reads the `args:` value starting at `lines[at]`; returns the items.
+fn read_args(lines: &[&str], at: usize) -> Vec<String> {
+    let rest = lines[at].trim().trim_start_matches("args:").trim();
+    if rest.starts_with('[') {
+        return flow_items(&format!("{rest}\n{}", lines[at + 1..].join("\n")));
+    }
+    assert!(
+        rest.is_empty() || rest.starts_with('#'),
+        "unsupported args form: {:?}",
+        lines[at]
+    );
+    lines[at + 1..]
+        .iter()
+        .filter(|line| !is_filler(line))
+        .map_while(|line| line.trim().strip_prefix("- "))
+        .map(scalar)
+        .collect()
+}
+
+/// The binary the container owning `lines[at]` (its `args:` line) runs, from
+/// its `image:` or `command:`: the container's other keys sit at the same
+/// indentation, up to the `- ` line that starts the container.
+fn container_binary(lines: &[&str], at: usize) -> Option<Binary> {
+    let key_indent = indent(lines[at]);
+    let mentions = |line: &str| {
+        let key = line.trim().trim_start_matches("- ");
+        let hint = key.starts_with("image:") || key.starts_with("command:");
+        [Binary::Server, Binary::Agent]
+            .into_iter()
+            .find(|b| hint && key.contains(b.name()))
+    };
+    let mut found = None;
+    for line in lines[..at].iter().rev().filter(|l| !is_filler(l)) {
+        if indent(line) < key_indent {
+            // The `- name:`/`- image:` line opening this container.
+            found = found.or_else(|| mentions(line));
+            break;
+        }
+        if indent(line) == key_indent {
+            found = found.or_else(|| mentions(line));
+        }
+    }
+    for line in lines[at + 1..].iter().filter(|l| !is_filler(l)) {
+        if indent(line) < key_indent {
+            break;
+        }
+        if indent(line) == key_indent {
+            found = found.or_else(|| mentions(line));
+        }
+    }
+    found
+}
+
+/// Every proxy-server and proxy-agent container in `deploy/*.yaml`.
+fn containers() -> Vec<Container> {
+    let mut files: Vec<PathBuf> = fs::read_dir(deploy_dir())
+        .expect("deploy/ exists")
+        .map(|entry| entry.expect("readable deploy/ entry").path())
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|ext| ext == "yaml" || ext == "yml")
+        })
+        .collect();
+    files.sort();
+    let mut found = Vec::new();
+    for path in files {
+        let text = fs::read_to_string(&path).expect("readable manifest");
+        let file = path
+            .file_name()
+            .expect("file name")
+            .to_string_lossy()
+            .into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        for (at, line) in lines.iter().enumerate() {
+            if !line.trim_start().starts_with("args:") {
+                continue;
+            }
+            if let Some(binary) = container_binary(&lines, at) {
+                found.push(Container {
+                    file: file.clone(),
+                    binary,
+                    args: read_args(&lines, at),
+                });
+            }
+        }
+    }
+    found
+}
+
+fn of(binary: Binary) -> Vec<Container> {
+    containers()
+        .into_iter()
+        .filter(|c| c.binary == binary)
+        .collect()
+}
+
+fn in_file(file: &str) -> Container {
+    let mut matching: Vec<Container> = containers()
+        .into_iter()
+        .filter(|c| c.file == file)
+        .collect();
+    assert_eq!(
+        matching.len(),
+        1,
+        "deploy/{file}: want exactly one proxy container"
+    );
+    matching.remove(0)
+}
+
+const UDS: &str = "/etc/kubernetes/konnectivity-server/konnectivity-server.socket";
+
+#[test]
+fn the_line_reader_handles_block_and_flow_args() {
+    let block = [
+        "  - name: c",
+        "    image: konnectivity-rs/proxy-agent:v1",
+        "    args:",
+        "    # comment",
+        "    - \"--a=1\"",
+        "",
+        "    - '--b=x,y'",
+        "    - --c # trailing",
+        "    livenessProbe:",
+    ];
+    assert_eq!(container_binary(&block, 2), Some(Binary::Agent));
+    assert_eq!(read_args(&block, 2), ["--a=1", "--b=x,y", "--c"]);
+
+    let flow = [
+        "  - command: [\"/proxy-server\"]",
+        "    args: [",
+        "            \"--a=1\",",
+        "            # comment, with a comma",
+        "            \"--b=x,y\", # trailing ] comment",
+        "            \"--alpn-proto=[]\"",
+        "            ]",
+    ];
+    assert_eq!(container_binary(&flow, 1), Some(Binary::Server));
+    assert_eq!(read_args(&flow, 1), ["--a=1", "--b=x,y", "--alpn-proto=[]"]);
+    let inline = ["- image: other", "  args: [\"--x\", '--y']"];
+    assert_eq!(container_binary(&inline, 1), None);
+    assert_eq!(read_args(&inline, 1), ["--x", "--y"]);
+}
+
+#[test]
+fn every_manifest_args_list_parses() {
+    let all = containers();
+    let servers = all.iter().filter(|c| c.binary == Binary::Server).count();
+    let agents = all.iter().filter(|c| c.binary == Binary::Agent).count();
+    assert!(
+        servers >= 2,
+        "found {servers} proxy-server manifests in deploy/: {all:#?}"
+    );
+    assert!(
+        agents >= 2,
+        "found {agents} proxy-agent manifests in deploy/: {all:#?}"
+    );
+    for c in &all {
+        assert!(!c.args.is_empty(), "deploy/{}: empty args", c.file);
+        for arg in &c.args {
+            assert!(
+                arg.starts_with("--"),
+                "deploy/{}: {arg:?} is not a --flag",
+                c.file
+            );
+            assert!(
+                !arg.contains("$("),
+                "deploy/{}: {arg:?}: keep $(VAR) references out of args",
+                c.file
+            );
+        }
+        match c.binary {
+            Binary::Server => {
+                let args = c.server_args();
+                assert!(args.log.logtostderr, "{}", c.file);
+                assert_eq!(args.mode, "grpc", "{}", c.file);
+                assert_eq!(args.uds_name, UDS, "{}", c.file);
+                assert!(args.delete_existing_uds_file, "{}", c.file);
+                assert_eq!(args.server_port, 0, "{}", c.file);
+                assert_eq!(args.agent_port, 8132, "{}", c.file);
+                assert_eq!(args.admin_port, 8133, "{}", c.file);
+                assert_eq!(args.health_port, 8134, "{}", c.file);
+            }
+            Binary::Agent => {
+                let args = c.agent_args();
+                assert!(args.log.logtostderr, "{}", c.file);
+                assert_eq!(
+                    args.proxy_server_host, "konnectivity.example.internal",
+                    "{}",
+                    c.file
+                );
+                assert_eq!(args.proxy_server_port, 8132, "{}", c.file);
+                assert_eq!(args.admin_server_port, 8133, "{}", c.file);
+                assert_eq!(args.health_server_port, 8134, "{}", c.file);
+            }
+        }
+    }
+}
+
+#[test]
+fn server_manifests_carry_their_agent_authentication() {
+    let mtls = in_file("konnectivity-server.yaml").server_args();
+    assert_eq!(
+        mtls.cluster_cert,
+        "/etc/kubernetes/pki/konnectivity/cluster.crt"
+    );
+    assert_eq!(
+        mtls.cluster_key,
+        "/etc/kubernetes/pki/konnectivity/cluster.key"
+    );
+    assert_eq!(
+        mtls.cluster_ca_cert,
+        "/etc/kubernetes/pki/konnectivity/agent-ca.crt"
+    );
+    assert_eq!(mtls.agent_namespace, "");
+    assert_eq!(mtls.agent_service_account, "");
+    assert_eq!(mtls.authentication_audience, "");
+    assert_eq!(mtls.kubeconfig, "");
+
+    let token = in_file("konnectivity-server-token-auth.yaml").server_args();
+    assert_eq!(
+        token.cluster_ca_cert, "",
+        "token auth forbids --cluster-ca-cert"
+    );
+    assert_eq!(token.agent_namespace, "kube-system");
+    assert_eq!(token.agent_service_account, "konnectivity-agent");
+    assert_eq!(token.authentication_audience, "system:konnectivity-server");
+    assert_eq!(token.kubeconfig, "/etc/kubernetes/konnectivity-server.conf");
+    assert!(!token.cluster_cert.is_empty() && !token.cluster_key.is_empty());
+}
+
+#[test]
+fn agent_manifests_carry_their_authentication() {
+    let mtls = in_file("konnectivity-agent.yaml").agent_args();
+    assert_eq!(mtls.ca_cert, "/etc/konnectivity/agent-ca.crt");
+    assert_eq!(mtls.agent_cert, "/etc/konnectivity/proxy-agent.crt");
+    assert_eq!(mtls.agent_key, "/etc/konnectivity/proxy-agent.key");
+    assert_eq!(mtls.service_account_token_path, "");
+
+    let token = in_file("konnectivity-agent-token-auth.yaml").agent_args();
+    assert_eq!(
+        token.ca_cert,
+        "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    );
+    assert_eq!(
+        token.service_account_token_path,
+        "/var/run/secrets/tokens/konnectivity-agent-token"
+    );
+    assert_eq!(token.agent_cert, "");
+    assert_eq!(token.agent_key, "");
+}
+
+#[test]
+fn mtls_server_manifest_fails_only_on_missing_cert_files() {
+    let args = in_file("konnectivity-server.yaml").server_args();
+    let dir = "/etc/kubernetes/pki/konnectivity/";
+    if Path::new(dir).exists() {
+        // A node with real certificates: the validation below covers it.
+        return;
+    }
+    let err =
+        proxy_server::config::Config::try_from(args).expect_err("no certificates on this machine");
+    let text = err.to_string();
+    assert!(
+        matches!(err, proxy_server::config::ConfigError::Tls { .. }),
+        "want a TLS file error, got: {text}"
+    );
+    assert!(text.contains("--cluster-") && text.contains(dir), "{text}");
+}
+
+/// File `make-certs` writes for a certificate flag, or `None` for other flags.
+fn cert_file(binary: Binary, flag: &str) -> Option<&'static str> {
+    Some(match (binary, flag) {
+        (Binary::Server, "cluster-cert") => "cluster.crt",
+        (Binary::Server, "cluster-key") => "cluster.key",
+        (Binary::Server, "cluster-ca-cert") => "agent-ca.crt",
+        (Binary::Server, "server-cert") => "proxy-frontend.crt",
+        (Binary::Server, "server-key") => "proxy-frontend.key",
+        (Binary::Server, "server-ca-cert") => "frontend-ca.crt",
+        (Binary::Agent, "ca-cert") => "agent-ca.crt",
+        (Binary::Agent, "agent-cert") => "proxy-agent.crt",
+        (Binary::Agent, "agent-key") => "proxy-agent.key",
+        (Binary::Agent, "service-account-token-path") => "token",
+        _ => return None,
+    })
+}
+
+#[test]
+fn every_manifest_validates_with_real_certificates() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    certs::ClusterPki::generate(&["konnectivity.example.internal".to_owned()])
+        .expect("certificates")
+        .write_to(dir.path())
+        .expect("written");
+    fs::write(dir.path().join("token"), "not-a-real-token").expect("token file");
+
+    for mut c in containers() {
+        for arg in &mut c.args {
+            let Some((flag, _)) = arg.trim_start_matches("--").split_once('=') else {
+                continue;
+            };
+            if let Some(file) = cert_file(c.binary, flag) {
+                *arg = format!("--{flag}={}", dir.path().join(file).display());
+            }
+        }
+        let mtls = !c.file.contains("token-auth");
+        match c.binary {
+            Binary::Server => {
+                let config = proxy_server::config::Config::try_from(c.server_args())
+                    .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
+                assert!(
+                    matches!(
+                        config.frontend,
+                        proxy_server::config::FrontendListen::Uds { .. }
+                    ),
+                    "{}",
+                    c.file
+                );
+                assert_eq!(config.agent_addr.port(), 8132, "{}", c.file);
+                if mtls {
+                    assert!(
+                        config.not_implemented.is_empty(),
+                        "deploy/{}: {:?}",
+                        c.file,
+                        config.not_implemented
+                    );
+                }
+            }
+            Binary::Agent => {
+                let config = proxy_agent::config::Config::try_from(c.agent_args())
+                    .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
+                assert_eq!(
+                    config.server_host, "konnectivity.example.internal",
+                    "{}",
+                    c.file
+                );
+                assert_eq!(config.server_port, 8132, "{}", c.file);
+                assert_eq!(config.health_addr.port(), 8134, "{}", c.file);
+                if mtls {
+                    assert!(
+                        config.not_implemented.is_empty(),
+                        "deploy/{}: {:?}",
+                        c.file,
+                        config.not_implemented
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn server_and_agent_manifests_agree() {
+    for server in of(Binary::Server) {
+        let agent_file = server
+            .file
+            .replace("konnectivity-server", "konnectivity-agent");
+        let server = server.server_args();
+        let agent = in_file(&agent_file).agent_args();
+        assert_eq!(agent.proxy_server_port, server.agent_port, "{agent_file}");
+    }
+    for agent in of(Binary::Agent) {
+        assert!(
+            deploy_dir()
+                .join(
+                    agent
+                        .file
+                        .replace("konnectivity-agent", "konnectivity-server")
+                )
+                .is_file(),
+            "deploy/{}: no matching server manifest",
+            agent.file
+        );
+    }
+    let egress = fs::read_to_string(deploy_dir().join("egress-selector-configuration.yaml"))
+        .expect("egress config");
+    assert!(
+        egress.contains(&format!("udsName: {UDS}")),
+        "egress selector and --uds-name differ"
+    );
+    assert!(egress.contains("proxyProtocol: GRPC"));
+}
