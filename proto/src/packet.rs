@@ -70,7 +70,10 @@ impl Packet {
 
     /// `DIAL_CLS{random}`: cancels a pending dial.
     pub fn close_dial(random: i64) -> Self {
-        Self::new(PacketType::DialCls, Payload::CloseDial(CloseDial { random }))
+        Self::new(
+            PacketType::DialCls,
+            Payload::CloseDial(CloseDial { random }),
+        )
     }
 
     /// `DRAIN{}`: the agent is about to terminate.
@@ -218,8 +221,8 @@ mod tests {
         assert_eq!(
             bytes,
             vec![
-                0x08, 0x02, 0x2a, 0x0b, 0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
-                0xff, 0x01
+                0x08, 0x02, 0x2a, 0x0b, 0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+                0x01
             ]
         );
     }

@@ -2,6 +2,8 @@
 //! `protoc` needed) and fails if they differ from the checked-in `src/gen/`.
 //! `UPDATE_PROTO=1 cargo test -p proto --test bootstrap` rewrites them.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
 use std::path::{Path, PathBuf};
 
 /// The one generated file: both .proto files have no package, so prost emits
@@ -14,11 +16,7 @@ fn generated_code_is_up_to_date() {
     let proto_dir = root.clone();
     let out = tempfile::tempdir().unwrap();
 
-    let fds = protox::compile(
-        ["client.proto", "agent.proto"],
-        [&proto_dir],
-    )
-    .unwrap();
+    let fds = protox::compile(["client.proto", "agent.proto"], [&proto_dir]).unwrap();
     tonic_prost_build::configure()
         .bytes(".Data.data")
         .emit_rerun_if_changed(false)

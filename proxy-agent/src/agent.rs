@@ -18,12 +18,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, info, info_span, warn};
 use tunnel::{conn::bind_tcp, error::DisplayErrorStack, ids::ServerId};
 
-use crate::{
-    client::Client,
-    config::Config,
-    endpoint::ConnectionManager,
-    health,
-};
+use crate::{client::Client, config::Config, endpoint::ConnectionManager, health};
 
 /// Failure to start the agent.
 #[derive(Debug, thiserror::Error)]
@@ -153,7 +148,9 @@ pub struct Bound {
 impl Bound {
     /// Address of the health listener.
     pub fn health_addr(&self) -> SocketAddr {
-        self.health.local_addr().expect("a bound TCP listener has an address")
+        self.health
+            .local_addr()
+            .expect("a bound TCP listener has an address")
     }
 
     /// A handle for observing the running agent.
@@ -249,7 +246,9 @@ fn add_client(
                 conns: conns.clone(),
             },
         );
-        state.server_count.store(client.server_count, Ordering::Relaxed);
+        state
+            .server_count
+            .store(client.server_count, Ordering::Relaxed);
     }
     info!(server.id = %server_id, server.count = client.server_count, "connected to proxy-server");
     let state = state.clone();

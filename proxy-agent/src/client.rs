@@ -303,7 +303,9 @@ struct Stream {
 impl Stream {
     async fn handle(&self, packet: Packet) {
         match packet.into_kind() {
-            PacketKind::DialReq(req) => self.spawn_dial(req.protocol, req.address, DialId(req.random)),
+            PacketKind::DialReq(req) => {
+                self.spawn_dial(req.protocol, req.address, DialId(req.random))
+            }
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);
                 match self.conns.data_tx(id) {
@@ -365,7 +367,9 @@ impl Stream {
                     Ok(stream) => stream,
                     Err(error) => {
                         debug!(%error, "dial failed");
-                        let _ = out_tx.send(Packet::dial_response(dial_id.0, 0, &error)).await;
+                        let _ = out_tx
+                            .send(Packet::dial_response(dial_id.0, 0, &error))
+                            .await;
                         return;
                     }
                 };

@@ -211,8 +211,12 @@ fn check_identifiers(text: &str) -> Result<(), String> {
                 let (ip, bits) = value
                     .split_once('/')
                     .ok_or_else(|| format!("cidr={value} is not a CIDR"))?;
-                let ip: IpAddr = ip.parse().map_err(|_| format!("cidr={value} is not a CIDR"))?;
-                let bits: u8 = bits.parse().map_err(|_| format!("cidr={value} is not a CIDR"))?;
+                let ip: IpAddr = ip
+                    .parse()
+                    .map_err(|_| format!("cidr={value} is not a CIDR"))?;
+                let bits: u8 = bits
+                    .parse()
+                    .map_err(|_| format!("cidr={value} is not a CIDR"))?;
                 if bits > if ip.is_ipv4() { 32 } else { 128 } {
                     return Err(format!("cidr={value} has too many prefix bits"));
                 }
@@ -248,10 +252,16 @@ impl TryFrom<Args> for Config {
 
     fn try_from(args: Args) -> Result<Self, ConfigError> {
         if args.ca_cert.is_empty() {
-            return Err(invalid("ca-cert", "required: the server's certificate is always verified"));
+            return Err(invalid(
+                "ca-cert",
+                "required: the server's certificate is always verified",
+            ));
         }
         if args.agent_cert.is_empty() != args.agent_key.is_empty() {
-            return Err(invalid("agent-cert", "--agent-cert and --agent-key go together"));
+            return Err(invalid(
+                "agent-cert",
+                "--agent-cert and --agent-key go together",
+            ));
         }
         if args.proxy_server_port == 0 {
             return Err(invalid("proxy-server-port", "must be greater than 0"));
@@ -263,7 +273,10 @@ impl TryFrom<Args> for Config {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
         if args.sync_interval > args.sync_interval_cap {
-            return Err(invalid("sync-interval", "must not exceed --sync-interval-cap"));
+            return Err(invalid(
+                "sync-interval",
+                "must not exceed --sync-interval-cap",
+            ));
         }
         if args.sync_interval.is_zero() {
             return Err(invalid("sync-interval", "must be greater than 0"));
@@ -272,7 +285,10 @@ impl TryFrom<Args> for Config {
             return Err(invalid("probe-interval", "must be greater than 0"));
         }
         if args.enable_contention_profiling && !args.enable_profiling {
-            return Err(invalid("enable-contention-profiling", "requires --enable-profiling"));
+            return Err(invalid(
+                "enable-contention-profiling",
+                "requires --enable-profiling",
+            ));
         }
         if !matches!(args.server_count_source.as_str(), "" | "default" | "max") {
             return Err(invalid("server-count-source", "want default or max"));
@@ -282,25 +298,36 @@ impl TryFrom<Args> for Config {
         {
             return Err(invalid(
                 "service-account-token-path",
-                format!("{} does not exist or is not a file", args.service_account_token_path),
+                format!(
+                    "{} does not exist or is not a file",
+                    args.service_account_token_path
+                ),
             ));
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
         let alpn = parse_string_slice(&args.alpn_proto);
         let ca = PathBuf::from(&args.ca_cert);
-        let client_cert = (!args.agent_cert.is_empty())
-            .then(|| (PathBuf::from(&args.agent_cert), PathBuf::from(&args.agent_key)));
+        let client_cert = (!args.agent_cert.is_empty()).then(|| {
+            (
+                PathBuf::from(&args.agent_cert),
+                PathBuf::from(&args.agent_key),
+            )
+        });
         let tls = tls::client_config(
             &ca,
-            client_cert.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+            client_cert
+                .as_ref()
+                .map(|(c, k)| (c.as_path(), k.as_path())),
             &alpn,
         )
         .map_err(|source| ConfigError::Tls {
             flag: match &source {
                 TlsError::Key { .. } => "agent-key",
                 TlsError::Config { .. } => "agent-cert",
-                _ if client_cert.is_some() && !matches!(source, TlsError::Ca { .. }) => "ca-cert or --agent-cert",
+                _ if client_cert.is_some() && !matches!(source, TlsError::Ca { .. }) => {
+                    "ca-cert or --agent-cert"
+                }
                 _ => "ca-cert",
             },
             source,
@@ -311,7 +338,10 @@ impl TryFrom<Args> for Config {
             AgentId(args.agent_id.clone())
         };
         let not_implemented = [
-            ("service-account-token-path", !args.service_account_token_path.is_empty()),
+            (
+                "service-account-token-path",
+                !args.service_account_token_path.is_empty(),
+            ),
             ("count-server-leases", args.count_server_leases),
             ("kubeconfig", !args.kubeconfig.is_empty()),
             ("enable-profiling", args.enable_profiling),
@@ -325,7 +355,11 @@ impl TryFrom<Args> for Config {
             tls,
             agent_id,
             agent_identifiers: args.agent_identifiers.clone(),
-            health_addr: bind_addr("health-server-host", &args.health_server_host, args.health_server_port)?,
+            health_addr: bind_addr(
+                "health-server-host",
+                &args.health_server_host,
+                args.health_server_port,
+            )?,
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
             sync_forever: args.sync_forever,
@@ -383,7 +417,10 @@ mod tests {
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label_selector, "k8s-app=konnectivity-server");
         assert_eq!(a.server_count_source, "default");
-        assert_eq!(a.kube_api_content_type, "application/vnd.kubernetes.protobuf");
+        assert_eq!(
+            a.kube_api_content_type,
+            "application/vnd.kubernetes.protobuf"
+        );
     }
 
     /// What ANP's external-agent test runner passes: every flag as `--name=value`.
@@ -438,11 +475,19 @@ mod tests {
             (&["--proxy-server-port=0"], "--proxy-server-port"),
             (&["--agent-identifiers=zone=a"], "--agent-identifiers"),
             (&["--server-count-source=min"], "--server-count-source"),
-            (&["--service-account-token-path=/nonexistent/token"], "/nonexistent/token"),
-            (&["--enable-contention-profiling"], "--enable-contention-profiling"),
+            (
+                &["--service-account-token-path=/nonexistent/token"],
+                "/nonexistent/token",
+            ),
+            (
+                &["--enable-contention-profiling"],
+                "--enable-contention-profiling",
+            ),
             (&["--health-server-host=nope"], "--health-server-host"),
         ] {
-            let err = parse(dir.path(), extra).err().unwrap_or_else(|| panic!("{extra:?}"));
+            let err = parse(dir.path(), extra)
+                .err()
+                .unwrap_or_else(|| panic!("{extra:?}"));
             let text = tunnel::error::DisplayErrorStack(&err).to_string();
             assert!(text.contains(needle), "{extra:?}: {text}");
         }
@@ -453,8 +498,14 @@ mod tests {
         )
         .unwrap_err();
         let text = tunnel::error::DisplayErrorStack(&err).to_string();
-        assert!(text.contains("--ca-cert") && text.contains("/nonexistent/ca.crt"), "{text}");
-        let err = Args::try_parse_from(["proxy-agent", "--sync-interval=5"]).err().unwrap().to_string();
+        assert!(
+            text.contains("--ca-cert") && text.contains("/nonexistent/ca.crt"),
+            "{text}"
+        );
+        let err = Args::try_parse_from(["proxy-agent", "--sync-interval=5"])
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("--sync-interval"), "{err}");
     }
 
@@ -469,8 +520,18 @@ mod tests {
     #[test]
     fn identifiers_are_checked() {
         assert!(check_identifiers("").is_ok());
-        assert!(check_identifiers("host=n1&ipv4=10.0.0.1&ipv6=::1&cidr=10.0.0.0/8&default-route=true").is_ok());
-        for bad in ["zone=a", "ipv4=nope", "ipv6=1.2.3.4", "cidr=10.0.0.0", "cidr=10.0.0.0/33", "default-route=maybe"] {
+        assert!(
+            check_identifiers("host=n1&ipv4=10.0.0.1&ipv6=::1&cidr=10.0.0.0/8&default-route=true")
+                .is_ok()
+        );
+        for bad in [
+            "zone=a",
+            "ipv4=nope",
+            "ipv6=1.2.3.4",
+            "cidr=10.0.0.0",
+            "cidr=10.0.0.0/33",
+            "default-route=maybe",
+        ] {
             assert!(check_identifiers(bad).is_err(), "{bad}");
         }
         assert!(check_identifiers("zone=a").unwrap_err().contains("zone"));

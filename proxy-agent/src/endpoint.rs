@@ -91,7 +91,9 @@ impl ConnectionManager {
 /// error strings, as kube-apiserver's HTTP-CONNECT path does, keep working.
 pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, String> {
     if !matches!(protocol, "tcp" | "tcp4" | "tcp6" | "") {
-        return Err(format!("dial {protocol} {address}: unknown network {protocol}"));
+        return Err(format!(
+            "dial {protocol} {address}: unknown network {protocol}"
+        ));
     }
     let addrs = match tokio::time::timeout(DIAL_TIMEOUT, tokio::net::lookup_host(address)).await {
         Err(_) => return Err(format!("dial tcp {address}: i/o timeout")),
@@ -99,7 +101,10 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, String> {
         Ok(Ok(addrs)) => addrs.collect::<Vec<_>>(),
     };
     if addrs.is_empty() {
-        return Err(format!("dial tcp {address}: lookup {}: no such host", host(address)));
+        return Err(format!(
+            "dial tcp {address}: lookup {}: no such host",
+            host(address)
+        ));
     }
     let attempt = async {
         let mut last = None;

@@ -25,7 +25,10 @@ async fn readyz(
     State(state): State<Arc<AgentState>>,
     Query(query): Query<std::collections::HashMap<String, String>>,
 ) -> (StatusCode, String) {
-    readiness(state.server_connections() > 0, query.contains_key("verbose"))
+    readiness(
+        state.server_connections() > 0,
+        query.contains_key("verbose"),
+    )
 }
 
 /// ANP's healthz-style answer for the checks `ping` and `server-connected`.

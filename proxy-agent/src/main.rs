@@ -17,7 +17,10 @@ async fn main() -> std::process::ExitCode {
     let config = match Config::try_from(args) {
         Ok(config) => config,
         Err(e) => Args::command()
-            .error(ErrorKind::ValueValidation, tunnel::error::DisplayErrorStack(&e))
+            .error(
+                ErrorKind::ValueValidation,
+                tunnel::error::DisplayErrorStack(&e),
+            )
             .exit(),
     };
     match run(config).await {

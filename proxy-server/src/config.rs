@@ -278,21 +278,36 @@ impl TryFrom<Args> for Config {
         let mode = match args.mode.as_str() {
             "grpc" => Mode::Grpc,
             "http-connect" => Mode::HttpConnect,
-            other => return Err(invalid("mode", format!("{other:?} is not grpc or http-connect"))),
+            other => {
+                return Err(invalid(
+                    "mode",
+                    format!("{other:?} is not grpc or http-connect"),
+                ));
+            }
         };
         if mode == Mode::HttpConnect {
-            return Err(invalid("mode", "http-connect is not implemented yet in this build"));
+            return Err(invalid(
+                "mode",
+                "http-connect is not implemented yet in this build",
+            ));
         }
         let frontend = if args.uds_name.is_empty() {
             let port = check_port("server-port", args.server_port)?;
-            let ca = path_flag(&args.server_ca_cert)
-                .ok_or_else(|| invalid("server-ca-cert", "required for the TCP frontend (--uds-name is empty)"))?;
+            let ca = path_flag(&args.server_ca_cert).ok_or_else(|| {
+                invalid(
+                    "server-ca-cert",
+                    "required for the TCP frontend (--uds-name is empty)",
+                )
+            })?;
             let cert = path_flag(&args.server_cert)
                 .ok_or_else(|| invalid("server-cert", "required for the TCP frontend"))?;
             let key = path_flag(&args.server_key)
                 .ok_or_else(|| invalid("server-key", "required for the TCP frontend"))?;
-            let tls = tls::server_config(&cert, &key, Some(&ca))
-                .map_err(|source| ConfigError::Tls { flag: "server-cert", source })?;
+            let tls =
+                tls::server_config(&cert, &key, Some(&ca)).map_err(|source| ConfigError::Tls {
+                    flag: "server-cert",
+                    source,
+                })?;
             FrontendListen::Tcp {
                 addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
                 tls,
@@ -315,10 +330,18 @@ impl TryFrom<Args> for Config {
                 delete_existing: args.delete_existing_uds_file,
             }
         };
-        let cluster_cert = path_flag(&args.cluster_cert)
-            .ok_or_else(|| invalid("cluster-cert", "required: the agent listener always uses TLS"))?;
-        let cluster_key = path_flag(&args.cluster_key)
-            .ok_or_else(|| invalid("cluster-key", "required: the agent listener always uses TLS"))?;
+        let cluster_cert = path_flag(&args.cluster_cert).ok_or_else(|| {
+            invalid(
+                "cluster-cert",
+                "required: the agent listener always uses TLS",
+            )
+        })?;
+        let cluster_key = path_flag(&args.cluster_key).ok_or_else(|| {
+            invalid(
+                "cluster-key",
+                "required: the agent listener always uses TLS",
+            )
+        })?;
         let token_auth = [
             &args.agent_namespace,
             &args.agent_service_account,
@@ -341,14 +364,21 @@ impl TryFrom<Args> for Config {
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
             .map_err(|source| ConfigError::Tls {
-                flag: if cluster_ca.is_some() { "cluster-ca-cert" } else { "cluster-cert" },
+                flag: if cluster_ca.is_some() {
+                    "cluster-ca-cert"
+                } else {
+                    "cluster-cert"
+                },
                 source,
             })?;
         if args.xfr_channel_size == 0 {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
         if args.enable_contention_profiling && !args.enable_profiling {
-            return Err(invalid("enable-contention-profiling", "requires --enable-profiling"));
+            return Err(invalid(
+                "enable-contention-profiling",
+                "requires --enable-profiling",
+            ));
         }
         if args.server_count == 0 {
             return Err(invalid("server-count", "must be at least 1"));
@@ -370,7 +400,10 @@ impl TryFrom<Args> for Config {
             ("cipher-suites", !args.cipher_suites.is_empty()),
             ("tls-min-version", !args.tls_min_version.is_empty()),
             ("enable-lease-controller", args.enable_lease_controller),
-            ("graceful-shutdown-timeout", !args.graceful_shutdown_timeout.is_zero()),
+            (
+                "graceful-shutdown-timeout",
+                !args.graceful_shutdown_timeout.is_zero(),
+            ),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
@@ -378,16 +411,25 @@ impl TryFrom<Args> for Config {
         Ok(Self {
             mode,
             frontend,
-            agent_addr: bind_addr("agent-bind-address", &args.agent_bind_address, check_port("agent-port", args.agent_port)?)?,
+            agent_addr: bind_addr(
+                "agent-bind-address",
+                &args.agent_bind_address,
+                check_port("agent-port", args.agent_port)?,
+            )?,
             agent_tls,
-            health_addr: bind_addr("health-bind-address", &args.health_bind_address, check_port("health-port", args.health_port)?)?,
+            health_addr: bind_addr(
+                "health-bind-address",
+                &args.health_bind_address,
+                check_port("health-port", args.health_port)?,
+            )?,
             server_id,
             server_count: args.server_count,
             strategies,
             xfr_channel_size: args.xfr_channel_size,
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
-            backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
+            backend_dial_timeout: (!args.backend_dial_timeout.is_zero())
+                .then_some(args.backend_dial_timeout),
             not_implemented,
         })
     }
@@ -442,7 +484,10 @@ mod tests {
         assert_eq!(a.server_count, 1);
         assert_eq!(a.proxy_strategies, "default");
         assert_eq!(a.xfr_channel_size, 10);
-        assert_eq!(a.kube_api_content_type, "application/vnd.kubernetes.protobuf");
+        assert_eq!(
+            a.kube_api_content_type,
+            "application/vnd.kubernetes.protobuf"
+        );
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label, "k8s-app=konnectivity-server");
         assert_eq!(a.graceful_shutdown_timeout, Duration::ZERO);
@@ -466,12 +511,21 @@ mod tests {
             "--proxy-strategies=destHost,default".to_owned(),
         ]);
         let c = parse(&args).unwrap();
-        assert!(matches!(c.frontend, FrontendListen::Uds { delete_existing: false, .. }));
+        assert!(matches!(
+            c.frontend,
+            FrontendListen::Uds {
+                delete_existing: false,
+                ..
+            }
+        ));
         assert_eq!(c.backend_dial_timeout, Some(Duration::from_millis(500)));
         assert_eq!(c.server_id.0, "replica-1");
         assert_eq!(c.server_count, 3);
         assert_eq!(c.agent_addr.port(), 8132);
-        assert_eq!(c.strategies, [ProxyStrategy::DestHost, ProxyStrategy::Default]);
+        assert_eq!(
+            c.strategies,
+            [ProxyStrategy::DestHost, ProxyStrategy::Default]
+        );
         let c = parse(&uds_args(dir.path())).unwrap();
         assert_eq!(c.backend_dial_timeout, None);
         assert!(!c.server_id.0.is_empty(), "a random id by default");
@@ -494,12 +548,21 @@ mod tests {
             (with(&["--xfr-channel-size=0"]), "--xfr-channel-size"),
             (with(&["--agent-port=80"]), "--agent-port"),
             (with(&["--health-port=50000"]), "--health-port"),
-            (with(&["--enable-contention-profiling"]), "--enable-contention-profiling"),
+            (
+                with(&["--enable-contention-profiling"]),
+                "--enable-contention-profiling",
+            ),
             (with(&["--proxy-strategies=random"]), "--proxy-strategies"),
             (with(&["--server-count=0"]), "--server-count"),
             (with(&["--lease-label="]), "--lease-label"),
-            (with(&["--agent-bind-address=not-an-ip"]), "--agent-bind-address"),
-            (with(&["--agent-namespace=kube-system"]), "--agent-namespace"),
+            (
+                with(&["--agent-bind-address=not-an-ip"]),
+                "--agent-bind-address",
+            ),
+            (
+                with(&["--agent-namespace=kube-system"]),
+                "--agent-namespace",
+            ),
             (
                 with(&[
                     "--agent-namespace=kube-system",
@@ -511,13 +574,19 @@ mod tests {
             ),
             (
                 vec![
-                    format!("--cluster-cert={}", dir.path().join("cluster.crt").display()),
+                    format!(
+                        "--cluster-cert={}",
+                        dir.path().join("cluster.crt").display()
+                    ),
                     format!("--cluster-key={}", dir.path().join("cluster.key").display()),
                 ],
                 "--server-ca-cert",
             ),
             (
-                vec![format!("--uds-name={}", dir.path().join("s").display()), "--server-port=0".to_owned()],
+                vec![
+                    format!("--uds-name={}", dir.path().join("s").display()),
+                    "--server-port=0".to_owned(),
+                ],
                 "--cluster-cert",
             ),
             (
@@ -530,7 +599,9 @@ mod tests {
             ),
         ];
         for (args, needle) in cases {
-            let err = parse(&args).err().unwrap_or_else(|| panic!("{args:?} should fail"));
+            let err = parse(&args)
+                .err()
+                .unwrap_or_else(|| panic!("{args:?} should fail"));
             let text = tunnel::error::DisplayErrorStack(&err).to_string();
             assert!(text.contains(needle), "{args:?}: {text}");
         }
@@ -541,17 +612,24 @@ mod tests {
         for (arg, needle) in [
             ("--keepalive-time=1", "--keepalive-time"),
             ("--agent-port=abc", "--agent-port"),
-            ("--delete-existing-uds-file=maybe", "--delete-existing-uds-file"),
+            (
+                "--delete-existing-uds-file=maybe",
+                "--delete-existing-uds-file",
+            ),
             ("--backend-dial-timeout=-1s", "--backend-dial-timeout"),
         ] {
-            let err = Args::try_parse_from(["proxy-server", arg]).err().unwrap().to_string();
+            let err = Args::try_parse_from(["proxy-server", arg])
+                .err()
+                .unwrap()
+                .to_string();
             assert!(err.contains(needle), "{arg}: {err}");
         }
     }
 
     #[test]
     fn a_repeated_flag_takes_the_last_value_as_pflag_does() {
-        let a = Args::try_parse_from(["proxy-server", "--agent-port=8132", "--agent-port", "8133"]).unwrap();
+        let a = Args::try_parse_from(["proxy-server", "--agent-port=8132", "--agent-port", "8133"])
+            .unwrap();
         assert_eq!(a.agent_port, 8133);
     }
 

@@ -81,7 +81,11 @@ impl Frontend {
 
     /// Queues a packet for the frontend, waiting while its queue is full.
     pub(crate) async fn send(&self, packet: Packet) -> Result<(), FrontendGone> {
-        tracing::trace!(frontend = self.uid, packet = packet.type_name(), "to frontend");
+        tracing::trace!(
+            frontend = self.uid,
+            packet = packet.type_name(),
+            "to frontend"
+        );
         self.tx.send(packet).await.map_err(|_| FrontendGone)
     }
 
@@ -92,6 +96,8 @@ impl Frontend {
 
 impl std::fmt::Debug for Frontend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Frontend").field("uid", &self.uid).finish_non_exhaustive()
+        f.debug_struct("Frontend")
+            .field("uid", &self.uid)
+            .finish_non_exhaustive()
     }
 }

@@ -17,7 +17,10 @@ async fn main() -> std::process::ExitCode {
     let config = match Config::try_from(args) {
         Ok(config) => config,
         Err(e) => Args::command()
-            .error(ErrorKind::ValueValidation, tunnel::error::DisplayErrorStack(&e))
+            .error(
+                ErrorKind::ValueValidation,
+                tunnel::error::DisplayErrorStack(&e),
+            )
             .exit(),
     };
     match run(config).await {
@@ -31,7 +34,9 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
-    let bound = ProxyServer::bind(config).await.context("binding listeners")?;
+    let bound = ProxyServer::bind(config)
+        .await
+        .context("binding listeners")?;
     bound
         .serve(tunnel::signal::shutdown())
         .await

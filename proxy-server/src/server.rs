@@ -74,11 +74,13 @@ impl ProxyServer {
     /// # Errors
     /// A port is taken, the socket path cannot be used, …; the error names it.
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
-        let agent = bind_tcp(config.agent_addr).await.map_err(|source| ServerError::Bind {
-            addr: config.agent_addr,
-            what: "agent",
-            source,
-        })?;
+        let agent = bind_tcp(config.agent_addr)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.agent_addr,
+                what: "agent",
+                source,
+            })?;
         let frontend = match &config.frontend {
             FrontendListen::Uds {
                 path,
@@ -99,11 +101,13 @@ impl ProxyServer {
                 tls: tls.clone(),
             },
         };
-        let health = bind_tcp(config.health_addr).await.map_err(|source| ServerError::Bind {
-            addr: config.health_addr,
-            what: "health",
-            source,
-        })?;
+        let health = bind_tcp(config.health_addr)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.health_addr,
+                what: "health",
+                source,
+            })?;
         let tunnels = Arc::new(Tunnels::new(
             BackendManager::new(&config.strategies),
             config.backend_dial_timeout,
@@ -175,12 +179,16 @@ pub struct Bound {
 impl Bound {
     /// Address of the agent listener.
     pub fn agent_addr(&self) -> SocketAddr {
-        self.agent.local_addr().expect("a bound TCP listener has an address")
+        self.agent
+            .local_addr()
+            .expect("a bound TCP listener has an address")
     }
 
     /// Address of the health listener.
     pub fn health_addr(&self) -> SocketAddr {
-        self.health.local_addr().expect("a bound TCP listener has an address")
+        self.health
+            .local_addr()
+            .expect("a bound TCP listener has an address")
     }
 
     /// Where frontends connect.
@@ -188,7 +196,9 @@ impl Bound {
         match &self.frontend {
             BoundFrontend::Uds { path, .. } => FrontendAddr::Uds(path.clone()),
             BoundFrontend::Tcp { listener, .. } => FrontendAddr::Tcp(
-                listener.local_addr().expect("a bound TCP listener has an address"),
+                listener
+                    .local_addr()
+                    .expect("a bound TCP listener has an address"),
             ),
         }
     }
@@ -293,10 +303,16 @@ impl Bound {
         let result = match tokio::time::timeout(STOP_GRACE, stopped).await {
             Ok((agent, frontend)) => {
                 if let Ok(Err(source)) = agent {
-                    return Err(ServerError::Serve { what: "agent", source });
+                    return Err(ServerError::Serve {
+                        what: "agent",
+                        source,
+                    });
                 }
                 if let Ok(Err(source)) = frontend {
-                    return Err(ServerError::Serve { what: "frontend", source });
+                    return Err(ServerError::Serve {
+                        what: "frontend",
+                        source,
+                    });
                 }
                 Ok(())
             }

@@ -112,7 +112,9 @@ impl Tunnels {
                             .send(Packet::close_response(id.0, "backend not initialized"))
                             .await;
                     }
-                    Owner::Closed => debug!(frontend = fe.uid, conn.id = %id, "dropping DATA for a closed connection"),
+                    Owner::Closed => {
+                        debug!(frontend = fe.uid, conn.id = %id, "dropping DATA for a closed connection")
+                    }
                     Owner::Other => self.mismatch(fe, id).await,
                 }
             }
@@ -128,7 +130,9 @@ impl Tunnels {
                             .send(Packet::close_response(id.0, "backend uninitialized"))
                             .await;
                     }
-                    Owner::Closed => debug!(frontend = fe.uid, conn.id = %id, "CLOSE_REQ for an already closed connection"),
+                    Owner::Closed => {
+                        debug!(frontend = fe.uid, conn.id = %id, "CLOSE_REQ for an already closed connection")
+                    }
                     Owner::Other => self.mismatch(fe, id).await,
                 }
             }
@@ -141,7 +145,9 @@ impl Tunnels {
                     let _ = dial.backend.send(Packet::close_dial(id.0)).await;
                 }
             }
-            other => debug!(frontend = fe.uid, packet = ?other, "ignoring unexpected packet from frontend"),
+            other => {
+                debug!(frontend = fe.uid, packet = ?other, "ignoring unexpected packet from frontend")
+            }
         }
     }
 
@@ -222,7 +228,11 @@ impl Tunnels {
             },
         };
         if let Err(error) = sent {
-            if self.pending.remove_if(id, |d| d.frontend.uid == fe.uid).is_some() {
+            if self
+                .pending
+                .remove_if(id, |d| d.frontend.uid == fe.uid)
+                .is_some()
+            {
                 fe.state().pending.remove(&id);
                 let _ = fe.send(Packet::dial_response(id.0, 0, &error)).await;
             }
@@ -236,7 +246,9 @@ impl Tunnels {
                 if let Some(dial) = tunnels.pending.remove_if(id, |d| d.frontend.uid == fe.uid) {
                     fe.state().pending.remove(&id);
                     debug!(dial.id = %id, "dial timed out");
-                    let _ = fe.send(Packet::dial_response(id.0, 0, DIAL_TIMED_OUT)).await;
+                    let _ = fe
+                        .send(Packet::dial_response(id.0, 0, DIAL_TIMED_OUT))
+                        .await;
                     let _ = dial.backend.send(Packet::close_dial(id.0)).await;
                 }
             });
@@ -286,7 +298,11 @@ impl Tunnels {
                     return;
                 }
                 debug!(dial.id = %id, conn.id = %conn, latency = ?dial.started.elapsed(), "connection established");
-                if fe.send(Packet::dial_response(id.0, conn.0, "")).await.is_err() {
+                if fe
+                    .send(Packet::dial_response(id.0, conn.0, ""))
+                    .await
+                    .is_err()
+                {
                     fe.state().close_conn(conn);
                     if be.remove_conn(conn).is_some() {
                         let _ = be.send(Packet::close_request(conn.0)).await;
@@ -326,7 +342,9 @@ impl Tunnels {
                 info!(agent.id = %be.agent_id, "agent is draining");
                 be.set_draining();
             }
-            other => debug!(agent.id = %be.agent_id, packet = ?other, "ignoring unexpected packet from agent"),
+            other => {
+                debug!(agent.id = %be.agent_id, packet = ?other, "ignoring unexpected packet from agent")
+            }
         }
     }
 
@@ -342,7 +360,11 @@ impl Tunnels {
             )
         };
         for (id, backend) in pending {
-            if self.pending.remove_if(id, |d| d.frontend.uid == fe.uid).is_some() {
+            if self
+                .pending
+                .remove_if(id, |d| d.frontend.uid == fe.uid)
+                .is_some()
+            {
                 debug!(frontend = fe.uid, dial.id = %id, "frontend gone; cancelling dial");
                 let _ = backend.send(Packet::close_dial(id.0)).await;
             }

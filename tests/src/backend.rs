@@ -50,7 +50,9 @@ where
     F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("binding a backend");
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("binding a backend");
     let addr = listener.local_addr().expect("backend address");
     let open = Arc::new(AtomicUsize::new(0));
     let accepted = Arc::new(AtomicUsize::new(0));

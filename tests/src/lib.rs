@@ -255,10 +255,14 @@ impl TestServer {
     /// kube-apiserver's single-use tunnel does).
     pub async fn channel(&self) -> Channel {
         match self.frontend_tcp {
-            Some(addr) => tunnel::client::tls_channel(addr, "localhost", frontend_client_tls(Pki::get()))
+            Some(addr) => {
+                tunnel::client::tls_channel(addr, "localhost", frontend_client_tls(Pki::get()))
+                    .await
+                    .expect("connecting to the TCP frontend")
+            }
+            None => uds_channel(&self.uds)
                 .await
-                .expect("connecting to the TCP frontend"),
-            None => uds_channel(&self.uds).await.expect("connecting to the frontend"),
+                .expect("connecting to the frontend"),
         }
     }
 
@@ -330,10 +334,17 @@ pub struct TestAgent {
 
 /// The agent configuration the tests use against `agent_addr`.
 pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::config::Config {
-    let pki = if opts.foreign_pki { Pki::other() } else { Pki::get() };
+    let pki = if opts.foreign_pki {
+        Pki::other()
+    } else {
+        Pki::get()
+    };
     let tls = tls::client_config(
         &Pki::get().path("agent-ca.crt"),
-        (!opts.no_client_cert).then(|| (pki.path("proxy-agent.crt"), pki.path("proxy-agent.key"))).as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+        (!opts.no_client_cert)
+            .then(|| (pki.path("proxy-agent.crt"), pki.path("proxy-agent.key")))
+            .as_ref()
+            .map(|(c, k)| (c.as_path(), k.as_path())),
         &[],
     )
     .expect("agent TLS");
@@ -530,19 +541,29 @@ impl RawFrontend {
 /// A plain HTTP/1.1 GET; returns the status code and the body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connecting");
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connecting");
     stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes())
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
         .await
         .expect("writing the request");
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.expect("reading the response");
+    stream
+        .read_to_end(&mut raw)
+        .await
+        .expect("reading the response");
     let text = String::from_utf8_lossy(&raw).into_owned();
     let status = text
         .split(' ')
         .nth(1)
         .and_then(|s| s.parse().ok())
         .expect("a status line");
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     (status, body)
 }

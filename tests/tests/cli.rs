@@ -1,6 +1,8 @@
 //! The real binaries: flag errors exit 2 naming the flag before any socket
 //! is bound, env fallbacks, the frontend socket's mode, `--version`.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
 use std::{
     os::unix::fs::PermissionsExt,
     process::{Command, Stdio},
@@ -65,7 +67,10 @@ fn bad_agent_flags_exit_2_naming_the_flag() {
         (vec!["--sync-interval=5".to_owned()], "--sync-interval"),
         (vec![], "--ca-cert"),
         (
-            vec![pki_arg("ca-cert", "agent-ca.crt"), "--agent-identifiers=zone=a".to_owned()],
+            vec![
+                pki_arg("ca-cert", "agent-ca.crt"),
+                "--agent-identifiers=zone=a".to_owned(),
+            ],
             "--agent-identifiers",
         ),
     ] {
@@ -78,10 +83,16 @@ fn bad_agent_flags_exit_2_naming_the_flag() {
 #[test]
 fn both_binaries_print_their_version() {
     for name in ["proxy-server", "proxy-agent"] {
-        let out = Command::new(binary(name)).arg("--version").output().unwrap();
+        let out = Command::new(binary(name))
+            .arg("--version")
+            .output()
+            .unwrap();
         assert!(out.status.success());
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(text.contains(name) && text.contains(env!("CARGO_PKG_VERSION")), "{text}");
+        assert!(
+            text.contains(name) && text.contains(env!("CARGO_PKG_VERSION")),
+            "{text}"
+        );
     }
 }
 
@@ -151,7 +162,12 @@ async fn the_server_serves_its_socket_with_mode_0770_and_its_id_from_proxy_serve
     assert_eq!(http_get(health_addr, "/healthz").await.0, 200);
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o770, "mode {mode:o}");
-    assert!(std::fs::metadata(&socket).unwrap().file_type().is_socket_like());
+    assert!(
+        std::fs::metadata(&socket)
+            .unwrap()
+            .file_type()
+            .is_socket_like()
+    );
 
     let config = integration_tests::agent_config(
         format!("127.0.0.1:{agent_port}").parse().unwrap(),

@@ -1,5 +1,7 @@
 //! gRPC mode end to end: frontend (UDS) → proxy-server → TLS → proxy-agent → backend.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
 use std::time::{Duration, Instant};
 
 use integration_tests::{
@@ -41,7 +43,10 @@ async fn ten_mib_down_is_byte_exact_and_closes_cleanly() {
     // The backend closed: the agent answered CLOSE_RSP with no error.
     conn.finish().await.unwrap();
     server.wait_idle().await;
-    wait_for("agent connections closed", || agent.handle.endpoint_connections() == 0).await;
+    wait_for("agent connections closed", || {
+        agent.handle.endpoint_connections() == 0
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -98,14 +103,11 @@ async fn a_hundred_concurrent_connections_are_each_byte_exact() {
             let data = pattern(64 * 1024 + i as usize, i);
             let mut conn = dial(channel, &address).await.unwrap();
             let (mut rd, mut wr) = tokio::io::split(&mut conn);
-            let (_, got) = tokio::join!(
-                async { wr.write_all(&data).await.unwrap() },
-                async {
-                    let mut got = vec![0u8; data.len()];
-                    rd.read_exact(&mut got).await.unwrap();
-                    got
-                }
-            );
+            let (_, got) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
+                let mut got = vec![0u8; data.len()];
+                rd.read_exact(&mut got).await.unwrap();
+                got
+            });
             assert!(got == data, "connection {i} got other bytes");
             conn.finish().await.unwrap();
         }));
@@ -114,8 +116,14 @@ async fn a_hundred_concurrent_connections_are_each_byte_exact() {
         task.await.unwrap();
     }
     server.wait_idle().await;
-    wait_for("agent connections closed", || agent.handle.endpoint_connections() == 0).await;
-    wait_for("backend connections closed", || echo.open_connections() == 0).await;
+    wait_for("agent connections closed", || {
+        agent.handle.endpoint_connections() == 0
+    })
+    .await;
+    wait_for("backend connections closed", || {
+        echo.open_connections() == 0
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -238,8 +246,15 @@ async fn dial_cls_cancels_a_pending_dial_on_the_agent() {
     let agent = TestAgent::start(&server).await;
     let hole = Blackhole::new();
 
-    let mut frontend = RawFrontend::open(&server, Packet::dial_request("tcp", &hole.addr.to_string(), 42)).await;
-    wait_for("the dial to reach the agent", || agent.handle.dials_in_progress() == 1).await;
+    let mut frontend = RawFrontend::open(
+        &server,
+        Packet::dial_request("tcp", &hole.addr.to_string(), 42),
+    )
+    .await;
+    wait_for("the dial to reach the agent", || {
+        agent.handle.dials_in_progress() == 1
+    })
+    .await;
     assert_eq!(server.handle.pending_dials(), 1);
     frontend.send(Packet::close_dial(42)).await;
     wait_for("the dial to be cancelled", || {
@@ -247,7 +262,9 @@ async fn dial_cls_cancels_a_pending_dial_on_the_agent() {
     })
     .await;
     // Nothing is answered for a cancelled dial; the stream stays usable.
-    frontend.send(Packet::dial_request("tcp", "127.0.0.1:1", 43)).await;
+    frontend
+        .send(Packet::dial_request("tcp", "127.0.0.1:1", 43))
+        .await;
     match frontend.recv().await.into_kind() {
         PacketKind::DialRsp(rsp) => {
             assert_eq!(rsp.random, 43);
@@ -265,8 +282,15 @@ async fn a_frontend_that_goes_away_cancels_its_dials_and_closes_its_connections(
     let echo = backend::echo().await;
 
     // A pending dial, then the frontend vanishes.
-    let frontend = RawFrontend::open(&server, Packet::dial_request("tcp", &hole.addr.to_string(), 7)).await;
-    wait_for("the dial to reach the agent", || agent.handle.dials_in_progress() == 1).await;
+    let frontend = RawFrontend::open(
+        &server,
+        Packet::dial_request("tcp", &hole.addr.to_string(), 7),
+    )
+    .await;
+    wait_for("the dial to reach the agent", || {
+        agent.handle.dials_in_progress() == 1
+    })
+    .await;
     drop(frontend);
     wait_for("the abandoned dial to be cancelled", || {
         agent.handle.dials_in_progress() == 0 && server.handle.pending_dials() == 0
@@ -274,7 +298,8 @@ async fn a_frontend_that_goes_away_cancels_its_dials_and_closes_its_connections(
     .await;
 
     // An established connection, then the frontend vanishes without CLOSE_REQ.
-    let mut frontend = RawFrontend::open(&server, Packet::dial_request("tcp", &echo.address(), 8)).await;
+    let mut frontend =
+        RawFrontend::open(&server, Packet::dial_request("tcp", &echo.address(), 8)).await;
     let PacketKind::DialRsp(rsp) = frontend.recv().await.into_kind() else {
         panic!("expected DIAL_RSP")
     };
@@ -294,8 +319,15 @@ async fn pending_dials_fail_at_once_when_their_agent_goes_away() {
     let agent = TestAgent::start(&server).await;
     let hole = Blackhole::new();
 
-    let mut frontend = RawFrontend::open(&server, Packet::dial_request("tcp", &hole.addr.to_string(), 9)).await;
-    wait_for("the dial to reach the agent", || agent.handle.dials_in_progress() == 1).await;
+    let mut frontend = RawFrontend::open(
+        &server,
+        Packet::dial_request("tcp", &hole.addr.to_string(), 9),
+    )
+    .await;
+    wait_for("the dial to reach the agent", || {
+        agent.handle.dials_in_progress() == 1
+    })
+    .await;
     let stopped = Instant::now();
     agent.handle.disconnect_all();
     match frontend.recv().await.into_kind() {
@@ -325,7 +357,10 @@ async fn backend_dial_timeout_fails_slow_dials_and_cancels_them() {
         ClientError::Dial { error, .. } => assert_eq!(error, proxy_server::DIAL_TIMED_OUT),
         other => panic!("unexpected {other:?}"),
     }
-    wait_for("the agent's dial to be cancelled", || agent.handle.dials_in_progress() == 0).await;
+    wait_for("the agent's dial to be cancelled", || {
+        agent.handle.dials_in_progress() == 0
+    })
+    .await;
     assert_eq!(server.handle.pending_dials(), 0);
 }
 
@@ -333,14 +368,29 @@ async fn backend_dial_timeout_fails_slow_dials_and_cancels_them() {
 async fn the_server_is_ready_only_with_an_agent() {
     let server = TestServer::start().await;
     let health = server.health_addr;
-    assert_eq!(integration_tests::http_get(health, "/healthz").await, (200, "ok".to_owned()));
+    assert_eq!(
+        integration_tests::http_get(health, "/healthz").await,
+        (200, "ok".to_owned())
+    );
     let not_ready = (500, "no connection to any proxy agent".to_owned());
-    assert_eq!(integration_tests::http_get(health, "/readyz").await, not_ready);
-    assert_eq!(integration_tests::http_get(health, "/ready").await, not_ready);
+    assert_eq!(
+        integration_tests::http_get(health, "/readyz").await,
+        not_ready
+    );
+    assert_eq!(
+        integration_tests::http_get(health, "/ready").await,
+        not_ready
+    );
 
     let agent = TestAgent::start(&server).await;
-    assert_eq!(integration_tests::http_get(health, "/readyz").await, (200, "ok".to_owned()));
-    assert_eq!(integration_tests::http_get(health, "/ready").await, (200, "ok".to_owned()));
+    assert_eq!(
+        integration_tests::http_get(health, "/readyz").await,
+        (200, "ok".to_owned())
+    );
+    assert_eq!(
+        integration_tests::http_get(health, "/ready").await,
+        (200, "ok".to_owned())
+    );
     assert_eq!(
         integration_tests::http_get(agent.health_addr, "/readyz").await,
         (200, "ok".to_owned())

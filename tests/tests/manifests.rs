@@ -7,6 +7,8 @@
 //! `- "--flag=value"` items or a `[ ... ]` flow sequence) and decides which
 //! binary it belongs to from the same container's `image:` or `command:`.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
 use std::{
     fs,
     path::{Path, PathBuf},

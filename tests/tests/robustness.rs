@@ -2,6 +2,8 @@
 //! both listeners, and frontends that break the packet protocol. The server
 //! must refuse or close them and keep serving everyone else.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
 use std::sync::Arc;
 
 use integration_tests::{
@@ -10,7 +12,7 @@ use integration_tests::{
 use proto::{Packet, packet::PacketKind};
 use rustls_pki_types::ServerName;
 use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
+    io::{AsyncRead, AsyncReadExt, AsyncWriteExt},
     net::{TcpStream, UnixStream},
 };
 use tokio_rustls::TlsConnector;
@@ -46,7 +48,11 @@ async fn still_serves(server: &TestServer) {
     conn.finish().await.unwrap();
 }
 
-async fn agent_tls(server: &TestServer, pki: &Pki, client_cert: bool) -> tokio_rustls::client::TlsStream<TcpStream> {
+async fn agent_tls(
+    server: &TestServer,
+    pki: &Pki,
+    client_cert: bool,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
     let config = tls::client_config(
         &Pki::get().path("agent-ca.crt"),
         client_cert
@@ -84,7 +90,10 @@ async fn agents_with_a_foreign_or_no_certificate_are_refused() {
     .await;
     let good = TestAgent::start(&server).await;
     assert_eq!(server.handle.backend_count(), 1);
-    wait_for("the good agent to register its server", || good.handle.server_connections() == 1).await;
+    wait_for("the good agent to register its server", || {
+        good.handle.server_connections() == 1
+    })
+    .await;
     assert_eq!(foreign.handle.server_connections(), 0);
     still_serves(&server).await;
 }
@@ -99,7 +108,10 @@ async fn plain_tcp_and_garbage_on_the_agent_port_are_dropped() {
     expect_closed(&mut plain).await;
 
     let mut garbage = TcpStream::connect(server.agent_addr).await.unwrap();
-    garbage.write_all(&backend::pattern(4096, 99)).await.unwrap();
+    garbage
+        .write_all(&backend::pattern(4096, 99))
+        .await
+        .unwrap();
     expect_closed(&mut garbage).await;
 
     // A peer that connects and says nothing does not block anyone.
@@ -107,16 +119,25 @@ async fn plain_tcp_and_garbage_on_the_agent_port_are_dropped() {
 
     // Good TLS, then garbage instead of HTTP/2; then truncated HTTP/2.
     let mut tls_garbage = agent_tls(&server, Pki::get(), true).await;
-    tls_garbage.write_all(&backend::pattern(1000, 5)).await.unwrap();
+    tls_garbage
+        .write_all(&backend::pattern(1000, 5))
+        .await
+        .unwrap();
     expect_closed(&mut tls_garbage).await;
     let mut truncated = agent_tls(&server, Pki::get(), true).await;
     truncated.write_all(PREFACE).await.unwrap();
-    truncated.write_all(&[0, 0, 18, 4, 0, 0, 0, 0, 0, 0, 3]).await.unwrap();
+    truncated
+        .write_all(&[0, 0, 18, 4, 0, 0, 0, 0, 0, 0, 3])
+        .await
+        .unwrap();
     drop(truncated);
 
     still_serves(&server).await;
     let second = TestAgent::start(&server).await;
-    wait_for("the second agent", || second.handle.server_connections() == 1).await;
+    wait_for("the second agent", || {
+        second.handle.server_connections() == 1
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -125,20 +146,32 @@ async fn garbage_and_truncated_http2_on_the_frontend_socket_are_dropped() {
     let _agent = TestAgent::start(&server).await;
 
     let mut garbage = UnixStream::connect(&server.uds).await.unwrap();
-    garbage.write_all(&backend::pattern(4096, 42)).await.unwrap();
+    garbage
+        .write_all(&backend::pattern(4096, 42))
+        .await
+        .unwrap();
     expect_closed(&mut garbage).await;
 
     // Preface and half a SETTINGS frame, then hang up.
     let mut truncated = UnixStream::connect(&server.uds).await.unwrap();
     truncated.write_all(PREFACE).await.unwrap();
-    truncated.write_all(&[0, 0, 12, 4, 0, 0, 0, 0, 0, 0]).await.unwrap();
+    truncated
+        .write_all(&[0, 0, 12, 4, 0, 0, 0, 0, 0, 0])
+        .await
+        .unwrap();
     drop(truncated);
 
     // Preface, then a frame that claims 16 MiB.
     let mut oversized = UnixStream::connect(&server.uds).await.unwrap();
     oversized.write_all(PREFACE).await.unwrap();
-    oversized.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
-    oversized.write_all(&[0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 1]).await.unwrap();
+    oversized
+        .write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0])
+        .await
+        .unwrap();
+    oversized
+        .write_all(&[0xff, 0xff, 0xff, 0, 0, 0, 0, 0, 1])
+        .await
+        .unwrap();
     expect_closed(&mut oversized).await;
 
     // Someone who connects and stays silent.
@@ -199,7 +232,8 @@ async fn frontends_using_connections_they_do_not_own_get_anps_answers() {
     let theirs = victim.conn_id().0;
 
     // 1. DATA before any dial: "backend not initialized".
-    let mut stranger = RawFrontend::open(&server, Packet::data(theirs, b"intrude".to_vec().into())).await;
+    let mut stranger =
+        RawFrontend::open(&server, Packet::data(theirs, b"intrude".to_vec().into())).await;
     expect_close_rsp(&mut stranger, theirs, "backend not initialized").await;
 
     // 2. CLOSE_REQ before any dial: "backend uninitialized".
@@ -210,7 +244,8 @@ async fn frontends_using_connections_they_do_not_own_get_anps_answers() {
     //    id nobody issued: both ids get "mismatched connection IDs" and the
     //    offender's own connection is closed; nobody else's is touched.
     for foreign in [theirs, 987_654_321] {
-        let mut offender = RawFrontend::open(&server, Packet::dial_request("tcp", &echo.address(), 77)).await;
+        let mut offender =
+            RawFrontend::open(&server, Packet::dial_request("tcp", &echo.address(), 77)).await;
         let own = match offender.recv().await.into_kind() {
             PacketKind::DialRsp(rsp) => {
                 assert!(rsp.error.is_empty(), "{}", rsp.error);
@@ -218,11 +253,15 @@ async fn frontends_using_connections_they_do_not_own_get_anps_answers() {
             }
             other => panic!("unexpected {other:?}"),
         };
-        offender.send(Packet::data(foreign, b"intrude".to_vec().into())).await;
+        offender
+            .send(Packet::data(foreign, b"intrude".to_vec().into()))
+            .await;
         expect_close_rsp(&mut offender, foreign, proxy_server::MISMATCHED).await;
         expect_close_rsp(&mut offender, own, proxy_server::MISMATCHED).await;
         // Later packets from the offender are ignored.
-        offender.send(Packet::data(own, b"more".to_vec().into())).await;
+        offender
+            .send(Packet::data(own, b"more".to_vec().into()))
+            .await;
     }
 
     // 4. DATA for connection 0 and a packet type nobody knows: dropped.
@@ -232,7 +271,8 @@ async fn frontends_using_connections_they_do_not_own_get_anps_answers() {
         payload: None,
     })
     .await;
-    odd.send(Packet::dial_request("tcp", &echo.address(), 5)).await;
+    odd.send(Packet::dial_request("tcp", &echo.address(), 5))
+        .await;
     match odd.recv().await.into_kind() {
         PacketKind::DialRsp(rsp) => assert!(rsp.error.is_empty(), "{}", rsp.error),
         other => panic!("unexpected {other:?}"),
@@ -246,7 +286,10 @@ async fn frontends_using_connections_they_do_not_own_get_anps_answers() {
     victim.finish().await.unwrap();
     drop(odd);
     server.wait_idle().await;
-    wait_for("agent connections closed", || agent.handle.endpoint_connections() == 0).await;
+    wait_for("agent connections closed", || {
+        agent.handle.endpoint_connections() == 0
+    })
+    .await;
 }
 
 async fn expect_close_rsp(frontend: &mut RawFrontend, id: i64, error: &str) {
@@ -266,20 +309,24 @@ struct RawCodec;
 impl tonic::codec::Codec for RawCodec {
     type Encode = bytes::Bytes;
     type Decode = bytes::Bytes;
-    type Encoder = RawCodec;
-    type Decoder = RawCodec;
-    fn encoder(&mut self) -> Self::Encoder {
-        RawCodec
+    type Encoder = Self;
+    type Decoder = Self;
+    fn encoder(&mut self) -> Self {
+        Self
     }
-    fn decoder(&mut self) -> Self::Decoder {
-        RawCodec
+    fn decoder(&mut self) -> Self {
+        Self
     }
 }
 
 impl tonic::codec::Encoder for RawCodec {
     type Item = bytes::Bytes;
     type Error = tonic::Status;
-    fn encode(&mut self, item: bytes::Bytes, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+    fn encode(
+        &mut self,
+        item: bytes::Bytes,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
         use bytes::BufMut;
         dst.put(item);
         Ok(())
@@ -289,11 +336,11 @@ impl tonic::codec::Encoder for RawCodec {
 impl tonic::codec::Decoder for RawCodec {
     type Item = bytes::Bytes;
     type Error = tonic::Status;
-    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<bytes::Bytes>, tonic::Status> {
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<bytes::Bytes>, tonic::Status> {
         use bytes::Buf;
         Ok(Some(src.copy_to_bytes(src.remaining())))
     }
 }
-
-#[allow(dead_code)]
-fn assert_io<T: AsyncRead + AsyncWrite>() {}

@@ -1,5 +1,7 @@
 //! gRPC mode over the mTLS TCP frontend (`--server-port`, `--server-ca-cert`).
 
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
 use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, backend, frontend_client_tls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel::client::{ClientError, dial, tls_channel};
@@ -55,7 +57,8 @@ async fn frontends_without_a_trusted_client_certificate_are_refused() {
     assert!(refused, "a foreign client certificate was accepted");
 
     // No certificate at all.
-    let anonymous = tunnel::tls::client_config(&Pki::get().path("frontend-ca.crt"), None, &[]).unwrap();
+    let anonymous =
+        tunnel::tls::client_config(&Pki::get().path("frontend-ca.crt"), None, &[]).unwrap();
     let err = match tls_channel(addr, "localhost", anonymous).await {
         Err(e) => e,
         Ok(channel) => dial(channel, &echo.address()).await.err().expect("refused"),

@@ -129,7 +129,9 @@ pub async fn tls_channel(
     let name = rustls_pki_types::ServerName::try_from(server_name.to_owned())
         .map_err(|_| ClientError::ServerName(server_name.to_owned()))?;
     let connect = |source: io::Error| ClientError::Tls { addr, source };
-    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(connect)?;
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(connect)?;
     let _ = tcp.set_nodelay(true);
     let stream = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)

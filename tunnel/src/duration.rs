@@ -70,9 +70,9 @@ pub fn format(d: Duration) -> String {
         return "0s".to_owned();
     }
     if nanos < 1_000_000_000 {
-        return if nanos % 1_000_000 == 0 {
+        return if nanos.is_multiple_of(1_000_000) {
             format!("{}ms", nanos / 1_000_000)
-        } else if nanos % 1_000 == 0 {
+        } else if nanos.is_multiple_of(1_000) {
             format!("{}µs", nanos / 1_000)
         } else {
             format!("{nanos}ns")
@@ -121,7 +121,18 @@ mod tests {
 
     #[test]
     fn rejects_bad_durations() {
-        for text in ["", "1", "10", "1x", "h", "-1s", "1.2.3s", "s1", ".s", "99999999999999999999h"] {
+        for text in [
+            "",
+            "1",
+            "10",
+            "1x",
+            "h",
+            "-1s",
+            "1.2.3s",
+            "s1",
+            ".s",
+            "99999999999999999999h",
+        ] {
             assert!(parse(text).is_err(), "{text} should fail");
         }
         assert!(parse("-1s").unwrap_err().contains("negative"));

@@ -57,7 +57,12 @@ pub struct LogArgs {
     #[arg(long, alias = "log_file", value_name = "PATH")]
     pub log_file: Option<PathBuf>,
     /// Maximum size of the log file in MB before it is started afresh; 0 = unlimited (klog).
-    #[arg(long, alias = "log_file_max_size", default_value_t = 1800, value_name = "MB")]
+    #[arg(
+        long,
+        alias = "log_file_max_size",
+        default_value_t = 1800,
+        value_name = "MB"
+    )]
     pub log_file_max_size: u64,
     /// Log line format: text or json.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -159,7 +164,10 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("--logtostderr"), "{err}");
-        let err = Cli::try_parse_from(["x", "--v=loud"]).err().unwrap().to_string();
+        let err = Cli::try_parse_from(["x", "--v=loud"])
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("--v"), "{err}");
     }
 }

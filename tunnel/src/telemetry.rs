@@ -108,7 +108,12 @@ impl SizedFile {
             .create(true)
             .append(true)
             .open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("opening --log-file {}: {e}", path.display())))?;
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("opening --log-file {}: {e}", path.display()),
+                )
+            })?;
         let written = file.metadata().map(|m| m.len()).unwrap_or(0);
         Ok(Self {
             path: path.to_owned(),

@@ -32,7 +32,10 @@ impl Store {
 
     /// First non-draining backend among `candidates` (keys in order), else
     /// the first draining one.
-    fn pick<'a>(&'a self, keys: impl Iterator<Item = &'a (String, Vec<Arc<Backend>>)>) -> Option<Arc<Backend>> {
+    fn pick<'a>(
+        &'a self,
+        keys: impl Iterator<Item = &'a (String, Vec<Arc<Backend>>)>,
+    ) -> Option<Arc<Backend>> {
         let mut fallback = None;
         for (_, list) in keys {
             for backend in list {
@@ -165,7 +168,10 @@ mod tests {
             assert_eq!(m.pick("x:1").unwrap().uid, 2);
         }
         b.set_draining();
-        assert!(m.pick("x:1").is_some(), "draining backends are the fallback");
+        assert!(
+            m.pick("x:1").is_some(),
+            "draining backends are the fallback"
+        );
         m.remove(&a);
         m.remove(&b);
         assert!(m.pick("x:1").is_none());

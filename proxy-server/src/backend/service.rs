@@ -44,7 +44,10 @@ fn exactly_one(request: &Request<Streaming<Packet>>, key: &str) -> Result<String
             .map_err(|_| Status::invalid_argument(format!("{key} is not valid text"))),
         _ => Err(Status::invalid_argument(format!(
             "expected one agent ID in the context, got {:?}",
-            values.iter().map(|v| v.to_str().unwrap_or("?")).collect::<Vec<_>>()
+            values
+                .iter()
+                .map(|v| v.to_str().unwrap_or("?"))
+                .collect::<Vec<_>>()
         ))),
     }
 }

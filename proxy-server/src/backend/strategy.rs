@@ -114,7 +114,10 @@ mod tests {
 
     #[test]
     fn parses_strategy_lists() {
-        assert_eq!(parse_strategies("default"), Ok(vec![ProxyStrategy::Default]));
+        assert_eq!(
+            parse_strategies("default"),
+            Ok(vec![ProxyStrategy::Default])
+        );
         assert_eq!(
             parse_strategies("destHost,defaultRoute"),
             Ok(vec![ProxyStrategy::DestHost, ProxyStrategy::DefaultRoute])
