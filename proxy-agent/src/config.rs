@@ -321,16 +321,14 @@ impl TryFrom<Args> for Config {
                 .map(|(c, k)| (c.as_path(), k.as_path())),
             &alpn,
         )
-        .map_err(|source| ConfigError::Tls {
-            flag: match &source {
-                TlsError::Key { .. } => "agent-key",
-                TlsError::Config { .. } => "agent-cert",
-                _ if client_cert.is_some() && !matches!(source, TlsError::Ca { .. }) => {
-                    "ca-cert or --agent-cert"
-                }
+        .map_err(|source| {
+            let path = source.path();
+            let flag = match &client_cert {
+                Some((cert, _)) if path == cert => "agent-cert",
+                Some((_, key)) if path == key => "agent-key",
                 _ => "ca-cert",
-            },
-            source,
+            };
+            ConfigError::Tls { flag, source }
         })?;
         let agent_id = if args.agent_id.is_empty() {
             AgentId(uuid::Uuid::new_v4().to_string())

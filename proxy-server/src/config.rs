@@ -267,6 +267,18 @@ fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, Co
     Ok(SocketAddr::new(ip, port))
 }
 
+/// The flag whose file a TLS error is about (`fallback` if none matches).
+fn flag_of_path(
+    path: &std::path::Path,
+    flags: &[(&'static str, Option<&std::path::Path>)],
+    fallback: &'static str,
+) -> &'static str {
+    flags
+        .iter()
+        .find(|(_, p)| *p == Some(path))
+        .map_or(fallback, |(flag, _)| flag)
+}
+
 fn path_flag(value: &str) -> Option<PathBuf> {
     (!value.is_empty()).then(|| PathBuf::from(value))
 }
@@ -364,11 +376,14 @@ impl TryFrom<Args> for Config {
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
             .map_err(|source| ConfigError::Tls {
-                flag: if cluster_ca.is_some() {
-                    "cluster-ca-cert"
-                } else {
-                    "cluster-cert"
-                },
+                flag: flag_of_path(
+                    source.path(),
+                    &[
+                        ("cluster-key", Some(cluster_key.as_path())),
+                        ("cluster-ca-cert", cluster_ca.as_deref()),
+                    ],
+                    "cluster-cert",
+                ),
                 source,
             })?;
         if args.xfr_channel_size == 0 {
@@ -595,7 +610,24 @@ mod tests {
                     a[2] = "--cluster-cert=/nonexistent/cluster.crt".to_owned();
                     a
                 },
-                "/nonexistent/cluster.crt",
+                "--cluster-cert: cannot read certificates from /nonexistent/cluster.crt",
+            ),
+            (
+                {
+                    let mut a = base.clone();
+                    a[3] = "--cluster-key=/nonexistent/cluster.key".to_owned();
+                    a.push("--cluster-ca-cert=/nonexistent/ca.crt".to_owned());
+                    a
+                },
+                "--cluster-ca-cert: cannot read certificates from /nonexistent/ca.crt",
+            ),
+            (
+                {
+                    let mut a = base.clone();
+                    a[3] = "--cluster-key=/nonexistent/cluster.key".to_owned();
+                    a
+                },
+                "--cluster-key: cannot read a private key from /nonexistent/cluster.key",
             ),
         ];
         for (args, needle) in cases {

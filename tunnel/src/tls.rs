@@ -21,7 +21,7 @@ pub const ALPN_H2: &[u8] = b"h2";
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
     /// A certificate file could not be read or parsed.
-    #[error("cannot read certificates from {path}: {source}")]
+    #[error("cannot read certificates from {path}")]
     Certs {
         /// The file.
         path: PathBuf,
@@ -35,7 +35,7 @@ pub enum TlsError {
         path: PathBuf,
     },
     /// A private key file could not be read or parsed.
-    #[error("cannot read a private key from {path}: {source}")]
+    #[error("cannot read a private key from {path}")]
     Key {
         /// The file.
         path: PathBuf,
@@ -43,7 +43,7 @@ pub enum TlsError {
         source: rustls_pki_types::pem::Error,
     },
     /// A CA certificate was rejected by the trust store.
-    #[error("invalid CA certificate in {path}: {source}")]
+    #[error("invalid CA certificate in {path}")]
     Ca {
         /// The file.
         path: PathBuf,
@@ -51,7 +51,7 @@ pub enum TlsError {
         source: rustls::Error,
     },
     /// rustls refused the combination (key does not match cert, …).
-    #[error("invalid TLS configuration with {path}: {source}")]
+    #[error("invalid TLS configuration with {path}")]
     Config {
         /// The certificate file of the configuration.
         path: PathBuf,
@@ -59,13 +59,27 @@ pub enum TlsError {
         source: rustls::Error,
     },
     /// The client-certificate verifier could not be built.
-    #[error("cannot verify client certificates with CA {path}: {source}")]
+    #[error("cannot verify client certificates with CA {path}")]
     Verifier {
         /// The CA file.
         path: PathBuf,
         /// Why.
         source: rustls::server::VerifierBuilderError,
     },
+}
+
+impl TlsError {
+    /// The file the error is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Certs { path, .. }
+            | Self::NoCerts { path }
+            | Self::Key { path, .. }
+            | Self::Ca { path, .. }
+            | Self::Config { path, .. }
+            | Self::Verifier { path, .. } => path,
+        }
+    }
 }
 
 /// The ring crypto provider; we never use aws-lc.
