@@ -389,6 +389,12 @@ impl TryFrom<Args> for Config {
         if args.xfr_channel_size == 0 {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
+        // The admin port is not served yet, but its flags are checked as ANP does.
+        bind_addr(
+            "admin-bind-address",
+            &args.admin_bind_address,
+            check_port("admin-port", args.admin_port)?,
+        )?;
         if args.enable_contention_profiling && !args.enable_profiling {
             return Err(invalid(
                 "enable-contention-profiling",
