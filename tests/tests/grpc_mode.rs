@@ -418,3 +418,23 @@ async fn an_agent_without_a_server_is_not_ready() {
     );
     let _ = DEADLINE;
 }
+
+#[tokio::test]
+async fn an_agent_started_before_its_server_connects_once_it_is_up() {
+    let port = backend::closed_port().port();
+    let agent = TestAgent::start_with(
+        std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Default::default(),
+    )
+    .await;
+    // The agent is failing and backing off while nothing listens.
+    assert_eq!(agent.handle.server_connections(), 0);
+    let server = TestServer::start_with(integration_tests::ServerOpts {
+        agent_port: port,
+        ..Default::default()
+    })
+    .await;
+    server.wait_for_backends(1).await;
+    let echo = backend::echo().await;
+    roundtrip(&server, &echo.address()).await;
+}
