@@ -425,10 +425,10 @@ pub struct AgentProcess {
     child: Child,
 }
 
-/// Path of a workspace binary, (re)building the binaries once per test
-/// process if this one is missing or older than the test executable (as
-/// happens with `cargo test -p integration-tests`, which builds no binaries
-/// of other packages; `cargo nextest run --workspace` builds them all).
+/// Path of a workspace binary. `cargo nextest run --workspace` (the test
+/// command) builds every binary before any test runs; if one is missing (as
+/// after `cargo test -p integration-tests` on a clean tree) it is built once,
+/// for the whole workspace so that features unify as in the normal build.
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     let exe = std::env::current_exe().expect("test executable path");
@@ -438,16 +438,11 @@ pub fn binary(name: &str) -> PathBuf {
         .and_then(Path::parent)
         .expect("target directory");
     let path = dir.join(name);
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let stale = match (modified(&path), modified(&exe)) {
-        (Some(bin), Some(test)) => bin < test,
-        _ => true,
-    };
-    if stale {
+    if !path.exists() {
         BUILT.get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
             let mut command = Command::new(cargo);
-            command.args(["build", "-p", "proxy-agent", "-p", "proxy-server", "--bins"]);
+            command.args(["build", "--workspace", "--bins"]);
             if dir.ends_with("release") {
                 command.arg("--release");
             }
