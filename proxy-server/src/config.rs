@@ -297,12 +297,6 @@ impl TryFrom<Args> for Config {
                 ));
             }
         };
-        if mode == Mode::HttpConnect {
-            return Err(invalid(
-                "mode",
-                "http-connect is not implemented yet in this build",
-            ));
-        }
         let frontend = if args.uds_name.is_empty() {
             let port = check_port("server-port", args.server_port)?;
             let ca = path_flag(&args.server_ca_cert).ok_or_else(|| {

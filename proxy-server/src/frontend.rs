@@ -3,6 +3,7 @@
 //! whose receiver the transport drains.
 
 pub(crate) mod grpc;
+pub(crate) mod http_connect;
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -13,7 +14,7 @@ use proto::Packet;
 use tokio::sync::mpsc;
 use tunnel::ids::{ConnId, DialId};
 
-use crate::{backend::Backend, lock};
+use crate::{backend::Backend, lock, tunnels::Tunnels};
 
 /// The frontend is gone; the packet was not delivered.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -99,5 +100,39 @@ impl std::fmt::Debug for Frontend {
         f.debug_struct("Frontend")
             .field("uid", &self.uid)
             .finish_non_exhaustive()
+    }
+}
+
+/// Closes the frontend's dials and connections when its reader ends; on
+/// cancel or panic the cleanup runs in a task of its own.
+pub(crate) struct FrontendGuard {
+    /// Shared proxy state.
+    tunnels: Arc<Tunnels>,
+    /// The frontend; taken by [`FrontendGuard::close`].
+    frontend: Option<Arc<Frontend>>,
+}
+
+impl FrontendGuard {
+    pub(crate) fn new(tunnels: Arc<Tunnels>, frontend: Arc<Frontend>) -> Self {
+        Self {
+            tunnels,
+            frontend: Some(frontend),
+        }
+    }
+
+    /// Runs the cleanup now (in this task).
+    pub(crate) async fn close(mut self) {
+        if let Some(frontend) = self.frontend.take() {
+            self.tunnels.frontend_closed(&frontend).await;
+        }
+    }
+}
+
+impl Drop for FrontendGuard {
+    fn drop(&mut self) {
+        if let Some(frontend) = self.frontend.take() {
+            let tunnels = self.tunnels.clone();
+            tokio::spawn(async move { tunnels.frontend_closed(&frontend).await });
+        }
     }
 }

@@ -20,7 +20,8 @@ pub mod health;
 pub mod server;
 mod tunnels;
 
-pub use tunnels::{DIAL_TIMED_OUT, MISMATCHED, NO_AGENT};
+pub use frontend::http_connect::ESTABLISHED;
+pub use tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT};
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 

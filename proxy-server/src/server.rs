@@ -20,8 +20,8 @@ use tunnel::conn::{bind_tcp, tls_incoming};
 
 use crate::{
     backend::{manager::BackendManager, service::AgentServiceImpl},
-    config::{Config, FrontendListen},
-    frontend::grpc::ProxyServiceImpl,
+    config::{Config, FrontendListen, Mode},
+    frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
     tunnels::Tunnels,
 };
@@ -63,6 +63,46 @@ pub enum ServerError {
         #[source]
         source: tonic::transport::Error,
     },
+}
+
+/// A frontend server running until shutdown.
+type FrontendFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
+
+/// Accepts HTTP-CONNECT clients until `shutdown`, each in its own task.
+async fn serve_http_connect<S, IO>(
+    mut incoming: S,
+    tunnels: Arc<Tunnels>,
+    queue: usize,
+    tasks: TaskTracker,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error>
+where
+    S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use futures_util::StreamExt;
+    loop {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            next = incoming.next() => next,
+        };
+        match next {
+            None => return Ok(()),
+            Some(Ok(io)) => {
+                tasks.spawn(http_connect::serve_connection(
+                    io,
+                    tunnels.clone(),
+                    queue,
+                    shutdown.clone(),
+                ));
+            }
+            Some(Err(error)) => {
+                warn!(%error, "accepting a frontend connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
 }
 
 /// Entry point: `ProxyServer::bind(config)` then `Bound::serve(shutdown)`.
@@ -256,8 +296,8 @@ impl Bound {
         let frontend_builder = Server::builder()
             .http2_keepalive_interval(Some(config.frontend_keepalive_time))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
-        let (frontend_server, uds_path) = match frontend {
-            BoundFrontend::Uds { listener, path } => {
+        let (frontend_server, uds_path): (FrontendFuture, _) = match (config.mode, frontend) {
+            (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
                 info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
                 let server = frontend_builder
                     .clone()
@@ -266,9 +306,9 @@ impl Bound {
                         UnixListenerStream::new(listener),
                         token.clone().cancelled_owned(),
                     );
-                (futures_util::future::Either::Left(server), Some(path))
+                (Box::pin(server), Some(path))
             }
-            BoundFrontend::Tcp { listener, tls } => {
+            (Mode::Grpc, BoundFrontend::Tcp { listener, tls }) => {
                 info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (grpc over mTLS)");
                 let server = frontend_builder
                     .clone()
@@ -277,7 +317,31 @@ impl Bound {
                         tls_incoming(listener, tls, token.clone(), "frontend"),
                         token.clone().cancelled_owned(),
                     );
-                (futures_util::future::Either::Right(server), None)
+                (Box::pin(server), None)
+            }
+            (Mode::HttpConnect, BoundFrontend::Uds { listener, path }) => {
+                info!(frontend.path = %path.display(), "frontend listening (http-connect over unix socket)");
+                let incoming = UnixListenerStream::new(listener);
+                let server = serve_http_connect(
+                    incoming,
+                    tunnels.clone(),
+                    config.xfr_channel_size,
+                    tasks.clone(),
+                    token.clone(),
+                );
+                (Box::pin(server), Some(path))
+            }
+            (Mode::HttpConnect, BoundFrontend::Tcp { listener, tls }) => {
+                info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (http-connect over mTLS)");
+                let incoming = tls_incoming(listener, tls, token.clone(), "frontend");
+                let server = serve_http_connect(
+                    incoming,
+                    tunnels.clone(),
+                    config.xfr_channel_size,
+                    tasks.clone(),
+                    token.clone(),
+                );
+                (Box::pin(server), None)
             }
         };
         info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");

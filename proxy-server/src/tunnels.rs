@@ -30,6 +30,8 @@ use crate::{
 pub const NO_AGENT: &str = "No agent available";
 /// Answer to a dial whose DIAL_RSP did not come within `--backend-dial-timeout`.
 pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
+/// DIAL_RSP error when the chosen agent's stream closed before the dial went out.
+pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 /// CLOSE_RSP error when a frontend used a connection id it does not own.
 pub const MISMATCHED: &str = "mismatched connection IDs";
 /// How long a notification to a frontend may wait for room in its queue when
@@ -217,9 +219,9 @@ impl Tunnels {
         debug!(frontend = fe.uid, dial.id = %id, address = %req.address, agent.id = %backend.agent_id, "dial");
         let forward = backend.send(Packet::dial_request(&req.protocol, &req.address, id.0));
         let sent = match self.dial_timeout {
-            None => forward.await.map_err(|e| e.to_string()),
+            None => forward.await.map_err(|_| AGENT_STREAM_CLOSED.to_owned()),
             Some(limit) => match tokio::time::timeout(limit, forward).await {
-                Ok(sent) => sent.map_err(|e| e.to_string()),
+                Ok(sent) => sent.map_err(|_| AGENT_STREAM_CLOSED.to_owned()),
                 Err(_) => {
                     warn!(agent.id = %backend.agent_id, "agent did not take a dial in time; retiring its stream");
                     self.retire(&backend);

@@ -240,3 +240,38 @@ impl Default for Blackhole {
         Self::new()
     }
 }
+
+/// Answers every HTTP request with `200` and `body`, then closes.
+pub async fn http(body: &'static [u8]) -> Backend {
+    spawn(move |mut stream| async move {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte).await {
+                Ok(1) => head.push(byte[0]),
+                _ => return,
+            }
+        }
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        let _ = stream.write_all(answer.as_bytes()).await;
+        let _ = stream.write_all(body).await;
+        let _ = stream.shutdown().await;
+    })
+    .await
+}
+
+/// Writes `banner` as soon as a client connects (a server-speaks-first
+/// protocol, like SSH or SMTP), then echoes.
+pub async fn banner(banner: &'static [u8]) -> Backend {
+    spawn(move |mut stream| async move {
+        if stream.write_all(banner).await.is_err() {
+            return;
+        }
+        let (mut r, mut w) = stream.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
+    .await
+}

@@ -112,6 +112,8 @@ pub struct ServerOpts {
     pub strategies: Vec<ProxyStrategy>,
     /// Serve the frontend on mTLS TCP instead of a Unix socket.
     pub tcp_frontend: bool,
+    /// Frontend protocol.
+    pub mode: Mode,
 }
 
 impl Default for ServerOpts {
@@ -122,6 +124,7 @@ impl Default for ServerOpts {
             backend_dial_timeout: None,
             strategies: vec![ProxyStrategy::Default],
             tcp_frontend: false,
+            mode: Mode::Grpc,
         }
     }
 }
@@ -138,6 +141,8 @@ pub struct TestServer {
     pub uds: PathBuf,
     /// Frontend TCP address (TCP mode).
     pub frontend_tcp: Option<SocketAddr>,
+    /// Frontend protocol.
+    pub mode: Mode,
     /// Stops the server.
     shutdown: CancellationToken,
     /// The serving task.
@@ -164,10 +169,14 @@ impl TestServer {
         let frontend = if opts.tcp_frontend {
             FrontendListen::Tcp {
                 addr: "127.0.0.1:0".parse().expect("address"),
-                tls: tls::server_config(
+                tls: tls::server_config_with_alpn(
                     &pki.path("proxy-frontend.crt"),
                     &pki.path("proxy-frontend.key"),
                     Some(&pki.path("frontend-ca.crt")),
+                    &[match opts.mode {
+                        Mode::Grpc => tls::ALPN_H2,
+                        Mode::HttpConnect => tls::ALPN_HTTP11,
+                    }],
                 )
                 .expect("frontend TLS"),
             }
@@ -178,7 +187,7 @@ impl TestServer {
             }
         };
         let config = Config {
-            mode: Mode::Grpc,
+            mode: opts.mode,
             frontend,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
             agent_tls: tls::server_config(
@@ -219,6 +228,7 @@ impl TestServer {
             health_addr,
             uds,
             frontend_tcp,
+            mode: opts.mode,
             shutdown,
             task: Some(task),
             _dir: dir,
@@ -244,6 +254,7 @@ impl TestServer {
         Self::start_in(
             ServerOpts {
                 agent_port: port,
+                mode: self.mode,
                 ..ServerOpts::default()
             },
             dir,
@@ -263,6 +274,26 @@ impl TestServer {
             None => uds_channel(&self.uds)
                 .await
                 .expect("connecting to the frontend"),
+        }
+    }
+
+    /// A dialer for this server's frontend (mode and transport), with the
+    /// test PKI's frontend client certificate.
+    pub fn dialer(&self) -> tunnel::client::Dialer {
+        let transport = match self.frontend_tcp {
+            Some(addr) => tunnel::client::Transport::Tls {
+                addr,
+                server_name: "localhost".to_owned(),
+                tls: frontend_client_tls(Pki::get()),
+            },
+            None => tunnel::client::Transport::Uds(self.uds.clone()),
+        };
+        tunnel::client::Dialer {
+            transport,
+            mode: match self.mode {
+                Mode::Grpc => tunnel::client::Mode::Grpc,
+                Mode::HttpConnect => tunnel::client::Mode::HttpConnect,
+            },
         }
     }
 

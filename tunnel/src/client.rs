@@ -70,6 +70,34 @@ pub enum ClientError {
     /// Not a valid TLS server name.
     #[error("{0:?} is not a valid TLS server name")]
     ServerName(String),
+    /// The HTTP-CONNECT frontend answered with an error status.
+    #[error("CONNECT {address} answered {status}: {body}")]
+    HttpStatus {
+        /// The destination.
+        address: String,
+        /// The HTTP status code.
+        status: u16,
+        /// The response body (at most 64 KiB).
+        body: String,
+    },
+    /// The HTTP-CONNECT frontend's answer was not HTTP.
+    #[error("CONNECT {address}: malformed answer from proxy-server")]
+    BadAnswer {
+        /// The destination.
+        address: String,
+    },
+    /// Reading or writing the frontend connection failed.
+    #[error("frontend connection failed")]
+    Io(#[from] io::Error),
+    /// The Unix socket could not be connected (HTTP-CONNECT mode).
+    #[error("cannot connect to proxy-server at {path}")]
+    UdsConnect {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
     /// The gRPC stream failed.
     #[error("proxy stream failed: {0}")]
     Stream(#[from] tonic::Status),
@@ -322,5 +350,154 @@ impl AsyncWrite for TunnelConn {
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Largest HTTP-CONNECT answer head and error body read.
+const MAX_ANSWER: usize = 64 * 1024;
+
+/// Sends `CONNECT address HTTP/1.1` on `io` and reads the answer; on `200`
+/// returns `io`, positioned at the first tunnel byte (the head is read byte by
+/// byte so that nothing after it is consumed).
+///
+/// # Errors
+/// [`ClientError::HttpStatus`] with the status and body of a refusal.
+pub async fn http_connect<IO>(mut io: IO, address: &str) -> Result<IO, ClientError>
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    io.write_all(format!("CONNECT {address} HTTP/1.1\r\nHost: {address}\r\n\r\n").as_bytes())
+        .await?;
+    io.flush().await?;
+    let bad = || ClientError::BadAnswer {
+        address: address.to_owned(),
+    };
+    let mut head = Vec::with_capacity(64);
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() >= MAX_ANSWER {
+            return Err(bad());
+        }
+        let mut byte = [0u8; 1];
+        if io.read(&mut byte).await? == 0 {
+            return Err(bad());
+        }
+        head.push(byte[0]);
+    }
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut response = httparse::Response::new(&mut headers);
+    let status = match response.parse(&head) {
+        Ok(httparse::Status::Complete(_)) => response.code.ok_or_else(bad)?,
+        _ => return Err(bad()),
+    };
+    if status == 200 {
+        return Ok(io);
+    }
+    let mut body = Vec::new();
+    let _ = (&mut io)
+        .take(MAX_ANSWER as u64)
+        .read_to_end(&mut body)
+        .await;
+    Err(ClientError::HttpStatus {
+        address: address.to_owned(),
+        status,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+/// How the frontend is reached.
+#[derive(Clone)]
+pub enum Transport {
+    /// A Unix socket (`--uds-name`).
+    Uds(PathBuf),
+    /// mTLS TCP (`--server-port` with `--server-ca-cert`).
+    Tls {
+        /// The frontend address.
+        addr: std::net::SocketAddr,
+        /// The name its certificate must carry.
+        server_name: String,
+        /// Client TLS (trust and client certificate).
+        tls: std::sync::Arc<rustls::ClientConfig>,
+    },
+}
+
+/// The frontend protocol (`--mode` of proxy-server).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// `ProxyService/Proxy`.
+    Grpc,
+    /// `CONNECT host:port HTTP/1.1`.
+    HttpConnect,
+}
+
+/// A tunneled connection of either mode.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+
+/// Dials through proxy-server the way kube-apiserver does: every dial on a
+/// fresh frontend connection (a single-use tunnel in gRPC mode).
+#[derive(Clone)]
+pub struct Dialer {
+    /// How the frontend is reached.
+    pub transport: Transport,
+    /// Which protocol it speaks.
+    pub mode: Mode,
+}
+
+impl Dialer {
+    /// Opens a connection to `address` on the agent side.
+    ///
+    /// # Errors
+    /// Connecting to the frontend fails, or the dial is refused.
+    pub async fn dial(&self, address: &str) -> Result<Box<dyn Io>, ClientError> {
+        match (self.mode, &self.transport) {
+            (Mode::Grpc, Transport::Uds(path)) => {
+                Ok(Box::new(dial(uds_channel(path).await?, address).await?))
+            }
+            (
+                Mode::Grpc,
+                Transport::Tls {
+                    addr,
+                    server_name,
+                    tls,
+                },
+            ) => Ok(Box::new(
+                dial(tls_channel(*addr, server_name, tls.clone()).await?, address).await?,
+            )),
+            (Mode::HttpConnect, Transport::Uds(path)) => {
+                let io =
+                    UnixStream::connect(path)
+                        .await
+                        .map_err(|source| ClientError::UdsConnect {
+                            path: path.clone(),
+                            source,
+                        })?;
+                Ok(Box::new(http_connect(io, address).await?))
+            }
+            (
+                Mode::HttpConnect,
+                Transport::Tls {
+                    addr,
+                    server_name,
+                    tls,
+                },
+            ) => {
+                let mut config = (**tls).clone();
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                let name = rustls_pki_types::ServerName::try_from(server_name.clone())
+                    .map_err(|_| ClientError::ServerName(server_name.clone()))?;
+                let failed = |source: io::Error| ClientError::Tls {
+                    addr: *addr,
+                    source,
+                };
+                let tcp = tokio::net::TcpStream::connect(addr).await.map_err(failed)?;
+                let _ = tcp.set_nodelay(true);
+                let io = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+                    .connect(name, tcp)
+                    .await
+                    .map_err(failed)?;
+                Ok(Box::new(http_connect(io, address).await?))
+            }
+        }
     }
 }

@@ -132,6 +132,9 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
     Ok(roots)
 }
 
+/// ALPN id of HTTP/1.1 (the HTTP-CONNECT frontend speaks nothing else).
+pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+
 /// A server configuration presenting `cert`/`key`; with `client_ca`, clients
 /// must present a certificate that chains to it (mTLS). ALPN offers `h2`.
 ///
@@ -141,6 +144,19 @@ pub fn server_config(
     cert: &Path,
     key: &Path,
     client_ca: Option<&Path>,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    server_config_with_alpn(cert, key, client_ca, &[ALPN_H2])
+}
+
+/// [`server_config`] offering the given ALPN protocols instead of `h2`.
+///
+/// # Errors
+/// Any file problem, or a key that does not match the certificate.
+pub fn server_config_with_alpn(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+    alpn: &[&[u8]],
 ) -> Result<Arc<ServerConfig>, TlsError> {
     let builder = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -167,7 +183,7 @@ pub fn server_config(
             path: cert.to_owned(),
             source,
         })?;
-    config.alpn_protocols = vec![ALPN_H2.to_vec()];
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
 }
 

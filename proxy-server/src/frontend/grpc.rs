@@ -10,7 +10,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, debug_span};
 
-use super::Frontend;
+use super::{Frontend, FrontendGuard};
 use crate::{backend::service::PacketStream, tunnels::Tunnels};
 
 /// Serves `ProxyService`.
@@ -41,10 +41,7 @@ impl ProxyService for ProxyServiceImpl {
         let span = debug_span!("frontend", frontend = frontend.uid);
         self.tasks.spawn(
             async move {
-                let guard = FrontendGuard {
-                    tunnels: tunnels.clone(),
-                    frontend: Some(frontend.clone()),
-                };
+                let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
                 loop {
                     let packet = tokio::select! {
                         () = shutdown.cancelled() => break,
@@ -65,31 +62,5 @@ impl ProxyService for ProxyServiceImpl {
             .instrument(span),
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
-    }
-}
-
-/// Closes the frontend's dials and connections when its reader ends; on
-/// cancel or panic the cleanup runs in a task of its own.
-struct FrontendGuard {
-    /// Shared proxy state.
-    tunnels: Arc<Tunnels>,
-    /// The frontend; taken by [`FrontendGuard::close`].
-    frontend: Option<Arc<Frontend>>,
-}
-
-impl FrontendGuard {
-    async fn close(mut self) {
-        if let Some(frontend) = self.frontend.take() {
-            self.tunnels.frontend_closed(&frontend).await;
-        }
-    }
-}
-
-impl Drop for FrontendGuard {
-    fn drop(&mut self) {
-        if let Some(frontend) = self.frontend.take() {
-            let tunnels = self.tunnels.clone();
-            tokio::spawn(async move { tunnels.frontend_closed(&frontend).await });
-        }
     }
 }

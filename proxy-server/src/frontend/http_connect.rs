@@ -1,0 +1,428 @@
+//! The HTTP-CONNECT frontend (`--mode=http-connect`): one
+//! `CONNECT host:port HTTP/1.1` per client connection, answered with exactly
+//! `HTTP/1.1 200 Connection Established\r\n\r\n` once the agent has dialed,
+//! then raw bytes both ways; errors are answered with ANP's statuses and
+//! bodies.
+//!
+//! Unlike ANP, the client socket is watched while the dial is pending: a
+//! client that hangs up cancels its dial (DIAL_CLS to the agent) instead of
+//! leaving it behind (#789, #855). Bytes the client sends after its request
+//! header, before or during the dial, are forwarded once connected.
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::{Bytes, BytesMut};
+use proto::{Packet, packet::PacketKind};
+use tokio::{
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
+    sync::mpsc,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+use tunnel::{
+    ids::{ConnId, DialId},
+    pump::READ_CHUNK,
+};
+
+use super::{Frontend, FrontendGuard};
+use crate::tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT, Tunnels};
+
+/// Largest request header accepted (Go's `http.DefaultMaxHeaderBytes`).
+pub(crate) const MAX_HEADER_BYTES: usize = 1 << 20;
+/// How long a client may take to send its request header (ANP's
+/// `ReadHeaderTimeout`).
+pub(crate) const READ_HEADER_TIMEOUT: Duration = Duration::from_secs(60);
+/// Bytes buffered from a client while its dial is pending; past this the
+/// client is not read until the dial completes.
+const EARLY_BYTES: usize = 256 * 1024;
+/// How long a client-initiated close waits for the agent's CLOSE_RSP.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
+/// The success answer, byte for byte as ANP and kube-apiserver expect.
+pub const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+
+/// How a dial error becomes an HTTP status (ANP's `mapDialErrorToHTTPStatus`):
+/// timeouts 504, file-descriptor exhaustion 503, everything else 502.
+pub(crate) fn http_status(error: &str) -> u16 {
+    let lower = error.to_ascii_lowercase();
+    if ["i/o timeout", "deadline exceeded", "timeout"]
+        .iter()
+        .any(|s| lower.contains(s))
+    {
+        504
+    } else if lower.contains("too many open files") {
+        503
+    } else {
+        502
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        400 => "Bad Request",
+        405 => "Method Not Allowed",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Bad Gateway",
+    }
+}
+
+/// The answer to a failed dial, as ANP writes each case.
+pub(crate) fn dial_error_response(error: &str) -> Vec<u8> {
+    if error == NO_AGENT {
+        return format!(
+            "HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n\r\ncurrently no tunnels available: {NO_AGENT}"
+        )
+        .into_bytes();
+    }
+    if error == DIAL_TIMED_OUT {
+        return format!(
+            "HTTP/1.1 504 Gateway Timeout\r\nConnection: close\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nBackend dial timeout: {DIAL_TIMED_OUT}"
+        )
+        .into_bytes();
+    }
+    if error == AGENT_STREAM_CLOSED {
+        return format!(
+            "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nFailed to tunnel dial request: {error}\r\n"
+        )
+        .into_bytes();
+    }
+    let status = http_status(error);
+    format!(
+        "HTTP/1.1 {status} {}\r\nConnection: close\r\nContent-Type: text/plain; charset=utf-8\r\n\r\n{error}",
+        reason(status)
+    )
+    .into_bytes()
+}
+
+/// A plain error page in the shape of Go's `http.Error`.
+fn error_page(status: u16, body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: text/plain; charset=utf-8\r\nX-Content-Type-Options: nosniff\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}\n",
+        reason(status),
+        body.len() + 1
+    )
+    .into_bytes()
+}
+
+/// A parsed request head and the bytes that followed it.
+struct Head {
+    /// The request method.
+    method: String,
+    /// The CONNECT target (request-target authority, else the Host header).
+    target: String,
+    /// Bytes the client sent after the header.
+    rest: BytesMut,
+}
+
+/// Why a request head could not be read.
+enum HeadError {
+    /// The client closed or failed before a complete header.
+    Gone,
+    /// Not HTTP/1.x.
+    Malformed,
+    /// Larger than [`MAX_HEADER_BYTES`].
+    TooLarge,
+}
+
+async fn read_head<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Head, HeadError> {
+    let mut buf = BytesMut::with_capacity(4096);
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut request = httparse::Request::new(&mut headers);
+        match request.parse(&buf) {
+            Ok(httparse::Status::Complete(len)) => {
+                let method = request.method.unwrap_or_default().to_owned();
+                let mut target = request.path.unwrap_or_default().to_owned();
+                if target.is_empty() {
+                    target = request
+                        .headers
+                        .iter()
+                        .find(|h| h.name.eq_ignore_ascii_case("host"))
+                        .map(|h| String::from_utf8_lossy(h.value).into_owned())
+                        .unwrap_or_default();
+                }
+                let rest = buf.split_off(len);
+                return Ok(Head {
+                    method,
+                    target,
+                    rest,
+                });
+            }
+            Ok(httparse::Status::Partial) => {}
+            Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+            Err(_) => return Err(HeadError::Malformed),
+        }
+        if buf.len() >= MAX_HEADER_BYTES {
+            return Err(HeadError::TooLarge);
+        }
+        buf.reserve(4096);
+        match io.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => return Err(HeadError::Gone),
+            Ok(_) => {}
+        }
+    }
+}
+
+/// Serves one client connection (UDS or mTLS TCP).
+pub(crate) async fn serve_connection<IO>(
+    mut io: IO,
+    tunnels: Arc<Tunnels>,
+    queue: usize,
+    shutdown: CancellationToken,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let head = match tokio::time::timeout(READ_HEADER_TIMEOUT, read_head(&mut io)).await {
+        Err(_) | Ok(Err(HeadError::Gone)) => return,
+        Ok(Err(HeadError::Malformed)) => {
+            let _ = io
+                .write_all(&error_page(400, "malformed HTTP request"))
+                .await;
+            return;
+        }
+        Ok(Err(HeadError::TooLarge)) => {
+            let _ = io
+                .write_all(&error_page(431, "request header too large"))
+                .await;
+            return;
+        }
+        Ok(Ok(head)) => head,
+    };
+    if head.method != "CONNECT" {
+        debug!(method = %head.method, "refusing a request that is not CONNECT");
+        let _ = io
+            .write_all(&error_page(
+                405,
+                "this proxy only supports CONNECT passthrough",
+            ))
+            .await;
+        return;
+    }
+
+    let (tx, mut rx) = mpsc::channel(queue);
+    let frontend = Arc::new(Frontend::new(tunnels.next_uid(), tx));
+    let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
+    let random = DialId::random();
+    let mut early = head.rest;
+    debug!(frontend = frontend.uid, address = %head.target, dial.id = %random, "CONNECT");
+
+    // Dial, while watching the client: a client that leaves cancels the dial.
+    let answer = {
+        let dial = tunnels.frontend_packet(
+            &frontend,
+            Packet::dial_request("tcp", &head.target, random.0),
+        );
+        tokio::pin!(dial);
+        let mut dialing = true;
+        loop {
+            tokio::select! {
+                () = &mut dial, if dialing => dialing = false,
+                packet = rx.recv() => match packet.map(Packet::into_kind) {
+                    Some(PacketKind::DialRsp(rsp)) if rsp.random == random.0 => break Ok(rsp),
+                    Some(PacketKind::DialCls(_)) => break Err("dial closed by the agent".to_owned()),
+                    Some(other) => debug!(packet = ?other, "ignoring packet before DIAL_RSP"),
+                    None => break Err(AGENT_STREAM_CLOSED.to_owned()),
+                },
+                read = io.read_buf(&mut early), if early.len() < EARLY_BYTES => match read {
+                    Ok(0) | Err(_) => {
+                        debug!(frontend = frontend.uid, "client left while its dial was pending");
+                        guard.close().await;
+                        return;
+                    }
+                    Ok(_) => {}
+                },
+                () = shutdown.cancelled() => {
+                    guard.close().await;
+                    return;
+                }
+            }
+        }
+    };
+    let conn = match answer {
+        Ok(rsp) if rsp.error.is_empty() => ConnId(rsp.connect_id),
+        Ok(rsp) => {
+            let _ = io.write_all(&dial_error_response(&rsp.error)).await;
+            guard.close().await;
+            return;
+        }
+        Err(error) => {
+            let _ = io.write_all(&dial_error_response(&error)).await;
+            guard.close().await;
+            return;
+        }
+    };
+    // The 200 goes out alone, before any tunnel byte.
+    if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
+        guard.close().await;
+        return;
+    }
+    if !early.is_empty() {
+        tunnels
+            .frontend_packet(&frontend, Packet::data(conn.0, early.freeze()))
+            .await;
+    }
+    let client_closed = tunnel_bytes(&mut io, conn, &tunnels, &frontend, &mut rx, &shutdown).await;
+    if client_closed {
+        // Ask the agent to close and wait for its answer, so nothing of this
+        // connection stays behind.
+        tunnels
+            .frontend_packet(&frontend, Packet::close_request(conn.0))
+            .await;
+        let _ = tokio::time::timeout(CLOSE_WAIT, async {
+            while let Some(packet) = rx.recv().await {
+                if matches!(packet.into_kind(), PacketKind::CloseRsp(_)) {
+                    return;
+                }
+            }
+        })
+        .await;
+    }
+    let _ = io.shutdown().await;
+    drop(rx);
+    guard.close().await;
+}
+
+/// Moves bytes until one side ends; `true` if the client side ended first
+/// (so the connection still has to be closed on the agent).
+async fn tunnel_bytes<IO>(
+    io: &mut IO,
+    conn: ConnId,
+    tunnels: &Arc<Tunnels>,
+    frontend: &Arc<Frontend>,
+    rx: &mut mpsc::Receiver<Packet>,
+    shutdown: &CancellationToken,
+) -> bool
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    let (mut reader, mut writer) = tokio::io::split(io);
+    let upstream = async {
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        loop {
+            if buf.capacity() < READ_CHUNK / 4 {
+                buf = BytesMut::with_capacity(READ_CHUNK);
+            }
+            match reader.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    let chunk: Bytes = buf.split().freeze();
+                    tunnels
+                        .frontend_packet(frontend, Packet::data(conn.0, chunk))
+                        .await;
+                }
+            }
+        }
+    };
+    let downstream = async {
+        while let Some(packet) = rx.recv().await {
+            match packet.into_kind() {
+                PacketKind::Data(data) if data.connect_id == conn.0 => {
+                    if writer.write_all(&data.data).await.is_err() {
+                        // The client is gone: close on the agent.
+                        return true;
+                    }
+                }
+                PacketKind::CloseRsp(rsp) if rsp.connect_id == conn.0 => {
+                    debug!(conn.id = %conn, error = %rsp.error, "closed by the agent side");
+                    return false;
+                }
+                PacketKind::DialCls(_) => return false,
+                other => debug!(packet = ?other, "ignoring packet"),
+            }
+        }
+        false
+    };
+    tokio::select! {
+        () = upstream => true,
+        client_gone = downstream => client_gone,
+        () = shutdown.cancelled() => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dial_errors_map_like_anp() {
+        let cases = [
+            ("dial tcp 10.0.0.1:443: i/o timeout", 504),
+            ("context deadline exceeded", 504),
+            ("dial tcp: lookup x: Timeout", 504),
+            ("dial tcp: socket: too many open files", 503),
+            ("dial tcp 127.0.0.1:1: connect: connection refused", 502),
+            ("dial tcp: lookup nope.invalid: no such host", 502),
+            ("read: connection reset by peer", 502),
+            ("anything else", 502),
+        ];
+        for (error, status) in cases {
+            assert_eq!(http_status(error), status, "{error}");
+        }
+    }
+
+    #[test]
+    fn answers_are_anps_bytes() {
+        assert_eq!(
+            dial_error_response(NO_AGENT),
+            b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n\r\ncurrently no tunnels available: No agent available"
+        );
+        let refused = String::from_utf8(dial_error_response(
+            "dial tcp 127.0.0.1:1: connect: connection refused",
+        ))
+        .unwrap();
+        assert!(refused.starts_with("HTTP/1.1 502 Bad Gateway\r\n"));
+        assert!(refused.ends_with("\r\n\r\ndial tcp 127.0.0.1:1: connect: connection refused"));
+        let timeout = String::from_utf8(dial_error_response(DIAL_TIMED_OUT)).unwrap();
+        assert!(timeout.starts_with("HTTP/1.1 504 Gateway Timeout\r\n"));
+        assert!(timeout.ends_with("Backend dial timeout: timed out waiting for backend dial"));
+        let page = String::from_utf8(error_page(
+            405,
+            "this proxy only supports CONNECT passthrough",
+        ))
+        .unwrap();
+        assert!(page.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"));
+        assert!(page.ends_with("\r\n\r\nthis proxy only supports CONNECT passthrough\n"));
+    }
+
+    #[tokio::test]
+    async fn heads_are_parsed_with_what_follows() {
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        client
+            .write_all(b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nearly bytes")
+            .await
+            .unwrap();
+        let head = read_head(&mut server).await.ok().unwrap();
+        assert_eq!(head.method, "CONNECT");
+        assert_eq!(head.target, "10.0.0.1:443");
+        assert_eq!(&head.rest[..], b"early bytes");
+    }
+
+    #[tokio::test]
+    async fn garbage_and_huge_heads_are_refused() {
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        client
+            .write_all(b"\x00\x01\x02 garbage\r\n\r\n")
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_head(&mut server).await,
+            Err(HeadError::Malformed)
+        ));
+
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        let writer = tokio::spawn(async move {
+            let _ = client.write_all(b"CONNECT a:1 HTTP/1.1\r\nX: ").await;
+            let filler = vec![b'a'; 64 * 1024];
+            while client.write_all(&filler).await.is_ok() {}
+        });
+        assert!(matches!(
+            read_head(&mut server).await,
+            Err(HeadError::TooLarge)
+        ));
+        drop(server);
+        writer.await.unwrap();
+    }
+}
