@@ -11,8 +11,10 @@
 //! - `frontend`: one `Frontend` per `Proxy` stream, the `ProxyService` handler.
 //! - `dial`: the pending-dial table.
 //! - [`health`]: `/healthz`, `/readyz`.
+//! - [`client`]: the `proxy-client` tool (request, SOCKS5 and HTTP proxy).
 
 pub mod backend;
+pub mod client;
 pub mod config;
 mod dial;
 mod frontend;

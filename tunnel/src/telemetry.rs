@@ -20,6 +20,17 @@ pub fn level_for_verbosity(v: u8) -> &'static str {
     }
 }
 
+/// Installs a plain standard-error subscriber at `level` (`RUST_LOG`
+/// overrides), for tools without klog flags.
+pub fn init_simple(level: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(io::stderr)
+        .with_ansi(false)
+        .init();
+}
+
 /// Installs the global subscriber: `RUST_LOG` if set, else the `-v` level;
 /// standard error, or `--log-file` when `--logtostderr=false`.
 ///
