@@ -1,6 +1,6 @@
 //! The main job on one machine, no arguments: fresh certificates, a backend,
 //! proxy-server and proxy-agent on loopback, and one request through the
-//! tunnel, printing each step.
+//! tunnel in each frontend mode (gRPC, HTTP-CONNECT), printing each step.
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -16,7 +16,11 @@ use tokio::{
     net::TcpListener,
 };
 use tokio_util::sync::CancellationToken;
-use tunnel::{ids::ServerId, tls};
+use tunnel::{
+    client::{Dialer, Transport},
+    ids::ServerId,
+    tls,
+};
 
 const BODY: &str = "hello from the node side\n";
 
@@ -51,89 +55,104 @@ async fn main() -> Result<()> {
     println!("2. backend (a tiny HTTP server) listening on {backend_addr}");
 
     let path = |f: &str| dir.path().join(f);
-    let socket = path("konnectivity-server.socket");
-    let any: SocketAddr = "127.0.0.1:0".parse()?;
-    let server = ProxyServer::bind(Config {
-        mode: Mode::Grpc,
-        frontend: FrontendListen::Uds {
-            path: socket.clone(),
-            delete_existing: true,
-        },
-        agent_addr: any,
-        agent_tls: tls::server_config(
-            &path("cluster.crt"),
-            &path("cluster.key"),
-            Some(&path("agent-ca.crt")),
-        )?,
-        health_addr: any,
-        server_id: ServerId("demo-server".to_owned()),
-        server_count: 1,
-        strategies: vec![ProxyStrategy::Default],
-        xfr_channel_size: 10,
-        keepalive_time: Duration::from_secs(3600),
-        frontend_keepalive_time: Duration::from_secs(3600),
-        backend_dial_timeout: None,
-        not_implemented: Vec::new(),
-    })
-    .await?;
-    let agent_addr = server.agent_addr();
-    let handle = server.handle();
-    let stop = CancellationToken::new();
-    let server_task = tokio::spawn(server.serve(stop.clone().cancelled_owned()));
-    println!(
-        "3. proxy-server: frontend on {} (grpc), agents on {agent_addr} (mTLS)",
-        socket.display()
-    );
-
-    let agent = Agent::bind(proxy_agent::config::Config {
-        server_host: "127.0.0.1".to_owned(),
-        server_port: agent_addr.port(),
-        tls: tls::client_config(
-            &path("agent-ca.crt"),
-            Some((&path("proxy-agent.crt"), &path("proxy-agent.key"))),
-            &[],
-        )?,
-        agent_id: tunnel::ids::AgentId("demo-agent".to_owned()),
-        agent_identifiers: String::new(),
-        health_addr: any,
-        sync_interval: Duration::from_millis(100),
-        sync_interval_cap: Duration::from_secs(1),
-        sync_forever: false,
-        probe_interval: Duration::from_secs(1),
-        keepalive_time: Duration::from_secs(3600),
-        xfr_channel_size: 150,
-        not_implemented: Vec::new(),
-    })
-    .await?;
-    let agent_task = tokio::spawn(agent.serve(stop.clone().cancelled_owned()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !handle.is_ready() {
-        if tokio::time::Instant::now() > deadline {
-            bail!("the agent did not connect within 10 s");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    println!("4. proxy-agent demo-agent connected; the server is ready");
-
-    let channel = tunnel::client::uds_channel(&socket).await?;
-    let mut conn = tunnel::client::dial(channel, &backend_addr.to_string()).await?;
-    conn.write_all(b"GET / HTTP/1.1\r\nHost: backend\r\n\r\n")
+    for (step, mode) in [(3, Mode::Grpc), (5, Mode::HttpConnect)] {
+        let name = match mode {
+            Mode::Grpc => "grpc",
+            Mode::HttpConnect => "http-connect",
+        };
+        let socket = path(&format!("konnectivity-server-{name}.socket"));
+        let any: SocketAddr = "127.0.0.1:0".parse()?;
+        let server = ProxyServer::bind(Config {
+            mode,
+            frontend: FrontendListen::Uds {
+                path: socket.clone(),
+                delete_existing: true,
+            },
+            agent_addr: any,
+            agent_tls: tls::server_config(
+                &path("cluster.crt"),
+                &path("cluster.key"),
+                Some(&path("agent-ca.crt")),
+            )?,
+            health_addr: any,
+            server_id: ServerId(format!("demo-server-{name}")),
+            server_count: 1,
+            strategies: vec![ProxyStrategy::Default],
+            xfr_channel_size: 10,
+            keepalive_time: Duration::from_secs(3600),
+            frontend_keepalive_time: Duration::from_secs(3600),
+            backend_dial_timeout: None,
+            not_implemented: Vec::new(),
+        })
         .await?;
-    let mut response = Vec::new();
-    conn.read_to_end(&mut response).await?;
-    conn.finish().await?;
-    let response = String::from_utf8_lossy(&response);
-    println!("5. GET http://{backend_addr}/ through the tunnel (grpc mode) answered:");
-    for line in response.lines() {
-        println!("   | {line}");
-    }
-    if !response.ends_with(BODY) {
-        bail!("unexpected answer through the tunnel");
+        let agent_addr = server.agent_addr();
+        let handle = server.handle();
+        let stop = CancellationToken::new();
+        let server_task = tokio::spawn(server.serve(stop.clone().cancelled_owned()));
+        println!(
+            "{step}. proxy-server --mode={name}: frontend on {}, agents on {agent_addr} (mTLS)",
+            socket.display()
+        );
+
+        let agent = Agent::bind(proxy_agent::config::Config {
+            server_host: "127.0.0.1".to_owned(),
+            server_port: agent_addr.port(),
+            tls: tls::client_config(
+                &path("agent-ca.crt"),
+                Some((&path("proxy-agent.crt"), &path("proxy-agent.key"))),
+                &[],
+            )?,
+            agent_id: tunnel::ids::AgentId("demo-agent".to_owned()),
+            agent_identifiers: String::new(),
+            health_addr: any,
+            sync_interval: Duration::from_millis(100),
+            sync_interval_cap: Duration::from_secs(1),
+            sync_forever: false,
+            probe_interval: Duration::from_secs(1),
+            keepalive_time: Duration::from_secs(3600),
+            xfr_channel_size: 150,
+            not_implemented: Vec::new(),
+        })
+        .await?;
+        let agent_task = tokio::spawn(agent.serve(stop.clone().cancelled_owned()));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !handle.is_ready() {
+            if tokio::time::Instant::now() > deadline {
+                bail!("the agent did not connect within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        println!("   proxy-agent demo-agent connected; the server is ready");
+
+        let dialer = Dialer {
+            transport: Transport::Uds(socket.clone()),
+            mode: match mode {
+                Mode::Grpc => tunnel::client::Mode::Grpc,
+                Mode::HttpConnect => tunnel::client::Mode::HttpConnect,
+            },
+        };
+        let mut conn = dialer.dial(&backend_addr.to_string()).await?;
+        conn.write_all(b"GET / HTTP/1.1\r\nHost: backend\r\n\r\n")
+            .await?;
+        let mut response = Vec::new();
+        conn.read_to_end(&mut response).await?;
+        drop(conn);
+        let response = String::from_utf8_lossy(&response);
+        println!(
+            "{}. GET http://{backend_addr}/ through the tunnel ({name} mode) answered:",
+            step + 1
+        );
+        for line in response.lines() {
+            println!("   | {line}");
+        }
+        if !response.ends_with(BODY) {
+            bail!("unexpected answer through the tunnel");
+        }
+        stop.cancel();
+        server_task.await??;
+        agent_task.await?;
     }
 
-    stop.cancel();
-    server_task.await??;
-    agent_task.await?;
-    println!("6. stopped proxy-agent and proxy-server; all good");
+    println!("7. stopped proxy-agents and proxy-servers; all good");
     Ok(())
 }
