@@ -205,7 +205,7 @@ async fn sync_loop(
         let wait = if config.sync_forever || state.server_connections() < state.target_count() {
             match Client::connect(&config).await {
                 Ok(client) => {
-                    add_client(&config, &state, client, &token, &tasks);
+                    add_client(&state, client, &token, &tasks);
                     backoff.success()
                 }
                 Err(error) => {
@@ -224,7 +224,6 @@ async fn sync_loop(
 }
 
 fn add_client(
-    config: &Config,
     state: &Arc<AgentState>,
     client: Client,
     token: &CancellationToken,
@@ -250,13 +249,12 @@ fn add_client(
             .server_count
             .store(client.server_count, Ordering::Relaxed);
     }
-    info!(server.id = %server_id, server.count = client.server_count, "connected to proxy-server");
+    info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
     let state = state.clone();
-    let xfr = config.xfr_channel_size;
     let span = info_span!("client", server.id = %server_id);
     tasks.spawn(
         async move {
-            client.serve(conns, xfr, cancel).await;
+            client.serve(conns, cancel).await;
             state.clients().remove(&server_id);
             info!("disconnected from proxy-server");
         }

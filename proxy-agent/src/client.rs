@@ -23,8 +23,9 @@ use tonic::{
 };
 use tracing::{Instrument, debug, debug_span, warn};
 use tunnel::{
+    flow::{self, PushError, SendCredit},
     ids::{ConnId, DialId, ServerId},
-    pump::{PumpEnd, pump},
+    pump::{PumpEnd, PumpFlow, pump},
 };
 
 use crate::{
@@ -102,6 +103,8 @@ pub struct Client {
     pub server_id: ServerId,
     /// The replica count the server announced (`servercount`).
     pub server_count: u32,
+    /// Whether both ends use per-connection credits (see `tunnel::flow`).
+    pub flow_control: bool,
     /// Packets from the server.
     inbound: Streaming<Packet>,
     /// Packets to the server.
@@ -186,6 +189,9 @@ impl Client {
                 }
             })?,
         );
+        if config.flow_control {
+            metadata.insert(flow::HEADER, MetadataValue::from_static(flow::VERSION));
+        }
         if !config.agent_identifiers.is_empty() {
             metadata.insert(
                 header::AGENT_IDENTIFIERS,
@@ -216,6 +222,13 @@ impl Client {
                 })
         };
         let server_id = ServerId(header_value(header::SERVER_ID)?);
+        let flow_control = config.flow_control
+            && flow::announced(
+                response
+                    .metadata()
+                    .get(flow::HEADER)
+                    .and_then(|v| v.to_str().ok()),
+            );
         let server_count = header_value(header::SERVER_COUNT)?
             .parse::<u32>()
             .map_err(|_| ConnectError::Header {
@@ -225,6 +238,7 @@ impl Client {
         Ok(Self {
             server_id,
             server_count,
+            flow_control,
             inbound: response.into_inner(),
             out_tx,
             _channel: channel,
@@ -238,16 +252,12 @@ impl Client {
 
     /// Serves the stream until it ends or `cancel` fires; every connection of
     /// the stream is closed when it returns.
-    pub async fn serve(
-        self,
-        conns: Arc<ConnectionManager>,
-        xfr_channel_size: usize,
-        cancel: CancellationToken,
-    ) {
+    pub async fn serve(self, conns: Arc<ConnectionManager>, cancel: CancellationToken) {
         let Self {
             mut inbound,
             out_tx,
             server_id,
+            flow_control,
             _channel,
             ..
         } = self;
@@ -259,7 +269,7 @@ impl Client {
             cancel: cancel.clone(),
             tasks: tasks.clone(),
             next_conn_id,
-            xfr_channel_size,
+            flow_control,
         };
         loop {
             let packet = tokio::select! {
@@ -296,23 +306,40 @@ struct Stream {
     tasks: TaskTracker,
     /// Next connection id; ids start at 1 and are unique per stream.
     next_conn_id: Arc<AtomicI64>,
-    /// Capacity of each connection's inbound channel.
-    xfr_channel_size: usize,
+    /// Whether per-connection credits are in use on this stream.
+    flow_control: bool,
 }
 
 impl Stream {
     async fn handle(&self, packet: Packet) {
+        if let Some((conn, credit)) = flow::parse_credit(&packet) {
+            if self.flow_control {
+                self.conns.grant(ConnId(conn), credit);
+            }
+            return;
+        }
         match packet.into_kind() {
             PacketKind::DialReq(req) => {
                 self.spawn_dial(req.protocol, req.address, DialId(req.random))
             }
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);
-                match self.conns.data_tx(id) {
-                    Some(tx) => {
-                        // A closed receiver means the connection is ending; its
-                        // task sends the CLOSE_RSP.
-                        let _ = tx.send(data.data).await;
+                match self.conns.inbound(id) {
+                    Some(inbound) => {
+                        let cost = flow::cost(data.data.len());
+                        let pushed = if self.flow_control {
+                            // The server respects our window: this never waits.
+                            inbound.push(data.data, cost)
+                        } else {
+                            // An ANP server sends without credit: wait while the
+                            // destination drains, give up if it stalls.
+                            inbound.push_wait(data.data, cost, flow::COMPAT_STALL).await
+                        };
+                        // Closed: the connection is ending; its task answers.
+                        if pushed == Err(PushError::Overflow) {
+                            warn!(conn.id = %id, "connection closed: its destination reads too slowly");
+                            self.conns.abort(id, flow::OVERFLOW);
+                        }
                     }
                     None => {
                         debug!(conn.id = %id, "DATA for unknown connection");
@@ -350,7 +377,7 @@ impl Stream {
         let conns = self.conns.clone();
         let out_tx = self.out_tx.clone();
         let cancel = self.cancel.child_token();
-        let capacity = self.xfr_channel_size;
+        let flow_control = self.flow_control;
         conns.start_dial(dial_id, cancel.clone());
         let span = debug_span!("conn", conn.id = %conn_id, dial.id = %dial_id, %address);
         self.tasks.spawn(
@@ -373,8 +400,19 @@ impl Stream {
                         return;
                     }
                 };
-                let (data_tx, data_rx) = mpsc::channel(capacity);
-                conns.insert(conn_id, EndpointConn { data_tx });
+                let (inbound, outbound) = flow::queue();
+                let send_credit = flow_control.then(SendCredit::new);
+                let abort = cancel.child_token();
+                let abort_reason = Arc::new(std::sync::OnceLock::new());
+                conns.insert(
+                    conn_id,
+                    EndpointConn {
+                        inbound,
+                        send_credit: send_credit.clone(),
+                        abort: abort.clone(),
+                        abort_reason: abort_reason.clone(),
+                    },
+                );
                 if out_tx
                     .send(Packet::dial_response(dial_id.0, conn_id.0, ""))
                     .await
@@ -384,13 +422,21 @@ impl Stream {
                     return;
                 }
                 debug!("connected");
+                let flow = PumpFlow {
+                    send_credit,
+                    grant: flow_control,
+                };
                 let end = tokio::select! {
-                    () = cancel.cancelled() => PumpEnd::TunnelGone,
-                    end = pump(stream, conn_id, data_rx, out_tx.clone()) => end,
+                    () = abort.cancelled() => PumpEnd::TunnelGone,
+                    end = pump(stream, conn_id, outbound, out_tx.clone(), flow) => end,
                 };
                 conns.remove(conn_id);
                 let error = match &end {
-                    PumpEnd::TunnelGone => return,
+                    PumpEnd::TunnelGone => match abort_reason.get() {
+                        // Aborted for overflow: tell the server why.
+                        Some(reason) if !cancel.is_cancelled() => reason.clone(),
+                        _ => return,
+                    },
                     PumpEnd::LocalError(e) => e.to_string(),
                     PumpEnd::LocalEof | PumpEnd::PeerClosed => String::new(),
                 };

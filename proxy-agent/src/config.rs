@@ -112,6 +112,11 @@ pub struct Args {
     /// Content type of kube API requests.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
+    /// Negotiate per-connection flow control with servers that support it
+    /// (konnectivity-rs); ANP servers never see a difference.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub flow_control: bool,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -144,6 +149,8 @@ pub struct Config {
     pub keepalive_time: Duration,
     /// Capacity of per-connection channels.
     pub xfr_channel_size: usize,
+    /// Offer per-connection flow control (`tunnel::flow`).
+    pub flow_control: bool,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
 }
@@ -364,6 +371,7 @@ impl TryFrom<Args> for Config {
             probe_interval: args.probe_interval,
             keepalive_time: args.keepalive_time,
             xfr_channel_size: args.xfr_channel_size,
+            flow_control: args.flow_control,
             not_implemented,
         })
     }

@@ -9,9 +9,12 @@ use std::{
 };
 
 use bytes::Bytes;
-use tokio::{net::TcpStream, sync::mpsc};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
-use tunnel::ids::{ConnId, DialId};
+use tunnel::{
+    flow::{Inbound, SendCredit},
+    ids::{ConnId, DialId},
+};
 
 /// How long a node-side dial may take (ANP's `dialTimeout`).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -20,7 +23,13 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct EndpointConn {
     /// Bytes from the server for the socket; dropping it closes the
     /// connection after the queued bytes are written.
-    pub data_tx: mpsc::Sender<Bytes>,
+    pub inbound: Inbound<Bytes>,
+    /// Credit for DATA to the server, when flow control was negotiated.
+    pub send_credit: Option<SendCredit>,
+    /// Ends the connection's task at once (overflow); the error is in `abort`.
+    pub abort: CancellationToken,
+    /// Why the connection was aborted, for its CLOSE_RSP.
+    pub abort_reason: Arc<std::sync::OnceLock<String>>,
 }
 
 /// The connections and pending dials of one server stream.
@@ -42,9 +51,28 @@ impl ConnectionManager {
         lock(&self.conns).insert(id, conn);
     }
 
-    /// The inbound sender of a connection.
-    pub fn data_tx(&self, id: ConnId) -> Option<mpsc::Sender<Bytes>> {
-        lock(&self.conns).get(&id).map(|c| c.data_tx.clone())
+    /// The receive queue of a connection.
+    pub fn inbound(&self, id: ConnId) -> Option<Inbound<Bytes>> {
+        lock(&self.conns).get(&id).map(|c| c.inbound.clone())
+    }
+
+    /// Removes a connection and aborts it; its task answers CLOSE_RSP with
+    /// `reason`.
+    pub fn abort(&self, id: ConnId, reason: &str) {
+        if let Some(conn) = lock(&self.conns).remove(&id) {
+            let _ = conn.abort_reason.set(reason.to_owned());
+            conn.abort.cancel();
+        }
+    }
+
+    /// Adds credit the server returned for a connection.
+    pub fn grant(&self, id: ConnId, credit: usize) {
+        if let Some(send_credit) = lock(&self.conns)
+            .get(&id)
+            .and_then(|c| c.send_credit.clone())
+        {
+            send_credit.grant(credit);
+        }
     }
 
     /// Removes a connection; dropping the result starts its close.

@@ -9,7 +9,7 @@ use std::{
     collections::HashMap,
     net::SocketAddr,
     sync::{
-        Arc, Mutex,
+        Mutex,
         atomic::{AtomicBool, Ordering},
     },
 };
@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tunnel::ids::{AgentId, ConnId};
 
-use crate::{frontend::Frontend, lock};
+use crate::{conn::BackendConn, lock};
 use strategy::AgentIdentifiers;
 
 /// The agent stream is gone; the packet was not sent.
@@ -46,7 +46,9 @@ pub(crate) struct Backend {
     /// Set by DRAIN (or when retired): prefer other backends for new dials.
     draining: AtomicBool,
     /// Established connections on this stream and the frontend of each.
-    conns: Mutex<HashMap<ConnId, Arc<Frontend>>>,
+    conns: Mutex<HashMap<ConnId, BackendConn>>,
+    /// Whether per-connection flow control was negotiated (`tunnel::flow`).
+    pub(crate) flow_control: bool,
     /// Cancelled when the stream must end (agent gone, retired, shutdown).
     pub(crate) cancel: CancellationToken,
 }
@@ -59,6 +61,7 @@ impl Backend {
         peer: Option<SocketAddr>,
         tx: mpsc::Sender<Packet>,
         cancel: CancellationToken,
+        flow_control: bool,
     ) -> Self {
         Self {
             uid,
@@ -68,6 +71,7 @@ impl Backend {
             tx,
             draining: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
+            flow_control,
             cancel,
         }
     }
@@ -86,20 +90,29 @@ impl Backend {
         self.draining.store(true, Ordering::Relaxed);
     }
 
-    pub(crate) fn conn(&self, id: ConnId) -> Option<Arc<Frontend>> {
+    pub(crate) fn conn(&self, id: ConnId) -> Option<BackendConn> {
         lock(&self.conns).get(&id).cloned()
     }
 
-    pub(crate) fn insert_conn(&self, id: ConnId, frontend: Arc<Frontend>) {
-        lock(&self.conns).insert(id, frontend);
+    pub(crate) fn insert_conn(&self, id: ConnId, conn: BackendConn) {
+        lock(&self.conns).insert(id, conn);
     }
 
-    pub(crate) fn remove_conn(&self, id: ConnId) -> Option<Arc<Frontend>> {
+    pub(crate) fn remove_conn(&self, id: ConnId) -> Option<BackendConn> {
         lock(&self.conns).remove(&id)
     }
 
-    pub(crate) fn take_conns(&self) -> HashMap<ConnId, Arc<Frontend>> {
+    pub(crate) fn take_conns(&self) -> HashMap<ConnId, BackendConn> {
         std::mem::take(&mut *lock(&self.conns))
+    }
+
+    /// The most cost any of its connections has queued towards a frontend.
+    pub(crate) fn max_queued(&self) -> usize {
+        lock(&self.conns)
+            .values()
+            .map(|c| c.conn.queued())
+            .max()
+            .unwrap_or(0)
     }
 
     pub(crate) fn conn_count(&self) -> usize {

@@ -147,6 +147,11 @@ pub struct Args {
     #[arg(long, hide = true, num_args = 0..=1, require_equals = true, default_value = "true",
           default_missing_value = "true", value_parser = go_bool)]
     pub warn_on_channel_limit: bool,
+    /// Offer per-connection flow control to agents that ask for it
+    /// (konnectivity-rs agents); ANP agents never see a difference.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub flow_control: bool,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -207,6 +212,8 @@ pub struct Config {
     pub frontend_keepalive_time: Duration,
     /// Bound on dial forwarding and waiting; `None` disables it.
     pub backend_dial_timeout: Option<Duration>,
+    /// Offer per-connection flow control (`tunnel::flow`).
+    pub flow_control: bool,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
     pub not_implemented: Vec<&'static str>,
 }
@@ -443,6 +450,7 @@ impl TryFrom<Args> for Config {
             xfr_channel_size: args.xfr_channel_size,
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
+            flow_control: args.flow_control,
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero())
                 .then_some(args.backend_dial_timeout),
             not_implemented,

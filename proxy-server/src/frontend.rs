@@ -8,13 +8,22 @@ pub(crate) mod http_connect;
 use std::{
     collections::{HashMap, VecDeque},
     sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
 };
 
 use proto::Packet;
 use tokio::sync::mpsc;
-use tunnel::ids::{ConnId, DialId};
+use tunnel::{
+    flow::{self, PushError},
+    ids::{ConnId, DialId},
+};
 
-use crate::{backend::Backend, lock, tunnels::Tunnels};
+use crate::{
+    backend::Backend,
+    conn::{ServerConn, ToFrontend},
+    lock,
+    tunnels::Tunnels,
+};
 
 /// The frontend is gone; the packet was not delivered.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -25,11 +34,22 @@ pub(crate) struct FrontendGone;
 pub(crate) struct Frontend {
     /// Unique per stream, for logs and ownership checks.
     pub(crate) uid: u64,
-    /// Packets to the frontend; the transport drains the receiver.
-    tx: mpsc::Sender<Packet>,
+    /// Packets to the frontend; the transport drains the receiver and calls
+    /// [`ToFrontend::taken`] for each.
+    tx: mpsc::Sender<ToFrontend>,
     /// Dials and connections of this stream.
     state: Mutex<FrontendState>,
 }
+
+/// Slots of a frontend's queue: a window of the smallest DATA packets of one
+/// connection, plus room for control packets. Bytes are bounded per
+/// connection by [`flow::WINDOW`].
+pub(crate) fn queue_slots(control: usize) -> usize {
+    flow::WINDOW / flow::PACKET_OVERHEAD + control
+}
+
+/// How long a control packet may wait for room in a full frontend queue.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a frontend has open. Guarded by the frontend's mutex, which is taken
 /// before any backend's (never the other way round).
@@ -41,8 +61,8 @@ pub(crate) struct FrontendState {
     pub(crate) failed: bool,
     /// Dials sent and not yet answered, with the backend each went to.
     pub(crate) pending: HashMap<DialId, Arc<Backend>>,
-    /// Established connections and their backend.
-    pub(crate) conns: HashMap<ConnId, Arc<Backend>>,
+    /// Established connections.
+    pub(crate) conns: HashMap<ConnId, Arc<ServerConn>>,
     /// Whether a dial was ever made on this stream.
     pub(crate) dialed: bool,
     /// The last connections closed under the frontend (agent gone, CLOSE_RSP):
@@ -56,13 +76,13 @@ const RECENTLY_CLOSED: usize = 32;
 
 impl FrontendState {
     /// Removes an established connection and remembers it was closed.
-    pub(crate) fn close_conn(&mut self, id: ConnId) -> Option<Arc<Backend>> {
-        let backend = self.conns.remove(&id)?;
+    pub(crate) fn close_conn(&mut self, id: ConnId) -> Option<Arc<ServerConn>> {
+        let conn = self.conns.remove(&id)?;
         if self.recently_closed.len() == RECENTLY_CLOSED {
             self.recently_closed.pop_front();
         }
         self.recently_closed.push_back(id);
-        Some(backend)
+        Some(conn)
     }
 
     /// Whether `id` was one of this frontend's connections and is now closed.
@@ -72,7 +92,7 @@ impl FrontendState {
 }
 
 impl Frontend {
-    pub(crate) fn new(uid: u64, tx: mpsc::Sender<Packet>) -> Self {
+    pub(crate) fn new(uid: u64, tx: mpsc::Sender<ToFrontend>) -> Self {
         Self {
             uid,
             tx,
@@ -80,14 +100,66 @@ impl Frontend {
         }
     }
 
-    /// Queues a packet for the frontend, waiting while its queue is full.
+    /// Queues a control packet for the frontend, waiting while its queue is full.
     pub(crate) async fn send(&self, packet: Packet) -> Result<(), FrontendGone> {
         tracing::trace!(
             frontend = self.uid,
             packet = packet.type_name(),
             "to frontend"
         );
-        self.tx.send(packet).await.map_err(|_| FrontendGone)
+        self.tx
+            .send(ToFrontend { packet, data: None })
+            .await
+            .map_err(|_| FrontendGone)
+    }
+
+    /// Queues a control packet without holding up the caller: at once if
+    /// there is room, else from a task of its own (bounded wait).
+    pub(crate) fn notify(self: &Arc<Self>, packet: Packet) {
+        match self.tx.try_send(ToFrontend { packet, data: None }) {
+            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+            Err(mpsc::error::TrySendError::Full(item)) => {
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(CONTROL_TIMEOUT, tx.send(item)).await;
+                });
+            }
+        }
+    }
+
+    /// Queues agent DATA of `conn`, bounded by the connection's window: with
+    /// flow control it never waits (the agent respects the window); without,
+    /// it waits while the frontend drains and gives up after
+    /// [`flow::COMPAT_STALL`] without progress.
+    pub(crate) async fn push_data(
+        &self,
+        conn: &Arc<ServerConn>,
+        packet: Packet,
+        len: usize,
+    ) -> Result<(), PushError> {
+        let cost = flow::cost(len);
+        if conn.backend.flow_control {
+            if !conn.budget.try_reserve(cost) {
+                return Err(PushError::Overflow);
+            }
+        } else {
+            if self.tx.is_closed() {
+                return Err(PushError::Closed);
+            }
+            conn.budget.reserve(cost, flow::COMPAT_STALL).await?;
+        }
+        self.tx
+            .try_send(ToFrontend {
+                packet,
+                data: Some((conn.clone(), cost)),
+            })
+            .map_err(|e| {
+                conn.budget.release(cost);
+                match e {
+                    mpsc::error::TrySendError::Full(_) => PushError::Overflow,
+                    mpsc::error::TrySendError::Closed(_) => PushError::Closed,
+                }
+            })
     }
 
     pub(crate) fn state(&self) -> MutexGuard<'_, FrontendState> {

@@ -16,6 +16,7 @@
 pub mod backend;
 pub mod client;
 pub mod config;
+pub(crate) mod conn;
 mod dial;
 mod frontend;
 pub mod health;

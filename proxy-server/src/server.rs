@@ -277,6 +277,7 @@ impl Bound {
             server_count: config.server_count,
             tasks: tasks.clone(),
             shutdown: token.clone(),
+            flow_control: config.flow_control,
         });
         let agent_server = Server::builder()
             .http2_keepalive_interval(Some(config.keepalive_time))
@@ -429,6 +430,12 @@ impl ServerHandle {
             .collect();
         ids.sort();
         ids
+    }
+
+    /// The most bytes (payload plus per-packet overhead) any connection has
+    /// queued towards its frontend right now.
+    pub fn max_buffered(&self) -> usize {
+        self.tunnels.max_buffered()
     }
 
     /// What `/readyz` says.

@@ -17,10 +17,14 @@ use std::{
 
 use proto::{DialRequest, Packet, packet::PacketKind};
 use tracing::{debug, info, warn};
-use tunnel::ids::{ConnId, DialId};
+use tunnel::{
+    flow::{self, PushError},
+    ids::{ConnId, DialId},
+};
 
 use crate::{
     backend::{Backend, manager::BackendManager},
+    conn::{BackendConn, ServerConn},
     dial::{PendingDial, PendingDials},
     frontend::Frontend,
     lock,
@@ -34,9 +38,6 @@ pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
 pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 /// CLOSE_RSP error when a frontend used a connection id it does not own.
 pub const MISMATCHED: &str = "mismatched connection IDs";
-/// How long a notification to a frontend may wait for room in its queue when
-/// its backend died; a frontend that does not read for this long is lost anyway.
-const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The proxy's shared state.
 pub(crate) struct Tunnels {
@@ -105,10 +106,7 @@ impl Tunnels {
                     return;
                 }
                 match self.owner(fe, id) {
-                    Owner::Ours(backend) => {
-                        // A dead backend is reported to the frontend by its teardown.
-                        let _ = backend.send(Packet::data(id.0, data.data)).await;
-                    }
+                    Owner::Ours(conn) => send_data(&conn, data.data).await,
                     Owner::Nobody => {
                         let _ = fe
                             .send(Packet::close_response(id.0, "backend not initialized"))
@@ -123,9 +121,9 @@ impl Tunnels {
             PacketKind::CloseReq(req) => {
                 let id = ConnId(req.connect_id);
                 match self.owner(fe, id) {
-                    Owner::Ours(backend) => {
+                    Owner::Ours(conn) => {
                         debug!(frontend = fe.uid, conn.id = %id, "frontend closes connection");
-                        let _ = backend.send(Packet::close_request(id.0)).await;
+                        let _ = conn.backend.send(Packet::close_request(id.0)).await;
                     }
                     Owner::Nobody => {
                         let _ = fe
@@ -156,7 +154,7 @@ impl Tunnels {
     fn owner(&self, fe: &Frontend, id: ConnId) -> Owner {
         let state = fe.state();
         match state.conns.get(&id) {
-            Some(backend) => Owner::Ours(backend.clone()),
+            Some(conn) => Owner::Ours(conn.clone()),
             None if state.was_closed(id) => Owner::Closed,
             None if state.conns.is_empty() && state.pending.is_empty() && !state.dialed => {
                 Owner::Nobody
@@ -169,7 +167,7 @@ impl Tunnels {
     /// the frontend's own connections (ANP), touching nobody else's.
     async fn mismatch(&self, fe: &Arc<Frontend>, bad: ConnId) {
         warn!(frontend = fe.uid, conn.id = %bad, "frontend used a connection id it does not own");
-        let own: Vec<(ConnId, Arc<Backend>)> = {
+        let own: Vec<(ConnId, Arc<ServerConn>)> = {
             let mut state = fe.state();
             state.failed = true;
             let ids: Vec<ConnId> = state.conns.keys().copied().collect();
@@ -178,9 +176,9 @@ impl Tunnels {
                 .collect()
         };
         let _ = fe.send(Packet::close_response(bad.0, MISMATCHED)).await;
-        for (id, backend) in own {
-            if backend.remove_conn(id).is_some() {
-                let _ = backend.send(Packet::close_request(id.0)).await;
+        for (id, conn) in own {
+            if conn.backend.remove_conn(id).is_some() {
+                let _ = conn.backend.send(Packet::close_request(id.0)).await;
             }
             let _ = fe.send(Packet::close_response(id.0, MISMATCHED)).await;
         }
@@ -266,6 +264,12 @@ impl Tunnels {
 
     /// Handles a packet from an agent.
     pub(crate) async fn backend_packet(&self, be: &Arc<Backend>, packet: Packet) {
+        if let Some((id, credit)) = flow::parse_credit(&packet) {
+            if let Some(credit_of) = be.conn(ConnId(id)).and_then(|c| c.conn.send_credit.clone()) {
+                credit_of.grant(credit);
+            }
+            return;
+        }
         match packet.into_kind() {
             PacketKind::DialRsp(rsp) => {
                 let id = DialId(rsp.random);
@@ -290,8 +294,15 @@ impl Tunnels {
                     if state.closed || state.failed {
                         false
                     } else {
-                        state.conns.insert(conn, be.clone());
-                        be.insert_conn(conn, fe.clone());
+                        let server_conn = Arc::new(ServerConn::new(conn, be.clone()));
+                        state.conns.insert(conn, server_conn.clone());
+                        be.insert_conn(
+                            conn,
+                            BackendConn {
+                                conn: server_conn,
+                                frontend: fe.clone(),
+                            },
+                        );
                         true
                     }
                 };
@@ -314,9 +325,16 @@ impl Tunnels {
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);
                 match be.conn(id) {
-                    Some(fe) => {
-                        // A gone frontend closes its connections itself.
-                        let _ = fe.send(Packet::data(id.0, data.data)).await;
+                    Some(BackendConn { conn, frontend }) => {
+                        let len = data.data.len();
+                        match frontend
+                            .push_data(&conn, Packet::data(id.0, data.data), len)
+                            .await
+                        {
+                            // Closed: a gone frontend closes its connections itself.
+                            Ok(()) | Err(PushError::Closed) => {}
+                            Err(PushError::Overflow) => self.overflow(be, &frontend, id),
+                        }
                     }
                     None if id.0 != 0 => {
                         debug!(agent.id = %be.agent_id, conn.id = %id, "DATA for unknown connection");
@@ -327,10 +345,10 @@ impl Tunnels {
             }
             PacketKind::CloseRsp(rsp) => {
                 let id = ConnId(rsp.connect_id);
-                if let Some(fe) = be.remove_conn(id) {
-                    fe.state().close_conn(id);
+                if let Some(BackendConn { frontend, .. }) = be.remove_conn(id) {
+                    frontend.state().close_conn(id);
                     debug!(conn.id = %id, error = %rsp.error, "connection closed");
-                    let _ = fe.send(Packet::close_response(id.0, &rsp.error)).await;
+                    frontend.notify(Packet::close_response(id.0, &rsp.error));
                 }
             }
             PacketKind::DialCls(cls) => {
@@ -371,10 +389,10 @@ impl Tunnels {
                 let _ = backend.send(Packet::close_dial(id.0)).await;
             }
         }
-        for (id, backend) in conns {
-            if backend.remove_conn(id).is_some() {
+        for (id, conn) in conns {
+            if conn.backend.remove_conn(id).is_some() {
                 debug!(frontend = fe.uid, conn.id = %id, "frontend gone; closing connection");
-                let _ = backend.send(Packet::close_request(id.0)).await;
+                let _ = conn.backend.send(Packet::close_request(id.0)).await;
             }
         }
     }
@@ -389,14 +407,39 @@ impl Tunnels {
         let dials = self.pending.remove_for_backend(be.uid);
         info!(agent.id = %be.agent_id, peer.addr = ?be.peer, connections = conns.len(), dials = dials.len(), "agent disconnected");
         let reason = format!("agent {} disconnected", be.agent_id);
-        for (id, fe) in conns {
-            fe.state().close_conn(id);
-            notify(fe, Packet::close_response(id.0, &reason));
+        for (id, BackendConn { frontend, .. }) in conns {
+            frontend.state().close_conn(id);
+            frontend.notify(Packet::close_response(id.0, &reason));
         }
         for (id, dial) in dials {
             dial.frontend.state().pending.remove(&id);
-            notify(dial.frontend, Packet::dial_response(id.0, 0, &reason));
+            dial.frontend
+                .notify(Packet::dial_response(id.0, 0, &reason));
         }
+    }
+
+    /// A connection's frontend fell a window behind: close it on both ends
+    /// with [`flow::OVERFLOW`] rather than stall the agent stream.
+    fn overflow(&self, be: &Arc<Backend>, frontend: &Arc<Frontend>, id: ConnId) {
+        if be.remove_conn(id).is_none() {
+            return;
+        }
+        frontend.state().close_conn(id);
+        warn!(agent.id = %be.agent_id, conn.id = %id, "connection closed: its frontend reads too slowly");
+        let backend = be.clone();
+        tokio::spawn(async move {
+            let _ = backend.send(Packet::close_request(id.0)).await;
+        });
+        frontend.notify(Packet::close_response(id.0, flow::OVERFLOW));
+    }
+
+    /// The most cost any connection has queued towards its frontend.
+    pub(crate) fn max_buffered(&self) -> usize {
+        lock(&self.all_backends)
+            .values()
+            .map(|b| b.max_queued())
+            .max()
+            .unwrap_or(0)
     }
 
     /// Every live backend (for shutdown).
@@ -407,8 +450,8 @@ impl Tunnels {
 
 /// Who owns a connection id a frontend used.
 enum Owner {
-    /// This frontend, over this backend.
-    Ours(Arc<Backend>),
+    /// This frontend's connection.
+    Ours(Arc<ServerConn>),
     /// Nobody: the frontend never dialed.
     Nobody,
     /// This frontend's, but already closed (the frontend has not learnt it yet).
@@ -417,9 +460,24 @@ enum Owner {
     Other,
 }
 
-/// Delivers a packet to a frontend without holding up the caller.
-fn notify(fe: Arc<Frontend>, packet: Packet) {
-    tokio::spawn(async move {
-        let _ = tokio::time::timeout(NOTIFY_TIMEOUT, fe.send(packet)).await;
-    });
+/// Sends frontend DATA to the agent; with flow control, in pieces that fit a
+/// window, each waiting for credit (this holds up only this frontend).
+async fn send_data(conn: &ServerConn, mut data: bytes::Bytes) {
+    let Some(credit) = &conn.send_credit else {
+        // A dead backend is reported to the frontend by its teardown.
+        let _ = conn.backend.send(Packet::data(conn.id.0, data)).await;
+        return;
+    };
+    while !data.is_empty() {
+        let piece = data.split_to(data.len().min(flow::MAX_CHUNK));
+        credit.take(flow::cost(piece.len())).await;
+        if conn
+            .backend
+            .send(Packet::data(conn.id.0, piece))
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
 }

@@ -114,6 +114,8 @@ pub struct ServerOpts {
     pub tcp_frontend: bool,
     /// Frontend protocol.
     pub mode: Mode,
+    /// Offer per-connection flow control to agents.
+    pub flow_control: bool,
 }
 
 impl Default for ServerOpts {
@@ -125,6 +127,7 @@ impl Default for ServerOpts {
             strategies: vec![ProxyStrategy::Default],
             tcp_frontend: false,
             mode: Mode::Grpc,
+            flow_control: true,
         }
     }
 }
@@ -204,6 +207,7 @@ impl TestServer {
             keepalive_time: Duration::from_secs(3600),
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: opts.backend_dial_timeout,
+            flow_control: opts.flow_control,
             not_implemented: Vec::new(),
         };
         let bound = ProxyServer::bind(config).await.expect("binding the server");
@@ -349,6 +353,8 @@ pub struct AgentOpts {
     pub no_client_cert: bool,
     /// Use the other PKI (wrong CA for the server).
     pub foreign_pki: bool,
+    /// Do not offer per-connection flow control (behave like an ANP agent).
+    pub no_flow_control: bool,
 }
 
 /// An in-process proxy-agent.
@@ -396,6 +402,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         probe_interval: Duration::from_millis(100),
         keepalive_time: Duration::from_secs(3600),
         xfr_channel_size: 150,
+        flow_control: !opts.no_flow_control,
         not_implemented: Vec::new(),
     }
 }

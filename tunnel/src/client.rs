@@ -23,7 +23,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::{
     ids::{ConnId, DialId},
-    pump::{PumpEnd, pump},
+    pump::{PumpEnd, PumpFlow, pump},
 };
 
 /// How long a dial may wait for its DIAL_RSP (konnectivity-client's backstop).
@@ -276,7 +276,7 @@ async fn drive(
     mut inbound: tonic::Streaming<Packet>,
     out_tx: mpsc::Sender<Packet>,
 ) -> Result<(), ClientError> {
-    let (data_tx, data_rx) = mpsc::channel(INBOUND_CAPACITY);
+    let (data_tx, data_rx) = crate::flow::queue_with_slots(INBOUND_CAPACITY);
     let reader = async move {
         // `data_tx` lives in here: when this returns, the pump drains and
         // closes the caller's pipe.
@@ -288,7 +288,8 @@ async fn drive(
             match packet.into_kind() {
                 PacketKind::Data(data) if data.connect_id == conn_id.0 => {
                     // The caller may be gone; keep reading until CLOSE_RSP.
-                    let _ = data_tx.send(data.data).await;
+                    let cost = crate::flow::cost(data.data.len());
+                    let _ = data_tx.send(data.data, cost).await;
                 }
                 PacketKind::CloseRsp(rsp) if rsp.connect_id == conn_id.0 => {
                     return if rsp.error.is_empty() {
@@ -304,7 +305,8 @@ async fn drive(
             }
         }
     };
-    let pumping = pump(pipe, conn_id, data_rx, out_tx.clone());
+    // The stream is this connection's own: HTTP/2 flow control is its window.
+    let pumping = pump(pipe, conn_id, data_rx, out_tx.clone(), PumpFlow::default());
     tokio::pin!(reader, pumping);
     tokio::select! {
         result = &mut reader => {

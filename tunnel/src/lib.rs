@@ -11,6 +11,7 @@
 //! - [`telemetry`]: tracing subscriber set-up shared by both binaries.
 //! - [`error`]: printing error chains.
 //! - [`flags`]: Go booleans, Go durations and klog flags for clap.
+//! - [`flow`]: per-connection windows and bounded receive queues.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
 
 pub mod client;
@@ -18,6 +19,7 @@ pub mod conn;
 pub mod duration;
 pub mod error;
 pub mod flags;
+pub mod flow;
 pub mod ids;
 pub mod pump;
 pub mod signal;

@@ -150,6 +150,7 @@ mod tests {
             None,
             tx,
             CancellationToken::new(),
+            false,
         ))
     }
 

@@ -32,6 +32,8 @@ pub(crate) struct AgentServiceImpl {
     pub(crate) tasks: TaskTracker,
     /// Parent of every backend's token.
     pub(crate) shutdown: CancellationToken,
+    /// Offer per-connection flow control to agents that ask for it.
+    pub(crate) flow_control: bool,
 }
 
 /// Reads the single value of a metadata key that must appear exactly once.
@@ -88,6 +90,13 @@ impl AgentService for AgentServiceImpl {
             }
         };
         let identifiers = identifiers(&request)?;
+        let flow_control = self.flow_control
+            && tunnel::flow::announced(
+                request
+                    .metadata()
+                    .get(tunnel::flow::HEADER)
+                    .and_then(|v| v.to_str().ok()),
+            );
         let mut inbound = request.into_inner();
 
         let (tx, rx) = mpsc::channel(BACKEND_QUEUE);
@@ -99,9 +108,10 @@ impl AgentService for AgentServiceImpl {
             peer,
             tx,
             cancel.clone(),
+            flow_control,
         ));
         self.tunnels.add_backend(&backend);
-        info!(agent.id = %agent_id, peer.addr = ?peer, "agent connected");
+        info!(agent.id = %agent_id, peer.addr = ?peer, flow_control, "agent connected");
 
         let tunnels = self.tunnels.clone();
         let span = info_span!("backend", agent.id = %agent_id);
@@ -141,6 +151,12 @@ impl AgentService for AgentServiceImpl {
                 .map_err(|_| Status::internal("server id is not valid metadata"))?,
         );
         headers.insert(header::SERVER_COUNT, MetadataValue::from(self.server_count));
+        if flow_control {
+            headers.insert(
+                tunnel::flow::HEADER,
+                MetadataValue::from_static(tunnel::flow::VERSION),
+            );
+        }
         Ok(response)
     }
 }

@@ -34,7 +34,7 @@ impl ProxyService for ProxyServiceImpl {
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
         let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(self.queue);
+        let (tx, rx) = mpsc::channel(super::queue_slots(self.queue));
         let frontend = Arc::new(Frontend::new(self.tunnels.next_uid(), tx));
         let tunnels = self.tunnels.clone();
         let shutdown = self.shutdown.clone();
@@ -61,6 +61,12 @@ impl ProxyService for ProxyServiceImpl {
             }
             .instrument(span),
         );
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+        // Taking an item for the HTTP/2 stream (which has a window of its
+        // own) releases its accounting and, with flow control, its credit.
+        let stream = ReceiverStream::new(rx).then(|item| async move {
+            item.taken().await;
+            Ok(item.packet)
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 }

@@ -25,6 +25,7 @@ use tunnel::{
 };
 
 use super::{Frontend, FrontendGuard};
+use crate::conn::ToFrontend;
 use crate::tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT, Tunnels};
 
 /// Largest request header accepted (Go's `http.DefaultMaxHeaderBytes`).
@@ -202,7 +203,7 @@ pub(crate) async fn serve_connection<IO>(
         return;
     }
 
-    let (tx, mut rx) = mpsc::channel(queue);
+    let (tx, mut rx) = mpsc::channel(super::queue_slots(queue));
     let frontend = Arc::new(Frontend::new(tunnels.next_uid(), tx));
     let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
     let random = DialId::random();
@@ -220,7 +221,7 @@ pub(crate) async fn serve_connection<IO>(
         loop {
             tokio::select! {
                 () = &mut dial, if dialing => dialing = false,
-                packet = rx.recv() => match packet.map(Packet::into_kind) {
+                packet = rx.recv() => match packet.map(|item| item.packet.into_kind()) {
                     Some(PacketKind::DialRsp(rsp)) if rsp.random == random.0 => break Ok(rsp),
                     Some(PacketKind::DialCls(_)) => break Err("dial closed by the agent".to_owned()),
                     Some(other) => debug!(packet = ?other, "ignoring packet before DIAL_RSP"),
@@ -272,8 +273,9 @@ pub(crate) async fn serve_connection<IO>(
             .frontend_packet(&frontend, Packet::close_request(conn.0))
             .await;
         let _ = tokio::time::timeout(CLOSE_WAIT, async {
-            while let Some(packet) = rx.recv().await {
-                if matches!(packet.into_kind(), PacketKind::CloseRsp(_)) {
+            while let Some(item) = rx.recv().await {
+                item.taken().await;
+                if matches!(item.packet.into_kind(), PacketKind::CloseRsp(_)) {
                     return;
                 }
             }
@@ -292,7 +294,7 @@ async fn tunnel_bytes<IO>(
     conn: ConnId,
     tunnels: &Arc<Tunnels>,
     frontend: &Arc<Frontend>,
-    rx: &mut mpsc::Receiver<Packet>,
+    rx: &mut mpsc::Receiver<ToFrontend>,
     shutdown: &CancellationToken,
 ) -> bool
 where
@@ -317,14 +319,24 @@ where
         }
     };
     let downstream = async {
-        while let Some(packet) = rx.recv().await {
-            match packet.into_kind() {
-                PacketKind::Data(data) if data.connect_id == conn.0 => {
-                    if writer.write_all(&data.data).await.is_err() {
-                        // The client is gone: close on the agent.
-                        return true;
-                    }
+        while let Some(item) = rx.recv().await {
+            let written = match &item.packet.payload {
+                Some(proto::Payload::Data(data))
+                    if data.connect_id == conn.0
+                        && item.packet.r#type == proto::PacketType::Data as i32 =>
+                {
+                    Some(writer.write_all(&data.data).await.is_ok())
                 }
+                _ => None,
+            };
+            item.taken().await;
+            match written {
+                Some(true) => continue,
+                // The client is gone: close on the agent.
+                Some(false) => return true,
+                None => {}
+            }
+            match item.packet.into_kind() {
                 PacketKind::CloseRsp(rsp) if rsp.connect_id == conn.0 => {
                     debug!(conn.id = %conn, error = %rsp.error, "closed by the agent side");
                     return false;

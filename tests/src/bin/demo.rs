@@ -82,6 +82,7 @@ async fn main() -> Result<()> {
             keepalive_time: Duration::from_secs(3600),
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: None,
+            flow_control: true,
             not_implemented: Vec::new(),
         })
         .await?;
@@ -111,6 +112,7 @@ async fn main() -> Result<()> {
             probe_interval: Duration::from_secs(1),
             keepalive_time: Duration::from_secs(3600),
             xfr_channel_size: 150,
+            flow_control: true,
             not_implemented: Vec::new(),
         })
         .await?;

@@ -1,0 +1,89 @@
+//! [`ServerConn`]: one established connection as the server sees it, with
+//! its flow-control state in both directions.
+
+use std::sync::{Arc, Mutex};
+
+use proto::Packet;
+use tunnel::{
+    flow::{self, Budget, Granter, SendCredit},
+    ids::ConnId,
+};
+
+use crate::{backend::Backend, frontend::Frontend, lock};
+
+/// An established connection: a frontend's, over a backend.
+pub(crate) struct ServerConn {
+    /// The agent-assigned id.
+    pub(crate) id: ConnId,
+    /// The agent stream it runs over.
+    pub(crate) backend: Arc<Backend>,
+    /// Cost of agent DATA queued towards the frontend and not yet taken by it
+    /// (bounded by [`flow::WINDOW`]).
+    pub(crate) budget: Budget,
+    /// Credit to return to the agent as the frontend drains (negotiated only).
+    granter: Mutex<Granter>,
+    /// Credit for DATA to the agent (negotiated only).
+    pub(crate) send_credit: Option<SendCredit>,
+}
+
+impl ServerConn {
+    pub(crate) fn new(id: ConnId, backend: Arc<Backend>) -> Self {
+        let send_credit = backend.flow_control.then(SendCredit::new);
+        Self {
+            id,
+            backend,
+            budget: Budget::default(),
+            granter: Mutex::new(Granter::default()),
+            send_credit,
+        }
+    }
+
+    /// Records that the frontend took `cost` of this connection's DATA and
+    /// returns credit to the agent when enough has drained.
+    pub(crate) async fn drained(&self, cost: usize) {
+        self.budget.release(cost);
+        if !self.backend.flow_control {
+            return;
+        }
+        let empty = self.budget.queued() == 0;
+        let credit = lock(&self.granter).drained(cost, empty);
+        if let Some(credit) = credit {
+            let _ = self
+                .backend
+                .send(flow::credit_packet(self.id.0, credit))
+                .await;
+        }
+    }
+
+    /// Cost units queued towards the frontend now.
+    pub(crate) fn queued(&self) -> usize {
+        self.budget.queued()
+    }
+}
+
+/// What a backend knows of one of its connections.
+#[derive(Clone)]
+pub(crate) struct BackendConn {
+    /// The connection.
+    pub(crate) conn: Arc<ServerConn>,
+    /// Whose it is.
+    pub(crate) frontend: Arc<Frontend>,
+}
+
+/// An item of a frontend's outbound queue: a packet, and for DATA the
+/// connection and cost to release once the frontend took it.
+pub(crate) struct ToFrontend {
+    /// The packet.
+    pub(crate) packet: Packet,
+    /// For DATA: whose bytes, and what they cost.
+    pub(crate) data: Option<(Arc<ServerConn>, usize)>,
+}
+
+impl ToFrontend {
+    /// Releases the DATA accounting (after the frontend took the packet).
+    pub(crate) async fn taken(&self) {
+        if let Some((conn, cost)) = &self.data {
+            conn.drained(*cost).await;
+        }
+    }
+}
