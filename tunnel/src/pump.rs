@@ -125,16 +125,18 @@ where
                 return PumpEnd::LocalError(e);
             }
             inbound.drained(cost);
-            if flow.grant {
-                if let Some(credit) = granter.drained(cost, inbound.is_empty()) {
-                    if out_tx
-                        .send(flow::credit_packet(conn_id.0, credit))
-                        .await
-                        .is_err()
-                    {
-                        return PumpEnd::TunnelGone;
-                    }
-                }
+            let credit = if flow.grant {
+                granter.drained(cost, inbound.is_empty())
+            } else {
+                None
+            };
+            if let Some(credit) = credit
+                && out_tx
+                    .send(flow::credit_packet(conn_id.0, credit))
+                    .await
+                    .is_err()
+            {
+                return PumpEnd::TunnelGone;
             }
         }
         match writer.shutdown().await {
