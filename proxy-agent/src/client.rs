@@ -39,6 +39,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Packets queued towards the server, shared by every connection of the stream.
 const OUTBOUND_QUEUE: usize = 256;
+/// How long a connection closed by the server may take to write what was
+/// queued for its destination.
+const CLOSE_DRAIN: Duration = Duration::from_secs(10);
 
 /// Why a connection to proxy-server failed.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +89,21 @@ pub enum ConnectError {
         server: String,
         /// The gRPC status.
         status: tonic::Status,
+    },
+    /// The service-account token file could not be read.
+    #[error("cannot read --service-account-token-path {path}")]
+    Token {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The token is not valid header text.
+    #[error("the token in --service-account-token-path {path} is not valid header text")]
+    TokenText {
+        /// The file.
+        path: std::path::PathBuf,
     },
     /// The response headers lack a valid `serverid`/`servercount`.
     #[error("proxy-server {server} sent an invalid {header} header")]
@@ -192,6 +210,22 @@ impl Client {
         if config.flow_control {
             metadata.insert(flow::HEADER, MetadataValue::from_static(flow::VERSION));
         }
+        if let Some(path) = &config.token_path {
+            // Re-read on every connect: projected tokens rotate. The raw file
+            // content is sent, untrimmed, as ANP does.
+            let token = tokio::fs::read(path)
+                .await
+                .map_err(|source| ConnectError::Token {
+                    path: path.clone(),
+                    source,
+                })?;
+            let mut value = header::BEARER_PREFIX.as_bytes().to_vec();
+            value.extend_from_slice(&token);
+            let mut value = MetadataValue::try_from(value.as_slice())
+                .map_err(|_| ConnectError::TokenText { path: path.clone() })?;
+            value.set_sensitive(true);
+            metadata.insert(header::AUTHORIZATION, value);
+        }
         if !config.agent_identifiers.is_empty() {
             metadata.insert(
                 header::AGENT_IDENTIFIERS,
@@ -277,7 +311,12 @@ impl Client {
                 packet = inbound.message() => packet,
             };
             match packet {
-                Ok(Some(packet)) => stream.handle(packet).await,
+                // Handling waits only for room on a connection's queue
+                // (without flow control); a cancel must still get through.
+                Ok(Some(packet)) => tokio::select! {
+                    () = cancel.cancelled() => break,
+                    () = stream.handle(packet) => {}
+                },
                 Ok(None) => {
                     debug!(server.id = %server_id, "server closed the stream");
                     break;
@@ -343,24 +382,19 @@ impl Stream {
                     }
                     None => {
                         debug!(conn.id = %id, "DATA for unknown connection");
-                        let _ = self
-                            .out_tx
-                            .send(Packet::close_response(id.0, "unrecognized connectID"))
-                            .await;
+                        self.reply(Packet::close_response(id.0, "unrecognized connectID"));
                     }
                 }
             }
             PacketKind::CloseReq(req) => {
                 let id = ConnId(req.connect_id);
-                if self.conns.remove(id).is_some() {
+                if let Some(conn) = self.conns.remove(id) {
                     // Dropped: its pump writes what is queued, then the
-                    // connection task answers CLOSE_RSP.
+                    // connection task answers CLOSE_RSP (within CLOSE_DRAIN).
                     debug!(conn.id = %id, "server closes connection");
+                    conn.closing.cancel();
                 } else {
-                    let _ = self
-                        .out_tx
-                        .send(Packet::close_response(id.0, "Unknown connectID"))
-                        .await;
+                    self.reply(Packet::close_response(id.0, "Unknown connectID"));
                 }
             }
             PacketKind::DialCls(cls) => {
@@ -369,6 +403,18 @@ impl Stream {
                 }
             }
             other => debug!(packet = ?other, "ignoring unexpected packet from server"),
+        }
+    }
+
+    /// Sends an answer from the reader without waiting on a full outbound
+    /// queue (the reader must keep reading, or two full queues wait on each
+    /// other); when full, a task delivers it within a bound.
+    fn reply(&self, packet: Packet) {
+        if let Err(mpsc::error::TrySendError::Full(packet)) = self.out_tx.try_send(packet) {
+            let out_tx = self.out_tx.clone();
+            self.tasks.spawn(async move {
+                let _ = tokio::time::timeout(CONNECT_TIMEOUT, out_tx.send(packet)).await;
+            });
         }
     }
 
@@ -403,6 +449,7 @@ impl Stream {
                 let (inbound, outbound) = flow::queue();
                 let send_credit = flow_control.then(SendCredit::new);
                 let abort = cancel.child_token();
+                let closing = CancellationToken::new();
                 let abort_reason = Arc::new(std::sync::OnceLock::new());
                 conns.insert(
                     conn_id,
@@ -410,6 +457,7 @@ impl Stream {
                         inbound,
                         send_credit: send_credit.clone(),
                         abort: abort.clone(),
+                        closing: closing.clone(),
                         abort_reason: abort_reason.clone(),
                     },
                 );
@@ -426,8 +474,18 @@ impl Stream {
                     send_credit,
                     grant: flow_control,
                 };
+                // After CLOSE_REQ the queued bytes get CLOSE_DRAIN to reach a
+                // destination that may not be reading.
+                let drain_deadline = async {
+                    closing.cancelled().await;
+                    tokio::time::sleep(CLOSE_DRAIN).await;
+                };
                 let end = tokio::select! {
                     () = abort.cancelled() => PumpEnd::TunnelGone,
+                    () = drain_deadline => {
+                        let _ = abort_reason.set("timed out writing to the destination before closing".to_owned());
+                        PumpEnd::TunnelGone
+                    }
                     end = pump(stream, conn_id, outbound, out_tx.clone(), flow) => end,
                 };
                 conns.remove(conn_id);

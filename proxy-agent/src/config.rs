@@ -151,6 +151,8 @@ pub struct Config {
     pub xfr_channel_size: usize,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
+    /// Service-account token file, re-read on every connect.
+    pub token_path: Option<PathBuf>,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
 }
@@ -372,6 +374,8 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             xfr_channel_size: args.xfr_channel_size,
             flow_control: args.flow_control,
+            token_path: (!args.service_account_token_path.is_empty())
+                .then(|| PathBuf::from(&args.service_account_token_path)),
             not_implemented,
         })
     }

@@ -26,8 +26,10 @@ pub struct EndpointConn {
     pub inbound: Inbound<Bytes>,
     /// Credit for DATA to the server, when flow control was negotiated.
     pub send_credit: Option<SendCredit>,
-    /// Ends the connection's task at once (overflow); the error is in `abort`.
+    /// Ends the connection's task at once (overflow); the error is in `abort_reason`.
     pub abort: CancellationToken,
+    /// Cancelled when the server closed the connection: bounds the drain.
+    pub closing: CancellationToken,
     /// Why the connection was aborted, for its CLOSE_RSP.
     pub abort_reason: Arc<std::sync::OnceLock<String>>,
 }
@@ -123,18 +125,11 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, String> {
             "dial {protocol} {address}: unknown network {protocol}"
         ));
     }
-    let addrs = match tokio::time::timeout(DIAL_TIMEOUT, tokio::net::lookup_host(address)).await {
-        Err(_) => return Err(format!("dial tcp {address}: i/o timeout")),
-        Ok(Err(e)) => return Err(lookup_error(address, &e)),
-        Ok(Ok(addrs)) => addrs.collect::<Vec<_>>(),
-    };
-    if addrs.is_empty() {
-        return Err(format!(
-            "dial tcp {address}: lookup {}: no such host",
-            host(address)
-        ));
-    }
     let attempt = async {
+        let addrs: Vec<_> = tokio::net::lookup_host(address)
+            .await
+            .map_err(|e| lookup_error(address, &e))?
+            .collect();
         let mut last = None;
         for addr in &addrs {
             match TcpStream::connect(addr).await {
@@ -142,9 +137,15 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, String> {
                 Err(e) => last = Some((addr, e)),
             }
         }
-        let (addr, e) = last.expect("at least one address was tried");
-        Err(format!("dial tcp {addr}: connect: {}", io_text(&e)))
+        match last {
+            Some((addr, e)) => Err(format!("dial tcp {addr}: connect: {}", io_text(&e))),
+            None => Err(format!(
+                "dial tcp {address}: lookup {}: no such host",
+                host(address)
+            )),
+        }
     };
+    // One limit for lookup and connect together, as Go's DialTimeout.
     let stream = tokio::time::timeout(DIAL_TIMEOUT, attempt)
         .await
         .map_err(|_| format!("dial tcp {address}: i/o timeout"))??;

@@ -22,6 +22,9 @@ use tunnel::ids::{AgentId, ConnId};
 use crate::{conn::BackendConn, lock};
 use strategy::AgentIdentifiers;
 
+/// How long a reply from a reader may wait for room in a full agent queue.
+const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The agent stream is gone; the packet was not sent.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("agent stream closed")]
@@ -80,6 +83,18 @@ impl Backend {
     pub(crate) async fn send(&self, packet: Packet) -> Result<(), BackendGone> {
         tracing::trace!(agent.id = %self.agent_id, packet = packet.type_name(), "to agent");
         self.tx.send(packet).await.map_err(|_| BackendGone)
+    }
+
+    /// Queues a packet without waiting: used by readers, which must keep
+    /// reading (two full queues waiting on each other would deadlock); when
+    /// the queue is full a task delivers it within a bound.
+    pub(crate) fn send_nowait(&self, packet: Packet) {
+        if let Err(mpsc::error::TrySendError::Full(packet)) = self.tx.try_send(packet) {
+            let tx = self.tx.clone();
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(REPLY_TIMEOUT, tx.send(packet)).await;
+            });
+        }
     }
 
     pub(crate) fn is_draining(&self) -> bool {

@@ -316,11 +316,24 @@ impl TryFrom<Args> for Config {
                 .ok_or_else(|| invalid("server-cert", "required for the TCP frontend"))?;
             let key = path_flag(&args.server_key)
                 .ok_or_else(|| invalid("server-key", "required for the TCP frontend"))?;
-            let tls =
-                tls::server_config(&cert, &key, Some(&ca)).map_err(|source| ConfigError::Tls {
-                    flag: "server-cert",
+            // CONNECT is HTTP/1.1 only (ANP disables HTTP/2 there); gRPC is HTTP/2.
+            let alpn = match mode {
+                Mode::Grpc => tls::ALPN_H2,
+                Mode::HttpConnect => tls::ALPN_HTTP11,
+            };
+            let tls = tls::server_config_with_alpn(&cert, &key, Some(&ca), &[alpn]).map_err(
+                |source| ConfigError::Tls {
+                    flag: flag_of_path(
+                        source.path(),
+                        &[
+                            ("server-key", Some(key.as_path())),
+                            ("server-ca-cert", Some(ca.as_path())),
+                        ],
+                        "server-cert",
+                    ),
                     source,
-                })?;
+                },
+            )?;
             FrontendListen::Tcp {
                 addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
                 tls,
@@ -373,6 +386,12 @@ impl TryFrom<Args> for Config {
                     "must be empty when service-account token auth (--agent-namespace) is on",
                 ));
             }
+            // Refused rather than ignored: without TokenReview the agent port
+            // would accept any agent.
+            return Err(invalid(
+                "agent-namespace",
+                "service-account token auth is not implemented yet in this build; authenticate agents with --cluster-ca-cert (mTLS)",
+            ));
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
@@ -416,7 +435,6 @@ impl TryFrom<Args> for Config {
             ServerId(args.server_id.clone())
         };
         let not_implemented = [
-            ("agent-namespace", !args.agent_namespace.is_empty()),
             ("kubeconfig", !args.kubeconfig.is_empty()),
             ("enable-profiling", args.enable_profiling),
             ("cipher-suites", !args.cipher_suites.is_empty()),
@@ -688,7 +706,27 @@ mod tests {
         ])
         .unwrap();
         match c.frontend {
-            FrontendListen::Tcp { addr, .. } => assert_eq!(addr.to_string(), "127.0.0.1:8090"),
+            FrontendListen::Tcp { addr, tls } => {
+                assert_eq!(addr.to_string(), "127.0.0.1:8090");
+                assert_eq!(tls.alpn_protocols, [b"h2".to_vec()]);
+            }
+            FrontendListen::Uds { .. } => panic!("expected TCP"),
+        }
+        // CONNECT over TLS offers HTTP/1.1 only.
+        let c = parse(&[
+            "--mode=http-connect".to_owned(),
+            "--server-port=8090".to_owned(),
+            format!("--server-cert={}", p("proxy-frontend.crt")),
+            format!("--server-key={}", p("proxy-frontend.key")),
+            format!("--server-ca-cert={}", p("frontend-ca.crt")),
+            format!("--cluster-cert={}", p("cluster.crt")),
+            format!("--cluster-key={}", p("cluster.key")),
+        ])
+        .unwrap();
+        match c.frontend {
+            FrontendListen::Tcp { tls, .. } => {
+                assert_eq!(tls.alpn_protocols, [b"http/1.1".to_vec()]);
+            }
             FrontendListen::Uds { .. } => panic!("expected TCP"),
         }
     }

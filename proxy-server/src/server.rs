@@ -358,6 +358,11 @@ impl Bound {
         info!("stopping");
         token.cancel();
         tasks.close();
+        let aborts = [
+            agent_task.abort_handle(),
+            frontend_task.abort_handle(),
+            health_task.abort_handle(),
+        ];
         let stopped = async {
             let agent = agent_task.await;
             let frontend = frontend_task.await;
@@ -366,23 +371,20 @@ impl Bound {
             (agent, frontend)
         };
         let result = match tokio::time::timeout(STOP_GRACE, stopped).await {
-            Ok((agent, frontend)) => {
-                if let Ok(Err(source)) = agent {
-                    return Err(ServerError::Serve {
-                        what: "agent",
-                        source,
-                    });
-                }
-                if let Ok(Err(source)) = frontend {
-                    return Err(ServerError::Serve {
-                        what: "frontend",
-                        source,
-                    });
-                }
-                Ok(())
-            }
+            Ok((Ok(Err(source)), _)) => Err(ServerError::Serve {
+                what: "agent",
+                source,
+            }),
+            Ok((_, Ok(Err(source)))) => Err(ServerError::Serve {
+                what: "frontend",
+                source,
+            }),
+            Ok(_) => Ok(()),
             Err(_) => {
-                warn!("listeners did not stop within the grace period; dropping them");
+                warn!("listeners did not stop within the grace period; aborting them");
+                for abort in aborts {
+                    abort.abort();
+                }
                 Ok(())
             }
         };

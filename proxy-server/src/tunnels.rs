@@ -239,10 +239,14 @@ impl Tunnels {
             return;
         }
         if let Some(limit) = self.dial_timeout {
-            let tunnels = self.clone();
-            let fe = fe.clone();
+            // Weak: the timer must not keep a finished frontend alive.
+            let tunnels = Arc::downgrade(self);
+            let weak_fe = Arc::downgrade(fe);
             tokio::spawn(async move {
                 tokio::time::sleep(limit).await;
+                let (Some(tunnels), Some(fe)) = (tunnels.upgrade(), weak_fe.upgrade()) else {
+                    return;
+                };
                 if let Some(dial) = tunnels.pending.remove_if(id, |d| d.frontend.uid == fe.uid) {
                     fe.state().pending.remove(&id);
                     debug!(dial.id = %id, "dial timed out");
@@ -277,7 +281,7 @@ impl Tunnels {
                 let Some(dial) = self.pending.remove_if(id, |d| d.backend.uid == be.uid) else {
                     debug!(agent.id = %be.agent_id, dial.id = %id, conn.id = %conn, "DIAL_RSP for no pending dial");
                     if conn.0 != 0 {
-                        let _ = be.send(Packet::close_request(conn.0)).await;
+                        be.send_nowait(Packet::close_request(conn.0));
                     }
                     return;
                 };
@@ -307,7 +311,7 @@ impl Tunnels {
                     }
                 };
                 if !attached {
-                    let _ = be.send(Packet::close_request(conn.0)).await;
+                    be.send_nowait(Packet::close_request(conn.0));
                     return;
                 }
                 debug!(dial.id = %id, conn.id = %conn, latency = ?dial.started.elapsed(), "connection established");
@@ -318,7 +322,7 @@ impl Tunnels {
                 {
                     fe.state().close_conn(conn);
                     if be.remove_conn(conn).is_some() {
-                        let _ = be.send(Packet::close_request(conn.0)).await;
+                        be.send_nowait(Packet::close_request(conn.0));
                     }
                 }
             }
@@ -338,7 +342,7 @@ impl Tunnels {
                     }
                     None if id.0 != 0 => {
                         debug!(agent.id = %be.agent_id, conn.id = %id, "DATA for unknown connection");
-                        let _ = be.send(Packet::close_request(id.0)).await;
+                        be.send_nowait(Packet::close_request(id.0));
                     }
                     None => debug!(agent.id = %be.agent_id, "dropping DATA with connection id 0"),
                 }
@@ -426,10 +430,7 @@ impl Tunnels {
         }
         frontend.state().close_conn(id);
         warn!(agent.id = %be.agent_id, conn.id = %id, "connection closed: its frontend reads too slowly");
-        let backend = be.clone();
-        tokio::spawn(async move {
-            let _ = backend.send(Packet::close_request(id.0)).await;
-        });
+        be.send_nowait(Packet::close_request(id.0));
         frontend.notify(Packet::close_response(id.0, flow::OVERFLOW));
     }
 

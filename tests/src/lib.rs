@@ -355,6 +355,8 @@ pub struct AgentOpts {
     pub foreign_pki: bool,
     /// Do not offer per-connection flow control (behave like an ANP agent).
     pub no_flow_control: bool,
+    /// `--service-account-token-path`.
+    pub token_path: Option<PathBuf>,
 }
 
 /// An in-process proxy-agent.
@@ -403,6 +405,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         keepalive_time: Duration::from_secs(3600),
         xfr_channel_size: 150,
         flow_control: !opts.no_flow_control,
+        token_path: opts.token_path.clone(),
         not_implemented: Vec::new(),
     }
 }

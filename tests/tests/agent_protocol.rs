@@ -338,3 +338,55 @@ async fn a_dial_cancelled_with_dial_cls_is_never_answered_or_connected() {
     let mut b = [0u8; 1];
     conn.read_exact(&mut b).await.unwrap();
 }
+
+#[tokio::test]
+async fn the_token_file_is_read_again_on_every_connect() {
+    let (addr, mut streams, _stop) = scripted_server().await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "first-token").unwrap();
+    let _agent = TestAgent::start_with(
+        addr,
+        AgentOpts {
+            token_path: Some(token.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let server = tokio::time::timeout(DEADLINE, streams.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        server.metadata.get(header::AUTHORIZATION).unwrap(),
+        "Bearer first-token"
+    );
+    // The token rotates; the stream breaks; the agent reconnects with the new one.
+    std::fs::write(&token, "second-token").unwrap();
+    drop(server);
+    let server = tokio::time::timeout(DEADLINE, streams.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        server.metadata.get(header::AUTHORIZATION).unwrap(),
+        "Bearer second-token"
+    );
+}
+
+#[tokio::test]
+async fn without_a_token_file_no_authorization_is_sent() {
+    let (addr, mut streams, _stop) = scripted_server().await;
+    let _agent = TestAgent::start_with(addr, AgentOpts::default()).await;
+    let server = tokio::time::timeout(DEADLINE, streams.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(server.metadata.get(header::AUTHORIZATION).is_none());
+    // Our agent offers flow control; a server that does not answer it (ANP)
+    // gets plain ANP behaviour.
+    assert_eq!(
+        server.metadata.get(tunnel::flow::HEADER).unwrap(),
+        tunnel::flow::VERSION
+    );
+}

@@ -458,6 +458,18 @@ fn every_manifest_validates_with_real_certificates() {
         }
         let mtls = !c.file.contains("token-auth");
         match c.binary {
+            Binary::Server if !mtls => {
+                // Token auth is refused until TokenReview is implemented:
+                // accepting it would leave the agent port unauthenticated.
+                let err = proxy_server::config::Config::try_from(c.server_args())
+                    .expect_err("token auth must be refused for now");
+                let text = err.to_string();
+                assert!(
+                    text.contains("--agent-namespace") && text.contains("not implemented"),
+                    "deploy/{}: {text}",
+                    c.file
+                );
+            }
             Binary::Server => {
                 let config = proxy_server::config::Config::try_from(c.server_args())
                     .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));

@@ -130,32 +130,26 @@ enum HeadError {
 
 async fn read_head<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Head, HeadError> {
     let mut buf = BytesMut::with_capacity(4096);
+    // Where to resume looking for the blank line, so that a header arriving
+    // in small pieces is scanned once, not once per piece.
+    let mut scanned = 0;
+    let mut first_line_checked = false;
     loop {
-        let mut headers = [httparse::EMPTY_HEADER; 64];
-        let mut request = httparse::Request::new(&mut headers);
-        match request.parse(&buf) {
-            Ok(httparse::Status::Complete(len)) => {
-                let method = request.method.unwrap_or_default().to_owned();
-                let mut target = request.path.unwrap_or_default().to_owned();
-                if target.is_empty() {
-                    target = request
-                        .headers
-                        .iter()
-                        .find(|h| h.name.eq_ignore_ascii_case("host"))
-                        .map(|h| String::from_utf8_lossy(h.value).into_owned())
-                        .unwrap_or_default();
-                }
-                let rest = buf.split_off(len);
-                return Ok(Head {
-                    method,
-                    target,
-                    rest,
-                });
-            }
-            Ok(httparse::Status::Partial) => {}
-            Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
-            Err(_) => return Err(HeadError::Malformed),
+        if let Some(i) = find(&buf[scanned..], b"\r\n\r\n") {
+            let len = scanned + i + 4;
+            return parse_head(buf, len);
         }
+        // Refuse what is clearly not HTTP once its first line is in, rather
+        // than reading a megabyte of it.
+        if !first_line_checked && find(&buf, b"\r\n").is_some() {
+            first_line_checked = true;
+            let mut headers = [httparse::EMPTY_HEADER; 64];
+            match httparse::Request::new(&mut headers).parse(&buf) {
+                Ok(_) | Err(httparse::Error::TooManyHeaders) => {}
+                Err(_) => return Err(HeadError::Malformed),
+            }
+        }
+        scanned = buf.len().saturating_sub(3);
         if buf.len() >= MAX_HEADER_BYTES {
             return Err(HeadError::TooLarge);
         }
@@ -164,6 +158,44 @@ async fn read_head<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Head, HeadError
             Ok(0) | Err(_) => return Err(HeadError::Gone),
             Ok(_) => {}
         }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Parses a complete head (`len` bytes, ending with the blank line).
+fn parse_head(mut buf: BytesMut, len: usize) -> Result<Head, HeadError> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut request = httparse::Request::new(&mut headers);
+    match request.parse(&buf[..len]) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Ok(httparse::Status::Partial) | Err(_) => return Err(HeadError::Malformed),
+    }
+    let method = request.method.unwrap_or_default().to_owned();
+    let mut target = request.path.unwrap_or_default().to_owned();
+    if target.is_empty() {
+        target = request
+            .headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case("host"))
+            .map(|h| String::from_utf8_lossy(h.value).into_owned())
+            .unwrap_or_default();
+    }
+    let rest = buf.split_off(len);
+    Ok(Head {
+        method,
+        target,
+        rest,
+    })
+}
+
+/// Writes a final answer and closes the write side (flushing TLS).
+async fn write_final<IO: AsyncWrite + Unpin>(io: &mut IO, bytes: &[u8]) {
+    if io.write_all(bytes).await.is_ok() {
+        let _ = io.shutdown().await;
     }
 }
 
@@ -179,27 +211,22 @@ pub(crate) async fn serve_connection<IO>(
     let head = match tokio::time::timeout(READ_HEADER_TIMEOUT, read_head(&mut io)).await {
         Err(_) | Ok(Err(HeadError::Gone)) => return,
         Ok(Err(HeadError::Malformed)) => {
-            let _ = io
-                .write_all(&error_page(400, "malformed HTTP request"))
-                .await;
+            write_final(&mut io, &error_page(400, "malformed HTTP request")).await;
             return;
         }
         Ok(Err(HeadError::TooLarge)) => {
-            let _ = io
-                .write_all(&error_page(431, "request header too large"))
-                .await;
+            write_final(&mut io, &error_page(431, "request header too large")).await;
             return;
         }
         Ok(Ok(head)) => head,
     };
     if head.method != "CONNECT" {
         debug!(method = %head.method, "refusing a request that is not CONNECT");
-        let _ = io
-            .write_all(&error_page(
-                405,
-                "this proxy only supports CONNECT passthrough",
-            ))
-            .await;
+        write_final(
+            &mut io,
+            &error_page(405, "this proxy only supports CONNECT passthrough"),
+        )
+        .await;
         return;
     }
 
@@ -245,12 +272,12 @@ pub(crate) async fn serve_connection<IO>(
     let conn = match answer {
         Ok(rsp) if rsp.error.is_empty() => ConnId(rsp.connect_id),
         Ok(rsp) => {
-            let _ = io.write_all(&dial_error_response(&rsp.error)).await;
+            write_final(&mut io, &dial_error_response(&rsp.error)).await;
             guard.close().await;
             return;
         }
         Err(error) => {
-            let _ = io.write_all(&dial_error_response(&error)).await;
+            write_final(&mut io, &dial_error_response(&error)).await;
             guard.close().await;
             return;
         }
@@ -325,7 +352,13 @@ where
                     if data.connect_id == conn.0
                         && item.packet.r#type == proto::PacketType::Data as i32 =>
                 {
-                    Some(writer.write_all(&data.data).await.is_ok())
+                    let mut ok = writer.write_all(&data.data).await.is_ok();
+                    // TLS may hold written bytes until flushed: flush whenever
+                    // nothing else is queued behind them.
+                    if ok && rx.is_empty() {
+                        ok = writer.flush().await.is_ok();
+                    }
+                    Some(ok)
                 }
                 _ => None,
             };

@@ -113,6 +113,7 @@ async fn main() -> Result<()> {
             keepalive_time: Duration::from_secs(3600),
             xfr_channel_size: 150,
             flow_control: true,
+            token_path: None,
             not_implemented: Vec::new(),
         })
         .await?;
