@@ -136,9 +136,9 @@ pub async fn upload_hash() -> Backend {
 
 /// Accepts and holds connections open without reading or writing.
 pub async fn silent() -> Backend {
-    spawn(|mut stream| async move {
-        let mut byte = [0u8; 1];
-        let _ = stream.read(&mut byte).await;
+    spawn(|stream| async move {
+        let _held = stream;
+        std::future::pending::<()>().await;
     })
     .await
 }
@@ -272,6 +272,15 @@ pub async fn banner(banner: &'static [u8]) -> Backend {
         }
         let (mut r, mut w) = stream.split();
         let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
+    .await
+}
+
+/// Writes bytes until the client goes away (an endless download).
+pub async fn source() -> Backend {
+    spawn(|mut stream| async move {
+        let chunk = pattern(64 * 1024, 13);
+        while stream.write_all(&chunk).await.is_ok() {}
     })
     .await
 }
