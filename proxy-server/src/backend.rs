@@ -121,13 +121,13 @@ impl Backend {
         std::mem::take(&mut *lock(&self.conns))
     }
 
-    /// The most cost any of its connections has queued towards a frontend.
-    pub(crate) fn max_queued(&self) -> usize {
+    /// The most and the total cost its connections have queued towards
+    /// their frontends.
+    pub(crate) fn queued(&self) -> (usize, usize) {
         lock(&self.conns)
             .values()
             .map(|c| c.conn.queued())
-            .max()
-            .unwrap_or(0)
+            .fold((0, 0), |(max, total), q| (max.max(q), total + q))
     }
 
     pub(crate) fn conn_count(&self) -> usize {

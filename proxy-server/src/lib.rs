@@ -10,7 +10,8 @@
 //!   proxy strategies, the `AgentService` handler.
 //! - `frontend`: one `Frontend` per `Proxy` stream, the `ProxyService` handler.
 //! - `dial`: the pending-dial table.
-//! - [`health`]: `/healthz`, `/readyz`.
+//! - [`health`]: `/healthz`, `/readyz`, `/metrics`.
+//! - `metrics`: the Prometheus registry.
 //! - [`client`]: the `proxy-client` tool (request, SOCKS5 and HTTP proxy).
 
 pub mod backend;
@@ -20,6 +21,7 @@ pub(crate) mod conn;
 mod dial;
 mod frontend;
 pub mod health;
+mod metrics;
 pub mod server;
 mod tunnels;
 

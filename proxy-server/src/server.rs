@@ -347,7 +347,11 @@ impl Bound {
         };
         info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
 
-        let health_server = axum::serve(health, health::router(tunnels.clone()))
+        let health_state = health::HealthState {
+            tunnels: tunnels.clone(),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+        };
+        let health_server = axum::serve(health, health::router(health_state))
             .with_graceful_shutdown(token.clone().cancelled_owned());
 
         let agent_task = tokio::spawn(agent_server);

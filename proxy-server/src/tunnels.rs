@@ -436,11 +436,15 @@ impl Tunnels {
 
     /// The most cost any connection has queued towards its frontend.
     pub(crate) fn max_buffered(&self) -> usize {
+        self.buffered().0
+    }
+
+    /// The most and the total cost queued towards frontends.
+    pub(crate) fn buffered(&self) -> (usize, usize) {
         lock(&self.all_backends)
             .values()
-            .map(|b| b.max_queued())
-            .max()
-            .unwrap_or(0)
+            .map(|b| b.queued())
+            .fold((0, 0), |(max, total), (m, t)| (max.max(m), total + t))
     }
 
     /// Every live backend (for shutdown).

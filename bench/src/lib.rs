@@ -1,0 +1,516 @@
+//! Benchmark of konnectivity-rs: the same scenarios against direct TCP, the
+//! gRPC mode and the HTTP-CONNECT mode (client → UDS → proxy-server → TLS →
+//! proxy-agent → backend), with the release binaries as child processes on
+//! loopback, interleaved direct/grpc/http-connect within each repetition.
+//!
+//! # Layout
+//! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
+//!   hold-open) in the bench process.
+//! - [`system`]: starting, probing and killing proxy-server and proxy-agent.
+//! - [`scenarios`]: one run of each scenario against one route.
+//! - [`probe`]: `/proc` (RSS, CPU), the machine, the health port and
+//!   Prometheus text.
+//! - [`stats`]: median/min/max, Jain's index, latency histograms.
+//! - [`report`]: metric definitions, the table and the JSON.
+
+pub mod backends;
+pub mod probe;
+pub mod report;
+pub mod scenarios;
+pub mod stats;
+pub mod system;
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use tunnel::{client::Mode, flags::go_duration};
+
+use crate::{
+    backends::Backends,
+    probe::Machine,
+    report::{Recorder, Report, Route, Settings},
+    scenarios::{Target, Timing},
+    system::{Binaries, Deployment},
+};
+
+/// Open files wanted for the bench and the processes it starts.
+const NOFILE_WANTED: u64 = 65_536;
+/// Descriptors kept free for everything but the idle connections.
+const NOFILE_SPARE: u64 = 1024;
+/// Concurrencies of the dial-rate scenario.
+const DIAL_CONCURRENCY: [usize; 2] = [1, 8];
+/// Longest warm-up before a time-boxed measurement.
+const MAX_WARMUP: Duration = Duration::from_millis(500);
+
+/// A scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Scenario {
+    /// One stream, each direction: MB/s.
+    Bulk,
+    /// 16 streams down: total MB/s and Jain fairness.
+    Parallel,
+    /// Bulk next to a stalled connection, and the server's buffered bytes.
+    Hol,
+    /// 64-byte round trips on one connection: p50/p99.
+    Pingpong,
+    /// Single-use tunnels with a 1 KiB exchange: dials/s, p50/p99.
+    Dial,
+    /// RSS idle, per idle connection, and growth over open/close rounds.
+    Memory,
+    /// CPU seconds of server + agent per GiB during bulk.
+    Cpu,
+}
+
+impl Scenario {
+    /// The name on the command line.
+    pub fn name(self) -> String {
+        self.to_possible_value()
+            .map(|v| v.get_name().to_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// bench: direct vs gRPC vs HTTP-CONNECT through proxy-server and
+/// proxy-agent on loopback, with the release binaries.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "bench", version, about)]
+pub struct Opt {
+    /// Measured time of each time-boxed run (Go duration).
+    #[arg(long, default_value = "5s", value_parser = go_duration)]
+    pub duration: Duration,
+    /// Repetitions; each runs direct, grpc and http-connect in turn.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Idle tunneled connections opened in the memory scenario.
+    #[arg(long, default_value_t = 10_000)]
+    pub conns: usize,
+    /// Timed ping-pong round trips per run.
+    #[arg(long, default_value_t = 10_000)]
+    pub round_trips: usize,
+    /// Streams of the parallel scenario.
+    #[arg(long, default_value_t = 16)]
+    pub streams: usize,
+    /// Smoke run: --duration=1s, --reps=1, --conns=1000 (overrides them).
+    #[arg(long)]
+    pub quick: bool,
+    /// Scenarios to run, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "bulk,parallel,hol,pingpong,dial,memory,cpu"
+    )]
+    pub scenarios: Vec<Scenario>,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "bench-results.json")]
+    pub json: PathBuf,
+    /// proxy-server binary (default: next to this executable).
+    #[arg(long)]
+    pub server_bin: Option<PathBuf>,
+    /// proxy-agent binary (default: next to this executable).
+    #[arg(long)]
+    pub agent_bin: Option<PathBuf>,
+    /// Internal: serve only the hold-open backend (the bench starts itself
+    /// so, to keep idle connections' far ends out of its own fd limit).
+    #[arg(long, hide = true)]
+    pub hold_backend: bool,
+}
+
+impl Opt {
+    /// Whether `scenario` was selected.
+    fn has(&self, scenario: Scenario) -> bool {
+        self.scenarios.contains(&scenario)
+    }
+}
+
+/// Runs the selected scenarios, prints the table, writes the JSON, and
+/// returns the report. Children are killed when it returns, fails, or on
+/// SIGINT/SIGTERM.
+///
+/// # Errors
+/// The binaries are missing, the system under test does not start or dies,
+/// or the JSON cannot be written.
+pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
+    if opt.quick {
+        opt.duration = Duration::from_secs(1);
+        opt.reps = 1;
+        opt.conns = 1000;
+    }
+    opt.reps = opt.reps.max(1);
+    opt.streams = opt.streams.max(1);
+    tokio::select! {
+        report = run_selected(opt) => report,
+        () = tunnel::signal::shutdown() => anyhow::bail!("interrupted"),
+    }
+}
+
+/// Raises RLIMIT_NOFILE (soft and, if allowed, hard) to `want`; the soft
+/// limit in force afterwards.
+fn raise_nofile(want: u64) -> u64 {
+    use rlimit::Resource;
+    let Ok((soft, hard)) = Resource::NOFILE.get() else {
+        return 0;
+    };
+    if soft >= want {
+        return soft;
+    }
+    if Resource::NOFILE.set(want, hard.max(want)).is_ok() {
+        return want;
+    }
+    rlimit::increase_nofile_limit(want).unwrap_or(soft)
+}
+
+/// [`run`] without the signal handling.
+async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
+    let mut notes = Vec::new();
+    let wanted = NOFILE_WANTED.max(opt.conns as u64 + NOFILE_SPARE);
+    let nofile = raise_nofile(wanted);
+    // Every process involved holds one descriptor per idle connection.
+    let fits = nofile.saturating_sub(NOFILE_SPARE) as usize;
+    if opt.conns > fits {
+        notes.push(format!(
+            "--conns lowered from {} to {fits} to fit RLIMIT_NOFILE {nofile}",
+            opt.conns
+        ));
+        opt.conns = fits;
+    }
+    let machine = Machine::read();
+    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
+    let bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone())?;
+    println!("command: {command_line}");
+    println!(
+        "machine: {} CPUs ({}), {} MiB, kernel {}",
+        machine.nproc, machine.cpu, machine.memory_mib, machine.kernel
+    );
+    println!(
+        "RLIMIT_NOFILE: {nofile} (asked for {wanted}) for the bench; proxy-server and \
+         proxy-agent inherit it"
+    );
+    println!(
+        "binaries: {} {}",
+        bins.server.display(),
+        bins.agent.display()
+    );
+    let timing = Timing {
+        warmup: (opt.duration / 5).min(MAX_WARMUP),
+        duration: opt.duration,
+    };
+    println!(
+        "settings: duration {:?} (+{:?} warm-up), reps {}, conns {}, round trips {}, streams {}",
+        timing.duration, timing.warmup, opt.reps, opt.conns, opt.round_trips, opt.streams
+    );
+
+    let dir = tempfile::Builder::new()
+        .prefix("konnectivity-bench-")
+        .tempdir()
+        .context("creating a temporary directory")?;
+    certs::ClusterPki::generate(&[])
+        .context("generating certificates")?
+        .write_to(dir.path())
+        .context("writing certificates")?;
+    let backends = Backends::start().await.context("starting the backends")?;
+    let mut grpc = Deployment::start(&bins, dir.path(), Mode::Grpc)
+        .await
+        .context("starting the gRPC-mode server and agent")?;
+    let mut http = Deployment::start(&bins, dir.path(), Mode::HttpConnect)
+        .await
+        .context("starting the HTTP-CONNECT-mode server and agent")?;
+    let targets = [
+        Target {
+            route: Route::Direct,
+            dialer: None,
+            pids: None,
+            health: None,
+        },
+        Target {
+            route: Route::Grpc,
+            dialer: Some(grpc.dialer()),
+            pids: Some(grpc.pids()),
+            health: Some(grpc.health),
+        },
+        Target {
+            route: Route::HttpConnect,
+            dialer: Some(http.dialer()),
+            pids: Some(http.pids()),
+            health: Some(http.health),
+        },
+    ];
+
+    let mut rec = Recorder::new(opt.reps);
+    if opt.has(Scenario::Memory) {
+        memory_scenario(&opt, &targets, &backends, &mut rec).await?;
+        notes.push(format!(
+            "memory runs once, before the other scenarios, on fresh processes; \
+             per-conn = (RSS with {} open - RSS just before) / {}; rounds open and close {} each",
+            opt.conns,
+            opt.conns,
+            (opt.conns / 10).max(1)
+        ));
+    }
+    for rep in 0..opt.reps {
+        for target in &targets {
+            let ctx = format!("rep {}/{}", rep + 1, opt.reps);
+            run_rep(&opt, target, &backends, timing, rep, &mut rec, &ctx).await;
+            grpc.check_alive()?;
+            http.check_alive()?;
+        }
+        if opt.has(Scenario::Pingpong) {
+            for target in &targets[1..] {
+                for (added, of) in [
+                    (&report::PING_ADDED_P50, &report::PING_P50),
+                    (&report::PING_ADDED_P99, &report::PING_P99),
+                ] {
+                    let value = rec
+                        .get(of, target.route, rep)
+                        .zip(rec.get(of, Route::Direct, rep))
+                        .map(|(mode, direct)| mode - direct);
+                    rec.push(added, target.route, rep, value);
+                }
+            }
+        }
+    }
+    notes.push(
+        "each repetition runs direct, grpc, http-connect in turn; cells are median [min–max] \
+         over repetitions, ×r is the median of per-repetition ratios to direct"
+            .to_owned(),
+    );
+    notes.push(
+        "MB/s = 10^6 bytes/s; cpu = utime+stime of proxy-server + proxy-agent from /proc \
+         (100 ticks/s) per GiB moved in the measured window; hol 'server max buffered' is \
+         the konnectivity_rs_server_max_buffered_bytes gauge (n/a when /metrics lacks it)"
+            .to_owned(),
+    );
+
+    let report = Report {
+        command_line,
+        machine,
+        settings: Settings {
+            duration_s: opt.duration.as_secs_f64(),
+            reps: opt.reps,
+            conns: opt.conns,
+            round_trips: opt.round_trips,
+            streams: opt.streams,
+            scenarios: opt.scenarios.iter().map(|s| s.name()).collect(),
+            nofile_limit: nofile,
+            server_bin: bins.server.display().to_string(),
+            agent_bin: bins.agent.display().to_string(),
+        },
+        notes,
+        metrics: rec.metrics(),
+    };
+    println!();
+    print!("{}", report.table());
+    println!();
+    for note in &report.notes {
+        println!("note: {note}");
+    }
+    let json = serde_json::to_string_pretty(&report).context("serializing the results")?;
+    std::fs::write(&opt.json, json + "\n")
+        .with_context(|| format!("writing --json {}", opt.json.display()))?;
+    println!("JSON: {}", opt.json.display());
+    Ok(report)
+}
+
+/// Idle RSS, then the memory scenario, for each tunneled route.
+async fn memory_scenario(
+    opt: &Opt,
+    targets: &[Target],
+    backends: &Backends,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    for target in targets {
+        let Some(pids) = target.pids else { continue };
+        let route = target.route;
+        let idle = scenarios::settled_rss(pids).await?;
+        rec.push(
+            &report::MEM_IDLE_SERVER,
+            route,
+            0,
+            Some(idle.0 as f64 / MIB),
+        );
+        rec.push(&report::MEM_IDLE_AGENT, route, 0, Some(idle.1 as f64 / MIB));
+        eprintln!(
+            "memory {}: {} idle connections ...",
+            route.name(),
+            opt.conns
+        );
+        let m = scenarios::memory(target, backends, opt.conns)
+            .await
+            .with_context(|| format!("memory scenario, {}", route.name()))?;
+        let values = [
+            (&report::MEM_CONN_SERVER, m.per_conn.0 / 1024.0),
+            (&report::MEM_CONN_AGENT, m.per_conn.1 / 1024.0),
+            (&report::MEM_R1_SERVER, m.round1.0 as f64 / MIB),
+            (&report::MEM_R10_SERVER, m.round10.0 as f64 / MIB),
+            (
+                &report::MEM_GROWTH_SERVER,
+                (m.round10.0 as f64 - m.round1.0 as f64) / MIB,
+            ),
+            (&report::MEM_R1_AGENT, m.round1.1 as f64 / MIB),
+            (&report::MEM_R10_AGENT, m.round10.1 as f64 / MIB),
+            (
+                &report::MEM_GROWTH_AGENT,
+                (m.round10.1 as f64 - m.round1.1 as f64) / MIB,
+            ),
+        ];
+        for (def, value) in values {
+            rec.push(def, route, 0, Some(value));
+        }
+        eprintln!(
+            "memory {}: {:.1} KiB/conn server, {:.1} KiB/conn agent",
+            route.name(),
+            m.per_conn.0 / 1024.0,
+            m.per_conn.1 / 1024.0
+        );
+    }
+    Ok(())
+}
+
+/// One repetition of the selected time-series scenarios against one
+/// target; failures are reported and leave `n/a`.
+async fn run_rep(
+    opt: &Opt,
+    target: &Target,
+    backends: &Backends,
+    timing: Timing,
+    rep: usize,
+    rec: &mut Recorder,
+    ctx: &str,
+) {
+    let route = target.route;
+    let name = route.name();
+    let failed = |what: &str, e: anyhow::Error| eprintln!("{ctx} {what} {name}: FAILED: {e:#}");
+    let tunneled = target.pids.is_some();
+
+    if opt.has(Scenario::Bulk) || (opt.has(Scenario::Cpu) && tunneled) {
+        for (rate, cpu, up) in [
+            (&report::BULK_DOWN, &report::CPU_DOWN, false),
+            (&report::BULK_UP, &report::CPU_UP, true),
+        ] {
+            let window = if up {
+                scenarios::upload(target, backends, timing).await
+            } else {
+                scenarios::download(target, backends, timing, 1).await
+            };
+            let what = if up { "bulk up" } else { "bulk down" };
+            match window {
+                Ok(w) => {
+                    eprintln!(
+                        "{ctx} {what} {name}: {:.0} MB/s{}",
+                        w.mb_per_s(),
+                        w.cpu_s_per_gib()
+                            .map(|c| format!(", {c:.2} cpu s/GiB"))
+                            .unwrap_or_default()
+                    );
+                    if opt.has(Scenario::Bulk) {
+                        rec.push(rate, route, rep, Some(w.mb_per_s()));
+                    }
+                    if opt.has(Scenario::Cpu) && tunneled {
+                        rec.push(cpu, route, rep, w.cpu_s_per_gib());
+                    }
+                }
+                Err(e) => {
+                    failed(what, e);
+                    rec.push(rate, route, rep, None);
+                }
+            }
+        }
+    }
+
+    if opt.has(Scenario::Parallel) {
+        match scenarios::download(target, backends, timing, opt.streams).await {
+            Ok(w) => {
+                let shares: Vec<f64> = w.per_stream.iter().map(|&b| b as f64).collect();
+                let fairness = stats::jain_index(&shares);
+                eprintln!(
+                    "{ctx} parallel x{} {name}: {:.0} MB/s, fairness {}",
+                    opt.streams,
+                    w.mb_per_s(),
+                    fairness.map_or("n/a".to_owned(), |f| format!("{f:.3}"))
+                );
+                rec.push(&report::PARALLEL_RATE, route, rep, Some(w.mb_per_s()));
+                rec.push(&report::PARALLEL_FAIRNESS, route, rep, fairness);
+            }
+            Err(e) => {
+                failed("parallel", e);
+                rec.push(&report::PARALLEL_RATE, route, rep, None);
+            }
+        }
+    }
+
+    if opt.has(Scenario::Hol) && tunneled {
+        match scenarios::head_of_line(target, backends, timing).await {
+            Ok(h) => {
+                eprintln!(
+                    "{ctx} hol {name}: alone {:.0} MB/s, next to stalled {:.0} MB/s, buffered {}",
+                    h.solo,
+                    h.stalled,
+                    h.buffered.map_or("n/a".to_owned(), |b| format!("{b:.0} B"))
+                );
+                rec.push(&report::HOL_SOLO, route, rep, Some(h.solo));
+                rec.push(&report::HOL_STALLED, route, rep, Some(h.stalled));
+                let ratio = Some(h.stalled / h.solo).filter(|r| r.is_finite());
+                rec.push(&report::HOL_RATIO, route, rep, ratio);
+                rec.push(&report::HOL_BUFFERED, route, rep, h.buffered);
+            }
+            Err(e) => {
+                failed("hol", e);
+                rec.push(&report::HOL_RATIO, route, rep, None);
+            }
+        }
+    }
+
+    if opt.has(Scenario::Pingpong) {
+        match scenarios::pingpong(target, backends, opt.round_trips).await {
+            Ok(h) => {
+                let (p50, p99) = (stats::quantile_us(&h, 0.5), stats::quantile_us(&h, 0.99));
+                eprintln!("{ctx} pingpong {name}: p50 {p50:.1} us, p99 {p99:.1} us");
+                rec.push(&report::PING_P50, route, rep, Some(p50));
+                rec.push(&report::PING_P99, route, rep, Some(p99));
+            }
+            Err(e) => {
+                failed("pingpong", e);
+                rec.push(&report::PING_P50, route, rep, None);
+            }
+        }
+    }
+
+    if opt.has(Scenario::Dial) {
+        let mut errors = 0;
+        for (concurrency, defs) in DIAL_CONCURRENCY.into_iter().zip([
+            [&report::DIAL1_RATE, &report::DIAL1_P50, &report::DIAL1_P99],
+            [&report::DIAL8_RATE, &report::DIAL8_P50, &report::DIAL8_P99],
+        ]) {
+            match scenarios::dial_rate(target, backends, concurrency, timing.duration).await {
+                Ok(d) => {
+                    let (p50, p99) = (
+                        stats::quantile_us(&d.latency, 0.5),
+                        stats::quantile_us(&d.latency, 0.99),
+                    );
+                    eprintln!(
+                        "{ctx} dial c={concurrency} {name}: {:.0} dials/s, p50 {p50:.0} us, \
+                         p99 {p99:.0} us, {} errors{}",
+                        d.rate,
+                        d.errors,
+                        d.first_error
+                            .as_deref()
+                            .map(|e| format!(" (first: {e})"))
+                            .unwrap_or_default()
+                    );
+                    let some = !d.latency.is_empty();
+                    rec.push(defs[0], route, rep, Some(d.rate));
+                    rec.push(defs[1], route, rep, some.then_some(p50));
+                    rec.push(defs[2], route, rep, some.then_some(p99));
+                    errors += d.errors;
+                }
+                Err(e) => {
+                    failed("dial", e);
+                    rec.push(defs[0], route, rep, None);
+                }
+            }
+        }
+        rec.push(&report::DIAL_ERRORS, route, rep, Some(errors as f64));
+    }
+}

@@ -1,0 +1,472 @@
+//! What is measured (metric definitions), the per-repetition values, and the
+//! results as a text table and as JSON.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::{probe::Machine, stats};
+
+/// Where the bench's connections go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Route {
+    /// Client → backend over plain TCP.
+    Direct,
+    /// Client → UDS → proxy-server (gRPC) → TLS → proxy-agent → backend.
+    Grpc,
+    /// Client → UDS → proxy-server (HTTP-CONNECT) → TLS → proxy-agent → backend.
+    HttpConnect,
+}
+
+impl Route {
+    /// All routes, in column order.
+    pub const ALL: [Self; 3] = [Self::Direct, Self::Grpc, Self::HttpConnect];
+
+    /// Column index.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The column heading.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Grpc => "grpc",
+            Self::HttpConnect => "http-connect",
+        }
+    }
+}
+
+/// One measured quantity.
+#[derive(Debug)]
+pub struct Def {
+    /// The scenario it belongs to.
+    pub scenario: &'static str,
+    /// What it is.
+    pub name: &'static str,
+    /// Its unit.
+    pub unit: &'static str,
+    /// Whether to show the ratio to direct (throughputs).
+    pub ratio: bool,
+}
+
+/// Shorthand for the definitions below.
+const fn def(scenario: &'static str, name: &'static str, unit: &'static str, ratio: bool) -> Def {
+    Def {
+        scenario,
+        name,
+        unit,
+        ratio,
+    }
+}
+
+/// Single stream, backend → client.
+pub const BULK_DOWN: Def = def("bulk", "1 stream down", "MB/s", true);
+/// Single stream, client → backend.
+pub const BULK_UP: Def = def("bulk", "1 stream up", "MB/s", true);
+/// CPU of server + agent per GiB during bulk down.
+pub const CPU_DOWN: Def = def("cpu", "server+agent, bulk down", "s/GiB", false);
+/// CPU of server + agent per GiB during bulk up.
+pub const CPU_UP: Def = def("cpu", "server+agent, bulk up", "s/GiB", false);
+/// Aggregate of the parallel streams.
+pub const PARALLEL_RATE: Def = def("parallel", "16 streams down, total", "MB/s", true);
+/// Jain's index over the parallel streams.
+pub const PARALLEL_FAIRNESS: Def = def("parallel", "Jain fairness", "0..1", false);
+/// Bulk alone, in the head-of-line scenario.
+pub const HOL_SOLO: Def = def("hol", "bulk alone", "MB/s", false);
+/// Bulk next to a stalled connection.
+pub const HOL_STALLED: Def = def("hol", "bulk next to stalled", "MB/s", false);
+/// Bulk next to a stalled connection, relative to alone.
+pub const HOL_RATIO: Def = def("hol", "next to stalled / alone", "ratio", false);
+/// The server's gauge of buffered bytes while the stalled one is open.
+pub const HOL_BUFFERED: Def = def("hol", "server max buffered", "bytes", false);
+/// Ping-pong median.
+pub const PING_P50: Def = def("pingpong", "64 B round trip p50", "us", false);
+/// Ping-pong 99th percentile.
+pub const PING_P99: Def = def("pingpong", "64 B round trip p99", "us", false);
+/// Ping-pong median minus direct's.
+pub const PING_ADDED_P50: Def = def("pingpong", "added p50 (mode - direct)", "us", false);
+/// Ping-pong p99 minus direct's.
+pub const PING_ADDED_P99: Def = def("pingpong", "added p99 (mode - direct)", "us", false);
+/// Dial rate, one at a time.
+pub const DIAL1_RATE: Def = def("dial", "c=1 rate", "dials/s", true);
+/// Dial + exchange latency median, one at a time.
+pub const DIAL1_P50: Def = def("dial", "c=1 dial+1KiB exchange p50", "us", false);
+/// Dial + exchange latency p99, one at a time.
+pub const DIAL1_P99: Def = def("dial", "c=1 dial+1KiB exchange p99", "us", false);
+/// Dial rate, eight at a time.
+pub const DIAL8_RATE: Def = def("dial", "c=8 rate", "dials/s", true);
+/// Dial + exchange latency median, eight at a time.
+pub const DIAL8_P50: Def = def("dial", "c=8 dial+1KiB exchange p50", "us", false);
+/// Dial + exchange latency p99, eight at a time.
+pub const DIAL8_P99: Def = def("dial", "c=8 dial+1KiB exchange p99", "us", false);
+/// Failed dials or exchanges (both concurrencies).
+pub const DIAL_ERRORS: Def = def("dial", "errors", "count", false);
+/// Server RSS after its agent connected, before any traffic.
+pub const MEM_IDLE_SERVER: Def = def("memory", "server idle RSS", "MiB", false);
+/// Agent RSS after it connected, before any traffic.
+pub const MEM_IDLE_AGENT: Def = def("memory", "agent idle RSS", "MiB", false);
+/// Server RSS growth per open idle connection.
+pub const MEM_CONN_SERVER: Def = def("memory", "server RSS per idle conn", "KiB", false);
+/// Agent RSS growth per open idle connection.
+pub const MEM_CONN_AGENT: Def = def("memory", "agent RSS per idle conn", "KiB", false);
+/// Server RSS after open/close round 1.
+pub const MEM_R1_SERVER: Def = def("memory", "server RSS after round 1", "MiB", false);
+/// Server RSS after open/close round 10.
+pub const MEM_R10_SERVER: Def = def("memory", "server RSS after round 10", "MiB", false);
+/// Server RSS growth from round 1 to round 10.
+pub const MEM_GROWTH_SERVER: Def = def("memory", "server growth round 1->10", "MiB", false);
+/// Agent RSS after open/close round 1.
+pub const MEM_R1_AGENT: Def = def("memory", "agent RSS after round 1", "MiB", false);
+/// Agent RSS after open/close round 10.
+pub const MEM_R10_AGENT: Def = def("memory", "agent RSS after round 10", "MiB", false);
+/// Agent RSS growth from round 1 to round 10.
+pub const MEM_GROWTH_AGENT: Def = def("memory", "agent growth round 1->10", "MiB", false);
+
+/// Every metric, in table order.
+const ALL: &[&Def] = &[
+    &BULK_DOWN,
+    &BULK_UP,
+    &CPU_DOWN,
+    &CPU_UP,
+    &PARALLEL_RATE,
+    &PARALLEL_FAIRNESS,
+    &HOL_SOLO,
+    &HOL_STALLED,
+    &HOL_RATIO,
+    &HOL_BUFFERED,
+    &PING_P50,
+    &PING_P99,
+    &PING_ADDED_P50,
+    &PING_ADDED_P99,
+    &DIAL1_RATE,
+    &DIAL1_P50,
+    &DIAL1_P99,
+    &DIAL8_RATE,
+    &DIAL8_P50,
+    &DIAL8_P99,
+    &DIAL_ERRORS,
+    &MEM_IDLE_SERVER,
+    &MEM_IDLE_AGENT,
+    &MEM_CONN_SERVER,
+    &MEM_CONN_AGENT,
+    &MEM_R1_SERVER,
+    &MEM_R10_SERVER,
+    &MEM_GROWTH_SERVER,
+    &MEM_R1_AGENT,
+    &MEM_R10_AGENT,
+    &MEM_GROWTH_AGENT,
+];
+
+/// Values collected so far, per metric, route and repetition.
+pub struct Recorder {
+    /// Repetitions.
+    reps: usize,
+    /// `values[metric][route]`: `None` if that route was never measured,
+    /// else one slot per repetition (`None` for a value not available).
+    values: Vec<[Option<Vec<Option<f64>>>; 3]>,
+}
+
+impl Recorder {
+    /// An empty recorder for `reps` repetitions.
+    pub fn new(reps: usize) -> Self {
+        Self {
+            reps,
+            values: (0..ALL.len()).map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Records `value` of `metric` for `route` in repetition `rep`.
+    pub fn push(&mut self, metric: &Def, route: Route, rep: usize, value: Option<f64>) {
+        let Some(i) = ALL.iter().position(|d| d.name == metric.name) else {
+            return;
+        };
+        let slots = self.values[i][route.index()].get_or_insert_with(|| vec![None; self.reps]);
+        if let Some(slot) = slots.get_mut(rep) {
+            *slot = value;
+        }
+    }
+
+    /// The value recorded for `metric`, `route`, `rep`, if any.
+    pub fn get(&self, metric: &Def, route: Route, rep: usize) -> Option<f64> {
+        let i = ALL.iter().position(|d| d.name == metric.name)?;
+        self.values[i][route.index()]
+            .as_ref()?
+            .get(rep)
+            .copied()
+            .flatten()
+    }
+
+    /// The metrics measured on at least one route, with their summaries.
+    pub fn metrics(&self) -> Vec<Metric> {
+        let mut out = Vec::new();
+        for (def, values) in ALL.iter().zip(&self.values) {
+            if values.iter().all(Option::is_none) {
+                continue;
+            }
+            let direct = values[Route::Direct.index()].as_deref();
+            let series = |route: Route| {
+                let per_rep = values[route.index()].clone()?;
+                let present: Vec<f64> = per_rep.iter().flatten().copied().collect();
+                let summary = stats::summarize(&present);
+                let ratio_to_direct = match (def.ratio && route != Route::Direct, direct) {
+                    (true, Some(direct)) => {
+                        let ratios: Vec<f64> = per_rep
+                            .iter()
+                            .zip(direct)
+                            .filter_map(|(v, d)| Some((*v)? / (*d)?))
+                            .filter(|r| r.is_finite())
+                            .collect();
+                        stats::summarize(&ratios).map(|s| s.median)
+                    }
+                    _ => None,
+                };
+                Some(Series {
+                    per_rep,
+                    median: summary.map(|s| s.median),
+                    min: summary.map(|s| s.min),
+                    max: summary.map(|s| s.max),
+                    ratio_to_direct,
+                })
+            };
+            out.push(Metric {
+                scenario: def.scenario.to_owned(),
+                name: def.name.to_owned(),
+                unit: def.unit.to_owned(),
+                direct: series(Route::Direct),
+                grpc: series(Route::Grpc),
+                http_connect: series(Route::HttpConnect),
+            });
+        }
+        out
+    }
+}
+
+/// One metric's results.
+#[derive(Debug, Clone, Serialize)]
+pub struct Metric {
+    /// Scenario.
+    pub scenario: String,
+    /// What.
+    pub name: String,
+    /// Unit.
+    pub unit: String,
+    /// Direct TCP; `null` where not applicable.
+    pub direct: Option<Series>,
+    /// gRPC mode; `null` where not applicable.
+    pub grpc: Option<Series>,
+    /// HTTP-CONNECT mode; `null` where not applicable.
+    #[serde(rename = "http-connect")]
+    pub http_connect: Option<Series>,
+}
+
+/// The values of one metric on one route.
+#[derive(Debug, Clone, Serialize)]
+pub struct Series {
+    /// One value per repetition (`null`: not available in that one).
+    pub per_rep: Vec<Option<f64>>,
+    /// Median of the available values.
+    pub median: Option<f64>,
+    /// Smallest.
+    pub min: Option<f64>,
+    /// Largest.
+    pub max: Option<f64>,
+    /// Median over repetitions of value / direct's value in the same
+    /// repetition (throughputs only).
+    pub ratio_to_direct: Option<f64>,
+}
+
+/// The effective settings of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Settings {
+    /// Measured seconds per time-boxed run.
+    pub duration_s: f64,
+    /// Repetitions (each runs direct, grpc, http-connect in turn).
+    pub reps: usize,
+    /// Idle connections opened in the memory scenario.
+    pub conns: usize,
+    /// Timed ping-pong round trips per run.
+    pub round_trips: usize,
+    /// Streams of the parallel scenario.
+    pub streams: usize,
+    /// Scenarios run.
+    pub scenarios: Vec<String>,
+    /// RLIMIT_NOFILE of the bench (inherited by server and agent).
+    pub nofile_limit: u64,
+    /// The proxy-server binary.
+    pub server_bin: String,
+    /// The proxy-agent binary.
+    pub agent_bin: String,
+}
+
+/// Everything a run found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The command line, as given.
+    pub command_line: String,
+    /// The machine.
+    pub machine: Machine,
+    /// The settings.
+    pub settings: Settings,
+    /// How to read the numbers.
+    pub notes: Vec<String>,
+    /// The results.
+    pub metrics: Vec<Metric>,
+}
+
+impl Report {
+    /// The results as an aligned text table: one line per metric, columns
+    /// direct | grpc | http-connect, each `median [min–max]`, and `×ratio`
+    /// to direct for throughputs.
+    pub fn table(&self) -> String {
+        let mut rows: Vec<[String; 4]> = vec![[
+            "metric".to_owned(),
+            Route::Direct.name().to_owned(),
+            Route::Grpc.name().to_owned(),
+            Route::HttpConnect.name().to_owned(),
+        ]];
+        for m in &self.metrics {
+            rows.push([
+                format!("{:<8} {} ({})", m.scenario, m.name, m.unit),
+                cell(m.direct.as_ref()),
+                cell(m.grpc.as_ref()),
+                cell(m.http_connect.as_ref()),
+            ]);
+        }
+        let mut widths = [0usize; 4];
+        for row in &rows {
+            for (w, c) in widths.iter_mut().zip(row) {
+                *w = (*w).max(c.chars().count());
+            }
+        }
+        let mut out = String::new();
+        for (i, row) in rows.iter().enumerate() {
+            let line = format!(
+                "{:<w0$} | {:<w1$} | {:<w2$} | {}",
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2],
+            );
+            let _ = writeln!(out, "{}", line.trim_end());
+            if i == 0 {
+                let total = widths.iter().sum::<usize>() + 9;
+                let _ = writeln!(out, "{}", "-".repeat(total));
+            }
+        }
+        out
+    }
+}
+
+/// `median [min–max] ×ratio`, `n/a` for no value, empty for not
+/// applicable.
+fn cell(series: Option<&Series>) -> String {
+    let Some(s) = series else {
+        return String::new();
+    };
+    let (Some(median), Some(min), Some(max)) = (s.median, s.min, s.max) else {
+        return "n/a".to_owned();
+    };
+    let mut text = number(median);
+    if s.per_rep.iter().flatten().count() > 1 {
+        let _ = write!(text, " [{}–{}]", number(min), number(max));
+    }
+    if let Some(r) = s.ratio_to_direct {
+        let _ = write!(text, " ×{r:.2}");
+    }
+    text
+}
+
+/// About three significant digits, no exponent.
+fn number(v: f64) -> String {
+    let a = v.abs();
+    if a >= 100.0 || a == 0.0 {
+        format!("{v:.0}")
+    } else if a >= 10.0 {
+        format!("{v:.1}")
+    } else if a >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratio_is_per_repetition() {
+        let mut r = Recorder::new(2);
+        r.push(&BULK_DOWN, Route::Direct, 0, Some(100.0));
+        r.push(&BULK_DOWN, Route::Direct, 1, Some(200.0));
+        r.push(&BULK_DOWN, Route::Grpc, 0, Some(50.0));
+        r.push(&BULK_DOWN, Route::Grpc, 1, Some(50.0));
+        let m = &r.metrics()[0];
+        let grpc = m.grpc.as_ref().unwrap();
+        assert_eq!(grpc.median, Some(50.0));
+        // (0.5 + 0.25) / 2
+        assert_eq!(grpc.ratio_to_direct, Some(0.375));
+        assert!(m.http_connect.is_none());
+        assert!(m.direct.as_ref().unwrap().ratio_to_direct.is_none());
+    }
+
+    #[test]
+    fn unavailable_values_are_null() {
+        let mut r = Recorder::new(1);
+        r.push(&HOL_BUFFERED, Route::Grpc, 0, None);
+        let m = &r.metrics()[0];
+        let grpc = m.grpc.as_ref().unwrap();
+        assert_eq!(grpc.per_rep, vec![None]);
+        assert_eq!(grpc.median, None);
+        assert_eq!(cell(Some(grpc)), "n/a");
+        let json = serde_json::to_value(m).unwrap();
+        assert!(json["direct"].is_null());
+        assert!(json["grpc"]["median"].is_null());
+    }
+
+    #[test]
+    fn table_lines_are_aligned() {
+        let mut r = Recorder::new(3);
+        for (rep, v) in [1000.0, 900.0, 1100.0].into_iter().enumerate() {
+            r.push(&BULK_DOWN, Route::Direct, rep, Some(v));
+            r.push(&BULK_DOWN, Route::Grpc, rep, Some(v / 2.0));
+            r.push(&BULK_DOWN, Route::HttpConnect, rep, Some(v / 4.0));
+        }
+        let report = Report {
+            command_line: String::new(),
+            machine: Machine::read(),
+            settings: Settings {
+                duration_s: 1.0,
+                reps: 3,
+                conns: 1,
+                round_trips: 1,
+                streams: 1,
+                scenarios: vec![],
+                nofile_limit: 0,
+                server_bin: String::new(),
+                agent_bin: String::new(),
+            },
+            notes: vec![],
+            metrics: r.metrics(),
+        };
+        let table = report.table();
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines[2].contains("1000 [900–1100]"), "{table}");
+        assert!(lines[2].contains("500 [450–550] ×0.50"), "{table}");
+        assert_eq!(lines[0].find('|'), lines[2].find('|'));
+    }
+
+    #[test]
+    fn numbers_keep_three_digits() {
+        assert_eq!(number(1234.4), "1234");
+        assert_eq!(number(45.67), "45.7");
+        assert_eq!(number(4.567), "4.57");
+        assert_eq!(number(0.9876), "0.988");
+    }
+}

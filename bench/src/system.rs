@@ -1,0 +1,272 @@
+//! The system under test: a `proxy-server` process and its `proxy-agent`
+//! process per mode, on loopback, killed on drop.
+
+use std::{
+    fs::File,
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use tunnel::client::{Dialer, Mode, Transport};
+
+use crate::probe;
+
+/// How long the server may take to have its agent connected.
+const READY_DEADLINE: Duration = Duration::from_secs(20);
+
+/// The binaries to run.
+#[derive(Debug, Clone)]
+pub struct Binaries {
+    /// `proxy-server`.
+    pub server: PathBuf,
+    /// `proxy-agent`.
+    pub agent: PathBuf,
+}
+
+impl Binaries {
+    /// The given paths, else `proxy-server` and `proxy-agent` next to this
+    /// executable.
+    ///
+    /// # Errors
+    /// A binary does not exist; the message says how to build it.
+    pub fn locate(server: Option<PathBuf>, agent: Option<PathBuf>) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("finding the bench executable")?;
+        let dir = exe
+            .parent()
+            .context("the bench executable has no directory")?;
+        let found = |given: Option<PathBuf>, name: &str| -> anyhow::Result<PathBuf> {
+            let path = given.unwrap_or_else(|| dir.join(name));
+            if !path.is_file() {
+                bail!(
+                    "{} not found; run `cargo build --release --workspace --bins` \
+                     (or pass --server-bin/--agent-bin)",
+                    path.display()
+                );
+            }
+            Ok(path)
+        };
+        Ok(Self {
+            server: found(server, "proxy-server")?,
+            agent: found(agent, "proxy-agent")?,
+        })
+    }
+}
+
+/// A child process killed (SIGKILL) and reaped on drop.
+struct Process {
+    /// The child.
+    child: Child,
+    /// What it is, for messages.
+    name: String,
+    /// Its stderr.
+    log: PathBuf,
+}
+
+impl Process {
+    /// Starts `program args`, stdout discarded, stderr to `log`.
+    fn spawn(name: String, program: &Path, args: &[String], log: PathBuf) -> anyhow::Result<Self> {
+        let stderr = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        Ok(Self { child, name, log })
+    }
+
+    /// An error if the process has exited, with the end of its log.
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "{} exited ({status}); its log:\n{}",
+                self.name,
+                tail.join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One proxy-server with one proxy-agent connected, in one mode.
+pub struct Deployment {
+    /// Frontend protocol.
+    pub mode: Mode,
+    /// Frontend Unix socket.
+    pub uds: PathBuf,
+    /// The server's health port (`/readyz`, `/metrics`).
+    pub health: SocketAddr,
+    /// The server process.
+    server: Process,
+    /// The agent process.
+    agent: Process,
+}
+
+impl Deployment {
+    /// Starts server and agent with the certificates in `dir` and waits
+    /// until the server's `/readyz` answers 200 (its agent is connected).
+    ///
+    /// # Errors
+    /// A process cannot be started, exits, or is not ready within 20 s.
+    pub async fn start(bins: &Binaries, dir: &Path, mode: Mode) -> anyhow::Result<Self> {
+        let name = match mode {
+            Mode::Grpc => "grpc",
+            Mode::HttpConnect => "http-connect",
+        };
+        let file = |f: &str| dir.join(f).display().to_string();
+        let uds = dir.join(format!("{name}.sock"));
+        let agent_port = free_port()?;
+        let mut health_port = free_port()?;
+        while health_port == agent_port {
+            health_port = free_port()?;
+        }
+        let server = Process::spawn(
+            format!("proxy-server --mode={name}"),
+            &bins.server,
+            &[
+                format!("--mode={name}"),
+                format!("--uds-name={}", uds.display()),
+                "--server-port=0".to_owned(),
+                format!("--cluster-cert={}", file("cluster.crt")),
+                format!("--cluster-key={}", file("cluster.key")),
+                format!("--cluster-ca-cert={}", file("agent-ca.crt")),
+                "--agent-bind-address=127.0.0.1".to_owned(),
+                format!("--agent-port={agent_port}"),
+                "--health-bind-address=127.0.0.1".to_owned(),
+                format!("--health-port={health_port}"),
+                "--admin-port=0".to_owned(),
+                "--v=0".to_owned(),
+            ],
+            dir.join(format!("{name}-server.log")),
+        )?;
+        let agent = Process::spawn(
+            format!("proxy-agent of the {name} server"),
+            &bins.agent,
+            &[
+                format!("--ca-cert={}", file("agent-ca.crt")),
+                format!("--agent-cert={}", file("proxy-agent.crt")),
+                format!("--agent-key={}", file("proxy-agent.key")),
+                "--proxy-server-host=127.0.0.1".to_owned(),
+                format!("--proxy-server-port={agent_port}"),
+                "--health-server-host=127.0.0.1".to_owned(),
+                "--health-server-port=0".to_owned(),
+                "--sync-interval=100ms".to_owned(),
+                "--v=0".to_owned(),
+            ],
+            dir.join(format!("{name}-agent.log")),
+        )?;
+        let mut deployment = Self {
+            mode,
+            uds,
+            health: SocketAddr::from(([127, 0, 0, 1], health_port)),
+            server,
+            agent,
+        };
+        deployment.wait_ready().await?;
+        Ok(deployment)
+    }
+
+    /// Polls `/readyz` until 200.
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + READY_DEADLINE;
+        loop {
+            self.server.check_alive()?;
+            self.agent.check_alive()?;
+            if let Ok((200, _)) = probe::http_get(self.health, "/readyz").await {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!(
+                    "{} not ready within {READY_DEADLINE:?} (GET http://{}/readyz); logs in {}",
+                    self.server.name,
+                    self.health,
+                    self.server
+                        .log
+                        .parent()
+                        .map_or(Path::new("?"), |p| p)
+                        .display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Dials through this deployment as kube-apiserver does.
+    pub fn dialer(&self) -> Dialer {
+        Dialer {
+            transport: Transport::Uds(self.uds.clone()),
+            mode: self.mode,
+        }
+    }
+
+    /// Process ids of server and agent.
+    pub fn pids(&self) -> Pids {
+        Pids {
+            server: self.server.child.id(),
+            agent: self.agent.child.id(),
+        }
+    }
+
+    /// An error if server or agent has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        self.server.check_alive()?;
+        self.agent.check_alive()
+    }
+}
+
+/// Process ids of a deployment.
+#[derive(Debug, Clone, Copy)]
+pub struct Pids {
+    /// proxy-server.
+    pub server: u32,
+    /// proxy-agent.
+    pub agent: u32,
+}
+
+impl Pids {
+    /// RSS of (server, agent), in bytes.
+    ///
+    /// # Errors
+    /// A process is gone.
+    pub fn rss(&self) -> anyhow::Result<(u64, u64)> {
+        Ok((probe::rss(self.server)?, probe::rss(self.agent)?))
+    }
+
+    /// CPU clock ticks of server and agent together.
+    ///
+    /// # Errors
+    /// A process is gone.
+    pub fn cpu_ticks(&self) -> anyhow::Result<u64> {
+        Ok(probe::cpu_ticks(self.server)? + probe::cpu_ticks(self.agent)?)
+    }
+}
+
+/// A currently free loopback port that proxy-server accepts: ANP's port
+/// checks refuse ports above 49151, which the kernel's ephemeral range
+/// (bind to port 0) often hands out, so those are skipped.
+fn free_port() -> anyhow::Result<u16> {
+    for _ in 0..1000 {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .context("binding 127.0.0.1:0 to find a free port")?
+            .local_addr()?
+            .port();
+        if (1024..=49151).contains(&port) {
+            return Ok(port);
+        }
+    }
+    bail!("no free loopback port in 1024..=49151")
+}
