@@ -46,7 +46,8 @@ impl Metrics {
     /// The exposition text, with the derived gauges refreshed from `tunnels`.
     pub(crate) fn render(&self, tunnels: &Tunnels) -> String {
         let (max, total) = tunnels.buffered();
-        self.max_buffered.set(i64::try_from(max).unwrap_or(i64::MAX));
+        self.max_buffered
+            .set(i64::try_from(max).unwrap_or(i64::MAX));
         self.buffered.set(i64::try_from(total).unwrap_or(i64::MAX));
         let mut text = String::new();
         // Writing into a String cannot fail.
