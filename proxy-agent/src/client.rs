@@ -178,6 +178,9 @@ impl Client {
                 server: server.to_owned(),
                 source,
             })?
+            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
+            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
+            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keep_alive_interval(config.keepalive_time)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
             .keep_alive_while_idle(true)

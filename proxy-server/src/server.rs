@@ -16,7 +16,10 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::transport::Server;
 use tracing::{info, warn};
-use tunnel::conn::{bind_tcp, tls_incoming};
+use tunnel::{
+    conn::{bind_tcp, tls_incoming},
+    flow,
+};
 
 use crate::{
     backend::{manager::BackendManager, service::AgentServiceImpl},
@@ -280,6 +283,9 @@ impl Bound {
             flow_control: config.flow_control,
         });
         let agent_server = Server::builder()
+            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
+            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
+            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keepalive_interval(Some(config.keepalive_time))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(agent_service)
@@ -295,6 +301,9 @@ impl Bound {
             shutdown: token.clone(),
         });
         let frontend_builder = Server::builder()
+            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
+            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
+            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keepalive_interval(Some(config.frontend_keepalive_time))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
         let (frontend_server, uds_path): (FrontendFuture, _) = match (config.mode, frontend) {

@@ -126,13 +126,21 @@ pub enum ClientError {
     CloseTimeout,
 }
 
+/// HTTP/2 settings of frontend channels (see [`crate::flow`]).
+fn tuned(endpoint: Endpoint) -> Endpoint {
+    endpoint
+        .max_frame_size(crate::flow::H2_MAX_FRAME_SIZE)
+        .initial_stream_window_size(crate::flow::H2_STREAM_WINDOW)
+        .initial_connection_window_size(crate::flow::H2_CONNECTION_WINDOW)
+}
+
 /// A gRPC channel over a fresh connection to a Unix socket.
 ///
 /// # Errors
 /// [`ClientError::Connect`] naming the path.
 pub async fn uds_channel(path: &Path) -> Result<Channel, ClientError> {
     let socket = path.to_owned();
-    Endpoint::from_static("http://proxy-server.invalid")
+    tuned(Endpoint::from_static("http://proxy-server.invalid"))
         .connect_with_connector(tower::service_fn(move |_| {
             let socket = socket.clone();
             async move { UnixStream::connect(socket).await.map(TokioIo::new) }
@@ -166,8 +174,9 @@ pub async fn tls_channel(
         .await
         .map_err(connect)?;
     let slot = std::sync::Mutex::new(Some(stream));
-    Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|source| ClientError::Transport { addr, source })?
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|source| ClientError::Transport { addr, source })?;
+    tuned(endpoint)
         .connect_with_connector(tower::service_fn(move |_| {
             let stream = slot.lock().ok().and_then(|mut s| s.take());
             async move {
