@@ -21,6 +21,7 @@ fn generated_code_is_up_to_date() {
         .bytes(".Data.data")
         .emit_rerun_if_changed(false)
         .build_transport(false)
+        .codec_path("crate::codec::PacketCodec")
         .out_dir(out.path())
         .compile_fds(fds)
         .unwrap();

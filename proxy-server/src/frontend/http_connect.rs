@@ -166,7 +166,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 /// Parses a complete head (`len` bytes, ending with the blank line).
-fn parse_head(mut buf: BytesMut, len: usize) -> Result<Head, HeadError> {
+fn parse_head(buf: BytesMut, len: usize) -> Result<Head, HeadError> {
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut request = httparse::Request::new(&mut headers);
     match request.parse(&buf[..len]) {
@@ -184,7 +184,9 @@ fn parse_head(mut buf: BytesMut, len: usize) -> Result<Head, HeadError> {
             .map(|h| String::from_utf8_lossy(h.value).into_owned())
             .unwrap_or_default();
     }
-    let rest = buf.split_off(len);
+    // Keep what followed the header in an allocation of its own size: the
+    // header buffer would otherwise stay alive for the whole connection.
+    let rest = BytesMut::from(&buf[len..]);
     Ok(Head {
         method,
         target,
