@@ -337,6 +337,16 @@ impl Granter {
     }
 }
 
+/// HTTP/2 frame size we accept (peers may send DATA frames this large), so
+/// that a 64 KiB DATA packet crosses in one frame instead of four of 16 KiB.
+pub const H2_MAX_FRAME_SIZE: u32 = 256 * 1024;
+/// HTTP/2 stream window: an agent stream carries many connections and is
+/// always drained (readers never block), so a large window only saves
+/// WINDOW_UPDATE round trips; a frontend stream carries one connection.
+pub const H2_STREAM_WINDOW: u32 = 4 * 1024 * 1024;
+/// HTTP/2 connection window.
+pub const H2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,13 +439,3 @@ mod tests {
         assert_eq!(g.drained(5, true), Some(5));
     }
 }
-
-/// HTTP/2 frame size we accept (peers may send DATA frames this large), so
-/// that a 64 KiB DATA packet crosses in one frame instead of four of 16 KiB.
-pub const H2_MAX_FRAME_SIZE: u32 = 256 * 1024;
-/// HTTP/2 stream window: an agent stream carries many connections and is
-/// always drained (readers never block), so a large window only saves
-/// WINDOW_UPDATE round trips; a frontend stream carries one connection.
-pub const H2_STREAM_WINDOW: u32 = 4 * 1024 * 1024;
-/// HTTP/2 connection window.
-pub const H2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
