@@ -244,16 +244,7 @@ fn check_identifiers(text: &str) -> Result<(), String> {
 }
 
 fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
-    let ip = match host {
-        "" => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-        "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        other => other
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse()
-            .map_err(|_| invalid(flag, format!("{other:?} is not an IP address")))?,
-    };
-    Ok(SocketAddr::new(ip, port))
+    tunnel::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
 }
 
 impl TryFrom<Args> for Config {

@@ -1,11 +1,6 @@
 //! Command-line flags (ANP's names and defaults) and their validated form.
 
-use std::{
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    path::PathBuf,
-    sync::Arc,
-    time::Duration,
-};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::Parser;
 use tunnel::{
@@ -261,17 +256,7 @@ fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
 
 /// Joins a bind address flag ("" = all interfaces) and a port.
 fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
-    let ip = if host.is_empty() {
-        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
-    } else if host == "localhost" {
-        IpAddr::V4(Ipv4Addr::LOCALHOST)
-    } else {
-        host.trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse()
-            .map_err(|_| invalid(flag, format!("{host:?} is not an IP address")))?
-    };
-    Ok(SocketAddr::new(ip, port))
+    tunnel::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
 }
 
 /// The flag whose file a TLS error is about (`fallback` if none matches).

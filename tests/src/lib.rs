@@ -70,14 +70,17 @@ impl Pki {
     /// The process-wide PKI (made once).
     pub fn get() -> &'static Self {
         static PKI: OnceLock<Pki> = OnceLock::new();
-        PKI.get_or_init(|| {
-            let dir = tempfile::tempdir().expect("temp dir");
-            certs::ClusterPki::generate(&[])
-                .expect("generating certificates")
-                .write_to(dir.path())
-                .expect("writing certificates");
-            Self { dir }
-        })
+        PKI.get_or_init(Self::make)
+    }
+
+    /// A fresh PKI in a new temporary directory.
+    fn make() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        certs::ClusterPki::generate(&[])
+            .expect("generating certificates")
+            .write_to(dir.path())
+            .expect("writing certificates");
+        Self { dir }
     }
 
     /// Path of a file written by `make-certs` (`cluster.crt`, `agent-ca.crt`, …).
@@ -88,14 +91,7 @@ impl Pki {
     /// A second, unrelated PKI (for "wrong CA" tests).
     pub fn other() -> &'static Self {
         static PKI: OnceLock<Pki> = OnceLock::new();
-        PKI.get_or_init(|| {
-            let dir = tempfile::tempdir().expect("temp dir");
-            certs::ClusterPki::generate(&[])
-                .expect("generating certificates")
-                .write_to(dir.path())
-                .expect("writing certificates");
-            Self { dir }
-        })
+        PKI.get_or_init(Self::make)
     }
 }
 

@@ -1,7 +1,11 @@
 //! Flag syntax shared by both binaries, so ANP manifests parse unchanged:
 //! Go booleans (`--x`, `--x=false`), Go durations, and the klog flags.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
 
 use clap::Args;
 
@@ -23,6 +27,25 @@ pub fn go_bool(text: &str) -> Result<bool, String> {
 /// See [`crate::duration::parse`].
 pub fn go_duration(text: &str) -> Result<Duration, String> {
     crate::duration::parse(text)
+}
+
+/// A listen address from a bind-address flag and a port, as ANP reads them:
+/// empty means all interfaces (IPv6 and IPv4), `localhost` the IPv4
+/// loopback, else an IP address (brackets allowed).
+///
+/// # Errors
+/// The host is not an IP address (the text suits a flag error).
+pub fn bind_addr(host: &str, port: u16) -> Result<SocketAddr, String> {
+    let ip = match host {
+        "" => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        other => other
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| format!("{other:?} is not an IP address"))?,
+    };
+    Ok(SocketAddr::new(ip, port))
 }
 
 /// Output format of the log lines.
@@ -114,6 +137,18 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         log: LogArgs,
+    }
+
+    #[test]
+    fn bind_addresses() {
+        assert_eq!(bind_addr("", 1).unwrap().to_string(), "[::]:1");
+        assert_eq!(
+            bind_addr("localhost", 2).unwrap().to_string(),
+            "127.0.0.1:2"
+        );
+        assert_eq!(bind_addr("[::1]", 3).unwrap().to_string(), "[::1]:3");
+        assert_eq!(bind_addr("10.0.0.1", 4).unwrap().to_string(), "10.0.0.1:4");
+        assert!(bind_addr("node-1", 5).unwrap_err().contains("node-1"));
     }
 
     #[test]
