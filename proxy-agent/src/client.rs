@@ -23,8 +23,10 @@ use tonic::{
 };
 use tracing::{Instrument, debug, debug_span, warn};
 use tunnel::{
+    client::Io,
     flow::{self, PushError, SendCredit},
     ids::{ConnId, DialId, ServerId},
+    proxy_client,
     pump::{PumpEnd, PumpFlow, pump},
 };
 
@@ -55,6 +57,9 @@ pub enum ConnectError {
         #[source]
         source: io::Error,
     },
+    /// The proxy did not give us a connection to the server.
+    #[error(transparent)]
+    Proxy(#[from] proxy_client::ProxyError),
     /// The TLS handshake failed (untrusted certificate, refused client cert, …).
     #[error("TLS handshake with proxy-server {server} failed")]
     Tls {
@@ -155,13 +160,21 @@ impl Client {
     }
 
     async fn connect_inner(config: &Config, server: &str) -> Result<Self, ConnectError> {
-        let tcp = TcpStream::connect((config.server_host.as_str(), config.server_port))
-            .await
-            .map_err(|source| ConnectError::Tcp {
-                server: server.to_owned(),
-                source,
-            })?;
-        let _ = tcp.set_nodelay(true);
+        let tcp: Box<dyn Io> = match &config.proxy {
+            Some(proxy) => {
+                proxy_client::connect(proxy, &config.server_host, config.server_port).await?
+            }
+            None => {
+                let tcp = TcpStream::connect((config.server_host.as_str(), config.server_port))
+                    .await
+                    .map_err(|source| ConnectError::Tcp {
+                        server: server.to_owned(),
+                        source,
+                    })?;
+                let _ = tcp.set_nodelay(true);
+                Box::new(tcp)
+            }
+        };
         let name = ServerName::try_from(config.server_host.clone())
             .map_err(|_| ConnectError::ServerName(config.server_host.clone()))?;
         let tls = TlsConnector::from(config.tls.clone())

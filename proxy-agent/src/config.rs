@@ -11,6 +11,7 @@ use clap::Parser;
 use tunnel::{
     flags::{LogArgs, go_bool, go_duration},
     ids::AgentId,
+    proxy_client::Proxy,
     tls::{self, TlsError},
 };
 
@@ -117,6 +118,11 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
           default_missing_value = "true", value_parser = go_bool)]
     pub flow_control: bool,
+    /// Reach proxy-server through this proxy: socks5://, socks5h:// or
+    /// http://, optionally user:password@ (default: HTTPS_PROXY / ALL_PROXY
+    /// with NO_PROXY, as curl reads them).
+    #[arg(long, default_value = "", hide_default_value = true)]
+    pub proxy_url: String,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -153,6 +159,8 @@ pub struct Config {
     pub flow_control: bool,
     /// Service-account token file, re-read on every connect.
     pub token_path: Option<PathBuf>,
+    /// Proxy to reach the server through (`--proxy-url`, else the environment).
+    pub proxy: Option<Proxy>,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
 }
@@ -330,6 +338,12 @@ impl TryFrom<Args> for Config {
             };
             ConfigError::Tls { flag, source }
         })?;
+        let proxy = if args.proxy_url.is_empty() {
+            Proxy::from_env(|name| std::env::var(name).ok(), &args.proxy_server_host)
+                .map_err(|reason| invalid("proxy-url", reason))?
+        } else {
+            Some(Proxy::parse(&args.proxy_url).map_err(|reason| invalid("proxy-url", reason))?)
+        };
         let agent_id = if args.agent_id.is_empty() {
             AgentId(uuid::Uuid::new_v4().to_string())
         } else {
@@ -365,6 +379,7 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             xfr_channel_size: args.xfr_channel_size,
             flow_control: args.flow_control,
+            proxy,
             token_path: (!args.service_account_token_path.is_empty())
                 .then(|| PathBuf::from(&args.service_account_token_path)),
             not_implemented,
@@ -485,6 +500,8 @@ mod tests {
                 "--enable-contention-profiling",
             ),
             (&["--health-server-host=nope"], "--health-server-host"),
+            (&["--proxy-url=ftp://proxy:21"], "--proxy-url"),
+            (&["--proxy-url=http://proxy:port"], "--proxy-url"),
         ] {
             let err = parse(dir.path(), extra)
                 .err()

@@ -453,6 +453,15 @@ impl ServerHandle {
         self.tunnels.max_buffered()
     }
 
+    /// The address each connected agent stream comes from.
+    pub fn agent_peers(&self) -> Vec<SocketAddr> {
+        self.tunnels
+            .backends_snapshot()
+            .iter()
+            .filter_map(|b| b.peer)
+            .collect()
+    }
+
     /// What `/readyz` says.
     pub fn is_ready(&self) -> bool {
         self.tunnels.backends.is_ready()

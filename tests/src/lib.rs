@@ -353,6 +353,8 @@ pub struct AgentOpts {
     pub no_flow_control: bool,
     /// `--service-account-token-path`.
     pub token_path: Option<PathBuf>,
+    /// `--proxy-url`.
+    pub proxy: Option<tunnel::proxy_client::Proxy>,
 }
 
 /// An in-process proxy-agent.
@@ -402,6 +404,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         xfr_channel_size: 150,
         flow_control: !opts.no_flow_control,
         token_path: opts.token_path.clone(),
+        proxy: opts.proxy.clone(),
         not_implemented: Vec::new(),
     }
 }
@@ -498,6 +501,10 @@ impl AgentProcess {
         let pki = Pki::get();
         let before = server.handle.backend_count();
         let child = Command::new(binary("proxy-agent"))
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("ALL_PROXY")
+            .env_remove("all_proxy")
             .args([
                 format!("--ca-cert={}", pki.path("agent-ca.crt").display()),
                 format!("--agent-cert={}", pki.path("proxy-agent.crt").display()),

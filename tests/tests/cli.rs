@@ -112,6 +112,10 @@ async fn the_agent_id_comes_from_proxy_agent_id() {
     let _agent = Child(
         Command::new(binary("proxy-agent"))
             .env("PROXY_AGENT_ID", "from-the-environment")
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("ALL_PROXY")
+            .env_remove("all_proxy")
             .args([
                 pki_arg("ca-cert", "agent-ca.crt"),
                 pki_arg("agent-cert", "proxy-agent.crt"),

@@ -3,6 +3,7 @@
 //! # Layout
 //! - [`ids`]: newtypes for connection, dial, agent and server ids.
 //! - [`pump`]: moves bytes between a socket and DATA packets.
+//! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
 //! - [`client`]: the frontend side of `ProxyService/Proxy` (what
 //!   konnectivity-client does for kube-apiserver), for tests and tools.
 //! - [`tls`]: PEM loading and rustls configs (ring provider only).
@@ -21,6 +22,7 @@ pub mod error;
 pub mod flags;
 pub mod flow;
 pub mod ids;
+pub mod proxy_client;
 pub mod pump;
 pub mod signal;
 pub mod telemetry;

@@ -114,6 +114,7 @@ async fn main() -> Result<()> {
             xfr_channel_size: 150,
             flow_control: true,
             token_path: None,
+            proxy: None,
             not_implemented: Vec::new(),
         })
         .await?;
