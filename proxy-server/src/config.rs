@@ -9,7 +9,10 @@ use tunnel::{
     tls::{self, TlsError},
 };
 
-use crate::backend::strategy::{ProxyStrategy, parse_strategies};
+use crate::{
+    auth::TokenAuthConfig,
+    backend::strategy::{ProxyStrategy, parse_strategies},
+};
 
 /// proxy-server: serves kube-apiserver (frontends) and proxy-agents (backends).
 ///
@@ -209,6 +212,8 @@ pub struct Config {
     pub backend_dial_timeout: Option<Duration>,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
+    /// Service-account token authentication of agents, if on.
+    pub token_auth: Option<TokenAuthConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
     pub not_implemented: Vec<&'static str>,
 }
@@ -371,12 +376,12 @@ impl TryFrom<Args> for Config {
                     "must be empty when service-account token auth (--agent-namespace) is on",
                 ));
             }
-            // Refused rather than ignored: without TokenReview the agent port
-            // would accept any agent.
-            return Err(invalid(
-                "agent-namespace",
-                "service-account token auth is not implemented yet in this build; authenticate agents with --cluster-ca-cert (mTLS)",
-            ));
+            if !args.kubeconfig.is_empty() && !std::path::Path::new(&args.kubeconfig).is_file() {
+                return Err(invalid(
+                    "kubeconfig",
+                    format!("{} does not exist or is not a file", args.kubeconfig),
+                ));
+            }
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
@@ -420,7 +425,8 @@ impl TryFrom<Args> for Config {
             ServerId(args.server_id.clone())
         };
         let not_implemented = [
-            ("kubeconfig", !args.kubeconfig.is_empty()),
+            ("kubeconfig-qps", args.kubeconfig_qps != 0.0),
+            ("kubeconfig-burst", args.kubeconfig_burst != 0),
             ("enable-profiling", args.enable_profiling),
             ("cipher-suites", !args.cipher_suites.is_empty()),
             ("tls-min-version", !args.tls_min_version.is_empty()),
@@ -454,6 +460,12 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
             flow_control: args.flow_control,
+            token_auth: (!args.agent_namespace.is_empty()).then(|| TokenAuthConfig {
+                namespace: args.agent_namespace.clone(),
+                service_account: args.agent_service_account.clone(),
+                audience: args.authentication_audience.clone(),
+                kubeconfig: path_flag(&args.kubeconfig),
+            }),
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero())
                 .then_some(args.backend_dial_timeout),
             not_implemented,

@@ -6,6 +6,7 @@
 //! - [`config`]: flags (ANP names and defaults) → validated [`config::Config`].
 //! - [`server`]: [`server::ProxyServer::bind`] → [`server::Bound::serve`].
 //! - `tunnels`: the packet bookkeeping between frontends and backends.
+//! - [`auth`]: service-account token authentication (TokenReview).
 //! - [`backend`]: one `Backend` per agent stream, the `BackendManager` and
 //!   proxy strategies, the `AgentService` handler.
 //! - `frontend`: one `Frontend` per `Proxy` stream, the `ProxyService` handler.
@@ -14,6 +15,7 @@
 //! - `metrics`: the Prometheus registry.
 //! - [`client`]: the `proxy-client` tool (request, SOCKS5 and HTTP proxy).
 
+pub mod auth;
 pub mod backend;
 pub mod client;
 pub mod config;

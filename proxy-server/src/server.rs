@@ -57,6 +57,9 @@ pub enum ServerError {
         #[source]
         source: io::Error,
     },
+    /// Token authentication could not be set up.
+    #[error("setting up agent token authentication")]
+    Auth(#[from] crate::auth::AuthSetupError),
     /// A gRPC server failed.
     #[error("{what} server failed")]
     Serve {
@@ -155,12 +158,17 @@ impl ProxyServer {
             BackendManager::new(&config.strategies),
             config.backend_dial_timeout,
         ));
+        let token_auth = match &config.token_auth {
+            Some(auth) => Some(Arc::new(crate::auth::TokenAuth::new(auth.clone()).await?)),
+            None => None,
+        };
         Ok(Bound {
             config,
             agent,
             frontend,
             health,
             tunnels,
+            token_auth,
         })
     }
 }
@@ -217,6 +225,8 @@ pub struct Bound {
     health: TcpListener,
     /// Shared proxy state.
     tunnels: Arc<Tunnels>,
+    /// Agent token authentication, if on.
+    token_auth: Option<Arc<crate::auth::TokenAuth>>,
 }
 
 impl Bound {
@@ -265,6 +275,7 @@ impl Bound {
             frontend,
             health,
             tunnels,
+            token_auth,
         } = self;
         if !config.not_implemented.is_empty() {
             warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
@@ -281,6 +292,7 @@ impl Bound {
             tasks: tasks.clone(),
             shutdown: token.clone(),
             flow_control: config.flow_control,
+            token_auth,
         });
         let agent_server = Server::builder()
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)

@@ -6,10 +6,12 @@
 //! - [`Pki`]: certificates made fresh for the test process.
 //! - [`TestServer`], [`TestAgent`], [`AgentProcess`]: the proxies.
 //! - [`backend`]: echo, bulk and blackhole backends.
+//! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`RawFrontend`]: a frontend that sends packets by hand.
 //! - [`wait_for`]: polls a condition until a deadline.
 
 pub mod backend;
+pub mod kube_stub;
 
 use std::{
     net::SocketAddr,
@@ -112,6 +114,8 @@ pub struct ServerOpts {
     pub mode: Mode,
     /// Offer per-connection flow control to agents.
     pub flow_control: bool,
+    /// Service-account token authentication (turns mTLS off, as ANP).
+    pub token_auth: Option<proxy_server::auth::TokenAuthConfig>,
 }
 
 impl Default for ServerOpts {
@@ -124,6 +128,7 @@ impl Default for ServerOpts {
             tcp_frontend: false,
             mode: Mode::Grpc,
             flow_control: true,
+            token_auth: None,
         }
     }
 }
@@ -204,6 +209,7 @@ impl TestServer {
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: opts.backend_dial_timeout,
             flow_control: opts.flow_control,
+            token_auth: opts.token_auth.clone(),
             not_implemented: Vec::new(),
         };
         let bound = ProxyServer::bind(config).await.expect("binding the server");

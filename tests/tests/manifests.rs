@@ -434,6 +434,7 @@ fn cert_file(binary: Binary, flag: &str) -> Option<&'static str> {
         (Binary::Agent, "agent-cert") => "proxy-agent.crt",
         (Binary::Agent, "agent-key") => "proxy-agent.key",
         (Binary::Agent, "service-account-token-path") => "token",
+        (Binary::Server, "kubeconfig") => "kubeconfig",
         _ => return None,
     })
 }
@@ -446,6 +447,11 @@ fn every_manifest_validates_with_real_certificates() {
         .write_to(dir.path())
         .expect("written");
     fs::write(dir.path().join("token"), "not-a-real-token").expect("token file");
+    fs::write(
+        dir.path().join("kubeconfig"),
+        "apiVersion: v1\nkind: Config\n",
+    )
+    .expect("kubeconfig");
 
     for mut c in containers() {
         for arg in &mut c.args {
@@ -458,18 +464,6 @@ fn every_manifest_validates_with_real_certificates() {
         }
         let mtls = !c.file.contains("token-auth");
         match c.binary {
-            Binary::Server if !mtls => {
-                // Token auth is refused until TokenReview is implemented:
-                // accepting it would leave the agent port unauthenticated.
-                let err = proxy_server::config::Config::try_from(c.server_args())
-                    .expect_err("token auth must be refused for now");
-                let text = err.to_string();
-                assert!(
-                    text.contains("--agent-namespace") && text.contains("not implemented"),
-                    "deploy/{}: {text}",
-                    c.file
-                );
-            }
             Binary::Server => {
                 let config = proxy_server::config::Config::try_from(c.server_args())
                     .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
@@ -482,6 +476,7 @@ fn every_manifest_validates_with_real_certificates() {
                     c.file
                 );
                 assert_eq!(config.agent_addr.port(), 8132, "{}", c.file);
+                assert_eq!(config.token_auth.is_some(), !mtls, "{}", c.file);
                 if mtls {
                     assert!(
                         config.not_implemented.is_empty(),

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
-use tracing::{Instrument, debug, info, info_span};
+use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
 use super::{Backend, strategy::AgentIdentifiers};
@@ -34,6 +34,8 @@ pub(crate) struct AgentServiceImpl {
     pub(crate) shutdown: CancellationToken,
     /// Offer per-connection flow control to agents that ask for it.
     pub(crate) flow_control: bool,
+    /// Agent token authentication, if on.
+    pub(crate) token_auth: Option<Arc<crate::auth::TokenAuth>>,
 }
 
 /// Reads the single value of a metadata key that must appear exactly once.
@@ -82,6 +84,13 @@ impl AgentService for AgentServiceImpl {
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
         let peer = request.extensions().get::<PeerAddr>().map(|p| p.0);
+        // Authenticate first, as ANP does; the token itself is never logged.
+        if let Some(auth) = &self.token_auth
+            && let Err(error) = auth.authenticate(request.metadata()).await
+        {
+            warn!(peer.addr = ?peer, %error, "agent refused");
+            return Err(Status::unauthenticated(error.to_string()));
+        }
         let agent_id = match exactly_one(&request, header::AGENT_ID) {
             Ok(id) => AgentId(id),
             Err(status) => {

@@ -1,0 +1,207 @@
+//! Service-account token authentication of agents: each `Connect` carries
+//! `authorization: Bearer <token>`, checked with a TokenReview against the
+//! kube API (`--agent-namespace`, `--agent-service-account`,
+//! `--authentication-audience`, `--kubeconfig`). Tokens are never logged.
+
+use std::path::PathBuf;
+
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use kube::{
+    Api, Client,
+    api::PostParams,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+use proto::header;
+use tonic::metadata::MetadataMap;
+
+/// How long one TokenReview may take.
+const REVIEW_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What token auth checks, from the flags.
+#[derive(Debug, Clone)]
+pub struct TokenAuthConfig {
+    /// Expected service-account namespace.
+    pub namespace: String,
+    /// Expected service-account name.
+    pub service_account: String,
+    /// Audience the token must be valid for.
+    pub audience: String,
+    /// Kubeconfig; `None` means in-cluster configuration.
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// The kube client could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthSetupError {
+    /// The kubeconfig file could not be read or used.
+    #[error("cannot use --kubeconfig {path}")]
+    Kubeconfig {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// No kubeconfig was given and the in-cluster configuration is missing.
+    #[error("--kubeconfig is empty and there is no in-cluster configuration")]
+    InCluster(#[source] kube::config::InClusterError),
+    /// The client could not be built.
+    #[error("cannot build the kube client")]
+    Client(#[source] kube::Error),
+}
+
+/// Why an agent was refused; the text goes back to the agent (gRPC
+/// `Unauthenticated`) and to the log, and never contains the token.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// No `authorization` metadata.
+    #[error("Authentication context was not found in metadata")]
+    NoToken,
+    /// More than one `authorization` value.
+    #[error("too many ({0}) tokens are received")]
+    TooMany(usize),
+    /// Not `Bearer <token>`.
+    #[error("received token does not have \"Bearer \" prefix")]
+    NoBearer,
+    /// The TokenReview call failed (API unreachable, forbidden, …).
+    #[error("TokenReview failed: {0}")]
+    Review(String),
+    /// The API reported an error for this token.
+    #[error("token review error: {0}")]
+    StatusError(String),
+    /// The token is not authenticated.
+    #[error("the token is not authenticated")]
+    NotAuthenticated,
+    /// The token is not valid for our audience.
+    #[error("the token is not valid for audience {want:?} (it is for {got:?})")]
+    Audience {
+        /// Our audience.
+        want: String,
+        /// The token's audiences.
+        got: Vec<String>,
+    },
+    /// The user is not a service account.
+    #[error("user {0:?} is not a service account")]
+    NotServiceAccount(String),
+    /// Wrong namespace.
+    #[error("service account namespace {got:?} is not {want:?}")]
+    Namespace {
+        /// Expected.
+        want: String,
+        /// Seen.
+        got: String,
+    },
+    /// Wrong service account.
+    #[error("service account {got:?} is not {want:?}")]
+    ServiceAccount {
+        /// Expected.
+        want: String,
+        /// Seen.
+        got: String,
+    },
+}
+
+/// Checks agent tokens with TokenReview.
+pub struct TokenAuth {
+    /// The checks.
+    config: TokenAuthConfig,
+    /// The kube client.
+    client: Client,
+}
+
+impl TokenAuth {
+    /// Builds the kube client from `--kubeconfig` (or in-cluster).
+    ///
+    /// # Errors
+    /// See [`AuthSetupError`].
+    pub async fn new(config: TokenAuthConfig) -> Result<Self, AuthSetupError> {
+        let kube_config = match &config.kubeconfig {
+            Some(path) => {
+                let wrap =
+                    |source: Box<dyn std::error::Error + Send + Sync>| AuthSetupError::Kubeconfig {
+                        path: path.clone(),
+                        source,
+                    };
+                let file = Kubeconfig::read_from(path).map_err(|e| wrap(Box::new(e)))?;
+                kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|e| wrap(Box::new(e)))?
+            }
+            None => kube::Config::incluster().map_err(AuthSetupError::InCluster)?,
+        };
+        let mut kube_config = kube_config;
+        // The agent retries with its own backoff; kube's default retries
+        // (up to 15, for minutes) would hold its Connect open instead.
+        kube_config.default_retry = false;
+        kube_config.connect_timeout = Some(REVIEW_TIMEOUT);
+        kube_config.read_timeout = Some(REVIEW_TIMEOUT);
+        let client = Client::try_from(kube_config).map_err(AuthSetupError::Client)?;
+        Ok(Self { config, client })
+    }
+
+    /// Authenticates one `Connect` by its metadata.
+    ///
+    /// # Errors
+    /// See [`AuthError`].
+    pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<(), AuthError> {
+        let values: Vec<_> = metadata.get_all(header::AUTHORIZATION).iter().collect();
+        let value = match values.as_slice() {
+            [] => return Err(AuthError::NoToken),
+            [one] => *one,
+            many => return Err(AuthError::TooMany(many.len())),
+        };
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix(header::BEARER_PREFIX))
+            .ok_or(AuthError::NoBearer)?;
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: Some(token.to_owned()),
+                audiences: Some(vec![self.config.audience.clone()]),
+            },
+            ..TokenReview::default()
+        };
+        let api = Api::<TokenReview>::all(self.client.clone());
+        let reviewed =
+            tokio::time::timeout(REVIEW_TIMEOUT, api.create(&PostParams::default(), &review))
+                .await
+                .map_err(|_| AuthError::Review(format!("no answer within {REVIEW_TIMEOUT:?}")))?
+                .map_err(|e| AuthError::Review(e.to_string()))?;
+        let status = reviewed.status.unwrap_or_default();
+        if let Some(error) = status.error.filter(|e| !e.is_empty()) {
+            return Err(AuthError::StatusError(error));
+        }
+        if status.authenticated != Some(true) {
+            return Err(AuthError::NotAuthenticated);
+        }
+        let audiences = status.audiences.unwrap_or_default();
+        if !audiences.contains(&self.config.audience) {
+            return Err(AuthError::Audience {
+                want: self.config.audience.clone(),
+                got: audiences,
+            });
+        }
+        let username = status.user.and_then(|u| u.username).unwrap_or_default();
+        let parts: Vec<&str> = username.split(':').collect();
+        let [system, serviceaccount, namespace, name] = parts.as_slice() else {
+            return Err(AuthError::NotServiceAccount(username));
+        };
+        if *system != "system" || *serviceaccount != "serviceaccount" {
+            return Err(AuthError::NotServiceAccount(username));
+        }
+        if *namespace != self.config.namespace {
+            return Err(AuthError::Namespace {
+                want: self.config.namespace.clone(),
+                got: (*namespace).to_owned(),
+            });
+        }
+        if *name != self.config.service_account {
+            return Err(AuthError::ServiceAccount {
+                want: self.config.service_account.clone(),
+                got: (*name).to_owned(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,253 @@
+//! A local stand-in for the kube API's TokenReview endpoint: HTTPS on
+//! loopback, JSON in and out as the real API answers, bearer auth of the
+//! server's own kubeconfig, and a kubeconfig file pointing at it.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, Response, StatusCode, body::Incoming};
+use hyper_util::rt::TokioIo;
+use tokio_util::sync::CancellationToken;
+
+use crate::Pki;
+
+/// The token the stub expects from proxy-server itself (in the kubeconfig).
+pub const SERVER_TOKEN: &str = "proxy-server-kubeconfig-token";
+
+/// Who a token belongs to, for the stub.
+#[derive(Clone, Debug)]
+pub struct Identity {
+    /// `system:serviceaccount:<ns>:<name>` for service accounts.
+    pub username: String,
+    /// Audiences the token is valid for.
+    pub audiences: Vec<String>,
+}
+
+/// The running stub.
+pub struct TokenReviewStub {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// A kubeconfig for it.
+    pub kubeconfig: PathBuf,
+    /// Known tokens.
+    tokens: Arc<Mutex<HashMap<String, Identity>>>,
+    /// Answer 503 to everything while set.
+    down: Arc<AtomicBool>,
+    /// Reviews answered so far.
+    pub reviews: Arc<std::sync::atomic::AtomicUsize>,
+    /// Stops it.
+    stop: CancellationToken,
+    /// Holds the kubeconfig.
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for TokenReviewStub {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl TokenReviewStub {
+    /// Starts the stub with no known token.
+    pub async fn start() -> Self {
+        let pki = Pki::get();
+        let tls = tunnel::tls::server_config_with_alpn(
+            &pki.path("cluster.crt"),
+            &pki.path("cluster.key"),
+            None,
+            &[tunnel::tls::ALPN_HTTP11],
+        )
+        .expect("stub TLS");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let stop = CancellationToken::new();
+        let tokens: Arc<Mutex<HashMap<String, Identity>>> = Arc::default();
+        let down = Arc::new(AtomicBool::new(false));
+        let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut incoming = tunnel::conn::tls_incoming(listener, tls, stop.clone(), "kube-stub");
+        {
+            let (tokens, down, reviews, stop) =
+                (tokens.clone(), down.clone(), reviews.clone(), stop.clone());
+            tokio::spawn(async move {
+                use futures_util::StreamExt;
+                loop {
+                    let conn = tokio::select! {
+                        () = stop.cancelled() => return,
+                        next = incoming.next() => match next {
+                            Some(Ok(conn)) => conn,
+                            Some(Err(_)) => continue,
+                            None => return,
+                        },
+                    };
+                    let (tokens, down, reviews) = (tokens.clone(), down.clone(), reviews.clone());
+                    tokio::spawn(async move {
+                        let service = hyper::service::service_fn(move |req| {
+                            answer(req, tokens.clone(), down.clone(), reviews.clone())
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(conn), service)
+                            .await;
+                    });
+                }
+            });
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: https://127.0.0.1:{}\n    certificate-authority: {}\nusers:\n- name: proxy-server\n  user:\n    token: {SERVER_TOKEN}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    user: proxy-server\ncurrent-context: stub\n",
+                addr.port(),
+                pki.path("agent-ca.crt").display()
+            ),
+        )
+        .expect("writing the kubeconfig");
+        Self {
+            addr,
+            kubeconfig,
+            tokens,
+            down,
+            reviews,
+            stop,
+            _dir: dir,
+        }
+    }
+
+    /// Makes `token` valid for `identity`.
+    pub fn allow(&self, token: &str, identity: Identity) {
+        self.tokens
+            .lock()
+            .expect("lock")
+            .insert(token.to_owned(), identity);
+    }
+
+    /// Makes `token` unknown again.
+    pub fn revoke(&self, token: &str) {
+        self.tokens.lock().expect("lock").remove(token);
+    }
+
+    /// Takes the API down (503) or brings it back.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+}
+
+fn json(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn api_status(code: StatusCode, reason: &str, message: &str) -> Response<Full<Bytes>> {
+    json(
+        code,
+        serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {},
+            "status": "Failure", "message": message, "reason": reason, "code": code.as_u16()
+        }),
+    )
+}
+
+async fn answer(
+    req: Request<Incoming>,
+    tokens: Arc<Mutex<HashMap<String, Identity>>>,
+    down: Arc<AtomicBool>,
+    reviews: Arc<std::sync::atomic::AtomicUsize>,
+) -> Result<Response<Full<Bytes>>, hyper::Error> {
+    if down.load(Ordering::SeqCst) {
+        return Ok(api_status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the server is currently unable to handle the request",
+        ));
+    }
+    let authorized = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        == Some(&format!("Bearer {SERVER_TOKEN}"));
+    if !authorized {
+        return Ok(api_status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "Unauthorized",
+        ));
+    }
+    if req.method() != hyper::Method::POST
+        || req.uri().path() != "/apis/authentication.k8s.io/v1/tokenreviews"
+    {
+        return Ok(api_status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "the server could not find the requested resource",
+        ));
+    }
+    let body = req.into_body().collect().await?.to_bytes();
+    let Ok(review) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return Ok(api_status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "invalid JSON",
+        ));
+    };
+    reviews.fetch_add(1, Ordering::SeqCst);
+    let token = review["spec"]["token"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let wanted: Vec<String> = review["spec"]["audiences"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let identity = tokens.lock().expect("lock").get(&token).cloned();
+    let status = match identity {
+        None => serde_json::json!({"user": {}, "error": "[invalid bearer token, unknown]"}),
+        Some(identity) => {
+            let common: Vec<String> = identity
+                .audiences
+                .iter()
+                .filter(|a| wanted.is_empty() || wanted.contains(a))
+                .cloned()
+                .collect();
+            if common.is_empty() {
+                serde_json::json!({"user": {}, "error": format!(
+                    "[invalid bearer token, token audiences {:?} is invalid for the target audiences {:?}, unknown]",
+                    identity.audiences, wanted)})
+            } else {
+                serde_json::json!({
+                    "authenticated": true,
+                    "user": {"username": identity.username, "uid": "u-1", "groups": ["system:serviceaccounts"]},
+                    "audiences": common
+                })
+            }
+        }
+    };
+    Ok(json(
+        StatusCode::CREATED,
+        serde_json::json!({
+            "kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {"creationTimestamp": null},
+            "spec": review["spec"],
+            "status": status
+        }),
+    ))
+}
