@@ -12,7 +12,7 @@ use tunnel::{
     flags::{LogArgs, go_bool, go_duration},
     ids::AgentId,
     proxy_client::Proxy,
-    tls::{self, TlsError},
+    tls,
 };
 
 /// proxy-agent: dials out to proxy-server and opens node-side connections for it.
@@ -165,34 +165,9 @@ pub struct Config {
     pub not_implemented: Vec<&'static str>,
 }
 
-/// A flag combination or value that cannot work.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// A flag has a value outside what it allows.
-    #[error("invalid value for --{flag}: {reason}")]
-    Invalid {
-        /// The flag, without dashes.
-        flag: &'static str,
-        /// Why.
-        reason: String,
-    },
-    /// TLS material named by a flag cannot be used.
-    #[error("--{flag}: {source}")]
-    Tls {
-        /// The flag, without dashes.
-        flag: &'static str,
-        /// Why.
-        #[source]
-        source: TlsError,
-    },
-}
-
-fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        flag,
-        reason: reason.into(),
-    }
-}
+/// A flag combination or value that cannot work (shared with proxy-agent).
+pub use tunnel::flags::FlagError as ConfigError;
+use tunnel::flags::invalid;
 
 /// Parses pflag's string-slice syntax: `[]`, `a,b`, `[a,b]`.
 pub fn parse_string_slice(text: &str) -> Vec<String> {

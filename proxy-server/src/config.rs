@@ -6,7 +6,7 @@ use clap::Parser;
 use tunnel::{
     flags::{LogArgs, go_bool, go_duration},
     ids::ServerId,
-    tls::{self, TlsError},
+    tls,
 };
 
 use crate::{
@@ -218,34 +218,9 @@ pub struct Config {
     pub not_implemented: Vec<&'static str>,
 }
 
-/// A flag combination or value that cannot work.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// A flag has a value outside what it allows.
-    #[error("invalid value for --{flag}: {reason}")]
-    Invalid {
-        /// The flag, without dashes.
-        flag: &'static str,
-        /// Why.
-        reason: String,
-    },
-    /// TLS material named by a flag cannot be used.
-    #[error("--{flag}: {source}")]
-    Tls {
-        /// The flag, without dashes.
-        flag: &'static str,
-        /// Why.
-        #[source]
-        source: TlsError,
-    },
-}
-
-fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        flag,
-        reason: reason.into(),
-    }
-}
+/// A flag combination or value that cannot work (shared with proxy-agent).
+pub use tunnel::flags::FlagError as ConfigError;
+use tunnel::flags::invalid;
 
 /// ANP's port rule (1024..=49151), extended so that 0 binds a free port.
 fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {

@@ -29,6 +29,37 @@ pub fn go_duration(text: &str) -> Result<Duration, String> {
     crate::duration::parse(text)
 }
 
+/// A flag value or combination that cannot work; the message names the flag
+/// (print it with [`crate::error::DisplayErrorStack`] for the cause).
+#[derive(Debug, thiserror::Error)]
+pub enum FlagError {
+    /// A flag has a value outside what it allows.
+    #[error("invalid value for --{flag}: {reason}")]
+    Invalid {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// TLS material named by a flag cannot be used.
+    #[error("--{flag}")]
+    Tls {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Why.
+        #[source]
+        source: crate::tls::TlsError,
+    },
+}
+
+/// [`FlagError::Invalid`] for `flag`.
+pub fn invalid(flag: &'static str, reason: impl Into<String>) -> FlagError {
+    FlagError::Invalid {
+        flag,
+        reason: reason.into(),
+    }
+}
+
 /// A listen address from a bind-address flag and a port, as ANP reads them:
 /// empty means all interfaces (IPv6 and IPv4), `localhost` the IPv4
 /// loopback, else an IP address (brackets allowed).
