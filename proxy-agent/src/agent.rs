@@ -8,7 +8,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicU32, Ordering},
     },
     time::Duration,
 };
@@ -40,6 +40,8 @@ struct ClientEntry {
     cancel: CancellationToken,
     /// Its connections.
     conns: Arc<ConnectionManager>,
+    /// Packets to the server (DRAIN).
+    out_tx: tokio::sync::mpsc::Sender<proto::Packet>,
 }
 
 /// State shared by the sync loop, the clients and the health server.
@@ -48,6 +50,8 @@ pub(crate) struct AgentState {
     clients: Mutex<HashMap<ServerId, ClientEntry>>,
     /// Server count from the last new server's `servercount` (0 = unknown).
     server_count: AtomicU32,
+    /// Set on the first signal: no new server connections, no new dials.
+    draining: Arc<AtomicBool>,
 }
 
 impl AgentState {
@@ -130,6 +134,7 @@ impl Agent {
             state: Arc::new(AgentState {
                 clients: Mutex::new(HashMap::new()),
                 server_count: AtomicU32::new(0),
+                draining: Arc::new(AtomicBool::new(false)),
             }),
         })
     }
@@ -163,6 +168,19 @@ impl Bound {
     /// Connects to the server(s) and serves until `shutdown` resolves; every
     /// connection is closed when it returns.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) {
+        self.serve_with_drain(std::future::pending(), shutdown)
+            .await;
+    }
+
+    /// Serves until `stop`; when `drain` resolves first (the first signal),
+    /// sends DRAIN to every server, stops connecting and refuses new dials,
+    /// and returns once the open connections have finished or `stop`
+    /// resolves (the second signal).
+    pub async fn serve_with_drain(
+        self,
+        drain: impl Future<Output = ()>,
+        stop: impl Future<Output = ()>,
+    ) {
         let Self {
             config,
             health,
@@ -180,9 +198,36 @@ impl Bound {
             let _ = health_server.await;
         });
         let sync = sync_loop(config, state.clone(), token.clone(), tasks.clone());
-        tokio::select! {
-            () = shutdown => {}
-            () = sync => {}
+        tokio::pin!(stop, sync);
+        let draining = tokio::select! {
+            () = drain => true,
+            () = &mut stop => false,
+            () = &mut sync => false,
+        };
+        if draining {
+            info!(
+                connections = state.endpoint_connections(),
+                "draining: telling servers, refusing new dials"
+            );
+            state.draining.store(true, Ordering::SeqCst);
+            let senders: Vec<_> = state.clients().values().map(|c| c.out_tx.clone()).collect();
+            for out_tx in senders {
+                let _ = out_tx.send(proto::Packet::drain()).await;
+            }
+            // Open connections finish on their own; the second signal ends it.
+            loop {
+                if state.endpoint_connections() == 0 {
+                    info!("drained: no open connections left");
+                    break;
+                }
+                tokio::select! {
+                    () = &mut stop => {
+                        warn!(connections = state.endpoint_connections(), "second signal: closing open connections");
+                        break;
+                    }
+                    () = tokio::time::sleep(DRAIN_POLL) => {}
+                }
+            }
         }
         info!("stopping");
         token.cancel();
@@ -191,6 +236,9 @@ impl Bound {
         info!("stopped");
     }
 }
+
+/// How often a draining agent checks whether its connections have finished.
+const DRAIN_POLL: Duration = Duration::from_millis(100);
 
 /// Keeps one client per server: connects while fewer than the server count
 /// (or forever with `--sync-forever`), backing off on failures.
@@ -202,7 +250,10 @@ async fn sync_loop(
 ) {
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
     loop {
-        let wait = if config.sync_forever || state.server_connections() < state.target_count() {
+        let wait = if state.draining.load(Ordering::SeqCst) {
+            // Draining: no new server connections.
+            jitter(config.sync_interval)
+        } else if config.sync_forever || state.server_connections() < state.target_count() {
             match Client::connect(&config).await {
                 Ok(client) => {
                     add_client(&state, client, &token, &tasks);
@@ -243,6 +294,7 @@ fn add_client(
             ClientEntry {
                 cancel: cancel.clone(),
                 conns: conns.clone(),
+                out_tx: client.sender(),
             },
         );
         state
@@ -250,11 +302,12 @@ fn add_client(
             .store(client.server_count, Ordering::Relaxed);
     }
     info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
+    let draining = state.draining.clone();
     let state = state.clone();
     let span = info_span!("client", server.id = %server_id);
     tasks.spawn(
         async move {
-            client.serve(conns, cancel).await;
+            client.serve(conns, draining, cancel).await;
             state.clients().remove(&server_id);
             info!("disconnected from proxy-server");
         }
@@ -278,6 +331,11 @@ impl AgentHandle {
     /// Number of open node-side connections.
     pub fn endpoint_connections(&self) -> usize {
         self.state.endpoint_connections()
+    }
+
+    /// Whether the agent is draining.
+    pub fn is_draining(&self) -> bool {
+        self.state.draining.load(Ordering::SeqCst)
     }
 
     /// Node-side dials in progress.

@@ -302,7 +302,12 @@ impl Client {
 
     /// Serves the stream until it ends or `cancel` fires; every connection of
     /// the stream is closed when it returns.
-    pub async fn serve(self, conns: Arc<ConnectionManager>, cancel: CancellationToken) {
+    pub async fn serve(
+        self,
+        conns: Arc<ConnectionManager>,
+        draining: Arc<std::sync::atomic::AtomicBool>,
+        cancel: CancellationToken,
+    ) {
         let Self {
             mut inbound,
             out_tx,
@@ -320,6 +325,7 @@ impl Client {
             tasks: tasks.clone(),
             next_conn_id,
             flow_control,
+            draining,
         };
         loop {
             let packet = tokio::select! {
@@ -363,6 +369,8 @@ struct Stream {
     next_conn_id: Arc<AtomicI64>,
     /// Whether per-connection credits are in use on this stream.
     flow_control: bool,
+    /// Set while the agent drains: new dials are refused.
+    draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Stream {
@@ -375,7 +383,12 @@ impl Stream {
         }
         match packet.into_kind() {
             PacketKind::DialReq(req) => {
-                self.spawn_dial(req.protocol, req.address, DialId(req.random))
+                if self.draining.load(Ordering::SeqCst) {
+                    debug!(address = %req.address, "refusing a dial while draining");
+                    self.reply(Packet::dial_response(req.random, 0, "agent is draining"));
+                } else {
+                    self.spawn_dial(req.protocol, req.address, DialId(req.random));
+                }
             }
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);

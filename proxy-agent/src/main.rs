@@ -35,6 +35,8 @@ async fn main() -> std::process::ExitCode {
 
 async fn run(config: Config) -> anyhow::Result<()> {
     let bound = Agent::bind(config).await.context("binding listeners")?;
-    bound.serve(tunnel::signal::shutdown()).await;
+    // First SIGTERM/SIGINT drains, the second stops at once (as ANP).
+    let (first, second) = tunnel::signal::twice();
+    bound.serve_with_drain(first, second).await;
     Ok(())
 }

@@ -465,6 +465,15 @@ impl ServerHandle {
         self.tunnels.max_buffered()
     }
 
+    /// Agent streams that announced DRAIN.
+    pub fn draining_backends(&self) -> usize {
+        self.tunnels
+            .backends_snapshot()
+            .iter()
+            .filter(|b| b.is_draining())
+            .count()
+    }
+
     /// The address each connected agent stream comes from.
     pub fn agent_peers(&self) -> Vec<SocketAddr> {
         self.tunnels

@@ -450,6 +450,36 @@ impl TestAgent {
         }
     }
 
+    /// Starts an agent whose first "signal" is `drain` (DRAIN, refuse new
+    /// dials, exit once its connections are done) and second the agent's
+    /// own shutdown (drop or [`TestAgent::stop`]).
+    pub async fn start_drainable(agent_addr: SocketAddr, drain: CancellationToken) -> Self {
+        trace_init();
+        let bound = Agent::bind(agent_config(agent_addr, &AgentOpts::default()))
+            .await
+            .expect("binding the agent");
+        let shutdown = CancellationToken::new();
+        let handle = bound.handle();
+        let health_addr = bound.health_addr();
+        let token = shutdown.clone();
+        let task = tokio::spawn(async move {
+            bound
+                .serve_with_drain(drain.cancelled_owned(), token.cancelled_owned())
+                .await;
+        });
+        Self {
+            handle,
+            health_addr,
+            shutdown,
+            task: Some(task),
+        }
+    }
+
+    /// Whether the agent's serve loop has returned.
+    pub fn has_exited(&self) -> bool {
+        self.task.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
     /// Stops the agent and waits until it has stopped.
     pub async fn stop(mut self) {
         self.shutdown.cancel();
@@ -529,6 +559,21 @@ impl AgentProcess {
         let agent = Self { child };
         server.wait_for_backends(before + 1).await;
         agent
+    }
+
+    /// Sends a signal (`TERM`, `INT`, …) with the system's `kill`.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn has_exited(&mut self) -> bool {
+        self.child.try_wait().expect("checking the child").is_some()
     }
 
     /// SIGKILLs the process and reaps it.
