@@ -212,6 +212,9 @@ pub struct Config {
     pub backend_dial_timeout: Option<Duration>,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
+    /// `--graceful-shutdown-timeout`: how long open connections may take to
+    /// finish after the first signal; `None` closes them at once.
+    pub graceful_shutdown_timeout: Option<Duration>,
     /// Service-account token authentication of agents, if on.
     pub token_auth: Option<TokenAuthConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
@@ -435,6 +438,8 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
             flow_control: args.flow_control,
+            graceful_shutdown_timeout: (!args.graceful_shutdown_timeout.is_zero())
+                .then_some(args.graceful_shutdown_timeout),
             token_auth: (!args.agent_namespace.is_empty()).then(|| TokenAuthConfig {
                 namespace: args.agent_namespace.clone(),
                 service_account: args.agent_service_account.clone(),

@@ -31,6 +31,8 @@ use crate::{
 
 /// How long HTTP/2 keepalive pings wait for their ack (gRPC's default).
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How often a graceful shutdown checks whether connections have finished.
+const GRACE_POLL: Duration = Duration::from_millis(100);
 /// How long listeners may take to wind down after shutdown before they are dropped.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -81,6 +83,7 @@ async fn serve_http_connect<S, IO>(
     tunnels: Arc<Tunnels>,
     queue: usize,
     tasks: TaskTracker,
+    accept_stop: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error>
 where
@@ -90,7 +93,7 @@ where
     use futures_util::StreamExt;
     loop {
         let next = tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
+            () = accept_stop.cancelled() => return Ok(()),
             next = incoming.next() => next,
         };
         match next {
@@ -280,6 +283,9 @@ impl Bound {
         if !config.not_implemented.is_empty() {
             warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
         }
+        // `accept_stop` ends accepting (first phase of a graceful shutdown);
+        // `token` ends every stream and connection.
+        let accept_stop = CancellationToken::new();
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
         let agent_local = agent.local_addr().ok();
@@ -302,8 +308,13 @@ impl Bound {
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(agent_service)
             .serve_with_incoming_shutdown(
-                tls_incoming(agent, config.agent_tls.clone(), token.clone(), "agent"),
-                token.clone().cancelled_owned(),
+                tls_incoming(
+                    agent,
+                    config.agent_tls.clone(),
+                    accept_stop.clone(),
+                    "agent",
+                ),
+                accept_stop.clone().cancelled_owned(),
             );
 
         let proxy_service = ProxyServiceServer::new(ProxyServiceImpl {
@@ -326,7 +337,7 @@ impl Bound {
                     .add_service(proxy_service)
                     .serve_with_incoming_shutdown(
                         UnixListenerStream::new(listener),
-                        token.clone().cancelled_owned(),
+                        accept_stop.clone().cancelled_owned(),
                     );
                 (Box::pin(server), Some(path))
             }
@@ -336,8 +347,8 @@ impl Bound {
                     .clone()
                     .add_service(proxy_service)
                     .serve_with_incoming_shutdown(
-                        tls_incoming(listener, tls, token.clone(), "frontend"),
-                        token.clone().cancelled_owned(),
+                        tls_incoming(listener, tls, accept_stop.clone(), "frontend"),
+                        accept_stop.clone().cancelled_owned(),
                     );
                 (Box::pin(server), None)
             }
@@ -349,18 +360,20 @@ impl Bound {
                     tunnels.clone(),
                     config.xfr_channel_size,
                     tasks.clone(),
+                    accept_stop.clone(),
                     token.clone(),
                 );
                 (Box::pin(server), Some(path))
             }
             (Mode::HttpConnect, BoundFrontend::Tcp { listener, tls }) => {
                 info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (http-connect over mTLS)");
-                let incoming = tls_incoming(listener, tls, token.clone(), "frontend");
+                let incoming = tls_incoming(listener, tls, accept_stop.clone(), "frontend");
                 let server = serve_http_connect(
                     incoming,
                     tunnels.clone(),
                     config.xfr_channel_size,
                     tasks.clone(),
+                    accept_stop.clone(),
                     token.clone(),
                 );
                 (Box::pin(server), None)
@@ -380,6 +393,21 @@ impl Bound {
         let health_task = tokio::spawn(async move { health_server.await });
 
         shutdown.await;
+        accept_stop.cancel();
+        if let Some(grace) = config.graceful_shutdown_timeout {
+            info!(timeout = ?grace, connections = tunnels.established_count(), "stopped accepting; letting open connections finish");
+            let idle = async {
+                while tunnels.established_count() > 0 || tunnels.pending_count() > 0 {
+                    tokio::time::sleep(GRACE_POLL).await;
+                }
+            };
+            if tokio::time::timeout(grace, idle).await.is_err() {
+                warn!(
+                    connections = tunnels.established_count(),
+                    "graceful shutdown timed out; closing the rest"
+                );
+            }
+        }
         info!("stopping");
         token.cancel();
         tasks.close();

@@ -116,6 +116,8 @@ pub struct ServerOpts {
     pub flow_control: bool,
     /// Service-account token authentication (turns mTLS off, as ANP).
     pub token_auth: Option<proxy_server::auth::TokenAuthConfig>,
+    /// `--graceful-shutdown-timeout`.
+    pub graceful_shutdown_timeout: Option<Duration>,
 }
 
 impl Default for ServerOpts {
@@ -128,6 +130,7 @@ impl Default for ServerOpts {
             tcp_frontend: false,
             mode: Mode::Grpc,
             flow_control: true,
+            graceful_shutdown_timeout: None,
             token_auth: None,
         }
     }
@@ -209,6 +212,7 @@ impl TestServer {
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: opts.backend_dial_timeout,
             flow_control: opts.flow_control,
+            graceful_shutdown_timeout: opts.graceful_shutdown_timeout,
             token_auth: opts.token_auth.clone(),
             not_implemented: Vec::new(),
         };
@@ -247,6 +251,16 @@ impl TestServer {
         if let Some(task) = self.task.take() {
             task.await.expect("server task");
         }
+    }
+
+    /// Starts stopping the server (its first signal) without waiting.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Whether the server has finished stopping.
+    pub fn has_stopped(&self) -> bool {
+        self.task.as_ref().is_none_or(JoinHandle::is_finished)
     }
 
     /// Stops the server and starts a new one on the same agent port and socket.

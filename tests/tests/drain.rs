@@ -113,3 +113,58 @@ async fn the_real_agent_drains_on_sigterm_and_exits_on_the_second() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_graceful_shutdown_lets_a_transfer_finish_within_the_timeout() {
+    let server = TestServer::start_with(integration_tests::ServerOpts {
+        graceful_shutdown_timeout: Some(std::time::Duration::from_secs(30)),
+        ..Default::default()
+    })
+    .await;
+    let _agent = TestAgent::start(&server).await;
+    let echo = backend::echo().await;
+    let mut conn = server.dial(&echo.address()).await.unwrap();
+
+    server.begin_shutdown();
+    // No new frontends are accepted...
+    wait_for("the frontend socket to close", || {
+        std::os::unix::net::UnixStream::connect(&server.uds).is_err()
+    })
+    .await;
+    // ...but the open connection carries every byte.
+    let data = backend::pattern(10 << 20, 31);
+    let (mut rd, mut wr) = tokio::io::split(&mut conn);
+    let (_, echoed) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
+        let mut echoed = vec![0u8; data.len()];
+        rd.read_exact(&mut echoed).await.unwrap();
+        echoed
+    });
+    assert!(echoed == data);
+    assert!(!server.has_stopped());
+    conn.finish().await.unwrap();
+    wait_for("the server to stop once idle", || server.has_stopped()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_graceful_timeout_both_ends_get_an_error() {
+    let server = TestServer::start_with(integration_tests::ServerOpts {
+        graceful_shutdown_timeout: Some(std::time::Duration::from_millis(300)),
+        ..Default::default()
+    })
+    .await;
+    let agent = TestAgent::start(&server).await;
+    let echo = backend::echo().await;
+    let mut conn = server.dial(&echo.address()).await.unwrap();
+    server.begin_shutdown();
+    // The connection outlives the timeout: it is closed under us (EOF) and
+    // reports an error, not left hanging.
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(integration_tests::DEADLINE, conn.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0) | Err(_))), "{read:?}");
+    assert!(conn.finish().await.is_err());
+    wait_for("the server to stop", || server.has_stopped()).await;
+    wait_for("the agent side to be closed", || {
+        agent.handle.endpoint_connections() == 0
+    })
+    .await;
+}

@@ -83,6 +83,7 @@ async fn main() -> Result<()> {
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: None,
             flow_control: true,
+            graceful_shutdown_timeout: None,
             token_auth: None,
             not_implemented: Vec::new(),
         })
