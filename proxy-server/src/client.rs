@@ -108,27 +108,8 @@ pub enum Command {
     },
 }
 
-/// A bad flag or file.
-#[derive(Debug, thiserror::Error)]
-pub enum ArgsError {
-    /// A flag has a value outside what it allows.
-    #[error("invalid value for --{flag}: {reason}")]
-    Invalid {
-        /// The flag.
-        flag: &'static str,
-        /// Why.
-        reason: String,
-    },
-    /// TLS material named by a flag cannot be used.
-    #[error("--{flag}")]
-    Tls {
-        /// The flag.
-        flag: &'static str,
-        /// Why.
-        #[source]
-        source: tls::TlsError,
-    },
-}
+/// A bad flag or file (the same error type as the binaries' flags).
+pub use tunnel::flags::FlagError as ArgsError;
 
 impl FrontendArgs {
     /// The dialer these flags describe.
