@@ -1,6 +1,11 @@
 //! [`BackendManager`]: the connected backends, indexed once per strategy.
 
-use std::sync::{Arc, Mutex};
+use std::{
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
+
+use ipnet::IpNet;
 
 use super::{
     Backend,
@@ -13,31 +18,72 @@ use crate::lock;
 struct Store {
     /// `(key, backends)`; the first backend of a key is preferred.
     entries: Vec<(String, Vec<Arc<Backend>>)>,
+    /// `cidr` identifiers (destHost only), same shape.
+    nets: Vec<(IpNet, Vec<Arc<Backend>>)>,
+}
+
+/// Appends `backend` under `key`, keeping keys and backends in insertion order.
+fn add_to<K: PartialEq>(list: &mut Vec<(K, Vec<Arc<Backend>>)>, key: K, backend: &Arc<Backend>) {
+    match list.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, backends)) => backends.push(backend.clone()),
+        None => list.push((key, vec![backend.clone()])),
+    }
+}
+
+fn remove_from<K>(list: &mut Vec<(K, Vec<Arc<Backend>>)>, uid: u64) {
+    for (_, backends) in list.iter_mut() {
+        backends.retain(|b| b.uid != uid);
+    }
+    list.retain(|(_, backends)| !backends.is_empty());
 }
 
 impl Store {
     fn add(&mut self, key: &str, backend: &Arc<Backend>) {
-        match self.entries.iter_mut().find(|(k, _)| k == key) {
-            Some((_, list)) => list.push(backend.clone()),
-            None => self.entries.push((key.to_owned(), vec![backend.clone()])),
-        }
+        add_to(&mut self.entries, key.to_owned(), backend);
+    }
+
+    fn add_net(&mut self, net: IpNet, backend: &Arc<Backend>) {
+        add_to(&mut self.nets, net, backend);
     }
 
     fn remove(&mut self, uid: u64) {
-        for (_, list) in &mut self.entries {
-            list.retain(|b| b.uid != uid);
-        }
-        self.entries.retain(|(_, list)| !list.is_empty());
+        remove_from(&mut self.entries, uid);
+        remove_from(&mut self.nets, uid);
     }
 
-    /// First non-draining backend among `candidates` (keys in order), else
+    /// Distinct keys (hosts and networks).
+    fn len(&self) -> usize {
+        self.entries.len() + self.nets.len()
+    }
+
+    /// destHost: the exact host key (ANP), else — for an IP destination —
+    /// the networks containing it, longest prefix first.
+    fn pick_dest(&self, address: &str) -> Option<Arc<Backend>> {
+        let host = host_of(address);
+        let exact = self.pick(self.entries.iter().filter(|(k, _)| k == host));
+        if exact.is_some() {
+            return exact;
+        }
+        let ip = host.parse::<IpAddr>().ok()?;
+        let mut nets: Vec<_> = self.nets.iter().filter(|(n, _)| n.contains(&ip)).collect();
+        // Stable: equal prefixes keep insertion order.
+        nets.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
+        Self::pick_from(nets.into_iter().map(|(_, backends)| backends))
+    }
+
+    /// First non-draining backend among the keys' lists (in order), else
     /// the first draining one.
-    fn pick<'a>(
-        &'a self,
-        keys: impl Iterator<Item = &'a (String, Vec<Arc<Backend>>)>,
+    fn pick<'a, K: 'a>(
+        &self,
+        keys: impl Iterator<Item = &'a (K, Vec<Arc<Backend>>)>,
     ) -> Option<Arc<Backend>> {
+        let lists = keys.map(|(_, list)| list);
+        Self::pick_from(lists)
+    }
+
+    fn pick_from<'a>(lists: impl Iterator<Item = &'a Vec<Arc<Backend>>>) -> Option<Arc<Backend>> {
         let mut fallback = None;
-        for (_, list) in keys {
+        for list in lists {
             for backend in list {
                 if !backend.is_draining() {
                     return Some(backend.clone());
@@ -85,6 +131,9 @@ impl BackendManager {
                     for key in backend.identifiers.dest_host_keys() {
                         store.add(key, backend);
                     }
+                    for net in &backend.identifiers.cidrs {
+                        store.add_net(*net, backend);
+                    }
                 }
                 ProxyStrategy::DefaultRoute => {
                     if backend.identifiers.default_route {
@@ -108,10 +157,7 @@ impl BackendManager {
             let store = lock(store);
             match strategy {
                 ProxyStrategy::Default | ProxyStrategy::DefaultRoute => store.pick_random(),
-                ProxyStrategy::DestHost => {
-                    let host = host_of(address);
-                    store.pick(store.entries.iter().filter(|(k, _)| k == host))
-                }
+                ProxyStrategy::DestHost => store.pick_dest(address),
             }
         })
     }
@@ -120,14 +166,14 @@ impl BackendManager {
     pub fn is_ready(&self) -> bool {
         self.stores
             .first()
-            .is_some_and(|(_, store)| !lock(store).entries.is_empty())
+            .is_some_and(|(_, store)| lock(store).len() > 0)
     }
 
     /// Distinct keys per strategy (ANP's `ready_backends` gauge).
     pub fn ready_backends(&self) -> Vec<(ProxyStrategy, usize)> {
         self.stores
             .iter()
-            .map(|(s, store)| (*s, lock(store).entries.len()))
+            .map(|(s, store)| (*s, lock(store).len()))
             .collect()
     }
 }
@@ -205,5 +251,32 @@ mod tests {
         m.remove(&gateway);
         assert!(m.pick("elsewhere:80").is_none());
         assert!(m.is_ready(), "readiness follows the first strategy");
+    }
+
+    #[test]
+    fn cidrs_route_ip_destinations_longest_prefix_first() {
+        let m = BackendManager::new(&[ProxyStrategy::DestHost, ProxyStrategy::Default]);
+        let wide = backend(1, "wide", "cidr=10.0.0.0/8");
+        let narrow = backend(2, "narrow", "cidr=10.1.0.0/16&cidr=fd00::/64");
+        let exact = backend(3, "exact", "ipv4=10.1.2.3");
+        m.add(&wide);
+        m.add(&narrow);
+        m.add(&exact);
+        assert_eq!(m.ready_backends()[0], (ProxyStrategy::DestHost, 4));
+        assert_eq!(m.pick("10.1.2.3:80").unwrap().uid, 3, "exact host first");
+        assert_eq!(m.pick("10.1.9.9:80").unwrap().uid, 2, "longest prefix");
+        assert_eq!(m.pick("10.200.0.1:80").unwrap().uid, 1);
+        assert_eq!(m.pick("[fd00::5]:443").unwrap().uid, 2);
+        narrow.set_draining();
+        assert_eq!(
+            m.pick("10.1.9.9:80").unwrap().uid,
+            1,
+            "a draining match yields to a wider live one"
+        );
+        m.remove(&narrow);
+        assert_eq!(m.pick("10.1.9.9:80").unwrap().uid, 1);
+        // Names never match a network; they fall through to `default`.
+        let other = m.pick("node-1:10250").unwrap().uid;
+        assert!([1, 3].contains(&other));
     }
 }

@@ -2,12 +2,16 @@
 
 use std::net::IpAddr;
 
+use ipnet::IpNet;
+
 /// How a dial picks an agent; tried in the order of `--proxy-strategies`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ProxyStrategy {
     /// Any agent, starting at a random one; non-draining preferred.
     Default,
-    /// The agent whose `host`/`ipv4`/`ipv6` identifier equals the destination host.
+    /// The agent whose `host`/`ipv4`/`ipv6` identifier equals the destination
+    /// host; beyond ANP, else the agent with the longest `cidr` identifier
+    /// containing a destination IP.
     DestHost,
     /// Any agent that announced `default-route=true`.
     DefaultRoute,
@@ -59,8 +63,8 @@ pub struct AgentIdentifiers {
     pub ipv4: Vec<String>,
     /// `ipv6=` values, kept as given.
     pub ipv6: Vec<String>,
-    /// `cidr=` values that parse.
-    pub cidrs: Vec<String>,
+    /// `cidr=` values that parse (others are ignored, "fail open" as ANP).
+    pub cidrs: Vec<IpNet>,
     /// `default-route=` (first value, Go bool syntax).
     pub default_route: bool,
 }
@@ -75,7 +79,9 @@ impl AgentIdentifiers {
                 "host" => ids.hosts.push(value.into_owned()),
                 "ipv4" => ids.ipv4.push(value.into_owned()),
                 "ipv6" => ids.ipv6.push(value.into_owned()),
-                "cidr" => ids.cidrs.push(value.into_owned()),
+                "cidr" => ids
+                    .cidrs
+                    .extend(value.parse::<IpNet>().ok().map(|n| n.trunc())),
                 "default-route" if !saw_default_route => {
                     saw_default_route = true;
                     ids.default_route = tunnel::flags::go_bool(&value).unwrap_or(false);
@@ -135,7 +141,15 @@ mod tests {
         assert_eq!(ids.hosts, ["node-1", "node-a"]);
         assert_eq!(ids.ipv4, ["10.0.0.1"]);
         assert_eq!(ids.ipv6, ["::1"]);
-        assert_eq!(ids.cidrs, ["10.0.0.0/8"]);
+        assert_eq!(ids.cidrs, ["10.0.0.0/8".parse::<IpNet>().unwrap()]);
+        assert_eq!(
+            AgentIdentifiers::parse("cidr=10.1.2.3%2F16&cidr=bogus&cidr=fd00%3A%3A%2F8").cidrs,
+            [
+                "10.1.0.0/16".parse::<IpNet>().unwrap(),
+                "fd00::/8".parse().unwrap()
+            ],
+            "host bits dropped, junk ignored"
+        );
         assert!(ids.default_route);
         assert_eq!(
             ids.dest_host_keys().collect::<Vec<_>>(),
