@@ -18,7 +18,13 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, info, info_span, warn};
 use tunnel::{conn::bind_tcp, error::DisplayErrorStack, ids::ServerId};
 
-use crate::{client::Client, config::Config, endpoint::ConnectionManager, health};
+use crate::{
+    client::Client,
+    config::Config,
+    endpoint::ConnectionManager,
+    health,
+    lease::{self, LeaseCounter, LeaseWatch, ServerCountSource},
+};
 
 /// Failure to start the agent.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +38,9 @@ pub enum AgentError {
         #[source]
         source: io::Error,
     },
+    /// `--count-server-leases` is on and the kube client cannot be set up.
+    #[error(transparent)]
+    Kube(#[from] tunnel::kube::KubeSetupError),
 }
 
 /// One live server connection, as the client set sees it.
@@ -42,6 +51,8 @@ struct ClientEntry {
     conns: Arc<ConnectionManager>,
     /// Packets to the server (DRAIN).
     out_tx: tokio::sync::mpsc::Sender<proto::Packet>,
+    /// Which `--proxy-server-host` entry it was reached through.
+    address: usize,
 }
 
 /// State shared by the sync loop, the clients and the health server.
@@ -52,6 +63,10 @@ pub(crate) struct AgentState {
     server_count: AtomicU32,
     /// Set on the first signal: no new server connections, no new dials.
     draining: Arc<AtomicBool>,
+    /// Lease count (`--count-server-leases`), if on.
+    leases: Option<Arc<LeaseCounter>>,
+    /// `--server-count-source`.
+    count_source: ServerCountSource,
 }
 
 impl AgentState {
@@ -69,9 +84,32 @@ impl AgentState {
         self.clients().values().map(|c| c.conns.len()).sum()
     }
 
-    /// How many servers to hold connections to (ANP: 0 counts as 1).
+    /// How many servers to hold connections to: the servers' answers, or
+    /// the lease count, or the larger of both (`--server-count-source`);
+    /// 0 counts as 1 (ANP).
     fn target_count(&self) -> usize {
-        self.server_count.load(Ordering::Relaxed).max(1) as usize
+        let answered = self.server_count.load(Ordering::Relaxed) as usize;
+        let count = match (&self.leases, self.count_source) {
+            (None, _) => answered,
+            (Some(leases), ServerCountSource::Default) => leases.count(),
+            (Some(leases), ServerCountSource::Max) => leases.count().max(answered),
+        };
+        count.max(1)
+    }
+
+    /// Whether the sync loop of `--proxy-server-host` entry `address` (of
+    /// `addresses`) should open a connection now: always with
+    /// `--sync-forever`; when it has none; and, once every entry has one,
+    /// while fewer servers than the count are connected (entries that are
+    /// load balancers lead to the missing ones).
+    fn should_dial(&self, address: usize, addresses: usize, forever: bool) -> bool {
+        if forever {
+            return true;
+        }
+        let target = self.target_count();
+        let clients = self.clients();
+        let has = |i: usize| clients.values().any(|c| c.address == i);
+        !has(address) || ((0..addresses).all(has) && clients.len() < target)
     }
 }
 
@@ -128,14 +166,24 @@ impl Agent {
                 addr: config.health_addr,
                 source,
             })?;
+        let (leases, lease_watch) = match &config.leases {
+            Some(leases) => {
+                let (counter, watch) = lease::counter(leases).await?;
+                (Some(counter), Some(watch))
+            }
+            None => (None, None),
+        };
         Ok(Bound {
-            config,
             health,
+            lease_watch,
             state: Arc::new(AgentState {
                 clients: Mutex::new(HashMap::new()),
                 server_count: AtomicU32::new(0),
                 draining: Arc::new(AtomicBool::new(false)),
+                leases,
+                count_source: config.server_count_source,
             }),
+            config,
         })
     }
 }
@@ -146,6 +194,8 @@ pub struct Bound {
     config: Config,
     /// Health listener.
     health: TcpListener,
+    /// The lease watch to run (`--count-server-leases`).
+    lease_watch: Option<LeaseWatch>,
     /// Shared state.
     state: Arc<AgentState>,
 }
@@ -184,12 +234,14 @@ impl Bound {
         let Self {
             config,
             health,
+            lease_watch,
             state,
         } = self;
         if !config.not_implemented.is_empty() {
             warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
         }
-        info!(agent.id = %config.agent_id, server = %format!("{}:{}", config.server_host, config.server_port), health.addr = ?health.local_addr().ok(), "proxy-agent starting");
+        let servers: Vec<String> = config.servers.iter().map(ToString::to_string).collect();
+        info!(agent.id = %config.agent_id, ?servers, health.addr = ?health.local_addr().ok(), "proxy-agent starting");
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
         let health_server = axum::serve(health, health::router(state.clone()))
@@ -197,12 +249,23 @@ impl Bound {
         tasks.spawn(async move {
             let _ = health_server.await;
         });
-        let sync = sync_loop(config, state.clone(), token.clone(), tasks.clone());
-        tokio::pin!(stop, sync);
+        if let Some(watch) = lease_watch {
+            tasks.spawn(watch.run(token.clone()));
+        }
+        let config = Arc::new(config);
+        for address in 0..config.servers.len() {
+            tasks.spawn(sync_loop(
+                config.clone(),
+                address,
+                state.clone(),
+                token.clone(),
+                tasks.clone(),
+            ));
+        }
+        tokio::pin!(stop);
         let draining = tokio::select! {
             () = drain => true,
             () = &mut stop => false,
-            () = &mut sync => false,
         };
         if draining {
             info!(
@@ -240,23 +303,25 @@ impl Bound {
 /// How often a draining agent checks whether its connections have finished.
 const DRAIN_POLL: Duration = Duration::from_millis(100);
 
-/// Keeps one client per server: connects while fewer than the server count
-/// (or forever with `--sync-forever`), backing off on failures.
+/// Keeps one client per server for `--proxy-server-host` entry `address`:
+/// connects when [`AgentState::should_dial`] says so, backing off on failures.
 async fn sync_loop(
-    config: Config,
+    config: Arc<Config>,
+    address: usize,
     state: Arc<AgentState>,
     token: CancellationToken,
     tasks: TaskTracker,
 ) {
+    let target = &config.servers[address];
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
     loop {
         let wait = if state.draining.load(Ordering::SeqCst) {
             // Draining: no new server connections.
             jitter(config.sync_interval)
-        } else if config.sync_forever || state.server_connections() < state.target_count() {
-            match Client::connect(&config).await {
+        } else if state.should_dial(address, config.servers.len(), config.sync_forever) {
+            match Client::connect(&config, target).await {
                 Ok(client) => {
-                    add_client(&state, client, &token, &tasks);
+                    add_client(&state, client, address, &token, &tasks);
                     backoff.success()
                 }
                 Err(error) => {
@@ -277,6 +342,7 @@ async fn sync_loop(
 fn add_client(
     state: &Arc<AgentState>,
     client: Client,
+    address: usize,
     token: &CancellationToken,
     tasks: &TaskTracker,
 ) {
@@ -295,6 +361,7 @@ fn add_client(
                 cancel: cancel.clone(),
                 conns: conns.clone(),
                 out_tx: client.sender(),
+                address,
             },
         );
         state
@@ -331,6 +398,12 @@ impl AgentHandle {
     /// Number of open node-side connections.
     pub fn endpoint_connections(&self) -> usize {
         self.state.endpoint_connections()
+    }
+
+    /// The server count the agent works towards (ANP's
+    /// `known_server_count`).
+    pub fn known_server_count(&self) -> usize {
+        self.state.target_count()
     }
 
     /// Whether the agent is draining.

@@ -2,17 +2,23 @@
 
 use std::{
     io,
+    pin::Pin,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicI64, Ordering},
+        atomic::{AtomicBool, AtomicI64, Ordering},
     },
+    task::{Context, Poll},
     time::Duration,
 };
 
 use hyper_util::rt::TokioIo;
 use proto::{Packet, agent_service_client::AgentServiceClient, header, packet::PacketKind};
 use rustls_pki_types::ServerName;
-use tokio::{net::TcpStream, sync::mpsc};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::TcpStream,
+    sync::mpsc,
+};
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -31,14 +37,12 @@ use tunnel::{
 };
 
 use crate::{
-    config::Config,
+    config::{Config, ServerAddr},
     endpoint::{self, ConnectionManager, EndpointConn},
 };
 
 /// How long the TCP connect, TLS handshake and gRPC headers may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long HTTP/2 keepalive pings wait for their ack (gRPC's default).
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// Packets queued towards the server, shared by every connection of the stream.
 const OUTBOUND_QUEUE: usize = 256;
 /// How long a connection closed by the server may take to write what was
@@ -134,13 +138,126 @@ pub struct Client {
     out_tx: mpsc::Sender<Packet>,
     /// Keeps the HTTP/2 connection alive while the client lives.
     _channel: Channel,
+    /// The connection's transport, for the probe.
+    transport: Transport,
+    /// How often the probe checks it (`--probe-interval`).
+    probe_interval: Duration,
 }
 
-fn server_label(config: &Config) -> String {
-    if config.server_host.contains(':') {
-        format!("[{}]:{}", config.server_host, config.server_port)
-    } else {
-        format!("{}:{}", config.server_host, config.server_port)
+/// Whether a server connection's TCP/TLS transport is still open. ANP's
+/// probe checks that the gRPC connection state is `Ready` every
+/// `--probe-interval`; this is the same check on our transport.
+#[derive(Clone, Default)]
+struct Transport {
+    /// Set once the transport hit EOF, failed or was dropped.
+    closed: Arc<AtomicBool>,
+}
+
+impl Transport {
+    /// Wraps `io` so that its end is seen here.
+    fn watch<T>(&self, io: T) -> Watched<T> {
+        Watched {
+            io,
+            closed: self.closed.clone(),
+        }
+    }
+
+    fn is_open(&self) -> bool {
+        !self.closed.load(Ordering::Relaxed)
+    }
+
+    /// Resolves once a check finds the transport closed.
+    async fn probe(&self, interval: Duration) {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while self.is_open() {
+            ticks.tick().await;
+        }
+    }
+}
+
+/// An I/O object that records its own end in a [`Transport`].
+struct Watched<T> {
+    io: T,
+    closed: Arc<AtomicBool>,
+}
+
+impl<T> Watched<T> {
+    fn note<R>(&self, result: &io::Result<R>) {
+        if result.is_err() {
+            self.closed.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<T> Drop for Watched<T> {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        if let Poll::Ready(result) = &polled {
+            self.note(result);
+            if result.is_ok() && buf.filled().len() == before && buf.remaining() > 0 {
+                // EOF.
+                self.closed.store(true, Ordering::Relaxed);
+            }
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        if let Poll::Ready(result) = &polled {
+            self.note(result);
+        }
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(result) = &polled {
+            self.note(result);
+        }
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        if let Poll::Ready(result) = &polled {
+            self.note(result);
+        }
+        polled
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_shutdown(cx);
+        if polled.is_ready() {
+            self.closed.store(true, Ordering::Relaxed);
+        }
+        polled
     }
 }
 
@@ -150,22 +267,27 @@ impl Client {
     ///
     /// # Errors
     /// Each step's failure, naming the server.
-    pub async fn connect(config: &Config) -> Result<Self, ConnectError> {
-        let server = server_label(config);
-        tokio::time::timeout(CONNECT_TIMEOUT, Self::connect_inner(config, &server))
-            .await
-            .map_err(|_| ConnectError::Timeout {
-                server: server.clone(),
-            })?
+    pub async fn connect(config: &Config, target: &ServerAddr) -> Result<Self, ConnectError> {
+        let server = target.to_string();
+        tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            Self::connect_inner(config, target, &server),
+        )
+        .await
+        .map_err(|_| ConnectError::Timeout {
+            server: server.clone(),
+        })?
     }
 
-    async fn connect_inner(config: &Config, server: &str) -> Result<Self, ConnectError> {
-        let tcp: Box<dyn Io> = match &config.proxy {
-            Some(proxy) => {
-                proxy_client::connect(proxy, &config.server_host, config.server_port).await?
-            }
+    async fn connect_inner(
+        config: &Config,
+        target: &ServerAddr,
+        server: &str,
+    ) -> Result<Self, ConnectError> {
+        let tcp: Box<dyn Io> = match &target.proxy {
+            Some(proxy) => proxy_client::connect(proxy, &target.host, target.port).await?,
             None => {
-                let tcp = TcpStream::connect((config.server_host.as_str(), config.server_port))
+                let tcp = TcpStream::connect((target.host.as_str(), target.port))
                     .await
                     .map_err(|source| ConnectError::Tcp {
                         server: server.to_owned(),
@@ -175,8 +297,8 @@ impl Client {
                 Box::new(tcp)
             }
         };
-        let name = ServerName::try_from(config.server_host.clone())
-            .map_err(|_| ConnectError::ServerName(config.server_host.clone()))?;
+        let name = ServerName::try_from(target.host.clone())
+            .map_err(|_| ConnectError::ServerName(target.host.clone()))?;
         let tls = TlsConnector::from(config.tls.clone())
             .connect(name, tcp)
             .await
@@ -185,7 +307,8 @@ impl Client {
                 source,
             })?;
         // tonic asks its connector for a connection; hand it this one, once.
-        let slot = Arc::new(Mutex::new(Some(tls)));
+        let transport = Transport::default();
+        let slot = Arc::new(Mutex::new(Some(transport.watch(tls))));
         let channel = Endpoint::from_shared(format!("http://{server}"))
             .map_err(|source| ConnectError::Transport {
                 server: server.to_owned(),
@@ -195,7 +318,7 @@ impl Client {
             .initial_stream_window_size(flow::H2_STREAM_WINDOW)
             .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keep_alive_interval(config.keepalive_time)
-            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_timeout(flow::keepalive_timeout(config.keepalive_time))
             .keep_alive_while_idle(true)
             .connect_with_connector(tower::service_fn(move |_| {
                 let stream = slot.lock().ok().and_then(|mut s| s.take());
@@ -292,6 +415,8 @@ impl Client {
             inbound: response.into_inner(),
             out_tx,
             _channel: channel,
+            transport,
+            probe_interval: config.probe_interval,
         })
     }
 
@@ -314,6 +439,8 @@ impl Client {
             server_id,
             flow_control,
             _channel,
+            transport,
+            probe_interval,
             ..
         } = self;
         let tasks = TaskTracker::new();
@@ -327,9 +454,15 @@ impl Client {
             flow_control,
             draining,
         };
+        let probe = transport.probe(probe_interval);
+        tokio::pin!(probe);
         loop {
             let packet = tokio::select! {
                 () = cancel.cancelled() => break,
+                () = &mut probe => {
+                    warn!(server.id = %server_id, "connection to the server is closed; dropping it");
+                    break;
+                }
                 packet = inbound.message() => packet,
             };
             match packet {

@@ -15,6 +15,8 @@ use tunnel::{
     tls,
 };
 
+use crate::lease::{LeaseCountConfig, ServerCountSource};
+
 /// proxy-agent: dials out to proxy-server and opens node-side connections for it.
 ///
 /// Flag names and defaults are ANP's, so an existing manifest works unchanged.
@@ -31,6 +33,9 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub ca_cert: String,
     /// proxy-server host (or load balancer); also the TLS server name.
+    /// Beyond ANP: a comma-separated list (`a,b:8133,[fd00::1]:8132`) makes
+    /// the agent connect to every entry; an entry without a port uses
+    /// --proxy-server-port.
     #[arg(long, default_value = "127.0.0.1")]
     pub proxy_server_host: String,
     /// proxy-server agent port.
@@ -128,13 +133,85 @@ pub struct Args {
     pub log: LogArgs,
 }
 
+/// One entry of `--proxy-server-host`: where to reach a server (or a load
+/// balancer in front of several).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerAddr {
+    /// Host name or IP; also the TLS server name.
+    pub host: String,
+    /// Agent port.
+    pub port: u16,
+    /// Proxy to reach it through (`--proxy-url`, else the environment).
+    pub proxy: Option<Proxy>,
+}
+
+impl ServerAddr {
+    /// A server reached directly.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Self {
+            host: host.into(),
+            port,
+            proxy: None,
+        }
+    }
+}
+
+impl std::fmt::Display for ServerAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Splits `--proxy-server-host` into `(host, port)` entries: `host`,
+/// `host:port`, `[v6]:port` or a bare IPv6 address; duplicates refused.
+///
+/// # Errors
+/// An empty entry, a bad port or a repeated entry, named.
+pub fn parse_server_hosts(text: &str, default_port: u16) -> Result<Vec<(String, u16)>, String> {
+    let mut out: Vec<(String, u16)> = Vec::new();
+    for entry in text.split(',').map(str::trim) {
+        if entry.is_empty() {
+            return Err("empty host in the list".to_owned());
+        }
+        let bad_port = || format!("{entry:?} has an invalid port");
+        let (host, port) = if let Some(rest) = entry.strip_prefix('[') {
+            let (host, after) = rest
+                .split_once(']')
+                .ok_or_else(|| format!("{entry:?} lacks a closing ]"))?;
+            match after.strip_prefix(':') {
+                Some(port) => (host, port.parse().map_err(|_| bad_port())?),
+                None if after.is_empty() => (host, default_port),
+                None => return Err(format!("{entry:?} is not host, host:port or [ipv6]:port")),
+            }
+        } else if entry.parse::<Ipv6Addr>().is_ok() {
+            (entry, default_port)
+        } else {
+            match entry.split_once(':') {
+                Some((host, port)) => (host, port.parse().map_err(|_| bad_port())?),
+                None => (entry, default_port),
+            }
+        };
+        if host.is_empty() || port == 0 {
+            return Err(format!("{entry:?} needs a host and a port above 0"));
+        }
+        if out.iter().any(|(h, p)| h == host && *p == port) {
+            return Err(format!("{entry:?} is listed twice"));
+        }
+        out.push((host.to_owned(), port));
+    }
+    Ok(out)
+}
+
 /// Validated configuration; tests build it directly.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// proxy-server host (also the TLS server name).
-    pub server_host: String,
-    /// proxy-server agent port.
-    pub server_port: u16,
+    /// Where the servers are: one entry per `--proxy-server-host` item; the
+    /// agent holds connections to every one.
+    pub servers: Vec<ServerAddr>,
     /// TLS to the server.
     pub tls: Arc<rustls::ClientConfig>,
     /// This agent's id.
@@ -159,8 +236,10 @@ pub struct Config {
     pub flow_control: bool,
     /// Service-account token file, re-read on every connect.
     pub token_path: Option<PathBuf>,
-    /// Proxy to reach the server through (`--proxy-url`, else the environment).
-    pub proxy: Option<Proxy>,
+    /// Count servers by their Leases (`--count-server-leases`), if on.
+    pub leases: Option<LeaseCountConfig>,
+    /// `--server-count-source`.
+    pub server_count_source: ServerCountSource,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
 }
@@ -273,8 +352,29 @@ impl TryFrom<Args> for Config {
                 "requires --enable-profiling",
             ));
         }
-        if !matches!(args.server_count_source.as_str(), "" | "default" | "max") {
-            return Err(invalid("server-count-source", "want default or max"));
+        let server_count_source = match args.server_count_source.as_str() {
+            "" | "default" => ServerCountSource::Default,
+            "max" => ServerCountSource::Max,
+            _ => return Err(invalid("server-count-source", "want default or max")),
+        };
+        // The hidden, deprecated --lease-label wins when given (ANP).
+        let (selector_flag, selector) = match &args.lease_label {
+            Some(label) => ("lease-label", label),
+            None => ("lease-label-selector", &args.lease_label_selector),
+        };
+        if args.count_server_leases {
+            if selector.trim().is_empty() {
+                return Err(invalid(selector_flag, "must not be empty"));
+            }
+            if args.lease_namespace.is_empty() {
+                return Err(invalid("lease-namespace", "must not be empty"));
+            }
+            if !args.kubeconfig.is_empty() && !std::path::Path::new(&args.kubeconfig).is_file() {
+                return Err(invalid(
+                    "kubeconfig",
+                    format!("{} does not exist or is not a file", args.kubeconfig),
+                ));
+            }
         }
         if !args.service_account_token_path.is_empty()
             && !std::path::Path::new(&args.service_account_token_path).is_file()
@@ -313,32 +413,32 @@ impl TryFrom<Args> for Config {
             };
             ConfigError::Tls { flag, source }
         })?;
-        let proxy = if args.proxy_url.is_empty() {
-            Proxy::from_env(|name| std::env::var(name).ok(), &args.proxy_server_host)
-                .map_err(|reason| invalid("proxy-url", reason))?
-        } else {
-            Some(Proxy::parse(&args.proxy_url).map_err(|reason| invalid("proxy-url", reason))?)
-        };
+        let proxy_url = (!args.proxy_url.is_empty())
+            .then(|| Proxy::parse(&args.proxy_url).map_err(|reason| invalid("proxy-url", reason)))
+            .transpose()?;
+        let servers = parse_server_hosts(&args.proxy_server_host, args.proxy_server_port)
+            .map_err(|reason| invalid("proxy-server-host", reason))?
+            .into_iter()
+            .map(|(host, port)| {
+                let proxy = match &proxy_url {
+                    Some(proxy) => Some(proxy.clone()),
+                    None => Proxy::from_env(|name| std::env::var(name).ok(), &host)
+                        .map_err(|reason| invalid("proxy-url", reason))?,
+                };
+                Ok(ServerAddr { host, port, proxy })
+            })
+            .collect::<Result<Vec<_>, ConfigError>>()?;
         let agent_id = if args.agent_id.is_empty() {
             AgentId(uuid::Uuid::new_v4().to_string())
         } else {
             AgentId(args.agent_id.clone())
         };
-        let not_implemented = [
-            (
-                "service-account-token-path",
-                !args.service_account_token_path.is_empty(),
-            ),
-            ("count-server-leases", args.count_server_leases),
-            ("kubeconfig", !args.kubeconfig.is_empty()),
-            ("enable-profiling", args.enable_profiling),
-        ]
-        .into_iter()
-        .filter_map(|(flag, given)| given.then_some(flag))
-        .collect();
+        let not_implemented = [("enable-profiling", args.enable_profiling)]
+            .into_iter()
+            .filter_map(|(flag, given)| given.then_some(flag))
+            .collect();
         Ok(Self {
-            server_host: args.proxy_server_host.clone(),
-            server_port: args.proxy_server_port,
+            servers,
             tls,
             agent_id,
             agent_identifiers: args.agent_identifiers.clone(),
@@ -354,9 +454,14 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             xfr_channel_size: args.xfr_channel_size,
             flow_control: args.flow_control,
-            proxy,
             token_path: (!args.service_account_token_path.is_empty())
                 .then(|| PathBuf::from(&args.service_account_token_path)),
+            leases: args.count_server_leases.then(|| LeaseCountConfig {
+                namespace: args.lease_namespace.clone(),
+                selector: selector.clone(),
+                kubeconfig: (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig)),
+            }),
+            server_count_source,
             not_implemented,
         })
     }
@@ -453,7 +558,7 @@ mod tests {
         assert_eq!(c.agent_id.0, "agent-1");
         assert_eq!(c.sync_interval, Duration::from_millis(100));
         assert_eq!(c.sync_interval_cap, Duration::from_secs(1));
-        assert_eq!(c.server_host, "localhost");
+        assert_eq!(c.servers, [ServerAddr::new("localhost", 8091)]);
         assert!(c.not_implemented.is_empty(), "{:?}", c.not_implemented);
     }
 
@@ -528,5 +633,36 @@ mod tests {
             assert!(check_identifiers(bad).is_err(), "{bad}");
         }
         assert!(check_identifiers("zone=a").unwrap_err().contains("zone"));
+    }
+
+    #[test]
+    fn server_host_lists() {
+        let hosts = |text| parse_server_hosts(text, 8091);
+        assert_eq!(
+            hosts("konnectivity").unwrap(),
+            [("konnectivity".to_owned(), 8091)]
+        );
+        assert_eq!(
+            hosts("a, b:8133,[fd00::1]:9000,fd00::2,[::1]").unwrap(),
+            [
+                ("a".to_owned(), 8091),
+                ("b".to_owned(), 8133),
+                ("fd00::1".to_owned(), 9000),
+                ("fd00::2".to_owned(), 8091),
+                ("::1".to_owned(), 8091),
+            ]
+        );
+        for (bad, needle) in [
+            ("a,,b", "empty"),
+            ("a:x", "invalid port"),
+            ("a:0", "above 0"),
+            ("a,a:8091", "twice"),
+            ("[::1", "closing"),
+            ("[::1]x", "[ipv6]:port"),
+            (":8091", "needs a host"),
+        ] {
+            let err = hosts(bad).unwrap_err();
+            assert!(err.contains(needle), "{bad}: {err}");
+        }
     }
 }

@@ -9,9 +9,11 @@
 //! - [`client`]: one `Connect` stream and its packet handling.
 //! - [`endpoint`]: node-side connections and dials of one stream.
 //! - `health`: `/healthz`, `/readyz`.
+//! - [`lease`]: counting servers by their Leases.
 
 pub mod agent;
 pub mod client;
 pub mod config;
 pub mod endpoint;
 mod health;
+pub mod lease;

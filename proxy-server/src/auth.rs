@@ -6,11 +6,7 @@
 use std::path::PathBuf;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-use kube::{
-    Api, Client,
-    api::PostParams,
-    config::{KubeConfigOptions, Kubeconfig},
-};
+use kube::{Api, Client, api::PostParams};
 use proto::header;
 use tonic::metadata::MetadataMap;
 
@@ -31,24 +27,7 @@ pub struct TokenAuthConfig {
 }
 
 /// The kube client could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum AuthSetupError {
-    /// The kubeconfig file could not be read or used.
-    #[error("cannot use --kubeconfig {path}")]
-    Kubeconfig {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// No kubeconfig was given and the in-cluster configuration is missing.
-    #[error("--kubeconfig is empty and there is no in-cluster configuration")]
-    InCluster(#[source] kube::config::InClusterError),
-    /// The client could not be built.
-    #[error("cannot build the kube client")]
-    Client(#[source] kube::Error),
-}
+pub use tunnel::kube::KubeSetupError as AuthSetupError;
 
 /// Why an agent was refused; the text goes back to the agent (gRPC
 /// `Unauthenticated`) and to the log, and never contains the token.
@@ -115,27 +94,9 @@ impl TokenAuth {
     /// # Errors
     /// See [`AuthSetupError`].
     pub async fn new(config: TokenAuthConfig) -> Result<Self, AuthSetupError> {
-        let kube_config = match &config.kubeconfig {
-            Some(path) => {
-                let wrap =
-                    |source: Box<dyn std::error::Error + Send + Sync>| AuthSetupError::Kubeconfig {
-                        path: path.clone(),
-                        source,
-                    };
-                let file = Kubeconfig::read_from(path).map_err(|e| wrap(Box::new(e)))?;
-                kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
-                    .await
-                    .map_err(|e| wrap(Box::new(e)))?
-            }
-            None => kube::Config::incluster().map_err(AuthSetupError::InCluster)?,
-        };
-        let mut kube_config = kube_config;
         // The agent retries with its own backoff; kube's default retries
         // (up to 15, for minutes) would hold its Connect open instead.
-        kube_config.default_retry = false;
-        kube_config.connect_timeout = Some(REVIEW_TIMEOUT);
-        kube_config.read_timeout = Some(REVIEW_TIMEOUT);
-        let client = Client::try_from(kube_config).map_err(AuthSetupError::Client)?;
+        let client = tunnel::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
         Ok(Self { config, client })
     }
 

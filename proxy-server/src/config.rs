@@ -12,6 +12,7 @@ use tunnel::{
 use crate::{
     auth::TokenAuthConfig,
     backend::strategy::{ProxyStrategy, parse_strategies},
+    lease::{LeaseConfig, parse_labels},
 };
 
 /// proxy-server: serves kube-apiserver (frontends) and proxy-agents (backends).
@@ -217,6 +218,8 @@ pub struct Config {
     pub graceful_shutdown_timeout: Option<Duration>,
     /// Service-account token authentication of agents, if on.
     pub token_auth: Option<TokenAuthConfig>,
+    /// This server's Lease (`--enable-lease-controller`), if on.
+    pub lease: Option<LeaseConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
     pub not_implemented: Vec<&'static str>,
 }
@@ -354,12 +357,16 @@ impl TryFrom<Args> for Config {
                     "must be empty when service-account token auth (--agent-namespace) is on",
                 ));
             }
-            if !args.kubeconfig.is_empty() && !std::path::Path::new(&args.kubeconfig).is_file() {
-                return Err(invalid(
-                    "kubeconfig",
-                    format!("{} does not exist or is not a file", args.kubeconfig),
-                ));
-            }
+        }
+        let needs_kube = !args.agent_namespace.is_empty() || args.enable_lease_controller;
+        if needs_kube
+            && !args.kubeconfig.is_empty()
+            && !std::path::Path::new(&args.kubeconfig).is_file()
+        {
+            return Err(invalid(
+                "kubeconfig",
+                format!("{} does not exist or is not a file", args.kubeconfig),
+            ));
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
@@ -392,8 +399,11 @@ impl TryFrom<Args> for Config {
         if args.server_count == 0 {
             return Err(invalid("server-count", "must be at least 1"));
         }
-        if args.lease_label.is_empty() {
-            return Err(invalid("lease-label", "must not be empty"));
+        // ANP parses it even with leases off.
+        let lease_labels =
+            parse_labels(&args.lease_label).map_err(|reason| invalid("lease-label", reason))?;
+        if args.enable_lease_controller && args.lease_namespace.is_empty() {
+            return Err(invalid("lease-namespace", "must not be empty"));
         }
         let strategies = parse_strategies(&args.proxy_strategies)
             .map_err(|reason| invalid("proxy-strategies", reason))?;
@@ -408,11 +418,6 @@ impl TryFrom<Args> for Config {
             ("enable-profiling", args.enable_profiling),
             ("cipher-suites", !args.cipher_suites.is_empty()),
             ("tls-min-version", !args.tls_min_version.is_empty()),
-            ("enable-lease-controller", args.enable_lease_controller),
-            (
-                "graceful-shutdown-timeout",
-                !args.graceful_shutdown_timeout.is_zero(),
-            ),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
@@ -448,6 +453,13 @@ impl TryFrom<Args> for Config {
             }),
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero())
                 .then_some(args.backend_dial_timeout),
+            lease: args.enable_lease_controller.then(|| {
+                LeaseConfig::new(
+                    args.lease_namespace.clone(),
+                    lease_labels,
+                    path_flag(&args.kubeconfig),
+                )
+            }),
             not_implemented,
         })
     }

@@ -12,6 +12,7 @@
 //! - `frontend`: one `Frontend` per `Proxy` stream, the `ProxyService` handler.
 //! - `dial`: the pending-dial table.
 //! - [`health`]: `/healthz`, `/readyz`, `/metrics`.
+//! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - `metrics`: the Prometheus registry.
 //! - [`client`]: the `proxy-client` tool (request, SOCKS5 and HTTP proxy).
 
@@ -23,6 +24,7 @@ pub(crate) mod conn;
 mod dial;
 mod frontend;
 pub mod health;
+pub mod lease;
 mod metrics;
 pub mod server;
 mod tunnels;

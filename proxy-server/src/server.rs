@@ -29,8 +29,6 @@ use crate::{
     tunnels::Tunnels,
 };
 
-/// How long HTTP/2 keepalive pings wait for their ack (gRPC's default).
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 /// How often a graceful shutdown checks whether connections have finished.
 const GRACE_POLL: Duration = Duration::from_millis(100);
 /// How long listeners may take to wind down after shutdown before they are dropped.
@@ -305,7 +303,7 @@ impl Bound {
             .initial_stream_window_size(flow::H2_STREAM_WINDOW)
             .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keepalive_interval(Some(config.keepalive_time))
-            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .http2_keepalive_timeout(Some(tunnel::flow::keepalive_timeout(config.keepalive_time)))
             .add_service(agent_service)
             .serve_with_incoming_shutdown(
                 tls_incoming(
@@ -328,7 +326,9 @@ impl Bound {
             .initial_stream_window_size(flow::H2_STREAM_WINDOW)
             .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keepalive_interval(Some(config.frontend_keepalive_time))
-            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
+            .http2_keepalive_timeout(Some(tunnel::flow::keepalive_timeout(
+                config.frontend_keepalive_time,
+            )));
         let (frontend_server, uds_path): (FrontendFuture, _) = match (config.mode, frontend) {
             (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
                 info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
@@ -391,8 +391,18 @@ impl Bound {
         let agent_task = tokio::spawn(agent_server);
         let frontend_task = tokio::spawn(frontend_server);
         let health_task = tokio::spawn(async move { health_server.await });
+        let lease_stop = CancellationToken::new();
+        let lease_task = config.lease.clone().map(|lease| {
+            tokio::spawn(crate::lease::run(
+                lease,
+                config.server_id.clone(),
+                lease_stop.clone(),
+            ))
+        });
 
         shutdown.await;
+        // The lease goes first: lease-counting agents stop counting us.
+        lease_stop.cancel();
         accept_stop.cancel();
         if let Some(grace) = config.graceful_shutdown_timeout {
             info!(timeout = ?grace, connections = tunnels.established_count(), "stopped accepting; letting open connections finish");
@@ -420,6 +430,9 @@ impl Bound {
             let agent = agent_task.await;
             let frontend = frontend_task.await;
             let _ = health_task.await;
+            if let Some(lease) = lease_task {
+                let _ = lease.await;
+            }
             tasks.wait().await;
             (agent, frontend)
         };

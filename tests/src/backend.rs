@@ -1,4 +1,5 @@
-//! Node-side backends for the tests, on `127.0.0.1:0`, stopped on drop.
+//! Node-side backends for the tests, on `127.0.0.1:0` (or another loopback
+//! address), stopped on drop.
 
 use std::{
     net::SocketAddr,
@@ -50,9 +51,17 @@ where
     F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("binding a backend");
+    spawn_on(std::net::Ipv4Addr::LOCALHOST, serve).await
+}
+
+/// [`spawn`] on another loopback address (`127.x.y.z`).
+pub async fn spawn_on<F, Fut>(ip: std::net::Ipv4Addr, serve: F) -> Backend
+where
+    F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    assert!(ip.is_loopback(), "tests bind only to loopback");
+    let listener = TcpListener::bind((ip, 0)).await.expect("binding a backend");
     let addr = listener.local_addr().expect("backend address");
     let open = Arc::new(AtomicUsize::new(0));
     let accepted = Arc::new(AtomicUsize::new(0));
@@ -92,7 +101,12 @@ where
 
 /// Echoes every byte back until the client closes.
 pub async fn echo() -> Backend {
-    spawn(|mut stream| async move {
+    echo_on(std::net::Ipv4Addr::LOCALHOST).await
+}
+
+/// [`echo`] on another loopback address.
+pub async fn echo_on(ip: std::net::Ipv4Addr) -> Backend {
+    spawn_on(ip, |mut stream| async move {
         let (mut r, mut w) = stream.split();
         let _ = tokio::io::copy(&mut r, &mut w).await;
     })

@@ -5,7 +5,7 @@
 use std::{
     collections::HashMap,
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -103,16 +103,7 @@ impl TokenReviewStub {
             });
         }
         let dir = tempfile::tempdir().expect("temp dir");
-        let kubeconfig = dir.path().join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: https://127.0.0.1:{}\n    certificate-authority: {}\nusers:\n- name: proxy-server\n  user:\n    token: {SERVER_TOKEN}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    user: proxy-server\ncurrent-context: stub\n",
-                addr.port(),
-                pki.path("agent-ca.crt").display()
-            ),
-        )
-        .expect("writing the kubeconfig");
+        let kubeconfig = write_kubeconfig(dir.path(), addr);
         Self {
             addr,
             kubeconfig,
@@ -141,6 +132,22 @@ impl TokenReviewStub {
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
     }
+}
+
+/// Writes `<dir>/kubeconfig` pointing at a stub on `addr`: the test CA, and
+/// [`SERVER_TOKEN`] as the bearer token. Returns its path.
+pub(crate) fn write_kubeconfig(dir: &Path, addr: SocketAddr) -> PathBuf {
+    let path = dir.join("kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: stub\n  cluster:\n    server: https://127.0.0.1:{}\n    certificate-authority: {}\nusers:\n- name: proxy-server\n  user:\n    token: {SERVER_TOKEN}\ncontexts:\n- name: stub\n  context:\n    cluster: stub\n    user: proxy-server\ncurrent-context: stub\n",
+            addr.port(),
+            Pki::get().path("agent-ca.crt").display()
+        ),
+    )
+    .expect("writing the kubeconfig");
+    path
 }
 
 fn json(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {

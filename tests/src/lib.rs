@@ -7,11 +7,13 @@
 //! - [`TestServer`], [`TestAgent`], [`AgentProcess`]: the proxies.
 //! - [`backend`]: echo, bulk and blackhole backends.
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
+//! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
 //! - [`RawFrontend`]: a frontend that sends packets by hand.
 //! - [`wait_for`]: polls a condition until a deadline.
 
 pub mod backend;
 pub mod kube_stub;
+pub mod lease_stub;
 
 use std::{
     net::SocketAddr,
@@ -97,6 +99,21 @@ impl Pki {
     }
 }
 
+/// A stopped [`TestServer`] (see [`TestServer::halt`]).
+pub struct Halted {
+    /// Its options, with its agent port.
+    opts: ServerOpts,
+    /// Its socket's directory.
+    dir: Arc<tempfile::TempDir>,
+}
+
+impl Halted {
+    /// Starts it again on the same agent port and socket.
+    pub async fn start(self) -> TestServer {
+        TestServer::start_in(self.opts, self.dir).await
+    }
+}
+
 /// Options of a [`TestServer`].
 #[derive(Clone)]
 pub struct ServerOpts {
@@ -118,6 +135,14 @@ pub struct ServerOpts {
     pub token_auth: Option<proxy_server::auth::TokenAuthConfig>,
     /// `--graceful-shutdown-timeout`.
     pub graceful_shutdown_timeout: Option<Duration>,
+    /// `--server-id` (default `test-server`).
+    pub server_id: Option<String>,
+    /// `--server-count`.
+    pub server_count: u32,
+    /// `--keepalive-time` on the agent listener (default 1 h).
+    pub keepalive_time: Option<Duration>,
+    /// `--enable-lease-controller` and its settings.
+    pub lease: Option<proxy_server::lease::LeaseConfig>,
 }
 
 impl Default for ServerOpts {
@@ -132,6 +157,10 @@ impl Default for ServerOpts {
             flow_control: true,
             graceful_shutdown_timeout: None,
             token_auth: None,
+            server_id: None,
+            server_count: 1,
+            keepalive_time: None,
+            lease: None,
         }
     }
 }
@@ -150,6 +179,8 @@ pub struct TestServer {
     pub frontend_tcp: Option<SocketAddr>,
     /// Frontend protocol.
     pub mode: Mode,
+    /// What it was started with.
+    opts: ServerOpts,
     /// Stops the server.
     shutdown: CancellationToken,
     /// The serving task.
@@ -204,16 +235,21 @@ impl TestServer {
             )
             .expect("agent TLS"),
             health_addr: "127.0.0.1:0".parse().expect("address"),
-            server_id: ServerId("test-server".to_owned()),
-            server_count: 1,
+            server_id: ServerId(
+                opts.server_id
+                    .clone()
+                    .unwrap_or_else(|| "test-server".to_owned()),
+            ),
+            server_count: opts.server_count,
             strategies: opts.strategies.clone(),
             xfr_channel_size: 10,
-            keepalive_time: Duration::from_secs(3600),
+            keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: opts.backend_dial_timeout,
             flow_control: opts.flow_control,
             graceful_shutdown_timeout: opts.graceful_shutdown_timeout,
             token_auth: opts.token_auth.clone(),
+            lease: opts.lease.clone(),
             not_implemented: Vec::new(),
         };
         let bound = ProxyServer::bind(config).await.expect("binding the server");
@@ -239,6 +275,7 @@ impl TestServer {
             uds,
             frontend_tcp,
             mode: opts.mode,
+            opts,
             shutdown,
             task: Some(task),
             _dir: dir,
@@ -263,23 +300,25 @@ impl TestServer {
         self.task.as_ref().is_none_or(JoinHandle::is_finished)
     }
 
-    /// Stops the server and starts a new one on the same agent port and socket.
-    pub async fn restart(mut self) -> Self {
-        let port = self.agent_addr.port();
+    /// Stops the server and starts a new one with the same options on the
+    /// same agent port and socket.
+    pub async fn restart(self) -> Self {
+        self.halt().await.start().await
+    }
+
+    /// Stops the server, keeping what it needs to start again on the same
+    /// agent port and socket.
+    pub async fn halt(mut self) -> Halted {
+        let opts = ServerOpts {
+            agent_port: self.agent_addr.port(),
+            ..self.opts.clone()
+        };
         let dir = self._dir.clone();
         self.shutdown.cancel();
         if let Some(task) = self.task.take() {
             task.await.expect("server task");
         }
-        Self::start_in(
-            ServerOpts {
-                agent_port: port,
-                mode: self.mode,
-                ..ServerOpts::default()
-            },
-            dir,
-        )
-        .await
+        Halted { opts, dir }
     }
 
     /// A fresh gRPC channel on a new frontend connection (what
@@ -375,6 +414,16 @@ pub struct AgentOpts {
     pub token_path: Option<PathBuf>,
     /// `--proxy-url`.
     pub proxy: Option<tunnel::proxy_client::Proxy>,
+    /// More `--proxy-server-host` entries after the first address.
+    pub more_servers: Vec<SocketAddr>,
+    /// `--keepalive-time` (default 1 h).
+    pub keepalive_time: Option<Duration>,
+    /// `--count-server-leases` and where.
+    pub leases: Option<proxy_agent::lease::LeaseCountConfig>,
+    /// `--server-count-source`.
+    pub server_count_source: proxy_agent::lease::ServerCountSource,
+    /// `--sync-forever`.
+    pub sync_forever: bool,
 }
 
 /// An in-process proxy-agent.
@@ -405,9 +454,15 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         &[],
     )
     .expect("agent TLS");
+    let servers = std::iter::once(agent_addr)
+        .chain(opts.more_servers.iter().copied())
+        .map(|addr| proxy_agent::config::ServerAddr {
+            proxy: opts.proxy.clone(),
+            ..proxy_agent::config::ServerAddr::new(addr.ip().to_string(), addr.port())
+        })
+        .collect();
     proxy_agent::config::Config {
-        server_host: agent_addr.ip().to_string(),
-        server_port: agent_addr.port(),
+        servers,
         tls,
         agent_id: AgentId(
             opts.agent_id
@@ -418,13 +473,14 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         health_addr: "127.0.0.1:0".parse().expect("address"),
         sync_interval: Duration::from_millis(100),
         sync_interval_cap: Duration::from_secs(1),
-        sync_forever: false,
+        sync_forever: opts.sync_forever,
         probe_interval: Duration::from_millis(100),
-        keepalive_time: Duration::from_secs(3600),
+        keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
         xfr_channel_size: 150,
         flow_control: !opts.no_flow_control,
         token_path: opts.token_path.clone(),
-        proxy: opts.proxy.clone(),
+        leases: opts.leases.clone(),
+        server_count_source: opts.server_count_source,
         not_implemented: Vec::new(),
     }
 }

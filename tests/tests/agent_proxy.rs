@@ -151,9 +151,14 @@ async fn through(proxy_url: String, via: [u8; 4], server: &TestServer) {
 
 /// What a connect with `proxy_url` fails with.
 async fn refused(proxy_url: &str, server: &TestServer) -> ConnectError {
-    let mut config = agent_config(server.agent_addr, &AgentOpts::default());
-    config.proxy = Some(Proxy::parse(proxy_url).unwrap());
-    Client::connect(&config)
+    let config = agent_config(
+        server.agent_addr,
+        &AgentOpts {
+            proxy: Some(Proxy::parse(proxy_url).unwrap()),
+            ..AgentOpts::default()
+        },
+    );
+    Client::connect(&config, &config.servers[0])
         .await
         .err()
         .expect("the connect should fail")

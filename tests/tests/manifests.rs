@@ -490,11 +490,14 @@ fn every_manifest_validates_with_real_certificates() {
                 let config = proxy_agent::config::Config::try_from(c.agent_args())
                     .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
                 assert_eq!(
-                    config.server_host, "konnectivity.example.internal",
+                    config.servers,
+                    [proxy_agent::config::ServerAddr::new(
+                        "konnectivity.example.internal",
+                        8132
+                    )],
                     "{}",
                     c.file
                 );
-                assert_eq!(config.server_port, 8132, "{}", c.file);
                 assert_eq!(config.health_addr.port(), 8134, "{}", c.file);
                 if mtls {
                     assert!(

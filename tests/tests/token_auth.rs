@@ -46,7 +46,7 @@ async fn refusal(server: &TestServer, token: &str) -> String {
             ..Default::default()
         },
     );
-    match Client::connect(&config).await {
+    match Client::connect(&config, &config.servers[0]).await {
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
             assert!(
@@ -132,7 +132,7 @@ async fn each_failed_check_is_refused_with_its_reason() {
             ..Default::default()
         },
     );
-    match Client::connect(&config).await {
+    match Client::connect(&config, &config.servers[0]).await {
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(
                 status.message(),

@@ -347,6 +347,16 @@ pub const H2_STREAM_WINDOW: u32 = 4 * 1024 * 1024;
 /// HTTP/2 connection window.
 pub const H2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
 
+/// How long an HTTP/2 keepalive ping sent every `interval` waits for its
+/// ack: gRPC's 20 s, or the interval itself when shorter, so that a peer
+/// that vanished is dropped within twice a short `--keepalive-time`.
+pub fn keepalive_timeout(interval: std::time::Duration) -> std::time::Duration {
+    interval.clamp(
+        std::time::Duration::from_millis(100),
+        std::time::Duration::from_secs(20),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,6 +14,7 @@
 //! - [`flags`]: Go booleans, Go durations and klog flags for clap.
 //! - [`flow`]: per-connection windows and bounded receive queues.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
+//! - [`kube`]: the kube API client (TokenReview, Leases).
 
 pub mod client;
 pub mod conn;
@@ -22,6 +23,7 @@ pub mod error;
 pub mod flags;
 pub mod flow;
 pub mod ids;
+pub mod kube;
 pub mod proxy_client;
 pub mod pump;
 pub mod signal;

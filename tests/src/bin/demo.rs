@@ -85,6 +85,7 @@ async fn main() -> Result<()> {
             flow_control: true,
             graceful_shutdown_timeout: None,
             token_auth: None,
+            lease: None,
             not_implemented: Vec::new(),
         })
         .await?;
@@ -98,8 +99,10 @@ async fn main() -> Result<()> {
         );
 
         let agent = Agent::bind(proxy_agent::config::Config {
-            server_host: "127.0.0.1".to_owned(),
-            server_port: agent_addr.port(),
+            servers: vec![proxy_agent::config::ServerAddr::new(
+                "127.0.0.1",
+                agent_addr.port(),
+            )],
             tls: tls::client_config(
                 &path("agent-ca.crt"),
                 Some((&path("proxy-agent.crt"), &path("proxy-agent.key"))),
@@ -116,7 +119,8 @@ async fn main() -> Result<()> {
             xfr_channel_size: 150,
             flow_control: true,
             token_path: None,
-            proxy: None,
+            leases: None,
+            server_count_source: proxy_agent::lease::ServerCountSource::Default,
             not_implemented: Vec::new(),
         })
         .await?;

@@ -1,0 +1,242 @@
+//! A server that silently vanishes: the real binaries run in two network
+//! namespaces this test creates, joined by a veth pair; taking the server's
+//! end of the link down drops every packet without a RST or FIN. The agent
+//! must notice through its keepalive pings and probe, drop the connection,
+//! and reconnect once the link is back. Needs root (`ip netns`), as CI has.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use integration_tests::binary;
+
+const SERVER_IP: &str = "10.250.0.1";
+const AGENT_IP: &str = "10.250.0.2";
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("running ip (iproute2; .ci/run installs it)");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Two namespaces, `server` and `agent`, linked by a veth pair; deleted on drop.
+struct Namespaces {
+    server: String,
+    agent: String,
+}
+
+impl Namespaces {
+    fn new() -> Self {
+        let tag = std::process::id();
+        let ns = Self {
+            server: format!("krs-s-{tag}"),
+            agent: format!("krs-a-{tag}"),
+        };
+        ip(&["netns", "add", &ns.server]);
+        ip(&["netns", "add", &ns.agent]);
+        // Created inside the server namespace, so no name touches the host.
+        ip(&[
+            "-n", &ns.server, "link", "add", "veth-s", "type", "veth", "peer", "name", "veth-a",
+            "netns", &ns.agent,
+        ]);
+        for (name, dev, addr) in [
+            (&ns.server, "veth-s", SERVER_IP),
+            (&ns.agent, "veth-a", AGENT_IP),
+        ] {
+            ip(&["-n", name, "addr", "add", &format!("{addr}/30"), "dev", dev]);
+            ip(&["-n", name, "link", "set", dev, "up"]);
+            ip(&["-n", name, "link", "set", "lo", "up"]);
+        }
+        ns
+    }
+
+    fn server_link(&self, state: &str) {
+        ip(&["-n", &self.server, "link", "set", "veth-s", state]);
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in [&self.server, &self.agent] {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+/// A binary run in a namespace, its stderr collected line by line.
+struct Process {
+    child: Child,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Process {
+    fn start(namespace: &str, name: &str, args: &[String]) -> Self {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", namespace])
+            .arg(binary(name))
+            .args(args)
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("ALL_PROXY")
+            .env_remove("all_proxy")
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Self { child, log }
+    }
+
+    fn count(&self, needle: &str) -> usize {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
+    fn find(&self, needle: &str) -> Option<String> {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|l| l.contains(needle))
+            .cloned()
+    }
+
+    /// Waits until `needle` has been logged `n` times; returns how long it took.
+    async fn wait_for(&mut self, needle: &str, n: usize, limit: Duration) -> Duration {
+        let start = Instant::now();
+        while self.count(needle) < n {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!(
+                    "exited ({status}) before logging {needle:?}: {:#?}",
+                    self.log
+                );
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{needle:?} not logged {n} times within {limit:?}: {:#?}",
+                self.log.lock().unwrap()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        start.elapsed()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_detects_a_silently_vanished_server_and_reconnects() {
+    let ns = Namespaces::new();
+    let dir = tempfile::tempdir().unwrap();
+    certs::ClusterPki::generate(&[SERVER_IP.to_owned()])
+        .unwrap()
+        .write_to(dir.path())
+        .unwrap();
+    let file = |name: &str| dir.path().join(name).display().to_string();
+
+    let mut server = Process::start(
+        &ns.server,
+        "proxy-server",
+        &[
+            format!("--uds-name={}", file("frontend.sock")),
+            "--server-port=0".to_owned(),
+            format!("--agent-bind-address={SERVER_IP}"),
+            "--agent-port=0".to_owned(),
+            "--health-port=0".to_owned(),
+            "--admin-port=0".to_owned(),
+            format!("--cluster-cert={}", file("cluster.crt")),
+            format!("--cluster-key={}", file("cluster.key")),
+            format!("--cluster-ca-cert={}", file("agent-ca.crt")),
+            "--keepalive-time=1s".to_owned(),
+        ],
+    );
+    // The agent port was picked by the kernel; the server logs it.
+    let needle = format!("agent.addr=Some({SERVER_IP}:");
+    server.wait_for(&needle, 1, Duration::from_secs(30)).await;
+    let line = server.find(&needle).unwrap();
+    let port = line
+        .split(&format!("{SERVER_IP}:"))
+        .nth(1)
+        .and_then(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|p| p.parse::<u16>().ok())
+        })
+        .unwrap_or_else(|| panic!("no agent port in {line:?}"));
+
+    let mut agent = Process::start(
+        &ns.agent,
+        "proxy-agent",
+        &[
+            format!("--ca-cert={}", file("agent-ca.crt")),
+            format!("--agent-cert={}", file("proxy-agent.crt")),
+            format!("--agent-key={}", file("proxy-agent.key")),
+            format!("--proxy-server-host={SERVER_IP}"),
+            format!("--proxy-server-port={port}"),
+            "--health-server-port=0".to_owned(),
+            "--admin-server-port=0".to_owned(),
+            "--keepalive-time=1s".to_owned(),
+            "--probe-interval=100ms".to_owned(),
+            "--sync-interval=100ms".to_owned(),
+            "--sync-interval-cap=1s".to_owned(),
+        ],
+    );
+    agent
+        .wait_for("connected to proxy-server", 1, Duration::from_secs(30))
+        .await;
+    server
+        .wait_for("agent connected", 1, Duration::from_secs(10))
+        .await;
+
+    // The server's end goes dark: no RST, no FIN, nothing.
+    ns.server_link("down");
+    // Documented bound: --keepalive-time + min(--keepalive-time, 20s) +
+    // --probe-interval = 2.1 s here; the limit leaves room for a slow machine.
+    let took = agent
+        .wait_for("disconnected from proxy-server", 1, Duration::from_secs(10))
+        .await;
+    println!("agent dropped the vanished server after {took:?}");
+    // The server, pinging too, drops the agent on its side.
+    server
+        .wait_for("agent disconnected", 1, Duration::from_secs(10))
+        .await;
+
+    ns.server_link("up");
+    // Reconnection rides on the sync loop's backoff (cap 1 s) and TCP's SYN
+    // retransmissions for a connect that started while the link was down.
+    agent
+        .wait_for("connected to proxy-server", 2, Duration::from_secs(40))
+        .await;
+    server
+        .wait_for("agent connected", 2, Duration::from_secs(10))
+        .await;
+}
