@@ -667,3 +667,67 @@ impl Stream {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    const TICK: Duration = Duration::from_millis(10);
+
+    #[tokio::test]
+    async fn the_probe_sees_the_transport_end() {
+        // EOF from the peer.
+        let transport = Transport::default();
+        let (ours, theirs) = tokio::io::duplex(64);
+        let mut ours = transport.watch(ours);
+        drop(theirs);
+        let mut buf = [0u8; 8];
+        assert_eq!(ours.read(&mut buf).await.unwrap(), 0);
+        tokio::time::timeout(Duration::from_secs(5), transport.probe(TICK))
+            .await
+            .expect("the probe missed EOF");
+
+        // A failed write.
+        let transport = Transport::default();
+        let (ours, theirs) = tokio::io::duplex(64);
+        let mut ours = transport.watch(ours);
+        drop(theirs);
+        assert!(ours.write_all(b"x").await.is_err());
+        assert!(!transport.is_open());
+
+        // The transport dropped (hyper gave up on the connection).
+        let transport = Transport::default();
+        let (ours, _theirs) = tokio::io::duplex(64);
+        let ours = transport.watch(ours);
+        assert!(transport.is_open());
+        drop(ours);
+        tokio::time::timeout(Duration::from_secs(5), transport.probe(TICK))
+            .await
+            .expect("the probe missed the drop");
+    }
+
+    #[tokio::test]
+    async fn the_probe_waits_while_the_transport_is_open() {
+        let transport = Transport::default();
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let mut ours = transport.watch(ours);
+        theirs.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        ours.read_exact(&mut buf).await.unwrap();
+        let probe = transport.probe(TICK);
+        tokio::pin!(probe);
+        // Many intervals pass (virtual time would skip the I/O above).
+        for _ in 0..5 {
+            tokio::select! {
+                () = &mut probe => panic!("an open transport failed the probe"),
+                () = tokio::time::sleep(TICK * 2) => {}
+            }
+        }
+        drop(ours);
+        tokio::time::timeout(Duration::from_secs(5), probe)
+            .await
+            .expect("the probe missed the drop");
+    }
+}

@@ -665,4 +665,55 @@ mod tests {
             assert!(err.contains(needle), "{bad}: {err}");
         }
     }
+
+    #[test]
+    fn lease_flags() {
+        let dir = pki();
+        let off = parse(dir.path(), &[]).unwrap();
+        assert!(off.leases.is_none());
+        assert_eq!(off.server_count_source, ServerCountSource::Default);
+        let on = parse(
+            dir.path(),
+            &[
+                "--count-server-leases",
+                "--lease-namespace=konnectivity",
+                "--lease-label-selector=app=a",
+                "--server-count-source=max",
+            ],
+        )
+        .unwrap();
+        let leases = on.leases.unwrap();
+        assert_eq!(leases.namespace, "konnectivity");
+        assert_eq!(leases.selector, "app=a");
+        assert_eq!(leases.kubeconfig, None, "in-cluster");
+        assert_eq!(on.server_count_source, ServerCountSource::Max);
+        // When given, the hidden, deprecated alias decides (documented).
+        let alias = parse(
+            dir.path(),
+            &[
+                "--count-server-leases=true",
+                "--lease-label-selector=app=a",
+                "--lease-label=app=b",
+            ],
+        )
+        .unwrap();
+        assert_eq!(alias.leases.unwrap().selector, "app=b");
+        for (extra, needle) in [
+            (
+                &["--count-server-leases", "--lease-label-selector="][..],
+                "--lease-label-selector",
+            ),
+            (
+                &["--count-server-leases", "--lease-namespace="],
+                "--lease-namespace",
+            ),
+            (
+                &["--count-server-leases", "--kubeconfig=/nonexistent"],
+                "--kubeconfig",
+            ),
+        ] {
+            let err = parse(dir.path(), extra).err().unwrap().to_string();
+            assert!(err.contains(needle), "{extra:?}: {err}");
+        }
+    }
 }

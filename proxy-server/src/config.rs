@@ -719,4 +719,39 @@ mod tests {
             FrontendListen::Uds { .. } => panic!("expected TCP"),
         }
     }
+
+    #[test]
+    fn lease_flags() {
+        let dir = pki();
+        let mut args = uds_args(dir.path());
+        assert!(parse(&args).unwrap().lease.is_none());
+        args.extend([
+            "--enable-lease-controller".to_owned(),
+            "--lease-namespace=konnectivity".to_owned(),
+            "--lease-label=k8s-app=konnectivity-server,tier=control-plane".to_owned(),
+            "--server-id=replica-1".to_owned(),
+        ]);
+        let c = parse(&args).unwrap();
+        let lease = c.lease.unwrap();
+        assert_eq!(lease.namespace, "konnectivity");
+        assert_eq!(lease.labels.len(), 2);
+        assert_eq!(lease.labels["tier"], "control-plane");
+        assert_eq!(lease.duration, Duration::from_secs(30));
+        assert_eq!(lease.renew_interval, Duration::from_secs(15));
+        assert_eq!(
+            crate::lease::lease_name(&c.server_id),
+            "konnectivity-proxy-server-replica-1"
+        );
+        let mut bad = uds_args(dir.path());
+        bad.push("--lease-label=no-value".to_owned());
+        let err = parse(&bad).err().unwrap().to_string();
+        assert!(err.contains("--lease-label"), "{err}");
+        let mut missing = uds_args(dir.path());
+        missing.extend([
+            "--enable-lease-controller".to_owned(),
+            "--kubeconfig=/nonexistent".to_owned(),
+        ]);
+        let err = parse(&missing).err().unwrap().to_string();
+        assert!(err.contains("--kubeconfig"), "{err}");
+    }
 }
