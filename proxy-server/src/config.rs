@@ -197,6 +197,10 @@ pub struct Config {
     pub agent_tls: Arc<rustls::ServerConfig>,
     /// Health listener address.
     pub health_addr: SocketAddr,
+    /// Admin listener address (`/metrics`, pprof).
+    pub admin_addr: SocketAddr,
+    /// Serve CPU profiles on the admin port (`--enable-profiling`).
+    pub profiling: bool,
     /// This server's id.
     pub server_id: ServerId,
     /// Replica count announced to agents.
@@ -384,8 +388,7 @@ impl TryFrom<Args> for Config {
         if args.xfr_channel_size == 0 {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
-        // The admin port is not served yet, but its flags are checked as ANP does.
-        bind_addr(
+        let admin_addr = bind_addr(
             "admin-bind-address",
             &args.admin_bind_address,
             check_port("admin-port", args.admin_port)?,
@@ -415,7 +418,11 @@ impl TryFrom<Args> for Config {
         let not_implemented = [
             ("kubeconfig-qps", args.kubeconfig_qps != 0.0),
             ("kubeconfig-burst", args.kubeconfig_burst != 0),
-            ("enable-profiling", args.enable_profiling),
+            // Rust has no block profiler; CPU profiles are served.
+            (
+                "enable-contention-profiling",
+                args.enable_contention_profiling,
+            ),
             ("cipher-suites", !args.cipher_suites.is_empty()),
             ("tls-min-version", !args.tls_min_version.is_empty()),
         ]
@@ -436,6 +443,8 @@ impl TryFrom<Args> for Config {
                 &args.health_bind_address,
                 check_port("health-port", args.health_port)?,
             )?,
+            admin_addr,
+            profiling: args.enable_profiling,
             server_id,
             server_count: args.server_count,
             strategies,

@@ -24,6 +24,8 @@ pub(crate) struct ServerConn {
     granter: Mutex<Granter>,
     /// Credit for DATA to the agent (negotiated only).
     pub(crate) send_credit: Option<SendCredit>,
+    /// When the dial succeeded.
+    pub(crate) established: std::time::Instant,
 }
 
 impl ServerConn {
@@ -35,6 +37,7 @@ impl ServerConn {
             budget: Budget::default(),
             granter: Mutex::new(Granter::default()),
             send_credit,
+            established: std::time::Instant::now(),
         }
     }
 

@@ -22,6 +22,7 @@ use crate::{
     backend::Backend,
     conn::{ServerConn, ToFrontend},
     lock,
+    metrics::ServerMetrics,
     tunnels::Tunnels,
 };
 
@@ -39,6 +40,8 @@ pub(crate) struct Frontend {
     tx: mpsc::Sender<ToFrontend>,
     /// Dials and connections of this stream.
     state: Mutex<FrontendState>,
+    /// Where writes to the frontend are timed.
+    metrics: Arc<ServerMetrics>,
 }
 
 /// Slots of a frontend's queue: a window of the smallest DATA packets of one
@@ -92,11 +95,12 @@ impl FrontendState {
 }
 
 impl Frontend {
-    pub(crate) fn new(uid: u64, tx: mpsc::Sender<ToFrontend>) -> Self {
+    pub(crate) fn new(uid: u64, tx: mpsc::Sender<ToFrontend>, metrics: Arc<ServerMetrics>) -> Self {
         Self {
             uid,
             tx,
             state: Mutex::new(FrontendState::default()),
+            metrics,
         }
     }
 
@@ -107,10 +111,14 @@ impl Frontend {
             packet = packet.type_name(),
             "to frontend"
         );
-        self.tx
+        let started = std::time::Instant::now();
+        let sent = self
+            .tx
             .send(ToFrontend { packet, data: None })
             .await
-            .map_err(|_| FrontendGone)
+            .map_err(|_| FrontendGone);
+        self.metrics.frontend_write(started.elapsed());
+        sent
     }
 
     /// Queues a control packet without holding up the caller: at once if
@@ -132,6 +140,18 @@ impl Frontend {
     /// it waits while the frontend drains and gives up after
     /// [`flow::COMPAT_STALL`] without progress.
     pub(crate) async fn push_data(
+        &self,
+        conn: &Arc<ServerConn>,
+        packet: Packet,
+        len: usize,
+    ) -> Result<(), PushError> {
+        let started = std::time::Instant::now();
+        let pushed = self.push_data_inner(conn, packet, len).await;
+        self.metrics.frontend_write(started.elapsed());
+        pushed
+    }
+
+    async fn push_data_inner(
         &self,
         conn: &Arc<ServerConn>,
         packet: Packet,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use axum::{Router, extract::State, http::StatusCode, routing::get};
 
-use crate::{metrics::SharedMetrics, tunnels::Tunnels};
+use crate::tunnels::Tunnels;
 
 /// Body of `/readyz` when no agent is connected.
 pub const NOT_READY: &str = "no connection to any proxy agent";
@@ -12,10 +12,21 @@ pub const NOT_READY: &str = "no connection to any proxy agent";
 /// What the health handlers read.
 #[derive(Clone)]
 pub(crate) struct HealthState {
-    /// Shared proxy state.
+    /// Shared proxy state (and its metrics).
     pub(crate) tunnels: Arc<Tunnels>,
-    /// Metrics registry.
-    pub(crate) metrics: SharedMetrics,
+}
+
+/// Routes of the admin port: `/metrics` (as on the health port) and, with
+/// `--enable-profiling`, CPU profiles under `/debug/pprof/`.
+pub(crate) fn admin_router(state: HealthState, profiling: bool) -> Router {
+    let router = Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(state);
+    if profiling {
+        router.merge(tunnel::profiling::router())
+    } else {
+        router
+    }
 }
 
 /// Routes of the health port.
@@ -28,15 +39,15 @@ pub(crate) fn router(state: HealthState) -> Router {
         .with_state(state)
 }
 
-async fn metrics(
+pub(crate) async fn metrics(
     State(state): State<HealthState>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            tunnel::metrics::CONTENT_TYPE,
         )],
-        state.metrics.render(&state.tunnels),
+        state.tunnels.metrics.render(&state.tunnels),
     )
 }
 

@@ -7,7 +7,12 @@
 //! that have expired are deleted (with a resourceVersion precondition, so a
 //! lease renewed meanwhile survives); on shutdown the server deletes its own.
 
-use std::{collections::BTreeMap, path::PathBuf, time::Duration};
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use k8s_openapi::{
     api::coordination::v1::{Lease, LeaseSpec},
@@ -21,6 +26,8 @@ use kube::{
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use tunnel::{error::DisplayErrorStack, ids::ServerId, kube::lease_is_valid};
+
+use crate::metrics::ServerMetrics;
 
 /// How long one kube API request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -80,7 +87,12 @@ pub fn lease_name(server_id: &ServerId) -> String {
 }
 
 /// Publishes and renews this server's lease until `stop`, then deletes it.
-pub(crate) async fn run(config: LeaseConfig, server_id: ServerId, stop: CancellationToken) {
+pub(crate) async fn run(
+    config: LeaseConfig,
+    server_id: ServerId,
+    metrics: Arc<ServerMetrics>,
+    stop: CancellationToken,
+) {
     let client = match tunnel::kube::client(config.kubeconfig.as_deref(), REQUEST_TIMEOUT).await {
         Ok(client) => client,
         Err(error) => {
@@ -88,7 +100,7 @@ pub(crate) async fn run(config: LeaseConfig, server_id: ServerId, stop: Cancella
             return;
         }
     };
-    let controller = Controller::new(client, config, server_id);
+    let controller = Controller::new(client, config, server_id, metrics);
     info!(lease = %controller.name, namespace = %controller.config.namespace, "lease controller started");
     loop {
         if let Err(error) = controller.renew().await {
@@ -117,15 +129,32 @@ struct Controller {
     config: LeaseConfig,
     name: String,
     server_id: ServerId,
+    metrics: Arc<ServerMetrics>,
+}
+
+/// ANP's labels for a kube call's outcome: the HTTP status (0 when there
+/// was no answer) and the API's reason.
+fn outcome<T>(result: &Result<T, kube::Error>) -> (u16, String) {
+    match result {
+        Ok(_) => (200, String::new()),
+        Err(kube::Error::Api(status)) => (status.code, status.reason.clone()),
+        Err(_) => (0, String::new()),
+    }
 }
 
 impl Controller {
-    fn new(client: Client, config: LeaseConfig, server_id: ServerId) -> Self {
+    fn new(
+        client: Client,
+        config: LeaseConfig,
+        server_id: ServerId,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
         Self {
             api: Api::namespaced(client, &config.namespace),
             name: lease_name(&server_id),
             config,
             server_id,
+            metrics,
         }
     }
 
@@ -186,11 +215,15 @@ impl Controller {
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(",");
-        let leases = match self
+        let started = Instant::now();
+        let listed = self
             .api
             .list(&ListParams::default().labels(&selector))
-            .await
-        {
+            .await;
+        let (code, reason) = outcome(&listed);
+        self.metrics
+            .lease_call(false, code, &reason, started.elapsed());
+        let leases = match listed {
             Ok(list) => list.items,
             Err(error) => {
                 warn!(error = %DisplayErrorStack(&error), "cannot list leases for garbage collection");
@@ -209,8 +242,16 @@ impl Controller {
                 }),
                 ..DeleteParams::default()
             };
-            match self.api.delete(name, &params).await {
-                Ok(_) => info!(lease = %name, "deleted an expired lease"),
+            let started = Instant::now();
+            let deleted = self.api.delete(name, &params).await;
+            let (code, reason) = outcome(&deleted);
+            self.metrics
+                .lease_call(true, code, &reason, started.elapsed());
+            match deleted {
+                Ok(_) => {
+                    self.metrics.lease_culled();
+                    info!(lease = %name, "deleted an expired lease");
+                }
                 // Renewed or deleted meanwhile: not ours to remove.
                 Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {
                     debug!(lease = %name, code = status.code, "expired lease changed meanwhile");

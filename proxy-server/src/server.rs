@@ -26,6 +26,7 @@ use crate::{
     config::{Config, FrontendListen, Mode},
     frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
+    metrics::ServerMetrics,
     tunnels::Tunnels,
 };
 
@@ -155,9 +156,17 @@ impl ProxyServer {
                 what: "health",
                 source,
             })?;
+        let admin = bind_tcp(config.admin_addr)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.admin_addr,
+                what: "admin",
+                source,
+            })?;
         let tunnels = Arc::new(Tunnels::new(
             BackendManager::new(&config.strategies),
             config.backend_dial_timeout,
+            Arc::new(ServerMetrics::new(&config.strategies)),
         ));
         let token_auth = match &config.token_auth {
             Some(auth) => Some(Arc::new(crate::auth::TokenAuth::new(auth.clone()).await?)),
@@ -168,6 +177,7 @@ impl ProxyServer {
             agent,
             frontend,
             health,
+            admin,
             tunnels,
             token_auth,
         })
@@ -224,6 +234,8 @@ pub struct Bound {
     frontend: BoundFrontend,
     /// Health listener.
     health: TcpListener,
+    /// Admin listener (`/metrics`, pprof).
+    admin: TcpListener,
     /// Shared proxy state.
     tunnels: Arc<Tunnels>,
     /// Agent token authentication, if on.
@@ -241,6 +253,13 @@ impl Bound {
     /// Address of the health listener.
     pub fn health_addr(&self) -> SocketAddr {
         self.health
+            .local_addr()
+            .expect("a bound TCP listener has an address")
+    }
+
+    /// Address of the admin listener.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
             .local_addr()
             .expect("a bound TCP listener has an address")
     }
@@ -275,6 +294,7 @@ impl Bound {
             agent,
             frontend,
             health,
+            admin,
             tunnels,
             token_auth,
         } = self;
@@ -383,19 +403,28 @@ impl Bound {
 
         let health_state = health::HealthState {
             tunnels: tunnels.clone(),
-            metrics: Arc::new(crate::metrics::Metrics::new()),
         };
+        let admin_local = admin.local_addr().ok();
+        let admin_server = axum::serve(
+            admin,
+            health::admin_router(health_state.clone(), config.profiling),
+        )
+        .with_graceful_shutdown(token.clone().cancelled_owned());
         let health_server = axum::serve(health, health::router(health_state))
             .with_graceful_shutdown(token.clone().cancelled_owned());
+        info!(admin.addr = ?admin_local, profiling = config.profiling, "admin listening");
 
         let agent_task = tokio::spawn(agent_server);
         let frontend_task = tokio::spawn(frontend_server);
-        let health_task = tokio::spawn(async move { health_server.await });
+        let health_task = tokio::spawn(async move {
+            let _ = tokio::join!(health_server, admin_server);
+        });
         let lease_stop = CancellationToken::new();
         let lease_task = config.lease.clone().map(|lease| {
             tokio::spawn(crate::lease::run(
                 lease,
                 config.server_id.clone(),
+                tunnels.metrics.clone(),
                 lease_stop.clone(),
             ))
         });

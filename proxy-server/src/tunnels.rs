@@ -28,6 +28,7 @@ use crate::{
     dial::{PendingDial, PendingDials},
     frontend::Frontend,
     lock,
+    metrics::{CloseReason, DialFailure, ServerMetrics},
 };
 
 /// Answer to a dial when no agent can take it (ANP's text, matched by clients).
@@ -51,16 +52,23 @@ pub(crate) struct Tunnels {
     dial_timeout: Option<Duration>,
     /// Source of frontend and backend uids.
     next_uid: AtomicU64,
+    /// What the server records.
+    pub(crate) metrics: Arc<ServerMetrics>,
 }
 
 impl Tunnels {
-    pub(crate) fn new(backends: BackendManager, dial_timeout: Option<Duration>) -> Self {
+    pub(crate) fn new(
+        backends: BackendManager,
+        dial_timeout: Option<Duration>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
         Self {
             backends,
             all_backends: Mutex::new(HashMap::new()),
             pending: PendingDials::default(),
             dial_timeout,
             next_uid: AtomicU64::new(1),
+            metrics,
         }
     }
 
@@ -106,7 +114,10 @@ impl Tunnels {
                     return;
                 }
                 match self.owner(fe, id) {
-                    Owner::Ours(conn) => send_data(&conn, data.data).await,
+                    Owner::Ours(conn) => {
+                        self.metrics.bytes("to_agent", data.data.len());
+                        send_data(&conn, data.data).await;
+                    }
                     Owner::Nobody => {
                         let _ = fe
                             .send(Packet::close_response(id.0, "backend not initialized"))
@@ -178,6 +189,8 @@ impl Tunnels {
         let _ = fe.send(Packet::close_response(bad.0, MISMATCHED)).await;
         for (id, conn) in own {
             if conn.backend.remove_conn(id).is_some() {
+                self.metrics
+                    .connection_closed(CloseReason::Mismatch, conn.established.elapsed());
                 let _ = conn.backend.send(Packet::close_request(id.0)).await;
             }
             let _ = fe.send(Packet::close_response(id.0, MISMATCHED)).await;
@@ -188,6 +201,7 @@ impl Tunnels {
         let id = DialId(req.random);
         let Some(backend) = self.backends.pick(&req.address) else {
             debug!(frontend = fe.uid, dial.id = %id, address = %req.address, "no agent for dial");
+            self.metrics.dial_failed(DialFailure::NoAgent);
             let _ = fe.send(Packet::dial_response(id.0, 0, NO_AGENT)).await;
             return;
         };
@@ -216,25 +230,27 @@ impl Tunnels {
         }
         debug!(frontend = fe.uid, dial.id = %id, address = %req.address, agent.id = %backend.agent_id, "dial");
         let forward = backend.send(Packet::dial_request(&req.protocol, &req.address, id.0));
+        let closed = || (DialFailure::BackendClose, AGENT_STREAM_CLOSED);
         let sent = match self.dial_timeout {
-            None => forward.await.map_err(|_| AGENT_STREAM_CLOSED.to_owned()),
+            None => forward.await.map_err(|_| closed()),
             Some(limit) => match tokio::time::timeout(limit, forward).await {
-                Ok(sent) => sent.map_err(|_| AGENT_STREAM_CLOSED.to_owned()),
+                Ok(sent) => sent.map_err(|_| closed()),
                 Err(_) => {
                     warn!(agent.id = %backend.agent_id, "agent did not take a dial in time; retiring its stream");
                     self.retire(&backend);
-                    Err(DIAL_TIMED_OUT.to_owned())
+                    Err((DialFailure::BackendDialTimeout, DIAL_TIMED_OUT))
                 }
             },
         };
-        if let Err(error) = sent {
+        if let Err((failure, error)) = sent {
+            self.metrics.dial_failed(failure);
             if self
                 .pending
                 .remove_if(id, |d| d.frontend.uid == fe.uid)
                 .is_some()
             {
                 fe.state().pending.remove(&id);
-                let _ = fe.send(Packet::dial_response(id.0, 0, &error)).await;
+                let _ = fe.send(Packet::dial_response(id.0, 0, error)).await;
             }
             return;
         }
@@ -250,6 +266,7 @@ impl Tunnels {
                 if let Some(dial) = tunnels.pending.remove_if(id, |d| d.frontend.uid == fe.uid) {
                     fe.state().pending.remove(&id);
                     debug!(dial.id = %id, "dial timed out");
+                    tunnels.metrics.dial_failed(DialFailure::BackendDialTimeout);
                     let _ = fe
                         .send(Packet::dial_response(id.0, 0, DIAL_TIMED_OUT))
                         .await;
@@ -280,6 +297,7 @@ impl Tunnels {
                 let conn = ConnId(rsp.connect_id);
                 let Some(dial) = self.pending.remove_if(id, |d| d.backend.uid == be.uid) else {
                     debug!(agent.id = %be.agent_id, dial.id = %id, conn.id = %conn, "DIAL_RSP for no pending dial");
+                    self.metrics.dial_failed(DialFailure::UnrecognizedResponse);
                     if conn.0 != 0 {
                         be.send_nowait(Packet::close_request(conn.0));
                     }
@@ -289,6 +307,7 @@ impl Tunnels {
                 if !rsp.error.is_empty() {
                     fe.state().pending.remove(&id);
                     debug!(dial.id = %id, error = %rsp.error, "dial failed");
+                    self.metrics.dial_failed(DialFailure::ErrorResponse);
                     let _ = fe.send(Packet::dial_response(id.0, 0, &rsp.error)).await;
                     return;
                 }
@@ -311,15 +330,19 @@ impl Tunnels {
                     }
                 };
                 if !attached {
+                    self.metrics.dial_failed(DialFailure::FrontendClose);
                     be.send_nowait(Packet::close_request(conn.0));
                     return;
                 }
-                debug!(dial.id = %id, conn.id = %conn, latency = ?dial.started.elapsed(), "connection established");
+                let latency = dial.started.elapsed();
+                debug!(dial.id = %id, conn.id = %conn, ?latency, "connection established");
+                self.metrics.dial_succeeded(latency);
                 if fe
                     .send(Packet::dial_response(id.0, conn.0, ""))
                     .await
                     .is_err()
                 {
+                    self.metrics.dial_failed(DialFailure::SendRsp);
                     fe.state().close_conn(conn);
                     if be.remove_conn(conn).is_some() {
                         be.send_nowait(Packet::close_request(conn.0));
@@ -331,6 +354,7 @@ impl Tunnels {
                 match be.conn(id) {
                     Some(BackendConn { conn, frontend }) => {
                         let len = data.data.len();
+                        self.metrics.bytes("to_frontend", len);
                         match frontend
                             .push_data(&conn, Packet::data(id.0, data.data), len)
                             .await
@@ -349,8 +373,15 @@ impl Tunnels {
             }
             PacketKind::CloseRsp(rsp) => {
                 let id = ConnId(rsp.connect_id);
-                if let Some(BackendConn { frontend, .. }) = be.remove_conn(id) {
+                if let Some(BackendConn { frontend, conn }) = be.remove_conn(id) {
                     frontend.state().close_conn(id);
+                    let reason = if rsp.error.is_empty() {
+                        CloseReason::Closed
+                    } else {
+                        CloseReason::Error
+                    };
+                    self.metrics
+                        .connection_closed(reason, conn.established.elapsed());
                     debug!(conn.id = %id, error = %rsp.error, "connection closed");
                     frontend.notify(Packet::close_response(id.0, &rsp.error));
                 }
@@ -390,12 +421,15 @@ impl Tunnels {
                 .is_some()
             {
                 debug!(frontend = fe.uid, dial.id = %id, "frontend gone; cancelling dial");
+                self.metrics.dial_failed(DialFailure::FrontendClose);
                 let _ = backend.send(Packet::close_dial(id.0)).await;
             }
         }
         for (id, conn) in conns {
             if conn.backend.remove_conn(id).is_some() {
                 debug!(frontend = fe.uid, conn.id = %id, "frontend gone; closing connection");
+                self.metrics
+                    .connection_closed(CloseReason::FrontendGone, conn.established.elapsed());
                 let _ = conn.backend.send(Packet::close_request(id.0)).await;
             }
         }
@@ -411,11 +445,14 @@ impl Tunnels {
         let dials = self.pending.remove_for_backend(be.uid);
         info!(agent.id = %be.agent_id, peer.addr = ?be.peer, connections = conns.len(), dials = dials.len(), "agent disconnected");
         let reason = format!("agent {} disconnected", be.agent_id);
-        for (id, BackendConn { frontend, .. }) in conns {
+        for (id, BackendConn { frontend, conn }) in conns {
+            self.metrics
+                .connection_closed(CloseReason::AgentGone, conn.established.elapsed());
             frontend.state().close_conn(id);
             frontend.notify(Packet::close_response(id.0, &reason));
         }
         for (id, dial) in dials {
+            self.metrics.dial_failed(DialFailure::BackendClose);
             dial.frontend.state().pending.remove(&id);
             dial.frontend
                 .notify(Packet::dial_response(id.0, 0, &reason));
@@ -425,9 +462,11 @@ impl Tunnels {
     /// A connection's frontend fell a window behind: close it on both ends
     /// with [`flow::OVERFLOW`] rather than stall the agent stream.
     fn overflow(&self, be: &Arc<Backend>, frontend: &Arc<Frontend>, id: ConnId) {
-        if be.remove_conn(id).is_none() {
+        let Some(BackendConn { conn, .. }) = be.remove_conn(id) else {
             return;
-        }
+        };
+        self.metrics
+            .connection_closed(CloseReason::Overflow, conn.established.elapsed());
         frontend.state().close_conn(id);
         warn!(agent.id = %be.agent_id, conn.id = %id, "connection closed: its frontend reads too slowly");
         be.send_nowait(Packet::close_request(id.0));

@@ -143,6 +143,8 @@ pub struct ServerOpts {
     pub keepalive_time: Option<Duration>,
     /// `--enable-lease-controller` and its settings.
     pub lease: Option<proxy_server::lease::LeaseConfig>,
+    /// `--enable-profiling`.
+    pub profiling: bool,
 }
 
 impl Default for ServerOpts {
@@ -161,6 +163,7 @@ impl Default for ServerOpts {
             server_count: 1,
             keepalive_time: None,
             lease: None,
+            profiling: false,
         }
     }
 }
@@ -173,6 +176,8 @@ pub struct TestServer {
     pub agent_addr: SocketAddr,
     /// Health listener.
     pub health_addr: SocketAddr,
+    /// Admin listener.
+    pub admin_addr: SocketAddr,
     /// Frontend socket (UDS mode).
     pub uds: PathBuf,
     /// Frontend TCP address (TCP mode).
@@ -235,6 +240,8 @@ impl TestServer {
             )
             .expect("agent TLS"),
             health_addr: "127.0.0.1:0".parse().expect("address"),
+            admin_addr: "127.0.0.1:0".parse().expect("address"),
+            profiling: opts.profiling,
             server_id: ServerId(
                 opts.server_id
                     .clone()
@@ -257,6 +264,7 @@ impl TestServer {
         let handle = bound.handle();
         let agent_addr = bound.agent_addr();
         let health_addr = bound.health_addr();
+        let admin_addr = bound.admin_addr();
         let frontend_tcp = match bound.frontend_addr() {
             proxy_server::server::FrontendAddr::Tcp(addr) => Some(addr),
             proxy_server::server::FrontendAddr::Uds(_) => None,
@@ -272,6 +280,7 @@ impl TestServer {
             handle,
             agent_addr,
             health_addr,
+            admin_addr,
             uds,
             frontend_tcp,
             mode: opts.mode,

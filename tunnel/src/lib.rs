@@ -15,6 +15,8 @@
 //! - [`flow`]: per-connection windows and bounded receive queues.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
 //! - [`kube`]: the kube API client (TokenReview, Leases).
+//! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
+//! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
 
 pub mod client;
 pub mod conn;
@@ -24,6 +26,8 @@ pub mod flags;
 pub mod flow;
 pub mod ids;
 pub mod kube;
+pub mod metrics;
+pub mod profiling;
 pub mod proxy_client;
 pub mod pump;
 pub mod signal;

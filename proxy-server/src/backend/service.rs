@@ -12,7 +12,9 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
 use super::{Backend, strategy::AgentIdentifiers};
-use crate::tunnels::Tunnels;
+use tunnel::metrics::when_blocked;
+
+use crate::{metrics::CONNECT, tunnels::Tunnels};
 
 /// Packets queued towards one agent, shared by all its connections.
 const BACKEND_QUEUE: usize = 256;
@@ -123,9 +125,12 @@ impl AgentService for AgentServiceImpl {
         info!(agent.id = %agent_id, peer.addr = ?peer, flow_control, "agent connected");
 
         let tunnels = self.tunnels.clone();
+        let metrics = self.tunnels.metrics.clone();
+        let live = metrics.grpc_stream(CONNECT);
         let span = info_span!("backend", agent.id = %agent_id);
         self.tasks.spawn(
             async move {
+                let _live = live;
                 let guard = BackendGuard {
                     tunnels: tunnels.clone(),
                     backend: backend.clone(),
@@ -136,9 +141,16 @@ impl AgentService for AgentServiceImpl {
                         packet = inbound.message() => packet,
                     };
                     match packet {
-                        Ok(Some(packet)) => tunnels.backend_packet(&backend, packet).await,
+                        Ok(Some(packet)) => {
+                            metrics.packet("from_agent", &packet);
+                            when_blocked(tunnels.backend_packet(&backend, packet), || {
+                                metrics.blocked(CONNECT)
+                            })
+                            .await;
+                        }
                         Ok(None) => break,
                         Err(status) => {
+                            metrics.stream_error("from_agent", status.code());
                             debug!(error = %status, "agent stream failed");
                             break;
                         }
@@ -149,8 +161,12 @@ impl AgentService for AgentServiceImpl {
             .instrument(span),
         );
 
+        let metrics = self.tunnels.metrics.clone();
         let stream = ReceiverStream::new(rx)
-            .map(Ok)
+            .map(move |packet| {
+                metrics.packet("to_agent", &packet);
+                Ok(packet)
+            })
             .take_until(cancel.cancelled_owned());
         let mut response = Response::new(Box::pin(stream) as PacketStream);
         let headers = response.metadata_mut();

@@ -11,7 +11,9 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, debug_span};
 
 use super::{Frontend, FrontendGuard};
-use crate::{backend::service::PacketStream, tunnels::Tunnels};
+use tunnel::metrics::when_blocked;
+
+use crate::{backend::service::PacketStream, metrics::PROXY, tunnels::Tunnels};
 
 /// Serves `ProxyService`.
 pub(crate) struct ProxyServiceImpl {
@@ -35,12 +37,19 @@ impl ProxyService for ProxyServiceImpl {
     ) -> Result<Response<PacketStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(super::queue_slots(self.queue));
-        let frontend = Arc::new(Frontend::new(self.tunnels.next_uid(), tx));
+        let frontend = Arc::new(Frontend::new(
+            self.tunnels.next_uid(),
+            tx,
+            self.tunnels.metrics.clone(),
+        ));
         let tunnels = self.tunnels.clone();
+        let metrics = self.tunnels.metrics.clone();
+        let live = metrics.grpc_stream(PROXY);
         let shutdown = self.shutdown.clone();
         let span = debug_span!("frontend", frontend = frontend.uid);
         self.tasks.spawn(
             async move {
+                let _live = live;
                 let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
                 loop {
                     let packet = tokio::select! {
@@ -48,9 +57,16 @@ impl ProxyService for ProxyServiceImpl {
                         packet = inbound.message() => packet,
                     };
                     match packet {
-                        Ok(Some(packet)) => tunnels.frontend_packet(&frontend, packet).await,
+                        Ok(Some(packet)) => {
+                            metrics.packet("from_client", &packet);
+                            when_blocked(tunnels.frontend_packet(&frontend, packet), || {
+                                metrics.blocked(PROXY)
+                            })
+                            .await;
+                        }
                         Ok(None) => break,
                         Err(status) => {
+                            metrics.stream_error("from_client", status.code());
                             debug!(error = %status, "frontend stream failed");
                             break;
                         }
@@ -63,9 +79,13 @@ impl ProxyService for ProxyServiceImpl {
         );
         // Taking an item for the HTTP/2 stream (which has a window of its
         // own) releases its accounting and, with flow control, its credit.
-        let stream = ReceiverStream::new(rx).then(|item| async move {
-            item.taken().await;
-            Ok(item.packet)
+        let metrics = self.tunnels.metrics.clone();
+        let stream = ReceiverStream::new(rx).then(move |item| {
+            metrics.packet("to_client", &item.packet);
+            async move {
+                item.taken().await;
+                Ok(item.packet)
+            }
         });
         Ok(Response::new(Box::pin(stream)))
     }

@@ -233,7 +233,12 @@ pub(crate) async fn serve_connection<IO>(
     }
 
     let (tx, mut rx) = mpsc::channel(super::queue_slots(queue));
-    let frontend = Arc::new(Frontend::new(tunnels.next_uid(), tx));
+    let _live = tunnels.metrics.http_connection();
+    let frontend = Arc::new(Frontend::new(
+        tunnels.next_uid(),
+        tx,
+        tunnels.metrics.clone(),
+    ));
     let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
     let random = DialId::random();
     let mut early = head.rest;

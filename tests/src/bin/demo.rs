@@ -75,6 +75,8 @@ async fn main() -> Result<()> {
                 Some(&path("agent-ca.crt")),
             )?,
             health_addr: any,
+            admin_addr: any,
+            profiling: false,
             server_id: ServerId(format!("demo-server-{name}")),
             server_count: 1,
             strategies: vec![ProxyStrategy::Default],

@@ -1,0 +1,402 @@
+//! Prometheus exposition shared by both binaries, in the format ANP's Go
+//! client serves (text 0.0.4), built on prometheus-client's metric types.
+//!
+//! prometheus-client writes OpenMetrics: a counter's samples get a `_total`
+//! suffix its `# TYPE` line lacks, `# HELP` gets a trailing period and the
+//! text ends with `# EOF`. Dashboards and ANP's tests match ANP's exact
+//! names (`..._dial_failure_count`, `..._stream_packets_total`) and HELP
+//! strings, so here every metric goes through one [`Collector`] that writes
+//! the registered name and HELP verbatim, and [`Counter`] encodes as a
+//! counter without a suffix. Families, gauges and histograms are
+//! prometheus-client's own.
+
+use std::{
+    borrow::Cow,
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder},
+    metrics::{MetricType, TypedMetric},
+    registry::Registry,
+};
+
+/// `Content-Type` of the exposition (what Go's promhttp serves by default).
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// A monotonic counter, integer or fractional, exposed under exactly the
+/// registered name (Prometheus text format: no `_total` added).
+#[derive(Clone, Default, Debug)]
+pub struct Counter {
+    /// The value's `f64` bits.
+    bits: Arc<AtomicU64>,
+}
+
+impl Counter {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.inc_by(1.0);
+    }
+
+    /// Adds `v` (ignored unless positive and finite).
+    pub fn inc_by(&self, v: f64) {
+        if !(v.is_finite() && v > 0.0) {
+            return;
+        }
+        let _ = self
+            .bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + v).to_bits())
+            });
+    }
+
+    /// The current value.
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.bits.load(Ordering::Relaxed))
+    }
+}
+
+impl TypedMetric for Counter {
+    const TYPE: MetricType = MetricType::Counter;
+}
+
+impl EncodeMetric for Counter {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), fmt::Error> {
+        let value = self.get();
+        // Whole numbers print as integers, as Go does.
+        if value.fract() == 0.0 && value < 9.0e15 {
+            encoder.encode_gauge(&(value as u64))
+        } else {
+            encoder.encode_gauge(&value)
+        }
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Counter
+    }
+}
+
+/// Something that can be exposed: a metric or a family of them.
+pub trait Exposed: EncodeMetric + Send + Sync + fmt::Debug + 'static {}
+impl<T: EncodeMetric + Send + Sync + fmt::Debug + 'static> Exposed for T {}
+
+/// A value computed when scraped.
+type Probe = Box<dyn Fn() -> f64 + Send + Sync>;
+
+/// A registered metric: name, HELP and the metric.
+type Entry = (Cow<'static, str>, Cow<'static, str>, Box<dyn Exposed>);
+/// A registered probe: name, HELP, type and how to read it.
+type ProbeEntry = (Cow<'static, str>, Cow<'static, str>, MetricType, Probe);
+
+/// The metrics of one process, in registration order.
+#[derive(Default)]
+pub struct Metrics {
+    /// `(name, help, metric)`.
+    entries: Vec<Entry>,
+    /// `(name, help, type, probe)`: gauges and counters read at scrape time.
+    probes: Vec<ProbeEntry>,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Metrics")
+            .field("metrics", &self.entries.len())
+            .field("probes", &self.probes.len())
+            .finish()
+    }
+}
+
+impl Metrics {
+    /// Adds `metric` under exactly `name` and `help`; returns it for chaining.
+    pub fn register<M: Exposed + Clone>(
+        &mut self,
+        name: impl Into<Cow<'static, str>>,
+        help: impl Into<Cow<'static, str>>,
+        metric: M,
+    ) -> M {
+        self.entries
+            .push((name.into(), help.into(), Box::new(metric.clone())));
+        metric
+    }
+
+    /// Adds a value computed at scrape time (a gauge of live state, or a
+    /// counter kept elsewhere, e.g. by the kernel).
+    pub fn probe(
+        &mut self,
+        name: impl Into<Cow<'static, str>>,
+        help: impl Into<Cow<'static, str>>,
+        kind: MetricType,
+        probe: impl Fn() -> f64 + Send + Sync + 'static,
+    ) {
+        self.probes
+            .push((name.into(), help.into(), kind, Box::new(probe)));
+    }
+
+    /// The exposition text.
+    pub fn render(self: &Arc<Self>) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Shared(self.clone())));
+        let mut text = String::new();
+        // Writing into a String cannot fail; without `encode`'s `# EOF`.
+        let _ = prometheus_client::encoding::text::encode_registry(&mut text, &registry);
+        text
+    }
+}
+
+/// The collector view of shared [`Metrics`].
+#[derive(Debug)]
+struct Shared(Arc<Metrics>);
+
+impl Collector for Shared {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
+        for (name, help, metric) in &self.0.entries {
+            let metric_encoder =
+                encoder.encode_descriptor(name, help, None, metric.metric_type())?;
+            metric.encode(metric_encoder)?;
+        }
+        for (name, help, kind, probe) in &self.0.probes {
+            let mut metric_encoder = encoder.encode_descriptor(name, help, None, *kind)?;
+            let value = probe();
+            if value.fract() == 0.0 && value.abs() < 9.0e15 {
+                metric_encoder.encode_gauge(&(value as i64))?;
+            } else {
+                metric_encoder.encode_gauge(&value)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `packet_type` and `segment`: ANP's `stream_packets_total` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PacketLabels {
+    /// The packet type's enum name (`DIAL_REQ`, …).
+    pub packet_type: &'static str,
+    /// `from_client`, `to_client`, `from_agent` or `to_agent`.
+    pub segment: &'static str,
+}
+
+/// `code`, `packet_type` and `segment`: ANP's `stream_errors_total` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// The gRPC code name (`Unavailable`, …).
+    pub code: String,
+    /// The packet type, `Unknown` for receive errors.
+    pub packet_type: &'static str,
+    /// The stream segment.
+    pub segment: &'static str,
+}
+
+/// The enum name of a packet's type as ANP labels it, or `None` for types
+/// outside ANP's enum (our flow-control credits), which are not counted.
+pub fn packet_type_name(packet: &proto::Packet) -> Option<&'static str> {
+    proto::PacketType::try_from(packet.r#type)
+        .ok()
+        .map(|t| t.as_str_name())
+}
+
+/// gRPC's name of `code`, as Go's `codes.Code.String()` prints it.
+pub fn code_name(code: tonic::Code) -> String {
+    format!("{code:?}")
+}
+
+/// Registers the standard process metrics (Go's process collector names
+/// and HELP): CPU, resident and virtual memory, open and maximum file
+/// descriptors, start time. Values come from `/proc` when scraped; a value
+/// that cannot be read is reported as 0.
+pub fn register_process(metrics: &mut Metrics) {
+    use procfs::process::Process;
+    fn stat() -> Option<procfs::process::Stat> {
+        Process::myself().ok()?.stat().ok()
+    }
+    let ticks = procfs::ticks_per_second() as f64;
+    let page = procfs::page_size() as f64;
+    metrics.probe(
+        "process_cpu_seconds_total",
+        "Total user and system CPU time spent in seconds.",
+        MetricType::Counter,
+        move || stat().map_or(0.0, |s| (s.utime + s.stime) as f64 / ticks),
+    );
+    metrics.probe(
+        "process_max_fds",
+        "Maximum number of open file descriptors.",
+        MetricType::Gauge,
+        || {
+            Process::myself()
+                .ok()
+                .and_then(|p| p.limits().ok())
+                .and_then(|l| match l.max_open_files.soft_limit {
+                    procfs::process::LimitValue::Value(v) => Some(v as f64),
+                    procfs::process::LimitValue::Unlimited => None,
+                })
+                .unwrap_or(0.0)
+        },
+    );
+    metrics.probe(
+        "process_open_fds",
+        "Number of open file descriptors.",
+        MetricType::Gauge,
+        || {
+            Process::myself()
+                .ok()
+                .and_then(|p| p.fd_count().ok())
+                .map_or(0.0, |n| n as f64)
+        },
+    );
+    metrics.probe(
+        "process_resident_memory_bytes",
+        "Resident memory size in bytes.",
+        MetricType::Gauge,
+        move || stat().map_or(0.0, |s| s.rss as f64 * page),
+    );
+    let boot = procfs::boot_time_secs().ok().map(|b| b as f64);
+    metrics.probe(
+        "process_start_time_seconds",
+        "Start time of the process since unix epoch in seconds.",
+        MetricType::Gauge,
+        move || {
+            stat()
+                .zip(boot)
+                .map_or(0.0, |(s, boot)| boot + s.starttime as f64 / ticks)
+        },
+    );
+    metrics.probe(
+        "process_virtual_memory_bytes",
+        "Virtual memory size in bytes.",
+        MetricType::Gauge,
+        move || stat().map_or(0.0, |s| s.vsize as f64),
+    );
+}
+
+/// Runs `fut`; if it cannot finish at once (a full buffer or queue ahead),
+/// `on_block` makes a guard that lives until it does — for counting
+/// blocked readers and the time they wait, at no cost when nothing blocks.
+pub async fn when_blocked<F: std::future::Future, G>(
+    fut: F,
+    on_block: impl FnOnce() -> G,
+) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    if let std::task::Poll::Ready(out) = futures_util::poll!(fut.as_mut()) {
+        return out;
+    }
+    let _guard = on_block();
+    fut.await
+}
+
+/// Histogram buckets of Go's `prometheus.DefBuckets`.
+pub const DEFAULT_BUCKETS: [f64; 11] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::metrics::{family::Family, gauge::Gauge, histogram::Histogram};
+
+    use super::*;
+
+    #[test]
+    fn exposition_uses_the_names_and_help_verbatim() {
+        let mut m = Metrics::default();
+        let failures: Family<Vec<(String, String)>, Counter> = m.register(
+            "x_dial_failure_count",
+            "Number of dial failures observed. Multiple failures can occur.",
+            Family::default(),
+        );
+        let packets: Family<PacketLabels, Counter> = m.register(
+            "x_stream_packets_total",
+            "Count of packets",
+            Family::default(),
+        );
+        let gauge = m.register("x_open", "Open things", Gauge::<i64>::default());
+        let hist = m.register(
+            "x_dial_duration_seconds",
+            "Latency",
+            Histogram::new([0.1, 1.0]),
+        );
+        let busy = Counter::default();
+        let probe = busy.clone();
+        m.probe(
+            "x_busy_seconds_total",
+            "Busy",
+            MetricType::Counter,
+            move || probe.get(),
+        );
+        failures
+            .get_or_create(&vec![("reason".to_owned(), "no_agent".to_owned())])
+            .inc();
+        packets
+            .get_or_create(&PacketLabels {
+                packet_type: "DIAL_REQ",
+                segment: "from_client",
+            })
+            .inc_by(2.0);
+        gauge.set(3);
+        hist.observe(0.5);
+        busy.inc_by(0.25);
+        let text = Arc::new(m).render();
+        assert_eq!(
+            text,
+            "# HELP x_dial_failure_count Number of dial failures observed. Multiple failures can occur.\n\
+             # TYPE x_dial_failure_count counter\n\
+             x_dial_failure_count{reason=\"no_agent\"} 1\n\
+             # HELP x_stream_packets_total Count of packets\n\
+             # TYPE x_stream_packets_total counter\n\
+             x_stream_packets_total{packet_type=\"DIAL_REQ\",segment=\"from_client\"} 2\n\
+             # HELP x_open Open things\n\
+             # TYPE x_open gauge\n\
+             x_open 3\n\
+             # HELP x_dial_duration_seconds Latency\n\
+             # TYPE x_dial_duration_seconds histogram\n\
+             x_dial_duration_seconds_sum 0.5\n\
+             x_dial_duration_seconds_count 1\n\
+             x_dial_duration_seconds_bucket{le=\"0.1\"} 0\n\
+             x_dial_duration_seconds_bucket{le=\"1.0\"} 1\n\
+             x_dial_duration_seconds_bucket{le=\"+Inf\"} 1\n\
+             # HELP x_busy_seconds_total Busy\n\
+             # TYPE x_busy_seconds_total counter\n\
+             x_busy_seconds_total 0.25\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn blocking_is_noticed_only_when_it_happens() {
+        let blocked = std::sync::atomic::AtomicUsize::new(0);
+        let note = || {
+            blocked.fetch_add(1, Ordering::Relaxed);
+        };
+        assert_eq!(when_blocked(async { 1 }, note).await, 1);
+        assert_eq!(blocked.load(Ordering::Relaxed), 0);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move { tx.send(2) });
+        assert_eq!(when_blocked(async { rx.await.unwrap() }, note).await, 2);
+        assert_eq!(blocked.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn process_metrics_have_values() {
+        let mut m = Metrics::default();
+        register_process(&mut m);
+        let text = Arc::new(m).render();
+        for name in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_start_time_seconds",
+        ] {
+            let value: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+                .parse()
+                .unwrap();
+            if name != "process_cpu_seconds_total" {
+                assert!(value > 0.0, "{name} = {value}");
+            }
+        }
+    }
+}
