@@ -7,7 +7,7 @@ use std::{
     io,
     net::SocketAddr,
     sync::{
-        Arc, Mutex, MutexGuard, PoisonError,
+        Arc, Mutex, MutexGuard, OnceLock, PoisonError,
         atomic::{AtomicBool, AtomicU32, Ordering},
     },
     time::Duration,
@@ -24,16 +24,19 @@ use crate::{
     endpoint::ConnectionManager,
     health,
     lease::{self, LeaseCounter, LeaseWatch, ServerCountSource},
+    metrics::AgentMetrics,
 };
 
 /// Failure to start the agent.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// The health listener could not be bound.
-    #[error("cannot listen on {addr} (health)")]
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr} ({what})")]
     Bind {
         /// The address.
         addr: SocketAddr,
+        /// Which listener.
+        what: &'static str,
         /// Why.
         #[source]
         source: io::Error,
@@ -65,6 +68,8 @@ pub(crate) struct AgentState {
     draining: Arc<AtomicBool>,
     /// Lease count (`--count-server-leases`), if on.
     leases: Option<Arc<LeaseCounter>>,
+    /// What the agent records.
+    pub(crate) metrics: Arc<AgentMetrics>,
     /// `--server-count-source`.
     count_source: ServerCountSource,
 }
@@ -80,14 +85,14 @@ impl AgentState {
     }
 
     /// Number of open node-side connections over all servers.
-    fn endpoint_connections(&self) -> usize {
+    pub(crate) fn endpoint_connections(&self) -> usize {
         self.clients().values().map(|c| c.conns.len()).sum()
     }
 
     /// How many servers to hold connections to: the servers' answers, or
     /// the lease count, or the larger of both (`--server-count-source`);
     /// 0 counts as 1 (ANP).
-    fn target_count(&self) -> usize {
+    pub(crate) fn target_count(&self) -> usize {
         let answered = self.server_count.load(Ordering::Relaxed) as usize;
         let count = match (&self.leases, self.count_source) {
             (None, _) => answered,
@@ -164,25 +169,40 @@ impl Agent {
             .await
             .map_err(|source| AgentError::Bind {
                 addr: config.health_addr,
+                what: "health",
                 source,
             })?;
+        let admin = bind_tcp(config.admin_addr)
+            .await
+            .map_err(|source| AgentError::Bind {
+                addr: config.admin_addr,
+                what: "admin",
+                source,
+            })?;
+        // The lease watch reports its calls to the metrics, which read the
+        // state: both are made together.
+        let metrics_slot: Arc<OnceLock<Arc<AgentMetrics>>> = Arc::default();
         let (leases, lease_watch) = match &config.leases {
             Some(leases) => {
-                let (counter, watch) = lease::counter(leases).await?;
+                let (counter, watch) = lease::counter(leases, metrics_slot.clone()).await?;
                 (Some(counter), Some(watch))
             }
             None => (None, None),
         };
+        let state = Arc::new_cyclic(|weak| AgentState {
+            clients: Mutex::new(HashMap::new()),
+            server_count: AtomicU32::new(0),
+            draining: Arc::new(AtomicBool::new(false)),
+            leases,
+            count_source: config.server_count_source,
+            metrics: Arc::new(AgentMetrics::new(weak.clone())),
+        });
+        let _ = metrics_slot.set(state.metrics.clone());
         Ok(Bound {
             health,
+            admin,
             lease_watch,
-            state: Arc::new(AgentState {
-                clients: Mutex::new(HashMap::new()),
-                server_count: AtomicU32::new(0),
-                draining: Arc::new(AtomicBool::new(false)),
-                leases,
-                count_source: config.server_count_source,
-            }),
+            state,
             config,
         })
     }
@@ -194,6 +214,8 @@ pub struct Bound {
     config: Config,
     /// Health listener.
     health: TcpListener,
+    /// Admin listener (`/metrics` redirect, pprof).
+    admin: TcpListener,
     /// The lease watch to run (`--count-server-leases`).
     lease_watch: Option<LeaseWatch>,
     /// Shared state.
@@ -204,6 +226,13 @@ impl Bound {
     /// Address of the health listener.
     pub fn health_addr(&self) -> SocketAddr {
         self.health
+            .local_addr()
+            .expect("a bound TCP listener has an address")
+    }
+
+    /// Address of the admin listener.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
             .local_addr()
             .expect("a bound TCP listener has an address")
     }
@@ -234,6 +263,7 @@ impl Bound {
         let Self {
             config,
             health,
+            admin,
             lease_watch,
             state,
         } = self;
@@ -244,10 +274,16 @@ impl Bound {
         info!(agent.id = %config.agent_id, ?servers, health.addr = ?health.local_addr().ok(), "proxy-agent starting");
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
+        let health_port = health.local_addr().map_or(0, |a| a.port());
         let health_server = axum::serve(health, health::router(state.clone()))
             .with_graceful_shutdown(token.clone().cancelled_owned());
         tasks.spawn(async move {
             let _ = health_server.await;
+        });
+        let admin_server = axum::serve(admin, health::admin_router(health_port, config.profiling))
+            .with_graceful_shutdown(token.clone().cancelled_owned());
+        tasks.spawn(async move {
+            let _ = admin_server.await;
         });
         if let Some(watch) = lease_watch {
             tasks.spawn(watch.run(token.clone()));
@@ -374,7 +410,9 @@ fn add_client(
     let span = info_span!("client", server.id = %server_id);
     tasks.spawn(
         async move {
-            client.serve(conns, draining, cancel).await;
+            client
+                .serve(conns, draining, state.metrics.clone(), cancel)
+                .await;
             state.clients().remove(&server_id);
             info!("disconnected from proxy-server");
         }

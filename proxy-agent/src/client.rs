@@ -4,13 +4,14 @@ use std::{
     io,
     pin::Pin,
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, AtomicI64, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
 };
 
+use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
 use proto::{Packet, agent_service_client::AgentServiceClient, header, packet::PacketKind};
 use rustls_pki_types::ServerName;
@@ -32,6 +33,7 @@ use tunnel::{
     client::Io,
     flow::{self, PushError, SendCredit},
     ids::{ConnId, DialId, ServerId},
+    metrics::when_blocked,
     proxy_client,
     pump::{PumpEnd, PumpFlow, pump},
 };
@@ -39,6 +41,7 @@ use tunnel::{
 use crate::{
     config::{Config, ServerAddr},
     endpoint::{self, ConnectionManager, EndpointConn},
+    metrics::{AgentMetrics, CloseReason},
 };
 
 /// How long the TCP connect, TLS handshake and gRPC headers may take.
@@ -136,6 +139,8 @@ pub struct Client {
     inbound: Streaming<Packet>,
     /// Packets to the server.
     out_tx: mpsc::Sender<Packet>,
+    /// Where the outbound stream counts packets, set by `serve`.
+    metrics: Arc<OnceLock<Arc<AgentMetrics>>>,
     /// Keeps the HTTP/2 connection alive while the client lives.
     _channel: Channel,
     /// The connection's transport, for the probe.
@@ -335,7 +340,19 @@ impl Client {
             })?;
 
         let (out_tx, out_rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let mut request = Request::new(ReceiverStream::new(out_rx));
+        // Sent packets are counted once `serve` has the metrics.
+        let metrics: Arc<OnceLock<Arc<AgentMetrics>>> = Arc::default();
+        let counting = metrics.clone();
+        let outbound = ReceiverStream::new(out_rx).map(move |packet: Packet| {
+            if let Some(metrics) = counting.get() {
+                metrics.packet("from_agent", &packet);
+                if let Some(proto::Payload::Data(data)) = &packet.payload {
+                    metrics.bytes("to_server", data.data.len());
+                }
+            }
+            packet
+        });
+        let mut request = Request::new(outbound);
         let metadata = request.metadata_mut();
         metadata.insert(
             header::AGENT_ID,
@@ -414,6 +431,7 @@ impl Client {
             flow_control,
             inbound: response.into_inner(),
             out_tx,
+            metrics,
             _channel: channel,
             transport,
             probe_interval: config.probe_interval,
@@ -431,6 +449,7 @@ impl Client {
         self,
         conns: Arc<ConnectionManager>,
         draining: Arc<std::sync::atomic::AtomicBool>,
+        metrics: Arc<AgentMetrics>,
         cancel: CancellationToken,
     ) {
         let Self {
@@ -441,8 +460,10 @@ impl Client {
             _channel,
             transport,
             probe_interval,
+            metrics: counting,
             ..
         } = self;
+        let _ = counting.set(metrics.clone());
         let tasks = TaskTracker::new();
         let next_conn_id = Arc::new(AtomicI64::new(1));
         let stream = Stream {
@@ -453,6 +474,7 @@ impl Client {
             next_conn_id,
             flow_control,
             draining,
+            metrics: metrics.clone(),
         };
         let probe = transport.probe(probe_interval);
         tokio::pin!(probe);
@@ -468,15 +490,22 @@ impl Client {
             match packet {
                 // Handling waits only for room on a connection's queue
                 // (without flow control); a cancel must still get through.
-                Ok(Some(packet)) => tokio::select! {
-                    () = cancel.cancelled() => break,
-                    () = stream.handle(packet) => {}
-                },
+                Ok(Some(packet)) => {
+                    metrics.packet("to_agent", &packet);
+                    let handled = when_blocked(stream.handle(packet), || {
+                        BlockedTimer(std::time::Instant::now(), &metrics)
+                    });
+                    tokio::select! {
+                        () = cancel.cancelled() => break,
+                        () = handled => {}
+                    }
+                }
                 Ok(None) => {
                     debug!(server.id = %server_id, "server closed the stream");
                     break;
                 }
                 Err(status) => {
+                    metrics.receive_failed(status.code());
                     warn!(server.id = %server_id, error = %status, "server stream failed");
                     break;
                 }
@@ -504,6 +533,17 @@ struct Stream {
     flow_control: bool,
     /// Set while the agent drains: new dials are refused.
     draining: Arc<std::sync::atomic::AtomicBool>,
+    /// What the agent records.
+    metrics: Arc<AgentMetrics>,
+}
+
+/// Adds the time a reader waited to the blocked-time counter when dropped.
+struct BlockedTimer<'a>(std::time::Instant, &'a AgentMetrics);
+
+impl Drop for BlockedTimer<'_> {
+    fn drop(&mut self) {
+        self.1.blocked(self.0.elapsed());
+    }
 }
 
 impl Stream {
@@ -527,6 +567,7 @@ impl Stream {
                 let id = ConnId(data.connect_id);
                 match self.conns.inbound(id) {
                     Some(inbound) => {
+                        self.metrics.bytes("to_endpoint", data.data.len());
                         let cost = flow::cost(data.data.len());
                         let pushed = if self.flow_control {
                             // The server respects our window: this never waits.
@@ -586,10 +627,12 @@ impl Stream {
         let out_tx = self.out_tx.clone();
         let cancel = self.cancel.child_token();
         let flow_control = self.flow_control;
+        let metrics = self.metrics.clone();
         conns.start_dial(dial_id, cancel.clone());
         let span = debug_span!("conn", conn.id = %conn_id, dial.id = %dial_id, %address);
         self.tasks.spawn(
             async move {
+                let started = std::time::Instant::now();
                 let dialed = tokio::select! {
                     () = cancel.cancelled() => {
                         conns.finish_dial(dial_id);
@@ -599,8 +642,12 @@ impl Stream {
                 };
                 conns.finish_dial(dial_id);
                 let stream = match dialed {
-                    Ok(stream) => stream,
+                    Ok(stream) => {
+                        metrics.dial_succeeded(started.elapsed());
+                        stream
+                    }
                     Err(error) => {
+                        metrics.dial_failed(&error);
                         debug!(%error, "dial failed");
                         let _ = out_tx
                             .send(Packet::dial_response(dial_id.0, 0, &error))
@@ -651,6 +698,13 @@ impl Stream {
                     end = pump(stream, conn_id, outbound, out_tx.clone(), flow) => end,
                 };
                 conns.remove(conn_id);
+                metrics.connection_closed(match &end {
+                    PumpEnd::TunnelGone if abort_reason.get().is_some() => CloseReason::Overflow,
+                    PumpEnd::TunnelGone => CloseReason::StreamGone,
+                    PumpEnd::LocalError(_) => CloseReason::EndpointError,
+                    PumpEnd::LocalEof => CloseReason::EndpointClosed,
+                    PumpEnd::PeerClosed => CloseReason::ServerClosed,
+                });
                 let error = match &end {
                     PumpEnd::TunnelGone => match abort_reason.get() {
                         // Aborted for overflow: tell the server why.

@@ -220,6 +220,10 @@ pub struct Config {
     pub agent_identifiers: String,
     /// Health listener address.
     pub health_addr: SocketAddr,
+    /// Admin listener address (`/metrics` redirect, pprof).
+    pub admin_addr: SocketAddr,
+    /// Serve CPU profiles on the admin port (`--enable-profiling`).
+    pub profiling: bool,
     /// Connect loop interval.
     pub sync_interval: Duration,
     /// Connect loop backoff cap.
@@ -433,10 +437,19 @@ impl TryFrom<Args> for Config {
         } else {
             AgentId(args.agent_id.clone())
         };
-        let not_implemented = [("enable-profiling", args.enable_profiling)]
-            .into_iter()
-            .filter_map(|(flag, given)| given.then_some(flag))
-            .collect();
+        let admin_addr = bind_addr(
+            "admin-bind-address",
+            &args.admin_bind_address,
+            args.admin_server_port,
+        )?;
+        // Rust has no block profiler; CPU profiles are served.
+        let not_implemented = [(
+            "enable-contention-profiling",
+            args.enable_contention_profiling,
+        )]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect();
         Ok(Self {
             servers,
             tls,
@@ -447,6 +460,8 @@ impl TryFrom<Args> for Config {
                 &args.health_server_host,
                 args.health_server_port,
             )?,
+            admin_addr,
+            profiling: args.enable_profiling,
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
             sync_forever: args.sync_forever,

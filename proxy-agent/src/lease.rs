@@ -5,7 +5,7 @@
 use std::{
     path::PathBuf,
     sync::{
-        Arc,
+        Arc, OnceLock,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
@@ -18,6 +18,8 @@ use kube::{
     runtime::{WatchStreamExt, reflector, watcher},
 };
 use tokio_util::sync::CancellationToken;
+
+use crate::metrics::AgentMetrics;
 use tracing::{debug, warn};
 use tunnel::{
     error::DisplayErrorStack,
@@ -93,8 +95,19 @@ pub(crate) struct LeaseWatch {
 /// The kubeconfig (or in-cluster configuration) cannot be used.
 pub(crate) async fn counter(
     config: &LeaseCountConfig,
+    metrics: Arc<OnceLock<Arc<AgentMetrics>>>,
 ) -> Result<(Arc<LeaseCounter>, LeaseWatch), KubeSetupError> {
-    let client = tunnel::kube::client(config.kubeconfig.as_deref(), REQUEST_TIMEOUT).await?;
+    let observer: tunnel::kube::Observer = Arc::new(move |call| {
+        if let Some(metrics) = metrics.get() {
+            metrics.lease_call(call);
+        }
+    });
+    let client = tunnel::kube::observed_client(
+        config.kubeconfig.as_deref(),
+        REQUEST_TIMEOUT,
+        Some(observer),
+    )
+    .await?;
     let (store, writer) = reflector::store();
     Ok((
         Arc::new(LeaseCounter {

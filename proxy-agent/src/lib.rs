@@ -10,6 +10,7 @@
 //! - [`endpoint`]: node-side connections and dials of one stream.
 //! - `health`: `/healthz`, `/readyz`.
 //! - [`lease`]: counting servers by their Leases.
+//! - [`metrics`]: ANP's agent metrics and ours.
 
 pub mod agent;
 pub mod client;
@@ -17,3 +18,4 @@ pub mod config;
 pub mod endpoint;
 mod health;
 pub mod lease;
+pub mod metrics;

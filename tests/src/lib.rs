@@ -441,6 +441,8 @@ pub struct TestAgent {
     pub handle: AgentHandle,
     /// Health listener.
     pub health_addr: SocketAddr,
+    /// Admin listener.
+    pub admin_addr: SocketAddr,
     /// Stops the agent.
     shutdown: CancellationToken,
     /// The serving task.
@@ -480,6 +482,8 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         ),
         agent_identifiers: opts.identifiers.clone(),
         health_addr: "127.0.0.1:0".parse().expect("address"),
+        admin_addr: "127.0.0.1:0".parse().expect("address"),
+        profiling: false,
         sync_interval: Duration::from_millis(100),
         sync_interval_cap: Duration::from_secs(1),
         sync_forever: opts.sync_forever,
@@ -519,11 +523,13 @@ impl TestAgent {
         let shutdown = CancellationToken::new();
         let handle = bound.handle();
         let health_addr = bound.health_addr();
+        let admin_addr = bound.admin_addr();
         let token = shutdown.clone();
         let task = tokio::spawn(async move { bound.serve(token.cancelled_owned()).await });
         Self {
             handle,
             health_addr,
+            admin_addr,
             shutdown,
             task: Some(task),
         }
@@ -540,6 +546,7 @@ impl TestAgent {
         let shutdown = CancellationToken::new();
         let handle = bound.handle();
         let health_addr = bound.health_addr();
+        let admin_addr = bound.admin_addr();
         let token = shutdown.clone();
         let task = tokio::spawn(async move {
             bound
@@ -549,6 +556,7 @@ impl TestAgent {
         Self {
             handle,
             health_addr,
+            admin_addr,
             shutdown,
             task: Some(task),
         }

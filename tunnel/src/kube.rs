@@ -3,6 +3,7 @@
 
 use std::{
     path::{Path, PathBuf},
+    sync::Arc,
     time::Duration,
 };
 
@@ -32,6 +33,56 @@ pub enum KubeSetupError {
     Client(#[source] kube::Error),
 }
 
+/// What a lease call was, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// `GET` of a collection.
+    List,
+    /// `GET` of a collection with `watch=true`.
+    Watch,
+    /// `DELETE`.
+    Delete,
+    /// Anything else.
+    Other,
+}
+
+/// One kube API call as an observer sees it.
+#[derive(Debug, Clone)]
+pub struct Call {
+    /// Its kind.
+    pub kind: CallKind,
+    /// The HTTP status, or 0 when no answer came.
+    pub status: u16,
+    /// Until the response headers (or the failure).
+    pub took: Duration,
+}
+
+/// Told of every call a client makes.
+pub type Observer = Arc<dyn Fn(&Call) + Send + Sync>;
+
+/// The API's `reason` for an HTTP status, as `apierrors.ReasonForError`
+/// gives it for the errors the API returns ("" on success or no answer).
+pub fn status_reason(status: u16) -> &'static str {
+    match status {
+        400 => "BadRequest",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "NotFound",
+        405 => "MethodNotAllowed",
+        406 => "NotAcceptable",
+        409 => "Conflict",
+        410 => "Expired",
+        413 => "RequestEntityTooLarge",
+        415 => "UnsupportedMediaType",
+        422 => "Invalid",
+        429 => "TooManyRequests",
+        500 => "InternalError",
+        503 => "ServiceUnavailable",
+        504 => "Timeout",
+        _ => "",
+    }
+}
+
 /// A client from `kubeconfig` (or in-cluster) whose requests each give up
 /// after `timeout` and are not retried by kube itself: callers retry on
 /// their own schedule.
@@ -41,6 +92,18 @@ pub enum KubeSetupError {
 pub async fn client(
     kubeconfig: Option<&Path>,
     timeout: Duration,
+) -> Result<kube::Client, KubeSetupError> {
+    observed_client(kubeconfig, timeout, None).await
+}
+
+/// [`client`], with `observer` told of every call.
+///
+/// # Errors
+/// See [`KubeSetupError`].
+pub async fn observed_client(
+    kubeconfig: Option<&Path>,
+    timeout: Duration,
+    observer: Option<Observer>,
 ) -> Result<kube::Client, KubeSetupError> {
     let mut config = match kubeconfig {
         Some(path) => {
@@ -59,7 +122,71 @@ pub async fn client(
     config.default_retry = false;
     config.connect_timeout = Some(timeout);
     config.read_timeout = Some(timeout);
-    kube::Client::try_from(config).map_err(KubeSetupError::Client)
+    let builder = kube::client::ClientBuilder::try_from(config).map_err(KubeSetupError::Client)?;
+    Ok(match observer {
+        Some(observer) => builder
+            .with_layer(&tower::layer::layer_fn(move |inner| Observed {
+                inner,
+                observer: observer.clone(),
+            }))
+            .build(),
+        None => builder.build(),
+    })
+}
+
+/// Tells an [`Observer`] of each call through `inner`.
+struct Observed<S> {
+    inner: S,
+    observer: Observer,
+}
+
+fn kind_of<B>(request: &http::Request<B>) -> CallKind {
+    let collection = request.uri().path().ends_with("/leases");
+    let watch = request
+        .uri()
+        .query()
+        .is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"));
+    match *request.method() {
+        http::Method::GET if collection && watch => CallKind::Watch,
+        http::Method::GET if collection => CallKind::List,
+        http::Method::DELETE => CallKind::Delete,
+        _ => CallKind::Other,
+    }
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for Observed<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let kind = kind_of(&request);
+        let started = std::time::Instant::now();
+        let observer = self.observer.clone();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await;
+            let status = response.as_ref().map_or(0, |r| r.status().as_u16());
+            observer(&Call {
+                kind,
+                status,
+                took: started.elapsed(),
+            });
+            response
+        })
+    }
 }
 
 /// Whether `lease` is still valid at `now` (ANP's rule, shared by the

@@ -113,6 +113,8 @@ async fn main() -> Result<()> {
             agent_id: tunnel::ids::AgentId("demo-agent".to_owned()),
             agent_identifiers: String::new(),
             health_addr: any,
+            admin_addr: any,
+            profiling: false,
             sync_interval: Duration::from_millis(100),
             sync_interval_cap: Duration::from_secs(1),
             sync_forever: false,

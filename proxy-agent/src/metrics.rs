@@ -1,0 +1,295 @@
+//! Prometheus metrics of the agent: ANP's set (names, types, labels, HELP
+//! and buckets as `konnectivity_network_proxy_agent_*`), process metrics,
+//! and konnectivity-rs additions under `konnectivity_rs_agent_*`.
+//!
+//! The three gauges (open server and endpoint connections, known server
+//! count) are read from the agent's state when scraped; the rest is
+//! recorded where it happens, a labelled series appearing once observed.
+
+use std::{
+    sync::{Arc, Weak},
+    time::Duration,
+};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{MetricType, family::Family, histogram::Histogram},
+};
+use tunnel::{
+    kube::{Call, CallKind, status_reason},
+    metrics::{Counter, ErrorLabels, Metrics, PacketLabels},
+};
+
+use crate::agent::AgentState;
+
+/// Buckets of ANP's agent latency histograms.
+const AGENT_BUCKETS: [f64; 7] = [0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0];
+
+const PREFIX: &str = "konnectivity_network_proxy_agent_";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabel {
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResponseLabels {
+    http_response_code: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResponseCodeLabel {
+    http_response_code: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn agent_histogram() -> Histogram {
+    Histogram::new(AGENT_BUCKETS)
+}
+
+/// Why a node-side connection ended (konnectivity-rs).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum CloseReason {
+    /// The destination closed it.
+    EndpointClosed,
+    /// Reading or writing the destination failed.
+    EndpointError,
+    /// The server (its frontend) closed it.
+    ServerClosed,
+    /// The destination read too slowly (a window behind) or did not take
+    /// the last bytes in time after a close.
+    Overflow,
+    /// The server stream ended.
+    StreamGone,
+}
+
+impl CloseReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::EndpointClosed => "endpoint_closed",
+            Self::EndpointError => "endpoint_error",
+            Self::ServerClosed => "server_closed",
+            Self::Overflow => "overflow",
+            Self::StreamGone => "stream_gone",
+        }
+    }
+}
+
+/// Everything the agent records.
+pub struct AgentMetrics {
+    exposition: Arc<Metrics>,
+    dial_duration: Histogram,
+    server_failures: Family<DirectionLabel, Counter>,
+    dial_failures: Family<ReasonLabel, Counter>,
+    lease_lists: Family<ResponseLabels, Counter>,
+    lease_watches: Family<ResponseLabels, Counter>,
+    lease_list_latency: HistogramFamily<ResponseCodeLabel>,
+    packets: Family<PacketLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+    tunnel_bytes: Family<DirectionLabel, Counter>,
+    closed: Family<ReasonLabel, Counter>,
+    blocked: Counter,
+}
+
+impl std::fmt::Debug for AgentMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentMetrics").finish_non_exhaustive()
+    }
+}
+
+impl AgentMetrics {
+    /// Registers every metric; the gauges read `state` when scraped.
+    pub(crate) fn new(state: Weak<AgentState>) -> Self {
+        let mut m = Metrics::default();
+        let name = |n: &str| format!("{PREFIX}{n}");
+        let dial_duration = m.register(
+            name("dial_duration_seconds"),
+            "Latency of dial to the remote endpoint in seconds",
+            Histogram::new(AGENT_BUCKETS),
+        );
+        let server_failures = m.register(
+            name("server_connection_failure_count"),
+            "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server). DEPRECATED, please use stream_events_error_total",
+            Family::default(),
+        );
+        let dial_failures = m.register(
+            name("endpoint_dial_failure_total"),
+            "Number of failures dialing the remote endpoint, by reason (example: timeout).",
+            Family::default(),
+        );
+        let gauge = |read: fn(&AgentState) -> usize| {
+            let state = state.clone();
+            move || state.upgrade().map_or(0.0, |s| read(&s) as f64)
+        };
+        m.probe(
+            name("open_server_connections"),
+            "Current number of open server connections.",
+            MetricType::Gauge,
+            gauge(AgentState::server_connections),
+        );
+        m.probe(
+            name("known_server_count"),
+            "Current number of servers agent is trying to connect to.",
+            MetricType::Gauge,
+            gauge(AgentState::target_count),
+        );
+        m.probe(
+            name("open_endpoint_connections"),
+            "Current number of open endpoint connections.",
+            MetricType::Gauge,
+            gauge(AgentState::endpoint_connections),
+        );
+        let lease_lists = m.register(
+            name("lease_lists_total"),
+            "Count of server lease list calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
+            Family::default(),
+        );
+        let lease_watches = m.register(
+            name("lease_watches_total"),
+            "Count of server lease watch calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
+            Family::default(),
+        );
+        let lease_list_latency = m.register(
+            name("lease_list_latency_seconds"),
+            "Latency of server lease listing in seconds",
+            HistogramFamily::new_with_constructor(agent_histogram as fn() -> Histogram),
+        );
+        let packets = m.register(
+            name("stream_packets_total"),
+            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
+            Family::default(),
+        );
+        let errors = m.register(
+            name("stream_errors_total"),
+            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
+            Family::default(),
+        );
+        tunnel::metrics::register_process(&mut m);
+        let tunnel_bytes = m.register(
+            "konnectivity_rs_agent_tunnel_bytes_total",
+            "Payload bytes carried through the tunnel, by direction (to_endpoint: towards destinations; to_server: back)",
+            Family::default(),
+        );
+        let closed = m.register(
+            "konnectivity_rs_agent_connections_closed_total",
+            "Node-side connections that ended, by reason (endpoint_closed, endpoint_error, server_closed, overflow, stream_gone)",
+            Family::default(),
+        );
+        let blocked = m.register(
+            "konnectivity_rs_agent_blocked_seconds_total",
+            "Seconds server stream readers spent waiting for room in a full per-connection buffer (ANP servers only; with flow control they never wait)",
+            Counter::default(),
+        );
+        Self {
+            exposition: Arc::new(m),
+            dial_duration,
+            server_failures,
+            dial_failures,
+            lease_lists,
+            lease_watches,
+            lease_list_latency,
+            packets,
+            errors,
+            tunnel_bytes,
+            closed,
+            blocked,
+        }
+    }
+
+    /// The exposition text.
+    pub(crate) fn render(&self) -> String {
+        self.exposition.render()
+    }
+
+    /// A destination dial succeeded after `took`.
+    pub(crate) fn dial_succeeded(&self, took: Duration) {
+        self.dial_duration.observe(took.as_secs_f64());
+    }
+
+    /// A destination dial failed with `error` (Go-style text).
+    pub(crate) fn dial_failed(&self, error: &str) {
+        let reason = if error.contains("i/o timeout") || error.contains("timed out") {
+            "timeout"
+        } else {
+            "unknown"
+        };
+        self.dial_failures
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A packet of ANP's types to (`to_agent`) or from (`from_agent`) the
+    /// server.
+    pub(crate) fn packet(&self, segment: &'static str, packet: &proto::Packet) {
+        if let Some(packet_type) = tunnel::metrics::packet_type_name(packet) {
+            self.packets
+                .get_or_create(&PacketLabels {
+                    packet_type,
+                    segment,
+                })
+                .inc();
+        }
+    }
+
+    /// Receiving from the server failed.
+    pub(crate) fn receive_failed(&self, code: tonic::Code) {
+        self.server_failures
+            .get_or_create(&DirectionLabel {
+                direction: "from_server",
+            })
+            .inc();
+        self.errors
+            .get_or_create(&ErrorLabels {
+                code: tunnel::metrics::code_name(code),
+                packet_type: "Unknown",
+                segment: "to_agent",
+            })
+            .inc();
+    }
+
+    pub(crate) fn bytes(&self, direction: &'static str, len: usize) {
+        self.tunnel_bytes
+            .get_or_create(&DirectionLabel { direction })
+            .inc_by(len as f64);
+    }
+
+    pub(crate) fn connection_closed(&self, reason: CloseReason) {
+        self.closed
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
+    }
+
+    /// A stream reader waited `took` for room in a connection's buffer.
+    pub(crate) fn blocked(&self, took: Duration) {
+        self.blocked.inc_by(took.as_secs_f64());
+    }
+
+    /// A kube API call of the lease watch.
+    pub(crate) fn lease_call(&self, call: &Call) {
+        let labels = ResponseLabels {
+            http_response_code: call.status.to_string(),
+            reason: status_reason(call.status),
+        };
+        match call.kind {
+            CallKind::List => {
+                self.lease_lists.get_or_create(&labels).inc();
+                self.lease_list_latency
+                    .get_or_create(&ResponseCodeLabel {
+                        http_response_code: call.status.to_string(),
+                    })
+                    .observe(call.took.as_secs_f64());
+            }
+            CallKind::Watch => self.lease_watches.get_or_create(&labels).inc(),
+            CallKind::Delete | CallKind::Other => {}
+        }
+    }
+}
