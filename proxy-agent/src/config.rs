@@ -443,12 +443,18 @@ impl TryFrom<Args> for Config {
             args.admin_server_port,
         )?;
         // Rust has no block profiler; CPU profiles are served.
-        let not_implemented = [(
-            "enable-contention-profiling",
-            args.enable_contention_profiling,
-        )]
+        let not_implemented = [
+            (
+                "enable-contention-profiling",
+                args.enable_contention_profiling,
+            ),
+            // Per-connection queues are bounded in bytes and never block the
+            // stream, so there is no channel limit to warn about.
+            ("warn-on-channel-limit", args.warn_on_channel_limit),
+        ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
+        .chain(args.log.without_effect())
         .collect();
         Ok(Self {
             servers,

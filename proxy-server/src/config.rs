@@ -428,6 +428,7 @@ impl TryFrom<Args> for Config {
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
+        .chain(args.log.without_effect())
         .collect();
         Ok(Self {
             mode,

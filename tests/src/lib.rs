@@ -744,3 +744,101 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .unwrap_or_default();
     (status, body)
 }
+
+/// A child process whose standard error is collected line by line (for
+/// tests that read what a real binary logs); killed when dropped.
+pub struct LoggedProcess {
+    /// The child.
+    child: std::process::Child,
+    /// Its standard error so far.
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl LoggedProcess {
+    /// Spawns `command` (proxy variables and `RUST_LOG` removed, stdout
+    /// discarded, stderr collected); `name` is for failure messages.
+    pub fn spawn(mut command: Command, name: &str) -> Self {
+        use std::io::BufRead;
+        let mut child = command
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("ALL_PROXY")
+            .env_remove("all_proxy")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                sink.lock().expect("log lock").push(line);
+            }
+        });
+        Self { child, log }
+    }
+
+    /// Everything logged so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.log.lock().expect("log lock").clone()
+    }
+
+    /// How many lines contain `needle`.
+    pub fn count(&self, needle: &str) -> usize {
+        self.lines().iter().filter(|l| l.contains(needle)).count()
+    }
+
+    /// The first line containing `needle`.
+    pub fn find(&self, needle: &str) -> Option<String> {
+        self.lines().into_iter().find(|l| l.contains(needle))
+    }
+
+    /// Waits until `needle` has been logged `n` times; returns how long it
+    /// took. Panics, with the log, after `limit` or if the process exits.
+    pub async fn wait_for(&mut self, needle: &str, n: usize, limit: Duration) -> Duration {
+        let start = Instant::now();
+        while self.count(needle) < n {
+            if let Some(status) = self.child.try_wait().expect("checking the child") {
+                panic!(
+                    "exited ({status}) before logging {needle:?}: {:#?}",
+                    self.lines()
+                );
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{needle:?} not logged {n} times within {limit:?}: {:#?}",
+                self.lines()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        start.elapsed()
+    }
+
+    /// The port of the first `<ip>:<port>` after `prefix` in a logged line
+    /// (e.g. `agent.addr=Some(127.0.0.1:` for a port the kernel picked).
+    pub async fn logged_port(&mut self, prefix: &str) -> u16 {
+        self.wait_for(prefix, 1, DEADLINE * 3).await;
+        let line = self.find(prefix).expect("the line just waited for");
+        line.split(prefix)
+            .nth(1)
+            .and_then(|rest| {
+                rest.split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|p| p.parse().ok())
+            })
+            .unwrap_or_else(|| panic!("no port after {prefix:?} in {line:?}"))
+    }
+}
+
+impl Drop for LoggedProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

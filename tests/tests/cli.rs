@@ -203,3 +203,35 @@ impl SocketLike for std::fs::FileType {
         self.is_socket()
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flags_without_effect_are_named_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = Command::new(binary("proxy-server"));
+    command.args([
+        format!("--uds-name={}", dir.path().join("s.sock").display()),
+        "--server-port=0".to_owned(),
+        "--agent-bind-address=127.0.0.1".to_owned(),
+        "--agent-port=0".to_owned(),
+        "--health-port=0".to_owned(),
+        "--admin-port=0".to_owned(),
+        pki_arg("cluster-cert", "cluster.crt"),
+        pki_arg("cluster-key", "cluster.key"),
+        "--enable-profiling".to_owned(),
+        "--enable-contention-profiling".to_owned(),
+        "--log-dir=/var/log/konnectivity".to_owned(),
+        "--vmodule=server=5".to_owned(),
+    ]);
+    let mut server = integration_tests::LoggedProcess::spawn(command, "proxy-server");
+    server
+        .wait_for("not implemented", 1, Duration::from_secs(30))
+        .await;
+    let line = server.find("not implemented").unwrap();
+    for flag in ["enable-contention-profiling", "log-dir", "vmodule"] {
+        assert!(line.contains(flag), "{flag} not named: {line}");
+    }
+    assert!(
+        !line.contains("\"enable-profiling\""),
+        "profiling is implemented: {line}"
+    );
+}

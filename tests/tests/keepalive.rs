@@ -6,14 +6,9 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
-use std::{
-    io::{BufRead, BufReader},
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::{process::Command, time::Duration};
 
-use integration_tests::binary;
+use integration_tests::{LoggedProcess, binary};
 
 const SERVER_IP: &str = "10.250.0.1";
 const AGENT_IP: &str = "10.250.0.2";
@@ -75,82 +70,14 @@ impl Drop for Namespaces {
     }
 }
 
-/// A binary run in a namespace, its stderr collected line by line.
-struct Process {
-    child: Child,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Process {
-    fn start(namespace: &str, name: &str, args: &[String]) -> Self {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", namespace])
-            .arg(binary(name))
-            .args(args)
-            .env_remove("HTTPS_PROXY")
-            .env_remove("https_proxy")
-            .env_remove("ALL_PROXY")
-            .env_remove("all_proxy")
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let stderr = child.stderr.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        Self { child, log }
-    }
-
-    fn count(&self, needle: &str) -> usize {
-        self.log
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|l| l.contains(needle))
-            .count()
-    }
-
-    fn find(&self, needle: &str) -> Option<String> {
-        self.log
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|l| l.contains(needle))
-            .cloned()
-    }
-
-    /// Waits until `needle` has been logged `n` times; returns how long it took.
-    async fn wait_for(&mut self, needle: &str, n: usize, limit: Duration) -> Duration {
-        let start = Instant::now();
-        while self.count(needle) < n {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!(
-                    "exited ({status}) before logging {needle:?}: {:#?}",
-                    self.log
-                );
-            }
-            assert!(
-                start.elapsed() < limit,
-                "{needle:?} not logged {n} times within {limit:?}: {:#?}",
-                self.log.lock().unwrap()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        start.elapsed()
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A workspace binary run in `namespace`, its stderr collected.
+fn start_in(namespace: &str, name: &str, args: &[String]) -> LoggedProcess {
+    let mut command = Command::new("ip");
+    command
+        .args(["netns", "exec", namespace])
+        .arg(binary(name))
+        .args(args);
+    LoggedProcess::spawn(command, name)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,7 +90,7 @@ async fn an_agent_detects_a_silently_vanished_server_and_reconnects() {
         .unwrap();
     let file = |name: &str| dir.path().join(name).display().to_string();
 
-    let mut server = Process::start(
+    let mut server = start_in(
         &ns.server,
         "proxy-server",
         &[
@@ -180,20 +107,11 @@ async fn an_agent_detects_a_silently_vanished_server_and_reconnects() {
         ],
     );
     // The agent port was picked by the kernel; the server logs it.
-    let needle = format!("agent.addr=Some({SERVER_IP}:");
-    server.wait_for(&needle, 1, Duration::from_secs(30)).await;
-    let line = server.find(&needle).unwrap();
-    let port = line
-        .split(&format!("{SERVER_IP}:"))
-        .nth(1)
-        .and_then(|rest| {
-            rest.split(|c: char| !c.is_ascii_digit())
-                .next()
-                .and_then(|p| p.parse::<u16>().ok())
-        })
-        .unwrap_or_else(|| panic!("no agent port in {line:?}"));
+    let port = server
+        .logged_port(&format!("agent.addr=Some({SERVER_IP}:"))
+        .await;
 
-    let mut agent = Process::start(
+    let mut agent = start_in(
         &ns.agent,
         "proxy-agent",
         &[

@@ -158,6 +158,34 @@ pub struct LogArgs {
     pub legacy_stderr_threshold_behavior: Option<bool>,
 }
 
+impl LogArgs {
+    /// The klog flags given that have no effect here, by name, for the
+    /// start-up warning (a flag is never ignored silently).
+    pub fn without_effect(&self) -> Vec<&'static str> {
+        [
+            ("log-dir", self.log_dir.is_some()),
+            ("vmodule", self.vmodule.is_some()),
+            ("stderrthreshold", self.stderrthreshold.is_some()),
+            (
+                "alsologtostderrthreshold",
+                self.alsologtostderrthreshold.is_some(),
+            ),
+            ("log-backtrace-at", self.log_backtrace_at.is_some()),
+            ("add-dir-header", self.add_dir_header.is_some()),
+            ("one-output", self.one_output.is_some()),
+            ("skip-headers", self.skip_headers.is_some()),
+            ("skip-log-headers", self.skip_log_headers.is_some()),
+            (
+                "legacy-stderr-threshold-behavior",
+                self.legacy_stderr_threshold_behavior.is_some(),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;
