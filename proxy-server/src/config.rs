@@ -269,6 +269,17 @@ impl TryFrom<Args> for Config {
     type Error = ConfigError;
 
     fn try_from(args: Args) -> Result<Self, ConfigError> {
+        // Both TLS listeners follow --cipher-suites and --tls-min-version.
+        let (tls13_only, warning) = tls::parse_min_version(&args.tls_min_version)
+            .map_err(|reason| invalid("tls-min-version", reason))?;
+        if let Some(warning) = warning {
+            tracing::warn!(flag = "--tls-min-version", value = %args.tls_min_version, "{warning}");
+        }
+        let policy = tls::TlsPolicy {
+            tls12_suites: tls::parse_cipher_suites(&args.cipher_suites)
+                .map_err(|reason| invalid("cipher-suites", reason))?,
+            tls13_only,
+        };
         let mode = match args.mode.as_str() {
             "grpc" => Mode::Grpc,
             "http-connect" => Mode::HttpConnect,
@@ -296,8 +307,8 @@ impl TryFrom<Args> for Config {
                 Mode::Grpc => tls::ALPN_H2,
                 Mode::HttpConnect => tls::ALPN_HTTP11,
             };
-            let tls = tls::server_config_with_alpn(&cert, &key, Some(&ca), &[alpn]).map_err(
-                |source| ConfigError::Tls {
+            let tls = tls::server_config_with_policy(&cert, &key, Some(&ca), &[alpn], &policy)
+                .map_err(|source| ConfigError::Tls {
                     flag: flag_of_path(
                         source.path(),
                         &[
@@ -307,8 +318,7 @@ impl TryFrom<Args> for Config {
                         "server-cert",
                     ),
                     source,
-                },
-            )?;
+                })?;
             FrontendListen::Tcp {
                 addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
                 tls,
@@ -373,18 +383,24 @@ impl TryFrom<Args> for Config {
             ));
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
-        let agent_tls = tls::server_config(&cluster_cert, &cluster_key, cluster_ca.as_deref())
-            .map_err(|source| ConfigError::Tls {
-                flag: flag_of_path(
-                    source.path(),
-                    &[
-                        ("cluster-key", Some(cluster_key.as_path())),
-                        ("cluster-ca-cert", cluster_ca.as_deref()),
-                    ],
-                    "cluster-cert",
-                ),
-                source,
-            })?;
+        let agent_tls = tls::server_config_with_policy(
+            &cluster_cert,
+            &cluster_key,
+            cluster_ca.as_deref(),
+            &[tls::ALPN_H2],
+            &policy,
+        )
+        .map_err(|source| ConfigError::Tls {
+            flag: flag_of_path(
+                source.path(),
+                &[
+                    ("cluster-key", Some(cluster_key.as_path())),
+                    ("cluster-ca-cert", cluster_ca.as_deref()),
+                ],
+                "cluster-cert",
+            ),
+            source,
+        })?;
         if args.xfr_channel_size == 0 {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
@@ -423,8 +439,6 @@ impl TryFrom<Args> for Config {
                 "enable-contention-profiling",
                 args.enable_contention_profiling,
             ),
-            ("cipher-suites", !args.cipher_suites.is_empty()),
-            ("tls-min-version", !args.tls_min_version.is_empty()),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
@@ -595,6 +609,11 @@ mod tests {
             (with(&["--proxy-strategies=random"]), "--proxy-strategies"),
             (with(&["--server-count=0"]), "--server-count"),
             (with(&["--lease-label="]), "--lease-label"),
+            (
+                with(&["--cipher-suites=TLS_RSA_WITH_RC4_128_SHA"]),
+                "--cipher-suites",
+            ),
+            (with(&["--tls-min-version=TLS13"]), "--tls-min-version"),
             (
                 with(&["--agent-bind-address=not-an-ip"]),
                 "--agent-bind-address",

@@ -98,6 +98,138 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(provider)
 }
 
+/// What `--cipher-suites` and `--tls-min-version` allow on the server's
+/// listeners. As in Go, the TLS 1.3 suites are never restricted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsPolicy {
+    /// TLS 1.2 suites allowed; `None` allows every one.
+    pub tls12_suites: Option<Vec<rustls::CipherSuite>>,
+    /// Refuse TLS 1.2 (`VersionTLS13`).
+    pub tls13_only: bool,
+}
+
+/// Go's names of the suites rustls offers (`tls.CipherSuites()` minus the
+/// CBC ones, which rustls does not implement), with the legacy ChaCha names.
+const SUITE_NAMES: [(&str, rustls::CipherSuite); 11] = {
+    use rustls::CipherSuite as S;
+    [
+        ("TLS_AES_128_GCM_SHA256", S::TLS13_AES_128_GCM_SHA256),
+        ("TLS_AES_256_GCM_SHA384", S::TLS13_AES_256_GCM_SHA384),
+        (
+            "TLS_CHACHA20_POLY1305_SHA256",
+            S::TLS13_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+            S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384",
+            S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256",
+            S::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305",
+            S::TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            S::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384",
+            S::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256",
+            S::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305",
+            S::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+    ]
+};
+
+/// Secure suites Go accepts that rustls does not implement.
+const CBC_SUITES: [&str; 4] = [
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
+];
+
+/// Parses `--cipher-suites` (pflag string slice: `[]`, `a,b` or `[a,b]`):
+/// `None` for an empty list; TLS 1.3 names are accepted and, as in Go,
+/// have no effect.
+///
+/// # Errors
+/// An unknown or insecure name, or a CBC suite rustls lacks, named.
+pub fn parse_cipher_suites(text: &str) -> Result<Option<Vec<rustls::CipherSuite>>, String> {
+    let inner = text.trim();
+    let inner = inner
+        .strip_prefix('[')
+        .and_then(|t| t.strip_suffix(']'))
+        .unwrap_or(inner);
+    let names: Vec<&str> = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .collect();
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let mut suites = Vec::new();
+    for name in names {
+        match SUITE_NAMES.iter().find(|(n, _)| *n == name) {
+            Some((_, suite)) => suites.push(*suite),
+            None if CBC_SUITES.contains(&name) => {
+                return Err(format!(
+                    "{name} is a CBC suite, which this build (rustls) does not implement"
+                ));
+            }
+            None => return Err(format!("{name} is not a known secure cipher suite")),
+        }
+    }
+    Ok(Some(suites))
+}
+
+/// Parses `--tls-min-version`: whether only TLS 1.3 is allowed, and a
+/// warning for versions below 1.2 (accepted as ANP does, but rustls never
+/// speaks them, so 1.2 is the minimum).
+///
+/// # Errors
+/// A value other than "", `VersionTLS10`…`VersionTLS13`.
+pub fn parse_min_version(text: &str) -> Result<(bool, Option<&'static str>), String> {
+    match text {
+        "" | "VersionTLS12" => Ok((false, None)),
+        "VersionTLS13" => Ok((true, None)),
+        "VersionTLS10" | "VersionTLS11" => Ok((
+            false,
+            Some(
+                "TLS versions below 1.2 are insecure and not supported; the minimum stays TLS 1.2",
+            ),
+        )),
+        other => Err(format!(
+            "{other:?} is not VersionTLS10, VersionTLS11, VersionTLS12 or VersionTLS13"
+        )),
+    }
+}
+
+/// [`provider`] restricted by `policy`.
+fn provider_for(policy: &TlsPolicy) -> Arc<CryptoProvider> {
+    let mut provider = (*provider()).clone();
+    if let Some(allowed) = &policy.tls12_suites {
+        provider.cipher_suites.retain(|suite| {
+            suite.version() == &rustls::version::TLS13 || allowed.contains(&suite.suite())
+        });
+    }
+    Arc::new(provider)
+}
+
 /// Reads every certificate of a PEM file (a chain or a CA bundle).
 ///
 /// # Errors
@@ -169,8 +301,28 @@ pub fn server_config_with_alpn(
     client_ca: Option<&Path>,
     alpn: &[&[u8]],
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    let builder = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
+    server_config_with_policy(cert, key, client_ca, alpn, &TlsPolicy::default())
+}
+
+/// [`server_config_with_alpn`] restricted by `policy` (`--cipher-suites`,
+/// `--tls-min-version`).
+///
+/// # Errors
+/// Any file problem, or a key that does not match the certificate.
+pub fn server_config_with_policy(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+    alpn: &[&[u8]],
+    policy: &TlsPolicy,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let versions: &[&rustls::SupportedProtocolVersion] = if policy.tls13_only {
+        &[&rustls::version::TLS13]
+    } else {
+        rustls::DEFAULT_VERSIONS
+    };
+    let builder = ServerConfig::builder_with_provider(provider_for(policy))
+        .with_protocol_versions(versions)
         .map_err(|source| TlsError::Config {
             path: cert.to_owned(),
             source,
@@ -252,6 +404,101 @@ mod tests {
         let err = load_certs(&path).unwrap_err();
         assert!(matches!(err, TlsError::NoCerts { .. }), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn cipher_suites_parse_like_go() {
+        assert_eq!(parse_cipher_suites("[]"), Ok(None));
+        assert_eq!(parse_cipher_suites(""), Ok(None));
+        assert_eq!(
+            parse_cipher_suites(
+                "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305"
+            ),
+            Ok(Some(vec![
+                rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+                rustls::CipherSuite::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256
+            ]))
+        );
+        assert!(
+            parse_cipher_suites("TLS_RSA_WITH_RC4_128_SHA")
+                .unwrap_err()
+                .contains("TLS_RSA_WITH_RC4_128_SHA")
+        );
+        assert!(
+            parse_cipher_suites("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA")
+                .unwrap_err()
+                .contains("CBC")
+        );
+        assert_eq!(parse_min_version(""), Ok((false, None)));
+        assert_eq!(parse_min_version("VersionTLS13"), Ok((true, None)));
+        assert!(parse_min_version("VersionTLS10").unwrap().1.is_some());
+        assert!(parse_min_version("TLS1.3").is_err());
+    }
+
+    /// Whether a client limited to `client_suites`/`client_versions`
+    /// completes a handshake with a server under `policy`.
+    async fn handshake(
+        policy: &TlsPolicy,
+        client_suite: rustls::CipherSuite,
+        client_tls12_only: bool,
+    ) -> bool {
+        let dir = tempfile_dir();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&dir)
+            .unwrap();
+        let server = server_config_with_policy(
+            &dir.join("cluster.crt"),
+            &dir.join("cluster.key"),
+            None,
+            &[ALPN_H2],
+            policy,
+        )
+        .unwrap();
+        let mut client_provider = (*provider()).clone();
+        client_provider
+            .cipher_suites
+            .retain(|s| s.suite() == client_suite);
+        let versions: &[&rustls::SupportedProtocolVersion] = if client_tls12_only {
+            &[&rustls::version::TLS12]
+        } else {
+            rustls::DEFAULT_VERSIONS
+        };
+        let client = ClientConfig::builder_with_provider(Arc::new(client_provider))
+            .with_protocol_versions(versions)
+            .unwrap()
+            .with_root_certificates(load_roots(&dir.join("agent-ca.crt")).unwrap())
+            .with_no_client_auth();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let accept = tokio_rustls::TlsAcceptor::from(server).accept(a);
+        let connect = tokio_rustls::TlsConnector::from(Arc::new(client)).connect(
+            rustls_pki_types::ServerName::try_from("localhost").unwrap(),
+            b,
+        );
+        let (accepted, connected) = tokio::join!(accept, connect);
+        accepted.is_ok() && connected.is_ok()
+    }
+
+    #[tokio::test]
+    async fn the_policy_restricts_handshakes() {
+        use rustls::CipherSuite as S;
+        let open = TlsPolicy::default();
+        assert!(handshake(&open, S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, true).await);
+        let tls13 = TlsPolicy {
+            tls12_suites: None,
+            tls13_only: true,
+        };
+        assert!(!handshake(&tls13, S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, true).await);
+        assert!(handshake(&tls13, S::TLS13_AES_128_GCM_SHA256, false).await);
+        let only_256 = TlsPolicy {
+            tls12_suites: Some(vec![S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384]),
+            tls13_only: false,
+        };
+        assert!(!handshake(&only_256, S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256, true).await);
+        assert!(handshake(&only_256, S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, true).await);
+        // TLS 1.3 suites are not restricted (Go).
+        assert!(handshake(&only_256, S::TLS13_CHACHA20_POLY1305_SHA256, false).await);
     }
 
     fn tempfile_dir() -> PathBuf {
