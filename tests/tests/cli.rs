@@ -235,3 +235,47 @@ async fn flags_without_effect_are_named_at_start_up() {
         "profiling is implemented: {line}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_file_json_format_and_verbosity_are_honoured() {
+    let server = TestServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    for (verbosity, debug_expected) in [(4, false), (9, true)] {
+        let file = dir.path().join(format!("agent-v{verbosity}.log"));
+        let mut command = Command::new(binary("proxy-agent"));
+        command.args([
+            format!("-v={verbosity}"),
+            "--logtostderr=false".to_owned(),
+            format!("--log-file={}", file.display()),
+            "--log-format=json".to_owned(),
+            pki_arg("ca-cert", "agent-ca.crt"),
+            pki_arg("agent-cert", "proxy-agent.crt"),
+            pki_arg("agent-key", "proxy-agent.key"),
+            "--proxy-server-host=127.0.0.1".to_owned(),
+            format!("--proxy-server-port={}", server.agent_addr.port()),
+            "--health-server-port=0".to_owned(),
+            "--admin-server-port=0".to_owned(),
+        ]);
+        let agent = integration_tests::LoggedProcess::spawn(command, "proxy-agent");
+        let handle = server.handle.clone();
+        wait_for("the agent to connect", || handle.backend_count() == 1).await;
+        let logged = || std::fs::read_to_string(&file).unwrap_or_default();
+        wait_for("the connect to be logged", || {
+            logged().contains("connected to proxy-server")
+        })
+        .await;
+        drop(agent);
+        wait_for("the agent to go", || handle.backend_count() == 0).await;
+
+        let mut levels = std::collections::BTreeSet::new();
+        for line in logged().lines() {
+            let record: serde_json::Value =
+                serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+            levels.insert(record["level"].as_str().unwrap().to_owned());
+            assert!(record["fields"].is_object(), "{line}");
+        }
+        let verbose = levels.contains("DEBUG") || levels.contains("TRACE");
+        assert_eq!(verbose, debug_expected, "-v={verbosity}: levels {levels:?}");
+        assert!(levels.contains("INFO"), "{levels:?}");
+    }
+}
