@@ -17,7 +17,7 @@ use prometheus_client::{
 };
 use tunnel::{
     kube::{Call, CallKind, status_reason},
-    metrics::{Counter, ErrorLabels, Metrics, PacketLabels},
+    metrics::{Counter, Metrics, StreamCounters},
 };
 
 use crate::agent::AgentState;
@@ -91,8 +91,7 @@ pub struct AgentMetrics {
     lease_lists: Family<ResponseLabels, Counter>,
     lease_watches: Family<ResponseLabels, Counter>,
     lease_list_latency: HistogramFamily<ResponseCodeLabel>,
-    packets: Family<PacketLabels, Counter>,
-    errors: Family<ErrorLabels, Counter>,
+    streams: StreamCounters,
     tunnel_bytes: Family<DirectionLabel, Counter>,
     closed: Family<ReasonLabel, Counter>,
     blocked: Counter,
@@ -161,16 +160,7 @@ impl AgentMetrics {
             "Latency of server lease listing in seconds",
             HistogramFamily::new_with_constructor(agent_histogram as fn() -> Histogram),
         );
-        let packets = m.register(
-            name("stream_packets_total"),
-            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
-            Family::default(),
-        );
-        let errors = m.register(
-            name("stream_errors_total"),
-            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
-            Family::default(),
-        );
+        let streams = StreamCounters::register(&mut m, PREFIX);
         tunnel::metrics::register_process(&mut m);
         let tunnel_bytes = m.register(
             "konnectivity_rs_agent_tunnel_bytes_total",
@@ -195,8 +185,7 @@ impl AgentMetrics {
             lease_lists,
             lease_watches,
             lease_list_latency,
-            packets,
-            errors,
+            streams,
             tunnel_bytes,
             closed,
             blocked,
@@ -228,14 +217,7 @@ impl AgentMetrics {
     /// A packet of ANP's types to (`to_agent`) or from (`from_agent`) the
     /// server.
     pub(crate) fn packet(&self, segment: &'static str, packet: &proto::Packet) {
-        if let Some(packet_type) = tunnel::metrics::packet_type_name(packet) {
-            self.packets
-                .get_or_create(&PacketLabels {
-                    packet_type,
-                    segment,
-                })
-                .inc();
-        }
+        self.streams.packet(segment, packet);
     }
 
     /// Receiving from the server failed.
@@ -245,13 +227,7 @@ impl AgentMetrics {
                 direction: "from_server",
             })
             .inc();
-        self.errors
-            .get_or_create(&ErrorLabels {
-                code: tunnel::metrics::code_name(code),
-                packet_type: "Unknown",
-                segment: "to_agent",
-            })
-            .inc();
+        self.streams.receive_error("to_agent", code);
     }
 
     pub(crate) fn bytes(&self, direction: &'static str, len: usize) {

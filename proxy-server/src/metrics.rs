@@ -14,7 +14,7 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{family::Family, gauge::Gauge, histogram::Histogram},
 };
-use tunnel::metrics::{Counter, DEFAULT_BUCKETS, ErrorLabels, Metrics, PacketLabels};
+use tunnel::metrics::{Counter, DEFAULT_BUCKETS, Metrics, StreamCounters};
 
 use crate::{backend::strategy::ProxyStrategy, tunnels::Tunnels};
 
@@ -151,8 +151,7 @@ pub(crate) struct ServerMetrics {
     established: Gauge,
     full_receive_channels: Family<MethodLabel, Gauge>,
     dial_failures: Family<ReasonLabel, Counter>,
-    packets: Family<PacketLabels, Counter>,
-    errors: Family<ErrorLabels, Counter>,
+    streams: StreamCounters,
     culled_leases: Counter,
     lease_delete_latency: HistogramFamily<StatusLabel>,
     lease_delete_total: Family<StatusReasonLabels, Counter>,
@@ -230,16 +229,7 @@ impl ServerMetrics {
             "Number of dial failures observed. Multiple failures can occur for a single dial request.",
             Family::default(),
         );
-        let packets = m.register(
-            name("stream_packets_total"),
-            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
-            Family::default(),
-        );
-        let errors = m.register(
-            name("stream_errors_total"),
-            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
-            Family::default(),
-        );
+        let streams = StreamCounters::register(&mut m, PREFIX);
         let culled_leases = m.register(
             name("culled_leases_count"),
             "Count of expired leases that the lease garbage collection controller has culled.",
@@ -304,8 +294,7 @@ impl ServerMetrics {
             established,
             full_receive_channels,
             dial_failures,
-            packets,
-            errors,
+            streams,
             culled_leases,
             lease_delete_latency,
             lease_delete_total,
@@ -369,25 +358,12 @@ impl ServerMetrics {
 
     /// A packet of ANP's types crossed `segment`.
     pub(crate) fn packet(&self, segment: &'static str, packet: &proto::Packet) {
-        if let Some(packet_type) = tunnel::metrics::packet_type_name(packet) {
-            self.packets
-                .get_or_create(&PacketLabels {
-                    packet_type,
-                    segment,
-                })
-                .inc();
-        }
+        self.streams.packet(segment, packet);
     }
 
     /// A stream failed on receive.
     pub(crate) fn stream_error(&self, segment: &'static str, code: tonic::Code) {
-        self.errors
-            .get_or_create(&ErrorLabels {
-                code: tunnel::metrics::code_name(code),
-                packet_type: "Unknown",
-                segment,
-            })
-            .inc();
+        self.streams.receive_error(segment, code);
     }
 
     /// A gRPC stream of `method` started; the gauge drops with the guard.

@@ -192,6 +192,59 @@ pub struct ErrorLabels {
     pub segment: &'static str,
 }
 
+/// ANP's `stream_packets_total` and `stream_errors_total` (same HELP on
+/// the server and the agent).
+#[derive(Clone, Debug)]
+pub struct StreamCounters {
+    /// Packets by type and segment.
+    packets: prometheus_client::metrics::family::Family<PacketLabels, Counter>,
+    /// Stream errors by code, type and segment.
+    errors: prometheus_client::metrics::family::Family<ErrorLabels, Counter>,
+}
+
+impl StreamCounters {
+    /// Registers both as `<prefix>stream_packets_total` and
+    /// `<prefix>stream_errors_total`.
+    pub fn register(metrics: &mut Metrics, prefix: &str) -> Self {
+        Self {
+            packets: metrics.register(
+                format!("{prefix}stream_packets_total"),
+                "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
+                Default::default(),
+            ),
+            errors: metrics.register(
+                format!("{prefix}stream_errors_total"),
+                "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
+                Default::default(),
+            ),
+        }
+    }
+
+    /// A packet of ANP's types crossed `segment` (others, such as our
+    /// flow-control credits, are not counted).
+    pub fn packet(&self, segment: &'static str, packet: &proto::Packet) {
+        if let Some(packet_type) = packet_type_name(packet) {
+            self.packets
+                .get_or_create(&PacketLabels {
+                    packet_type,
+                    segment,
+                })
+                .inc();
+        }
+    }
+
+    /// Receiving on `segment` failed with `code`.
+    pub fn receive_error(&self, segment: &'static str, code: tonic::Code) {
+        self.errors
+            .get_or_create(&ErrorLabels {
+                code: code_name(code),
+                packet_type: "Unknown",
+                segment,
+            })
+            .inc();
+    }
+}
+
 /// The enum name of a packet's type as ANP labels it, or `None` for types
 /// outside ANP's enum (our flow-control credits), which are not counted.
 pub fn packet_type_name(packet: &proto::Packet) -> Option<&'static str> {
