@@ -4,7 +4,6 @@
 use std::{
     collections::HashMap,
     future::Future,
-    io,
     net::SocketAddr,
     sync::{
         Arc, Mutex, MutexGuard, OnceLock, PoisonError,
@@ -16,7 +15,7 @@ use std::{
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, info, info_span, warn};
-use tunnel::{conn::bind_tcp, error::DisplayErrorStack, ids::ServerId};
+use tunnel::{conn::bind_named, error::DisplayErrorStack, ids::ServerId};
 
 use crate::{
     client::Client,
@@ -31,16 +30,8 @@ use crate::{
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     /// A listener could not be bound.
-    #[error("cannot listen on {addr} ({what})")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// Which listener.
-        what: &'static str,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] tunnel::conn::BindError),
     /// `--count-server-leases` is on and the kube client cannot be set up.
     #[error(transparent)]
     Kube(#[from] tunnel::kube::KubeSetupError),
@@ -165,20 +156,8 @@ impl Agent {
     /// # Errors
     /// The port is taken or the address unusable.
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
-        let health = bind_tcp(config.health_addr)
-            .await
-            .map_err(|source| AgentError::Bind {
-                addr: config.health_addr,
-                what: "health",
-                source,
-            })?;
-        let admin = bind_tcp(config.admin_addr)
-            .await
-            .map_err(|source| AgentError::Bind {
-                addr: config.admin_addr,
-                what: "admin",
-                source,
-            })?;
+        let health = bind_named(config.health_addr, "health").await?;
+        let admin = bind_named(config.admin_addr, "admin").await?;
         // The lease watch reports its calls to the metrics, which read the
         // state: both are made together.
         let metrics_slot: Arc<OnceLock<Arc<AgentMetrics>>> = Arc::default();

@@ -17,7 +17,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::transport::Server;
 use tracing::{info, warn};
 use tunnel::{
-    conn::{bind_tcp, tls_incoming},
+    conn::{bind_named, tls_incoming},
     flow,
 };
 
@@ -39,16 +39,8 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     /// A TCP listener could not be bound.
-    #[error("cannot listen on {addr} ({what})")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// Which listener.
-        what: &'static str,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] tunnel::conn::BindError),
     /// The Unix socket could not be created.
     #[error("cannot listen on unix socket {path}")]
     Uds {
@@ -122,13 +114,7 @@ impl ProxyServer {
     /// # Errors
     /// A port is taken, the socket path cannot be used, …; the error names it.
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
-        let agent = bind_tcp(config.agent_addr)
-            .await
-            .map_err(|source| ServerError::Bind {
-                addr: config.agent_addr,
-                what: "agent",
-                source,
-            })?;
+        let agent = bind_named(config.agent_addr, "agent").await?;
         let frontend = match &config.frontend {
             FrontendListen::Uds {
                 path,
@@ -141,28 +127,12 @@ impl ProxyServer {
                 path: path.clone(),
             },
             FrontendListen::Tcp { addr, tls } => BoundFrontend::Tcp {
-                listener: bind_tcp(*addr).await.map_err(|source| ServerError::Bind {
-                    addr: *addr,
-                    what: "frontend",
-                    source,
-                })?,
+                listener: bind_named(*addr, "frontend").await?,
                 tls: tls.clone(),
             },
         };
-        let health = bind_tcp(config.health_addr)
-            .await
-            .map_err(|source| ServerError::Bind {
-                addr: config.health_addr,
-                what: "health",
-                source,
-            })?;
-        let admin = bind_tcp(config.admin_addr)
-            .await
-            .map_err(|source| ServerError::Bind {
-                addr: config.admin_addr,
-                what: "admin",
-                source,
-            })?;
+        let health = bind_named(config.health_addr, "health").await?;
+        let admin = bind_named(config.admin_addr, "admin").await?;
         let tunnels = Arc::new(Tunnels::new(
             BackendManager::new(&config.strategies),
             config.backend_dial_timeout,

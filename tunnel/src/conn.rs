@@ -141,6 +141,29 @@ pub fn tls_incoming(
     ReceiverStream::new(rx)
 }
 
+/// A listener that could not be bound, named.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on {addr} ({what})")]
+pub struct BindError {
+    /// The address.
+    pub addr: SocketAddr,
+    /// Which listener (`agent`, `health`, …).
+    pub what: &'static str,
+    /// Why.
+    #[source]
+    pub source: io::Error,
+}
+
+/// [`bind_tcp`], with an error naming the listener `what`.
+///
+/// # Errors
+/// [`BindError`].
+pub async fn bind_named(addr: SocketAddr, what: &'static str) -> Result<TcpListener, BindError> {
+    bind_tcp(addr)
+        .await
+        .map_err(|source| BindError { addr, what, source })
+}
+
 /// Binds a TCP listener; an unspecified IPv6 address (`[::]`, what an empty
 /// bind-address flag means) falls back to `0.0.0.0` where IPv6 is disabled.
 ///
