@@ -185,6 +185,17 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     conn.write_all(b"hello").await.unwrap();
     let mut got = [0u8; 5];
     conn.read_exact(&mut got).await.unwrap();
+    // Live gauges while it is open.
+    let server_text = get(server.health_addr, "/metrics").await.2;
+    assert!(
+        server_text.contains("\nkonnectivity_network_proxy_server_established_connections 1\n"),
+        "{server_text}"
+    );
+    let agent_text = get(agent.health_addr, "/metrics").await.2;
+    assert!(
+        agent_text.contains("\nkonnectivity_network_proxy_agent_open_endpoint_connections 1\n"),
+        "{agent_text}"
+    );
     conn.finish().await.unwrap();
 
     // 3. A dial to a closed port.
@@ -203,6 +214,11 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
         handle.dials_in_progress() == 1
     })
     .await;
+    let server_text = get(server.health_addr, "/metrics").await.2;
+    assert!(
+        server_text.contains("\nkonnectivity_network_proxy_server_pending_backend_dials 1\n"),
+        "{server_text}"
+    );
     drop(frontend);
     wait_for("the agent to drop the cancelled dial", || {
         handle.dials_in_progress() == 0
@@ -408,6 +424,12 @@ async fn endpoints_answer_as_anps_before_and_after_an_agent_connects() {
     assert_eq!(http_get(server.health_addr, "/ready").await, no_agent);
 
     let agent = TestAgent::start(&server).await;
+    // The server counts the agent before the agent has read its answer.
+    let handle = agent.handle.clone();
+    wait_for("the agent to see its server", || {
+        handle.server_connections() == 1
+    })
+    .await;
     assert_eq!(
         http_get(server.health_addr, "/readyz").await,
         (200, "ok".to_owned())
