@@ -196,8 +196,8 @@ async fn the_agent_counts_valid_matching_leases() {
     stub.remove(NAMESPACE, "s3");
     wait_for("a count of 2", || handle.known_server_count() == 2).await;
 
-    // A lease that expires in a second stops counting once it has.
-    stub.put(lease("short", &[LABEL], 29, 30));
+    // A lease that expires in three seconds stops counting once it has.
+    stub.put(lease("short", &[LABEL], 27, 30));
     wait_for("a count of 3 with the short lease", || {
         handle.known_server_count() == 3
     })
