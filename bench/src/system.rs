@@ -164,6 +164,7 @@ impl Deployment {
                 format!("--proxy-server-port={agent_port}"),
                 "--health-server-host=127.0.0.1".to_owned(),
                 "--health-server-port=0".to_owned(),
+                "--admin-server-port=0".to_owned(),
                 "--sync-interval=100ms".to_owned(),
                 "--v=0".to_owned(),
             ],

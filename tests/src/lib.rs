@@ -636,6 +636,7 @@ impl AgentProcess {
                 format!("--proxy-server-port={}", server.agent_addr.port()),
                 "--health-server-host=127.0.0.1".to_owned(),
                 "--health-server-port=0".to_owned(),
+                "--admin-server-port=0".to_owned(),
                 "--sync-interval=100ms".to_owned(),
                 "--sync-interval-cap=1s".to_owned(),
             ])

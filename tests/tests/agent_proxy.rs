@@ -254,6 +254,7 @@ async fn the_real_agent_honours_https_proxy_and_no_proxy() {
                 format!("--agent-key={}", pki.path("proxy-agent.key").display()),
                 format!("--proxy-server-port={}", server.agent_addr.port()),
                 "--health-server-port=0".to_owned(),
+                "--admin-server-port=0".to_owned(),
                 "--sync-interval=100ms".to_owned(),
             ])
             .stdout(Stdio::null())

@@ -122,6 +122,7 @@ async fn the_agent_id_comes_from_proxy_agent_id() {
                 pki_arg("agent-key", "proxy-agent.key"),
                 format!("--proxy-server-port={}", server.agent_addr.port()),
                 "--health-server-port=0".to_owned(),
+                "--admin-server-port=0".to_owned(),
                 "--sync-interval=100ms".to_owned(),
             ])
             .stderr(Stdio::null())
