@@ -383,6 +383,7 @@ fn add_client(
             .server_count
             .store(client.server_count, Ordering::Relaxed);
     }
+    state.metrics.server_connection_opened();
     info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
     let draining = state.draining.clone();
     let state = state.clone();

@@ -346,7 +346,10 @@ impl Client {
         let outbound = ReceiverStream::new(out_rx).map(move |packet: Packet| {
             if let Some(metrics) = counting.get() {
                 metrics.packet("from_agent", &packet);
-                if let Some(proto::Payload::Data(data)) = &packet.payload {
+                // Flow-control credits travel as DATA; they carry no bytes.
+                if let Some(proto::Payload::Data(data)) = &packet.payload
+                    && tunnel::flow::parse_credit(&packet).is_none()
+                {
                     metrics.bytes("to_server", data.data.len());
                 }
             }
@@ -613,11 +616,19 @@ impl Stream {
     /// queue (the reader must keep reading, or two full queues wait on each
     /// other); when full, a task delivers it within a bound.
     fn reply(&self, packet: Packet) {
-        if let Err(mpsc::error::TrySendError::Full(packet)) = self.out_tx.try_send(packet) {
-            let out_tx = self.out_tx.clone();
-            self.tasks.spawn(async move {
-                let _ = tokio::time::timeout(CONNECT_TIMEOUT, out_tx.send(packet)).await;
-            });
+        match self.out_tx.try_send(packet) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(packet)) => self.metrics.send_failed(&packet),
+            Err(mpsc::error::TrySendError::Full(packet)) => {
+                let out_tx = self.out_tx.clone();
+                let metrics = self.metrics.clone();
+                self.tasks.spawn(async move {
+                    let sent = tokio::time::timeout(CONNECT_TIMEOUT, out_tx.send(packet)).await;
+                    if let Ok(Err(mpsc::error::SendError(packet))) = sent {
+                        metrics.send_failed(&packet);
+                    }
+                });
+            }
         }
     }
 
@@ -649,9 +660,12 @@ impl Stream {
                     Err(error) => {
                         metrics.dial_failed(&error);
                         debug!(%error, "dial failed");
-                        let _ = out_tx
+                        if let Err(mpsc::error::SendError(packet)) = out_tx
                             .send(Packet::dial_response(dial_id.0, 0, &error))
-                            .await;
+                            .await
+                        {
+                            metrics.send_failed(&packet);
+                        }
                         return;
                     }
                 };
@@ -670,11 +684,12 @@ impl Stream {
                         abort_reason: abort_reason.clone(),
                     },
                 );
-                if out_tx
+                metrics.endpoint_connection_opened();
+                if let Err(mpsc::error::SendError(packet)) = out_tx
                     .send(Packet::dial_response(dial_id.0, conn_id.0, ""))
                     .await
-                    .is_err()
                 {
+                    metrics.send_failed(&packet);
                     conns.remove(conn_id);
                     return;
                 }
@@ -698,15 +713,26 @@ impl Stream {
                     end = pump(stream, conn_id, outbound, out_tx.clone(), flow) => end,
                 };
                 conns.remove(conn_id);
+                let end = match end {
+                    PumpEnd::Undelivered(packet) => {
+                        metrics.send_failed(&packet);
+                        PumpEnd::TunnelGone
+                    }
+                    end => end,
+                };
                 metrics.connection_closed(match &end {
-                    PumpEnd::TunnelGone if abort_reason.get().is_some() => CloseReason::Overflow,
-                    PumpEnd::TunnelGone => CloseReason::StreamGone,
+                    PumpEnd::TunnelGone | PumpEnd::Undelivered(_)
+                        if abort_reason.get().is_some() =>
+                    {
+                        CloseReason::Overflow
+                    }
+                    PumpEnd::TunnelGone | PumpEnd::Undelivered(_) => CloseReason::StreamGone,
                     PumpEnd::LocalError(_) => CloseReason::EndpointError,
                     PumpEnd::LocalEof => CloseReason::EndpointClosed,
                     PumpEnd::PeerClosed => CloseReason::ServerClosed,
                 });
                 let error = match &end {
-                    PumpEnd::TunnelGone => match abort_reason.get() {
+                    PumpEnd::TunnelGone | PumpEnd::Undelivered(_) => match abort_reason.get() {
                         // Aborted for overflow: tell the server why.
                         Some(reason) if !cancel.is_cancelled() => reason.clone(),
                         _ => return,
@@ -715,7 +741,11 @@ impl Stream {
                     PumpEnd::LocalEof | PumpEnd::PeerClosed => String::new(),
                 };
                 debug!(?end, "connection closed");
-                let _ = out_tx.send(Packet::close_response(conn_id.0, &error)).await;
+                if let Err(mpsc::error::SendError(packet)) =
+                    out_tx.send(Packet::close_response(conn_id.0, &error)).await
+                {
+                    metrics.send_failed(&packet);
+                }
             }
             .instrument(span),
         );

@@ -5,9 +5,14 @@
 //! The three gauges (open server and endpoint connections, known server
 //! count) are read from the agent's state when scraped; the rest is
 //! recorded where it happens, a labelled series appearing once observed.
+//! As in ANP, the dial latency and the open server and endpoint
+//! connection gauges stay out of the exposition until first set.
 
 use std::{
-    sync::{Arc, Weak},
+    sync::{
+        Arc, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -17,7 +22,7 @@ use prometheus_client::{
 };
 use tunnel::{
     kube::{Call, CallKind, status_reason},
-    metrics::{Counter, Metrics, StreamCounters},
+    metrics::{Counter, Metrics, Observed, StreamCounters},
 };
 
 use crate::agent::AgentState;
@@ -85,7 +90,11 @@ impl CloseReason {
 /// Everything the agent records.
 pub struct AgentMetrics {
     exposition: Arc<Metrics>,
-    dial_duration: Histogram,
+    dial_duration: Observed<Histogram>,
+    /// Whether a server connection was ever opened (shows the gauge).
+    server_seen: Arc<AtomicBool>,
+    /// Whether an endpoint connection was ever opened (shows the gauge).
+    endpoint_seen: Arc<AtomicBool>,
     server_failures: Family<DirectionLabel, Counter>,
     dial_failures: Family<ReasonLabel, Counter>,
     lease_lists: Family<ResponseLabels, Counter>,
@@ -111,7 +120,7 @@ impl AgentMetrics {
         let dial_duration = m.register(
             name("dial_duration_seconds"),
             "Latency of dial to the remote endpoint in seconds",
-            Histogram::new(AGENT_BUCKETS),
+            Observed::new(Histogram::new(AGENT_BUCKETS)),
         );
         let server_failures = m.register(
             name("server_connection_failure_count"),
@@ -123,27 +132,38 @@ impl AgentMetrics {
             "Number of failures dialing the remote endpoint, by reason (example: timeout).",
             Family::default(),
         );
-        let gauge = |read: fn(&AgentState) -> usize| {
+        let server_seen = Arc::new(AtomicBool::new(false));
+        let endpoint_seen = Arc::new(AtomicBool::new(false));
+        // A gauge read from the state, shown once `seen` is set.
+        let gauge = |read: fn(&AgentState) -> usize, seen: Option<Arc<AtomicBool>>| {
             let state = state.clone();
-            move || state.upgrade().map_or(0.0, |s| read(&s) as f64)
+            move || {
+                if seen.as_ref().is_some_and(|s| !s.load(Ordering::Relaxed)) {
+                    return None;
+                }
+                Some(state.upgrade().map_or(0.0, |s| read(&s) as f64))
+            }
         };
         m.probe(
             name("open_server_connections"),
             "Current number of open server connections.",
             MetricType::Gauge,
-            gauge(AgentState::server_connections),
+            gauge(AgentState::server_connections, Some(server_seen.clone())),
         );
         m.probe(
             name("known_server_count"),
             "Current number of servers agent is trying to connect to.",
             MetricType::Gauge,
-            gauge(AgentState::target_count),
+            gauge(AgentState::target_count, None),
         );
         m.probe(
             name("open_endpoint_connections"),
             "Current number of open endpoint connections.",
             MetricType::Gauge,
-            gauge(AgentState::endpoint_connections),
+            gauge(
+                AgentState::endpoint_connections,
+                Some(endpoint_seen.clone()),
+            ),
         );
         let lease_lists = m.register(
             name("lease_lists_total"),
@@ -180,6 +200,8 @@ impl AgentMetrics {
         Self {
             exposition: Arc::new(m),
             dial_duration,
+            server_seen,
+            endpoint_seen,
             server_failures,
             dial_failures,
             lease_lists,
@@ -199,7 +221,18 @@ impl AgentMetrics {
 
     /// A destination dial succeeded after `took`.
     pub(crate) fn dial_succeeded(&self, took: Duration) {
-        self.dial_duration.observe(took.as_secs_f64());
+        self.dial_duration.get().observe(took.as_secs_f64());
+    }
+
+    /// A server connection was added (ANP sets its gauge from then on).
+    pub(crate) fn server_connection_opened(&self) {
+        self.server_seen.store(true, Ordering::Relaxed);
+    }
+
+    /// An endpoint connection was registered (ANP sets its gauge from then
+    /// on).
+    pub(crate) fn endpoint_connection_opened(&self) {
+        self.endpoint_seen.store(true, Ordering::Relaxed);
     }
 
     /// A destination dial failed with `error` (Go-style text).
@@ -228,6 +261,17 @@ impl AgentMetrics {
             })
             .inc();
         self.streams.receive_error("to_agent", code);
+    }
+
+    /// `packet` could not be sent to the server: its stream is gone.
+    pub(crate) fn send_failed(&self, packet: &proto::Packet) {
+        self.server_failures
+            .get_or_create(&DirectionLabel {
+                direction: "to_server",
+            })
+            .inc();
+        self.streams
+            .send_error("from_agent", tonic::Code::Unavailable, packet);
     }
 
     pub(crate) fn bytes(&self, direction: &'static str, len: usize) {
@@ -267,5 +311,37 @@ impl AgentMetrics {
             CallKind::Watch => self.lease_watches.get_or_create(&labels).inc(),
             CallKind::Delete | CallKind::Other => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_packet_the_server_stream_did_not_take_counts_in_both_metrics() {
+        let metrics = AgentMetrics::new(Weak::new());
+        metrics.send_failed(&proto::Packet::dial_response(1, 2, ""));
+        let text = metrics.render();
+        for series in [
+            "konnectivity_network_proxy_agent_server_connection_failure_count{direction=\"to_server\"} 1\n",
+            "konnectivity_network_proxy_agent_stream_errors_total{code=\"Unavailable\",packet_type=\"DIAL_RSP\",segment=\"from_agent\"} 1\n",
+        ] {
+            assert!(text.contains(series), "{series}{text}");
+        }
+    }
+
+    #[test]
+    fn connection_gauges_appear_once_set() {
+        let metrics = AgentMetrics::new(Weak::new());
+        let text = metrics.render();
+        assert!(!text.contains("open_server_connections"), "{text}");
+        assert!(!text.contains("open_endpoint_connections"), "{text}");
+        assert!(text.contains("\nkonnectivity_network_proxy_agent_known_server_count 0\n"));
+        metrics.server_connection_opened();
+        metrics.endpoint_connection_opened();
+        let text = metrics.render();
+        assert!(text.contains("\nkonnectivity_network_proxy_agent_open_server_connections 0\n"));
+        assert!(text.contains("\nkonnectivity_network_proxy_agent_open_endpoint_connections 0\n"));
     }
 }

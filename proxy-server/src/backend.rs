@@ -9,7 +9,7 @@ use std::{
     collections::HashMap,
     net::SocketAddr,
     sync::{
-        Mutex,
+        Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
 };
@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tunnel::ids::{AgentId, ConnId};
 
-use crate::{conn::BackendConn, lock};
+use crate::{conn::BackendConn, lock, metrics::ServerMetrics};
 use strategy::AgentIdentifiers;
 
 /// How long a reply from a reader may wait for room in a full agent queue.
@@ -54,6 +54,20 @@ pub(crate) struct Backend {
     pub(crate) flow_control: bool,
     /// Cancelled when the stream must end (agent gone, retired, shutdown).
     pub(crate) cancel: CancellationToken,
+    /// Where packets that cannot be sent are counted.
+    metrics: Arc<ServerMetrics>,
+}
+
+/// The stream side of a new [`Backend`].
+pub(crate) struct BackendStream {
+    /// Outbound packets; tonic drains the receiver into the stream.
+    pub(crate) tx: mpsc::Sender<Packet>,
+    /// Cancelled when the stream must end.
+    pub(crate) cancel: CancellationToken,
+    /// Whether per-connection flow control was negotiated.
+    pub(crate) flow_control: bool,
+    /// Where packets that cannot be sent are counted.
+    pub(crate) metrics: Arc<ServerMetrics>,
 }
 
 impl Backend {
@@ -62,10 +76,14 @@ impl Backend {
         agent_id: AgentId,
         identifiers: AgentIdentifiers,
         peer: Option<SocketAddr>,
-        tx: mpsc::Sender<Packet>,
-        cancel: CancellationToken,
-        flow_control: bool,
+        stream: BackendStream,
     ) -> Self {
+        let BackendStream {
+            tx,
+            cancel,
+            flow_control,
+            metrics,
+        } = stream;
         Self {
             uid,
             agent_id,
@@ -76,24 +94,41 @@ impl Backend {
             conns: Mutex::new(HashMap::new()),
             flow_control,
             cancel,
+            metrics,
         }
     }
 
     /// Queues a packet for the agent, waiting while the queue is full.
     pub(crate) async fn send(&self, packet: Packet) -> Result<(), BackendGone> {
         tracing::trace!(agent.id = %self.agent_id, packet = packet.type_name(), "to agent");
-        self.tx.send(packet).await.map_err(|_| BackendGone)
+        self.tx
+            .send(packet)
+            .await
+            .map_err(|mpsc::error::SendError(packet)| {
+                self.metrics.send_error("to_agent", &packet);
+                BackendGone
+            })
     }
 
     /// Queues a packet without waiting: used by readers, which must keep
     /// reading (two full queues waiting on each other would deadlock); when
     /// the queue is full a task delivers it within a bound.
     pub(crate) fn send_nowait(&self, packet: Packet) {
-        if let Err(mpsc::error::TrySendError::Full(packet)) = self.tx.try_send(packet) {
-            let tx = self.tx.clone();
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(REPLY_TIMEOUT, tx.send(packet)).await;
-            });
+        match self.tx.try_send(packet) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(packet)) => {
+                self.metrics.send_error("to_agent", &packet);
+            }
+            Err(mpsc::error::TrySendError::Full(packet)) => {
+                let tx = self.tx.clone();
+                let metrics = self.metrics.clone();
+                tokio::spawn(async move {
+                    let sent = tokio::time::timeout(REPLY_TIMEOUT, tx.send(packet)).await;
+                    if let Ok(Err(mpsc::error::SendError(packet))) = sent {
+                        metrics.send_error("to_agent", &packet);
+                    }
+                });
+            }
         }
     }
 
@@ -141,5 +176,42 @@ impl std::fmt::Debug for Backend {
             .field("uid", &self.uid)
             .field("agent_id", &self.agent_id)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(metrics: &Arc<ServerMetrics>) -> (Backend, mpsc::Receiver<Packet>) {
+        let (tx, rx) = mpsc::channel(1);
+        let backend = Backend::new(
+            1,
+            AgentId("a".to_owned()),
+            AgentIdentifiers::default(),
+            None,
+            BackendStream {
+                tx,
+                cancel: CancellationToken::new(),
+                flow_control: false,
+                metrics: metrics.clone(),
+            },
+        );
+        (backend, rx)
+    }
+
+    const CLOSE_REQ_LOST: &str = "konnectivity_network_proxy_server_stream_errors_total{code=\"Unavailable\",packet_type=\"CLOSE_REQ\",segment=\"to_agent\"}";
+
+    #[tokio::test]
+    async fn a_packet_for_a_gone_agent_is_counted_as_a_send_error() {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let (backend, rx) = backend(&metrics);
+        backend.send(Packet::close_request(1)).await.unwrap();
+        assert!(!metrics.text().contains("stream_errors_total{"));
+        drop(rx);
+        assert!(backend.send(Packet::close_request(1)).await.is_err());
+        backend.send_nowait(Packet::close_request(2));
+        let text = metrics.text();
+        assert!(text.contains(&format!("\n{CLOSE_REQ_LOST} 2\n")), "{text}");
     }
 }

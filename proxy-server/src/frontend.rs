@@ -42,6 +42,18 @@ pub(crate) struct Frontend {
     state: Mutex<FrontendState>,
     /// Where writes to the frontend are timed.
     metrics: Arc<ServerMetrics>,
+    /// Which protocol the frontend speaks.
+    pub(crate) kind: FrontendKind,
+}
+
+/// The protocol of a frontend: ANP counts some events for one only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FrontendKind {
+    /// A `ProxyService/Proxy` stream: its packets are counted as
+    /// `to_client`/`from_client`.
+    Grpc,
+    /// An HTTP CONNECT request: bytes, not packets, cross to the client.
+    HttpConnect,
 }
 
 /// Slots of a frontend's queue: a window of the smallest DATA packets of one
@@ -95,12 +107,26 @@ impl FrontendState {
 }
 
 impl Frontend {
-    pub(crate) fn new(uid: u64, tx: mpsc::Sender<ToFrontend>, metrics: Arc<ServerMetrics>) -> Self {
+    pub(crate) fn new(
+        uid: u64,
+        tx: mpsc::Sender<ToFrontend>,
+        metrics: Arc<ServerMetrics>,
+        kind: FrontendKind,
+    ) -> Self {
         Self {
             uid,
             tx,
             state: Mutex::new(FrontendState::default()),
             metrics,
+            kind,
+        }
+    }
+
+    /// Counts a packet that could not reach a gRPC frontend (its stream is
+    /// gone) as ANP counts a failed `Send`.
+    fn undelivered(&self, packet: &Packet) {
+        if self.kind == FrontendKind::Grpc {
+            self.metrics.send_error("to_client", packet);
         }
     }
 
@@ -112,24 +138,32 @@ impl Frontend {
             "to frontend"
         );
         let started = std::time::Instant::now();
-        let sent = self
-            .tx
-            .send(ToFrontend { packet, data: None })
-            .await
-            .map_err(|_| FrontendGone);
+        let sent = self.tx.send(ToFrontend { packet, data: None }).await;
         self.metrics.frontend_write(started.elapsed());
-        sent
+        sent.map_err(|mpsc::error::SendError(item)| {
+            self.undelivered(&item.packet);
+            FrontendGone
+        })
     }
 
     /// Queues a control packet without holding up the caller: at once if
     /// there is room, else from a task of its own (bounded wait).
     pub(crate) fn notify(self: &Arc<Self>, packet: Packet) {
+        let started = std::time::Instant::now();
         match self.tx.try_send(ToFrontend { packet, data: None }) {
-            Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => {}
+            Ok(()) => self.metrics.frontend_write(started.elapsed()),
+            Err(mpsc::error::TrySendError::Closed(item)) => {
+                self.metrics.frontend_write(started.elapsed());
+                self.undelivered(&item.packet);
+            }
             Err(mpsc::error::TrySendError::Full(item)) => {
-                let tx = self.tx.clone();
+                let frontend = self.clone();
                 tokio::spawn(async move {
-                    let _ = tokio::time::timeout(CONTROL_TIMEOUT, tx.send(item)).await;
+                    let sent = tokio::time::timeout(CONTROL_TIMEOUT, frontend.tx.send(item)).await;
+                    frontend.metrics.frontend_write(started.elapsed());
+                    if let Ok(Err(mpsc::error::SendError(item))) = sent {
+                        frontend.undelivered(&item.packet);
+                    }
                 });
             }
         }
@@ -164,6 +198,7 @@ impl Frontend {
             }
         } else {
             if self.tx.is_closed() {
+                self.undelivered(&packet);
                 return Err(PushError::Closed);
             }
             conn.budget.reserve(cost, flow::COMPAT_STALL).await?;
@@ -177,7 +212,10 @@ impl Frontend {
                 conn.budget.release(cost);
                 match e {
                     mpsc::error::TrySendError::Full(_) => PushError::Overflow,
-                    mpsc::error::TrySendError::Closed(_) => PushError::Closed,
+                    mpsc::error::TrySendError::Closed(item) => {
+                        self.undelivered(&item.packet);
+                        PushError::Closed
+                    }
                 }
             })
     }
@@ -226,5 +264,49 @@ impl Drop for FrontendGuard {
             let tunnels = self.tunnels.clone();
             tokio::spawn(async move { tunnels.frontend_closed(&frontend).await });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frontend(kind: FrontendKind) -> (Arc<Frontend>, Arc<ServerMetrics>) {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let (tx, rx) = mpsc::channel(4);
+        drop(rx);
+        (
+            Arc::new(Frontend::new(1, tx, metrics.clone(), kind)),
+            metrics,
+        )
+    }
+
+    #[tokio::test]
+    async fn packets_for_a_gone_grpc_frontend_are_send_errors() {
+        let (fe, metrics) = frontend(FrontendKind::Grpc);
+        assert!(fe.send(Packet::dial_response(1, 0, "x")).await.is_err());
+        fe.notify(Packet::close_response(2, ""));
+        let text = metrics.text();
+        let series = |kind: &str| {
+            format!(
+                "konnectivity_network_proxy_server_stream_errors_total{{code=\"Unavailable\",packet_type=\"{kind}\",segment=\"to_client\"}} 1\n"
+            )
+        };
+        assert!(text.contains(&series("DIAL_RSP")), "{text}");
+        assert!(text.contains(&series("CLOSE_RSP")), "{text}");
+        // Both writes were timed, as ANP times every frontend send.
+        assert!(
+            text.contains(
+                "konnectivity_network_proxy_server_frontend_write_duration_seconds_count 2\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_http_connect_frontend_has_no_packet_errors() {
+        let (fe, metrics) = frontend(FrontendKind::HttpConnect);
+        assert!(fe.send(Packet::dial_response(1, 0, "x")).await.is_err());
+        assert!(!metrics.text().contains("stream_errors_total{"));
     }
 }

@@ -6,7 +6,9 @@
 //! backends, buffered bytes) are read from [`Tunnels`] when scraped; the
 //! rest is recorded where it happens. A labelled series appears once it
 //! has been observed, except `ready_backends`, which ANP presets to 0 for
-//! every strategy.
+//! every strategy; so do the metrics ANP keeps in label-less vectors (dial,
+//! write and connection latencies, pending dials, established connections),
+//! which stay out of the exposition until first touched.
 
 use std::{sync::Arc, time::Duration};
 
@@ -14,7 +16,7 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{family::Family, gauge::Gauge, histogram::Histogram},
 };
-use tunnel::metrics::{Counter, DEFAULT_BUCKETS, Metrics, StreamCounters};
+use tunnel::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
 
 use crate::{backend::strategy::ProxyStrategy, tunnels::Tunnels};
 
@@ -140,15 +142,15 @@ fn default_histogram() -> Histogram {
 /// Everything the server records.
 pub(crate) struct ServerMetrics {
     exposition: Arc<Metrics>,
-    dial_duration: Histogram,
-    frontend_write_duration: Histogram,
-    connection_duration: Histogram,
+    dial_duration: Observed<Histogram>,
+    frontend_write_duration: Observed<Histogram>,
+    connection_duration: Observed<Histogram>,
     grpc_connections: Family<MethodLabel, Gauge>,
     http_connections: Gauge,
     ready_backend_connections: Gauge,
     ready_backends: Family<StrategyLabel, Gauge>,
-    pending_dials: Gauge,
-    established: Gauge,
+    pending_dials: Observed<Gauge>,
+    established: Observed<Gauge>,
     full_receive_channels: Family<MethodLabel, Gauge>,
     dial_failures: Family<ReasonLabel, Counter>,
     streams: StreamCounters,
@@ -172,17 +174,17 @@ impl ServerMetrics {
         let dial_duration = m.register(
             name("dial_duration_seconds"),
             "Latency of dial to the remote endpoint in seconds",
-            Histogram::new(SERVER_BUCKETS),
+            Observed::new(Histogram::new(SERVER_BUCKETS)),
         );
         let frontend_write_duration = m.register(
             name("frontend_write_duration_seconds"),
             "Latency of write to the frontend in seconds",
-            Histogram::new(SERVER_BUCKETS),
+            Observed::new(Histogram::new(SERVER_BUCKETS)),
         );
         let connection_duration = m.register(
             name("connection_duration_seconds"),
             "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
-            Histogram::new(CONNECTION_BUCKETS),
+            Observed::new(Histogram::new(CONNECTION_BUCKETS)),
         );
         let grpc_connections = m.register(
             name("grpc_connections"),
@@ -212,12 +214,12 @@ impl ServerMetrics {
         let pending_dials = m.register(
             name("pending_backend_dials"),
             "Current number of pending backend dial requests",
-            Gauge::default(),
+            Observed::new(Gauge::default()),
         );
         let established = m.register(
             name("established_connections"),
             "Current number of established end-to-end connections (post-dial).",
-            Gauge::default(),
+            Observed::new(Gauge::default()),
         );
         let full_receive_channels = m.register(
             name("full_receive_channels"),
@@ -322,11 +324,21 @@ impl ServerMetrics {
         if let Some((_, count)) = ready.last() {
             self.ready_backend_connections.set(as_i64(*count));
         }
-        self.pending_dials.set(as_i64(tunnels.pending_count()));
-        self.established.set(as_i64(tunnels.established_count()));
+        self.pending_dials
+            .peek()
+            .set(as_i64(tunnels.pending_count()));
+        self.established
+            .peek()
+            .set(as_i64(tunnels.established_count()));
         let (max, total) = tunnels.buffered();
         self.max_buffered.set(as_i64(max));
         self.buffered.set(as_i64(total));
+        self.exposition.render()
+    }
+
+    /// The exposition without refreshing the live-state gauges.
+    #[cfg(test)]
+    pub(crate) fn text(&self) -> String {
         self.exposition.render()
     }
 
@@ -339,16 +351,29 @@ impl ServerMetrics {
     }
 
     pub(crate) fn dial_succeeded(&self, latency: Duration) {
-        self.dial_duration.observe(latency.as_secs_f64());
+        self.dial_duration.get().observe(latency.as_secs_f64());
     }
 
     pub(crate) fn frontend_write(&self, took: Duration) {
-        self.frontend_write_duration.observe(took.as_secs_f64());
+        self.frontend_write_duration
+            .get()
+            .observe(took.as_secs_f64());
+    }
+
+    /// A dial became pending (ANP sets the gauge from then on).
+    pub(crate) fn dial_pending(&self) {
+        let _ = self.pending_dials.get();
+    }
+
+    /// A connection was established (ANP sets the gauge from then on).
+    pub(crate) fn connection_established(&self) {
+        let _ = self.established.get();
     }
 
     /// An established connection ended after `lived`.
     pub(crate) fn connection_closed(&self, reason: CloseReason, lived: Duration) {
-        self.connection_duration.observe(lived.as_secs_f64());
+        let _ = self.established.get();
+        self.connection_duration.get().observe(lived.as_secs_f64());
         self.closed
             .get_or_create(&ReasonLabel {
                 reason: reason.as_str(),
@@ -364,6 +389,12 @@ impl ServerMetrics {
     /// A stream failed on receive.
     pub(crate) fn stream_error(&self, segment: &'static str, code: tonic::Code) {
         self.streams.receive_error(segment, code);
+    }
+
+    /// `packet` could not be sent on `segment`: its stream is gone.
+    pub(crate) fn send_error(&self, segment: &'static str, packet: &proto::Packet) {
+        self.streams
+            .send_error(segment, tonic::Code::Unavailable, packet);
     }
 
     /// A gRPC stream of `method` started; the gauge drops with the guard.

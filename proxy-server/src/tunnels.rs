@@ -26,7 +26,7 @@ use crate::{
     backend::{Backend, manager::BackendManager},
     conn::{BackendConn, ServerConn},
     dial::{PendingDial, PendingDials},
-    frontend::Frontend,
+    frontend::{Frontend, FrontendKind},
     lock,
     metrics::{CloseReason, DialFailure, ServerMetrics},
 };
@@ -152,6 +152,7 @@ impl Tunnels {
                 if let Some(dial) = self.pending.remove_if(id, |d| d.frontend.uid == fe.uid) {
                     fe.state().pending.remove(&id);
                     debug!(frontend = fe.uid, dial.id = %id, "frontend cancelled dial");
+                    self.metrics.dial_failed(DialFailure::FrontendClose);
                     // ANP's agent ignores DIAL_CLS; ours stops dialing.
                     let _ = dial.backend.send(Packet::close_dial(id.0)).await;
                 }
@@ -201,7 +202,10 @@ impl Tunnels {
         let id = DialId(req.random);
         let Some(backend) = self.backends.pick(&req.address) else {
             debug!(frontend = fe.uid, dial.id = %id, address = %req.address, "no agent for dial");
-            self.metrics.dial_failed(DialFailure::NoAgent);
+            // ANP counts it for gRPC frontends only; HTTP CONNECT answers 503.
+            if fe.kind == FrontendKind::Grpc {
+                self.metrics.dial_failed(DialFailure::NoAgent);
+            }
             let _ = fe.send(Packet::dial_response(id.0, 0, NO_AGENT)).await;
             return;
         };
@@ -222,6 +226,9 @@ impl Tunnels {
             }
             fresh
         };
+        if registered {
+            self.metrics.dial_pending();
+        }
         if !registered {
             let _ = fe
                 .send(Packet::dial_response(id.0, 0, "dial id already pending"))
@@ -243,12 +250,13 @@ impl Tunnels {
             },
         };
         if let Err((failure, error)) = sent {
-            self.metrics.dial_failed(failure);
+            // Counted once: whoever removes the pending dial counts it.
             if self
                 .pending
                 .remove_if(id, |d| d.frontend.uid == fe.uid)
                 .is_some()
             {
+                self.metrics.dial_failed(failure);
                 fe.state().pending.remove(&id);
                 let _ = fe.send(Packet::dial_response(id.0, 0, error)).await;
             }
@@ -334,14 +342,17 @@ impl Tunnels {
                     be.send_nowait(Packet::close_request(conn.0));
                     return;
                 }
+                self.metrics.connection_established();
                 let latency = dial.started.elapsed();
                 debug!(dial.id = %id, conn.id = %conn, ?latency, "connection established");
-                self.metrics.dial_succeeded(latency);
                 if fe
                     .send(Packet::dial_response(id.0, conn.0, ""))
                     .await
-                    .is_err()
+                    .is_ok()
                 {
+                    // ANP observes the latency once the DIAL_RSP is delivered.
+                    self.metrics.dial_succeeded(latency);
+                } else {
                     self.metrics.dial_failed(DialFailure::SendRsp);
                     fe.state().close_conn(conn);
                     if be.remove_conn(conn).is_some() {
@@ -421,7 +432,10 @@ impl Tunnels {
                 .is_some()
             {
                 debug!(frontend = fe.uid, dial.id = %id, "frontend gone; cancelling dial");
-                self.metrics.dial_failed(DialFailure::FrontendClose);
+                // ANP counts a gRPC frontend's pending dials only on DIAL_CLS.
+                if fe.kind == FrontendKind::HttpConnect {
+                    self.metrics.dial_failed(DialFailure::FrontendClose);
+                }
                 let _ = backend.send(Packet::close_dial(id.0)).await;
             }
         }

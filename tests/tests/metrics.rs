@@ -46,128 +46,199 @@ async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, BTreeMap<String, S
     (status, headers, body.to_owned())
 }
 
-/// The `# HELP`/`# TYPE` lines and samples of the families whose names
-/// start with `prefix`, samples keyed by series. Histogram sums and bucket
-/// counts depend on timing: they are checked for shape (every bucket
-/// present, `+Inf` equal to the count) and then left out.
-fn families(text: &str, prefix: &str) -> (Vec<String>, BTreeMap<String, String>) {
-    let mut meta = Vec::new();
-    let mut samples = BTreeMap::new();
+/// The families whose names start with `prefix`, as rendered, with the
+/// timing-dependent values (histogram buckets and sums) replaced by `<v>`
+/// once their shape is checked: buckets cumulative, `+Inf` equal to the
+/// count. Families in `volatile` (gauges of momentary waits) are left out
+/// when all their samples are 0.
+fn anp_block(text: &str, prefix: &str, volatile: &[&str]) -> String {
+    let mut out = String::new();
+    let mut last_bucket: Option<(String, u64)> = None;
     for line in text.lines() {
-        if let Some(rest) = line
+        let name = line
             .strip_prefix("# HELP ")
             .or_else(|| line.strip_prefix("# TYPE "))
-        {
-            if rest.starts_with(prefix) {
-                meta.push(line.to_owned());
-            }
+            .unwrap_or(line);
+        if !name.starts_with(prefix) {
             continue;
         }
-        if !line.starts_with(prefix) {
+        if volatile.iter().any(|v| name.starts_with(v)) {
             continue;
         }
         let (series, value) = line.rsplit_once(' ').unwrap();
-        samples.insert(series.to_owned(), value.to_owned());
-    }
-    // Fold histograms to their counts.
-    let counts: Vec<(String, String)> = samples
-        .iter()
-        .filter(|(k, _)| k.contains("_count"))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    for (count_key, count) in counts {
-        let base = count_key.replace("_count", "");
-        let inf = format!("{base}_bucket{{le=\"+Inf\"}}");
-        if let Some(inf_value) = samples.get(&inf) {
-            assert_eq!(
-                inf_value, &count,
-                "{base}: +Inf bucket differs from the count"
-            );
-            samples.retain(|k, _| {
-                !(k.starts_with(&format!("{base}_bucket")) || *k == format!("{base}_sum"))
-            });
+        if !line.starts_with('#') && series.contains("_bucket{") {
+            let count: u64 = value.parse().unwrap();
+            let base = series.split("_bucket{").next().unwrap().to_owned();
+            if let Some((prev_base, prev)) = &last_bucket
+                && *prev_base == base
+            {
+                assert!(count >= *prev, "{series}: buckets not cumulative");
+            }
+            if series.ends_with("le=\"+Inf\"}") {
+                let want = format!("\n{base}_count {value}\n");
+                assert!(
+                    text.contains(&want),
+                    "{base}: +Inf bucket differs from the count"
+                );
+            }
+            last_bucket = Some((base, count));
+            out.push_str(&format!("{series} <v>\n"));
+        } else if !line.starts_with('#') && series.ends_with("_sum") {
+            out.push_str(&format!("{series} <v>\n"));
+        } else {
+            out.push_str(line);
+            out.push('\n');
         }
     }
-    (meta, samples)
+    for family in volatile {
+        let zero = text
+            .lines()
+            .filter(|l| l.starts_with(family))
+            .all(|l| l.ends_with(" 0"));
+        assert!(zero, "{family} is not 0 at rest:\n{text}");
+    }
+    out
 }
 
-/// HELP/TYPE lines in a fixed order (families may come in any order).
-fn sorted(lines: &[String]) -> Vec<String> {
-    let mut lines = lines.to_vec();
-    lines.sort();
-    lines
+/// A histogram family as Go renders it, timing values as `<v>`.
+fn histogram(name: &str, help: &str, buckets: &[&str], count: u64) -> String {
+    let mut out = format!("# HELP {name} {help}\n# TYPE {name} histogram\n");
+    for le in buckets.iter().chain(&["+Inf"]) {
+        out.push_str(&format!("{name}_bucket{{le=\"{le}\"}} <v>\n"));
+    }
+    out.push_str(&format!("{name}_sum <v>\n{name}_count {count}\n"));
+    out
 }
 
-fn sorted_text(text: &str) -> Vec<String> {
-    sorted(&text.lines().map(str::to_owned).collect::<Vec<_>>())
-}
+const SERVER_BUCKETS: &[&str] = &[
+    "1e-06", "1e-05", "0.0001", "0.005", "0.025", "0.1", "0.5", "2.5", "12.5",
+];
+const CONNECTION_BUCKETS: &[&str] = &[
+    "1", "5", "15", "30", "60", "300", "900", "1800", "3600", "14400", "43200", "86400",
+];
+const AGENT_BUCKETS: &[&str] = &["0.005", "0.025", "0.1", "0.5", "2.5", "10", "30"];
 
-fn expected(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect()
-}
+const S: &str = "konnectivity_network_proxy_server_";
+const A: &str = "konnectivity_network_proxy_agent_";
 
-const SERVER_META: &str = r#"# HELP konnectivity_network_proxy_server_dial_duration_seconds Latency of dial to the remote endpoint in seconds
-# TYPE konnectivity_network_proxy_server_dial_duration_seconds histogram
-# HELP konnectivity_network_proxy_server_frontend_write_duration_seconds Latency of write to the frontend in seconds
-# TYPE konnectivity_network_proxy_server_frontend_write_duration_seconds histogram
-# HELP konnectivity_network_proxy_server_connection_duration_seconds Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.
-# TYPE konnectivity_network_proxy_server_connection_duration_seconds histogram
-# HELP konnectivity_network_proxy_server_grpc_connections Number of current grpc connections, partitioned by service method.
-# TYPE konnectivity_network_proxy_server_grpc_connections gauge
+/// What a fresh server shows of ANP's families: only the metrics ANP
+/// registers without labels or presets.
+const FRESH_SERVER: &str = r#"# HELP konnectivity_network_proxy_server_culled_leases_count Count of expired leases that the lease garbage collection controller has culled.
+# TYPE konnectivity_network_proxy_server_culled_leases_count counter
+konnectivity_network_proxy_server_culled_leases_count 0
 # HELP konnectivity_network_proxy_server_http_connections Number of current HTTP CONNECT connections
 # TYPE konnectivity_network_proxy_server_http_connections gauge
+konnectivity_network_proxy_server_http_connections 0
 # HELP konnectivity_network_proxy_server_ready_backend_connections Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends
 # TYPE konnectivity_network_proxy_server_ready_backend_connections gauge
+konnectivity_network_proxy_server_ready_backend_connections 0
 # HELP konnectivity_network_proxy_server_ready_backends Number of konnectivity agent connected to the proxy server
 # TYPE konnectivity_network_proxy_server_ready_backends gauge
-# HELP konnectivity_network_proxy_server_pending_backend_dials Current number of pending backend dial requests
-# TYPE konnectivity_network_proxy_server_pending_backend_dials gauge
+konnectivity_network_proxy_server_ready_backends{proxy_strategy="default"} 0
+"#;
+
+/// The server's families after the scenario, between the histograms.
+const SERVER_COUNTERS: &str = r#"# HELP konnectivity_network_proxy_server_culled_leases_count Count of expired leases that the lease garbage collection controller has culled.
+# TYPE konnectivity_network_proxy_server_culled_leases_count counter
+konnectivity_network_proxy_server_culled_leases_count 0
+"#;
+const SERVER_AFTER_DIAL: &str = r#"# HELP konnectivity_network_proxy_server_dial_failure_count Number of dial failures observed. Multiple failures can occur for a single dial request.
+# TYPE konnectivity_network_proxy_server_dial_failure_count counter
+konnectivity_network_proxy_server_dial_failure_count{reason="error_response"} 1
+konnectivity_network_proxy_server_dial_failure_count{reason="frontend_close"} 1
+konnectivity_network_proxy_server_dial_failure_count{reason="no_agent"} 1
 # HELP konnectivity_network_proxy_server_established_connections Current number of established end-to-end connections (post-dial).
 # TYPE konnectivity_network_proxy_server_established_connections gauge
-# HELP konnectivity_network_proxy_server_full_receive_channels Number of current connections blocked by a full receive channel, partitioned by service method.
-# TYPE konnectivity_network_proxy_server_full_receive_channels gauge
-# HELP konnectivity_network_proxy_server_dial_failure_count Number of dial failures observed. Multiple failures can occur for a single dial request.
-# TYPE konnectivity_network_proxy_server_dial_failure_count counter
+konnectivity_network_proxy_server_established_connections 0
+"#;
+const SERVER_REST: &str = r#"# HELP konnectivity_network_proxy_server_grpc_connections Number of current grpc connections, partitioned by service method.
+# TYPE konnectivity_network_proxy_server_grpc_connections gauge
+konnectivity_network_proxy_server_grpc_connections{service_method="Connect"} 1
+konnectivity_network_proxy_server_grpc_connections{service_method="Proxy"} 0
+# HELP konnectivity_network_proxy_server_http_connections Number of current HTTP CONNECT connections
+# TYPE konnectivity_network_proxy_server_http_connections gauge
+konnectivity_network_proxy_server_http_connections 0
+# HELP konnectivity_network_proxy_server_pending_backend_dials Current number of pending backend dial requests
+# TYPE konnectivity_network_proxy_server_pending_backend_dials gauge
+konnectivity_network_proxy_server_pending_backend_dials 0
+# HELP konnectivity_network_proxy_server_ready_backend_connections Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends
+# TYPE konnectivity_network_proxy_server_ready_backend_connections gauge
+konnectivity_network_proxy_server_ready_backend_connections 1
+# HELP konnectivity_network_proxy_server_ready_backends Number of konnectivity agent connected to the proxy server
+# TYPE konnectivity_network_proxy_server_ready_backends gauge
+konnectivity_network_proxy_server_ready_backends{proxy_strategy="default"} 1
 # HELP konnectivity_network_proxy_server_stream_packets_total Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)
 # TYPE konnectivity_network_proxy_server_stream_packets_total counter
-# HELP konnectivity_network_proxy_server_stream_errors_total Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)
-# TYPE konnectivity_network_proxy_server_stream_errors_total counter
-# HELP konnectivity_network_proxy_server_culled_leases_count Count of expired leases that the lease garbage collection controller has culled.
-# TYPE konnectivity_network_proxy_server_culled_leases_count counter
-# HELP konnectivity_network_proxy_server_lease_delete_latency_seconds Latency of lease deletion calls by the garbage collection controller in seconds.
-# TYPE konnectivity_network_proxy_server_lease_delete_latency_seconds histogram
-# HELP konnectivity_network_proxy_server_lease_delete_total Count of lease delection calls by the garbage collection controller. Labeled by HTTP status code and reason.
-# TYPE konnectivity_network_proxy_server_lease_delete_total counter
-# HELP konnectivity_network_proxy_server_lease_list_latency_seconds Latency of lease list calls by the garbage collection controller in seconds.
-# TYPE konnectivity_network_proxy_server_lease_list_latency_seconds histogram
-# HELP konnectivity_network_proxy_server_lease_list_total Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.
-# TYPE konnectivity_network_proxy_server_lease_list_total counter"#;
+konnectivity_network_proxy_server_stream_packets_total{packet_type="CLOSE_REQ",segment="from_client"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="CLOSE_REQ",segment="to_agent"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="CLOSE_RSP",segment="from_agent"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="CLOSE_RSP",segment="to_client"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DATA",segment="from_agent"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DATA",segment="from_client"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DATA",segment="to_agent"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DATA",segment="to_client"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DIAL_CLS",segment="from_client"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DIAL_CLS",segment="to_agent"} 1
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DIAL_REQ",segment="from_client"} 4
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DIAL_REQ",segment="to_agent"} 3
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DIAL_RSP",segment="from_agent"} 2
+konnectivity_network_proxy_server_stream_packets_total{packet_type="DIAL_RSP",segment="to_client"} 3
+"#;
 
-const AGENT_META: &str = r#"# HELP konnectivity_network_proxy_agent_dial_duration_seconds Latency of dial to the remote endpoint in seconds
-# TYPE konnectivity_network_proxy_agent_dial_duration_seconds histogram
-# HELP konnectivity_network_proxy_agent_server_connection_failure_count Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server). DEPRECATED, please use stream_events_error_total
-# TYPE konnectivity_network_proxy_agent_server_connection_failure_count counter
-# HELP konnectivity_network_proxy_agent_endpoint_dial_failure_total Number of failures dialing the remote endpoint, by reason (example: timeout).
+const AGENT_REST: &str = r#"# HELP konnectivity_network_proxy_agent_endpoint_dial_failure_total Number of failures dialing the remote endpoint, by reason (example: timeout).
 # TYPE konnectivity_network_proxy_agent_endpoint_dial_failure_total counter
-# HELP konnectivity_network_proxy_agent_open_server_connections Current number of open server connections.
-# TYPE konnectivity_network_proxy_agent_open_server_connections gauge
+konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason="unknown"} 1
 # HELP konnectivity_network_proxy_agent_known_server_count Current number of servers agent is trying to connect to.
 # TYPE konnectivity_network_proxy_agent_known_server_count gauge
+konnectivity_network_proxy_agent_known_server_count 1
 # HELP konnectivity_network_proxy_agent_open_endpoint_connections Current number of open endpoint connections.
 # TYPE konnectivity_network_proxy_agent_open_endpoint_connections gauge
-# HELP konnectivity_network_proxy_agent_lease_lists_total Count of server lease list calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason
-# TYPE konnectivity_network_proxy_agent_lease_lists_total counter
-# HELP konnectivity_network_proxy_agent_lease_watches_total Count of server lease watch calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason
-# TYPE konnectivity_network_proxy_agent_lease_watches_total counter
-# HELP konnectivity_network_proxy_agent_lease_list_latency_seconds Latency of server lease listing in seconds
-# TYPE konnectivity_network_proxy_agent_lease_list_latency_seconds histogram
+konnectivity_network_proxy_agent_open_endpoint_connections 0
+# HELP konnectivity_network_proxy_agent_open_server_connections Current number of open server connections.
+# TYPE konnectivity_network_proxy_agent_open_server_connections gauge
+konnectivity_network_proxy_agent_open_server_connections 1
 # HELP konnectivity_network_proxy_agent_stream_packets_total Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)
 # TYPE konnectivity_network_proxy_agent_stream_packets_total counter
-# HELP konnectivity_network_proxy_agent_stream_errors_total Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)
-# TYPE konnectivity_network_proxy_agent_stream_errors_total counter"#;
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="CLOSE_REQ",segment="to_agent"} 1
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="CLOSE_RSP",segment="from_agent"} 1
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="DATA",segment="from_agent"} 1
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="DATA",segment="to_agent"} 1
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="DIAL_CLS",segment="to_agent"} 1
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="DIAL_REQ",segment="to_agent"} 3
+konnectivity_network_proxy_agent_stream_packets_total{packet_type="DIAL_RSP",segment="from_agent"} 2
+"#;
+
+/// What an agent that has never reached a server shows of ANP's families.
+const FRESH_AGENT: &str = r#"# HELP konnectivity_network_proxy_agent_known_server_count Current number of servers agent is trying to connect to.
+# TYPE konnectivity_network_proxy_agent_known_server_count gauge
+konnectivity_network_proxy_agent_known_server_count 1
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_process_shows_only_the_metrics_anp_shows_before_any_event() {
+    let server = TestServer::start().await;
+    let text = get(server.health_addr, "/metrics").await.2;
+    assert_eq!(anp_block(&text, S, &[]), FRESH_SERVER, "{text}");
+
+    let nobody = backend::closed_port();
+    let agent = TestAgent::start_with(nobody, AgentOpts::default()).await;
+    let text = get(agent.health_addr, "/metrics").await.2;
+    assert_eq!(anp_block(&text, A, &[]), FRESH_AGENT, "{text}");
+    for name in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_virtual_memory_max_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(
+            text.contains(&format!("\n# TYPE {name} ")),
+            "{name} missing"
+        );
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_exposition_after_a_scripted_scenario_matches_anps() {
@@ -188,12 +259,12 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     // Live gauges while it is open.
     let server_text = get(server.health_addr, "/metrics").await.2;
     assert!(
-        server_text.contains("\nkonnectivity_network_proxy_server_established_connections 1\n"),
+        server_text.contains(&format!("\n{S}established_connections 1\n")),
         "{server_text}"
     );
     let agent_text = get(agent.health_addr, "/metrics").await.2;
     assert!(
-        agent_text.contains("\nkonnectivity_network_proxy_agent_open_endpoint_connections 1\n"),
+        agent_text.contains(&format!("\n{A}open_endpoint_connections 1\n")),
         "{agent_text}"
     );
     conn.finish().await.unwrap();
@@ -202,7 +273,8 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     let closed = backend::closed_port();
     assert!(server.dial(&closed.to_string()).await.is_err());
 
-    // 4. A frontend that leaves while its dial is pending on the agent.
+    // 4. A frontend that cancels its dial (DIAL_CLS) while the agent is
+    // still dialing, then leaves.
     let hole = backend::Blackhole::new();
     let frontend = RawFrontend::open(
         &server,
@@ -216,14 +288,15 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     .await;
     let server_text = get(server.health_addr, "/metrics").await.2;
     assert!(
-        server_text.contains("\nkonnectivity_network_proxy_server_pending_backend_dials 1\n"),
+        server_text.contains(&format!("\n{S}pending_backend_dials 1\n")),
         "{server_text}"
     );
-    drop(frontend);
+    frontend.send(Packet::close_dial(77)).await;
     wait_for("the agent to drop the cancelled dial", || {
         handle.dials_in_progress() == 0
     })
     .await;
+    drop(frontend);
     let server_handle = server.handle.clone();
     wait_for("the server to settle", || {
         server_handle.pending_dials() == 0 && server_handle.established_connections() == 0
@@ -231,157 +304,103 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     .await;
 
     // The frontend streams' gauge drops as their readers finish.
-    let proxy_streams =
-        "konnectivity_network_proxy_server_grpc_connections{service_method=\"Proxy\"}";
+    let proxy_streams = format!("{S}grpc_connections{{service_method=\"Proxy\"}} 0\n");
+    let metrics = server.health_addr;
     let mut text = String::new();
-    for _ in 0..200 {
-        text = get(server.health_addr, "/metrics").await.2;
-        if text.contains(&format!("{proxy_streams} 0\n")) {
-            break;
+    tokio::time::timeout(integration_tests::DEADLINE, async {
+        loop {
+            text = get(metrics, "/metrics").await.2;
+            if text.contains(&proxy_streams) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    let (meta, mut samples) = families(&text, "konnectivity_network_proxy_server_");
-    assert_eq!(sorted(&meta), sorted_text(SERVER_META));
-    // Timing decides how often a reader briefly waited; the gauge is 0 now.
-    samples.retain(|k, v| !(k.contains("full_receive_channels") && v == "0"));
-    let writes = samples
-        .remove("konnectivity_network_proxy_server_frontend_write_duration_seconds_count")
-        .expect("frontend writes");
-    assert!(writes.parse::<u64>().unwrap() >= 3, "{writes}");
-    let p = |segment: &str, kind: &str| {
-        format!(
-            "konnectivity_network_proxy_server_stream_packets_total{{packet_type=\"{kind}\",segment=\"{segment}\"}}"
-        )
-    };
-    let want: Vec<(String, &str)> = vec![
+    })
+    .await
+    .expect("the frontend streams to end");
+    let want = [
+        histogram(
+            &format!("{S}connection_duration_seconds"),
+            "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
+            CONNECTION_BUCKETS,
+            1,
+        ),
+        SERVER_COUNTERS.to_owned(),
+        histogram(
+            &format!("{S}dial_duration_seconds"),
+            "Latency of dial to the remote endpoint in seconds",
+            SERVER_BUCKETS,
+            1,
+        ),
+        SERVER_AFTER_DIAL.to_owned(),
+        // DIAL_RSP (no agent, good, refused), the echoed DATA, CLOSE_RSP.
+        histogram(
+            &format!("{S}frontend_write_duration_seconds"),
+            "Latency of write to the frontend in seconds",
+            SERVER_BUCKETS,
+            5,
+        ),
+        SERVER_REST.to_owned(),
+    ]
+    .concat();
+    let volatile = format!("{S}full_receive_channels");
+    assert_eq!(
+        anp_block(&text, S, &[&volatile]),
+        want,
+        "server exposition:\n{text}"
+    );
+    for (name, value) in [
         (
-            "konnectivity_network_proxy_server_dial_duration_seconds_count".into(),
+            "konnectivity_rs_server_tunnel_bytes_total{direction=\"to_agent\"}",
+            "5",
+        ),
+        (
+            "konnectivity_rs_server_tunnel_bytes_total{direction=\"to_frontend\"}",
+            "5",
+        ),
+        (
+            "konnectivity_rs_server_connections_closed_total{reason=\"closed\"}",
             "1",
         ),
-        (
-            "konnectivity_network_proxy_server_connection_duration_seconds_count".into(),
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}".into(),
-            "1",
-        ),
-        (proxy_streams.into(), "0"),
-        (
-            "konnectivity_network_proxy_server_http_connections".into(),
-            "0",
-        ),
-        (
-            "konnectivity_network_proxy_server_ready_backend_connections".into(),
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_server_ready_backends{proxy_strategy=\"default\"}".into(),
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_server_pending_backend_dials".into(),
-            "0",
-        ),
-        (
-            "konnectivity_network_proxy_server_established_connections".into(),
-            "0",
-        ),
-        (
-            "konnectivity_network_proxy_server_dial_failure_count{reason=\"no_agent\"}".into(),
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_server_dial_failure_count{reason=\"error_response\"}"
-                .into(),
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_server_dial_failure_count{reason=\"frontend_close\"}"
-                .into(),
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_server_culled_leases_count".into(),
-            "0",
-        ),
-        (p("from_client", "DIAL_REQ"), "4"),
-        (p("from_client", "DATA"), "1"),
-        (p("from_client", "CLOSE_REQ"), "1"),
-        (p("to_client", "DIAL_RSP"), "3"),
-        (p("to_client", "DATA"), "1"),
-        (p("to_client", "CLOSE_RSP"), "1"),
-        (p("to_agent", "DIAL_REQ"), "3"),
-        (p("to_agent", "DATA"), "1"),
-        (p("to_agent", "CLOSE_REQ"), "1"),
-        (p("to_agent", "DIAL_CLS"), "1"),
-        (p("from_agent", "DIAL_RSP"), "2"),
-        (p("from_agent", "DATA"), "1"),
-        (p("from_agent", "CLOSE_RSP"), "1"),
-    ];
-    let want: BTreeMap<String, String> = want.into_iter().map(|(k, v)| (k, v.to_owned())).collect();
-    assert_eq!(samples, want, "server exposition:\n{text}");
-    for name in [
-        "process_cpu_seconds_total",
-        "process_resident_memory_bytes",
-        "process_open_fds",
-        "process_start_time_seconds",
     ] {
-        assert!(text.contains(&format!("\n{name} ")), "{name} missing");
+        assert!(
+            text.contains(&format!("\n{name} {value}\n")),
+            "{name}:\n{text}"
+        );
     }
-    assert!(text.contains("konnectivity_rs_server_tunnel_bytes_total{direction=\"to_agent\"} 5\n"));
-    assert!(
-        text.contains("konnectivity_rs_server_tunnel_bytes_total{direction=\"to_frontend\"} 5\n")
-    );
-    assert!(
-        text.contains("konnectivity_rs_server_connections_closed_total{reason=\"closed\"} 1\n")
-    );
 
     // The agent's side of the same scenario.
     let text = get(agent.health_addr, "/metrics").await.2;
-    let (meta, samples) = families(&text, "konnectivity_network_proxy_agent_");
-    assert_eq!(sorted(&meta), sorted_text(AGENT_META));
-    let a = |segment: &str, kind: &str| {
-        format!(
-            "konnectivity_network_proxy_agent_stream_packets_total{{packet_type=\"{kind}\",segment=\"{segment}\"}}"
-        )
-    };
-    let want = expected(&[
+    let want = [
+        histogram(
+            &format!("{A}dial_duration_seconds"),
+            "Latency of dial to the remote endpoint in seconds",
+            AGENT_BUCKETS,
+            1,
+        ),
+        AGENT_REST.to_owned(),
+    ]
+    .concat();
+    assert_eq!(anp_block(&text, A, &[]), want, "agent exposition:\n{text}");
+    for (name, value) in [
         (
-            "konnectivity_network_proxy_agent_dial_duration_seconds_count",
+            "konnectivity_rs_agent_tunnel_bytes_total{direction=\"to_endpoint\"}",
+            "5",
+        ),
+        (
+            "konnectivity_rs_agent_tunnel_bytes_total{direction=\"to_server\"}",
+            "5",
+        ),
+        (
+            "konnectivity_rs_agent_connections_closed_total{reason=\"server_closed\"}",
             "1",
         ),
-        (
-            "konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason=\"unknown\"}",
-            "1",
-        ),
-        (
-            "konnectivity_network_proxy_agent_open_server_connections",
-            "1",
-        ),
-        ("konnectivity_network_proxy_agent_known_server_count", "1"),
-        (
-            "konnectivity_network_proxy_agent_open_endpoint_connections",
-            "0",
-        ),
-        (&a("to_agent", "DIAL_REQ"), "3"),
-        (&a("to_agent", "DATA"), "1"),
-        (&a("to_agent", "CLOSE_REQ"), "1"),
-        (&a("to_agent", "DIAL_CLS"), "1"),
-        (&a("from_agent", "DIAL_RSP"), "2"),
-        (&a("from_agent", "DATA"), "1"),
-        (&a("from_agent", "CLOSE_RSP"), "1"),
-    ]);
-    assert_eq!(samples, want, "agent exposition:\n{text}");
-    assert!(
-        text.contains("konnectivity_rs_agent_tunnel_bytes_total{direction=\"to_endpoint\"} 5\n")
-    );
-    assert!(
-        text.contains(
-            "konnectivity_rs_agent_connections_closed_total{reason=\"server_closed\"} 1\n"
-        )
-    );
+    ] {
+        assert!(
+            text.contains(&format!("\n{name} {value}\n")),
+            "{name}:\n{text}"
+        );
+    }
     drop(hole);
 }
 
@@ -492,5 +511,67 @@ async fn enable_profiling_serves_cpu_profiles_on_the_admin_port() {
             .await
             .0,
         400
+    );
+}
+
+/// HTTP CONNECT counts dial failures as ANP's tunnel handler does: a
+/// CONNECT with no agent is answered 500 and not counted; a client that
+/// leaves while its dial is pending counts as `frontend_close`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_connect_dial_failures_are_counted_as_anps() {
+    let server = TestServer::start_with(ServerOpts {
+        mode: proxy_server::config::Mode::HttpConnect,
+        ..ServerOpts::default()
+    })
+    .await;
+    let uds = server.uds.clone();
+    let connect = |target: String| {
+        let uds = uds.clone();
+        async move {
+            let mut io = tokio::net::UnixStream::connect(&uds).await.unwrap();
+            io.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            io
+        }
+    };
+    let mut io = connect("127.0.0.1:1".to_owned()).await;
+    let mut answer = String::new();
+    io.read_to_string(&mut answer).await.unwrap();
+    assert_eq!(
+        answer,
+        "HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n\r\ncurrently no tunnels available: No agent available"
+    );
+
+    let agent = TestAgent::start(&server).await;
+    let hole = backend::Blackhole::new();
+    let io = connect(hole.addr.to_string()).await;
+    let handle = agent.handle.clone();
+    wait_for("the dial to reach the agent", || {
+        handle.dials_in_progress() == 1
+    })
+    .await;
+    drop(io);
+    wait_for("the agent to drop the abandoned dial", || {
+        handle.dials_in_progress() == 0
+    })
+    .await;
+    let text = get(server.health_addr, "/metrics").await.2;
+    let failures: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(&format!("{S}dial_failure_count")))
+        .collect();
+    assert_eq!(
+        failures,
+        [format!(
+            "{S}dial_failure_count{{reason=\"frontend_close\"}} 1"
+        )],
+        "{text}"
+    );
+    assert!(
+        !text.contains(&format!(
+            "{S}stream_packets_total{{packet_type=\"DIAL_RSP\",segment=\"to_client\""
+        )),
+        "{text}"
     );
 }

@@ -333,7 +333,7 @@ async fn drive(
                     .await
                     .unwrap_or(Err(ClientError::CloseTimeout))
             }
-            PumpEnd::PeerClosed | PumpEnd::TunnelGone => reader.await,
+            PumpEnd::PeerClosed | PumpEnd::TunnelGone | PumpEnd::Undelivered(_) => reader.await,
         },
     }
 }

@@ -8,7 +8,13 @@
 //! strings, so here every metric goes through one [`Collector`] that writes
 //! the registered name and HELP verbatim, and [`Counter`] encodes as a
 //! counter without a suffix. Families, gauges and histograms are
-//! prometheus-client's own.
+//! prometheus-client's own; [`text`] then rewrites the numbers, order and
+//! histogram layout the way Go's client writes them.
+//!
+//! # Layout
+//! - [`text`]: Go's text layout and float formatting.
+
+mod text;
 
 use std::{
     borrow::Cow,
@@ -67,13 +73,7 @@ impl TypedMetric for Counter {
 
 impl EncodeMetric for Counter {
     fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), fmt::Error> {
-        let value = self.get();
-        // Whole numbers print as integers, as Go does.
-        if value.fract() == 0.0 && value < 9.0e15 {
-            encoder.encode_gauge(&(value as u64))
-        } else {
-            encoder.encode_gauge(&value)
-        }
+        encoder.encode_gauge(&self.get())
     }
 
     fn metric_type(&self) -> MetricType {
@@ -81,12 +81,60 @@ impl EncodeMetric for Counter {
     }
 }
 
+/// A metric exposed only once it has been used, as ANP's label-less
+/// vectors (`NewGaugeVec(opts, []string{})`) appear only after their first
+/// `WithLabelValues()`: a fresh process shows no `pending_backend_dials`
+/// until a dial was pending.
+#[derive(Clone, Default, Debug)]
+pub struct Observed<M> {
+    /// Set by the first [`Observed::get`].
+    shown: Arc<std::sync::atomic::AtomicBool>,
+    /// The metric.
+    metric: M,
+}
+
+impl<M> Observed<M> {
+    /// Wraps `metric`, hidden until first used.
+    pub fn new(metric: M) -> Self {
+        Self {
+            shown: Arc::default(),
+            metric,
+        }
+    }
+
+    /// The metric, shown from now on.
+    pub fn get(&self) -> &M {
+        self.shown.store(true, Ordering::Relaxed);
+        &self.metric
+    }
+
+    /// The metric, without showing it (to refresh a value that is shown
+    /// only if something else used it).
+    pub fn peek(&self) -> &M {
+        &self.metric
+    }
+}
+
+impl<M: EncodeMetric> EncodeMetric for Observed<M> {
+    fn encode(&self, encoder: MetricEncoder<'_>) -> Result<(), fmt::Error> {
+        if self.shown.load(Ordering::Relaxed) {
+            self.metric.encode(encoder)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.metric.metric_type()
+    }
+}
+
 /// Something that can be exposed: a metric or a family of them.
 pub trait Exposed: EncodeMetric + Send + Sync + fmt::Debug + 'static {}
 impl<T: EncodeMetric + Send + Sync + fmt::Debug + 'static> Exposed for T {}
 
-/// A value computed when scraped.
-type Probe = Box<dyn Fn() -> f64 + Send + Sync>;
+/// A value computed when scraped; `None` leaves the metric out.
+type Probe = Box<dyn Fn() -> Option<f64> + Send + Sync>;
 
 /// A registered metric: name, HELP and the metric.
 type Entry = (Cow<'static, str>, Cow<'static, str>, Box<dyn Exposed>);
@@ -125,26 +173,28 @@ impl Metrics {
     }
 
     /// Adds a value computed at scrape time (a gauge of live state, or a
-    /// counter kept elsewhere, e.g. by the kernel).
+    /// counter kept elsewhere, e.g. by the kernel); a probe that answers
+    /// `None` is left out of that scrape.
     pub fn probe(
         &mut self,
         name: impl Into<Cow<'static, str>>,
         help: impl Into<Cow<'static, str>>,
         kind: MetricType,
-        probe: impl Fn() -> f64 + Send + Sync + 'static,
+        probe: impl Fn() -> Option<f64> + Send + Sync + 'static,
     ) {
         self.probes
             .push((name.into(), help.into(), kind, Box::new(probe)));
     }
 
-    /// The exposition text.
+    /// The exposition text, as Go's client writes it: families sorted by
+    /// name, series by labels, none without a series.
     pub fn render(self: &Arc<Self>) -> String {
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Shared(self.clone())));
         let mut text = String::new();
         // Writing into a String cannot fail; without `encode`'s `# EOF`.
         let _ = prometheus_client::encoding::text::encode_registry(&mut text, &registry);
-        text
+        text::go_text(&text)
     }
 }
 
@@ -161,10 +211,7 @@ impl Collector for Shared {
         }
         for (name, help, kind, probe) in &self.0.probes {
             let mut metric_encoder = encoder.encode_descriptor(name, help, None, *kind)?;
-            let value = probe();
-            if value.fract() == 0.0 && value.abs() < 9.0e15 {
-                metric_encoder.encode_gauge(&(value as i64))?;
-            } else {
+            if let Some(value) = probe() {
                 metric_encoder.encode_gauge(&value)?;
             }
         }
@@ -243,6 +290,19 @@ impl StreamCounters {
             })
             .inc();
     }
+
+    /// Sending `packet` on `segment` failed with `code`.
+    pub fn send_error(&self, segment: &'static str, code: tonic::Code, packet: &proto::Packet) {
+        if let Some(packet_type) = packet_type_name(packet) {
+            self.errors
+                .get_or_create(&ErrorLabels {
+                    code: code_name(code),
+                    packet_type,
+                    segment,
+                })
+                .inc();
+        }
+    }
 }
 
 /// The enum name of a packet's type as ANP labels it, or `None` for types
@@ -253,19 +313,33 @@ pub fn packet_type_name(packet: &proto::Packet) -> Option<&'static str> {
         .map(|t| t.as_str_name())
 }
 
-/// gRPC's name of `code`, as Go's `codes.Code.String()` prints it.
+/// gRPC's name of `code`, as Go's `codes.Code.String()` prints it
+/// (`OK`, `Canceled`: tonic spells these two differently).
 pub fn code_name(code: tonic::Code) -> String {
-    format!("{code:?}")
+    match code {
+        tonic::Code::Ok => "OK".to_owned(),
+        tonic::Code::Cancelled => "Canceled".to_owned(),
+        other => format!("{other:?}"),
+    }
 }
 
 /// Registers the standard process metrics (Go's process collector names
-/// and HELP): CPU, resident and virtual memory, open and maximum file
-/// descriptors, start time. Values come from `/proc` when scraped; a value
-/// that cannot be read is reported as 0.
+/// and HELP): CPU, resident and virtual memory and its limit, open and
+/// maximum file descriptors, start time. Values come from `/proc` when
+/// scraped; one that cannot be read is left out of that scrape (Go's
+/// collector reports an error for it instead). An unlimited limit is
+/// `RLIM_INFINITY` as a float, as Go reports it.
 pub fn register_process(metrics: &mut Metrics) {
-    use procfs::process::Process;
+    use procfs::process::{LimitValue, Limits, Process};
     fn stat() -> Option<procfs::process::Stat> {
         Process::myself().ok()?.stat().ok()
+    }
+    fn limit(pick: fn(&Limits) -> &LimitValue) -> Option<f64> {
+        let limits = Process::myself().ok()?.limits().ok()?;
+        Some(match pick(&limits) {
+            LimitValue::Value(v) => *v as f64,
+            LimitValue::Unlimited => u64::MAX as f64,
+        })
     }
     let ticks = procfs::ticks_per_second() as f64;
     let page = procfs::page_size() as f64;
@@ -273,22 +347,13 @@ pub fn register_process(metrics: &mut Metrics) {
         "process_cpu_seconds_total",
         "Total user and system CPU time spent in seconds.",
         MetricType::Counter,
-        move || stat().map_or(0.0, |s| (s.utime + s.stime) as f64 / ticks),
+        move || stat().map(|s| (s.utime + s.stime) as f64 / ticks),
     );
     metrics.probe(
         "process_max_fds",
         "Maximum number of open file descriptors.",
         MetricType::Gauge,
-        || {
-            Process::myself()
-                .ok()
-                .and_then(|p| p.limits().ok())
-                .and_then(|l| match l.max_open_files.soft_limit {
-                    procfs::process::LimitValue::Value(v) => Some(v as f64),
-                    procfs::process::LimitValue::Unlimited => None,
-                })
-                .unwrap_or(0.0)
-        },
+        || limit(|l| &l.max_open_files.soft_limit),
     );
     metrics.probe(
         "process_open_fds",
@@ -298,14 +363,14 @@ pub fn register_process(metrics: &mut Metrics) {
             Process::myself()
                 .ok()
                 .and_then(|p| p.fd_count().ok())
-                .map_or(0.0, |n| n as f64)
+                .map(|n| n as f64)
         },
     );
     metrics.probe(
         "process_resident_memory_bytes",
         "Resident memory size in bytes.",
         MetricType::Gauge,
-        move || stat().map_or(0.0, |s| s.rss as f64 * page),
+        move || stat().map(|s| s.rss as f64 * page),
     );
     let boot = procfs::boot_time_secs().ok().map(|b| b as f64);
     metrics.probe(
@@ -315,14 +380,20 @@ pub fn register_process(metrics: &mut Metrics) {
         move || {
             stat()
                 .zip(boot)
-                .map_or(0.0, |(s, boot)| boot + s.starttime as f64 / ticks)
+                .map(|(s, boot)| boot + s.starttime as f64 / ticks)
         },
     );
     metrics.probe(
         "process_virtual_memory_bytes",
         "Virtual memory size in bytes.",
         MetricType::Gauge,
-        move || stat().map_or(0.0, |s| s.vsize as f64),
+        move || stat().map(|s| s.vsize as f64),
+    );
+    metrics.probe(
+        "process_virtual_memory_max_bytes",
+        "Maximum amount of virtual memory available in bytes.",
+        MetricType::Gauge,
+        || limit(|l| &l.max_address_space.soft_limit),
     );
 }
 
@@ -377,7 +448,7 @@ mod tests {
             "x_busy_seconds_total",
             "Busy",
             MetricType::Counter,
-            move || probe.get(),
+            move || Some(probe.get()),
         );
         failures
             .get_or_create(&vec![("reason".to_owned(), "no_agent".to_owned())])
@@ -394,26 +465,66 @@ mod tests {
         let text = Arc::new(m).render();
         assert_eq!(
             text,
-            "# HELP x_dial_failure_count Number of dial failures observed. Multiple failures can occur.\n\
+            "# HELP x_busy_seconds_total Busy\n\
+             # TYPE x_busy_seconds_total counter\n\
+             x_busy_seconds_total 0.25\n\
+             # HELP x_dial_duration_seconds Latency\n\
+             # TYPE x_dial_duration_seconds histogram\n\
+             x_dial_duration_seconds_bucket{le=\"0.1\"} 0\n\
+             x_dial_duration_seconds_bucket{le=\"1\"} 1\n\
+             x_dial_duration_seconds_bucket{le=\"+Inf\"} 1\n\
+             x_dial_duration_seconds_sum 0.5\n\
+             x_dial_duration_seconds_count 1\n\
+             # HELP x_dial_failure_count Number of dial failures observed. Multiple failures can occur.\n\
              # TYPE x_dial_failure_count counter\n\
              x_dial_failure_count{reason=\"no_agent\"} 1\n\
-             # HELP x_stream_packets_total Count of packets\n\
-             # TYPE x_stream_packets_total counter\n\
-             x_stream_packets_total{packet_type=\"DIAL_REQ\",segment=\"from_client\"} 2\n\
              # HELP x_open Open things\n\
              # TYPE x_open gauge\n\
              x_open 3\n\
-             # HELP x_dial_duration_seconds Latency\n\
-             # TYPE x_dial_duration_seconds histogram\n\
-             x_dial_duration_seconds_sum 0.5\n\
-             x_dial_duration_seconds_count 1\n\
-             x_dial_duration_seconds_bucket{le=\"0.1\"} 0\n\
-             x_dial_duration_seconds_bucket{le=\"1.0\"} 1\n\
-             x_dial_duration_seconds_bucket{le=\"+Inf\"} 1\n\
-             # HELP x_busy_seconds_total Busy\n\
-             # TYPE x_busy_seconds_total counter\n\
-             x_busy_seconds_total 0.25\n"
+             # HELP x_stream_packets_total Count of packets\n\
+             # TYPE x_stream_packets_total counter\n\
+             x_stream_packets_total{packet_type=\"DIAL_REQ\",segment=\"from_client\"} 2\n"
         );
+    }
+
+    #[test]
+    fn observed_metrics_appear_once_used() {
+        let mut m = Metrics::default();
+        let pending = m.register(
+            "x_pending",
+            "Pending",
+            Observed::new(Gauge::<i64>::default()),
+        );
+        let hist = m.register(
+            "x_latency_seconds",
+            "Latency",
+            Observed::new(Histogram::new([1.0])),
+        );
+        let hidden = Arc::new(m);
+        pending.peek().set(5);
+        assert_eq!(hidden.render(), "", "nothing used yet");
+        pending.get().set(0);
+        hist.get().observe(2.0);
+        assert_eq!(
+            hidden.render(),
+            "# HELP x_latency_seconds Latency\n\
+             # TYPE x_latency_seconds histogram\n\
+             x_latency_seconds_bucket{le=\"1\"} 0\n\
+             x_latency_seconds_bucket{le=\"+Inf\"} 1\n\
+             x_latency_seconds_sum 2\n\
+             x_latency_seconds_count 1\n\
+             # HELP x_pending Pending\n\
+             # TYPE x_pending gauge\n\
+             x_pending 0\n"
+        );
+    }
+
+    #[test]
+    fn code_names_are_go_names() {
+        assert_eq!(code_name(tonic::Code::Cancelled), "Canceled");
+        assert_eq!(code_name(tonic::Code::Ok), "OK");
+        assert_eq!(code_name(tonic::Code::Unavailable), "Unavailable");
+        assert_eq!(code_name(tonic::Code::DeadlineExceeded), "DeadlineExceeded");
     }
 
     #[tokio::test]

@@ -44,6 +44,9 @@ pub enum PumpEnd {
     PeerClosed,
     /// The outbound channel is gone: the tunnel stream died.
     TunnelGone,
+    /// Like [`PumpEnd::TunnelGone`], found when a DATA packet could not be
+    /// sent: the packet is returned so the caller can count it.
+    Undelivered(Packet),
 }
 
 /// Flow control of one connection (see [`crate::flow`]).
@@ -110,8 +113,10 @@ where
             if let Some(credit) = &flow.send_credit {
                 credit.take(flow::cost(chunk.len())).await;
             }
-            if out_tx.send(Packet::data(conn_id.0, chunk)).await.is_err() {
-                return PumpEnd::TunnelGone;
+            if let Err(mpsc::error::SendError(packet)) =
+                out_tx.send(Packet::data(conn_id.0, chunk)).await
+            {
+                return PumpEnd::Undelivered(packet);
             }
             if eof {
                 return PumpEnd::LocalEof;
@@ -202,7 +207,11 @@ mod tests {
         drop(out_rx);
         let task = tokio::spawn(pump(ours, ConnId(1), outbound, out_tx, PumpFlow::default()));
         local.write_all(b"x").await.unwrap();
-        assert!(matches!(task.await.unwrap(), PumpEnd::TunnelGone));
+        let end = task.await.unwrap();
+        let PumpEnd::Undelivered(packet) = end else {
+            panic!("expected the undelivered DATA, got {end:?}")
+        };
+        assert_eq!(packet.type_name(), "DATA");
     }
 
     #[tokio::test]

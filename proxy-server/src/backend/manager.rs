@@ -194,9 +194,12 @@ mod tests {
             AgentId(agent.to_owned()),
             AgentIdentifiers::parse(ids),
             None,
-            tx,
-            CancellationToken::new(),
-            false,
+            crate::backend::BackendStream {
+                tx,
+                cancel: CancellationToken::new(),
+                flow_control: false,
+                metrics: Arc::new(crate::metrics::ServerMetrics::new(&[])),
+            },
         ))
     }
 

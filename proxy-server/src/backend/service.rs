@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
 use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
-use super::{Backend, strategy::AgentIdentifiers};
+use super::{Backend, BackendStream, strategy::AgentIdentifiers};
 use tunnel::metrics::when_blocked;
 
 use crate::{metrics::CONNECT, tunnels::Tunnels};
@@ -86,6 +86,8 @@ impl AgentService for AgentServiceImpl {
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
         let peer = request.extensions().get::<PeerAddr>().map(|p| p.0);
+        // Counted from the start of the call, refused ones too (ANP).
+        let live = self.tunnels.metrics.grpc_stream(CONNECT);
         // Authenticate first, as ANP does; the token itself is never logged.
         if let Some(auth) = &self.token_auth
             && let Err(error) = auth.authenticate(request.metadata()).await
@@ -117,16 +119,18 @@ impl AgentService for AgentServiceImpl {
             agent_id.clone(),
             identifiers,
             peer,
-            tx,
-            cancel.clone(),
-            flow_control,
+            BackendStream {
+                tx,
+                cancel: cancel.clone(),
+                flow_control,
+                metrics: self.tunnels.metrics.clone(),
+            },
         ));
         self.tunnels.add_backend(&backend);
         info!(agent.id = %agent_id, peer.addr = ?peer, flow_control, "agent connected");
 
         let tunnels = self.tunnels.clone();
         let metrics = self.tunnels.metrics.clone();
-        let live = metrics.grpc_stream(CONNECT);
         let span = info_span!("backend", agent.id = %agent_id);
         self.tasks.spawn(
             async move {

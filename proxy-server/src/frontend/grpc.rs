@@ -10,7 +10,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, debug_span};
 
-use super::{Frontend, FrontendGuard};
+use super::{Frontend, FrontendGuard, FrontendKind};
 use tunnel::metrics::when_blocked;
 
 use crate::{backend::service::PacketStream, metrics::PROXY, tunnels::Tunnels};
@@ -41,6 +41,7 @@ impl ProxyService for ProxyServiceImpl {
             self.tunnels.next_uid(),
             tx,
             self.tunnels.metrics.clone(),
+            FrontendKind::Grpc,
         ));
         let tunnels = self.tunnels.clone();
         let metrics = self.tunnels.metrics.clone();

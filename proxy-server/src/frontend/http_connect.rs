@@ -24,7 +24,7 @@ use tunnel::{
     pump::READ_CHUNK,
 };
 
-use super::{Frontend, FrontendGuard};
+use super::{Frontend, FrontendGuard, FrontendKind};
 use crate::conn::ToFrontend;
 use crate::tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT, Tunnels};
 
@@ -238,6 +238,7 @@ pub(crate) async fn serve_connection<IO>(
         tunnels.next_uid(),
         tx,
         tunnels.metrics.clone(),
+        FrontendKind::HttpConnect,
     ));
     let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
     let random = DialId::random();
