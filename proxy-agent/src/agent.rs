@@ -254,16 +254,18 @@ impl Bound {
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
         let health_port = health.local_addr().map_or(0, |a| a.port());
-        let health_server = axum::serve(health, health::router(state.clone()))
-            .with_graceful_shutdown(token.clone().cancelled_owned());
-        tasks.spawn(async move {
-            let _ = health_server.await;
-        });
-        let admin_server = axum::serve(admin, health::admin_router(health_port, config.profiling))
-            .with_graceful_shutdown(token.clone().cancelled_owned());
-        tasks.spawn(async move {
-            let _ = admin_server.await;
-        });
+        tasks.spawn(tunnel::http::serve(
+            health,
+            health::router(state.clone()),
+            token.clone(),
+            "health",
+        ));
+        tasks.spawn(tunnel::http::serve(
+            admin,
+            health::admin_router(health_port, config.profiling),
+            token.clone(),
+            "admin",
+        ));
         if let Some(watch) = lease_watch {
             tasks.spawn(watch.run(token.clone()));
         }
