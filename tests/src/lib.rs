@@ -844,16 +844,19 @@ pub struct LoggedProcess {
 }
 
 impl LoggedProcess {
-    /// Spawns `command` (proxy variables and `RUST_LOG` removed, stdout
-    /// discarded, stderr collected); `name` is for failure messages.
+    /// Spawns `command` (proxy variables removed, and `RUST_LOG` unless the
+    /// command sets it; stdout discarded, stderr collected); `name` is for
+    /// failure messages.
     pub fn spawn(mut command: Command, name: &str) -> Self {
         use std::io::BufRead;
+        if !command.get_envs().any(|(key, _)| key == "RUST_LOG") {
+            command.env_remove("RUST_LOG");
+        }
         let mut child = command
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
             .env_remove("ALL_PROXY")
             .env_remove("all_proxy")
-            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
