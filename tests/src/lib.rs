@@ -8,6 +8,7 @@
 //! - [`backend`]: echo, bulk and blackhole backends.
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
+//! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
 //! - [`RawFrontend`]: a frontend that sends packets by hand.
 //! - [`wait_for`]: polls a condition until a deadline.
 //! - [`http_get`], [`http_request`], [`wait_for_status`]: raw HTTP/1.1 to
@@ -16,6 +17,7 @@
 pub mod backend;
 pub mod kube_stub;
 pub mod lease_stub;
+pub mod proxies;
 
 use std::{
     net::SocketAddr,
