@@ -130,7 +130,10 @@ impl Packet {
 }
 
 /// A packet by what it means; see [`Packet::into_kind`].
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Its `Debug` never prints DATA bytes (they are the tunnelled traffic:
+/// tokens, passwords), only the connection id and the length.
+#[derive(Clone, PartialEq)]
 pub enum PacketKind {
     /// `DIAL_REQ`.
     DialReq(DialRequest),
@@ -148,6 +151,26 @@ pub enum PacketKind {
     Drain,
     /// A type number this implementation does not know.
     Unknown(i32),
+}
+
+impl std::fmt::Debug for PacketKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::DialReq(p) => f.debug_tuple("DialReq").field(p).finish(),
+            Self::DialRsp(p) => f.debug_tuple("DialRsp").field(p).finish(),
+            Self::CloseReq(p) => f.debug_tuple("CloseReq").field(p).finish(),
+            Self::CloseRsp(p) => f.debug_tuple("CloseRsp").field(p).finish(),
+            Self::Data(p) => f
+                .debug_struct("Data")
+                .field("connect_id", &p.connect_id)
+                .field("len", &p.data.len())
+                .field("error", &p.error)
+                .finish(),
+            Self::DialCls(p) => f.debug_tuple("DialCls").field(p).finish(),
+            Self::Drain => f.write_str("Drain"),
+            Self::Unknown(t) => f.debug_tuple("Unknown").field(t).finish(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -323,4 +346,15 @@ mod tests {
     }
 
     use crate::{agent_service_server, proxy_service_server};
+
+    #[test]
+    fn debug_of_data_shows_its_length_never_its_bytes() {
+        let kind = Packet::data(7, Bytes::from_static(b"Authorization: Bearer s3cr3t")).into_kind();
+        let text = format!("{kind:?}");
+        assert_eq!(text, "Data { connect_id: 7, len: 28, error: \"\" }");
+        assert_eq!(
+            format!("{:?}", Packet::close_request(7).into_kind()),
+            "CloseReq(CloseRequest { connect_id: 7 })"
+        );
+    }
 }

@@ -254,16 +254,18 @@ impl Bound {
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
         let health_port = health.local_addr().map_or(0, |a| a.port());
-        let health_server = axum::serve(health, health::router(state.clone()))
-            .with_graceful_shutdown(token.clone().cancelled_owned());
-        tasks.spawn(async move {
-            let _ = health_server.await;
-        });
-        let admin_server = axum::serve(admin, health::admin_router(health_port, config.profiling))
-            .with_graceful_shutdown(token.clone().cancelled_owned());
-        tasks.spawn(async move {
-            let _ = admin_server.await;
-        });
+        tasks.spawn(tunnel::http::serve(
+            health,
+            health::router(state.clone()),
+            token.clone(),
+            "health",
+        ));
+        tasks.spawn(tunnel::http::serve(
+            admin,
+            health::admin_router(health_port, config.profiling),
+            token.clone(),
+            "admin",
+        ));
         if let Some(watch) = lease_watch {
             tasks.spawn(watch.run(token.clone()));
         }
@@ -310,13 +312,25 @@ impl Bound {
         info!("stopping");
         token.cancel();
         tasks.close();
-        tasks.wait().await;
+        if tokio::time::timeout(STOP_GRACE, tasks.wait())
+            .await
+            .is_err()
+        {
+            warn!(
+                tasks = tasks.len(),
+                "tasks did not stop within the grace period; leaving them"
+            );
+        }
         info!("stopped");
     }
 }
 
 /// How often a draining agent checks whether its connections have finished.
 const DRAIN_POLL: Duration = Duration::from_millis(100);
+/// How long the agent's tasks may take to wind down once cancelled (an
+/// HTTP request still being answered, a CPU profile) before `serve` returns
+/// without them, as the server's listeners get.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// Keeps one client per server for `--proxy-server-host` entry `address`:
 /// connects when [`AgentState::should_dial`] says so, backing off on failures.

@@ -11,7 +11,7 @@ use clap::Parser;
 use tunnel::{
     flags::{LogArgs, go_bool, go_duration},
     ids::AgentId,
-    proxy_client::Proxy,
+    proxy_client::{Proxy, ProxyUrl},
     tls,
 };
 
@@ -127,7 +127,7 @@ pub struct Args {
     /// http://, optionally user:password@ (default: HTTPS_PROXY / ALL_PROXY
     /// with NO_PROXY, as curl reads them).
     #[arg(long, default_value = "", hide_default_value = true)]
-    pub proxy_url: String,
+    pub proxy_url: ProxyUrl,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,

@@ -5,8 +5,9 @@
 
 use std::path::PathBuf;
 
+use http_body_util::BodyExt;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-use kube::{Api, Client, api::PostParams};
+use kube::{Client, Resource, api::PostParams};
 use proto::header;
 use tonic::metadata::MetadataMap;
 
@@ -123,12 +124,10 @@ impl TokenAuth {
             },
             ..TokenReview::default()
         };
-        let api = Api::<TokenReview>::all(self.client.clone());
-        let reviewed =
-            tokio::time::timeout(REVIEW_TIMEOUT, api.create(&PostParams::default(), &review))
-                .await
-                .map_err(|_| AuthError::Review(format!("no answer within {REVIEW_TIMEOUT:?}")))?
-                .map_err(|e| AuthError::Review(e.to_string()))?;
+        let reviewed = tokio::time::timeout(REVIEW_TIMEOUT, self.review(&review))
+            .await
+            .map_err(|_| AuthError::Review(format!("no answer within {REVIEW_TIMEOUT:?}")))?
+            .map_err(|reason| AuthError::Review(reason.replace(token, "MASKED")))?;
         let status = reviewed.status.unwrap_or_default();
         if let Some(error) = status.error.filter(|e| !e.is_empty()) {
             return Err(AuthError::StatusError(error));
@@ -164,5 +163,44 @@ impl TokenAuth {
             });
         }
         Ok(())
+    }
+
+    /// POSTs `review` and reads the answer. Not `Api::create`: kube's
+    /// request helpers log a body they cannot parse (`warn`) and error
+    /// bodies (`debug`), and both request and answer hold the token. The
+    /// error text never quotes the body.
+    async fn review(&self, review: &TokenReview) -> Result<TokenReview, String> {
+        let body = serde_json::to_vec(review).map_err(|e| format!("encoding: {e}"))?;
+        let request = kube::core::Request::new(TokenReview::url_path(&(), None))
+            .create(&PostParams::default(), body)
+            .map_err(|e| format!("building the request: {e}"))?;
+        let response = self
+            .client
+            .send(request.map(kube::client::Body::from))
+            .await
+            .map_err(|e| e.to_string())?;
+        let code = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("reading the answer: {e}"))?
+            .to_bytes();
+        if !code.is_success() {
+            // An API Status says why; its message never holds the token.
+            let why = serde_json::from_slice::<kube::core::Status>(&body)
+                .map(|s| format!(": {} ({})", s.message, s.reason))
+                .unwrap_or_default();
+            return Err(format!("the API answered {code}{why}"));
+        }
+        serde_json::from_slice(&body).map_err(|e| {
+            // serde's message may quote a value from the body: only its place.
+            format!(
+                "unreadable TokenReview answer ({:?} error at line {} column {})",
+                e.classify(),
+                e.line(),
+                e.column()
+            )
+        })
     }
 }

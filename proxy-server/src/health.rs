@@ -1,8 +1,9 @@
-//! The health port: `/healthz`, `/readyz`, `/ready` (ANP's bodies and codes).
+//! The health port: `/healthz`, `/readyz`, `/ready`, `/metrics` (ANP's
+//! bodies and codes, any method), and the admin port.
 
 use std::sync::Arc;
 
-use axum::{Router, extract::State, http::StatusCode, routing::get};
+use axum::{Router, extract::State, http::StatusCode, routing::any};
 
 use crate::tunnels::Tunnels;
 
@@ -20,7 +21,7 @@ pub(crate) struct HealthState {
 /// `--enable-profiling`, CPU profiles under `/debug/pprof/`.
 pub(crate) fn admin_router(state: HealthState, profiling: bool) -> Router {
     let router = Router::new()
-        .route("/metrics", get(metrics))
+        .route("/metrics", any(metrics))
         .with_state(state);
     if profiling {
         router.merge(tunnel::profiling::router())
@@ -32,10 +33,10 @@ pub(crate) fn admin_router(state: HealthState, profiling: bool) -> Router {
 /// Routes of the health port.
 pub(crate) fn router(state: HealthState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/ready", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/healthz", any(|| async { "ok" }))
+        .route("/readyz", any(readyz))
+        .route("/ready", any(readyz))
+        .route("/metrics", any(metrics))
         .with_state(state)
 }
 

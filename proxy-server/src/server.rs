@@ -375,13 +375,18 @@ impl Bound {
             tunnels: tunnels.clone(),
         };
         let admin_local = admin.local_addr().ok();
-        let admin_server = axum::serve(
+        let admin_server = tunnel::http::serve(
             admin,
             health::admin_router(health_state.clone(), config.profiling),
-        )
-        .with_graceful_shutdown(token.clone().cancelled_owned());
-        let health_server = axum::serve(health, health::router(health_state))
-            .with_graceful_shutdown(token.clone().cancelled_owned());
+            token.clone(),
+            "admin",
+        );
+        let health_server = tunnel::http::serve(
+            health,
+            health::router(health_state),
+            token.clone(),
+            "health",
+        );
         info!(admin.addr = ?admin_local, profiling = config.profiling, "admin listening");
 
         let agent_task = tokio::spawn(agent_server);

@@ -32,6 +32,16 @@ pub struct Identity {
     pub audiences: Vec<String>,
 }
 
+/// How the stub answers a review of a token given to [`TokenReviewStub::echo`]:
+/// with the token in the body, the way a broken API or proxy might.
+#[derive(Clone, Copy, Debug)]
+pub enum Echo {
+    /// 201 with the request's spec and a `status` that is not an object.
+    Garbled,
+    /// 400 with a plain-text body quoting the token.
+    PlainError,
+}
+
 /// The running stub.
 pub struct TokenReviewStub {
     /// Where it listens.
@@ -40,6 +50,8 @@ pub struct TokenReviewStub {
     pub kubeconfig: PathBuf,
     /// Known tokens.
     tokens: Arc<Mutex<HashMap<String, Identity>>>,
+    /// Tokens answered with an [`Echo`].
+    echoes: Arc<Mutex<HashMap<String, Echo>>>,
     /// Answer 503 to everything while set.
     down: Arc<AtomicBool>,
     /// Reviews answered so far.
@@ -73,12 +85,18 @@ impl TokenReviewStub {
         let addr = listener.local_addr().expect("address");
         let stop = CancellationToken::new();
         let tokens: Arc<Mutex<HashMap<String, Identity>>> = Arc::default();
+        let echoes: Arc<Mutex<HashMap<String, Echo>>> = Arc::default();
         let down = Arc::new(AtomicBool::new(false));
         let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut incoming = tunnel::conn::tls_incoming(listener, tls, stop.clone(), "kube-stub");
         {
-            let (tokens, down, reviews, stop) =
-                (tokens.clone(), down.clone(), reviews.clone(), stop.clone());
+            let (tokens, echoes, down, reviews, stop) = (
+                tokens.clone(),
+                echoes.clone(),
+                down.clone(),
+                reviews.clone(),
+                stop.clone(),
+            );
             tokio::spawn(async move {
                 use futures_util::StreamExt;
                 loop {
@@ -90,10 +108,21 @@ impl TokenReviewStub {
                             None => return,
                         },
                     };
-                    let (tokens, down, reviews) = (tokens.clone(), down.clone(), reviews.clone());
+                    let (tokens, echoes, down, reviews) = (
+                        tokens.clone(),
+                        echoes.clone(),
+                        down.clone(),
+                        reviews.clone(),
+                    );
                     tokio::spawn(async move {
                         let service = hyper::service::service_fn(move |req| {
-                            answer(req, tokens.clone(), down.clone(), reviews.clone())
+                            answer(
+                                req,
+                                tokens.clone(),
+                                echoes.clone(),
+                                down.clone(),
+                                reviews.clone(),
+                            )
                         });
                         let _ = hyper::server::conn::http1::Builder::new()
                             .serve_connection(TokioIo::new(conn), service)
@@ -108,6 +137,7 @@ impl TokenReviewStub {
             addr,
             kubeconfig,
             tokens,
+            echoes,
             down,
             reviews,
             stop,
@@ -121,6 +151,14 @@ impl TokenReviewStub {
             .lock()
             .expect("lock")
             .insert(token.to_owned(), identity);
+    }
+
+    /// Answers reviews of `token` with `echo`, the token in the body.
+    pub fn echo(&self, token: &str, echo: Echo) {
+        self.echoes
+            .lock()
+            .expect("lock")
+            .insert(token.to_owned(), echo);
     }
 
     /// Makes `token` unknown again.
@@ -173,6 +211,7 @@ fn api_status(code: StatusCode, reason: &str, message: &str) -> Response<Full<By
 async fn answer(
     req: Request<Incoming>,
     tokens: Arc<Mutex<HashMap<String, Identity>>>,
+    echoes: Arc<Mutex<HashMap<String, Echo>>>,
     down: Arc<AtomicBool>,
     reviews: Arc<std::sync::atomic::AtomicUsize>,
 ) -> Result<Response<Full<Bytes>>, hyper::Error> {
@@ -225,6 +264,25 @@ async fn answer(
                 .collect()
         })
         .unwrap_or_default();
+    match echoes.lock().expect("lock").get(&token) {
+        Some(Echo::Garbled) => {
+            return Ok(json(
+                StatusCode::CREATED,
+                serde_json::json!({
+                    "kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+                    "spec": review["spec"], "status": token
+                }),
+            ));
+        }
+        Some(Echo::PlainError) => {
+            let mut response = Response::new(Full::new(Bytes::from(format!(
+                "cannot review token {token}"
+            ))));
+            *response.status_mut() = StatusCode::BAD_REQUEST;
+            return Ok(response);
+        }
+        None => {}
+    }
     let identity = tokens.lock().expect("lock").get(&token).cloned();
     let status = match identity {
         None => serde_json::json!({"user": {}, "error": "[invalid bearer token, unknown]"}),

@@ -8,12 +8,16 @@
 //! - [`backend`]: echo, bulk and blackhole backends.
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
+//! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
 //! - [`RawFrontend`]: a frontend that sends packets by hand.
 //! - [`wait_for`]: polls a condition until a deadline.
+//! - [`http_get`], [`http_request`], [`wait_for_status`]: raw HTTP/1.1 to
+//!   the health and admin ports.
 
 pub mod backend;
 pub mod kube_stub;
 pub mod lease_stub;
+pub mod proxies;
 
 use std::{
     net::SocketAddr,
@@ -433,6 +437,8 @@ pub struct AgentOpts {
     pub server_count_source: proxy_agent::lease::ServerCountSource,
     /// `--sync-forever`.
     pub sync_forever: bool,
+    /// `--enable-profiling`.
+    pub profiling: bool,
 }
 
 /// An in-process proxy-agent.
@@ -483,7 +489,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         agent_identifiers: opts.identifiers.clone(),
         health_addr: "127.0.0.1:0".parse().expect("address"),
         admin_addr: "127.0.0.1:0".parse().expect("address"),
-        profiling: false,
+        profiling: opts.profiling,
         sync_interval: Duration::from_millis(100),
         sync_interval_cap: Duration::from_secs(1),
         sync_forever: opts.sync_forever,
@@ -746,6 +752,90 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     (status, body)
 }
 
+/// An HTTP/1.1 answer read off the wire.
+#[derive(Debug, Clone)]
+pub struct HttpAnswer {
+    /// Status code.
+    pub status: u16,
+    /// Header values by lower-cased name (the last one wins).
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// The body as sent (not de-chunked).
+    pub body: Vec<u8>,
+}
+
+impl HttpAnswer {
+    /// The body as text (lossily decoded).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Sends `method target` with `Host: host` and `Connection: close` (plus
+/// `extra` header lines, each ending in CRLF) and reads the whole answer.
+pub async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    target: &str,
+    host: &str,
+    extra: &str,
+) -> HttpAnswer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connecting");
+    stream
+        .write_all(
+            format!(
+                "{method} {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("writing the request");
+    let mut raw = Vec::new();
+    stream
+        .read_to_end(&mut raw)
+        .await
+        .expect("reading the response");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    HttpAnswer {
+        status,
+        headers,
+        body: raw[split + 4..].to_vec(),
+    }
+}
+
+/// Polls `GET path` on `addr` until it answers `status` and returns that
+/// body; panics after [`DEADLINE`] with the last answer.
+pub async fn wait_for_status(addr: SocketAddr, path: &str, status: u16) -> String {
+    let start = Instant::now();
+    loop {
+        let (got, body) = http_get(addr, path).await;
+        if got == status {
+            return body;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{path} on {addr} still answers {got} {body:?}, not {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A child process whose standard error is collected line by line (for
 /// tests that read what a real binary logs); killed when dropped.
 pub struct LoggedProcess {
@@ -756,16 +846,19 @@ pub struct LoggedProcess {
 }
 
 impl LoggedProcess {
-    /// Spawns `command` (proxy variables and `RUST_LOG` removed, stdout
-    /// discarded, stderr collected); `name` is for failure messages.
+    /// Spawns `command` (proxy variables removed, and `RUST_LOG` unless the
+    /// command sets it; stdout discarded, stderr collected); `name` is for
+    /// failure messages.
     pub fn spawn(mut command: Command, name: &str) -> Self {
         use std::io::BufRead;
+        if !command.get_envs().any(|(key, _)| key == "RUST_LOG") {
+            command.env_remove("RUST_LOG");
+        }
         let mut child = command
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
             .env_remove("ALL_PROXY")
             .env_remove("all_proxy")
-            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -5,117 +5,15 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
-use std::{
-    net::SocketAddr,
-    process::{Child, Command, Stdio},
-};
+use std::process::{Command, Stdio};
 
-use integration_tests::{AgentOpts, TestAgent, TestServer, agent_config, backend, wait_for};
+use integration_tests::{
+    AgentOpts, TestAgent, TestServer, agent_config, backend,
+    proxies::{microsocks, tinyproxy},
+};
 use proxy_agent::client::{Client, ConnectError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel::proxy_client::{Proxy, ProxyError};
-
-/// A proxy process, killed on drop.
-struct ProxyProcess {
-    /// The process.
-    child: Child,
-    /// Where it listens.
-    addr: SocketAddr,
-    /// Keeps its configuration file.
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for ProxyProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn(program: &str, args: &[String]) -> Child {
-    Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}); .ci/run installs it: apt-get install microsocks tinyproxy")
-        })
-}
-
-async fn ready(mut proxy: ProxyProcess) -> ProxyProcess {
-    let addr = proxy.addr;
-    wait_for("the proxy to listen", || {
-        std::net::TcpStream::connect(addr).is_ok()
-    })
-    .await;
-    assert!(
-        proxy.child.try_wait().unwrap().is_none(),
-        "the proxy exited"
-    );
-    proxy
-}
-
-/// microsocks on 127.0.0.1, connecting out from 127.0.0.3.
-async fn microsocks(auth: Option<(&str, &str)>) -> ProxyProcess {
-    let port = free_port();
-    let mut args = vec![
-        "-i".to_owned(),
-        "127.0.0.1".to_owned(),
-        "-p".to_owned(),
-        port.to_string(),
-        "-b".to_owned(),
-        "127.0.0.3".to_owned(),
-    ];
-    if let Some((user, pass)) = auth {
-        args.extend([
-            "-u".to_owned(),
-            user.to_owned(),
-            "-P".to_owned(),
-            pass.to_owned(),
-        ]);
-    }
-    ready(ProxyProcess {
-        child: spawn("microsocks", &args),
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-        _dir: tempfile::tempdir().unwrap(),
-    })
-    .await
-}
-
-/// tinyproxy on 127.0.0.1 allowing CONNECT to `target_port`, connecting out
-/// from 127.0.0.4.
-async fn tinyproxy(auth: Option<(&str, &str)>, target_port: u16) -> ProxyProcess {
-    let port = free_port();
-    let dir = tempfile::tempdir().unwrap();
-    let mut conf = format!(
-        "Port {port}\nListen 127.0.0.1\nBind 127.0.0.4\nTimeout 60\nAllow 127.0.0.1\nConnectPort {target_port}\nMaxClients 50\nLogLevel Info\nLogFile \"{}\"\n",
-        dir.path().join("tinyproxy.log").display()
-    );
-    if let Some((user, pass)) = auth {
-        conf.push_str(&format!("BasicAuth {user} {pass}\n"));
-    }
-    let path = dir.path().join("tinyproxy.conf");
-    std::fs::write(&path, conf).unwrap();
-    ready(ProxyProcess {
-        child: spawn(
-            "tinyproxy",
-            &["-d".to_owned(), "-c".to_owned(), path.display().to_string()],
-        ),
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-        _dir: dir,
-    })
-    .await
-}
 
 /// An agent through `proxy_url` registers from `via`, and a request through
 /// the tunnel is byte-exact.

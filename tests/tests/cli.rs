@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use integration_tests::{Pki, TestServer, binary, http_get, wait_for};
+use integration_tests::{LoggedProcess, Pki, TestServer, binary, http_get, wait_for};
 
 fn run(name: &str, args: &[String]) -> (i32, String) {
     let out = Command::new(binary(name))
@@ -72,6 +72,13 @@ fn bad_agent_flags_exit_2_naming_the_flag() {
                 "--agent-identifiers=zone=a".to_owned(),
             ],
             "--agent-identifiers",
+        ),
+        (
+            vec![
+                pki_arg("ca-cert", "agent-ca.crt"),
+                "--stderrthreshold=LOUD".to_owned(),
+            ],
+            "--stderrthreshold",
         ),
     ] {
         let (code, stderr) = run("proxy-agent", &args);
@@ -279,4 +286,184 @@ async fn log_file_json_format_and_verbosity_are_honoured() {
         assert_eq!(verbose, debug_expected, "-v={verbosity}: levels {levels:?}");
         assert!(levels.contains("INFO"), "{levels:?}");
     }
+}
+
+/// How long a real agent may take to log what a test waits for.
+const LOG_LIMIT: Duration = Duration::from_secs(30);
+
+/// A real agent against `port` on loopback with the test PKI, `flags` and
+/// `RUST_LOG` (`None`: unset).
+fn logging_agent(port: u16, flags: &[String], rust_log: Option<&str>) -> LoggedProcess {
+    let mut command = Command::new(binary("proxy-agent"));
+    command.args([
+        pki_arg("ca-cert", "agent-ca.crt"),
+        pki_arg("agent-cert", "proxy-agent.crt"),
+        pki_arg("agent-key", "proxy-agent.key"),
+        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-port={port}"),
+        "--health-server-host=127.0.0.1".to_owned(),
+        "--health-server-port=0".to_owned(),
+        "--admin-server-port=0".to_owned(),
+        "--sync-interval=100ms".to_owned(),
+        "--sync-interval-cap=200ms".to_owned(),
+    ]);
+    command.args(flags);
+    if let Some(filter) = rust_log {
+        command.env("RUST_LOG", filter);
+    }
+    LoggedProcess::spawn(command, "proxy-agent")
+}
+
+/// The level of a text log line (`<time> <LEVEL> <target>: …`).
+fn level(line: &str) -> &str {
+    line.split_whitespace().nth(1).unwrap_or_default()
+}
+
+/// Waits until `file` holds `needle` `n` times; returns its text.
+async fn wait_in_file(file: &std::path::Path, needle: &str, n: usize) -> String {
+    let mut text = String::new();
+    wait_for(&format!("{needle:?} in {}", file.display()), || {
+        text = std::fs::read_to_string(file).unwrap_or_default();
+        text.matches(needle).count() >= n
+    })
+    .await;
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_log_overrides_v_unless_it_is_empty_or_invalid() {
+    let server = TestServer::start().await;
+    let closed = integration_tests::backend::closed_port().port();
+
+    // RUST_LOG=trace beats -v=0.
+    let mut traced = logging_agent(
+        server.agent_addr.port(),
+        &["-v=0".to_owned()],
+        Some("trace"),
+    );
+    traced.wait_for(" TRACE ", 1, LOG_LIMIT).await;
+    // RUST_LOG=warn beats -v=9: warnings and nothing below.
+    let mut quiet = logging_agent(closed, &["-v=9".to_owned()], Some("warn"));
+    quiet
+        .wait_for("cannot connect to proxy-server", 2, LOG_LIMIT)
+        .await;
+    for line in quiet.lines() {
+        assert!(matches!(level(&line), "WARN" | "ERROR"), "{line}");
+    }
+    // An empty RUST_LOG is no RUST_LOG: the -v level, not errors only.
+    let mut empty = logging_agent(closed, &["-v=4".to_owned()], Some(""));
+    empty.wait_for("proxy-agent starting", 1, LOG_LIMIT).await;
+    // An invalid one is named in a warning and the -v level applies.
+    let mut invalid = logging_agent(closed, &["-v=4".to_owned()], Some("tunnel=loud"));
+    invalid.wait_for("RUST_LOG is invalid", 1, LOG_LIMIT).await;
+    let warning = invalid.find("RUST_LOG is invalid").unwrap();
+    assert!(
+        level(&warning) == "WARN" && warning.contains("rust_log=tunnel=loud"),
+        "{warning}"
+    );
+    invalid.wait_for("proxy-agent starting", 1, LOG_LIMIT).await;
+    assert!(invalid.lines().iter().all(|l| level(l) != "DEBUG"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_file_gets_every_line_and_standard_error_the_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let closed = integration_tests::backend::closed_port().port();
+
+    // An agent that fails at once: its ERROR is in the file and on stderr.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let failed_log = dir.path().join("failed.log");
+    let out = Command::new(binary("proxy-agent"))
+        .env_remove("RUST_LOG")
+        .args([
+            pki_arg("ca-cert", "agent-ca.crt"),
+            "--logtostderr=false".to_owned(),
+            format!("--log-file={}", failed_log.display()),
+            "--health-server-host=127.0.0.1".to_owned(),
+            format!(
+                "--health-server-port={}",
+                taken.local_addr().unwrap().port()
+            ),
+            "--admin-server-port=0".to_owned(),
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr
+            .lines()
+            .any(|l| level(l) == "ERROR" && l.contains("proxy-agent failed")),
+        "{stderr}"
+    );
+    let file = std::fs::read_to_string(&failed_log).unwrap();
+    assert!(file.contains("proxy-agent failed"), "{file}");
+
+    // A running agent that cannot connect: INFO and WARN go to the file
+    // only (ERROR is the default threshold). The largest max size is fine.
+    let quiet_log = dir.path().join("quiet.log");
+    let quiet = logging_agent(
+        closed,
+        &[
+            "--logtostderr=false".to_owned(),
+            format!("--log-file={}", quiet_log.display()),
+            format!("--log-file-max-size={}", u64::MAX),
+        ],
+        None,
+    );
+    let text = wait_in_file(&quiet_log, "cannot connect to proxy-server", 2).await;
+    assert!(text.contains("proxy-agent starting"), "{text}");
+    assert!(quiet.lines().is_empty(), "{:#?}", quiet.lines());
+
+    // --stderrthreshold=WARNING: warnings reach stderr too, INFO does not.
+    let warned_log = dir.path().join("warned.log");
+    let mut warned = logging_agent(
+        closed,
+        &[
+            "--logtostderr=false".to_owned(),
+            format!("--log-file={}", warned_log.display()),
+            "--stderrthreshold=WARNING".to_owned(),
+        ],
+        None,
+    );
+    warned
+        .wait_for("cannot connect to proxy-server", 2, LOG_LIMIT)
+        .await;
+    assert!(
+        warned.lines().iter().all(|l| level(l) == "WARN"),
+        "{:#?}",
+        warned.lines()
+    );
+    let text = wait_in_file(&warned_log, "proxy-agent starting", 1).await;
+    assert!(text.contains("cannot connect to proxy-server"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_flags_without_effect_together_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let closed = integration_tests::backend::closed_port().port();
+    // --log-file while --logtostderr is true (its default): ignored, said so.
+    let ignored_log = dir.path().join("ignored.log");
+    let mut ignored = logging_agent(
+        closed,
+        &[format!("--log-file={}", ignored_log.display())],
+        None,
+    );
+    ignored
+        .wait_for("--log-file is ignored", 1, LOG_LIMIT)
+        .await;
+    let line = ignored.find("--log-file is ignored").unwrap();
+    assert!(
+        level(&line) == "WARN" && line.contains(&ignored_log.display().to_string()),
+        "{line}"
+    );
+    ignored.wait_for("proxy-agent starting", 1, LOG_LIMIT).await;
+    assert!(!ignored_log.exists());
+    // --logtostderr=false with no file: standard error, said so.
+    let mut nowhere = logging_agent(closed, &["--logtostderr=false".to_owned()], None);
+    nowhere
+        .wait_for("--logtostderr=false without --log-file", 1, LOG_LIMIT)
+        .await;
+    nowhere.wait_for("proxy-agent starting", 1, LOG_LIMIT).await;
 }

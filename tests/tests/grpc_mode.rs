@@ -391,9 +391,11 @@ async fn the_server_is_ready_only_with_an_agent() {
         integration_tests::http_get(health, "/ready").await,
         (200, "ok".to_owned())
     );
+    // The server counts the agent before the agent has read the server's
+    // answer: wait for the agent's own view.
     assert_eq!(
-        integration_tests::http_get(agent.health_addr, "/readyz").await,
-        (200, "ok".to_owned())
+        integration_tests::wait_for_status(agent.health_addr, "/readyz", 200).await,
+        "ok"
     );
     assert_eq!(
         integration_tests::http_get(agent.health_addr, "/healthz").await,

@@ -487,7 +487,7 @@ async fn endpoints_answer_as_anps_before_and_after_an_agent_connects() {
     assert_eq!(status, 301);
     assert_eq!(
         headers["location"],
-        format!("http://localhost:{}/metrics", agent.health_addr.port())
+        format!("//localhost:{}/metrics", agent.health_addr.port())
     );
     // Profiling is off unless asked for.
     assert_eq!(get(server.admin_addr, "/debug/pprof/").await.0, 404);

@@ -127,8 +127,8 @@ pub struct LogArgs {
     /// Accepted for klog compatibility; no effect.
     #[arg(long, alias = "vmodule", hide = true)]
     pub vmodule: Option<String>,
-    /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "stderrthreshold", hide = true)]
+    /// With --logtostderr=false and --log-file, lines at or above this severity also go to standard error: INFO, WARNING, ERROR or FATAL, or 0-3 (klog; default ERROR).
+    #[arg(long, alias = "stderrthreshold", value_name = "SEVERITY")]
     pub stderrthreshold: Option<String>,
     /// Accepted for klog compatibility; no effect.
     #[arg(long, alias = "alsologtostderrthreshold", hide = true)]
@@ -165,7 +165,6 @@ impl LogArgs {
         [
             ("log-dir", self.log_dir.is_some()),
             ("vmodule", self.vmodule.is_some()),
-            ("stderrthreshold", self.stderrthreshold.is_some()),
             (
                 "alsologtostderrthreshold",
                 self.alsologtostderrthreshold.is_some(),

@@ -14,6 +14,7 @@
 //! - [`flags`]: Go booleans, Go durations and klog flags for clap.
 //! - [`flow`]: per-connection windows and bounded receive queues.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
+//! - [`http`]: the health and admin HTTP servers with ANP's limits and Go's answers.
 //! - [`kube`]: the kube API client (TokenReview, Leases).
 //! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
 //! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
@@ -24,6 +25,7 @@ pub mod duration;
 pub mod error;
 pub mod flags;
 pub mod flow;
+pub mod http;
 pub mod ids;
 pub mod kube;
 pub mod metrics;

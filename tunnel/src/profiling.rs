@@ -15,9 +15,9 @@ use std::{
 use axum::{
     Router,
     extract::{Path, RawQuery},
-    http::{HeaderValue, StatusCode, header},
+    http::{HeaderValue, Method, StatusCode, header},
     response::{IntoResponse, Response},
-    routing::get,
+    routing::any,
 };
 use flate2::{Compression, write::GzEncoder};
 use pprof::{ProfilerGuard, ProfilerGuardBuilder, protos::Message};
@@ -54,13 +54,14 @@ const UNAVAILABLE_PROFILES: [&str; 9] = [
 /// Set while a CPU profile runs; the profiler is process-wide, so there is one slot.
 static PROFILE_SLOT: AtomicBool = AtomicBool::new(false);
 
-/// The `/debug/pprof/` routes, to be merged into an admin server's router.
+/// The `/debug/pprof/` routes, to be merged into an admin server's router;
+/// like Go's handlers they answer every method.
 pub fn router() -> Router {
     Router::new()
-        .route("/debug/pprof", get(redirect_to_index))
-        .route("/debug/pprof/", get(index))
-        .route("/debug/pprof/profile", get(profile))
-        .route("/debug/pprof/{name}", get(unavailable))
+        .route("/debug/pprof", any(redirect_to_index))
+        .route("/debug/pprof/", any(index))
+        .route("/debug/pprof/profile", any(profile))
+        .route("/debug/pprof/{name}", any(unavailable))
 }
 
 /// Why a profile request failed.
@@ -131,13 +132,9 @@ fn go_error(status: StatusCode, text: String) -> Response {
     response
 }
 
-/// `GET /debug/pprof`: Go's mux redirects the bare path to the index.
-async fn redirect_to_index() -> Response {
-    (
-        StatusCode::MOVED_PERMANENTLY,
-        [(header::LOCATION, "/debug/pprof/")],
-    )
-        .into_response()
+/// `/debug/pprof`: redirected to the index as ANP's `util.RedirectTo` does.
+async fn redirect_to_index(method: Method) -> Response {
+    crate::http::redirect(&method, "/debug/pprof/", StatusCode::MOVED_PERMANENTLY)
 }
 
 /// `GET /debug/pprof/`: what this build serves.
@@ -502,6 +499,10 @@ mod tests {
         let response = router().oneshot(get("/debug/pprof")).await.unwrap();
         assert_eq!(response.status(), StatusCode::MOVED_PERMANENTLY);
         assert_eq!(response.headers()[header::LOCATION], "/debug/pprof/");
+        assert_eq!(
+            body_text(response).await,
+            "<a href=\"/debug/pprof/\">Moved Permanently</a>.\n\n"
+        );
     }
 
     #[tokio::test]

@@ -66,6 +66,42 @@ impl fmt::Debug for Proxy {
     }
 }
 
+/// `--proxy-url` as given on the command line. Its `Debug` (the flags'
+/// struct derives it) masks the password as [`Proxy`]'s `Display` does,
+/// even when the text does not parse.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ProxyUrl(pub String);
+
+impl From<String> for ProxyUrl {
+    fn from(text: String) -> Self {
+        Self(text)
+    }
+}
+
+impl std::ops::Deref for ProxyUrl {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ProxyUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let masked = match self.0.split_once("://") {
+            Some((scheme, rest)) => match rest.rsplit_once('@') {
+                Some((userinfo, hostport)) => {
+                    let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+                    format!("{scheme}://{user}:***@{hostport}")
+                }
+                None => self.0.clone(),
+            },
+            None if self.0.contains('@') => "***".to_owned(),
+            None => self.0.clone(),
+        };
+        fmt::Debug::fmt(&masked, f)
+    }
+}
+
 impl Proxy {
     /// Parses a proxy URL; the error text names what is wrong (never the
     /// password).
@@ -353,6 +389,23 @@ async fn http_connect(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn proxy_url_flag_debug_masks_the_password() {
+        for (text, shown) in [
+            ("http://u:s3cret@proxy:3128", "\"http://u:***@proxy:3128\""),
+            (
+                "socks5://u:s3cret@[::1]:1080/",
+                "\"socks5://u:***@[::1]:1080/\"",
+            ),
+            ("ftp://u:s3cret@a:b@c", "\"ftp://u:***@c\""),
+            ("u:s3cret@proxy", "\"***\""),
+            ("http://proxy:3128", "\"http://proxy:3128\""),
+            ("", "\"\""),
+        ] {
+            assert_eq!(format!("{:?}", ProxyUrl(text.to_owned())), shown, "{text}");
+        }
+    }
 
     #[test]
     fn parses_proxy_urls_and_masks_passwords() {
