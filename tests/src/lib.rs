@@ -594,10 +594,9 @@ pub struct AgentProcess {
     child: Child,
 }
 
-/// Path of a workspace binary. `cargo nextest run --workspace` (the test
-/// command) builds every binary before any test runs; if one is missing (as
-/// after `cargo test -p integration-tests` on a clean tree) it is built once,
-/// for the whole workspace so that features unify as in the normal build.
+/// Path of a workspace binary, built first (once per test process, for the
+/// whole workspace so that features unify as in the normal build) when it
+/// is missing or older than the test itself.
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
     let exe = std::env::current_exe().expect("test executable path");
@@ -607,7 +606,15 @@ pub fn binary(name: &str) -> PathBuf {
         .and_then(Path::parent)
         .expect("target directory");
     let path = dir.join(name);
-    if !path.exists() {
+    // A binary older than this test was built before the last change to
+    // the sources: `cargo nextest run` rebuilds tests, not binaries, and a
+    // stale binary would test old code. Cargo decides (a no-op when fresh).
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let stale = match (modified(&path), modified(&exe)) {
+        (Some(bin), Some(test)) => bin < test,
+        _ => true,
+    };
+    if stale {
         BUILT.get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
             let mut command = Command::new(cargo);

@@ -105,9 +105,10 @@ async fn every_endpoint_answers_as_anps_before_and_after_an_agent_connects() {
         "konnectivity_network_proxy_server_ready_backend_connections",
     )
     .await;
+    // Before any server connection ANP shows the known server count only.
     expect_metrics(
         lonely.health_addr,
-        "konnectivity_network_proxy_agent_open_server_connections",
+        "konnectivity_network_proxy_agent_known_server_count",
     )
     .await;
     for addr in [
