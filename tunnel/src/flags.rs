@@ -100,11 +100,11 @@ pub struct LogArgs {
     #[arg(short = 'v', long = "v", default_value_t = 4, value_name = "LEVEL")]
     pub verbosity: u8,
     /// Log to standard error instead of files (klog; when true, --log-file is ignored).
-    #[arg(long, alias = "logtostderr", num_args = 0..=1, require_equals = true,
+    #[arg(long, num_args = 0..=1, require_equals = true,
           default_value = "true", default_missing_value = "true", value_parser = go_bool)]
     pub logtostderr: bool,
     /// Also log to standard error when logging to a file (klog).
-    #[arg(long, alias = "alsologtostderr", num_args = 0..=1, require_equals = true,
+    #[arg(long, num_args = 0..=1, require_equals = true,
           default_value = "false", default_missing_value = "true", value_parser = go_bool)]
     pub alsologtostderr: bool,
     /// Log file to write to when --logtostderr=false (klog).
@@ -125,13 +125,13 @@ pub struct LogArgs {
     #[arg(long, alias = "log_dir", hide = true)]
     pub log_dir: Option<String>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "vmodule", hide = true)]
+    #[arg(long, hide = true)]
     pub vmodule: Option<String>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "stderrthreshold", hide = true)]
+    #[arg(long, hide = true)]
     pub stderrthreshold: Option<String>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "alsologtostderrthreshold", hide = true)]
+    #[arg(long, hide = true)]
     pub alsologtostderrthreshold: Option<String>,
     /// Accepted for klog compatibility; no effect.
     #[arg(long, alias = "log_backtrace_at", hide = true)]
@@ -249,6 +249,27 @@ mod tests {
         let cli = Cli::try_parse_from(["x"]).unwrap();
         assert_eq!(cli.log.verbosity, 4);
         assert!(cli.log.logtostderr);
+    }
+
+    /// ANP renames the klog flags to dashes; the underscore spellings are
+    /// our extension, and no alias repeats its own flag's name.
+    #[test]
+    fn klog_aliases_are_the_underscore_spellings() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        for arg in cmd.get_arguments() {
+            let long = arg.get_long().unwrap_or_default();
+            for alias in arg.get_all_aliases().unwrap_or_default() {
+                assert_ne!(alias, long, "--{long} has itself as an alias");
+                assert_eq!(alias.replace('_', "-"), long, "--{alias}");
+            }
+        }
+        let cli = Cli::try_parse_from(["x", "--log_file=/tmp/a.log", "--log_dir=/tmp"]).unwrap();
+        assert_eq!(
+            cli.log.log_file.as_deref(),
+            Some(std::path::Path::new("/tmp/a.log"))
+        );
+        assert_eq!(cli.log.without_effect(), ["log-dir"]);
     }
 
     #[test]
