@@ -103,7 +103,7 @@ pub struct Args {
     /// Namespace watched for leases.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Label selector of counted leases.
+    /// Label selector of counted leases (Kubernetes syntax; empty selects all).
     #[arg(long, default_value = "k8s-app=konnectivity-server")]
     pub lease_label_selector: String,
     /// Deprecated alias of --lease-label-selector.
@@ -362,14 +362,19 @@ impl TryFrom<Args> for Config {
             _ => return Err(invalid("server-count-source", "want default or max")),
         };
         // The hidden, deprecated --lease-label wins when given (ANP).
-        let (selector_flag, selector) = match &args.lease_label {
-            Some(label) => ("lease-label", label),
-            None => ("lease-label-selector", &args.lease_label_selector),
-        };
+        let selector = args
+            .lease_label
+            .as_ref()
+            .unwrap_or(&args.lease_label_selector);
+        // Both are label selectors, checked whatever --count-server-leases
+        // says (ANP parses them as flags); empty selects every lease.
+        tunnel::kube::selector::check_label_selector(&args.lease_label_selector)
+            .map_err(|reason| invalid("lease-label-selector", reason))?;
+        if let Some(label) = &args.lease_label {
+            tunnel::kube::selector::check_label_selector(label)
+                .map_err(|reason| invalid("lease-label", reason))?;
+        }
         if args.count_server_leases {
-            if selector.trim().is_empty() {
-                return Err(invalid(selector_flag, "must not be empty"));
-            }
             if args.lease_namespace.is_empty() {
                 return Err(invalid("lease-namespace", "must not be empty"));
             }
@@ -719,9 +724,37 @@ mod tests {
         )
         .unwrap();
         assert_eq!(alias.leases.unwrap().selector, "app=b");
+        // An empty selector counts every lease of the namespace (ANP).
+        let all = parse(
+            dir.path(),
+            &["--count-server-leases", "--lease-label-selector="],
+        )
+        .unwrap();
+        assert_eq!(all.leases.unwrap().selector, "");
+        let selector = parse(
+            dir.path(),
+            &[
+                "--count-server-leases",
+                "--lease-label-selector=k8s-app in (konnectivity-server),!canary",
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            selector.leases.unwrap().selector,
+            "k8s-app in (konnectivity-server),!canary"
+        );
+        // The selectors are checked with leases off too.
         for (extra, needle) in [
             (
-                &["--count-server-leases", "--lease-label-selector="][..],
+                &["--lease-label-selector=*notavalidlabel*"][..],
+                "--lease-label-selector: \"*notavalidlabel*\"",
+            ),
+            (
+                &["--lease-label=*notavalidlabel*"],
+                "--lease-label: \"*notavalidlabel*\"",
+            ),
+            (
+                &["--count-server-leases", "--lease-label-selector=app in a"],
                 "--lease-label-selector",
             ),
             (

@@ -14,7 +14,7 @@
 //! - [`flags`]: Go booleans, Go durations and klog flags for clap.
 //! - [`flow`]: per-connection windows and bounded receive queues.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
-//! - [`kube`]: the kube API client (TokenReview, Leases).
+//! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
 //! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
 //! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
 
