@@ -374,27 +374,18 @@ impl TryFrom<Args> for Config {
             tunnel::kube::selector::check_label_selector(label)
                 .map_err(|reason| invalid("lease-label", reason))?;
         }
-        if args.count_server_leases {
-            if args.lease_namespace.is_empty() {
-                return Err(invalid("lease-namespace", "must not be empty"));
-            }
-            if !args.kubeconfig.is_empty() && !std::path::Path::new(&args.kubeconfig).is_file() {
-                return Err(invalid(
-                    "kubeconfig",
-                    format!("{} does not exist or is not a file", args.kubeconfig),
-                ));
-            }
+        if args.count_server_leases && args.lease_namespace.is_empty() {
+            return Err(invalid("lease-namespace", "must not be empty"));
         }
-        if !args.service_account_token_path.is_empty()
-            && !std::path::Path::new(&args.service_account_token_path).is_file()
-        {
-            return Err(invalid(
+        // Checked whenever given, used or not (ANP).
+        if !args.kubeconfig.is_empty() {
+            tunnel::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
+        }
+        if !args.service_account_token_path.is_empty() {
+            tunnel::flags::check_readable_file(
                 "service-account-token-path",
-                format!(
-                    "{} does not exist or is not a file",
-                    args.service_account_token_path
-                ),
-            ));
+                &args.service_account_token_path,
+            )?;
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
@@ -743,7 +734,7 @@ mod tests {
             selector.leases.unwrap().selector,
             "k8s-app in (konnectivity-server),!canary"
         );
-        // The selectors are checked with leases off too.
+        // The selectors and the kubeconfig are checked with leases off too.
         for (extra, needle) in [
             (
                 &["--lease-label-selector=*notavalidlabel*"][..],
@@ -762,6 +753,10 @@ mod tests {
                 "--lease-namespace",
             ),
             (
+                &["--kubeconfig=/nonexistent/kubeconfig"],
+                "--kubeconfig: cannot read /nonexistent/kubeconfig",
+            ),
+            (
                 &["--count-server-leases", "--kubeconfig=/nonexistent"],
                 "--kubeconfig",
             ),
@@ -769,5 +764,19 @@ mod tests {
             let err = parse(dir.path(), extra).err().unwrap().to_string();
             assert!(err.contains(needle), "{extra:?}: {err}");
         }
+        let dir_as_kubeconfig = format!("--kubeconfig={}", dir.path().display());
+        let err = parse(dir.path(), &[&dir_as_kubeconfig])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("is not a file"), "{err}");
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(&kubeconfig, "apiVersion: v1\nkind: Config\n").unwrap();
+        let c = parse(
+            dir.path(),
+            &[&format!("--kubeconfig={}", kubeconfig.display())],
+        )
+        .unwrap();
+        assert!(c.leases.is_none(), "checked, not used");
     }
 }

@@ -372,15 +372,9 @@ impl TryFrom<Args> for Config {
                 ));
             }
         }
-        let needs_kube = !args.agent_namespace.is_empty() || args.enable_lease_controller;
-        if needs_kube
-            && !args.kubeconfig.is_empty()
-            && !std::path::Path::new(&args.kubeconfig).is_file()
-        {
-            return Err(invalid(
-                "kubeconfig",
-                format!("{} does not exist or is not a file", args.kubeconfig),
-            ));
+        // Checked whenever given, used or not (ANP).
+        if !args.kubeconfig.is_empty() {
+            tunnel::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config_with_policy(
@@ -614,6 +608,10 @@ mod tests {
                 "--cipher-suites",
             ),
             (with(&["--tls-min-version=TLS13"]), "--tls-min-version"),
+            (
+                with(&["--kubeconfig=/nonexistent/kubeconfig"]),
+                "--kubeconfig: cannot read /nonexistent/kubeconfig",
+            ),
             (
                 with(&["--agent-bind-address=not-an-ip"]),
                 "--agent-bind-address",

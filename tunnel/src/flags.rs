@@ -60,6 +60,21 @@ pub fn invalid(flag: &'static str, reason: impl Into<String>) -> FlagError {
     }
 }
 
+/// Checks that a file named by `flag` exists and can be read, so that a
+/// mistyped path stops start-up instead of the first use.
+///
+/// # Errors
+/// [`FlagError::Invalid`] naming the flag and the path.
+pub fn check_readable_file(flag: &'static str, path: &str) -> Result<(), FlagError> {
+    let unreadable = |e: std::io::Error| invalid(flag, format!("cannot read {path}: {e}"));
+    // The type first: opening a FIFO for reading would wait for a writer.
+    if !std::fs::metadata(path).map_err(unreadable)?.is_file() {
+        return Err(invalid(flag, format!("{path} is not a file")));
+    }
+    std::fs::File::open(path).map_err(unreadable)?;
+    Ok(())
+}
+
 /// A listen address from a bind-address flag and a port, as ANP reads them:
 /// empty means all interfaces (IPv6 and IPv4), `localhost` the IPv4
 /// loopback, else an IP address (brackets allowed).
@@ -270,6 +285,40 @@ mod tests {
             Some(std::path::Path::new("/tmp/a.log"))
         );
         assert_eq!(cli.log.without_effect(), ["log-dir"]);
+    }
+
+    #[test]
+    fn readable_files_are_checked_naming_flag_and_path() {
+        let dir = std::env::temp_dir().join(format!("tunnel-flags-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("kubeconfig");
+        std::fs::write(&file, "apiVersion: v1\n").unwrap();
+        assert!(check_readable_file("kubeconfig", file.to_str().unwrap()).is_ok());
+        let err = check_readable_file("kubeconfig", "/nonexistent/kubeconfig")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("invalid value for --kubeconfig: cannot read /nonexistent/kubeconfig"),
+            "{err}"
+        );
+        let err = check_readable_file("kubeconfig", dir.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--kubeconfig") && err.contains("is not a file"),
+            "{err}"
+        );
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let err = check_readable_file("kubeconfig", fifo.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is not a file"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
