@@ -9,7 +9,7 @@ use std::{
 
 use clap::Parser;
 use tunnel::{
-    flags::{LogArgs, go_bool, go_duration},
+    flags::{Deprecated, LogArgs, go_bool, go_duration},
     ids::AgentId,
     proxy_client::Proxy,
     tls,
@@ -93,9 +93,11 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = go_bool)]
     pub sync_forever: bool,
-    /// Capacity, in packets, of each connection's channels.
-    #[arg(long, default_value_t = 150)]
-    pub xfr_channel_size: usize,
+    /// Capacity, in packets, of each connection's channels (ANP's default:
+    /// 150). Not implemented: per-connection queues are bounded in bytes;
+    /// named at start-up when given.
+    #[arg(long, value_name = "PACKETS")]
+    pub xfr_channel_size: Option<usize>,
     /// Compute the server count from Leases.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = go_bool)]
@@ -106,7 +108,7 @@ pub struct Args {
     /// Label selector of counted leases (Kubernetes syntax; empty selects all).
     #[arg(long, default_value = "k8s-app=konnectivity-server")]
     pub lease_label_selector: String,
-    /// Deprecated alias of --lease-label-selector.
+    /// Deprecated alias of --lease-label-selector (named at start-up when given).
     #[arg(long, hide = true)]
     pub lease_label: Option<String>,
     /// Where the server count comes from: default or max.
@@ -115,9 +117,11 @@ pub struct Args {
     /// Kubeconfig for leases; empty means in-cluster config.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Content type of kube API requests.
-    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
-    pub kube_api_content_type: String,
+    /// Content type of kube API requests (ANP's default:
+    /// application/vnd.kubernetes.protobuf); this build speaks
+    /// application/json only, and names any other value at start-up.
+    #[arg(long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
     /// Negotiate per-connection flow control with servers that support it
     /// (konnectivity-rs); ANP servers never see a difference.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
@@ -234,8 +238,6 @@ pub struct Config {
     pub probe_interval: Duration,
     /// HTTP/2 keepalive interval.
     pub keepalive_time: Duration,
-    /// Capacity of per-connection channels.
-    pub xfr_channel_size: usize,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
     /// Service-account token file, re-read on every connect.
@@ -246,6 +248,8 @@ pub struct Config {
     pub server_count_source: ServerCountSource,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
+    /// Deprecated flags given, for a start-up warning.
+    pub deprecated: Vec<Deprecated>,
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
@@ -335,7 +339,7 @@ impl TryFrom<Args> for Config {
         if args.proxy_server_host.is_empty() {
             return Err(invalid("proxy-server-host", "must not be empty"));
         }
-        if args.xfr_channel_size == 0 {
+        if args.xfr_channel_size == Some(0) {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
         if args.sync_interval > args.sync_interval_cap {
@@ -447,11 +451,29 @@ impl TryFrom<Args> for Config {
             // Per-connection queues are bounded in bytes and never block the
             // stream, so there is no channel limit to warn about.
             ("warn-on-channel-limit", args.warn_on_channel_limit),
+            // ... and not in packets: the flag has nothing to size.
+            ("xfr-channel-size", args.xfr_channel_size.is_some()),
+            // The kube crate speaks JSON only.
+            (
+                "kube-api-content-type",
+                args.kube_api_content_type
+                    .as_ref()
+                    .is_some_and(|t| t != "application/json"),
+            ),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
         .chain(args.log.without_effect())
         .collect();
+        let deprecated = args
+            .lease_label
+            .as_ref()
+            .map(|_| Deprecated {
+                flag: "lease-label",
+                note: "use --lease-label-selector; when given, --lease-label wins (ANP)",
+            })
+            .into_iter()
+            .collect();
         Ok(Self {
             servers,
             tls,
@@ -469,7 +491,6 @@ impl TryFrom<Args> for Config {
             sync_forever: args.sync_forever,
             probe_interval: args.probe_interval,
             keepalive_time: args.keepalive_time,
-            xfr_channel_size: args.xfr_channel_size,
             flow_control: args.flow_control,
             token_path: (!args.service_account_token_path.is_empty())
                 .then(|| PathBuf::from(&args.service_account_token_path)),
@@ -480,6 +501,7 @@ impl TryFrom<Args> for Config {
             }),
             server_count_source,
             not_implemented,
+            deprecated,
         })
     }
 }
@@ -524,16 +546,13 @@ mod tests {
         assert_eq!(a.probe_interval, Duration::from_secs(1));
         assert_eq!(a.sync_interval_cap, Duration::from_secs(10));
         assert_eq!(a.keepalive_time, Duration::from_secs(3600));
-        assert_eq!(a.xfr_channel_size, 150);
+        assert_eq!(a.xfr_channel_size, None, "150, not named");
         assert!(!a.sync_forever);
         assert!(!a.warn_on_channel_limit);
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label_selector, "k8s-app=konnectivity-server");
         assert_eq!(a.server_count_source, "default");
-        assert_eq!(
-            a.kube_api_content_type,
-            "application/vnd.kubernetes.protobuf"
-        );
+        assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
     }
 
     /// What ANP's external-agent test runner passes: every flag as `--name=value`.
@@ -576,7 +595,43 @@ mod tests {
         assert_eq!(c.sync_interval, Duration::from_millis(100));
         assert_eq!(c.sync_interval_cap, Duration::from_secs(1));
         assert_eq!(c.servers, [ServerAddr::new("localhost", 8091)]);
-        assert!(c.not_implemented.is_empty(), "{:?}", c.not_implemented);
+        // The runner passes every flag, so the ones without effect here
+        // are named, and the deprecated one too.
+        assert_eq!(
+            c.not_implemented,
+            ["xfr-channel-size", "kube-api-content-type"]
+        );
+        assert_eq!(
+            c.deprecated.iter().map(|d| d.flag).collect::<Vec<_>>(),
+            ["lease-label"]
+        );
+    }
+
+    /// A flag without effect is named only when given, and the content
+    /// type only when it asks for something other than JSON (which the
+    /// kube crate speaks).
+    #[test]
+    fn flags_without_effect_are_named_when_given() {
+        let dir = pki();
+        let named = |extra: &[&str]| parse(dir.path(), extra).unwrap().not_implemented;
+        assert!(named(&[]).is_empty());
+        assert_eq!(named(&["--xfr-channel-size=150"]), ["xfr-channel-size"]);
+        assert_eq!(
+            named(&["--kube-api-content-type=application/vnd.kubernetes.protobuf"]),
+            ["kube-api-content-type"]
+        );
+        assert!(named(&["--kube-api-content-type=application/json"]).is_empty());
+        assert_eq!(
+            named(&["--warn-on-channel-limit"]),
+            ["warn-on-channel-limit"]
+        );
+        assert!(parse(dir.path(), &[]).unwrap().deprecated.is_empty());
+        let deprecated = parse(dir.path(), &["--lease-label=app=a"])
+            .unwrap()
+            .deprecated;
+        assert_eq!(deprecated.len(), 1);
+        assert_eq!(deprecated[0].flag, "lease-label");
+        assert!(deprecated[0].note.contains("--lease-label-selector"));
     }
 
     #[test]

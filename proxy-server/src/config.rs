@@ -4,7 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::Parser;
 use tunnel::{
-    flags::{LogArgs, go_bool, go_duration},
+    flags::{Deprecated, LogArgs, go_bool, go_duration},
     ids::ServerId,
     tls,
 };
@@ -111,9 +111,11 @@ pub struct Args {
     /// Kube client burst (0: client default).
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
-    /// Content type of kube API requests.
-    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
-    pub kube_api_content_type: String,
+    /// Content type of kube API requests (ANP's default:
+    /// application/vnd.kubernetes.protobuf); this build speaks
+    /// application/json only, and names any other value at start-up.
+    #[arg(long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
     /// Ordered, comma-separated backend selection strategies: default, destHost, defaultRoute.
     #[arg(long, default_value = "default")]
     pub proxy_strategies: String,
@@ -142,10 +144,10 @@ pub struct Args {
     /// Bound on forwarding a DIAL_REQ to an agent and on waiting for its DIAL_RSP (Go duration; 0 disables).
     #[arg(long, default_value = "0s", value_parser = go_duration)]
     pub backend_dial_timeout: Duration,
-    /// Deprecated, no effect.
-    #[arg(long, hide = true, num_args = 0..=1, require_equals = true, default_value = "true",
+    /// Deprecated (as in ANP), no effect; named at start-up when given.
+    #[arg(long, hide = true, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", value_parser = go_bool)]
-    pub warn_on_channel_limit: bool,
+    pub warn_on_channel_limit: Option<bool>,
     /// Offer per-connection flow control to agents that ask for it
     /// (konnectivity-rs agents); ANP agents never see a difference.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
@@ -226,6 +228,8 @@ pub struct Config {
     pub lease: Option<LeaseConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
     pub not_implemented: Vec<&'static str>,
+    /// Deprecated flags given, for a start-up warning.
+    pub deprecated: Vec<Deprecated>,
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
@@ -428,6 +432,13 @@ impl TryFrom<Args> for Config {
         let not_implemented = [
             ("kubeconfig-qps", args.kubeconfig_qps != 0.0),
             ("kubeconfig-burst", args.kubeconfig_burst != 0),
+            // The kube crate speaks JSON only.
+            (
+                "kube-api-content-type",
+                args.kube_api_content_type
+                    .as_ref()
+                    .is_some_and(|t| t != "application/json"),
+            ),
             // Rust has no block profiler; CPU profiles are served.
             (
                 "enable-contention-profiling",
@@ -438,6 +449,14 @@ impl TryFrom<Args> for Config {
         .filter_map(|(flag, given)| given.then_some(flag))
         .chain(args.log.without_effect())
         .collect();
+        let deprecated = args
+            .warn_on_channel_limit
+            .map(|_| Deprecated {
+                flag: "warn-on-channel-limit",
+                note: "no effect; channel limits are always handled (ANP)",
+            })
+            .into_iter()
+            .collect();
         Ok(Self {
             mode,
             frontend,
@@ -479,6 +498,7 @@ impl TryFrom<Args> for Config {
                 )
             }),
             not_implemented,
+            deprecated,
         })
     }
 }
@@ -532,16 +552,13 @@ mod tests {
         assert_eq!(a.server_count, 1);
         assert_eq!(a.proxy_strategies, "default");
         assert_eq!(a.xfr_channel_size, 10);
-        assert_eq!(
-            a.kube_api_content_type,
-            "application/vnd.kubernetes.protobuf"
-        );
+        assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label, "k8s-app=konnectivity-server");
         assert_eq!(a.graceful_shutdown_timeout, Duration::ZERO);
         assert_eq!(a.backend_dial_timeout, Duration::ZERO);
         assert!(!a.enable_profiling);
-        assert!(a.warn_on_channel_limit);
+        assert_eq!(a.warn_on_channel_limit, None, "true, not named");
         assert_eq!(a.log.verbosity, 4);
     }
 
@@ -697,6 +714,37 @@ mod tests {
                 .unwrap()
                 .to_string();
             assert!(err.contains(needle), "{arg}: {err}");
+        }
+    }
+
+    /// A flag without effect is named only when given, and the content
+    /// type only when it asks for something other than JSON (which the
+    /// kube crate speaks); the deprecated flag is named whatever its value.
+    #[test]
+    fn flags_without_effect_and_deprecated_ones_are_named_when_given() {
+        let dir = pki();
+        let with = |extra: &[&str]| {
+            let mut args = uds_args(dir.path());
+            args.extend(extra.iter().map(|s| (*s).to_owned()));
+            parse(&args).unwrap()
+        };
+        let plain = with(&[]);
+        assert!(plain.not_implemented.is_empty());
+        assert!(plain.deprecated.is_empty());
+        assert_eq!(
+            with(&["--kube-api-content-type=application/vnd.kubernetes.protobuf"]).not_implemented,
+            ["kube-api-content-type"]
+        );
+        assert!(
+            with(&["--kube-api-content-type=application/json"])
+                .not_implemented
+                .is_empty()
+        );
+        for given in ["--warn-on-channel-limit", "--warn-on-channel-limit=false"] {
+            let c = with(&[given]);
+            assert!(c.not_implemented.is_empty(), "{given}");
+            assert_eq!(c.deprecated.len(), 1, "{given}");
+            assert_eq!(c.deprecated[0].flag, "warn-on-channel-limit");
         }
     }
 

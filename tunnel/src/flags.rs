@@ -75,6 +75,27 @@ pub fn check_readable_file(flag: &'static str, path: &str) -> Result<(), FlagErr
     Ok(())
 }
 
+/// A deprecated flag that was given, for the start-up warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deprecated {
+    /// The flag, without dashes.
+    pub flag: &'static str,
+    /// What it does now, or what to use instead.
+    pub note: &'static str,
+}
+
+/// Logs, by name, the flags given that have no effect in this build and
+/// the deprecated flags given. Both binaries call it before they bind
+/// anything, so the warning is there even when start-up fails.
+pub fn warn_flags(not_implemented: &[&'static str], deprecated: &[Deprecated]) {
+    if !not_implemented.is_empty() {
+        tracing::warn!(flags = ?not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
+    }
+    for Deprecated { flag, note } in deprecated {
+        tracing::warn!(flag = %format_args!("--{flag}"), note, "deprecated flag given");
+    }
+}
+
 /// A listen address from a bind-address flag and a port, as ANP reads them:
 /// empty means all interfaces (IPv6 and IPv4), `localhost` the IPv4
 /// loopback, else an IP address (brackets allowed).
