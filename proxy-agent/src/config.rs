@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 use tunnel::{
     flags::{Deprecated, LogArgs, go_bool, go_duration},
     ids::AgentId,
@@ -41,9 +41,10 @@ pub struct Args {
     /// proxy-server agent port.
     #[arg(long, default_value_t = 8091)]
     pub proxy_server_port: u16,
-    /// Extra ALPN protocols to offer before h2 (comma-separated; `[]` is empty).
-    #[arg(long, default_value = "[]")]
-    pub alpn_proto: String,
+    /// Extra ALPN protocols to offer before h2 (comma-separated; `[]` is
+    /// empty; repeating the flag appends).
+    #[arg(long, default_value = "[]", action = ArgAction::Append)]
+    pub alpn_proto: Vec<String>,
     /// Bind host of the health server; empty means all interfaces.
     #[arg(long, default_value = "")]
     pub health_server_host: String,
@@ -256,20 +257,6 @@ pub struct Config {
 pub use tunnel::flags::FlagError as ConfigError;
 use tunnel::flags::invalid;
 
-/// Parses pflag's string-slice syntax: `[]`, `a,b`, `[a,b]`.
-pub fn parse_string_slice(text: &str) -> Vec<String> {
-    let inner = text
-        .strip_prefix('[')
-        .and_then(|t| t.strip_suffix(']'))
-        .unwrap_or(text);
-    inner
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
 /// Checks `--agent-identifiers` as ANP's agent does: only known keys, valid
 /// addresses and CIDRs, and a boolean `default-route`.
 fn check_identifiers(text: &str) -> Result<(), String> {
@@ -393,7 +380,7 @@ impl TryFrom<Args> for Config {
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
-        let alpn = parse_string_slice(&args.alpn_proto);
+        let alpn = tunnel::flags::string_slice(&args.alpn_proto);
         let ca = PathBuf::from(&args.ca_cert);
         let client_cert = (!args.agent_cert.is_empty()).then(|| {
             (
@@ -537,7 +524,7 @@ mod tests {
         let a = Args::try_parse_from(["proxy-agent"]).unwrap();
         assert_eq!(a.proxy_server_host, "127.0.0.1");
         assert_eq!(a.proxy_server_port, 8091);
-        assert_eq!(a.alpn_proto, "[]");
+        assert_eq!(a.alpn_proto, ["[]"]);
         assert_eq!(a.health_server_host, "");
         assert_eq!(a.health_server_port, 8093);
         assert_eq!(a.admin_bind_address, "127.0.0.1");
@@ -679,12 +666,25 @@ mod tests {
         assert!(err.contains("--sync-interval"), "{err}");
     }
 
+    /// `--alpn-proto` is a pflag StringSlice: a repeated flag appends, and
+    /// `[]` (how the ANP test runner passes it) is empty.
     #[test]
-    fn string_slices_as_pflag_prints_them() {
-        assert!(parse_string_slice("[]").is_empty());
-        assert!(parse_string_slice("").is_empty());
-        assert_eq!(parse_string_slice("[a,b]"), ["a", "b"]);
-        assert_eq!(parse_string_slice("x"), ["x"]);
+    fn alpn_protos_append_like_pflag() {
+        let dir = pki();
+        let alpn = |extra: &[&str]| parse(dir.path(), extra).unwrap().tls.alpn_protocols.clone();
+        let h2 = b"h2".to_vec();
+        assert_eq!(alpn(&[]), std::slice::from_ref(&h2));
+        assert_eq!(alpn(&["--alpn-proto=[]"]), std::slice::from_ref(&h2));
+        let repeated = alpn(&["--alpn-proto=a", "--alpn-proto", "b,c"]);
+        assert_eq!(repeated, alpn(&["--alpn-proto=a,b,c"]));
+        assert_eq!(
+            repeated,
+            [b"a".to_vec(), b"b".to_vec(), b"c".to_vec(), h2.clone()]
+        );
+        assert_eq!(
+            alpn(&["--alpn-proto=[]", "--alpn-proto=[x,y]"]),
+            [b"x".to_vec(), b"y".to_vec(), h2]
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 use tunnel::{
     flags::{Deprecated, LogArgs, go_bool, go_duration},
     ids::ServerId,
@@ -119,9 +119,10 @@ pub struct Args {
     /// Ordered, comma-separated backend selection strategies: default, destHost, defaultRoute.
     #[arg(long, default_value = "default")]
     pub proxy_strategies: String,
-    /// Comma-separated TLS cipher suites (IANA names) of both listeners.
-    #[arg(long, default_value = "")]
-    pub cipher_suites: String,
+    /// Comma-separated TLS cipher suites (IANA names) of both listeners;
+    /// repeating the flag appends.
+    #[arg(long, default_value = "[]", action = ArgAction::Append)]
+    pub cipher_suites: Vec<String>,
     /// Minimum TLS version of both listeners (VersionTLS12, VersionTLS13).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
@@ -280,8 +281,10 @@ impl TryFrom<Args> for Config {
             tracing::warn!(flag = "--tls-min-version", value = %args.tls_min_version, "{warning}");
         }
         let policy = tls::TlsPolicy {
-            tls12_suites: tls::parse_cipher_suites(&args.cipher_suites)
-                .map_err(|reason| invalid("cipher-suites", reason))?,
+            tls12_suites: tls::parse_cipher_suites(&tunnel::flags::string_slice(
+                &args.cipher_suites,
+            ))
+            .map_err(|reason| invalid("cipher-suites", reason))?,
             tls13_only,
         };
         let mode = match args.mode.as_str() {
@@ -553,6 +556,7 @@ mod tests {
         assert_eq!(a.proxy_strategies, "default");
         assert_eq!(a.xfr_channel_size, 10);
         assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
+        assert_eq!(a.cipher_suites, ["[]"]);
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label, "k8s-app=konnectivity-server");
         assert_eq!(a.graceful_shutdown_timeout, Duration::ZERO);
@@ -746,6 +750,35 @@ mod tests {
             assert_eq!(c.deprecated.len(), 1, "{given}");
             assert_eq!(c.deprecated[0].flag, "warn-on-channel-limit");
         }
+    }
+
+    /// `--cipher-suites` is a pflag StringSlice: a repeated flag appends.
+    #[test]
+    fn cipher_suites_append_like_pflag() {
+        let a = Args::try_parse_from([
+            "proxy-server",
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            "--cipher-suites",
+            "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,TLS_AES_128_GCM_SHA256",
+        ])
+        .unwrap();
+        assert_eq!(
+            tunnel::flags::string_slice(&a.cipher_suites),
+            [
+                "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+                "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+                "TLS_AES_128_GCM_SHA256"
+            ]
+        );
+        let dir = pki();
+        let mut args = uds_args(dir.path());
+        args.extend([
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256".to_owned(),
+            "--cipher-suites=TLS_RSA_WITH_RC4_128_SHA".to_owned(),
+        ]);
+        // The second occurrence is read too: its bad name is refused.
+        let err = parse(&args).err().unwrap().to_string();
+        assert!(err.contains("TLS_RSA_WITH_RC4_128_SHA"), "{err}");
     }
 
     #[test]

@@ -75,6 +75,25 @@ pub fn check_readable_file(flag: &'static str, path: &str) -> Result<(), FlagErr
     Ok(())
 }
 
+/// Joins the occurrences of a pflag `StringSlice` flag: each is a
+/// comma-separated list (`[]` and `[a,b]` as pflag prints them), and a
+/// repeated flag appends, so `--x=a --x=b` equals `--x=a,b`.
+pub fn string_slice(occurrences: &[String]) -> Vec<String> {
+    occurrences
+        .iter()
+        .flat_map(|text| {
+            let text = text.trim();
+            text.strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .unwrap_or(text)
+                .split(',')
+        })
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A deprecated flag that was given, for the start-up warning.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Deprecated {
@@ -306,6 +325,25 @@ mod tests {
             Some(std::path::Path::new("/tmp/a.log"))
         );
         assert_eq!(cli.log.without_effect(), ["log-dir"]);
+    }
+
+    #[test]
+    fn string_slices_append_like_pflag() {
+        let slice = |occurrences: &[&str]| {
+            string_slice(
+                &occurrences
+                    .iter()
+                    .map(|s| (*s).to_owned())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        assert!(slice(&[]).is_empty());
+        assert!(slice(&["[]"]).is_empty());
+        assert!(slice(&[""]).is_empty());
+        assert_eq!(slice(&["x"]), ["x"]);
+        assert_eq!(slice(&["[a, b]"]), ["a", "b"]);
+        assert_eq!(slice(&["a", "b,c"]), slice(&["a,b,c"]));
+        assert_eq!(slice(&["[]", "[a]", "b"]), ["a", "b"]);
     }
 
     #[test]

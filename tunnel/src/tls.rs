@@ -162,31 +162,21 @@ const CBC_SUITES: [&str; 4] = [
     "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
 ];
 
-/// Parses `--cipher-suites` (pflag string slice: `[]`, `a,b` or `[a,b]`):
-/// `None` for an empty list; TLS 1.3 names are accepted and, as in Go,
-/// have no effect.
+/// Parses the names of `--cipher-suites` (already split, see
+/// [`crate::flags::string_slice`]): `None` for no names; TLS 1.3 names are
+/// accepted and, as in Go, have no effect.
 ///
 /// # Errors
 /// An unknown or insecure name, or a CBC suite rustls lacks, named.
-pub fn parse_cipher_suites(text: &str) -> Result<Option<Vec<rustls::CipherSuite>>, String> {
-    let inner = text.trim();
-    let inner = inner
-        .strip_prefix('[')
-        .and_then(|t| t.strip_suffix(']'))
-        .unwrap_or(inner);
-    let names: Vec<&str> = inner
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .collect();
+pub fn parse_cipher_suites(names: &[String]) -> Result<Option<Vec<rustls::CipherSuite>>, String> {
     if names.is_empty() {
         return Ok(None);
     }
     let mut suites = Vec::new();
     for name in names {
-        match SUITE_NAMES.iter().find(|(n, _)| *n == name) {
+        match SUITE_NAMES.iter().find(|(n, _)| n == name) {
             Some((_, suite)) => suites.push(*suite),
-            None if CBC_SUITES.contains(&name) => {
+            None if CBC_SUITES.contains(&name.as_str()) => {
                 return Err(format!(
                     "{name} is a CBC suite, which this build (rustls) does not implement"
                 ));
@@ -408,24 +398,25 @@ mod tests {
 
     #[test]
     fn cipher_suites_parse_like_go() {
-        assert_eq!(parse_cipher_suites("[]"), Ok(None));
-        assert_eq!(parse_cipher_suites(""), Ok(None));
+        let names = |text: &str| crate::flags::string_slice(&[text.to_owned()]);
+        assert_eq!(parse_cipher_suites(&names("[]")), Ok(None));
+        assert_eq!(parse_cipher_suites(&names("")), Ok(None));
         assert_eq!(
-            parse_cipher_suites(
+            parse_cipher_suites(&names(
                 "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305"
-            ),
+            )),
             Ok(Some(vec![
                 rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
                 rustls::CipherSuite::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256
             ]))
         );
         assert!(
-            parse_cipher_suites("TLS_RSA_WITH_RC4_128_SHA")
+            parse_cipher_suites(&names("TLS_RSA_WITH_RC4_128_SHA"))
                 .unwrap_err()
                 .contains("TLS_RSA_WITH_RC4_128_SHA")
         );
         assert!(
-            parse_cipher_suites("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA")
+            parse_cipher_suites(&names("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA"))
                 .unwrap_err()
                 .contains("CBC")
         );
