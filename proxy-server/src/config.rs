@@ -280,11 +280,23 @@ impl TryFrom<Args> for Config {
         if let Some(warning) = warning {
             tracing::warn!(flag = "--tls-min-version", value = %args.tls_min_version, "{warning}");
         }
+        let cipher_suites =
+            tls::parse_cipher_suites(&tunnel::flags::string_slice(&args.cipher_suites))
+                .map_err(|reason| invalid("cipher-suites", reason))?;
+        if !cipher_suites.left_out.is_empty() {
+            if cipher_suites.no_tls12_suite_left() && !tls13_only {
+                return Err(invalid(
+                    "cipher-suites",
+                    format!(
+                        "{} are CBC suites, which this build (rustls) does not implement, and no other TLS 1.2 suite is listed",
+                        cipher_suites.left_out.join(", ")
+                    ),
+                ));
+            }
+            tracing::warn!(flag = "--cipher-suites", suites = ?cipher_suites.left_out, "CBC suites left out: this build (rustls) has none");
+        }
         let policy = tls::TlsPolicy {
-            tls12_suites: tls::parse_cipher_suites(&tunnel::flags::string_slice(
-                &args.cipher_suites,
-            ))
-            .map_err(|reason| invalid("cipher-suites", reason))?,
+            tls12_suites: cipher_suites.suites,
             tls13_only,
         };
         let mode = match args.mode.as_str() {
@@ -630,6 +642,10 @@ mod tests {
             ),
             (with(&["--tls-min-version=TLS13"]), "--tls-min-version"),
             (
+                with(&["--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA"]),
+                "--cipher-suites: TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA are CBC suites",
+            ),
+            (
                 with(&["--kubeconfig=/nonexistent/kubeconfig"]),
                 "--kubeconfig: cannot read /nonexistent/kubeconfig",
             ),
@@ -753,11 +769,13 @@ mod tests {
     }
 
     /// `--cipher-suites` is a pflag StringSlice: a repeated flag appends.
+    /// Go's ECDHE CBC suites are accepted and left out while a usable
+    /// TLS 1.2 suite remains, or when only TLS 1.3 is allowed.
     #[test]
-    fn cipher_suites_append_like_pflag() {
+    fn cipher_suites_append_and_cbc_suites_are_left_out() {
         let a = Args::try_parse_from([
             "proxy-server",
-            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
             "--cipher-suites",
             "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,TLS_AES_128_GCM_SHA256",
         ])
@@ -765,19 +783,35 @@ mod tests {
         assert_eq!(
             tunnel::flags::string_slice(&a.cipher_suites),
             [
-                "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+                "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
                 "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
                 "TLS_AES_128_GCM_SHA256"
             ]
         );
         let dir = pki();
-        let mut args = uds_args(dir.path());
-        args.extend([
-            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256".to_owned(),
-            "--cipher-suites=TLS_RSA_WITH_RC4_128_SHA".to_owned(),
-        ]);
+        let with = |extra: &[&str]| {
+            let mut args = uds_args(dir.path());
+            args.extend(extra.iter().map(|s| (*s).to_owned()));
+            parse(&args)
+        };
+        with(&[
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+        ])
+        .unwrap();
+        with(&[
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+            "--tls-min-version=VersionTLS13",
+        ])
+        .unwrap();
         // The second occurrence is read too: its bad name is refused.
-        let err = parse(&args).err().unwrap().to_string();
+        let err = with(&[
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+            "--cipher-suites=TLS_RSA_WITH_RC4_128_SHA",
+        ])
+        .err()
+        .unwrap()
+        .to_string();
         assert!(err.contains("TLS_RSA_WITH_RC4_128_SHA"), "{err}");
     }
 

@@ -336,7 +336,7 @@ fn the_agent_names_flags_without_effect_and_deprecated_ones_even_when_start_up_f
     assert!(line.contains("WARN"), "{line}");
 }
 
-/// The same for the server.
+/// The same for the server, with its CBC cipher-suite warning.
 #[test]
 fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_fails() {
     let dir = tempfile::tempdir().unwrap();
@@ -354,6 +354,8 @@ fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_
             "--admin-port=0".to_owned(),
             "--kube-api-content-type=application/vnd.kubernetes.protobuf".to_owned(),
             "--warn-on-channel-limit=false".to_owned(),
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA".to_owned(),
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256".to_owned(),
         ],
     );
     assert_eq!(code, 1, "the agent port is taken: {log}");
@@ -363,6 +365,10 @@ fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_
     );
     assert!(
         line_with(&log, "deprecated flag given").contains("--warn-on-channel-limit"),
+        "{log}"
+    );
+    assert!(
+        line_with(&log, "CBC suites left out").contains("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA"),
         "{log}"
     );
 }
