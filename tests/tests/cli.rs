@@ -35,6 +35,12 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["--agent-port=abc".to_owned()], "--agent-port"),
         (vec!["--keepalive-time=10".to_owned()], "--keepalive-time"),
+        // A bool takes its value after `=` only; ANP would read `true`
+        // and ignore the stray word, we refuse it.
+        (
+            vec!["--enable-profiling".to_owned(), "false".to_owned()],
+            "unexpected argument 'false'",
+        ),
         (
             vec![
                 format!("--uds-name={}", socket.display()),
@@ -66,6 +72,10 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
 fn bad_agent_flags_exit_2_naming_the_flag() {
     for (args, needle) in [
         (vec!["--sync-interval=5".to_owned()], "--sync-interval"),
+        (
+            vec!["--sync-forever".to_owned(), "false".to_owned()],
+            "unexpected argument 'false'",
+        ),
         (vec![], "--ca-cert"),
         (
             vec![

@@ -380,6 +380,24 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// pflag reads `--logtostderr false` as `--logtostderr` plus a stray
+    /// `false`, which ANP ignores (the flag ends up true); clap refuses the
+    /// stray word instead, so the mistake cannot pass unnoticed.
+    #[test]
+    fn a_bool_flag_takes_its_value_only_after_equals() {
+        let err = Cli::try_parse_from(["x", "--logtostderr", "false"])
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), clap::error::ErrorKind::UnknownArgument);
+        assert!(err.to_string().contains("'false'"), "{err}");
+        assert!(
+            !Cli::try_parse_from(["x", "--logtostderr=false"])
+                .unwrap()
+                .log
+                .logtostderr
+        );
+    }
+
     #[test]
     fn bad_klog_values_name_the_flag() {
         let err = Cli::try_parse_from(["x", "--logtostderr=maybe"])
