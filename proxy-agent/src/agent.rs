@@ -151,11 +151,14 @@ fn jitter(d: Duration) -> Duration {
 pub struct Agent;
 
 impl Agent {
-    /// Binds the health listener.
+    /// Names the flags without effect and the deprecated ones given, then
+    /// binds the health and admin listeners.
     ///
     /// # Errors
     /// The port is taken or the address unusable.
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
+        // Before anything can fail, so an operator sees them either way.
+        tunnel::flags::warn_flags(&config.not_implemented, &config.deprecated);
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         // The lease watch reports its calls to the metrics, which read the
@@ -246,9 +249,6 @@ impl Bound {
             lease_watch,
             state,
         } = self;
-        if !config.not_implemented.is_empty() {
-            warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
-        }
         let servers: Vec<String> = config.servers.iter().map(ToString::to_string).collect();
         info!(agent.id = %config.agent_id, ?servers, health.addr = ?health.local_addr().ok(), "proxy-agent starting");
         let token = CancellationToken::new();

@@ -7,9 +7,9 @@ use std::{
     time::Duration,
 };
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 use tunnel::{
-    flags::{LogArgs, go_bool, go_duration},
+    flags::{Deprecated, LogArgs, go_bool, go_duration},
     ids::AgentId,
     proxy_client::{Proxy, ProxyUrl},
     tls,
@@ -41,9 +41,10 @@ pub struct Args {
     /// proxy-server agent port.
     #[arg(long, default_value_t = 8091)]
     pub proxy_server_port: u16,
-    /// Extra ALPN protocols to offer before h2 (comma-separated; `[]` is empty).
-    #[arg(long, default_value = "[]")]
-    pub alpn_proto: String,
+    /// Extra ALPN protocols to offer before h2 (comma-separated; `[]` is
+    /// empty; repeating the flag appends).
+    #[arg(long, default_value = "[]", action = ArgAction::Append)]
+    pub alpn_proto: Vec<String>,
     /// Bind host of the health server; empty means all interfaces.
     #[arg(long, default_value = "")]
     pub health_server_host: String,
@@ -93,9 +94,11 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = go_bool)]
     pub sync_forever: bool,
-    /// Capacity, in packets, of each connection's channels.
-    #[arg(long, default_value_t = 150)]
-    pub xfr_channel_size: usize,
+    /// Capacity, in packets, of each connection's channels (ANP's default:
+    /// 150). Not implemented: per-connection queues are bounded in bytes;
+    /// named at start-up when given.
+    #[arg(long, value_name = "PACKETS")]
+    pub xfr_channel_size: Option<usize>,
     /// Compute the server count from Leases.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = go_bool)]
@@ -103,10 +106,10 @@ pub struct Args {
     /// Namespace watched for leases.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Label selector of counted leases.
+    /// Label selector of counted leases (Kubernetes syntax; empty selects all).
     #[arg(long, default_value = "k8s-app=konnectivity-server")]
     pub lease_label_selector: String,
-    /// Deprecated alias of --lease-label-selector.
+    /// Deprecated alias of --lease-label-selector (named at start-up when given).
     #[arg(long, hide = true)]
     pub lease_label: Option<String>,
     /// Where the server count comes from: default or max.
@@ -115,9 +118,11 @@ pub struct Args {
     /// Kubeconfig for leases; empty means in-cluster config.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Content type of kube API requests.
-    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
-    pub kube_api_content_type: String,
+    /// Content type of kube API requests (ANP's default:
+    /// application/vnd.kubernetes.protobuf); this build speaks
+    /// application/json only, and names any other value at start-up.
+    #[arg(long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
     /// Negotiate per-connection flow control with servers that support it
     /// (konnectivity-rs); ANP servers never see a difference.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
@@ -234,8 +239,6 @@ pub struct Config {
     pub probe_interval: Duration,
     /// HTTP/2 keepalive interval.
     pub keepalive_time: Duration,
-    /// Capacity of per-connection channels.
-    pub xfr_channel_size: usize,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
     /// Service-account token file, re-read on every connect.
@@ -246,25 +249,13 @@ pub struct Config {
     pub server_count_source: ServerCountSource,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
+    /// Deprecated flags given, for a start-up warning.
+    pub deprecated: Vec<Deprecated>,
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
 pub use tunnel::flags::FlagError as ConfigError;
 use tunnel::flags::invalid;
-
-/// Parses pflag's string-slice syntax: `[]`, `a,b`, `[a,b]`.
-pub fn parse_string_slice(text: &str) -> Vec<String> {
-    let inner = text
-        .strip_prefix('[')
-        .and_then(|t| t.strip_suffix(']'))
-        .unwrap_or(text);
-    inner
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
 
 /// Checks `--agent-identifiers` as ANP's agent does: only known keys, valid
 /// addresses and CIDRs, and a boolean `default-route`.
@@ -335,7 +326,7 @@ impl TryFrom<Args> for Config {
         if args.proxy_server_host.is_empty() {
             return Err(invalid("proxy-server-host", "must not be empty"));
         }
-        if args.xfr_channel_size == 0 {
+        if args.xfr_channel_size == Some(0) {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
         if args.sync_interval > args.sync_interval_cap {
@@ -362,38 +353,34 @@ impl TryFrom<Args> for Config {
             _ => return Err(invalid("server-count-source", "want default or max")),
         };
         // The hidden, deprecated --lease-label wins when given (ANP).
-        let (selector_flag, selector) = match &args.lease_label {
-            Some(label) => ("lease-label", label),
-            None => ("lease-label-selector", &args.lease_label_selector),
-        };
-        if args.count_server_leases {
-            if selector.trim().is_empty() {
-                return Err(invalid(selector_flag, "must not be empty"));
-            }
-            if args.lease_namespace.is_empty() {
-                return Err(invalid("lease-namespace", "must not be empty"));
-            }
-            if !args.kubeconfig.is_empty() && !std::path::Path::new(&args.kubeconfig).is_file() {
-                return Err(invalid(
-                    "kubeconfig",
-                    format!("{} does not exist or is not a file", args.kubeconfig),
-                ));
-            }
+        let selector = args
+            .lease_label
+            .as_ref()
+            .unwrap_or(&args.lease_label_selector);
+        // Both are label selectors, checked whatever --count-server-leases
+        // says (ANP parses them as flags); empty selects every lease.
+        tunnel::kube::selector::check_label_selector(&args.lease_label_selector)
+            .map_err(|reason| invalid("lease-label-selector", reason))?;
+        if let Some(label) = &args.lease_label {
+            tunnel::kube::selector::check_label_selector(label)
+                .map_err(|reason| invalid("lease-label", reason))?;
         }
-        if !args.service_account_token_path.is_empty()
-            && !std::path::Path::new(&args.service_account_token_path).is_file()
-        {
-            return Err(invalid(
+        if args.count_server_leases && args.lease_namespace.is_empty() {
+            return Err(invalid("lease-namespace", "must not be empty"));
+        }
+        // Checked whenever given, used or not (ANP).
+        if !args.kubeconfig.is_empty() {
+            tunnel::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
+        }
+        if !args.service_account_token_path.is_empty() {
+            tunnel::flags::check_readable_file(
                 "service-account-token-path",
-                format!(
-                    "{} does not exist or is not a file",
-                    args.service_account_token_path
-                ),
-            ));
+                &args.service_account_token_path,
+            )?;
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
-        let alpn = parse_string_slice(&args.alpn_proto);
+        let alpn = tunnel::flags::string_slice(&args.alpn_proto);
         let ca = PathBuf::from(&args.ca_cert);
         let client_cert = (!args.agent_cert.is_empty()).then(|| {
             (
@@ -451,11 +438,29 @@ impl TryFrom<Args> for Config {
             // Per-connection queues are bounded in bytes and never block the
             // stream, so there is no channel limit to warn about.
             ("warn-on-channel-limit", args.warn_on_channel_limit),
+            // ... and not in packets: the flag has nothing to size.
+            ("xfr-channel-size", args.xfr_channel_size.is_some()),
+            // The kube crate speaks JSON only.
+            (
+                "kube-api-content-type",
+                args.kube_api_content_type
+                    .as_ref()
+                    .is_some_and(|t| t != "application/json"),
+            ),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
         .chain(args.log.without_effect())
         .collect();
+        let deprecated = args
+            .lease_label
+            .as_ref()
+            .map(|_| Deprecated {
+                flag: "lease-label",
+                note: "use --lease-label-selector; when given, --lease-label wins (ANP)",
+            })
+            .into_iter()
+            .collect();
         Ok(Self {
             servers,
             tls,
@@ -473,7 +478,6 @@ impl TryFrom<Args> for Config {
             sync_forever: args.sync_forever,
             probe_interval: args.probe_interval,
             keepalive_time: args.keepalive_time,
-            xfr_channel_size: args.xfr_channel_size,
             flow_control: args.flow_control,
             token_path: (!args.service_account_token_path.is_empty())
                 .then(|| PathBuf::from(&args.service_account_token_path)),
@@ -484,6 +488,7 @@ impl TryFrom<Args> for Config {
             }),
             server_count_source,
             not_implemented,
+            deprecated,
         })
     }
 }
@@ -519,7 +524,7 @@ mod tests {
         let a = Args::try_parse_from(["proxy-agent"]).unwrap();
         assert_eq!(a.proxy_server_host, "127.0.0.1");
         assert_eq!(a.proxy_server_port, 8091);
-        assert_eq!(a.alpn_proto, "[]");
+        assert_eq!(a.alpn_proto, ["[]"]);
         assert_eq!(a.health_server_host, "");
         assert_eq!(a.health_server_port, 8093);
         assert_eq!(a.admin_bind_address, "127.0.0.1");
@@ -528,16 +533,13 @@ mod tests {
         assert_eq!(a.probe_interval, Duration::from_secs(1));
         assert_eq!(a.sync_interval_cap, Duration::from_secs(10));
         assert_eq!(a.keepalive_time, Duration::from_secs(3600));
-        assert_eq!(a.xfr_channel_size, 150);
+        assert_eq!(a.xfr_channel_size, None, "150, not named");
         assert!(!a.sync_forever);
         assert!(!a.warn_on_channel_limit);
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label_selector, "k8s-app=konnectivity-server");
         assert_eq!(a.server_count_source, "default");
-        assert_eq!(
-            a.kube_api_content_type,
-            "application/vnd.kubernetes.protobuf"
-        );
+        assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
     }
 
     /// What ANP's external-agent test runner passes: every flag as `--name=value`.
@@ -580,7 +582,43 @@ mod tests {
         assert_eq!(c.sync_interval, Duration::from_millis(100));
         assert_eq!(c.sync_interval_cap, Duration::from_secs(1));
         assert_eq!(c.servers, [ServerAddr::new("localhost", 8091)]);
-        assert!(c.not_implemented.is_empty(), "{:?}", c.not_implemented);
+        // The runner passes every flag, so the ones without effect here
+        // are named, and the deprecated one too.
+        assert_eq!(
+            c.not_implemented,
+            ["xfr-channel-size", "kube-api-content-type"]
+        );
+        assert_eq!(
+            c.deprecated.iter().map(|d| d.flag).collect::<Vec<_>>(),
+            ["lease-label"]
+        );
+    }
+
+    /// A flag without effect is named only when given, and the content
+    /// type only when it asks for something other than JSON (which the
+    /// kube crate speaks).
+    #[test]
+    fn flags_without_effect_are_named_when_given() {
+        let dir = pki();
+        let named = |extra: &[&str]| parse(dir.path(), extra).unwrap().not_implemented;
+        assert!(named(&[]).is_empty());
+        assert_eq!(named(&["--xfr-channel-size=150"]), ["xfr-channel-size"]);
+        assert_eq!(
+            named(&["--kube-api-content-type=application/vnd.kubernetes.protobuf"]),
+            ["kube-api-content-type"]
+        );
+        assert!(named(&["--kube-api-content-type=application/json"]).is_empty());
+        assert_eq!(
+            named(&["--warn-on-channel-limit"]),
+            ["warn-on-channel-limit"]
+        );
+        assert!(parse(dir.path(), &[]).unwrap().deprecated.is_empty());
+        let deprecated = parse(dir.path(), &["--lease-label=app=a"])
+            .unwrap()
+            .deprecated;
+        assert_eq!(deprecated.len(), 1);
+        assert_eq!(deprecated[0].flag, "lease-label");
+        assert!(deprecated[0].note.contains("--lease-label-selector"));
     }
 
     #[test]
@@ -628,12 +666,51 @@ mod tests {
         assert!(err.contains("--sync-interval"), "{err}");
     }
 
+    /// pflag reads `--flag false` as `--flag` (true) plus a stray `false`,
+    /// which ANP ignores; clap refuses the stray word for every boolean.
     #[test]
-    fn string_slices_as_pflag_prints_them() {
-        assert!(parse_string_slice("[]").is_empty());
-        assert!(parse_string_slice("").is_empty());
-        assert_eq!(parse_string_slice("[a,b]"), ["a", "b"]);
-        assert_eq!(parse_string_slice("x"), ["x"]);
+    fn bool_flags_take_their_value_only_after_equals() {
+        use clap::CommandFactory;
+        let command = Args::command();
+        let bools: Vec<&str> = command
+            .get_arguments()
+            .filter(|arg| arg.is_require_equals_set())
+            .filter_map(|arg| arg.get_long())
+            .collect();
+        assert!(bools.len() >= 10, "{bools:?}");
+        for flag in bools {
+            let err = Args::try_parse_from(["proxy-agent", &format!("--{flag}"), "false"])
+                .err()
+                .unwrap_or_else(|| panic!("--{flag} false was accepted"));
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::UnknownArgument,
+                "--{flag}"
+            );
+            Args::try_parse_from(["proxy-agent", &format!("--{flag}=false")])
+                .unwrap_or_else(|e| panic!("--{flag}=false: {e}"));
+        }
+    }
+
+    /// `--alpn-proto` is a pflag StringSlice: a repeated flag appends, and
+    /// `[]` (how the ANP test runner passes it) is empty.
+    #[test]
+    fn alpn_protos_append_like_pflag() {
+        let dir = pki();
+        let alpn = |extra: &[&str]| parse(dir.path(), extra).unwrap().tls.alpn_protocols.clone();
+        let h2 = b"h2".to_vec();
+        assert_eq!(alpn(&[]), std::slice::from_ref(&h2));
+        assert_eq!(alpn(&["--alpn-proto=[]"]), std::slice::from_ref(&h2));
+        let repeated = alpn(&["--alpn-proto=a", "--alpn-proto", "b,c"]);
+        assert_eq!(repeated, alpn(&["--alpn-proto=a,b,c"]));
+        assert_eq!(
+            repeated,
+            [b"a".to_vec(), b"b".to_vec(), b"c".to_vec(), h2.clone()]
+        );
+        assert_eq!(
+            alpn(&["--alpn-proto=[]", "--alpn-proto=[x,y]"]),
+            [b"x".to_vec(), b"y".to_vec(), h2]
+        );
     }
 
     #[test]
@@ -719,14 +796,46 @@ mod tests {
         )
         .unwrap();
         assert_eq!(alias.leases.unwrap().selector, "app=b");
+        // An empty selector counts every lease of the namespace (ANP).
+        let all = parse(
+            dir.path(),
+            &["--count-server-leases", "--lease-label-selector="],
+        )
+        .unwrap();
+        assert_eq!(all.leases.unwrap().selector, "");
+        let selector = parse(
+            dir.path(),
+            &[
+                "--count-server-leases",
+                "--lease-label-selector=k8s-app in (konnectivity-server),!canary",
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            selector.leases.unwrap().selector,
+            "k8s-app in (konnectivity-server),!canary"
+        );
+        // The selectors and the kubeconfig are checked with leases off too.
         for (extra, needle) in [
             (
-                &["--count-server-leases", "--lease-label-selector="][..],
+                &["--lease-label-selector=*notavalidlabel*"][..],
+                "--lease-label-selector: \"*notavalidlabel*\"",
+            ),
+            (
+                &["--lease-label=*notavalidlabel*"],
+                "--lease-label: \"*notavalidlabel*\"",
+            ),
+            (
+                &["--count-server-leases", "--lease-label-selector=app in a"],
                 "--lease-label-selector",
             ),
             (
                 &["--count-server-leases", "--lease-namespace="],
                 "--lease-namespace",
+            ),
+            (
+                &["--kubeconfig=/nonexistent/kubeconfig"],
+                "--kubeconfig: cannot read /nonexistent/kubeconfig",
             ),
             (
                 &["--count-server-leases", "--kubeconfig=/nonexistent"],
@@ -736,5 +845,19 @@ mod tests {
             let err = parse(dir.path(), extra).err().unwrap().to_string();
             assert!(err.contains(needle), "{extra:?}: {err}");
         }
+        let dir_as_kubeconfig = format!("--kubeconfig={}", dir.path().display());
+        let err = parse(dir.path(), &[&dir_as_kubeconfig])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("is not a file"), "{err}");
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::write(&kubeconfig, "apiVersion: v1\nkind: Config\n").unwrap();
+        let c = parse(
+            dir.path(),
+            &[&format!("--kubeconfig={}", kubeconfig.display())],
+        )
+        .unwrap();
+        assert!(c.leases.is_none(), "checked, not used");
     }
 }

@@ -2,9 +2,9 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use clap::Parser;
+use clap::{ArgAction, Parser};
 use tunnel::{
-    flags::{LogArgs, go_bool, go_duration},
+    flags::{Deprecated, LogArgs, go_bool, go_duration},
     ids::ServerId,
     tls,
 };
@@ -111,15 +111,18 @@ pub struct Args {
     /// Kube client burst (0: client default).
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
-    /// Content type of kube API requests.
-    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
-    pub kube_api_content_type: String,
+    /// Content type of kube API requests (ANP's default:
+    /// application/vnd.kubernetes.protobuf); this build speaks
+    /// application/json only, and names any other value at start-up.
+    #[arg(long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
     /// Ordered, comma-separated backend selection strategies: default, destHost, defaultRoute.
     #[arg(long, default_value = "default")]
     pub proxy_strategies: String,
-    /// Comma-separated TLS cipher suites (IANA names) of both listeners.
-    #[arg(long, default_value = "")]
-    pub cipher_suites: String,
+    /// Comma-separated TLS cipher suites (IANA names) of both listeners;
+    /// repeating the flag appends.
+    #[arg(long, default_value = "[]", action = ArgAction::Append)]
+    pub cipher_suites: Vec<String>,
     /// Minimum TLS version of both listeners (VersionTLS12, VersionTLS13).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
@@ -142,10 +145,10 @@ pub struct Args {
     /// Bound on forwarding a DIAL_REQ to an agent and on waiting for its DIAL_RSP (Go duration; 0 disables).
     #[arg(long, default_value = "0s", value_parser = go_duration)]
     pub backend_dial_timeout: Duration,
-    /// Deprecated, no effect.
-    #[arg(long, hide = true, num_args = 0..=1, require_equals = true, default_value = "true",
+    /// Deprecated (as in ANP), no effect; named at start-up when given.
+    #[arg(long, hide = true, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", value_parser = go_bool)]
-    pub warn_on_channel_limit: bool,
+    pub warn_on_channel_limit: Option<bool>,
     /// Offer per-connection flow control to agents that ask for it
     /// (konnectivity-rs agents); ANP agents never see a difference.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
@@ -226,6 +229,8 @@ pub struct Config {
     pub lease: Option<LeaseConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
     pub not_implemented: Vec<&'static str>,
+    /// Deprecated flags given, for a start-up warning.
+    pub deprecated: Vec<Deprecated>,
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
@@ -275,9 +280,23 @@ impl TryFrom<Args> for Config {
         if let Some(warning) = warning {
             tracing::warn!(flag = "--tls-min-version", value = %args.tls_min_version, "{warning}");
         }
+        let cipher_suites =
+            tls::parse_cipher_suites(&tunnel::flags::string_slice(&args.cipher_suites))
+                .map_err(|reason| invalid("cipher-suites", reason))?;
+        if !cipher_suites.left_out.is_empty() {
+            if cipher_suites.no_tls12_suite_left() && !tls13_only {
+                return Err(invalid(
+                    "cipher-suites",
+                    format!(
+                        "{} are CBC suites, which this build (rustls) does not implement, and no other TLS 1.2 suite is listed",
+                        cipher_suites.left_out.join(", ")
+                    ),
+                ));
+            }
+            tracing::warn!(flag = "--cipher-suites", suites = ?cipher_suites.left_out, "CBC suites left out: this build (rustls) has none");
+        }
         let policy = tls::TlsPolicy {
-            tls12_suites: tls::parse_cipher_suites(&args.cipher_suites)
-                .map_err(|reason| invalid("cipher-suites", reason))?,
+            tls12_suites: cipher_suites.suites,
             tls13_only,
         };
         let mode = match args.mode.as_str() {
@@ -372,15 +391,9 @@ impl TryFrom<Args> for Config {
                 ));
             }
         }
-        let needs_kube = !args.agent_namespace.is_empty() || args.enable_lease_controller;
-        if needs_kube
-            && !args.kubeconfig.is_empty()
-            && !std::path::Path::new(&args.kubeconfig).is_file()
-        {
-            return Err(invalid(
-                "kubeconfig",
-                format!("{} does not exist or is not a file", args.kubeconfig),
-            ));
+        // Checked whenever given, used or not (ANP).
+        if !args.kubeconfig.is_empty() {
+            tunnel::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config_with_policy(
@@ -434,6 +447,13 @@ impl TryFrom<Args> for Config {
         let not_implemented = [
             ("kubeconfig-qps", args.kubeconfig_qps != 0.0),
             ("kubeconfig-burst", args.kubeconfig_burst != 0),
+            // The kube crate speaks JSON only.
+            (
+                "kube-api-content-type",
+                args.kube_api_content_type
+                    .as_ref()
+                    .is_some_and(|t| t != "application/json"),
+            ),
             // Rust has no block profiler; CPU profiles are served.
             (
                 "enable-contention-profiling",
@@ -444,6 +464,14 @@ impl TryFrom<Args> for Config {
         .filter_map(|(flag, given)| given.then_some(flag))
         .chain(args.log.without_effect())
         .collect();
+        let deprecated = args
+            .warn_on_channel_limit
+            .map(|_| Deprecated {
+                flag: "warn-on-channel-limit",
+                note: "no effect; channel limits are always handled (ANP)",
+            })
+            .into_iter()
+            .collect();
         Ok(Self {
             mode,
             frontend,
@@ -485,6 +513,7 @@ impl TryFrom<Args> for Config {
                 )
             }),
             not_implemented,
+            deprecated,
         })
     }
 }
@@ -538,16 +567,14 @@ mod tests {
         assert_eq!(a.server_count, 1);
         assert_eq!(a.proxy_strategies, "default");
         assert_eq!(a.xfr_channel_size, 10);
-        assert_eq!(
-            a.kube_api_content_type,
-            "application/vnd.kubernetes.protobuf"
-        );
+        assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
+        assert_eq!(a.cipher_suites, ["[]"]);
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label, "k8s-app=konnectivity-server");
         assert_eq!(a.graceful_shutdown_timeout, Duration::ZERO);
         assert_eq!(a.backend_dial_timeout, Duration::ZERO);
         assert!(!a.enable_profiling);
-        assert!(a.warn_on_channel_limit);
+        assert_eq!(a.warn_on_channel_limit, None, "true, not named");
         assert_eq!(a.log.verbosity, 4);
     }
 
@@ -614,6 +641,14 @@ mod tests {
                 "--cipher-suites",
             ),
             (with(&["--tls-min-version=TLS13"]), "--tls-min-version"),
+            (
+                with(&["--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA"]),
+                "--cipher-suites: TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA are CBC suites",
+            ),
+            (
+                with(&["--kubeconfig=/nonexistent/kubeconfig"]),
+                "--kubeconfig: cannot read /nonexistent/kubeconfig",
+            ),
             (
                 with(&["--agent-bind-address=not-an-ip"]),
                 "--agent-bind-address",
@@ -699,6 +734,111 @@ mod tests {
                 .unwrap()
                 .to_string();
             assert!(err.contains(needle), "{arg}: {err}");
+        }
+    }
+
+    /// A flag without effect is named only when given, and the content
+    /// type only when it asks for something other than JSON (which the
+    /// kube crate speaks); the deprecated flag is named whatever its value.
+    #[test]
+    fn flags_without_effect_and_deprecated_ones_are_named_when_given() {
+        let dir = pki();
+        let with = |extra: &[&str]| {
+            let mut args = uds_args(dir.path());
+            args.extend(extra.iter().map(|s| (*s).to_owned()));
+            parse(&args).unwrap()
+        };
+        let plain = with(&[]);
+        assert!(plain.not_implemented.is_empty());
+        assert!(plain.deprecated.is_empty());
+        assert_eq!(
+            with(&["--kube-api-content-type=application/vnd.kubernetes.protobuf"]).not_implemented,
+            ["kube-api-content-type"]
+        );
+        assert!(
+            with(&["--kube-api-content-type=application/json"])
+                .not_implemented
+                .is_empty()
+        );
+        for given in ["--warn-on-channel-limit", "--warn-on-channel-limit=false"] {
+            let c = with(&[given]);
+            assert!(c.not_implemented.is_empty(), "{given}");
+            assert_eq!(c.deprecated.len(), 1, "{given}");
+            assert_eq!(c.deprecated[0].flag, "warn-on-channel-limit");
+        }
+    }
+
+    /// `--cipher-suites` is a pflag StringSlice: a repeated flag appends.
+    /// Go's ECDHE CBC suites are accepted and left out while a usable
+    /// TLS 1.2 suite remains, or when only TLS 1.3 is allowed.
+    #[test]
+    fn cipher_suites_append_and_cbc_suites_are_left_out() {
+        let a = Args::try_parse_from([
+            "proxy-server",
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+            "--cipher-suites",
+            "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,TLS_AES_128_GCM_SHA256",
+        ])
+        .unwrap();
+        assert_eq!(
+            tunnel::flags::string_slice(&a.cipher_suites),
+            [
+                "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+                "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+                "TLS_AES_128_GCM_SHA256"
+            ]
+        );
+        let dir = pki();
+        let with = |extra: &[&str]| {
+            let mut args = uds_args(dir.path());
+            args.extend(extra.iter().map(|s| (*s).to_owned()));
+            parse(&args)
+        };
+        with(&[
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+        ])
+        .unwrap();
+        with(&[
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+            "--tls-min-version=VersionTLS13",
+        ])
+        .unwrap();
+        // The second occurrence is read too: its bad name is refused.
+        let err = with(&[
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+            "--cipher-suites=TLS_RSA_WITH_RC4_128_SHA",
+        ])
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("TLS_RSA_WITH_RC4_128_SHA"), "{err}");
+    }
+
+    /// pflag reads `--flag false` as `--flag` (true) plus a stray `false`,
+    /// which ANP ignores; clap refuses the stray word instead, for every
+    /// boolean flag, so the mistake cannot pass unnoticed.
+    #[test]
+    fn bool_flags_take_their_value_only_after_equals() {
+        use clap::CommandFactory;
+        let command = Args::command();
+        let bools: Vec<&str> = command
+            .get_arguments()
+            .filter(|arg| arg.is_require_equals_set())
+            .filter_map(|arg| arg.get_long())
+            .collect();
+        assert!(bools.len() >= 10, "{bools:?}");
+        for flag in bools {
+            let err = Args::try_parse_from(["proxy-server", &format!("--{flag}"), "false"])
+                .err()
+                .unwrap_or_else(|| panic!("--{flag} false was accepted"));
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::UnknownArgument,
+                "--{flag}"
+            );
+            Args::try_parse_from(["proxy-server", &format!("--{flag}=false")])
+                .unwrap_or_else(|e| panic!("--{flag}=false: {e}"));
         }
     }
 

@@ -109,11 +109,14 @@ where
 pub struct ProxyServer;
 
 impl ProxyServer {
-    /// Binds the agent, frontend and health listeners.
+    /// Names the flags without effect and the deprecated ones given, then
+    /// binds the agent, frontend, health and admin listeners.
     ///
     /// # Errors
     /// A port is taken, the socket path cannot be used, …; the error names it.
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
+        // Before anything can fail, so an operator sees them either way.
+        tunnel::flags::warn_flags(&config.not_implemented, &config.deprecated);
         let agent = bind_named(config.agent_addr, "agent").await?;
         let frontend = match &config.frontend {
             FrontendListen::Uds {
@@ -268,9 +271,6 @@ impl Bound {
             tunnels,
             token_auth,
         } = self;
-        if !config.not_implemented.is_empty() {
-            warn!(flags = ?config.not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
-        }
         // `accept_stop` ends accepting (first phase of a graceful shutdown);
         // `token` ends every stream and connection.
         let accept_stop = CancellationToken::new();

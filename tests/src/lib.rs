@@ -262,6 +262,7 @@ impl TestServer {
             token_auth: opts.token_auth.clone(),
             lease: opts.lease.clone(),
             not_implemented: Vec::new(),
+            deprecated: Vec::new(),
         };
         let bound = ProxyServer::bind(config).await.expect("binding the server");
         let shutdown = CancellationToken::new();
@@ -495,12 +496,12 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         sync_forever: opts.sync_forever,
         probe_interval: Duration::from_millis(100),
         keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
-        xfr_channel_size: 150,
         flow_control: !opts.no_flow_control,
         token_path: opts.token_path.clone(),
         leases: opts.leases.clone(),
         server_count_source: opts.server_count_source,
         not_implemented: Vec::new(),
+        deprecated: Vec::new(),
     }
 }
 

@@ -1,5 +1,6 @@
 //! The real binaries: flag errors exit 2 naming the flag before any socket
-//! is bound, env fallbacks, the frontend socket's mode, `--version`.
+//! is bound, flag warnings logged before binding, env fallbacks, the
+//! frontend socket's mode, `--version`.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
@@ -34,6 +35,12 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["--agent-port=abc".to_owned()], "--agent-port"),
         (vec!["--keepalive-time=10".to_owned()], "--keepalive-time"),
+        // A bool takes its value after `=` only; ANP would read `true`
+        // and ignore the stray word, we refuse it.
+        (
+            vec!["--enable-profiling".to_owned(), "false".to_owned()],
+            "unexpected argument 'false'",
+        ),
         (
             vec![
                 format!("--uds-name={}", socket.display()),
@@ -65,6 +72,10 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
 fn bad_agent_flags_exit_2_naming_the_flag() {
     for (args, needle) in [
         (vec!["--sync-interval=5".to_owned()], "--sync-interval"),
+        (
+            vec!["--sync-forever".to_owned(), "false".to_owned()],
+            "unexpected argument 'false'",
+        ),
         (vec![], "--ca-cert"),
         (
             vec![
@@ -466,4 +477,95 @@ async fn log_flags_without_effect_together_are_named() {
         .wait_for("--logtostderr=false without --log-file", 1, LOG_LIMIT)
         .await;
     nowhere.wait_for("proxy-agent starting", 1, LOG_LIMIT).await;
+}
+
+/// Runs a binary to its exit with `RUST_LOG` removed (so the default level
+/// decides what is logged); returns its exit code and standard error.
+fn run_logged(name: &str, args: &[String]) -> (i32, String) {
+    let out = Command::new(binary(name))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("running the binary");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The line of `log` that contains `needle`, or a panic showing the log.
+fn line_with<'a>(log: &'a str, needle: &str) -> &'a str {
+    log.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("{needle:?} not logged:\n{log}"))
+}
+
+/// The flag warnings come before anything is bound: a taken port makes
+/// the agent fail at start-up, and the warnings are in its log anyway.
+#[test]
+fn the_agent_names_flags_without_effect_and_deprecated_ones_even_when_start_up_fails() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (code, log) = run_logged(
+        "proxy-agent",
+        &[
+            pki_arg("ca-cert", "agent-ca.crt"),
+            pki_arg("agent-cert", "proxy-agent.crt"),
+            pki_arg("agent-key", "proxy-agent.key"),
+            "--health-server-host=127.0.0.1".to_owned(),
+            format!(
+                "--health-server-port={}",
+                taken.local_addr().unwrap().port()
+            ),
+            "--admin-server-port=0".to_owned(),
+            "--xfr-channel-size=150".to_owned(),
+            "--kube-api-content-type=application/vnd.kubernetes.protobuf".to_owned(),
+            "--lease-label=k8s-app=konnectivity-server".to_owned(),
+        ],
+    );
+    assert_eq!(code, 1, "the health port is taken: {log}");
+    let line = line_with(&log, "flags accepted but not implemented");
+    for flag in ["xfr-channel-size", "kube-api-content-type"] {
+        assert!(line.contains(flag), "{flag} not named: {line}");
+    }
+    let line = line_with(&log, "deprecated flag given");
+    assert!(line.contains("--lease-label"), "{line}");
+    assert!(line.contains("WARN"), "{line}");
+}
+
+/// The same for the server, with its CBC cipher-suite warning.
+#[test]
+fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (code, log) = run_logged(
+        "proxy-server",
+        &[
+            format!("--uds-name={}", dir.path().join("s.sock").display()),
+            "--server-port=0".to_owned(),
+            pki_arg("cluster-cert", "cluster.crt"),
+            pki_arg("cluster-key", "cluster.key"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            format!("--agent-port={}", taken.local_addr().unwrap().port()),
+            "--health-port=0".to_owned(),
+            "--admin-port=0".to_owned(),
+            "--kube-api-content-type=application/vnd.kubernetes.protobuf".to_owned(),
+            "--warn-on-channel-limit=false".to_owned(),
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA".to_owned(),
+            "--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256".to_owned(),
+        ],
+    );
+    assert_eq!(code, 1, "the agent port is taken: {log}");
+    assert!(
+        line_with(&log, "flags accepted but not implemented").contains("kube-api-content-type"),
+        "{log}"
+    );
+    assert!(
+        line_with(&log, "deprecated flag given").contains("--warn-on-channel-limit"),
+        "{log}"
+    );
+    assert!(
+        line_with(&log, "CBC suites left out").contains("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA"),
+        "{log}"
+    );
 }

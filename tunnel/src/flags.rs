@@ -60,6 +60,61 @@ pub fn invalid(flag: &'static str, reason: impl Into<String>) -> FlagError {
     }
 }
 
+/// Checks that a file named by `flag` exists and can be read, so that a
+/// mistyped path stops start-up instead of the first use.
+///
+/// # Errors
+/// [`FlagError::Invalid`] naming the flag and the path.
+pub fn check_readable_file(flag: &'static str, path: &str) -> Result<(), FlagError> {
+    let unreadable = |e: std::io::Error| invalid(flag, format!("cannot read {path}: {e}"));
+    // The type first: opening a FIFO for reading would wait for a writer.
+    if !std::fs::metadata(path).map_err(unreadable)?.is_file() {
+        return Err(invalid(flag, format!("{path} is not a file")));
+    }
+    std::fs::File::open(path).map_err(unreadable)?;
+    Ok(())
+}
+
+/// Joins the occurrences of a pflag `StringSlice` flag: each is a
+/// comma-separated list (`[]` and `[a,b]` as pflag prints them), and a
+/// repeated flag appends, so `--x=a --x=b` equals `--x=a,b`.
+pub fn string_slice(occurrences: &[String]) -> Vec<String> {
+    occurrences
+        .iter()
+        .flat_map(|text| {
+            let text = text.trim();
+            text.strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .unwrap_or(text)
+                .split(',')
+        })
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A deprecated flag that was given, for the start-up warning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deprecated {
+    /// The flag, without dashes.
+    pub flag: &'static str,
+    /// What it does now, or what to use instead.
+    pub note: &'static str,
+}
+
+/// Logs, by name, the flags given that have no effect in this build and
+/// the deprecated flags given. Both binaries call it before they bind
+/// anything, so the warning is there even when start-up fails.
+pub fn warn_flags(not_implemented: &[&'static str], deprecated: &[Deprecated]) {
+    if !not_implemented.is_empty() {
+        tracing::warn!(flags = ?not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
+    }
+    for Deprecated { flag, note } in deprecated {
+        tracing::warn!(flag = %format_args!("--{flag}"), note, "deprecated flag given");
+    }
+}
+
 /// A listen address from a bind-address flag and a port, as ANP reads them:
 /// empty means all interfaces (IPv6 and IPv4), `localhost` the IPv4
 /// loopback, else an IP address (brackets allowed).
@@ -100,11 +155,11 @@ pub struct LogArgs {
     #[arg(short = 'v', long = "v", default_value_t = 4, value_name = "LEVEL")]
     pub verbosity: u8,
     /// Log to standard error instead of files (klog; when true, --log-file is ignored).
-    #[arg(long, alias = "logtostderr", num_args = 0..=1, require_equals = true,
+    #[arg(long, num_args = 0..=1, require_equals = true,
           default_value = "true", default_missing_value = "true", value_parser = go_bool)]
     pub logtostderr: bool,
     /// Also log to standard error when logging to a file (klog).
-    #[arg(long, alias = "alsologtostderr", num_args = 0..=1, require_equals = true,
+    #[arg(long, num_args = 0..=1, require_equals = true,
           default_value = "false", default_missing_value = "true", value_parser = go_bool)]
     pub alsologtostderr: bool,
     /// Log file to write to when --logtostderr=false (klog).
@@ -125,13 +180,13 @@ pub struct LogArgs {
     #[arg(long, alias = "log_dir", hide = true)]
     pub log_dir: Option<String>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "vmodule", hide = true)]
+    #[arg(long, hide = true)]
     pub vmodule: Option<String>,
     /// With --logtostderr=false and --log-file, lines at or above this severity also go to standard error: INFO, WARNING, ERROR or FATAL, or 0-3 (klog; default ERROR).
-    #[arg(long, alias = "stderrthreshold", value_name = "SEVERITY")]
+    #[arg(long, value_name = "SEVERITY")]
     pub stderrthreshold: Option<String>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "alsologtostderrthreshold", hide = true)]
+    #[arg(long, hide = true)]
     pub alsologtostderrthreshold: Option<String>,
     /// Accepted for klog compatibility; no effect.
     #[arg(long, alias = "log_backtrace_at", hide = true)]
@@ -248,6 +303,98 @@ mod tests {
         let cli = Cli::try_parse_from(["x"]).unwrap();
         assert_eq!(cli.log.verbosity, 4);
         assert!(cli.log.logtostderr);
+    }
+
+    /// ANP renames the klog flags to dashes; the underscore spellings are
+    /// our extension, and no alias repeats its own flag's name.
+    #[test]
+    fn klog_aliases_are_the_underscore_spellings() {
+        use clap::CommandFactory;
+        let cmd = Cli::command();
+        for arg in cmd.get_arguments() {
+            let long = arg.get_long().unwrap_or_default();
+            for alias in arg.get_all_aliases().unwrap_or_default() {
+                assert_ne!(alias, long, "--{long} has itself as an alias");
+                assert_eq!(alias.replace('_', "-"), long, "--{alias}");
+            }
+        }
+        let cli = Cli::try_parse_from(["x", "--log_file=/tmp/a.log", "--log_dir=/tmp"]).unwrap();
+        assert_eq!(
+            cli.log.log_file.as_deref(),
+            Some(std::path::Path::new("/tmp/a.log"))
+        );
+        assert_eq!(cli.log.without_effect(), ["log-dir"]);
+    }
+
+    #[test]
+    fn string_slices_append_like_pflag() {
+        let slice = |occurrences: &[&str]| {
+            string_slice(
+                &occurrences
+                    .iter()
+                    .map(|s| (*s).to_owned())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        assert!(slice(&[]).is_empty());
+        assert!(slice(&["[]"]).is_empty());
+        assert!(slice(&[""]).is_empty());
+        assert_eq!(slice(&["x"]), ["x"]);
+        assert_eq!(slice(&["[a, b]"]), ["a", "b"]);
+        assert_eq!(slice(&["a", "b,c"]), slice(&["a,b,c"]));
+        assert_eq!(slice(&["[]", "[a]", "b"]), ["a", "b"]);
+    }
+
+    #[test]
+    fn readable_files_are_checked_naming_flag_and_path() {
+        let dir = std::env::temp_dir().join(format!("tunnel-flags-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("kubeconfig");
+        std::fs::write(&file, "apiVersion: v1\n").unwrap();
+        assert!(check_readable_file("kubeconfig", file.to_str().unwrap()).is_ok());
+        let err = check_readable_file("kubeconfig", "/nonexistent/kubeconfig")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("invalid value for --kubeconfig: cannot read /nonexistent/kubeconfig"),
+            "{err}"
+        );
+        let err = check_readable_file("kubeconfig", dir.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--kubeconfig") && err.contains("is not a file"),
+            "{err}"
+        );
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let err = check_readable_file("kubeconfig", fifo.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is not a file"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// pflag reads `--logtostderr false` as `--logtostderr` plus a stray
+    /// `false`, which ANP ignores (the flag ends up true); clap refuses the
+    /// stray word instead, so the mistake cannot pass unnoticed.
+    #[test]
+    fn a_bool_flag_takes_its_value_only_after_equals() {
+        let err = Cli::try_parse_from(["x", "--logtostderr", "false"])
+            .err()
+            .unwrap();
+        assert_eq!(err.kind(), clap::error::ErrorKind::UnknownArgument);
+        assert!(err.to_string().contains("'false'"), "{err}");
+        assert!(
+            !Cli::try_parse_from(["x", "--logtostderr=false"])
+                .unwrap()
+                .log
+                .logtostderr
+        );
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! The kube API client both binaries use (TokenReview, Leases): from
-//! `--kubeconfig`, else the in-cluster configuration.
+//! `--kubeconfig`, else the in-cluster configuration; [`selector`] checks
+//! label selector flags.
+
+pub mod selector;
 
 use std::{
     path::{Path, PathBuf},

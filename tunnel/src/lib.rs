@@ -15,7 +15,7 @@
 //! - [`flow`]: per-connection windows and bounded receive queues.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
 //! - [`http`]: the health and admin HTTP servers with ANP's limits and Go's answers.
-//! - [`kube`]: the kube API client (TokenReview, Leases).
+//! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
 //! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
 //! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
 

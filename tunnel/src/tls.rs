@@ -154,7 +154,8 @@ const SUITE_NAMES: [(&str, rustls::CipherSuite); 11] = {
     ]
 };
 
-/// Secure suites Go accepts that rustls does not implement.
+/// Secure suites Go accepts that rustls does not implement (ECDHE with
+/// AES-CBC-SHA1; rustls has no CBC mode).
 const CBC_SUITES: [&str; 4] = [
     "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA",
     "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
@@ -162,39 +163,58 @@ const CBC_SUITES: [&str; 4] = [
     "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
 ];
 
-/// Parses `--cipher-suites` (pflag string slice: `[]`, `a,b` or `[a,b]`):
-/// `None` for an empty list; TLS 1.3 names are accepted and, as in Go,
-/// have no effect.
+/// `--cipher-suites`, parsed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CipherSuites {
+    /// The suites to allow; `None` (an empty flag) allows every one.
+    pub suites: Option<Vec<rustls::CipherSuite>>,
+    /// Names Go accepts that this build cannot offer (the ECDHE CBC
+    /// suites); they are left out, with a warning.
+    pub left_out: Vec<&'static str>,
+}
+
+impl CipherSuites {
+    /// Whether TLS 1.2 has no suite left although names were given: every
+    /// TLS 1.2 name was left out.
+    pub fn no_tls12_suite_left(&self) -> bool {
+        !self.left_out.is_empty()
+            && self.suites.as_ref().is_some_and(|suites| {
+                !suites.iter().any(|suite| {
+                    provider()
+                        .cipher_suites
+                        .iter()
+                        .any(|s| s.suite() == *suite && s.version() == &rustls::version::TLS12)
+                })
+            })
+    }
+}
+
+/// Parses the names of `--cipher-suites` (already split, see
+/// [`crate::flags::string_slice`]): `None` for no names; TLS 1.3 names are
+/// accepted and, as in Go, have no effect; Go's ECDHE CBC suites are
+/// accepted and left out (rustls has none).
 ///
 /// # Errors
-/// An unknown or insecure name, or a CBC suite rustls lacks, named.
-pub fn parse_cipher_suites(text: &str) -> Result<Option<Vec<rustls::CipherSuite>>, String> {
-    let inner = text.trim();
-    let inner = inner
-        .strip_prefix('[')
-        .and_then(|t| t.strip_suffix(']'))
-        .unwrap_or(inner);
-    let names: Vec<&str> = inner
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .collect();
+/// An unknown or insecure name, named.
+pub fn parse_cipher_suites(names: &[String]) -> Result<CipherSuites, String> {
     if names.is_empty() {
-        return Ok(None);
+        return Ok(CipherSuites::default());
     }
     let mut suites = Vec::new();
+    let mut left_out = Vec::new();
     for name in names {
-        match SUITE_NAMES.iter().find(|(n, _)| *n == name) {
-            Some((_, suite)) => suites.push(*suite),
-            None if CBC_SUITES.contains(&name) => {
-                return Err(format!(
-                    "{name} is a CBC suite, which this build (rustls) does not implement"
-                ));
-            }
-            None => return Err(format!("{name} is not a known secure cipher suite")),
+        if let Some((_, suite)) = SUITE_NAMES.iter().find(|(n, _)| n == name) {
+            suites.push(*suite);
+        } else if let Some(cbc) = CBC_SUITES.iter().find(|n| *n == name) {
+            left_out.push(*cbc);
+        } else {
+            return Err(format!("{name} is not a known secure cipher suite"));
         }
     }
-    Ok(Some(suites))
+    Ok(CipherSuites {
+        suites: Some(suites),
+        left_out,
+    })
 }
 
 /// Parses `--tls-min-version`: whether only TLS 1.3 is allowed, and a
@@ -408,27 +428,69 @@ mod tests {
 
     #[test]
     fn cipher_suites_parse_like_go() {
-        assert_eq!(parse_cipher_suites("[]"), Ok(None));
-        assert_eq!(parse_cipher_suites(""), Ok(None));
+        let names = |text: &str| crate::flags::string_slice(&[text.to_owned()]);
         assert_eq!(
-            parse_cipher_suites(
+            parse_cipher_suites(&names("[]")),
+            Ok(CipherSuites::default())
+        );
+        assert_eq!(parse_cipher_suites(&names("")), Ok(CipherSuites::default()));
+        assert_eq!(
+            parse_cipher_suites(&names(
                 "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305"
-            ),
-            Ok(Some(vec![
-                rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
-                rustls::CipherSuite::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256
-            ]))
+            )),
+            Ok(CipherSuites {
+                suites: Some(vec![
+                    rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+                    rustls::CipherSuite::TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256
+                ]),
+                left_out: Vec::new(),
+            })
         );
         assert!(
-            parse_cipher_suites("TLS_RSA_WITH_RC4_128_SHA")
+            parse_cipher_suites(&names("TLS_RSA_WITH_RC4_128_SHA"))
                 .unwrap_err()
                 .contains("TLS_RSA_WITH_RC4_128_SHA")
         );
-        assert!(
-            parse_cipher_suites("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA")
-                .unwrap_err()
-                .contains("CBC")
+    }
+
+    /// Go's ECDHE CBC suites are accepted and left out (rustls has no CBC);
+    /// only a list whose every TLS 1.2 suite was left out is unusable.
+    #[test]
+    fn cbc_suites_are_left_out_by_name() {
+        let names = |text: &str| crate::flags::string_slice(&[text.to_owned()]);
+        let mixed = parse_cipher_suites(&names(
+            "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA,TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
+        ))
+        .unwrap();
+        assert_eq!(
+            mixed.suites,
+            Some(vec![
+                rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+            ])
         );
+        assert_eq!(
+            mixed.left_out,
+            [
+                "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
+                "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA"
+            ]
+        );
+        assert!(!mixed.no_tls12_suite_left());
+        let only_cbc = parse_cipher_suites(&names("TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA")).unwrap();
+        assert_eq!(only_cbc.left_out, ["TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA"]);
+        assert!(only_cbc.no_tls12_suite_left());
+        let cbc_and_tls13 = parse_cipher_suites(&names(
+            "TLS_AES_128_GCM_SHA256,TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA",
+        ))
+        .unwrap();
+        assert!(cbc_and_tls13.no_tls12_suite_left());
+        // Without CBC names nothing is left out, whatever the list.
+        let tls13 = parse_cipher_suites(&names("TLS_AES_128_GCM_SHA256")).unwrap();
+        assert!(!tls13.no_tls12_suite_left());
+    }
+
+    #[test]
+    fn tls_min_versions_parse_like_go() {
         assert_eq!(parse_min_version(""), Ok((false, None)));
         assert_eq!(parse_min_version("VersionTLS13"), Ok((true, None)));
         assert!(parse_min_version("VersionTLS10").unwrap().1.is_some());

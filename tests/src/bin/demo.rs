@@ -89,6 +89,7 @@ async fn main() -> Result<()> {
             token_auth: None,
             lease: None,
             not_implemented: Vec::new(),
+            deprecated: Vec::new(),
         })
         .await?;
         let agent_addr = server.agent_addr();
@@ -120,12 +121,12 @@ async fn main() -> Result<()> {
             sync_forever: false,
             probe_interval: Duration::from_secs(1),
             keepalive_time: Duration::from_secs(3600),
-            xfr_channel_size: 150,
             flow_control: true,
             token_path: None,
             leases: None,
             server_count_source: proxy_agent::lease::ServerCountSource::Default,
             not_implemented: Vec::new(),
+            deprecated: Vec::new(),
         })
         .await?;
         let agent_task = tokio::spawn(agent.serve(stop.clone().cancelled_owned()));
