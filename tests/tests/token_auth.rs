@@ -201,8 +201,15 @@ async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
     stub.allow("token-two", identity(AGENT_SA, AUDIENCE));
     std::fs::write(&path, "token-two").unwrap();
     let reviews = stub.reviews.load(std::sync::atomic::Ordering::SeqCst);
+    let before = server.handle.agent_peers();
     agent.handle.disconnect_all();
-    server.wait_for_backends(0).await;
-    server.wait_for_backends(1).await;
+    // The new stream may be accepted before the old one is seen gone: wait
+    // for one stream from another peer port, which only token-two can open.
+    let handle = server.handle.clone();
+    wait_for("the agent to come back with the rotated token", || {
+        let peers = handle.agent_peers();
+        peers.len() == 1 && peers != before
+    })
+    .await;
     assert!(stub.reviews.load(std::sync::atomic::Ordering::SeqCst) > reviews);
 }
