@@ -337,9 +337,7 @@ pub async fn serve_socks5(
     info!(listen = ?listener.local_addr().ok(), auth = credentials.is_some(), "socks5 proxy listening");
     let credentials = Arc::new(credentials);
     loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
-        };
+        let (stream, peer) = tunnel::conn::accept(&listener, "socks5 proxy").await;
         let dialer = dialer.clone();
         let credentials = credentials.clone();
         tokio::spawn(async move {
@@ -493,9 +491,7 @@ async fn http_proxy_request(
 pub async fn serve_http_proxy(listener: TcpListener, dialer: Dialer) {
     info!(listen = ?listener.local_addr().ok(), "http proxy listening");
     loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
-        };
+        let (stream, peer) = tunnel::conn::accept(&listener, "http proxy").await;
         let _ = stream.set_nodelay(true);
         let dialer = dialer.clone();
         tokio::spawn(async move {

@@ -88,6 +88,24 @@ impl AsyncWrite for TlsConn {
     }
 }
 
+/// The next connection on `listener`. A failed accept (EMFILE and
+/// friends) is logged, naming the listener `what`, and retried after a
+/// short pause instead of spinning. Cancel safe.
+pub async fn accept(listener: &TcpListener, what: &'static str) -> (TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(pair) => return pair,
+            Err(error) => {
+                tracing::warn!(%error, listener = what, "accept failed");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}
+
+/// Pause after a failed accept.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
 /// own task (bounded by [`TLS_HANDSHAKE_TIMEOUT`]) and yields the completed
 /// ones. Failed handshakes (plain TCP, wrong CA, garbage) are logged at debug
@@ -104,15 +122,7 @@ pub fn tls_incoming(
         loop {
             let (tcp, peer) = tokio::select! {
                 () = shutdown.cancelled() => return,
-                accepted = listener.accept() => match accepted {
-                    Ok(pair) => pair,
-                    Err(error) => {
-                        // EMFILE and friends: back off a little instead of spinning.
-                        tracing::warn!(%error, listener = what, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
+                accepted = accept(&listener, what) => accepted,
             };
             let _ = tcp.set_nodelay(true);
             let acceptor = acceptor.clone();

@@ -25,7 +25,7 @@ use tokio::{
     net::TcpListener,
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{debug, warn};
+use tracing::debug;
 
 /// How long a client may take to send a request's headers (ANP's
 /// `ReadHeaderTimeout`); a slower one is disconnected.
@@ -57,15 +57,7 @@ pub async fn serve(
     loop {
         let (tcp, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(pair) => pair,
-                Err(error) => {
-                    // EMFILE and friends: back off a little instead of spinning.
-                    warn!(%error, listener = what, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            accepted = crate::conn::accept(&listener, what) => accepted,
         };
         let router = router.clone();
         let shutdown = shutdown.clone();
