@@ -666,34 +666,6 @@ mod tests {
         assert!(err.contains("--sync-interval"), "{err}");
     }
 
-    /// pflag reads `--flag false` as `--flag` (true) plus a stray `false`,
-    /// which ANP ignores; clap refuses the stray word for every boolean.
-    #[test]
-    fn bool_flags_take_their_value_only_after_equals() {
-        use clap::CommandFactory;
-        let command = Args::command();
-        let bools: Vec<&str> = command
-            .get_arguments()
-            .filter(|arg| arg.is_require_equals_set())
-            .filter_map(|arg| arg.get_long())
-            .collect();
-        assert!(bools.len() >= 10, "{bools:?}");
-        for flag in bools {
-            let err = Args::try_parse_from(["proxy-agent", &format!("--{flag}"), "false"])
-                .err()
-                .unwrap_or_else(|| panic!("--{flag} false was accepted"));
-            assert_eq!(
-                err.kind(),
-                clap::error::ErrorKind::UnknownArgument,
-                "--{flag}"
-            );
-            Args::try_parse_from(["proxy-agent", &format!("--{flag}=false")])
-                .unwrap_or_else(|e| panic!("--{flag}=false: {e}"));
-        }
-    }
-
-    /// `--alpn-proto` is a pflag StringSlice: a repeated flag appends, and
-    /// `[]` (how the ANP test runner passes it) is empty.
     #[test]
     fn alpn_protos_append_like_pflag() {
         let dir = pki();

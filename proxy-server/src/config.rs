@@ -815,33 +815,6 @@ mod tests {
         assert!(err.contains("TLS_RSA_WITH_RC4_128_SHA"), "{err}");
     }
 
-    /// pflag reads `--flag false` as `--flag` (true) plus a stray `false`,
-    /// which ANP ignores; clap refuses the stray word instead, for every
-    /// boolean flag, so the mistake cannot pass unnoticed.
-    #[test]
-    fn bool_flags_take_their_value_only_after_equals() {
-        use clap::CommandFactory;
-        let command = Args::command();
-        let bools: Vec<&str> = command
-            .get_arguments()
-            .filter(|arg| arg.is_require_equals_set())
-            .filter_map(|arg| arg.get_long())
-            .collect();
-        assert!(bools.len() >= 10, "{bools:?}");
-        for flag in bools {
-            let err = Args::try_parse_from(["proxy-server", &format!("--{flag}"), "false"])
-                .err()
-                .unwrap_or_else(|| panic!("--{flag} false was accepted"));
-            assert_eq!(
-                err.kind(),
-                clap::error::ErrorKind::UnknownArgument,
-                "--{flag}"
-            );
-            Args::try_parse_from(["proxy-server", &format!("--{flag}=false")])
-                .unwrap_or_else(|e| panic!("--{flag}=false: {e}"));
-        }
-    }
-
     #[test]
     fn a_repeated_flag_takes_the_last_value_as_pflag_does() {
         let a = Args::try_parse_from(["proxy-server", "--agent-port=8132", "--agent-port", "8133"])

@@ -732,32 +732,8 @@ impl RawFrontend {
 
 /// A plain HTTP/1.1 GET; returns the status code and the body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connecting");
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .expect("writing the request");
-    let mut raw = Vec::new();
-    stream
-        .read_to_end(&mut raw)
-        .await
-        .expect("reading the response");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status line");
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    let answer = http_request(addr, "GET", path, "test", "").await;
+    (answer.status, answer.text())
 }
 
 /// An HTTP/1.1 answer read off the wire.

@@ -569,3 +569,33 @@ fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_
         "{log}"
     );
 }
+
+/// pflag reads `--flag false` as `--flag` (true) plus a stray `false`,
+/// which ANP ignores; clap refuses the stray word instead, for every
+/// boolean flag of both binaries, so the mistake cannot pass unnoticed.
+#[test]
+fn bool_flags_take_their_value_only_after_equals() {
+    fn check<A: clap::Parser>(bin: &str) {
+        let command = A::command();
+        let bools: Vec<&str> = command
+            .get_arguments()
+            .filter(|arg| arg.is_require_equals_set())
+            .filter_map(|arg| arg.get_long())
+            .collect();
+        assert!(bools.len() >= 10, "{bin}: {bools:?}");
+        for flag in bools {
+            let err = A::try_parse_from([bin, &format!("--{flag}"), "false"])
+                .err()
+                .unwrap_or_else(|| panic!("{bin} --{flag} false was accepted"));
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::UnknownArgument,
+                "{bin} --{flag}"
+            );
+            A::try_parse_from([bin, &format!("--{flag}=false")])
+                .unwrap_or_else(|e| panic!("{bin} --{flag}=false: {e}"));
+        }
+    }
+    check::<proxy_server::config::Args>("proxy-server");
+    check::<proxy_agent::config::Args>("proxy-agent");
+}

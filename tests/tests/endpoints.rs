@@ -10,7 +10,9 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use integration_tests::{AgentOpts, TestAgent, TestServer, backend, http_request, wait_for_status};
+use integration_tests::{
+    AgentOpts, ServerOpts, TestAgent, TestServer, backend, http_request, wait_for_status,
+};
 use tokio::io::AsyncWriteExt;
 
 const PROMETHEUS: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -201,6 +203,24 @@ async fn every_endpoint_answers_as_anps_before_and_after_an_agent_connects() {
         wait_for_status(agent.health_addr, "/readyz", 503).await,
         NOT_READY_AGENT
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enable_profiling_serves_cpu_profiles_on_the_server_admin_port() {
+    let server = TestServer::start_with(ServerOpts {
+        profiling: true,
+        ..ServerOpts::default()
+    })
+    .await;
+    let get =
+        |target: &'static str| http_request(server.admin_addr, "GET", target, "localhost", "");
+    let index = get("/debug/pprof/").await;
+    assert_eq!(index.status, 200);
+    assert!(index.text().contains("profile"), "{}", index.text());
+    let profile = get("/debug/pprof/profile?seconds=1").await;
+    assert_eq!(profile.status, 200);
+    assert_eq!(profile.headers["content-type"], "application/octet-stream");
+    assert_eq!(get("/debug/pprof/profile?seconds=x").await.status, 400);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

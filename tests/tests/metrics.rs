@@ -1,49 +1,24 @@
-//! Metrics and endpoints as operators' tools see them: after a scripted
-//! scenario (a dial with no agent, a good dial, a dial to a closed port, a
-//! frontend that gives up on a pending dial) the scraped exposition of the
-//! server and of the agent holds exactly ANP's series for those metrics,
-//! with ANP's names, types, HELP texts, labels and values; and the health
-//! and admin endpoints answer as ANP's do before and after an agent
-//! connects.
+//! Metrics as operators' tools see them: after a scripted scenario (a dial
+//! with no agent, a good dial, a dial to a closed port, a frontend that
+//! cancels a pending dial) the scraped exposition of the server and of the
+//! agent holds exactly ANP's series for those metrics, with ANP's names,
+//! types, HELP texts, labels and values; a fresh process shows only what
+//! ANP shows before any event. The endpoints themselves are tested in
+//! `endpoints.rs`.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
-use std::collections::BTreeMap;
-
 use integration_tests::{
-    AgentOpts, RawFrontend, ServerOpts, TestAgent, TestServer, backend, http_get, wait_for,
+    AgentOpts, RawFrontend, ServerOpts, TestAgent, TestServer, backend, http_request, wait_for,
 };
 use proto::Packet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A raw HTTP/1.1 GET returning status, headers (lower-cased names) and body.
-async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, BTreeMap<String, String>, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: localhost:1\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
-    let headers = lines
-        .filter_map(|l| l.split_once(": "))
-        .map(|(k, v)| (k.to_ascii_lowercase(), v.to_owned()))
-        .collect();
-    (status, headers, body.to_owned())
+/// The exposition `addr` serves on `/metrics`.
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    let answer = http_request(addr, "GET", "/metrics", "localhost", "").await;
+    assert_eq!(answer.status, 200, "/metrics on {addr}");
+    answer.text()
 }
 
 /// The families whose names start with `prefix`, as rendered, with the
@@ -217,13 +192,13 @@ konnectivity_network_proxy_agent_known_server_count 1
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_process_shows_only_the_metrics_anp_shows_before_any_event() {
     let server = TestServer::start().await;
-    let text = get(server.health_addr, "/metrics").await.2;
+    let text = scrape(server.health_addr).await;
     assert_eq!(anp_block(&text, S, &[]), FRESH_SERVER, "{text}");
 
     let nobody = backend::closed_port();
     let agent = TestAgent::start_with(nobody, AgentOpts::default()).await;
-    let text = get(agent.health_addr, "/metrics").await.2;
-    assert_eq!(anp_block(&text, A, &[]), FRESH_AGENT, "{text}");
+    let agent_text = scrape(agent.health_addr).await;
+    assert_eq!(anp_block(&agent_text, A, &[]), FRESH_AGENT, "{agent_text}");
     for name in [
         "process_cpu_seconds_total",
         "process_resident_memory_bytes",
@@ -233,10 +208,12 @@ async fn a_fresh_process_shows_only_the_metrics_anp_shows_before_any_event() {
         "process_max_fds",
         "process_start_time_seconds",
     ] {
-        assert!(
-            text.contains(&format!("\n# TYPE {name} ")),
-            "{name} missing"
-        );
+        for text in [&text, &agent_text] {
+            assert!(
+                text.contains(&format!("\n# TYPE {name} ")),
+                "{name} missing"
+            );
+        }
     }
 }
 
@@ -257,12 +234,12 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     let mut got = [0u8; 5];
     conn.read_exact(&mut got).await.unwrap();
     // Live gauges while it is open.
-    let server_text = get(server.health_addr, "/metrics").await.2;
+    let server_text = scrape(server.health_addr).await;
     assert!(
         server_text.contains(&format!("\n{S}established_connections 1\n")),
         "{server_text}"
     );
-    let agent_text = get(agent.health_addr, "/metrics").await.2;
+    let agent_text = scrape(agent.health_addr).await;
     assert!(
         agent_text.contains(&format!("\n{A}open_endpoint_connections 1\n")),
         "{agent_text}"
@@ -286,7 +263,7 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
         handle.dials_in_progress() == 1
     })
     .await;
-    let server_text = get(server.health_addr, "/metrics").await.2;
+    let server_text = scrape(server.health_addr).await;
     assert!(
         server_text.contains(&format!("\n{S}pending_backend_dials 1\n")),
         "{server_text}"
@@ -309,7 +286,7 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     let mut text = String::new();
     tokio::time::timeout(integration_tests::DEADLINE, async {
         loop {
-            text = get(metrics, "/metrics").await.2;
+            text = scrape(metrics).await;
             if text.contains(&proxy_streams) {
                 break;
             }
@@ -370,7 +347,7 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     }
 
     // The agent's side of the same scenario.
-    let text = get(agent.health_addr, "/metrics").await.2;
+    let text = scrape(agent.health_addr).await;
     let want = [
         histogram(
             &format!("{A}dial_duration_seconds"),
@@ -402,116 +379,6 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
         );
     }
     drop(hole);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn endpoints_answer_as_anps_before_and_after_an_agent_connects() {
-    let server = TestServer::start().await;
-    let agent = TestAgent::start_with(server.agent_addr, AgentOpts::default()).await;
-    server.wait_for_backends(1).await;
-    let halted = server.halt().await;
-    let handle = agent.handle.clone();
-    wait_for("the agent to lose its server", || {
-        handle.server_connections() == 0
-    })
-    .await;
-
-    // Agent without a server.
-    assert_eq!(
-        http_get(agent.health_addr, "/healthz").await,
-        (200, "ok".to_owned())
-    );
-    let not_ready = "[+]ping ok\n[-]server-connected failed: no servers connected\n".to_owned();
-    assert_eq!(
-        http_get(agent.health_addr, "/readyz").await,
-        (503, not_ready.clone())
-    );
-    assert_eq!(
-        http_get(agent.health_addr, "/ready").await,
-        (503, not_ready)
-    );
-
-    // Server before any agent: this agent must not reconnect first.
-    agent.stop().await;
-    let server = halted.start().await;
-    assert_eq!(
-        http_get(server.health_addr, "/healthz").await,
-        (200, "ok".to_owned())
-    );
-    let no_agent = (500, "no connection to any proxy agent".to_owned());
-    assert_eq!(http_get(server.health_addr, "/readyz").await, no_agent);
-    assert_eq!(http_get(server.health_addr, "/ready").await, no_agent);
-
-    let agent = TestAgent::start(&server).await;
-    // The server counts the agent before the agent has read its answer.
-    let handle = agent.handle.clone();
-    wait_for("the agent to see its server", || {
-        handle.server_connections() == 1
-    })
-    .await;
-    assert_eq!(
-        http_get(server.health_addr, "/readyz").await,
-        (200, "ok".to_owned())
-    );
-    assert_eq!(
-        http_get(server.health_addr, "/ready").await,
-        (200, "ok".to_owned())
-    );
-    assert_eq!(
-        http_get(agent.health_addr, "/readyz").await,
-        (200, "ok".to_owned())
-    );
-    assert_eq!(
-        http_get(agent.health_addr, "/readyz?verbose").await,
-        (
-            200,
-            "[+]ping ok\n[+]server-connected ok\ncheck passed\n".to_owned()
-        )
-    );
-
-    // /metrics on both health ports and the server's admin port.
-    for addr in [server.health_addr, server.admin_addr, agent.health_addr] {
-        let (status, headers, body) = get(addr, "/metrics").await;
-        assert_eq!(status, 200, "{addr}");
-        assert_eq!(
-            headers["content-type"],
-            "text/plain; version=0.0.4; charset=utf-8"
-        );
-        assert!(
-            body.contains("# TYPE process_cpu_seconds_total counter"),
-            "{addr}"
-        );
-    }
-    // The agent's admin port sends /metrics to its health port.
-    let (status, headers, _) = get(agent.admin_addr, "/metrics").await;
-    assert_eq!(status, 301);
-    assert_eq!(
-        headers["location"],
-        format!("//localhost:{}/metrics", agent.health_addr.port())
-    );
-    // Profiling is off unless asked for.
-    assert_eq!(get(server.admin_addr, "/debug/pprof/").await.0, 404);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn enable_profiling_serves_cpu_profiles_on_the_admin_port() {
-    let server = TestServer::start_with(ServerOpts {
-        profiling: true,
-        ..ServerOpts::default()
-    })
-    .await;
-    let (status, _, index) = get(server.admin_addr, "/debug/pprof/").await;
-    assert_eq!(status, 200);
-    assert!(index.contains("profile"), "{index}");
-    let (status, headers, _) = get(server.admin_addr, "/debug/pprof/profile?seconds=1").await;
-    assert_eq!(status, 200);
-    assert_eq!(headers["content-type"], "application/octet-stream");
-    assert_eq!(
-        get(server.admin_addr, "/debug/pprof/profile?seconds=x")
-            .await
-            .0,
-        400
-    );
 }
 
 /// HTTP CONNECT counts dial failures as ANP's tunnel handler does: a
@@ -556,7 +423,7 @@ async fn http_connect_dial_failures_are_counted_as_anps() {
         handle.dials_in_progress() == 0
     })
     .await;
-    let text = get(server.health_addr, "/metrics").await.2;
+    let text = scrape(server.health_addr).await;
     let failures: Vec<&str> = text
         .lines()
         .filter(|l| l.starts_with(&format!("{S}dial_failure_count")))
