@@ -372,7 +372,6 @@ impl ServerMetrics {
 
     /// An established connection ended after `lived`.
     pub(crate) fn connection_closed(&self, reason: CloseReason, lived: Duration) {
-        let _ = self.established.get();
         self.connection_duration.get().observe(lived.as_secs_f64());
         self.closed
             .get_or_create(&ReasonLabel {
