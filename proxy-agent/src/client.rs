@@ -713,13 +713,9 @@ impl Stream {
                     end = pump(stream, conn_id, outbound, out_tx.clone(), flow) => end,
                 };
                 conns.remove(conn_id);
-                let end = match end {
-                    PumpEnd::Undelivered(packet) => {
-                        metrics.send_failed(&packet);
-                        PumpEnd::TunnelGone
-                    }
-                    end => end,
-                };
+                if let PumpEnd::Undelivered(packet) = &end {
+                    metrics.send_failed(packet);
+                }
                 metrics.connection_closed(match &end {
                     PumpEnd::TunnelGone | PumpEnd::Undelivered(_)
                         if abort_reason.get().is_some() =>
