@@ -2,6 +2,7 @@
 //! per HTTP CONNECT request). Packets for it are queued on a bounded channel
 //! whose receiver the transport drains.
 
+pub(crate) mod authority;
 pub(crate) mod grpc;
 pub(crate) mod http_connect;
 

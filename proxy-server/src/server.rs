@@ -10,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+use futures_util::StreamExt as _;
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -24,7 +25,7 @@ use tunnel::{
 use crate::{
     backend::{manager::BackendManager, service::AgentServiceImpl},
     config::{Config, FrontendListen, Mode},
-    frontend::{grpc::ProxyServiceImpl, http_connect},
+    frontend::{authority::AnyAuthority, grpc::ProxyServiceImpl, http_connect},
     health,
     metrics::ServerMetrics,
     tunnels::Tunnels,
@@ -81,7 +82,6 @@ where
     S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin,
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    use futures_util::StreamExt;
     loop {
         let next = tokio::select! {
             () = accept_stop.cancelled() => return Ok(()),
@@ -322,13 +322,14 @@ impl Bound {
         let (frontend_server, uds_path): (FrontendFuture, _) = match (config.mode, frontend) {
             (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
                 info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
+                // Any `:authority` is accepted on the socket: kube-apiserver
+                // sends the socket's path, which h2 refuses by itself.
+                let incoming = UnixListenerStream::new(listener)
+                    .map(|accepted| accepted.map(AnyAuthority::new));
                 let server = frontend_builder
                     .clone()
                     .add_service(proxy_service)
-                    .serve_with_incoming_shutdown(
-                        UnixListenerStream::new(listener),
-                        accept_stop.clone().cancelled_owned(),
-                    );
+                    .serve_with_incoming_shutdown(incoming, accept_stop.clone().cancelled_owned());
                 (Box::pin(server), Some(path))
             }
             (Mode::Grpc, BoundFrontend::Tcp { listener, tls }) => {
