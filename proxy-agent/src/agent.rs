@@ -80,6 +80,14 @@ impl AgentState {
         self.clients().values().map(|c| c.conns.len()).sum()
     }
 
+    /// Node-side dials in progress over all servers.
+    pub(crate) fn dials_in_progress(&self) -> usize {
+        self.clients()
+            .values()
+            .map(|c| c.conns.dials_in_progress())
+            .sum()
+    }
+
     /// How many servers to hold connections to: the servers' answers, or
     /// the lease count, or the larger of both (`--server-count-source`);
     /// 0 counts as 1 (ANP).
@@ -233,10 +241,11 @@ impl Bound {
             .await;
     }
 
-    /// Serves until `stop`; when `drain` resolves first (the first signal),
-    /// sends DRAIN to every server, stops connecting and refuses new dials,
-    /// and returns once the open connections have finished or `stop`
-    /// resolves (the second signal).
+    /// Serves until `stop` (the second signal). When `drain` (the first
+    /// signal) resolves before it, sends DRAIN to every server and stops
+    /// connecting to new ones, but keeps serving (ANP): servers send a
+    /// draining agent new dials only when no other agent fits. With
+    /// `--exit-when-drained` it also returns once no connection is open.
     pub async fn serve_with_drain(
         self,
         drain: impl Future<Output = ()>,
@@ -287,26 +296,42 @@ impl Bound {
         if draining {
             info!(
                 connections = state.endpoint_connections(),
-                "draining: telling servers, refusing new dials"
+                exit_when_drained = config.exit_when_drained,
+                "draining: telling servers, still serving until the second signal"
             );
             state.draining.store(true, Ordering::SeqCst);
             let senders: Vec<_> = state.clients().values().map(|c| c.out_tx.clone()).collect();
-            for out_tx in senders {
-                let _ = out_tx.send(proto::Packet::drain()).await;
-            }
-            // Open connections finish on their own; the second signal ends it.
-            loop {
-                if state.endpoint_connections() == 0 {
-                    info!("drained: no open connections left");
-                    break;
-                }
-                tokio::select! {
-                    () = &mut stop => {
-                        warn!(connections = state.endpoint_connections(), "second signal: closing open connections");
-                        break;
+            let tell =
+                futures_util::future::join_all(senders.into_iter().map(|out_tx| async move {
+                    let _ = out_tx.send(proto::Packet::drain()).await;
+                }));
+            let stopped = tokio::select! {
+                _ = tell => false,
+                () = &mut stop => true,
+            };
+            if !stopped {
+                if config.exit_when_drained {
+                    // Open connections finish on their own; the second
+                    // signal ends it sooner.
+                    loop {
+                        if state.endpoint_connections() == 0 && state.dials_in_progress() == 0 {
+                            info!("drained: no open connections left");
+                            break;
+                        }
+                        tokio::select! {
+                            () = &mut stop => break,
+                            () = tokio::time::sleep(DRAIN_POLL) => {}
+                        }
                     }
-                    () = tokio::time::sleep(DRAIN_POLL) => {}
+                } else {
+                    stop.await;
                 }
+            }
+            if state.endpoint_connections() > 0 {
+                warn!(
+                    connections = state.endpoint_connections(),
+                    "second signal: closing open connections"
+                );
             }
         }
         info!("stopping");
@@ -399,14 +424,11 @@ fn add_client(
     }
     state.metrics.server_connection_opened();
     info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
-    let draining = state.draining.clone();
     let state = state.clone();
     let span = info_span!("client", server.id = %server_id);
     tasks.spawn(
         async move {
-            client
-                .serve(conns, draining, state.metrics.clone(), cancel)
-                .await;
+            client.serve(conns, state.metrics.clone(), cancel).await;
             state.clients().remove(&server_id);
             info!("disconnected from proxy-server");
         }
@@ -445,11 +467,7 @@ impl AgentHandle {
 
     /// Node-side dials in progress.
     pub fn dials_in_progress(&self) -> usize {
-        self.state
-            .clients()
-            .values()
-            .map(|c| c.conns.dials_in_progress())
-            .sum()
+        self.state.dials_in_progress()
     }
 
     /// Cancels every server connection at once, as a dead network would.

@@ -451,7 +451,6 @@ impl Client {
     pub async fn serve(
         self,
         conns: Arc<ConnectionManager>,
-        draining: Arc<std::sync::atomic::AtomicBool>,
         metrics: Arc<AgentMetrics>,
         cancel: CancellationToken,
     ) {
@@ -476,7 +475,6 @@ impl Client {
             tasks: tasks.clone(),
             next_conn_id,
             flow_control,
-            draining,
             metrics: metrics.clone(),
         };
         let probe = transport.probe(probe_interval);
@@ -534,8 +532,6 @@ struct Stream {
     next_conn_id: Arc<AtomicI64>,
     /// Whether per-connection credits are in use on this stream.
     flow_control: bool,
-    /// Set while the agent drains: new dials are refused.
-    draining: Arc<std::sync::atomic::AtomicBool>,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
 }
@@ -559,12 +555,9 @@ impl Stream {
         }
         match packet.into_kind() {
             PacketKind::DialReq(req) => {
-                if self.draining.load(Ordering::SeqCst) {
-                    debug!(address = %req.address, "refusing a dial while draining");
-                    self.reply(Packet::dial_response(req.random, 0, "agent is draining"));
-                } else {
-                    self.spawn_dial(req.protocol, req.address, DialId(req.random));
-                }
+                // A draining agent still dials (ANP): the server sends it new
+                // dials only when no other agent fits.
+                self.spawn_dial(req.protocol, req.address, DialId(req.random));
             }
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);

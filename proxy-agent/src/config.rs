@@ -128,6 +128,12 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
           default_missing_value = "true", value_parser = go_bool)]
     pub flow_control: bool,
+    /// After the first SIGTERM/SIGINT, exit once no connection is open
+    /// (konnectivity-rs). Without it a draining agent keeps serving until
+    /// the second signal or the kubelet's SIGKILL, as ANP's does.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
+          default_missing_value = "true", value_parser = go_bool)]
+    pub exit_when_drained: bool,
     /// Reach proxy-server through this proxy: socks5://, socks5h:// or
     /// http://, optionally user:password@ (default: HTTPS_PROXY / ALL_PROXY
     /// with NO_PROXY, as curl reads them).
@@ -241,6 +247,8 @@ pub struct Config {
     pub keepalive_time: Duration,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
+    /// Exit once drained and idle (`--exit-when-drained`).
+    pub exit_when_drained: bool,
     /// Service-account token file, re-read on every connect.
     pub token_path: Option<PathBuf>,
     /// Count servers by their Leases (`--count-server-leases`), if on.
@@ -479,6 +487,7 @@ impl TryFrom<Args> for Config {
             probe_interval: args.probe_interval,
             keepalive_time: args.keepalive_time,
             flow_control: args.flow_control,
+            exit_when_drained: args.exit_when_drained,
             token_path: (!args.service_account_token_path.is_empty())
                 .then(|| PathBuf::from(&args.service_account_token_path)),
             leases: args.count_server_leases.then(|| LeaseCountConfig {

@@ -440,6 +440,8 @@ pub struct AgentOpts {
     pub sync_forever: bool,
     /// `--enable-profiling`.
     pub profiling: bool,
+    /// `--exit-when-drained`.
+    pub exit_when_drained: bool,
 }
 
 /// An in-process proxy-agent.
@@ -497,6 +499,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         probe_interval: Duration::from_millis(100),
         keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
         flow_control: !opts.no_flow_control,
+        exit_when_drained: opts.exit_when_drained,
         token_path: opts.token_path.clone(),
         leases: opts.leases.clone(),
         server_count_source: opts.server_count_source,
@@ -542,12 +545,21 @@ impl TestAgent {
         }
     }
 
-    /// Starts an agent whose first "signal" is `drain` (DRAIN, refuse new
-    /// dials, exit once its connections are done) and second the agent's
-    /// own shutdown (drop or [`TestAgent::stop`]).
+    /// Starts an agent whose first "signal" is `drain` (DRAIN, keep
+    /// serving) and second the agent's own shutdown (drop or
+    /// [`TestAgent::stop`]).
     pub async fn start_drainable(agent_addr: SocketAddr, drain: CancellationToken) -> Self {
+        Self::start_drainable_with(agent_addr, AgentOpts::default(), drain).await
+    }
+
+    /// [`TestAgent::start_drainable`] with options.
+    pub async fn start_drainable_with(
+        agent_addr: SocketAddr,
+        opts: AgentOpts,
+        drain: CancellationToken,
+    ) -> Self {
         trace_init();
-        let bound = Agent::bind(agent_config(agent_addr, &AgentOpts::default()))
+        let bound = Agent::bind(agent_config(agent_addr, &opts))
             .await
             .expect("binding the agent");
         let shutdown = CancellationToken::new();
@@ -635,6 +647,11 @@ impl AgentProcess {
     /// Starts `proxy-agent` against `server` with the test PKI and waits until
     /// the server sees it.
     pub async fn start(server: &TestServer) -> Self {
+        Self::start_with_args(server, &[]).await
+    }
+
+    /// [`AgentProcess::start`] with more flags.
+    pub async fn start_with_args(server: &TestServer, extra: &[&str]) -> Self {
         let pki = Pki::get();
         let before = server.handle.backend_count();
         let child = Command::new(binary("proxy-agent"))
@@ -654,6 +671,7 @@ impl AgentProcess {
                 "--sync-interval=100ms".to_owned(),
                 "--sync-interval-cap=1s".to_owned(),
             ])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

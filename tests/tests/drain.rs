@@ -1,15 +1,56 @@
-//! Agent drain: the first signal sends DRAIN to the server (new dials go to
-//! other agents), refuses new dials, lets open connections finish and then
-//! exits; a second signal exits at once.
+//! Agent drain, as ANP: the first signal sends DRAIN to the server (new
+//! dials go to other agents, to the draining one only when none other fits)
+//! and the agent keeps serving; the second signal exits at once.
+//! `--exit-when-drained` (ours) also exits once no connection is open.
+//! Server graceful shutdown.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
-use integration_tests::{TestAgent, TestServer, backend, wait_for};
+use integration_tests::{AgentOpts, AgentProcess, TestAgent, TestServer, backend, wait_for};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
+use tunnel::client::TunnelConn;
+
+/// Echoes `data` through `conn` and checks it came back byte-exact.
+async fn echo_exact(conn: &mut TunnelConn, data: &[u8]) {
+    let (mut rd, mut wr) = tokio::io::split(conn);
+    let (_, echoed) = tokio::join!(async { wr.write_all(data).await.unwrap() }, async {
+        let mut echoed = vec![0u8; data.len()];
+        rd.read_exact(&mut echoed).await.unwrap();
+        echoed
+    });
+    assert!(echoed == data, "not byte-exact");
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_draining_agent_finishes_its_transfer_then_exits_and_new_dials_go_elsewhere() {
+async fn after_drain_a_new_dial_is_served_by_the_only_agent_which_keeps_running() {
+    // ANP's TestProxyHandle_AfterDrain.
+    let server = TestServer::start().await;
+    let drain = CancellationToken::new();
+    let agent = TestAgent::start_drainable(server.agent_addr, drain.clone()).await;
+    server.wait_for_backends(1).await;
+    let echo = backend::echo().await;
+
+    drain.cancel();
+    wait_for("DRAIN to reach the server", || {
+        server.handle.draining_backends() == 1
+    })
+    .await;
+    assert!(agent.handle.is_draining());
+
+    // The only agent is draining: the server falls back to it and it dials.
+    for round in 0..3u64 {
+        let mut conn = server.dial(&echo.address()).await.unwrap();
+        echo_exact(&mut conn, &backend::pattern(256 << 10, round)).await;
+        conn.finish().await.unwrap();
+    }
+    server.wait_idle().await;
+    assert!(!agent.has_exited(), "a draining agent keeps serving");
+    assert_eq!(server.handle.backend_count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_agent_finishes_its_transfer_while_new_dials_go_elsewhere() {
     let server = TestServer::start().await;
     let drain = CancellationToken::new();
     let draining = TestAgent::start_drainable(server.agent_addr, drain.clone()).await;
@@ -26,42 +67,32 @@ async fn a_draining_agent_finishes_its_transfer_then_exits_and_new_dials_go_else
         server.handle.draining_backends() == 1
     })
     .await;
-    assert!(draining.handle.is_draining());
 
     // New dials go to the other agent.
-    let mut fresh = server.dial(&echo.address()).await.unwrap();
-    fresh.write_all(b"new").await.unwrap();
-    let mut got = [0u8; 3];
-    fresh.read_exact(&mut got).await.unwrap();
-    assert_eq!(other.handle.endpoint_connections(), 1);
-    assert_eq!(draining.handle.endpoint_connections(), 1);
-    fresh.finish().await.unwrap();
+    for _ in 0..5 {
+        let mut fresh = server.dial(&echo.address()).await.unwrap();
+        echo_exact(&mut fresh, b"new").await;
+        assert_eq!(other.handle.endpoint_connections(), 1);
+        assert_eq!(draining.handle.endpoint_connections(), 1);
+        fresh.finish().await.unwrap();
+        wait_for("the other agent's connection to close", || {
+            other.handle.endpoint_connections() == 0
+        })
+        .await;
+    }
 
     // The transfer in flight completes byte-exact.
-    let data = backend::pattern(10 << 20, 77);
-    let (mut rd, mut wr) = tokio::io::split(&mut conn);
-    let (_, echoed) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
-        let mut echoed = vec![0u8; data.len()];
-        rd.read_exact(&mut echoed).await.unwrap();
-        echoed
-    });
-    assert!(
-        echoed == data,
-        "the draining agent's transfer was not byte-exact"
-    );
+    echo_exact(&mut conn, &backend::pattern(10 << 20, 77)).await;
+    conn.finish().await.unwrap();
+    server.wait_idle().await;
     assert!(
         !draining.has_exited(),
-        "it must wait for its open connection"
+        "idle, it still waits for the second signal"
     );
-
-    // Once its last connection is closed, the agent exits.
-    conn.finish().await.unwrap();
-    wait_for("the drained agent to exit", || draining.has_exited()).await;
-    server.wait_for_backends(1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_draining_agent_refuses_new_dials_and_a_second_signal_exits_at_once() {
+async fn the_second_signal_exits_at_once_and_ends_open_connections_with_an_error() {
     let server = TestServer::start().await;
     let drain = CancellationToken::new();
     let agent = TestAgent::start_drainable(server.agent_addr, drain.clone()).await;
@@ -74,24 +105,54 @@ async fn a_draining_agent_refuses_new_dials_and_a_second_signal_exits_at_once() 
         server.handle.draining_backends() == 1
     })
     .await;
-    // The only agent is draining: the server falls back to it, it refuses.
-    match server.dial(&echo.address()).await {
-        Err(tunnel::client::ClientError::Dial { error, .. }) => {
-            assert_eq!(error, "agent is draining")
-        }
-        other => panic!("unexpected {:?}", other.err()),
-    }
     assert!(!agent.has_exited());
 
     // The second signal: out at once, the open connection ends with an error.
-    agent.stop().await;
+    tokio::time::timeout(integration_tests::DEADLINE, agent.stop())
+        .await
+        .expect("the agent stops at once");
     assert!(conn.finish().await.is_err());
+    server.wait_for_backends(0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_real_agent_drains_on_sigterm_and_exits_on_the_second() {
+async fn with_exit_when_drained_the_agent_exits_once_its_last_connection_closes() {
     let server = TestServer::start().await;
-    let mut agent = integration_tests::AgentProcess::start(&server).await;
+    let drain = CancellationToken::new();
+    let agent = TestAgent::start_drainable_with(
+        server.agent_addr,
+        AgentOpts {
+            exit_when_drained: true,
+            ..Default::default()
+        },
+        drain.clone(),
+    )
+    .await;
+    server.wait_for_backends(1).await;
+    let echo = backend::echo().await;
+    let mut conn = server.dial(&echo.address()).await.unwrap();
+
+    drain.cancel();
+    wait_for("DRAIN to reach the server", || {
+        server.handle.draining_backends() == 1
+    })
+    .await;
+    // Still serving: its open connection, and a new dial (the only agent).
+    let mut fresh = server.dial(&echo.address()).await.unwrap();
+    echo_exact(&mut fresh, b"while draining").await;
+    fresh.finish().await.unwrap();
+    echo_exact(&mut conn, &backend::pattern(1 << 20, 5)).await;
+    assert!(!agent.has_exited(), "it waits for its open connection");
+
+    conn.finish().await.unwrap();
+    wait_for("the drained agent to exit", || agent.has_exited()).await;
+    server.wait_for_backends(0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_agent_keeps_serving_after_sigterm_and_exits_on_the_second() {
+    let server = TestServer::start().await;
+    let mut agent = AgentProcess::start(&server).await;
     let echo = backend::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
 
@@ -100,11 +161,13 @@ async fn the_real_agent_drains_on_sigterm_and_exits_on_the_second() {
         server.handle.draining_backends() == 1
     })
     .await;
-    // Still serving its open connection.
-    conn.write_all(b"still").await.unwrap();
-    let mut got = [0u8; 5];
-    conn.read_exact(&mut got).await.unwrap();
-    assert_eq!(&got, b"still");
+    // Its open connection and a new dial both work (TestProxyHandle_AfterDrain).
+    echo_exact(&mut conn, b"still").await;
+    let mut fresh = server.dial(&echo.address()).await.unwrap();
+    echo_exact(&mut fresh, &backend::pattern(64 << 10, 9)).await;
+    fresh.finish().await.unwrap();
+    conn.finish().await.unwrap();
+    server.wait_idle().await;
     assert!(!agent.has_exited());
 
     agent.signal("TERM");
@@ -112,6 +175,24 @@ async fn the_real_agent_drains_on_sigterm_and_exits_on_the_second() {
         agent.has_exited()
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_agent_with_exit_when_drained_exits_once_idle() {
+    let server = TestServer::start().await;
+    let mut agent = AgentProcess::start_with_args(&server, &["--exit-when-drained"]).await;
+    let echo = backend::echo().await;
+    let mut conn = server.dial(&echo.address()).await.unwrap();
+
+    agent.signal("TERM");
+    wait_for("DRAIN to reach the server", || {
+        server.handle.draining_backends() == 1
+    })
+    .await;
+    echo_exact(&mut conn, b"still").await;
+    assert!(!agent.has_exited());
+    conn.finish().await.unwrap();
+    wait_for("the idle agent to exit", || agent.has_exited()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

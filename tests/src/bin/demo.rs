@@ -122,6 +122,7 @@ async fn main() -> Result<()> {
             probe_interval: Duration::from_secs(1),
             keepalive_time: Duration::from_secs(3600),
             flow_control: true,
+            exit_when_drained: false,
             token_path: None,
             leases: None,
             server_count_source: proxy_agent::lease::ServerCountSource::Default,
