@@ -103,10 +103,12 @@ class Frontend:
         if args.ca:
             with open(args.ca, "rb") as f:
                 ca = f.read()
-            with open(args.cert, "rb") as f:
-                cert = f.read()
-            with open(args.key, "rb") as f:
-                key = f.read()
+            cert = key = None
+            if args.cert:
+                with open(args.cert, "rb") as f:
+                    cert = f.read()
+                with open(args.key, "rb") as f:
+                    key = f.read()
             if args.server_name:
                 options.append(("grpc.ssl_target_name_override", args.server_name))
             credentials = grpc.ssl_channel_credentials(
@@ -662,8 +664,8 @@ def parse_args(argv):
     p.add_argument("--target", help="gRPC target: unix:/path/to.sock or 127.0.0.1:port")
     p.add_argument("--authority", help="channel option grpc.default_authority")
     p.add_argument("--ca", help="PEM CA that signed the server certificate (turns TLS on)")
-    p.add_argument("--cert", help="PEM client certificate (with --ca)")
-    p.add_argument("--key", help="PEM client key (with --ca)")
+    p.add_argument("--cert", help="PEM client certificate (with --ca; none if left out)")
+    p.add_argument("--key", help="PEM key of --cert")
     p.add_argument("--server-name", help="channel option grpc.ssl_target_name_override")
     p.add_argument("--socket", help="Unix socket of a server in http-connect mode")
     p.add_argument("--address", help="host:port to dial through the tunnel")
@@ -679,8 +681,10 @@ def parse_args(argv):
         p.error(f"{args.case} needs --socket")
     if args.case != "authority" and not args.address:
         p.error(f"{args.case} needs --address")
-    if args.ca and not (args.cert and args.key):
-        p.error("--ca needs --cert and --key (the server requires a client certificate)")
+    if bool(args.cert) != bool(args.key):
+        p.error("--cert and --key go together")
+    if args.cert and not args.ca:
+        p.error("--cert needs --ca (TLS)")
     return args
 
 

@@ -227,6 +227,46 @@ grpc_cases!(uds_raw_path, Form::RawPath);
 grpc_cases!(uds_localhost, Form::Localhost);
 grpc_cases!(tcp_mtls, Form::TcpMtls);
 
+/// grpcio's own TLS stack against ours: a client certificate from another
+/// CA, or none at all, gets no tunnel.
+#[tokio::test]
+async fn tcp_mtls_refuses_a_foreign_or_missing_client_certificate() {
+    let server = Form::TcpMtls.server().await;
+    let _agent = TestAgent::start(&server).await;
+    let echo = backend::echo().await;
+    let foreign = Pki::other();
+    let clients = [
+        vec![
+            format!("--cert={}", foreign.path("proxy-client.crt").display()),
+            format!("--key={}", foreign.path("proxy-client.key").display()),
+        ],
+        vec![],
+    ];
+    for client in clients {
+        let mut args = vec![
+            "echo".to_owned(),
+            format!("--target={}", server.frontend_tcp.unwrap()),
+            format!("--ca={}", Pki::get().path("frontend-ca.crt").display()),
+            format!("--address={}", echo.address()),
+        ];
+        args.extend(client);
+        let report = python::frontend(args).await;
+        assert!(
+            !report.ok(),
+            "a tunnel without a trusted certificate: {report}"
+        );
+        // The handshake fails, so the channel never connects.
+        assert!(
+            report
+                .str("error")
+                .contains("UNAVAILABLE: failed to connect to all addresses"),
+            "{report}"
+        );
+    }
+    assert_eq!(echo.accepted.load(SeqCst), 0);
+    server.wait_idle().await;
+}
+
 /// What grpcio puts in `:authority` for a socket in this form, read off a
 /// socket the script itself listens on; returns (socket path, authority).
 async fn authority_sent(form: Form) -> (String, String) {
