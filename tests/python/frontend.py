@@ -672,7 +672,9 @@ def parse_args(argv):
     p.add_argument("--bytes", type=int, default=1 << 20, help="bytes to echo per tunnel")
     p.add_argument("--tunnels", type=int, default=50, help="concurrent: how many tunnels")
     p.add_argument("--streams", type=int, default=8, help="multi-stream: streams per phase")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds any one wait may take")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds any one wait, or one stream in all, may take"
+    )
     args = p.parse_args(argv)
     grpc_case = args.case not in ("connect-echo", "connect-error")
     if grpc_case and not args.target:

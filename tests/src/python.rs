@@ -20,7 +20,8 @@ use serde_json::Value;
 /// bounded by `--timeout`, [`WAIT`]).
 pub const RUN_LIMIT: Duration = Duration::from_secs(90);
 
-/// The script's `--timeout`: how long any one of its waits may take.
+/// The script's `--timeout`: how long any one of its waits, or one Proxy
+/// stream in all, may take.
 pub const WAIT: Duration = Duration::from_secs(20);
 
 /// The workspace root.
