@@ -9,6 +9,8 @@
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
 //! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
+//! - [`python`]: `tests/python/frontend.py`, the grpcio and standard-library
+//!   frontend.
 //! - [`RawFrontend`]: a frontend that sends packets by hand.
 //! - [`wait_for`]: polls a condition until a deadline.
 //! - [`http_get`], [`http_request`], [`wait_for_status`]: raw HTTP/1.1 to
@@ -18,6 +20,7 @@ pub mod backend;
 pub mod kube_stub;
 pub mod lease_stub;
 pub mod proxies;
+pub mod python;
 
 use std::{
     net::SocketAddr,

@@ -1,0 +1,706 @@
+#!/usr/bin/env python3
+"""A Konnectivity frontend that shares no code with konnectivity-rs.
+
+gRPC cases use grpcio (gRPC C-core) with stubs generated at run time from
+konnectivity.proto; the CONNECT cases use the standard library only. Each run
+prints one JSON line on stdout ({"case": ..., "ok": true|false, ...}) and
+exits 0 only when the case passed.
+
+gRPC behaves like kube-apiserver's konnectivity-client: a single-use tunnel is
+one channel and one bidirectional Proxy stream carrying one dial: DIAL_REQ,
+wait for DIAL_RSP, DATA both ways, CLOSE_REQ, wait for CLOSE_RSP.
+
+Cases:
+  echo          dial an echo backend, send --bytes, read them back byte-exact
+  dial-error    dial --address (expected closed), expect a DIAL_RSP error
+  concurrent    --tunnels single-use tunnels at once, each on its own channel
+  multi-stream  --streams Proxy streams on one channel, sequential then
+                concurrent, one dial each
+  authority     the :authority grpcio sends for --target/--authority, read
+                off a socket this script listens on (no proxy involved)
+  connect-echo  HTTP CONNECT over --socket to an echo backend, byte-exact
+  connect-error HTTP CONNECT over --socket to --address, expect a refusal
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import queue
+import random
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+
+PROTO_DIR = os.path.dirname(os.path.abspath(__file__))
+CHUNK = 32 * 1024
+SYSRAND = random.SystemRandom()
+
+
+class Failure(Exception):
+    """A case failed; the message says where."""
+
+
+def load_stubs():
+    """Generates the Python stubs of konnectivity.proto into a temporary
+    directory and imports them; returns (messages, services)."""
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory(prefix="konnectivity-stubs-") as out:
+        code = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"--proto_path={PROTO_DIR}",
+                f"--python_out={out}",
+                f"--grpc_python_out={out}",
+                os.path.join(PROTO_DIR, "konnectivity.proto"),
+            ]
+        )
+        if code != 0:
+            raise Failure(f"grpc_tools.protoc failed on konnectivity.proto (exit {code})")
+        sys.path.insert(0, out)
+        try:
+            import konnectivity_pb2
+            import konnectivity_pb2_grpc
+        finally:
+            sys.path.remove(out)
+    return konnectivity_pb2, konnectivity_pb2_grpc
+
+
+def payload(length, seed):
+    """length deterministic bytes for seed."""
+    return random.Random(seed).randbytes(length)
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+class Frontend:
+    """Opens channels and single-use tunnels as the command line says."""
+
+    def __init__(self, args):
+        import grpc
+
+        self.grpc = grpc
+        self.pb, self.services = load_stubs()
+        self.args = args
+
+    def channel(self):
+        """A new channel to --target (its own connection)."""
+        grpc = self.grpc
+        args = self.args
+        options = [
+            # A fresh connection per channel, as kube-apiserver's single-use
+            # tunnels get, rather than one shared subchannel.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        if args.authority is not None:
+            options.append(("grpc.default_authority", args.authority))
+        if args.ca:
+            with open(args.ca, "rb") as f:
+                ca = f.read()
+            cert = key = None
+            if args.cert:
+                with open(args.cert, "rb") as f:
+                    cert = f.read()
+                with open(args.key, "rb") as f:
+                    key = f.read()
+            if args.server_name:
+                options.append(("grpc.ssl_target_name_override", args.server_name))
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca, private_key=key, certificate_chain=cert
+            )
+            return grpc.secure_channel(args.target, credentials, options=options)
+        return grpc.insecure_channel(args.target, options=options)
+
+    def tunnel(self, channel):
+        return Tunnel(self, channel)
+
+
+class Tunnel:
+    """One Proxy stream carrying one dial.
+
+    A reader thread moves packets from the response stream into `inbox`, and
+    ends it with ("end", code, details); a bounded `outbox` feeds the request
+    stream, None ends it (half-close).
+    """
+
+    def __init__(self, frontend, channel):
+        self.pb = frontend.pb
+        self.timeout = frontend.args.timeout
+        self.outbox = queue.Queue(maxsize=16)
+        self.inbox = queue.Queue()
+        self.connect_id = None
+        stub = frontend.services.ProxyServiceStub(channel)
+        self.call = stub.Proxy(self._requests(), timeout=self.timeout)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _requests(self):
+        while True:
+            packet = self.outbox.get()
+            if packet is None:
+                return
+            yield packet
+
+    def _read(self):
+        grpc = sys.modules["grpc"]
+        try:
+            for packet in self.call:
+                self.inbox.put(("packet", packet))
+            self.inbox.put(("end", "OK", ""))
+        except grpc.RpcError as e:
+            self.inbox.put(("end", e.code().name, e.details() or ""))
+
+    def send(self, packet):
+        self.outbox.put(packet, timeout=self.timeout)
+
+    def recv(self, what):
+        """The next packet; raises Failure naming `what` if the stream ends
+        or nothing comes within the timeout."""
+        try:
+            item = self.inbox.get(timeout=self.timeout)
+        except queue.Empty:
+            raise Failure(f"timed out after {self.timeout}s waiting for {what}") from None
+        if item[0] == "end":
+            self.inbox.put(item)
+            raise Failure(f"stream ended ({item[1]}: {item[2]}) while waiting for {what}")
+        return item[1]
+
+    def dial(self, address):
+        """Sends DIAL_REQ and returns the DIAL_RSP's DialResponse."""
+        pb = self.pb
+        random_id = SYSRAND.getrandbits(63)
+        self.send(
+            pb.Packet(
+                type=pb.DIAL_REQ,
+                dialRequest=pb.DialRequest(protocol="tcp", address=address, random=random_id),
+            )
+        )
+        packet = self.recv("DIAL_RSP")
+        if packet.type != pb.DIAL_RSP:
+            raise Failure(f"expected DIAL_RSP, got {pb.PacketType.Name(packet.type)}")
+        response = packet.dialResponse
+        if response.random != random_id:
+            raise Failure(f"DIAL_RSP for dial {response.random}, sent {random_id}")
+        if not response.error:
+            self.connect_id = response.connectID
+            if self.connect_id <= 0:
+                raise Failure(f"DIAL_RSP without error has connectID {self.connect_id}")
+        return response
+
+    def echo(self, data):
+        """Writes data (from a writer thread) while reading the same number
+        of bytes back; returns what came back."""
+        pb = self.pb
+        errors = []
+
+        def write():
+            try:
+                for start in range(0, len(data), CHUNK):
+                    self.send(
+                        pb.Packet(
+                            type=pb.DATA,
+                            data=pb.Data(
+                                connectID=self.connect_id, data=data[start : start + CHUNK]
+                            ),
+                        )
+                    )
+            except Exception as e:  # reported by the reading side
+                errors.append(e)
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        got = bytearray()
+        while len(got) < len(data):
+            packet = self.recv(f"DATA (have {len(got)} of {len(data)} bytes)")
+            if packet.type == pb.DATA:
+                if packet.data.connectID != self.connect_id:
+                    raise Failure(
+                        f"DATA for connectID {packet.data.connectID}, ours is {self.connect_id}"
+                    )
+                got += packet.data.data
+            elif packet.type == pb.CLOSE_RSP:
+                raise Failure(
+                    f"CLOSE_RSP ({packet.closeResponse.error!r}) after {len(got)} of "
+                    f"{len(data)} bytes"
+                )
+            else:
+                raise Failure(f"unexpected {pb.PacketType.Name(packet.type)} during DATA")
+        writer.join(self.timeout)
+        if errors:
+            raise Failure(f"writing DATA: {errors[0]!r}")
+        return bytes(got)
+
+    def close(self):
+        """CLOSE_REQ, then waits for CLOSE_RSP; returns its error (empty on
+        success)."""
+        pb = self.pb
+        self.send(
+            pb.Packet(type=pb.CLOSE_REQ, closeRequest=pb.CloseRequest(connectID=self.connect_id))
+        )
+        while True:
+            packet = self.recv("CLOSE_RSP")
+            if packet.type == pb.CLOSE_RSP:
+                if packet.closeResponse.connectID != self.connect_id:
+                    raise Failure(
+                        f"CLOSE_RSP for connectID {packet.closeResponse.connectID}, "
+                        f"ours is {self.connect_id}"
+                    )
+                return packet.closeResponse.error
+            if packet.type != pb.DATA:
+                raise Failure(f"unexpected {pb.PacketType.Name(packet.type)} waiting for CLOSE_RSP")
+
+    def finish(self):
+        """Half-closes the request stream and waits briefly for the server to
+        end the response stream; returns its status (or "open"), then makes
+        sure the call is over."""
+        self.outbox.put(None)
+        status = "open"
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        while time.monotonic() < deadline:
+            try:
+                item = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item[0] == "end":
+                status = item[1]
+                break
+        self.call.cancel()
+        return status
+
+
+def echo_once(frontend, channel, address, length, seed):
+    """One single-use tunnel's life on `channel`; returns a result dict."""
+    tunnel = frontend.tunnel(channel)
+    response = tunnel.dial(address)
+    if response.error:
+        tunnel.finish()
+        raise Failure(f"dial {address} failed: {response.error}")
+    data = payload(length, seed)
+    got = tunnel.echo(data)
+    close_error = tunnel.close()
+    stream_end = tunnel.finish()
+    result = {
+        "connect_id": tunnel.connect_id,
+        "sent": len(data),
+        "received": len(got),
+        "sent_sha256": sha256(data),
+        "received_sha256": sha256(got),
+        "matched": got == data,
+        "close_error": close_error,
+        "stream_end": stream_end,
+    }
+    if got != data:
+        raise Failure(f"echoed bytes differ: {json.dumps(result)}")
+    if close_error:
+        raise Failure(f"CLOSE_RSP error {close_error!r}")
+    return result
+
+
+def stream_ends(results):
+    """{status the server ended a stream with: how many}."""
+    ends = {}
+    for r in results:
+        if r:
+            ends[r["stream_end"]] = ends.get(r["stream_end"], 0) + 1
+    return ends
+
+
+def run_many(jobs):
+    """Runs the callables at once (a thread each); returns (results, errors)
+    with errors as {message: how many jobs failed with it}."""
+    results = [None] * len(jobs)
+    errors = {}
+    lock = threading.Lock()
+
+    def run(i, job):
+        try:
+            results[i] = job()
+        except Exception as e:
+            with lock:
+                errors[str(e)] = errors.get(str(e), 0) + 1
+
+    threads = [threading.Thread(target=run, args=(i, job), daemon=True) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
+def case_echo(args):
+    frontend = Frontend(args)
+    channel = frontend.channel()
+    try:
+        return echo_once(frontend, channel, args.address, args.bytes, seed=1)
+    finally:
+        channel.close()
+
+
+def case_dial_error(args):
+    frontend = Frontend(args)
+    channel = frontend.channel()
+    try:
+        tunnel = frontend.tunnel(channel)
+        response = tunnel.dial(args.address)
+        stream_end = tunnel.finish()
+        if not response.error:
+            raise Failure(f"dial {args.address} succeeded (connectID {response.connectID})")
+        return {"error": response.error, "connect_id": response.connectID, "stream_end": stream_end}
+    finally:
+        channel.close()
+
+
+def case_concurrent(args):
+    frontend = Frontend(args)
+
+    def job(i):
+        def run():
+            channel = frontend.channel()
+            try:
+                return echo_once(frontend, channel, args.address, args.bytes, seed=100 + i)
+            finally:
+                channel.close()
+
+        return run
+
+    results, errors = run_many([job(i) for i in range(args.tunnels)])
+    matched = sum(1 for r in results if r and r["matched"])
+    out = {
+        "tunnels": args.tunnels,
+        "matched": matched,
+        "bytes_each": args.bytes,
+        "distinct_connect_ids": len({r["connect_id"] for r in results if r}),
+        "stream_ends": stream_ends(results),
+        "errors": errors,
+    }
+    if errors or matched != args.tunnels:
+        raise Failure(json.dumps(out))
+    return out
+
+
+def case_multi_stream(args):
+    frontend = Frontend(args)
+    channel = frontend.channel()
+    try:
+        sequential = [
+            echo_once(frontend, channel, args.address, args.bytes, seed=200 + i)
+            for i in range(args.streams)
+        ]
+        results, errors = run_many(
+            [
+                (lambda i=i: echo_once(frontend, channel, args.address, args.bytes, seed=300 + i))
+                for i in range(args.streams)
+            ]
+        )
+        out = {
+            "streams": args.streams,
+            "bytes_each": args.bytes,
+            "sequential_matched": sum(1 for r in sequential if r["matched"]),
+            "concurrent_matched": sum(1 for r in results if r and r["matched"]),
+            "stream_ends": stream_ends(sequential + results),
+            "errors": errors,
+        }
+        if errors or out["concurrent_matched"] != args.streams:
+            raise Failure(json.dumps(out))
+        return out
+    finally:
+        channel.close()
+
+
+# --- authority: what grpcio puts in :authority, read off the wire ---------
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FRAME_HEADERS = 0x1
+FRAME_SETTINGS = 0x4
+FLAG_ACK = 0x1
+FLAG_END_HEADERS = 0x4
+FLAG_PADDED = 0x8
+FLAG_PRIORITY = 0x20
+
+
+def read_exact(conn, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise Failure(f"peer closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def hpack_int(block, pos, prefix_bits):
+    """RFC 7541 5.1 integer with an N-bit prefix at block[pos]."""
+    limit = (1 << prefix_bits) - 1
+    value = block[pos] & limit
+    pos += 1
+    if value < limit:
+        return value, pos
+    shift = 0
+    while True:
+        byte = block[pos]
+        pos += 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def hpack_string(block, pos):
+    huffman = bool(block[pos] & 0x80)
+    length, pos = hpack_int(block, pos, 7)
+    raw = block[pos : pos + length]
+    if huffman:
+        raise Failure(
+            f"the header value is Huffman-coded ({raw.hex()}); this probe reads only literals"
+        )
+    return raw.decode("latin-1"), pos + length
+
+
+def authority_in(block):
+    """The :authority value in the first header block of a connection (empty
+    dynamic table: the name is static index 1 or a literal)."""
+    pos = 0
+    while pos < len(block):
+        byte = block[pos]
+        if byte & 0x80:  # indexed field: a whole static entry, not :authority's value
+            index, pos = hpack_int(block, pos, 7)
+            if index == 1:
+                raise Failure("':authority' sent as an indexed field with the empty value")
+            continue
+        if byte & 0xE0 == 0x20:  # dynamic table size update
+            _, pos = hpack_int(block, pos, 5)
+            continue
+        prefix = 6 if byte & 0x40 else 4
+        index, pos = hpack_int(block, pos, prefix)
+        if index == 0:
+            name, pos = hpack_string(block, pos)
+        else:
+            name = ":authority" if index == 1 else None
+        if name == ":authority":
+            value, pos = hpack_string(block, pos)
+            return value
+        # Skip the value without decoding it (it may be Huffman-coded).
+        length, pos = hpack_int(block, pos, 7)
+        pos += length
+    raise Failure("no :authority in the first HEADERS frame")
+
+
+def case_authority(args):
+    """Listens on a Unix socket (target unix:PATH) and returns the :authority
+    of the first request grpcio sends there."""
+    if not args.target.startswith("unix:"):
+        raise Failure("the authority probe listens on unix: targets only")
+    path = args.target[len("unix:") :]
+    if path.startswith("//"):
+        path = path[2:]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(args.timeout)
+    found = {}
+
+    def serve():
+        try:
+            conn, _ = listener.accept()
+            conn.settimeout(args.timeout)
+            with conn:
+                if read_exact(conn, len(HTTP2_PREFACE)) != HTTP2_PREFACE:
+                    raise Failure("no HTTP/2 client preface")
+                conn.sendall(struct.pack(">I", 0)[1:] + bytes([FRAME_SETTINGS, 0]) + bytes(4))
+                while True:
+                    head = read_exact(conn, 9)
+                    length = int.from_bytes(head[:3], "big")
+                    kind, flags = head[3], head[4]
+                    body = read_exact(conn, length)
+                    if kind == FRAME_SETTINGS and not flags & FLAG_ACK:
+                        conn.sendall(bytes(3) + bytes([FRAME_SETTINGS, FLAG_ACK]) + bytes(4))
+                    if kind != FRAME_HEADERS:
+                        continue
+                    if not flags & FLAG_END_HEADERS:
+                        raise Failure("HEADERS continued in CONTINUATION frames")
+                    start, end = 0, len(body)
+                    if flags & FLAG_PADDED:
+                        start, end = 1, len(body) - body[0]
+                    if flags & FLAG_PRIORITY:
+                        start += 5
+                    found["authority"] = authority_in(body[start:end])
+                    return
+        except Exception as e:
+            found["error"] = str(e)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    frontend = Frontend(args)
+    channel = frontend.channel()
+    try:
+        call = frontend.services.ProxyServiceStub(channel).Proxy(iter(()), timeout=args.timeout)
+        server.join(args.timeout)
+        call.cancel()
+    finally:
+        channel.close()
+        listener.close()
+        os.unlink(path)
+    if "error" in found:
+        raise Failure(found["error"])
+    if "authority" not in found:
+        raise Failure("grpcio sent no request to the probe socket")
+    return {"socket": path, "authority": found["authority"]}
+
+
+# --- HTTP CONNECT, standard library only ----------------------------------
+
+
+def connect_request(args):
+    """Opens the Unix socket, sends CONNECT as kube-apiserver does and reads
+    the response head; returns (socket, head, bytes after the head)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(args.timeout)
+    sock.connect(args.socket)
+    sock.sendall(f"CONNECT {args.address} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        buf += chunk
+    head, sep, rest = buf.partition(b"\r\n\r\n")
+    if not sep:
+        raise Failure(f"connection closed before a full response head: {buf!r}")
+    return sock, head.decode("latin-1"), rest
+
+
+def status_of(head):
+    parts = head.split("\r\n", 1)[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise Failure(f"not an HTTP/1.x status line: {head!r}")
+    return int(parts[1])
+
+
+def case_connect_echo(args):
+    sock, head, early = connect_request(args)
+    with sock:
+        if status_of(head) != 200:
+            raise Failure(f"CONNECT answered {head!r}")
+        if early:
+            raise Failure(f"{len(early)} bytes arrived with the 200 before any were sent")
+        data = payload(args.bytes, seed=7)
+        errors = []
+
+        def write():
+            try:
+                sock.sendall(data)
+            except OSError as e:
+                errors.append(e)
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        got = bytearray()
+        while len(got) < len(data):
+            chunk = sock.recv(min(65536, len(data) - len(got)))
+            if not chunk:
+                raise Failure(f"tunnel closed after {len(got)} of {len(data)} bytes")
+            got += chunk
+        writer.join(args.timeout)
+        if errors:
+            raise Failure(f"writing to the tunnel: {errors[0]!r}")
+        result = {
+            "head": head,
+            "sent": len(data),
+            "received": len(got),
+            "sent_sha256": sha256(data),
+            "received_sha256": sha256(bytes(got)),
+            "matched": bytes(got) == data,
+        }
+        if not result["matched"]:
+            raise Failure(f"echoed bytes differ: {json.dumps(result)}")
+        return result
+
+
+def case_connect_error(args):
+    sock, head, rest = connect_request(args)
+    with sock:
+        status = status_of(head)
+        body = bytearray(rest)
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            body += chunk
+    headers = {}
+    for line in head.split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    result = {
+        "status": status,
+        "status_line": head.split("\r\n", 1)[0],
+        "headers": headers,
+        "body": body.decode("utf-8", "replace"),
+    }
+    if status == 200:
+        raise Failure(f"CONNECT {args.address} was established: {json.dumps(result)}")
+    return result
+
+
+CASES = {
+    "echo": case_echo,
+    "dial-error": case_dial_error,
+    "concurrent": case_concurrent,
+    "multi-stream": case_multi_stream,
+    "authority": case_authority,
+    "connect-echo": case_connect_echo,
+    "connect-error": case_connect_error,
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("case", choices=sorted(CASES))
+    p.add_argument("--target", help="gRPC target: unix:/path/to.sock or 127.0.0.1:port")
+    p.add_argument("--authority", help="channel option grpc.default_authority")
+    p.add_argument("--ca", help="PEM CA that signed the server certificate (turns TLS on)")
+    p.add_argument("--cert", help="PEM client certificate (with --ca; none if left out)")
+    p.add_argument("--key", help="PEM key of --cert")
+    p.add_argument("--server-name", help="channel option grpc.ssl_target_name_override")
+    p.add_argument("--socket", help="Unix socket of a server in http-connect mode")
+    p.add_argument("--address", help="host:port to dial through the tunnel")
+    p.add_argument("--bytes", type=int, default=1 << 20, help="bytes to echo per tunnel")
+    p.add_argument("--tunnels", type=int, default=50, help="concurrent: how many tunnels")
+    p.add_argument("--streams", type=int, default=8, help="multi-stream: streams per phase")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds any one wait, or one stream in all, may take"
+    )
+    args = p.parse_args(argv)
+    grpc_case = args.case not in ("connect-echo", "connect-error")
+    if grpc_case and not args.target:
+        p.error(f"{args.case} needs --target")
+    if not grpc_case and not args.socket:
+        p.error(f"{args.case} needs --socket")
+    if args.case != "authority" and not args.address:
+        p.error(f"{args.case} needs --address")
+    if bool(args.cert) != bool(args.key):
+        p.error("--cert and --key go together")
+    if args.cert and not args.ca:
+        p.error("--cert needs --ca (TLS)")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    started = time.monotonic()
+    try:
+        result = {"case": args.case, "ok": True, **CASES[args.case](args)}
+    except Exception as e:
+        result = {"case": args.case, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    result["seconds"] = round(time.monotonic() - started, 3)
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
