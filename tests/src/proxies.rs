@@ -1,5 +1,5 @@
 //! Real SOCKS5 (microsocks) and HTTP CONNECT (tinyproxy) proxies on
-//! loopback, installed by `.ci/run`. Each binds its outgoing connections to
+//! loopback, installed by `scripts/test`. Each binds its outgoing connections to
 //! its own loopback address (127.0.0.3 and 127.0.0.4), so a peer address
 //! proves a connection went through it.
 
@@ -42,7 +42,7 @@ fn spawn(program: &str, args: &[String]) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}); .ci/run installs it: apt-get install microsocks tinyproxy")
+            panic!("cannot run {program} ({e}); scripts/test installs it: apt-get install microsocks tinyproxy")
         })
 }
 

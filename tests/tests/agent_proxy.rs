@@ -1,5 +1,5 @@
 //! proxy-agent reaching proxy-server through real SOCKS5 (microsocks) and
-//! HTTP CONNECT (tinyproxy) proxies, installed by `.ci/run`. Each proxy binds
+//! HTTP CONNECT (tinyproxy) proxies, installed by `scripts/test`. Each proxy binds
 //! its outgoing connections to its own loopback address, so the server seeing
 //! the agent come from that address proves the connection went through it.
 

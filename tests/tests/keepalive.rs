@@ -17,7 +17,7 @@ fn ip(args: &[&str]) {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .expect("running ip (iproute2; .ci/run installs it)");
+        .expect("running ip (iproute2; scripts/test installs it)");
     assert!(
         out.status.success(),
         "ip {}: {}",

@@ -159,7 +159,7 @@ impl Haproxy {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("running haproxy (apt-get install haproxy; .ci/run installs it)");
+            .expect("running haproxy (apt-get install haproxy; scripts/test installs it)");
         Self {
             addr,
             child,
