@@ -8,6 +8,12 @@ use proxy_agent::{
 };
 use tracing::error;
 
+/// jemalloc, configured in `.cargo/config.toml` to give freed memory back
+/// to the system within a second (glibc keeps what bursts of connections
+/// leave behind).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();

@@ -148,12 +148,22 @@ impl Backend {
         lock(&self.conns).insert(id, conn);
     }
 
+    /// Removes a connection; it is closed (see [`crate::conn::ServerConn::close`]).
     pub(crate) fn remove_conn(&self, id: ConnId) -> Option<BackendConn> {
-        lock(&self.conns).remove(&id)
+        let removed = lock(&self.conns).remove(&id);
+        if let Some(conn) = &removed {
+            conn.conn.close();
+        }
+        removed
     }
 
+    /// Removes every connection; each is closed.
     pub(crate) fn take_conns(&self) -> HashMap<ConnId, BackendConn> {
-        std::mem::take(&mut *lock(&self.conns))
+        let conns = std::mem::take(&mut *lock(&self.conns));
+        for conn in conns.values() {
+            conn.conn.close();
+        }
+        conns
     }
 
     /// The most and the total cost its connections have queued towards

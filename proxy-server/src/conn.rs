@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use proto::Packet;
+use tokio_util::sync::CancellationToken;
 use tunnel::{
     flow::{self, Budget, Granter, SendCredit},
     ids::ConnId,
@@ -26,6 +27,9 @@ pub(crate) struct ServerConn {
     pub(crate) send_credit: Option<SendCredit>,
     /// When the dial succeeded.
     pub(crate) established: std::time::Instant,
+    /// Cancelled once the connection is removed from its backend: every
+    /// wait on its behalf (credit, room in the agent queue) ends with it.
+    pub(crate) closed: CancellationToken,
 }
 
 impl ServerConn {
@@ -38,6 +42,16 @@ impl ServerConn {
             granter: Mutex::new(Granter::default()),
             send_credit,
             established: std::time::Instant::now(),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Ends every wait on this connection's behalf; called when it leaves
+    /// its backend's table.
+    pub(crate) fn close(&self) {
+        self.closed.cancel();
+        if let Some(credit) = &self.send_credit {
+            credit.close();
         }
     }
 

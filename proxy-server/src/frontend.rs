@@ -221,6 +221,12 @@ impl Frontend {
             })
     }
 
+    /// Resolves once the transport dropped the receiving end (the stream
+    /// is gone).
+    pub(crate) async fn gone(&self) {
+        self.tx.closed().await;
+    }
+
     pub(crate) fn state(&self) -> MutexGuard<'_, FrontendState> {
         lock(&self.state)
     }

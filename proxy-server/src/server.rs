@@ -31,6 +31,20 @@ use crate::{
     tunnels::Tunnels,
 };
 
+/// Streams one frontend connection may have open at once (more wait for
+/// a free one, as HTTP/2 clients do). kube-apiserver opens one per
+/// connection (single-use tunnels) or few (reusable tunnels).
+const FRONTEND_MAX_STREAMS: u32 = 128;
+/// What a frontend may send on one stream ahead of the server's reader:
+/// one flow-control window, as much as the reader can forward at once.
+const FRONTEND_STREAM_WINDOW: u32 = flow::WINDOW as u32;
+/// Room for every stream's window at once: h2 gives connection window back
+/// only as a stream's reader takes its data, so a smaller one would let
+/// streams whose readers wait (a destination that stopped reading) starve
+/// the connection's other streams. This is the most a frontend connection
+/// makes the server buffer.
+const FRONTEND_CONNECTION_WINDOW: u32 = FRONTEND_MAX_STREAMS * FRONTEND_STREAM_WINDOW;
+
 /// How often a graceful shutdown checks whether connections have finished.
 const GRACE_POLL: Duration = Duration::from_millis(100);
 /// How long listeners may take to wind down after shutdown before they are dropped.
@@ -313,8 +327,9 @@ impl Bound {
         });
         let frontend_builder = Server::builder()
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)
-            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
-            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
+            .max_concurrent_streams(FRONTEND_MAX_STREAMS)
+            .initial_stream_window_size(FRONTEND_STREAM_WINDOW)
+            .initial_connection_window_size(FRONTEND_CONNECTION_WINDOW)
             .http2_keepalive_interval(Some(config.frontend_keepalive_time))
             .http2_keepalive_timeout(Some(tunnel::flow::keepalive_timeout(
                 config.frontend_keepalive_time,

@@ -520,7 +520,17 @@ enum Owner {
 
 /// Sends frontend DATA to the agent; with flow control, in pieces that fit a
 /// window, each waiting for credit (this holds up only this frontend).
-async fn send_data(conn: &ServerConn, mut data: bytes::Bytes) {
+/// Every wait ends when the connection is closed.
+async fn send_data(conn: &ServerConn, data: bytes::Bytes) {
+    tokio::select! {
+        () = conn.closed.cancelled() => {
+            debug!(conn.id = %conn.id, "dropping DATA for a connection closed while it waited");
+        }
+        () = send_data_inner(conn, data) => {}
+    }
+}
+
+async fn send_data_inner(conn: &ServerConn, mut data: bytes::Bytes) {
     let Some(credit) = &conn.send_credit else {
         // A dead backend is reported to the frontend by its teardown.
         let _ = conn.backend.send(Packet::data(conn.id.0, data)).await;
@@ -528,12 +538,12 @@ async fn send_data(conn: &ServerConn, mut data: bytes::Bytes) {
     };
     while !data.is_empty() {
         let piece = data.split_to(data.len().min(flow::MAX_CHUNK));
-        credit.take(flow::cost(piece.len())).await;
-        if conn
-            .backend
-            .send(Packet::data(conn.id.0, piece))
-            .await
-            .is_err()
+        if credit.take(flow::cost(piece.len())).await.is_err()
+            || conn
+                .backend
+                .send(Packet::data(conn.id.0, piece))
+                .await
+                .is_err()
         {
             return;
         }

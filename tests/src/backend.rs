@@ -298,3 +298,75 @@ pub async fn source() -> Backend {
     })
     .await
 }
+
+/// A destination that accepts connections and never reads them (a node-side
+/// server that has stalled), with a small receive buffer so that a tunnel
+/// fills up quickly; [`Stall::reset_all`] then resets every connection.
+pub struct Stall {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The accepted connections, held unread.
+    held: Arc<std::sync::Mutex<Vec<TcpStream>>>,
+    /// Stops accepting.
+    stop: CancellationToken,
+}
+
+impl Stall {
+    /// Starts it on 127.0.0.1.
+    pub fn start() -> Self {
+        let socket = socket2::Socket::new(
+            socket2::Domain::IPV4,
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )
+        .expect("a socket");
+        // Inherited by accepted sockets; small, so little stays in the kernel.
+        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+        socket
+            .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .expect("binding the stalled destination");
+        socket.listen(1024).expect("listen");
+        socket.set_nonblocking(true).expect("non-blocking");
+        let listener = TcpListener::from_std(socket.into()).expect("a tokio listener");
+        let addr = listener.local_addr().expect("address");
+        let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        {
+            let (held, stop) = (held.clone(), stop.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        accepted = listener.accept() => if let Ok((stream, _)) = accepted {
+                            held.lock().expect("held lock").push(stream);
+                        },
+                    }
+                }
+            });
+        }
+        Self { addr, held, stop }
+    }
+
+    /// `127.0.0.1:port` as a dial address.
+    pub fn address(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Connections accepted and held.
+    pub fn held(&self) -> usize {
+        self.held.lock().expect("held lock").len()
+    }
+
+    /// Resets every held connection (RST, unread bytes discarded).
+    pub fn reset_all(&self) {
+        for stream in self.held.lock().expect("held lock").drain(..) {
+            let _ = socket2::SockRef::from(&stream).set_linger(Some(std::time::Duration::ZERO));
+        }
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

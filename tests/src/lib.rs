@@ -5,6 +5,7 @@
 //! # Layout
 //! - [`Pki`]: certificates made fresh for the test process.
 //! - [`TestServer`], [`TestAgent`], [`AgentProcess`]: the proxies.
+//! - [`process`]: the real `proxy-server` binary, observed from outside.
 //! - [`backend`]: echo, bulk and blackhole backends.
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
@@ -19,6 +20,7 @@
 pub mod backend;
 pub mod kube_stub;
 pub mod lease_stub;
+pub mod process;
 pub mod proxies;
 pub mod python;
 
@@ -635,6 +637,23 @@ pub fn binary(name: &str) -> PathBuf {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
             let mut command = Command::new(cargo);
             command.args(["build", "--workspace", "--bins"]);
+            // What cargo sets for this test's own crate would look like a
+            // changed environment to build scripts that watch it (ring
+            // watches CARGO_MANIFEST_DIR) and rebuild them for nothing.
+            for (key, _) in std::env::vars_os() {
+                let key = key.to_string_lossy();
+                if key.starts_with("CARGO_PKG_")
+                    || key.starts_with("CARGO_MANIFEST_")
+                    || key.starts_with("CARGO_BIN_")
+                    || key.starts_with("CARGO_CRATE_")
+                    || matches!(
+                        &*key,
+                        "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+                    )
+                {
+                    command.env_remove(&*key);
+                }
+            }
             if dir.ends_with("release") {
                 command.arg("--release");
             }
@@ -655,8 +674,16 @@ impl AgentProcess {
 
     /// [`AgentProcess::start`] with more flags.
     pub async fn start_with_args(server: &TestServer, extra: &[&str]) -> Self {
-        let pki = Pki::get();
         let before = server.handle.backend_count();
+        let agent = Self::spawn(server.agent_addr.port(), extra);
+        server.wait_for_backends(before + 1).await;
+        agent
+    }
+
+    /// Starts `proxy-agent` against the agent port `port` on 127.0.0.1 with
+    /// the test PKI and `extra` flags, without waiting for it to connect.
+    pub fn spawn(port: u16, extra: &[&str]) -> Self {
+        let pki = Pki::get();
         let child = Command::new(binary("proxy-agent"))
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
@@ -667,7 +694,7 @@ impl AgentProcess {
                 format!("--agent-cert={}", pki.path("proxy-agent.crt").display()),
                 format!("--agent-key={}", pki.path("proxy-agent.key").display()),
                 "--proxy-server-host=127.0.0.1".to_owned(),
-                format!("--proxy-server-port={}", server.agent_addr.port()),
+                format!("--proxy-server-port={port}"),
                 "--health-server-host=127.0.0.1".to_owned(),
                 "--health-server-port=0".to_owned(),
                 "--admin-server-port=0".to_owned(),
@@ -679,19 +706,17 @@ impl AgentProcess {
             .stderr(Stdio::null())
             .spawn()
             .expect("starting proxy-agent");
-        let agent = Self { child };
-        server.wait_for_backends(before + 1).await;
-        agent
+        Self { child }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Sends a signal (`TERM`, `INT`, …) with the system's `kill`.
     pub fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("running kill");
-        assert!(status.success(), "kill -{name} failed");
+        signal(self.child.id(), name);
     }
 
     /// Whether the process has exited (reaping it if so).
@@ -710,6 +735,16 @@ impl Drop for AgentProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Sends the signal `name` (`TERM`, `KILL`, …) to `pid` with the system's `kill`.
+pub fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("running kill");
+    assert!(status.success(), "kill -{name} {pid} failed");
 }
 
 /// A frontend that speaks packets directly, for protocol tests.
@@ -881,6 +916,21 @@ impl LoggedProcess {
             }
         });
         Self { child, log }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal (`TERM`, `KILL`, …) with the system's `kill`.
+    pub fn signal(&self, name: &str) {
+        signal(self.child.id(), name);
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn has_exited(&mut self) -> bool {
+        self.child.try_wait().expect("checking the child").is_some()
     }
 
     /// Everything logged so far.

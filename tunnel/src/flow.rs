@@ -262,6 +262,11 @@ impl<T> Outbound<T> {
     }
 }
 
+/// The connection of a [`SendCredit`] is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the connection is closed")]
+pub struct CreditClosed;
+
 /// Credit a sender may spend on one connection (starts at one window).
 #[derive(Clone)]
 pub struct SendCredit {
@@ -282,15 +287,28 @@ impl SendCredit {
 
     /// Waits until `cost` units are available and takes them.
     ///
+    /// # Errors
+    /// [`CreditClosed`] once [`SendCredit::close`] was called: the
+    /// connection is gone and nothing more may be sent on it.
+    ///
     /// # Cancel safety
     /// Nothing is taken if the future is dropped before it completes.
-    pub async fn take(&self, cost: usize) {
+    pub async fn take(&self, cost: usize) -> Result<(), CreditClosed> {
         let cost = cost.min(WINDOW);
         let want = u32::try_from(cost).unwrap_or(u32::MAX);
-        if let Ok(permit) = self.available.acquire_many(want).await {
-            permit.forget();
-            self.spent.fetch_add(cost, Ordering::AcqRel);
-        }
+        let permit = self
+            .available
+            .acquire_many(want)
+            .await
+            .map_err(|_| CreditClosed)?;
+        permit.forget();
+        self.spent.fetch_add(cost, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Ends the credit: every waiting and later [`SendCredit::take`] fails.
+    pub fn close(&self) {
+        self.available.close();
     }
 
     /// Adds credit the peer returned; a peer cannot return more than was
@@ -425,7 +443,7 @@ mod tests {
     #[tokio::test]
     async fn credit_is_spent_and_returned_but_never_above_a_window() {
         let credit = SendCredit::new();
-        credit.take(WINDOW - 10).await;
+        credit.take(WINDOW - 10).await.unwrap();
         assert_eq!(credit.available(), 10);
         let waiting = tokio::spawn({
             let credit = credit.clone();
@@ -434,8 +452,23 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished());
         credit.grant(WINDOW * 4);
-        waiting.await.unwrap();
+        waiting.await.unwrap().unwrap();
         assert_eq!(credit.available(), WINDOW - 100);
+    }
+
+    #[tokio::test]
+    async fn closing_the_credit_wakes_a_waiting_sender_with_an_error() {
+        let credit = SendCredit::new();
+        credit.take(WINDOW).await.unwrap();
+        let waiting = tokio::spawn({
+            let credit = credit.clone();
+            async move { credit.take(1).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        credit.close();
+        assert_eq!(waiting.await.unwrap(), Err(CreditClosed));
+        assert_eq!(credit.take(1).await, Err(CreditClosed));
     }
 
     #[test]

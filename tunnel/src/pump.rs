@@ -110,8 +110,11 @@ where
                 Ok(None) => return PumpEnd::LocalEof,
                 Err(e) => return PumpEnd::LocalError(e),
             };
-            if let Some(credit) = &flow.send_credit {
-                credit.take(flow::cost(chunk.len())).await;
+            if let Some(credit) = &flow.send_credit
+                && credit.take(flow::cost(chunk.len())).await.is_err()
+            {
+                // The connection was closed under us: nothing more goes out.
+                return PumpEnd::TunnelGone;
             }
             if let Err(mpsc::error::SendError(packet)) =
                 out_tx.send(Packet::data(conn_id.0, chunk)).await

@@ -60,10 +60,18 @@ impl ProxyService for ProxyServiceImpl {
                     match packet {
                         Ok(Some(packet)) => {
                             metrics.packet("from_client", &packet);
-                            when_blocked(tunnels.frontend_packet(&frontend, packet), || {
-                                metrics.blocked(PROXY)
-                            })
-                            .await;
+                            // Handling may wait for credit or room on the
+                            // agent stream: it ends with the stream's end
+                            // (its response dropped) or shutdown.
+                            let handled =
+                                when_blocked(tunnels.frontend_packet(&frontend, packet), || {
+                                    metrics.blocked(PROXY)
+                                });
+                            tokio::select! {
+                                () = shutdown.cancelled() => break,
+                                () = frontend.gone() => break,
+                                () = handled => {}
+                            }
                         }
                         Ok(None) => break,
                         Err(status) => {

@@ -21,12 +21,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 use tunnel::{
     ids::{ConnId, DialId},
+    metrics::when_blocked,
     pump::READ_CHUNK,
 };
 
 use super::{Frontend, FrontendGuard, FrontendKind};
-use crate::conn::ToFrontend;
 use crate::tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT, Tunnels};
+use crate::{conn::ToFrontend, metrics::PROXY};
 
 /// Largest request header accepted (Go's `http.DefaultMaxHeaderBytes`).
 pub(crate) const MAX_HEADER_BYTES: usize = 1 << 20;
@@ -346,9 +347,13 @@ where
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
                     let chunk: Bytes = buf.split().freeze();
-                    tunnels
-                        .frontend_packet(frontend, Packet::data(conn.0, chunk))
-                        .await;
+                    // Counted as a gRPC frontend's reader is while it waits
+                    // for credit or room on the agent stream.
+                    when_blocked(
+                        tunnels.frontend_packet(frontend, Packet::data(conn.0, chunk)),
+                        || tunnels.metrics.blocked(PROXY),
+                    )
+                    .await;
                 }
             }
         }

@@ -1,0 +1,161 @@
+//! The real `proxy-server` binary as a child process, observed from outside
+//! as an operator would: its ports from its log, its gauges from
+//! `/metrics`, its memory from `/proc`, its exit after a signal.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use crate::{DEADLINE, LoggedProcess, Pki, binary, http_get};
+
+/// A `proxy-server` process on loopback, killed on drop.
+pub struct ServerProcess {
+    /// The process and its log.
+    pub process: LoggedProcess,
+    /// Agent listener.
+    pub agent_addr: SocketAddr,
+    /// Health listener (`/metrics` too).
+    pub health_addr: SocketAddr,
+    /// The frontend socket.
+    pub uds: PathBuf,
+    /// Holds the socket's directory.
+    _dir: tempfile::TempDir,
+}
+
+impl ServerProcess {
+    /// Starts `proxy-server` with the frontend on a fresh Unix socket, every
+    /// TCP port ephemeral on 127.0.0.1, the test PKI, `mode` (`grpc` or
+    /// `http-connect`) and `extra` flags; returns once it logged its ports.
+    pub async fn start(mode: &str, extra: &[String]) -> Self {
+        let pki = Pki::get();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let uds = dir.path().join("konnectivity-server.socket");
+        let mut command = Command::new(binary("proxy-server"));
+        command
+            .env("RUST_LOG", "info")
+            .args([
+                format!("--mode={mode}"),
+                format!("--uds-name={}", uds.display()),
+                "--server-port=0".to_owned(),
+                format!("--cluster-cert={}", pki.path("cluster.crt").display()),
+                format!("--cluster-key={}", pki.path("cluster.key").display()),
+                format!("--cluster-ca-cert={}", pki.path("agent-ca.crt").display()),
+                "--agent-bind-address=127.0.0.1".to_owned(),
+                "--agent-port=0".to_owned(),
+                "--health-bind-address=127.0.0.1".to_owned(),
+                "--health-port=0".to_owned(),
+                "--admin-bind-address=127.0.0.1".to_owned(),
+                "--admin-port=0".to_owned(),
+            ])
+            .args(extra);
+        let mut process = LoggedProcess::spawn(command, "proxy-server");
+        let agent_port = process.logged_port("agent.addr=Some(127.0.0.1:").await;
+        let health_port = process.logged_port("health.addr=Some(127.0.0.1:").await;
+        Self {
+            process,
+            agent_addr: SocketAddr::from(([127, 0, 0, 1], agent_port)),
+            health_addr: SocketAddr::from(([127, 0, 0, 1], health_port)),
+            uds,
+            _dir: dir,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    /// The Prometheus text of `/metrics`.
+    pub async fn metrics(&self) -> String {
+        let (status, text) = http_get(self.health_addr, "/metrics").await;
+        assert_eq!(status, 200, "/metrics answered {status}: {text}");
+        text
+    }
+
+    /// The value of one series (`name{labels}` exactly as exposed, or a
+    /// bare name), 0 when the series is not exposed.
+    pub async fn metric(&self, series: &str) -> f64 {
+        metric_value(&self.metrics().await, series)
+    }
+
+    /// Polls `/metrics` until `series` has `value`; panics after `limit`
+    /// with the last text.
+    pub async fn wait_for_metric(&self, series: &str, value: f64, limit: Duration) {
+        let start = Instant::now();
+        loop {
+            let text = self.metrics().await;
+            if metric_value(&text, series) == value {
+                return;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "{series} is {} after {limit:?}, not {value}:\n{text}",
+                metric_value(&text, series)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until `n` agent streams are connected (`/metrics`).
+    pub async fn wait_for_agents(&self, n: usize) {
+        self.wait_for_metric(
+            "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}",
+            n as f64,
+            DEADLINE,
+        )
+        .await;
+    }
+
+    /// Resident memory in bytes (`VmRSS`).
+    pub fn rss(&self) -> u64 {
+        rss_bytes(self.pid())
+    }
+
+    /// Sends `SIGTERM` and returns how long the process took to exit;
+    /// panics if it is still running after `limit`.
+    pub async fn terminate(&mut self, limit: Duration) -> Duration {
+        self.process.signal("TERM");
+        let start = Instant::now();
+        while !self.process.has_exited() {
+            assert!(
+                start.elapsed() < limit,
+                "proxy-server still running {limit:?} after SIGTERM: {:#?}",
+                self.process.lines()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        start.elapsed()
+    }
+}
+
+/// The value of `series` in Prometheus text, 0 when absent.
+pub fn metric_value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+/// `VmRSS` of a process in bytes.
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("reading /proc/{pid}/status: {e}"));
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status"))
+}
