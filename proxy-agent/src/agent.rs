@@ -44,7 +44,7 @@ struct ClientEntry {
     /// Its connections.
     conns: Arc<ConnectionManager>,
     /// Packets to the server (DRAIN).
-    out_tx: tokio::sync::mpsc::Sender<proto::Packet>,
+    out_tx: tunnel::queue::QueueTx<proto::Packet>,
     /// Which `--proxy-server-host` entry it was reached through.
     address: usize,
 }
@@ -300,15 +300,13 @@ impl Bound {
                 "draining: telling servers, still serving until the second signal"
             );
             state.draining.store(true, Ordering::SeqCst);
-            let senders: Vec<_> = state.clients().values().map(|c| c.out_tx.clone()).collect();
-            let tell =
-                futures_util::future::join_all(senders.into_iter().map(|out_tx| async move {
-                    let _ = out_tx.send(proto::Packet::drain()).await;
-                }));
-            let stopped = tokio::select! {
-                _ = tell => false,
-                () = &mut stop => true,
-            };
+            // A control packet: queued at once, never waiting on a server.
+            for client in state.clients().values() {
+                let drain = proto::Packet::drain();
+                let cost = tunnel::flow::packet_cost(&drain);
+                let _ = client.out_tx.push(drain, cost);
+            }
+            let stopped = false;
             if !stopped {
                 if config.exit_when_drained {
                     // Open connections finish on their own; the second

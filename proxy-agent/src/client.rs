@@ -18,10 +18,8 @@ use rustls_pki_types::ServerName;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::TcpStream,
-    sync::mpsc,
 };
 use tokio_rustls::TlsConnector;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{
     Request, Streaming,
@@ -31,11 +29,12 @@ use tonic::{
 use tracing::{Instrument, debug, debug_span, warn};
 use tunnel::{
     client::Io,
-    flow::{self, PushError, SendCredit},
+    flow::{self, SendCredit},
     ids::{ConnId, DialId, ServerId},
     metrics::when_blocked,
     proxy_client,
     pump::{PumpEnd, PumpFlow, pump},
+    queue::{PushError, QueueTx},
 };
 
 use crate::{
@@ -46,8 +45,9 @@ use crate::{
 
 /// How long the TCP connect, TLS handshake and gRPC headers may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
-/// Packets queued towards the server, shared by every connection of the stream.
-const OUTBOUND_QUEUE: usize = 256;
+/// Room for control packets beyond `--max-server-queue-bytes` (see
+/// [`tunnel::queue`]): past it the server has stopped reading.
+const CONTROL_RESERVE: usize = 1024 * 1024;
 /// How long a connection closed by the server may take to write what was
 /// queued for its destination.
 const CLOSE_DRAIN: Duration = Duration::from_secs(10);
@@ -137,8 +137,8 @@ pub struct Client {
     pub flow_control: bool,
     /// Packets from the server.
     inbound: Streaming<Packet>,
-    /// Packets to the server.
-    out_tx: mpsc::Sender<Packet>,
+    /// Packets to the server, bounded in bytes.
+    out_tx: QueueTx<Packet>,
     /// Where the outbound stream counts packets, set by `serve`.
     metrics: Arc<OnceLock<Arc<AgentMetrics>>>,
     /// Keeps the HTTP/2 connection alive while the client lives.
@@ -339,11 +339,11 @@ impl Client {
                 source,
             })?;
 
-        let (out_tx, out_rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let (out_tx, out_rx) = tunnel::queue::queue(config.max_server_queue_bytes, CONTROL_RESERVE);
         // Sent packets are counted once `serve` has the metrics.
         let metrics: Arc<OnceLock<Arc<AgentMetrics>>> = Arc::default();
         let counting = metrics.clone();
-        let outbound = ReceiverStream::new(out_rx).map(move |packet: Packet| {
+        let outbound = out_rx.map(move |packet: Packet| {
             if let Some(metrics) = counting.get() {
                 metrics.packet("from_agent", &packet);
                 // Flow-control credits travel as DATA; they carry no bytes.
@@ -442,7 +442,7 @@ impl Client {
     }
 
     /// Sender for packets to this server (DRAIN, …).
-    pub fn sender(&self) -> mpsc::Sender<Packet> {
+    pub fn sender(&self) -> QueueTx<Packet> {
         self.out_tx.clone()
     }
 
@@ -523,7 +523,7 @@ struct Stream {
     /// Connections and dials of this stream.
     conns: Arc<ConnectionManager>,
     /// Packets to the server.
-    out_tx: mpsc::Sender<Packet>,
+    out_tx: QueueTx<Packet>,
     /// Ends every task of the stream.
     cancel: CancellationToken,
     /// Dial and connection tasks.
@@ -574,14 +574,14 @@ impl Stream {
                             inbound.push_wait(data.data, cost, flow::COMPAT_STALL).await
                         };
                         // Closed: the connection is ending; its task answers.
-                        if pushed == Err(PushError::Overflow) {
+                        if pushed == Err(flow::PushError::Overflow) {
                             warn!(conn.id = %id, "connection closed: its destination reads too slowly");
                             self.conns.abort(id, flow::OVERFLOW);
                         }
                     }
                     None => {
                         debug!(conn.id = %id, "DATA for unknown connection");
-                        self.reply(Packet::close_response(id.0, "unrecognized connectID"));
+                        self.control(Packet::close_response(id.0, "unrecognized connectID"));
                     }
                 }
             }
@@ -593,7 +593,7 @@ impl Stream {
                     debug!(conn.id = %id, "server closes connection");
                     conn.closing.cancel();
                 } else {
-                    self.reply(Packet::close_response(id.0, "Unknown connectID"));
+                    self.control(Packet::close_response(id.0, "Unknown connectID"));
                 }
             }
             PacketKind::DialCls(cls) => {
@@ -605,24 +605,9 @@ impl Stream {
         }
     }
 
-    /// Sends an answer from the reader without waiting on a full outbound
-    /// queue (the reader must keep reading, or two full queues wait on each
-    /// other); when full, a task delivers it within a bound.
-    fn reply(&self, packet: Packet) {
-        match self.out_tx.try_send(packet) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Closed(packet)) => self.metrics.send_failed(&packet),
-            Err(mpsc::error::TrySendError::Full(packet)) => {
-                let out_tx = self.out_tx.clone();
-                let metrics = self.metrics.clone();
-                self.tasks.spawn(async move {
-                    let sent = tokio::time::timeout(CONNECT_TIMEOUT, out_tx.send(packet)).await;
-                    if let Ok(Err(mpsc::error::SendError(packet))) = sent {
-                        metrics.send_failed(&packet);
-                    }
-                });
-            }
-        }
+    /// Sends a control packet without waiting (see [`send_control`]).
+    fn control(&self, packet: Packet) {
+        send_control(&self.out_tx, packet, &self.cancel, &self.metrics);
     }
 
     fn spawn_dial(&self, protocol: String, address: String, dial_id: DialId) {
@@ -630,6 +615,7 @@ impl Stream {
         let conns = self.conns.clone();
         let out_tx = self.out_tx.clone();
         let cancel = self.cancel.child_token();
+        let stream_cancel = self.cancel.clone();
         let flow_control = self.flow_control;
         let metrics = self.metrics.clone();
         conns.start_dial(dial_id, cancel.clone());
@@ -653,12 +639,12 @@ impl Stream {
                     Err(error) => {
                         metrics.dial_failed(&error);
                         debug!(%error, "dial failed");
-                        if let Err(mpsc::error::SendError(packet)) = out_tx
-                            .send(Packet::dial_response(dial_id.0, 0, &error))
-                            .await
-                        {
-                            metrics.send_failed(&packet);
-                        }
+                        send_control(
+                            &out_tx,
+                            Packet::dial_response(dial_id.0, 0, &error),
+                            &stream_cancel,
+                            &metrics,
+                        );
                         return;
                     }
                 };
@@ -678,11 +664,12 @@ impl Stream {
                     },
                 );
                 metrics.endpoint_connection_opened();
-                if let Err(mpsc::error::SendError(packet)) = out_tx
-                    .send(Packet::dial_response(dial_id.0, conn_id.0, ""))
-                    .await
-                {
-                    metrics.send_failed(&packet);
+                if !send_control(
+                    &out_tx,
+                    Packet::dial_response(dial_id.0, conn_id.0, ""),
+                    &stream_cancel,
+                    &metrics,
+                ) {
                     conns.remove(conn_id);
                     return;
                 }
@@ -730,14 +717,47 @@ impl Stream {
                     PumpEnd::LocalEof | PumpEnd::PeerClosed => String::new(),
                 };
                 debug!(?end, "connection closed");
-                if let Err(mpsc::error::SendError(packet)) =
-                    out_tx.send(Packet::close_response(conn_id.0, &error)).await
-                {
-                    metrics.send_failed(&packet);
-                }
+                send_control(
+                    &out_tx,
+                    Packet::close_response(conn_id.0, &error),
+                    &stream_cancel,
+                    &metrics,
+                );
             }
             .instrument(span),
         );
+    }
+}
+
+/// Queues a control packet for the server without waiting: readers and
+/// connection ends send these and must not wait on a server. Past the
+/// queue's reserve the server has stopped reading the stream, which is then
+/// ended (`cancel`). `false` if the packet was not queued.
+fn send_control(
+    out_tx: &QueueTx<Packet>,
+    packet: Packet,
+    cancel: &CancellationToken,
+    metrics: &AgentMetrics,
+) -> bool {
+    let cost = flow::packet_cost(&packet);
+    match out_tx.push(packet, cost) {
+        Ok(()) => true,
+        Err(PushError::Closed(packet)) => {
+            metrics.send_failed(&packet);
+            false
+        }
+        Err(PushError::Full(packet)) => {
+            metrics.send_failed(&packet);
+            if !cancel.is_cancelled() {
+                warn!(
+                    queued = out_tx.queued(),
+                    "the server does not read its stream; closing it"
+                );
+                metrics.limit_reached();
+            }
+            cancel.cancel();
+            false
+        }
     }
 }
 

@@ -134,6 +134,12 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = go_bool)]
     pub exit_when_drained: bool,
+    /// Bytes queued towards one server stream before the connections
+    /// sending to it wait (konnectivity-rs). 1 MiB more is kept for control
+    /// packets; a server that leaves even that unread is taken to have
+    /// stopped reading, and its stream is closed.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_server_queue_bytes: usize,
     /// Reach proxy-server through this proxy: socks5://, socks5h:// or
     /// http://, optionally user:password@ (default: HTTPS_PROXY / ALL_PROXY
     /// with NO_PROXY, as curl reads them).
@@ -249,6 +255,8 @@ pub struct Config {
     pub flow_control: bool,
     /// Exit once drained and idle (`--exit-when-drained`).
     pub exit_when_drained: bool,
+    /// `--max-server-queue-bytes`.
+    pub max_server_queue_bytes: usize,
     /// Service-account token file, re-read on every connect.
     pub token_path: Option<PathBuf>,
     /// Count servers by their Leases (`--count-server-leases`), if on.
@@ -336,6 +344,9 @@ impl TryFrom<Args> for Config {
         }
         if args.xfr_channel_size == Some(0) {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
+        }
+        if args.max_server_queue_bytes == 0 {
+            return Err(invalid("max-server-queue-bytes", "must be greater than 0"));
         }
         if args.sync_interval > args.sync_interval_cap {
             return Err(invalid(
@@ -488,6 +499,7 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             flow_control: args.flow_control,
             exit_when_drained: args.exit_when_drained,
+            max_server_queue_bytes: args.max_server_queue_bytes,
             token_path: (!args.service_account_token_path.is_empty())
                 .then(|| PathBuf::from(&args.service_account_token_path)),
             leases: args.count_server_leases.then(|| LeaseCountConfig {
@@ -543,6 +555,7 @@ mod tests {
         assert_eq!(a.sync_interval_cap, Duration::from_secs(10));
         assert_eq!(a.keepalive_time, Duration::from_secs(3600));
         assert_eq!(a.xfr_channel_size, None, "150, not named");
+        assert_eq!(a.max_server_queue_bytes, 4 << 20);
         assert!(!a.sync_forever);
         assert!(!a.warn_on_channel_limit);
         assert_eq!(a.lease_namespace, "kube-system");
@@ -636,6 +649,7 @@ mod tests {
         for (extra, needle) in [
             (&["--sync-interval=20s"][..], "--sync-interval"),
             (&["--xfr-channel-size=0"], "--xfr-channel-size"),
+            (&["--max-server-queue-bytes=0"], "--max-server-queue-bytes"),
             (&["--proxy-server-port=0"], "--proxy-server-port"),
             (&["--agent-identifiers=zone=a"], "--agent-identifiers"),
             (&["--server-count-source=min"], "--server-count-source"),

@@ -104,6 +104,7 @@ pub struct AgentMetrics {
     tunnel_bytes: Family<DirectionLabel, Counter>,
     closed: Family<ReasonLabel, Counter>,
     blocked: Counter,
+    limits: Counter,
 }
 
 impl std::fmt::Debug for AgentMetrics {
@@ -197,6 +198,11 @@ impl AgentMetrics {
             "Seconds server stream readers spent waiting for room in a full per-connection buffer (ANP servers only; with flow control they never wait)",
             Counter::default(),
         );
+        let limits = m.register(
+            "konnectivity_rs_agent_limit_reached_total",
+            "Times a server stream's outbound queue was past its reserve (the server does not read) and the stream was closed",
+            Counter::default(),
+        );
         Self {
             exposition: Arc::new(m),
             dial_duration,
@@ -211,6 +217,7 @@ impl AgentMetrics {
             tunnel_bytes,
             closed,
             blocked,
+            limits,
         }
     }
 
@@ -261,6 +268,11 @@ impl AgentMetrics {
             })
             .inc();
         self.streams.receive_error("to_agent", code);
+    }
+
+    /// A server stream's outbound queue was past its reserve.
+    pub(crate) fn limit_reached(&self) {
+        self.limits.inc();
     }
 
     /// `packet` could not be sent to the server: its stream is gone.

@@ -15,15 +15,21 @@ use std::{
 };
 
 use proto::Packet;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
-use tunnel::ids::{AgentId, ConnId};
+use tonic::Status;
+use tracing::warn;
+use tunnel::{
+    flow,
+    ids::{AgentId, ConnId},
+    queue::{Closed, PushError, QueueTx},
+};
 
-use crate::{conn::BackendConn, lock, metrics::ServerMetrics};
+use crate::{
+    conn::BackendConn,
+    lock,
+    metrics::{Limit, ServerMetrics},
+    stream_end::StreamEnd,
+};
 use strategy::AgentIdentifiers;
-
-/// How long a reply from a reader may wait for room in a full agent queue.
-const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The agent stream is gone; the packet was not sent.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -44,16 +50,17 @@ pub(crate) struct Backend {
     pub(crate) identifiers: AgentIdentifiers,
     /// The agent's address, if known.
     pub(crate) peer: Option<SocketAddr>,
-    /// Outbound packets; tonic drains the receiver into the stream.
-    tx: mpsc::Sender<Packet>,
+    /// Outbound packets, bounded in bytes; tonic drains the receiver into
+    /// the stream.
+    tx: QueueTx<Packet>,
     /// Set by DRAIN (or when retired): prefer other backends for new dials.
     draining: AtomicBool,
     /// Established connections on this stream and the frontend of each.
     conns: Mutex<HashMap<ConnId, BackendConn>>,
     /// Whether per-connection flow control was negotiated (`tunnel::flow`).
     pub(crate) flow_control: bool,
-    /// Cancelled when the stream must end (agent gone, retired, shutdown).
-    pub(crate) cancel: CancellationToken,
+    /// Ends the stream (agent gone, retired, shutdown, a fault).
+    pub(crate) end: Arc<StreamEnd>,
     /// Where packets that cannot be sent are counted.
     metrics: Arc<ServerMetrics>,
 }
@@ -61,9 +68,9 @@ pub(crate) struct Backend {
 /// The stream side of a new [`Backend`].
 pub(crate) struct BackendStream {
     /// Outbound packets; tonic drains the receiver into the stream.
-    pub(crate) tx: mpsc::Sender<Packet>,
-    /// Cancelled when the stream must end.
-    pub(crate) cancel: CancellationToken,
+    pub(crate) tx: QueueTx<Packet>,
+    /// Ends the stream.
+    pub(crate) end: Arc<StreamEnd>,
     /// Whether per-connection flow control was negotiated.
     pub(crate) flow_control: bool,
     /// Where packets that cannot be sent are counted.
@@ -80,7 +87,7 @@ impl Backend {
     ) -> Self {
         let BackendStream {
             tx,
-            cancel,
+            end,
             flow_control,
             metrics,
         } = stream;
@@ -93,41 +100,42 @@ impl Backend {
             draining: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             flow_control,
-            cancel,
+            end,
             metrics,
         }
     }
 
-    /// Queues a packet for the agent, waiting while the queue is full.
+    /// Queues a packet for the agent, waiting while the stream's queue is
+    /// full (`--max-agent-queue-bytes`). For a frontend's DATA and dials,
+    /// whose callers race the wait against their own end.
     pub(crate) async fn send(&self, packet: Packet) -> Result<(), BackendGone> {
         tracing::trace!(agent.id = %self.agent_id, packet = packet.type_name(), "to agent");
-        self.tx
-            .send(packet)
-            .await
-            .map_err(|mpsc::error::SendError(packet)| {
-                self.metrics.send_error("to_agent", &packet);
-                BackendGone
-            })
+        let cost = flow::packet_cost(&packet);
+        self.tx.send(packet, cost).await.map_err(|Closed(packet)| {
+            self.metrics.send_error("to_agent", &packet);
+            BackendGone
+        })
     }
 
-    /// Queues a packet without waiting: used by readers, which must keep
-    /// reading (two full queues waiting on each other would deadlock); when
-    /// the queue is full a task delivers it within a bound.
-    pub(crate) fn send_nowait(&self, packet: Packet) {
-        match self.tx.try_send(packet) {
+    /// Queues a control packet without waiting: stream readers and cleanup
+    /// send these and must not wait on an agent (two full queues waiting
+    /// on each other would deadlock). Past the queue's reserve the agent has
+    /// stopped reading its stream: the stream is ended with an error.
+    pub(crate) fn send_control(&self, packet: Packet) {
+        tracing::trace!(agent.id = %self.agent_id, packet = packet.type_name(), "to agent");
+        let cost = flow::packet_cost(&packet);
+        match self.tx.push(packet, cost) {
             Ok(()) => {}
-            Err(mpsc::error::TrySendError::Closed(packet)) => {
+            Err(PushError::Closed(packet)) => self.metrics.send_error("to_agent", &packet),
+            Err(PushError::Full(packet)) => {
                 self.metrics.send_error("to_agent", &packet);
-            }
-            Err(mpsc::error::TrySendError::Full(packet)) => {
-                let tx = self.tx.clone();
-                let metrics = self.metrics.clone();
-                tokio::spawn(async move {
-                    let sent = tokio::time::timeout(REPLY_TIMEOUT, tx.send(packet)).await;
-                    if let Ok(Err(mpsc::error::SendError(packet))) = sent {
-                        metrics.send_error("to_agent", &packet);
-                    }
-                });
+                if !self.end.is_ended() {
+                    warn!(agent.id = %self.agent_id, queued = self.tx.queued(), "agent does not read its stream; closing it");
+                    self.metrics.limit_reached(Limit::AgentQueue);
+                }
+                self.end.fail(Status::resource_exhausted(
+                    "the agent does not read its stream: its outbound queue is full",
+                ));
             }
         }
     }
@@ -175,6 +183,19 @@ impl Backend {
             .fold((0, 0), |(max, total), q| (max.max(q), total + q))
     }
 
+    /// The connections whose frontend has left queued DATA untaken for
+    /// `limit`, with their frontends.
+    pub(crate) fn stalled(
+        &self,
+        limit: std::time::Duration,
+    ) -> Vec<(ConnId, Arc<crate::frontend::Frontend>)> {
+        lock(&self.conns)
+            .iter()
+            .filter(|(_, c)| c.conn.stalled_for() >= limit)
+            .map(|(id, c)| (*id, c.frontend.clone()))
+            .collect()
+    }
+
     pub(crate) fn conn_count(&self) -> usize {
         lock(&self.conns).len()
     }
@@ -191,10 +212,15 @@ impl std::fmt::Debug for Backend {
 
 #[cfg(test)]
 mod tests {
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
 
-    fn backend(metrics: &Arc<ServerMetrics>) -> (Backend, mpsc::Receiver<Packet>) {
-        let (tx, rx) = mpsc::channel(1);
+    fn backend(
+        metrics: &Arc<ServerMetrics>,
+        limit: usize,
+    ) -> (Backend, tunnel::queue::QueueRx<Packet>) {
+        let (tx, rx) = tunnel::queue::queue(limit, limit);
         let backend = Backend::new(
             1,
             AgentId("a".to_owned()),
@@ -202,7 +228,7 @@ mod tests {
             None,
             BackendStream {
                 tx,
-                cancel: CancellationToken::new(),
+                end: StreamEnd::new(CancellationToken::new()),
                 flow_control: false,
                 metrics: metrics.clone(),
             },
@@ -215,13 +241,32 @@ mod tests {
     #[tokio::test]
     async fn a_packet_for_a_gone_agent_is_counted_as_a_send_error() {
         let metrics = Arc::new(ServerMetrics::new(&[]));
-        let (backend, rx) = backend(&metrics);
+        let (backend, rx) = backend(&metrics, 1024);
         backend.send(Packet::close_request(1)).await.unwrap();
         assert!(!metrics.text().contains("stream_errors_total{"));
         drop(rx);
         assert!(backend.send(Packet::close_request(1)).await.is_err());
-        backend.send_nowait(Packet::close_request(2));
+        backend.send_control(Packet::close_request(2));
         let text = metrics.text();
         assert!(text.contains(&format!("\n{CLOSE_REQ_LOST} 2\n")), "{text}");
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_does_not_read_has_its_stream_ended_not_a_task_per_packet() {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let (backend, _rx) = backend(&metrics, 64);
+        // Control packets never wait; once past the reserve the stream ends.
+        let mut sent = 0;
+        while !backend.end.is_ended() {
+            backend.send_control(Packet::close_request(sent));
+            sent += 1;
+            assert!(sent < 100, "the queue took {sent} packets");
+        }
+        assert!(backend.tx.queued() < 2 * 64 + flow::packet_cost(&Packet::close_request(1)));
+        let text = metrics.text();
+        assert!(
+            text.contains("konnectivity_rs_server_limit_reached_total{limit=\"agent_queue\"} 1\n"),
+            "{text}"
+        );
     }
 }

@@ -126,9 +126,10 @@ pub struct Args {
     /// Minimum TLS version of both listeners (VersionTLS12, VersionTLS13).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
-    /// Capacity, in packets, of the per-stream receive and send channels.
-    #[arg(long, default_value_t = 10)]
-    pub xfr_channel_size: usize,
+    /// Capacity, in packets, of the per-stream receive and send channels
+    /// (ANP: 10). Accepted and checked; our queues are bounded in bytes.
+    #[arg(long)]
+    pub xfr_channel_size: Option<usize>,
     /// Publish and renew this server's Lease.
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
           default_missing_value = "true", value_parser = go_bool)]
@@ -154,6 +155,28 @@ pub struct Args {
     #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
           default_missing_value = "true", value_parser = go_bool)]
     pub flow_control: bool,
+    /// Bytes queued towards one agent stream before the frontends sending
+    /// to it wait (konnectivity-rs). 1 MiB more is kept for control
+    /// packets; an agent that leaves even that unread is taken to have
+    /// stopped reading, and its stream is closed.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_agent_queue_bytes: usize,
+    /// TLS handshakes in progress at once on each TLS listener (agents, TCP
+    /// frontend) (konnectivity-rs). At the cap a new connection replaces
+    /// the oldest pending handshake, so silent connections cannot lock
+    /// agents out.
+    #[arg(long, default_value_t = 256)]
+    pub max_tls_handshakes: usize,
+    /// HTTP-CONNECT client connections open at once (konnectivity-rs);
+    /// more are answered 503 and closed.
+    #[arg(long, default_value_t = 65_536)]
+    pub max_http_connections: usize,
+    /// How long a connection's frontend may leave its queued bytes untaken
+    /// before the connection is closed with an error at both ends
+    /// (konnectivity-rs); 0 never closes. With agents that do not
+    /// negotiate flow control the bound is 5 s, as their stream stalls.
+    #[arg(long, default_value = "5m", value_parser = go_duration)]
+    pub frontend_stall_timeout: Duration,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -210,8 +233,14 @@ pub struct Config {
     pub server_count: u32,
     /// Backend selection strategies, in order.
     pub strategies: Vec<ProxyStrategy>,
-    /// Capacity of per-stream channels.
-    pub xfr_channel_size: usize,
+    /// `--max-agent-queue-bytes`.
+    pub max_agent_queue_bytes: usize,
+    /// `--max-tls-handshakes`.
+    pub max_tls_handshakes: usize,
+    /// `--max-http-connections`.
+    pub max_http_connections: usize,
+    /// `--frontend-stall-timeout`; `None` never closes a stalled connection.
+    pub frontend_stall_timeout: Option<Duration>,
     /// Agent keepalive ping interval.
     pub keepalive_time: Duration,
     /// Frontend keepalive ping interval.
@@ -414,8 +443,17 @@ impl TryFrom<Args> for Config {
             ),
             source,
         })?;
-        if args.xfr_channel_size == 0 {
+        if args.xfr_channel_size == Some(0) {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
+        }
+        for (flag, value) in [
+            ("max-agent-queue-bytes", args.max_agent_queue_bytes),
+            ("max-tls-handshakes", args.max_tls_handshakes),
+            ("max-http-connections", args.max_http_connections),
+        ] {
+            if value == 0 {
+                return Err(invalid(flag, "must be greater than 0"));
+            }
         }
         let admin_addr = bind_addr(
             "admin-bind-address",
@@ -459,6 +497,8 @@ impl TryFrom<Args> for Config {
                 "enable-contention-profiling",
                 args.enable_contention_profiling,
             ),
+            // Queues are bounded in bytes.
+            ("xfr-channel-size", args.xfr_channel_size.is_some()),
         ]
         .into_iter()
         .filter_map(|(flag, given)| given.then_some(flag))
@@ -491,7 +531,11 @@ impl TryFrom<Args> for Config {
             server_id,
             server_count: args.server_count,
             strategies,
-            xfr_channel_size: args.xfr_channel_size,
+            max_agent_queue_bytes: args.max_agent_queue_bytes,
+            max_tls_handshakes: args.max_tls_handshakes,
+            max_http_connections: args.max_http_connections,
+            frontend_stall_timeout: (!args.frontend_stall_timeout.is_zero())
+                .then_some(args.frontend_stall_timeout),
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
             flow_control: args.flow_control,
@@ -566,7 +610,11 @@ mod tests {
         assert_eq!(a.frontend_keepalive_time, Duration::from_secs(3600));
         assert_eq!(a.server_count, 1);
         assert_eq!(a.proxy_strategies, "default");
-        assert_eq!(a.xfr_channel_size, 10);
+        assert_eq!(a.xfr_channel_size, None, "10, not named");
+        assert_eq!(a.max_agent_queue_bytes, 4 << 20);
+        assert_eq!(a.max_tls_handshakes, 256);
+        assert_eq!(a.max_http_connections, 65_536);
+        assert_eq!(a.frontend_stall_timeout, Duration::from_secs(300));
         assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
         assert_eq!(a.cipher_suites, ["[]"]);
         assert_eq!(a.lease_namespace, "kube-system");
@@ -627,6 +675,15 @@ mod tests {
             (with(&["--server-ca-cert=/x"]), "--server-ca-cert"),
             (with(&["--mode=socks"]), "--mode"),
             (with(&["--xfr-channel-size=0"]), "--xfr-channel-size"),
+            (
+                with(&["--max-agent-queue-bytes=0"]),
+                "--max-agent-queue-bytes",
+            ),
+            (with(&["--max-tls-handshakes=0"]), "--max-tls-handshakes"),
+            (
+                with(&["--max-http-connections=0"]),
+                "--max-http-connections",
+            ),
             (with(&["--agent-port=80"]), "--agent-port"),
             (with(&["--health-port=50000"]), "--health-port"),
             (
@@ -728,6 +785,8 @@ mod tests {
                 "--delete-existing-uds-file",
             ),
             ("--backend-dial-timeout=-1s", "--backend-dial-timeout"),
+            ("--frontend-stall-timeout=-1s", "--frontend-stall-timeout"),
+            ("--max-tls-handshakes=many", "--max-tls-handshakes"),
         ] {
             let err = Args::try_parse_from(["proxy-server", arg])
                 .err()

@@ -1,7 +1,13 @@
 //! [`ServerConn`]: one established connection as the server sees it, with
 //! its flow-control state in both directions.
 
-use std::sync::{Arc, Mutex};
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use proto::Packet;
 use tokio_util::sync::CancellationToken;
@@ -26,7 +32,11 @@ pub(crate) struct ServerConn {
     /// Credit for DATA to the agent (negotiated only).
     pub(crate) send_credit: Option<SendCredit>,
     /// When the dial succeeded.
-    pub(crate) established: std::time::Instant,
+    pub(crate) established: Instant,
+    /// When the frontend last took DATA of this connection, or when DATA
+    /// was queued for it while nothing was (milliseconds after
+    /// `established`): how long its frontend has left its bytes unread.
+    progress: AtomicU64,
     /// Cancelled once the connection is removed from its backend: every
     /// wait on its behalf (credit, room in the agent queue) ends with it.
     pub(crate) closed: CancellationToken,
@@ -41,7 +51,8 @@ impl ServerConn {
             budget: Budget::default(),
             granter: Mutex::new(Granter::default()),
             send_credit,
-            established: std::time::Instant::now(),
+            established: Instant::now(),
+            progress: AtomicU64::new(0),
             closed: CancellationToken::new(),
         }
     }
@@ -57,19 +68,35 @@ impl ServerConn {
 
     /// Records that the frontend took `cost` of this connection's DATA and
     /// returns credit to the agent when enough has drained.
-    pub(crate) async fn drained(&self, cost: usize) {
+    pub(crate) fn drained(&self, cost: usize) {
         self.budget.release(cost);
+        self.mark_progress();
         if !self.backend.flow_control {
             return;
         }
         let empty = self.budget.queued() == 0;
         let credit = lock(&self.granter).drained(cost, empty);
         if let Some(credit) = credit {
-            let _ = self
-                .backend
-                .send(flow::credit_packet(self.id.0, credit))
-                .await;
+            self.backend
+                .send_control(flow::credit_packet(self.id.0, credit));
         }
+    }
+
+    /// Records progress now: the frontend took DATA, or DATA was queued
+    /// while none was (its wait starts now).
+    pub(crate) fn mark_progress(&self) {
+        let now = u64::try_from(self.established.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.progress.store(now, Ordering::Relaxed);
+    }
+
+    /// How long the frontend has left queued DATA unread (zero when none is
+    /// queued).
+    pub(crate) fn stalled_for(&self) -> Duration {
+        if self.budget.queued() == 0 {
+            return Duration::ZERO;
+        }
+        let since = Duration::from_millis(self.progress.load(Ordering::Relaxed));
+        self.established.elapsed().saturating_sub(since)
     }
 
     /// Cost units queued towards the frontend now.
@@ -98,9 +125,9 @@ pub(crate) struct ToFrontend {
 
 impl ToFrontend {
     /// Releases the DATA accounting (after the frontend took the packet).
-    pub(crate) async fn taken(&self) {
+    pub(crate) fn taken(&self) {
         if let Some((conn, cost)) = &self.data {
-            conn.drained(*cost).await;
+            conn.drained(*cost);
         }
     }
 }

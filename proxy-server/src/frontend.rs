@@ -9,36 +9,36 @@ pub(crate) mod http_connect;
 use std::{
     collections::{HashMap, VecDeque},
     sync::{Arc, Mutex, MutexGuard},
-    time::Duration,
 };
 
 use proto::Packet;
-use tokio::sync::mpsc;
+use tonic::Status;
+use tracing::warn;
 use tunnel::{
     flow::{self, PushError},
     ids::{ConnId, DialId},
+    queue::{self, QueueRx, QueueTx},
 };
 
 use crate::{
     backend::Backend,
     conn::{ServerConn, ToFrontend},
     lock,
-    metrics::ServerMetrics,
+    metrics::{Limit, ServerMetrics},
+    stream_end::StreamEnd,
     tunnels::Tunnels,
 };
-
-/// The frontend is gone; the packet was not delivered.
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-#[error("frontend closed")]
-pub(crate) struct FrontendGone;
 
 /// One frontend stream.
 pub(crate) struct Frontend {
     /// Unique per stream, for logs and ownership checks.
     pub(crate) uid: u64,
     /// Packets to the frontend; the transport drains the receiver and calls
-    /// [`ToFrontend::taken`] for each.
-    tx: mpsc::Sender<ToFrontend>,
+    /// [`ToFrontend::taken`] for each. DATA is bounded per connection by its
+    /// window; control packets by [`CONTROL_RESERVE`].
+    tx: QueueTx<ToFrontend>,
+    /// Ends the stream (its reader, its outbound packets), with a status.
+    pub(crate) end: Arc<StreamEnd>,
     /// Dials and connections of this stream.
     state: Mutex<FrontendState>,
     /// Where writes to the frontend are timed.
@@ -57,15 +57,18 @@ pub(crate) enum FrontendKind {
     HttpConnect,
 }
 
-/// Slots of a frontend's queue: a window of the smallest DATA packets of one
-/// connection, plus room for control packets. Bytes are bounded per
-/// connection by [`flow::WINDOW`].
-pub(crate) fn queue_slots(control: usize) -> usize {
-    flow::WINDOW / flow::PACKET_OVERHEAD + control
-}
+/// Control packets (DIAL_RSP, CLOSE_RSP, DIAL_CLS) a frontend may leave
+/// unread before its stream is ended: a frontend that keeps dialing
+/// without reading its answers is broken, and must not make the server
+/// hold its answers without bound.
+pub(crate) const CONTROL_RESERVE: usize = 256 * 1024;
 
-/// How long a control packet may wait for room in a full frontend queue.
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
+/// A frontend's outbound queue.
+pub(crate) fn queue() -> (QueueTx<ToFrontend>, QueueRx<ToFrontend>) {
+    // Nobody waits on it: DATA is admitted by its connection's window and
+    // control packets up to the reserve.
+    queue::queue(0, CONTROL_RESERVE)
+}
 
 /// What a frontend has open. Guarded by the frontend's mutex, which is taken
 /// before any backend's (never the other way round).
@@ -110,13 +113,15 @@ impl FrontendState {
 impl Frontend {
     pub(crate) fn new(
         uid: u64,
-        tx: mpsc::Sender<ToFrontend>,
+        tx: QueueTx<ToFrontend>,
+        end: Arc<StreamEnd>,
         metrics: Arc<ServerMetrics>,
         kind: FrontendKind,
     ) -> Self {
         Self {
             uid,
             tx,
+            end,
             state: Mutex::new(FrontendState::default()),
             metrics,
             kind,
@@ -131,49 +136,53 @@ impl Frontend {
         }
     }
 
-    /// Queues a control packet for the frontend, waiting while its queue is full.
-    pub(crate) async fn send(&self, packet: Packet) -> Result<(), FrontendGone> {
+    /// Queues a control packet for the frontend without waiting; `false`
+    /// if it could not be queued. A frontend that leaves
+    /// [`CONTROL_RESERVE`] of them unread has its stream ended with an
+    /// error.
+    pub(crate) fn notify(&self, packet: Packet) -> bool {
         tracing::trace!(
             frontend = self.uid,
             packet = packet.type_name(),
             "to frontend"
         );
         let started = std::time::Instant::now();
-        let sent = self.tx.send(ToFrontend { packet, data: None }).await;
+        let cost = flow::packet_cost(&packet);
+        let pushed = self.tx.push(ToFrontend { packet, data: None }, cost);
         self.metrics.frontend_write(started.elapsed());
-        sent.map_err(|mpsc::error::SendError(item)| {
-            self.undelivered(&item.packet);
-            FrontendGone
-        })
-    }
-
-    /// Queues a control packet without holding up the caller: at once if
-    /// there is room, else from a task of its own (bounded wait).
-    pub(crate) fn notify(self: &Arc<Self>, packet: Packet) {
-        let started = std::time::Instant::now();
-        match self.tx.try_send(ToFrontend { packet, data: None }) {
-            Ok(()) => self.metrics.frontend_write(started.elapsed()),
-            Err(mpsc::error::TrySendError::Closed(item)) => {
-                self.metrics.frontend_write(started.elapsed());
+        match pushed {
+            Ok(()) => true,
+            Err(queue::PushError::Closed(item)) => {
                 self.undelivered(&item.packet);
+                false
             }
-            Err(mpsc::error::TrySendError::Full(item)) => {
-                let frontend = self.clone();
-                tokio::spawn(async move {
-                    let sent = tokio::time::timeout(CONTROL_TIMEOUT, frontend.tx.send(item)).await;
-                    frontend.metrics.frontend_write(started.elapsed());
-                    if let Ok(Err(mpsc::error::SendError(item))) = sent {
-                        frontend.undelivered(&item.packet);
-                    }
-                });
+            Err(queue::PushError::Full(item)) => {
+                self.undelivered(&item.packet);
+                self.fail_unread();
+                false
             }
         }
+    }
+
+    /// Ends a frontend that does not read its stream.
+    fn fail_unread(&self) {
+        if !self.end.is_ended() {
+            warn!(
+                frontend = self.uid,
+                "frontend does not read its stream; closing it"
+            );
+            self.metrics.limit_reached(Limit::FrontendQueue);
+        }
+        self.end.fail(Status::resource_exhausted(
+            "the frontend does not read its stream: too many answers queued",
+        ));
     }
 
     /// Queues agent DATA of `conn`, bounded by the connection's window: with
     /// flow control it never waits (the agent respects the window); without,
     /// it waits while the frontend drains and gives up after
-    /// [`flow::COMPAT_STALL`] without progress.
+    /// [`flow::COMPAT_STALL`] without progress. The wait ends with the
+    /// connection and with the frontend.
     pub(crate) async fn push_data(
         &self,
         conn: &Arc<ServerConn>,
@@ -181,7 +190,11 @@ impl Frontend {
         len: usize,
     ) -> Result<(), PushError> {
         let started = std::time::Instant::now();
-        let pushed = self.push_data_inner(conn, packet, len).await;
+        let pushed = tokio::select! {
+            () = conn.closed.cancelled() => Err(PushError::Closed),
+            () = self.gone() => Err(PushError::Closed),
+            pushed = self.push_data_inner(conn, packet, len) => pushed,
+        };
         self.metrics.frontend_write(started.elapsed());
         pushed
     }
@@ -193,6 +206,7 @@ impl Frontend {
         len: usize,
     ) -> Result<(), PushError> {
         let cost = flow::cost(len);
+        let was_empty = conn.budget.queued() == 0;
         if conn.backend.flow_control {
             if !conn.budget.try_reserve(cost) {
                 return Err(PushError::Overflow);
@@ -204,27 +218,36 @@ impl Frontend {
             }
             conn.budget.reserve(cost, flow::COMPAT_STALL).await?;
         }
-        self.tx
-            .try_send(ToFrontend {
-                packet,
-                data: Some((conn.clone(), cost)),
-            })
-            .map_err(|e| {
-                conn.budget.release(cost);
-                match e {
-                    mpsc::error::TrySendError::Full(_) => PushError::Overflow,
-                    mpsc::error::TrySendError::Closed(item) => {
-                        self.undelivered(&item.packet);
-                        PushError::Closed
-                    }
+        if was_empty {
+            conn.mark_progress();
+        }
+        // The window bounds DATA: it costs nothing against the control reserve.
+        let item = ToFrontend {
+            packet,
+            data: Some((conn.clone(), cost)),
+        };
+        self.tx.push(item, 0).map_err(|e| {
+            conn.budget.release(cost);
+            match e {
+                queue::PushError::Full(_) => {
+                    self.fail_unread();
+                    PushError::Closed
                 }
-            })
+                queue::PushError::Closed(item) => {
+                    self.undelivered(&item.packet);
+                    PushError::Closed
+                }
+            }
+        })
     }
 
-    /// Resolves once the transport dropped the receiving end (the stream
-    /// is gone).
+    /// Resolves once the stream is over: ended from inside the server, or
+    /// its transport dropped the receiving end.
     pub(crate) async fn gone(&self) {
-        self.tx.closed().await;
+        tokio::select! {
+            () = self.tx.closed() => {}
+            () = self.end.ended() => {}
+        }
     }
 
     pub(crate) fn state(&self) -> MutexGuard<'_, FrontendState> {
@@ -240,58 +263,51 @@ impl std::fmt::Debug for Frontend {
     }
 }
 
-/// Closes the frontend's dials and connections when its reader ends; on
-/// cancel or panic the cleanup runs in a task of its own.
+/// Closes the frontend's dials and connections and ends its stream when
+/// its task ends, on error, cancel and panic alike. The cleanup never
+/// waits, so it runs in place.
 pub(crate) struct FrontendGuard {
     /// Shared proxy state.
     tunnels: Arc<Tunnels>,
-    /// The frontend; taken by [`FrontendGuard::close`].
-    frontend: Option<Arc<Frontend>>,
+    /// The frontend.
+    frontend: Arc<Frontend>,
 }
 
 impl FrontendGuard {
     pub(crate) fn new(tunnels: Arc<Tunnels>, frontend: Arc<Frontend>) -> Self {
-        Self {
-            tunnels,
-            frontend: Some(frontend),
-        }
-    }
-
-    /// Runs the cleanup now (in this task).
-    pub(crate) async fn close(mut self) {
-        if let Some(frontend) = self.frontend.take() {
-            self.tunnels.frontend_closed(&frontend).await;
-        }
+        Self { tunnels, frontend }
     }
 }
 
 impl Drop for FrontendGuard {
     fn drop(&mut self) {
-        if let Some(frontend) = self.frontend.take() {
-            let tunnels = self.tunnels.clone();
-            tokio::spawn(async move { tunnels.frontend_closed(&frontend).await });
-        }
+        self.tunnels.frontend_closed(&self.frontend);
+        self.frontend.end.end();
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use tokio_util::sync::CancellationToken;
+
     use super::*;
 
-    fn frontend(kind: FrontendKind) -> (Arc<Frontend>, Arc<ServerMetrics>) {
+    fn frontend(kind: FrontendKind) -> (Arc<Frontend>, Arc<ServerMetrics>, QueueRx<ToFrontend>) {
         let metrics = Arc::new(ServerMetrics::new(&[]));
-        let (tx, rx) = mpsc::channel(4);
-        drop(rx);
+        let (tx, rx) = queue();
+        let end = StreamEnd::new(CancellationToken::new());
         (
-            Arc::new(Frontend::new(1, tx, metrics.clone(), kind)),
+            Arc::new(Frontend::new(1, tx, end, metrics.clone(), kind)),
             metrics,
+            rx,
         )
     }
 
     #[tokio::test]
     async fn packets_for_a_gone_grpc_frontend_are_send_errors() {
-        let (fe, metrics) = frontend(FrontendKind::Grpc);
-        assert!(fe.send(Packet::dial_response(1, 0, "x")).await.is_err());
+        let (fe, metrics, rx) = frontend(FrontendKind::Grpc);
+        drop(rx);
+        fe.notify(Packet::dial_response(1, 0, "x"));
         fe.notify(Packet::close_response(2, ""));
         let text = metrics.text();
         let series = |kind: &str| {
@@ -312,8 +328,27 @@ mod tests {
 
     #[tokio::test]
     async fn an_http_connect_frontend_has_no_packet_errors() {
-        let (fe, metrics) = frontend(FrontendKind::HttpConnect);
-        assert!(fe.send(Packet::dial_response(1, 0, "x")).await.is_err());
+        let (fe, metrics, rx) = frontend(FrontendKind::HttpConnect);
+        drop(rx);
+        fe.notify(Packet::dial_response(1, 0, "x"));
         assert!(!metrics.text().contains("stream_errors_total{"));
+    }
+
+    #[tokio::test]
+    async fn a_frontend_that_leaves_its_answers_unread_is_ended_with_an_error() {
+        let (fe, metrics, _rx) = frontend(FrontendKind::Grpc);
+        let answer = Packet::dial_response(1, 0, &"x".repeat(1000));
+        let mut sent = 0;
+        while !fe.end.is_ended() {
+            fe.notify(answer.clone());
+            sent += 1;
+            assert!(sent <= CONTROL_RESERVE / 1000 + 1, "{sent} answers queued");
+        }
+        assert!(sent >= CONTROL_RESERVE / flow::packet_cost(&answer));
+        assert!(
+            metrics.text().contains(
+                "konnectivity_rs_server_limit_reached_total{limit=\"frontend_queue\"} 1\n"
+            )
+        );
     }
 }

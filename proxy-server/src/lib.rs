@@ -14,6 +14,7 @@
 //! - [`health`]: `/healthz`, `/readyz`, `/metrics`.
 //! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - `metrics`: the Prometheus registry.
+//! - `stream_end`: ending a server-side stream, with a status.
 //! - [`client`]: the `proxy-client` tool (request, SOCKS5 and HTTP proxy).
 
 pub mod auth;
@@ -27,10 +28,11 @@ pub mod health;
 pub mod lease;
 mod metrics;
 pub mod server;
+mod stream_end;
 mod tunnels;
 
 pub use frontend::http_connect::ESTABLISHED;
-pub use tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT};
+pub use tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT, STALLED};
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 

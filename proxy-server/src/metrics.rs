@@ -116,6 +116,9 @@ pub(crate) enum CloseReason {
     FrontendGone,
     /// The frontend fell a whole window behind.
     Overflow,
+    /// The frontend took none of the connection's data for
+    /// `--frontend-stall-timeout`.
+    Stalled,
     /// The frontend used another frontend's connection id.
     Mismatch,
 }
@@ -128,9 +131,41 @@ impl CloseReason {
             Self::AgentGone => "agent_gone",
             Self::FrontendGone => "frontend_gone",
             Self::Overflow => "overflow",
+            Self::Stalled => "stalled",
             Self::Mismatch => "mismatch",
         }
     }
+}
+
+/// An admission limit of ours (`konnectivity_rs_server_limit_reached_total`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Limit {
+    /// An agent stream's outbound queue was past its reserve: the agent
+    /// does not read, and its stream was ended.
+    AgentQueue,
+    /// A frontend stream's control packets were past their reserve: the
+    /// frontend does not read, and its stream was ended.
+    FrontendQueue,
+    /// `--max-tls-handshakes`: the oldest pending handshake was dropped.
+    TlsHandshakes,
+    /// `--max-http-connections`: a CONNECT client was refused with 503.
+    HttpConnections,
+}
+
+impl Limit {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::AgentQueue => "agent_queue",
+            Self::FrontendQueue => "frontend_queue",
+            Self::TlsHandshakes => "tls_handshakes",
+            Self::HttpConnections => "http_connections",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabel {
+    limit: &'static str,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -164,6 +199,7 @@ pub(crate) struct ServerMetrics {
     blocked: Family<MethodLabel, Counter>,
     max_buffered: Gauge,
     buffered: Gauge,
+    limits: Family<LimitLabel, Counter>,
 }
 
 impl ServerMetrics {
@@ -265,7 +301,7 @@ impl ServerMetrics {
         );
         let closed = m.register(
             "konnectivity_rs_server_connections_closed_total",
-            "Established connections that ended, by reason (closed, error, agent_gone, frontend_gone, overflow, mismatch)",
+            "Established connections that ended, by reason (closed, error, agent_gone, frontend_gone, overflow, stalled, mismatch)",
             Family::default(),
         );
         let blocked = m.register(
@@ -282,6 +318,11 @@ impl ServerMetrics {
             "konnectivity_rs_server_buffered_bytes",
             "Bytes queued towards frontends over all connections",
             Gauge::default(),
+        );
+        let limits = m.register(
+            "konnectivity_rs_server_limit_reached_total",
+            "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: the oldest pending handshake was dropped; http_connections: a CONNECT client was refused)",
+            Family::default(),
         );
         Self {
             exposition: Arc::new(m),
@@ -307,7 +348,17 @@ impl ServerMetrics {
             blocked,
             max_buffered,
             buffered,
+            limits,
         }
+    }
+
+    /// An admission limit was reached.
+    pub(crate) fn limit_reached(&self, limit: Limit) {
+        self.limits
+            .get_or_create(&LimitLabel {
+                limit: limit.as_str(),
+            })
+            .inc();
     }
 
     /// The exposition text, with the live-state gauges refreshed.

@@ -27,7 +27,7 @@ use crate::{
     config::{Config, FrontendListen, Mode},
     frontend::{authority::AnyAuthority, grpc::ProxyServiceImpl, http_connect},
     health,
-    metrics::ServerMetrics,
+    metrics::{Limit, ServerMetrics},
     tunnels::Tunnels,
 };
 
@@ -44,6 +44,12 @@ const FRONTEND_STREAM_WINDOW: u32 = flow::WINDOW as u32;
 /// the connection's other streams. This is the most a frontend connection
 /// makes the server buffer.
 const FRONTEND_CONNECTION_WINDOW: u32 = FRONTEND_MAX_STREAMS * FRONTEND_STREAM_WINDOW;
+
+/// How often stalled connections are looked for: a tenth of the timeout,
+/// between 10 ms and 1 s.
+fn stall_check_interval(limit: Duration) -> Duration {
+    (limit / 10).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
 
 /// How often a graceful shutdown checks whether connections have finished.
 const GRACE_POLL: Duration = Duration::from_millis(100);
@@ -83,11 +89,12 @@ pub enum ServerError {
 type FrontendFuture =
     std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>;
 
-/// Accepts HTTP-CONNECT clients until `shutdown`, each in its own task.
+/// Accepts HTTP-CONNECT clients until `shutdown`, each in its own task,
+/// at most `max_connections` at once (more are answered 503 and closed).
 async fn serve_http_connect<S, IO>(
     mut incoming: S,
     tunnels: Arc<Tunnels>,
-    queue: usize,
+    max_connections: usize,
     tasks: TaskTracker,
     accept_stop: CancellationToken,
     shutdown: CancellationToken,
@@ -96,6 +103,9 @@ where
     S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin,
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let admitted = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    // Logged when the cap is first reached, again after it was left.
+    let mut at_cap = false;
     loop {
         let next = tokio::select! {
             () = accept_stop.cancelled() => return Ok(()),
@@ -104,12 +114,25 @@ where
         match next {
             None => return Ok(()),
             Some(Ok(io)) => {
-                tasks.spawn(http_connect::serve_connection(
-                    io,
-                    tunnels.clone(),
-                    queue,
-                    shutdown.clone(),
-                ));
+                let Ok(permit) = admitted.clone().try_acquire_owned() else {
+                    if !at_cap {
+                        warn!(
+                            limit = max_connections,
+                            "--max-http-connections reached; refusing CONNECT clients with 503"
+                        );
+                    }
+                    at_cap = true;
+                    tunnels.metrics.limit_reached(Limit::HttpConnections);
+                    tasks.spawn(http_connect::refuse(io));
+                    continue;
+                };
+                at_cap = false;
+                let tunnels = tunnels.clone();
+                let shutdown = shutdown.clone();
+                tasks.spawn(async move {
+                    http_connect::serve_connection(io, tunnels, shutdown).await;
+                    drop(permit);
+                });
             }
             Some(Err(error)) => {
                 warn!(%error, "accepting a frontend connection failed");
@@ -292,6 +315,10 @@ impl Bound {
         let tasks = TaskTracker::new();
         let agent_local = agent.local_addr().ok();
         info!(server.id = %config.server_id, server.count = config.server_count, "proxy-server starting");
+        let on_handshake_limit: tunnel::conn::OnLimit = {
+            let metrics = tunnels.metrics.clone();
+            Arc::new(move || metrics.limit_reached(Limit::TlsHandshakes))
+        };
 
         let agent_service = AgentServiceServer::new(AgentServiceImpl {
             tunnels: tunnels.clone(),
@@ -301,6 +328,7 @@ impl Bound {
             shutdown: token.clone(),
             flow_control: config.flow_control,
             token_auth,
+            queue_bytes: config.max_agent_queue_bytes,
         });
         let agent_server = Server::builder()
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)
@@ -315,13 +343,14 @@ impl Bound {
                     config.agent_tls.clone(),
                     accept_stop.clone(),
                     "agent",
+                    config.max_tls_handshakes,
+                    on_handshake_limit.clone(),
                 ),
                 accept_stop.clone().cancelled_owned(),
             );
 
         let proxy_service = ProxyServiceServer::new(ProxyServiceImpl {
             tunnels: tunnels.clone(),
-            queue: config.xfr_channel_size,
             tasks: tasks.clone(),
             shutdown: token.clone(),
         });
@@ -353,7 +382,14 @@ impl Bound {
                     .clone()
                     .add_service(proxy_service)
                     .serve_with_incoming_shutdown(
-                        tls_incoming(listener, tls, accept_stop.clone(), "frontend"),
+                        tls_incoming(
+                            listener,
+                            tls,
+                            accept_stop.clone(),
+                            "frontend",
+                            config.max_tls_handshakes,
+                            on_handshake_limit.clone(),
+                        ),
                         accept_stop.clone().cancelled_owned(),
                     );
                 (Box::pin(server), None)
@@ -364,7 +400,7 @@ impl Bound {
                 let server = serve_http_connect(
                     incoming,
                     tunnels.clone(),
-                    config.xfr_channel_size,
+                    config.max_http_connections,
                     tasks.clone(),
                     accept_stop.clone(),
                     token.clone(),
@@ -373,11 +409,18 @@ impl Bound {
             }
             (Mode::HttpConnect, BoundFrontend::Tcp { listener, tls }) => {
                 info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (http-connect over mTLS)");
-                let incoming = tls_incoming(listener, tls, accept_stop.clone(), "frontend");
+                let incoming = tls_incoming(
+                    listener,
+                    tls,
+                    accept_stop.clone(),
+                    "frontend",
+                    config.max_tls_handshakes,
+                    on_handshake_limit.clone(),
+                );
                 let server = serve_http_connect(
                     incoming,
                     tunnels.clone(),
-                    config.xfr_channel_size,
+                    config.max_http_connections,
                     tasks.clone(),
                     accept_stop.clone(),
                     token.clone(),
@@ -419,6 +462,21 @@ impl Bound {
                 lease_stop.clone(),
             ))
         });
+
+        if let Some(limit) = config.frontend_stall_timeout {
+            let tunnels = tunnels.clone();
+            let token = token.clone();
+            tasks.spawn(async move {
+                let mut ticks = tokio::time::interval(stall_check_interval(limit));
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = token.cancelled() => return,
+                        _ = ticks.tick() => tunnels.close_stalled(limit),
+                    }
+                }
+            });
+        }
 
         shutdown.await;
         // The lease goes first: lease-counting agents stop counting us.
@@ -475,7 +533,7 @@ impl Bound {
             }
         };
         for backend in tunnels.backends_snapshot() {
-            backend.cancel.cancel();
+            backend.end.end();
         }
         if let Some(path) = uds_path {
             let _ = std::fs::remove_file(path);

@@ -39,6 +39,10 @@ pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
 pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 /// CLOSE_RSP error when a frontend used a connection id it does not own.
 pub const MISMATCHED: &str = "mismatched connection IDs";
+/// CLOSE_RSP error of a connection whose frontend took none of its data
+/// for `--frontend-stall-timeout`.
+pub const STALLED: &str =
+    "the frontend took none of this connection's data within --frontend-stall-timeout";
 
 /// The proxy's shared state.
 pub(crate) struct Tunnels {
@@ -119,14 +123,12 @@ impl Tunnels {
                         send_data(&conn, data.data).await;
                     }
                     Owner::Nobody => {
-                        let _ = fe
-                            .send(Packet::close_response(id.0, "backend not initialized"))
-                            .await;
+                        fe.notify(Packet::close_response(id.0, "backend not initialized"));
                     }
                     Owner::Closed => {
                         debug!(frontend = fe.uid, conn.id = %id, "dropping DATA for a closed connection")
                     }
-                    Owner::Other => self.mismatch(fe, id).await,
+                    Owner::Other => self.mismatch(fe, id),
                 }
             }
             PacketKind::CloseReq(req) => {
@@ -134,17 +136,15 @@ impl Tunnels {
                 match self.owner(fe, id) {
                     Owner::Ours(conn) => {
                         debug!(frontend = fe.uid, conn.id = %id, "frontend closes connection");
-                        let _ = conn.backend.send(Packet::close_request(id.0)).await;
+                        conn.backend.send_control(Packet::close_request(id.0));
                     }
                     Owner::Nobody => {
-                        let _ = fe
-                            .send(Packet::close_response(id.0, "backend uninitialized"))
-                            .await;
+                        fe.notify(Packet::close_response(id.0, "backend uninitialized"));
                     }
                     Owner::Closed => {
                         debug!(frontend = fe.uid, conn.id = %id, "CLOSE_REQ for an already closed connection")
                     }
-                    Owner::Other => self.mismatch(fe, id).await,
+                    Owner::Other => self.mismatch(fe, id),
                 }
             }
             PacketKind::DialCls(cls) => {
@@ -154,7 +154,7 @@ impl Tunnels {
                     debug!(frontend = fe.uid, dial.id = %id, "frontend cancelled dial");
                     self.metrics.dial_failed(DialFailure::FrontendClose);
                     // ANP's agent ignores DIAL_CLS; ours stops dialing.
-                    let _ = dial.backend.send(Packet::close_dial(id.0)).await;
+                    dial.backend.send_control(Packet::close_dial(id.0));
                 }
             }
             other => {
@@ -177,7 +177,7 @@ impl Tunnels {
 
     /// A frontend used a connection id it does not own: answer it and close
     /// the frontend's own connections (ANP), touching nobody else's.
-    async fn mismatch(&self, fe: &Arc<Frontend>, bad: ConnId) {
+    fn mismatch(&self, fe: &Arc<Frontend>, bad: ConnId) {
         warn!(frontend = fe.uid, conn.id = %bad, "frontend used a connection id it does not own");
         let own: Vec<(ConnId, Arc<ServerConn>)> = {
             let mut state = fe.state();
@@ -187,14 +187,14 @@ impl Tunnels {
                 .filter_map(|id| state.close_conn(id).map(|b| (id, b)))
                 .collect()
         };
-        let _ = fe.send(Packet::close_response(bad.0, MISMATCHED)).await;
+        fe.notify(Packet::close_response(bad.0, MISMATCHED));
         for (id, conn) in own {
             if conn.backend.remove_conn(id).is_some() {
                 self.metrics
                     .connection_closed(CloseReason::Mismatch, conn.established.elapsed());
-                let _ = conn.backend.send(Packet::close_request(id.0)).await;
+                conn.backend.send_control(Packet::close_request(id.0));
             }
-            let _ = fe.send(Packet::close_response(id.0, MISMATCHED)).await;
+            fe.notify(Packet::close_response(id.0, MISMATCHED));
         }
     }
 
@@ -206,7 +206,7 @@ impl Tunnels {
             if fe.kind == FrontendKind::Grpc {
                 self.metrics.dial_failed(DialFailure::NoAgent);
             }
-            let _ = fe.send(Packet::dial_response(id.0, 0, NO_AGENT)).await;
+            fe.notify(Packet::dial_response(id.0, 0, NO_AGENT));
             return;
         };
         let registered = {
@@ -230,9 +230,7 @@ impl Tunnels {
             self.metrics.dial_pending();
         }
         if !registered {
-            let _ = fe
-                .send(Packet::dial_response(id.0, 0, "dial id already pending"))
-                .await;
+            fe.notify(Packet::dial_response(id.0, 0, "dial id already pending"));
             return;
         }
         debug!(frontend = fe.uid, dial.id = %id, address = %req.address, agent.id = %backend.agent_id, "dial");
@@ -258,16 +256,21 @@ impl Tunnels {
             {
                 self.metrics.dial_failed(failure);
                 fe.state().pending.remove(&id);
-                let _ = fe.send(Packet::dial_response(id.0, 0, error)).await;
+                fe.notify(Packet::dial_response(id.0, 0, error));
             }
             return;
         }
         if let Some(limit) = self.dial_timeout {
-            // Weak: the timer must not keep a finished frontend alive.
+            // Weak: the timer must not keep a finished frontend alive, and
+            // it ends with the frontend.
             let tunnels = Arc::downgrade(self);
             let weak_fe = Arc::downgrade(fe);
+            let end = fe.end.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(limit).await;
+                tokio::select! {
+                    () = end.ended() => return,
+                    () = tokio::time::sleep(limit) => {}
+                }
                 let (Some(tunnels), Some(fe)) = (tunnels.upgrade(), weak_fe.upgrade()) else {
                     return;
                 };
@@ -275,10 +278,8 @@ impl Tunnels {
                     fe.state().pending.remove(&id);
                     debug!(dial.id = %id, "dial timed out");
                     tunnels.metrics.dial_failed(DialFailure::BackendDialTimeout);
-                    let _ = fe
-                        .send(Packet::dial_response(id.0, 0, DIAL_TIMED_OUT))
-                        .await;
-                    let _ = dial.backend.send(Packet::close_dial(id.0)).await;
+                    fe.notify(Packet::dial_response(id.0, 0, DIAL_TIMED_OUT));
+                    dial.backend.send_control(Packet::close_dial(id.0));
                 }
             });
         }
@@ -288,7 +289,7 @@ impl Tunnels {
     fn retire(&self, backend: &Backend) {
         backend.set_draining();
         self.backends.remove(backend);
-        backend.cancel.cancel();
+        backend.end.end();
     }
 
     /// Handles a packet from an agent.
@@ -307,7 +308,7 @@ impl Tunnels {
                     debug!(agent.id = %be.agent_id, dial.id = %id, conn.id = %conn, "DIAL_RSP for no pending dial");
                     self.metrics.dial_failed(DialFailure::UnrecognizedResponse);
                     if conn.0 != 0 {
-                        be.send_nowait(Packet::close_request(conn.0));
+                        be.send_control(Packet::close_request(conn.0));
                     }
                     return;
                 };
@@ -316,7 +317,7 @@ impl Tunnels {
                     fe.state().pending.remove(&id);
                     debug!(dial.id = %id, error = %rsp.error, "dial failed");
                     self.metrics.dial_failed(DialFailure::ErrorResponse);
-                    let _ = fe.send(Packet::dial_response(id.0, 0, &rsp.error)).await;
+                    fe.notify(Packet::dial_response(id.0, 0, &rsp.error));
                     return;
                 }
                 let attached = {
@@ -339,24 +340,20 @@ impl Tunnels {
                 };
                 if !attached {
                     self.metrics.dial_failed(DialFailure::FrontendClose);
-                    be.send_nowait(Packet::close_request(conn.0));
+                    be.send_control(Packet::close_request(conn.0));
                     return;
                 }
                 self.metrics.connection_established();
                 let latency = dial.started.elapsed();
                 debug!(dial.id = %id, conn.id = %conn, ?latency, "connection established");
-                if fe
-                    .send(Packet::dial_response(id.0, conn.0, ""))
-                    .await
-                    .is_ok()
-                {
+                if fe.notify(Packet::dial_response(id.0, conn.0, "")) {
                     // ANP observes the latency once the DIAL_RSP is delivered.
                     self.metrics.dial_succeeded(latency);
                 } else {
                     self.metrics.dial_failed(DialFailure::SendRsp);
                     fe.state().close_conn(conn);
                     if be.remove_conn(conn).is_some() {
-                        be.send_nowait(Packet::close_request(conn.0));
+                        be.send_control(Packet::close_request(conn.0));
                     }
                 }
             }
@@ -377,7 +374,7 @@ impl Tunnels {
                     }
                     None if id.0 != 0 => {
                         debug!(agent.id = %be.agent_id, conn.id = %id, "DATA for unknown connection");
-                        be.send_nowait(Packet::close_request(id.0));
+                        be.send_control(Packet::close_request(id.0));
                     }
                     None => debug!(agent.id = %be.agent_id, "dropping DATA with connection id 0"),
                 }
@@ -401,7 +398,7 @@ impl Tunnels {
                 let id = DialId(cls.random);
                 if let Some(dial) = self.pending.remove_if(id, |d| d.backend.uid == be.uid) {
                     dial.frontend.state().pending.remove(&id);
-                    let _ = dial.frontend.send(Packet::close_dial(id.0)).await;
+                    dial.frontend.notify(Packet::close_dial(id.0));
                 }
             }
             PacketKind::Drain => {
@@ -416,7 +413,7 @@ impl Tunnels {
 
     /// A frontend stream ended: cancel its dials and close its connections
     /// on the agents.
-    pub(crate) async fn frontend_closed(&self, fe: &Arc<Frontend>) {
+    pub(crate) fn frontend_closed(&self, fe: &Arc<Frontend>) {
         let (pending, conns) = {
             let mut state = fe.state();
             state.closed = true;
@@ -436,7 +433,7 @@ impl Tunnels {
                 if fe.kind == FrontendKind::HttpConnect {
                     self.metrics.dial_failed(DialFailure::FrontendClose);
                 }
-                let _ = backend.send(Packet::close_dial(id.0)).await;
+                backend.send_control(Packet::close_dial(id.0));
             }
         }
         for (id, conn) in conns {
@@ -444,7 +441,7 @@ impl Tunnels {
                 debug!(frontend = fe.uid, conn.id = %id, "frontend gone; closing connection");
                 self.metrics
                     .connection_closed(CloseReason::FrontendGone, conn.established.elapsed());
-                let _ = conn.backend.send(Packet::close_request(id.0)).await;
+                conn.backend.send_control(Packet::close_request(id.0));
             }
         }
     }
@@ -454,7 +451,7 @@ impl Tunnels {
     pub(crate) fn backend_closed(&self, be: &Arc<Backend>) {
         lock(&self.all_backends).remove(&be.uid);
         self.backends.remove(be);
-        be.cancel.cancel();
+        be.end.end();
         let conns = be.take_conns();
         let dials = self.pending.remove_for_backend(be.uid);
         info!(agent.id = %be.agent_id, peer.addr = ?be.peer, connections = conns.len(), dials = dials.len(), "agent disconnected");
@@ -476,15 +473,42 @@ impl Tunnels {
     /// A connection's frontend fell a window behind: close it on both ends
     /// with [`flow::OVERFLOW`] rather than stall the agent stream.
     fn overflow(&self, be: &Arc<Backend>, frontend: &Arc<Frontend>, id: ConnId) {
+        warn!(agent.id = %be.agent_id, conn.id = %id, "connection closed: its frontend reads too slowly");
+        self.close_on_both_ends(be, frontend, id, CloseReason::Overflow, flow::OVERFLOW);
+    }
+
+    /// Closes every connection whose frontend has left its queued DATA
+    /// untaken for `limit` (`--frontend-stall-timeout`), with an error at
+    /// both ends: CLOSE_REQ to the agent, CLOSE_RSP with [`STALLED`] to a
+    /// gRPC frontend; an HTTP-CONNECT client's socket is closed.
+    pub(crate) fn close_stalled(&self, limit: Duration) {
+        for be in self.backends_snapshot() {
+            for (id, frontend) in be.stalled(limit) {
+                warn!(agent.id = %be.agent_id, conn.id = %id, ?limit, "connection closed: its frontend took none of its data");
+                self.close_on_both_ends(&be, &frontend, id, CloseReason::Stalled, STALLED);
+                if frontend.kind == FrontendKind::HttpConnect {
+                    frontend.end.fail(tonic::Status::deadline_exceeded(STALLED));
+                }
+            }
+        }
+    }
+
+    fn close_on_both_ends(
+        &self,
+        be: &Arc<Backend>,
+        frontend: &Arc<Frontend>,
+        id: ConnId,
+        reason: CloseReason,
+        error: &str,
+    ) {
         let Some(BackendConn { conn, .. }) = be.remove_conn(id) else {
             return;
         };
         self.metrics
-            .connection_closed(CloseReason::Overflow, conn.established.elapsed());
+            .connection_closed(reason, conn.established.elapsed());
         frontend.state().close_conn(id);
-        warn!(agent.id = %be.agent_id, conn.id = %id, "connection closed: its frontend reads too slowly");
-        be.send_nowait(Packet::close_request(id.0));
-        frontend.notify(Packet::close_response(id.0, flow::OVERFLOW));
+        be.send_control(Packet::close_request(id.0));
+        frontend.notify(Packet::close_response(id.0, error));
     }
 
     /// The most cost any connection has queued towards its frontend.

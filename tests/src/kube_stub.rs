@@ -88,7 +88,14 @@ impl TokenReviewStub {
         let echoes: Arc<Mutex<HashMap<String, Echo>>> = Arc::default();
         let down = Arc::new(AtomicBool::new(false));
         let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut incoming = tunnel::conn::tls_incoming(listener, tls, stop.clone(), "kube-stub");
+        let mut incoming = tunnel::conn::tls_incoming(
+            listener,
+            tls,
+            stop.clone(),
+            "kube-stub",
+            64,
+            std::sync::Arc::new(|| {}),
+        );
         {
             let (tokens, echoes, down, reviews, stop) = (
                 tokens.clone(),

@@ -112,7 +112,14 @@ impl LeaseStub {
             outage: CancellationToken::new(),
         }));
         let stop = CancellationToken::new();
-        let mut incoming = tunnel::conn::tls_incoming(listener, tls, stop.clone(), "lease-stub");
+        let mut incoming = tunnel::conn::tls_incoming(
+            listener,
+            tls,
+            stop.clone(),
+            "lease-stub",
+            64,
+            std::sync::Arc::new(|| {}),
+        );
         let (accepting, accept_stop) = (store.clone(), stop.clone());
         tokio::spawn(async move {
             // `tls_incoming` ends when `stop` fires.

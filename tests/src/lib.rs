@@ -154,6 +154,10 @@ pub struct ServerOpts {
     pub lease: Option<proxy_server::lease::LeaseConfig>,
     /// `--enable-profiling`.
     pub profiling: bool,
+    /// `--max-tls-handshakes`.
+    pub max_tls_handshakes: usize,
+    /// `--frontend-stall-timeout`.
+    pub frontend_stall_timeout: Option<Duration>,
 }
 
 impl Default for ServerOpts {
@@ -173,6 +177,8 @@ impl Default for ServerOpts {
             keepalive_time: None,
             lease: None,
             profiling: false,
+            max_tls_handshakes: 256,
+            frontend_stall_timeout: Some(Duration::from_secs(300)),
         }
     }
 }
@@ -258,7 +264,10 @@ impl TestServer {
             ),
             server_count: opts.server_count,
             strategies: opts.strategies.clone(),
-            xfr_channel_size: 10,
+            max_agent_queue_bytes: 4 << 20,
+            max_tls_handshakes: opts.max_tls_handshakes,
+            max_http_connections: 65_536,
+            frontend_stall_timeout: opts.frontend_stall_timeout,
             keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: opts.backend_dial_timeout,
@@ -505,6 +514,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
         flow_control: !opts.no_flow_control,
         exit_when_drained: opts.exit_when_drained,
+        max_server_queue_bytes: 4 << 20,
         token_path: opts.token_path.clone(),
         leases: opts.leases.clone(),
         server_count_source: opts.server_count_source,

@@ -100,7 +100,14 @@ async fn scripted_server() -> (
     let addr = listener.local_addr().unwrap();
     let (streams_tx, streams) = mpsc::channel(4);
     let stop = CancellationToken::new();
-    let incoming = tunnel::conn::tls_incoming(listener, tls, stop.clone(), "scripted");
+    let incoming = tunnel::conn::tls_incoming(
+        listener,
+        tls,
+        stop.clone(),
+        "scripted",
+        64,
+        std::sync::Arc::new(|| {}),
+    );
     let token = stop.clone();
     tokio::spawn(async move {
         tonic::transport::Server::builder()

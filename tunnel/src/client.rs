@@ -16,9 +16,8 @@ use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient
 use tokio::{
     io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf},
     net::UnixStream,
-    sync::{mpsc, oneshot},
+    sync::oneshot,
 };
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::{
@@ -30,8 +29,8 @@ use crate::{
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a close waits for CLOSE_RSP (konnectivity-client's `CloseTimeout`).
 pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Packets queued towards the server per tunnel.
-const OUTBOUND_CAPACITY: usize = 16;
+/// Bytes queued towards the server per tunnel before the caller waits.
+const OUTBOUND_BYTES: usize = 1024 * 1024;
 /// DATA payloads queued towards the caller per tunnel.
 const INBOUND_CAPACITY: usize = 16;
 /// Bytes buffered between the caller's end and the tunnel driver.
@@ -223,15 +222,16 @@ impl TunnelConn {
 /// # Errors
 /// The stream cannot be opened, the dial is refused or times out.
 pub async fn dial(channel: Channel, address: &str) -> Result<TunnelConn, ClientError> {
-    let (out_tx, out_rx) = mpsc::channel(OUTBOUND_CAPACITY);
+    let (out_tx, out_rx) = crate::queue::queue(OUTBOUND_BYTES, OUTBOUND_BYTES);
     let random = DialId::random();
+    let dial = Packet::dial_request("tcp", address, random.0);
+    let cost = crate::flow::packet_cost(&dial);
     out_tx
-        .send(Packet::dial_request("tcp", address, random.0))
-        .await
+        .push(dial, cost)
         .map_err(|_| ClientError::StreamClosed)?;
     let handshake = async {
         let mut inbound = ProxyServiceClient::new(channel)
-            .proxy(ReceiverStream::new(out_rx))
+            .proxy(out_rx)
             .await?
             .into_inner();
         loop {
@@ -283,7 +283,7 @@ async fn drive(
     pipe: DuplexStream,
     conn_id: ConnId,
     mut inbound: tonic::Streaming<Packet>,
-    out_tx: mpsc::Sender<Packet>,
+    out_tx: crate::queue::QueueTx<Packet>,
 ) -> Result<(), ClientError> {
     let (data_tx, data_rx) = crate::flow::queue_with_slots(INBOUND_CAPACITY);
     let reader = async move {
@@ -326,7 +326,9 @@ async fn drive(
         }
         end = &mut pumping => match end {
             PumpEnd::LocalEof | PumpEnd::LocalError(_) => {
-                if out_tx.send(Packet::close_request(conn_id.0)).await.is_err() {
+                let close = Packet::close_request(conn_id.0);
+                let cost = crate::flow::packet_cost(&close);
+                if out_tx.push(close, cost).is_err() {
                     return Err(ClientError::StreamClosed);
                 }
                 tokio::time::timeout(CLOSE_TIMEOUT, reader)

@@ -2,10 +2,11 @@
 //! handshake hold up the accept loop.
 
 use std::{
+    collections::BTreeMap,
     io,
     net::SocketAddr,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, Mutex, PoisonError},
     task::{Context, Poll},
     time::Duration,
 };
@@ -106,42 +107,87 @@ pub async fn accept(listener: &TcpListener, what: &'static str) -> (TcpStream, S
 /// Pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// Called each time a listener's handshake cap is reached.
+pub type OnLimit = Arc<dyn Fn() + Send + Sync>;
+
 /// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
 /// own task (bounded by [`TLS_HANDSHAKE_TIMEOUT`]) and yields the completed
 /// ones. Failed handshakes (plain TCP, wrong CA, garbage) are logged at debug
 /// with the peer address and dropped; they never reach the gRPC server.
+///
+/// At most `max_handshakes` are in progress at once: at the cap a new
+/// connection replaces the oldest pending handshake, which is dropped (a
+/// real peer completes its handshake in milliseconds, so the oldest is the
+/// likeliest to be a silent or slow one), and `on_limit` is called; the
+/// first time is logged.
 pub fn tls_incoming(
     listener: TcpListener,
     acceptor: Arc<rustls::ServerConfig>,
     shutdown: CancellationToken,
     what: &'static str,
+    max_handshakes: usize,
+    on_limit: OnLimit,
 ) -> ReceiverStream<Result<TlsConn, io::Error>> {
     let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
     let acceptor = TlsAcceptor::from(acceptor);
+    // Pending handshakes by arrival, each stopped by its own token.
+    let pending: Arc<Mutex<BTreeMap<u64, CancellationToken>>> = Arc::default();
     tokio::spawn(async move {
+        let mut next_id = 0u64;
+        let mut logged = false;
         loop {
             let (tcp, peer) = tokio::select! {
                 () = shutdown.cancelled() => return,
                 accepted = accept(&listener, what) => accepted,
             };
             let _ = tcp.set_nodelay(true);
+            let id = next_id;
+            next_id += 1;
+            let cancel = shutdown.child_token();
+            {
+                let mut pending = pending.lock().unwrap_or_else(PoisonError::into_inner);
+                while pending.len() >= max_handshakes.max(1) {
+                    let Some((_, oldest)) = pending.pop_first() else {
+                        break;
+                    };
+                    oldest.cancel();
+                    on_limit();
+                    if !logged {
+                        logged = true;
+                        tracing::warn!(
+                            listener = what,
+                            limit = max_handshakes,
+                            "--max-tls-handshakes reached; dropping the oldest pending handshakes"
+                        );
+                    }
+                }
+                pending.insert(id, cancel.clone());
+            }
             let acceptor = acceptor.clone();
             let tx = tx.clone();
-            let shutdown = shutdown.clone();
+            let pending = pending.clone();
             tokio::spawn(async move {
                 let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
                 let result = tokio::select! {
-                    () = shutdown.cancelled() => return,
-                    r = handshake => r,
+                    () = cancel.cancelled() => None,
+                    r = handshake => Some(r),
                 };
+                pending
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&id);
                 match result {
-                    Ok(Ok(inner)) => {
-                        let _ = tx.send(Ok(TlsConn { inner, peer })).await;
+                    None => debug!(peer.addr = %peer, listener = what, "tls handshake dropped"),
+                    Some(Ok(Ok(inner))) => {
+                        tokio::select! {
+                            () = cancel.cancelled() => {}
+                            _ = tx.send(Ok(TlsConn { inner, peer })) => {}
+                        }
                     }
-                    Ok(Err(error)) => {
+                    Some(Ok(Err(error))) => {
                         debug!(%error, peer.addr = %peer, listener = what, "tls handshake failed");
                     }
-                    Err(_) => {
+                    Some(Err(_)) => {
                         debug!(peer.addr = %peer, listener = what, "tls handshake timed out");
                     }
                 }

@@ -57,6 +57,12 @@ pub fn cost(len: usize) -> usize {
     len + PACKET_OVERHEAD
 }
 
+/// What any packet costs in a byte-bounded queue: its encoded size plus
+/// the per-packet overhead.
+pub fn packet_cost(packet: &Packet) -> usize {
+    prost::Message::encoded_len(packet) + PACKET_OVERHEAD
+}
+
 /// A credit grant for a connection.
 pub fn credit_packet(conn_id: i64, credit: usize) -> Packet {
     let credit = u32::try_from(credit).unwrap_or(u32::MAX);

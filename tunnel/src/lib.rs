@@ -13,6 +13,7 @@
 //! - [`error`]: printing error chains.
 //! - [`flags`]: Go booleans, Go durations and klog flags for clap.
 //! - [`flow`]: per-connection windows and bounded receive queues.
+//! - [`queue`]: byte-bounded outbound queues of shared streams.
 //! - [`conn`]: glue that lets tonic serve TLS and Unix streams.
 //! - [`http`]: the health and admin HTTP servers with ANP's limits and Go's answers.
 //! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
@@ -32,6 +33,7 @@ pub mod metrics;
 pub mod profiling;
 pub mod proxy_client;
 pub mod pump;
+pub mod queue;
 pub mod signal;
 pub mod telemetry;
 pub mod tls;

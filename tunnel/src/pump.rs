@@ -16,14 +16,12 @@ use std::io;
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use proto::Packet;
-use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    sync::mpsc,
-};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::{
     flow::{self, Granter, Outbound, SendCredit},
     ids::ConnId,
+    queue::{Closed, QueueTx},
 };
 
 /// Largest DATA payload we send (ANP's agent sends 4 KiB, which costs a
@@ -95,7 +93,7 @@ pub async fn pump<IO>(
     io: IO,
     conn_id: ConnId,
     mut inbound: Outbound<Bytes>,
-    out_tx: mpsc::Sender<Packet>,
+    out_tx: QueueTx<Packet>,
     flow: PumpFlow,
 ) -> PumpEnd
 where
@@ -116,9 +114,9 @@ where
                 // The connection was closed under us: nothing more goes out.
                 return PumpEnd::TunnelGone;
             }
-            if let Err(mpsc::error::SendError(packet)) =
-                out_tx.send(Packet::data(conn_id.0, chunk)).await
-            {
+            let packet = Packet::data(conn_id.0, chunk);
+            let cost = flow::packet_cost(&packet);
+            if let Err(Closed(packet)) = out_tx.send(packet, cost).await {
                 return PumpEnd::Undelivered(packet);
             }
             if eof {
@@ -138,13 +136,14 @@ where
             } else {
                 None
             };
-            if let Some(credit) = credit
-                && out_tx
-                    .send(flow::credit_packet(conn_id.0, credit))
-                    .await
-                    .is_err()
-            {
-                return PumpEnd::TunnelGone;
+            if let Some(credit) = credit {
+                let packet = flow::credit_packet(conn_id.0, credit);
+                let cost = flow::packet_cost(&packet);
+                // A control packet: it never waits. Refused, the stream is
+                // gone or its peer stopped reading it.
+                if out_tx.push(packet, cost).is_err() {
+                    return PumpEnd::TunnelGone;
+                }
             }
         }
         match writer.shutdown().await {
@@ -169,7 +168,7 @@ mod tests {
     async fn socket_bytes_become_data_packets_until_eof() {
         let (mut local, ours) = duplex(1024);
         let (_inbound, outbound) = flow::queue();
-        let (out_tx, mut out_rx) = mpsc::channel(16);
+        let (out_tx, mut out_rx) = crate::queue::queue(1 << 20, 1 << 20);
         let task = tokio::spawn(pump(ours, ConnId(7), outbound, out_tx, PumpFlow::default()));
         local.write_all(b"hello").await.unwrap();
         let packet = out_rx.recv().await.unwrap();
@@ -188,7 +187,7 @@ mod tests {
     async fn queued_bytes_are_written_before_the_close() {
         let (mut local, ours) = duplex(1 << 20);
         let (inbound, outbound) = flow::queue();
-        let (out_tx, _out_rx) = mpsc::channel(16);
+        let (out_tx, _out_rx) = crate::queue::queue(1 << 20, 1 << 20);
         for part in [&b"one "[..], b"two ", b"three"] {
             inbound
                 .push(Bytes::copy_from_slice(part), flow::cost(part.len()))
@@ -206,7 +205,7 @@ mod tests {
     async fn a_dead_tunnel_stops_the_pump() {
         let (mut local, ours) = duplex(1024);
         let (_inbound, outbound) = flow::queue();
-        let (out_tx, out_rx) = mpsc::channel(1);
+        let (out_tx, out_rx) = crate::queue::queue(1 << 20, 1 << 20);
         drop(out_rx);
         let task = tokio::spawn(pump(ours, ConnId(1), outbound, out_tx, PumpFlow::default()));
         local.write_all(b"x").await.unwrap();
@@ -221,7 +220,7 @@ mod tests {
     async fn bulk_reads_fill_large_packets() {
         let (mut local, ours) = duplex(4 * READ_CHUNK);
         let (_inbound, outbound) = flow::queue();
-        let (out_tx, mut out_rx) = mpsc::channel(16);
+        let (out_tx, mut out_rx) = crate::queue::queue(1 << 20, 1 << 20);
         local.write_all(&vec![7u8; 3 * READ_CHUNK]).await.unwrap();
         let _task = tokio::spawn(pump(ours, ConnId(1), outbound, out_tx, PumpFlow::default()));
         let PacketKind::Data(d) = out_rx.recv().await.unwrap().into_kind() else {
@@ -234,7 +233,7 @@ mod tests {
     async fn credit_limits_what_is_in_flight_and_drains_return_it() {
         let (mut local, ours) = duplex(4 << 20);
         let (inbound, outbound) = flow::queue();
-        let (out_tx, mut out_rx) = mpsc::channel(1024);
+        let (out_tx, mut out_rx) = crate::queue::queue(64 << 20, 1 << 20);
         let credit = SendCredit::new();
         let flow = PumpFlow {
             send_credit: Some(credit.clone()),

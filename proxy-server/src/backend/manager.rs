@@ -180,7 +180,6 @@ impl BackendManager {
 
 #[cfg(test)]
 mod tests {
-    use tokio::sync::mpsc;
     use tokio_util::sync::CancellationToken;
     use tunnel::ids::AgentId;
 
@@ -188,7 +187,7 @@ mod tests {
     use crate::backend::strategy::AgentIdentifiers;
 
     fn backend(uid: u64, agent: &str, ids: &str) -> Arc<Backend> {
-        let (tx, _rx) = mpsc::channel(1);
+        let (tx, _rx) = tunnel::queue::queue(1, 0);
         Arc::new(Backend::new(
             uid,
             AgentId(agent.to_owned()),
@@ -196,7 +195,7 @@ mod tests {
             None,
             crate::backend::BackendStream {
                 tx,
-                cancel: CancellationToken::new(),
+                end: crate::stream_end::StreamEnd::new(CancellationToken::new()),
                 flow_control: false,
                 metrics: Arc::new(crate::metrics::ServerMetrics::new(&[])),
             },

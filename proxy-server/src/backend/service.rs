@@ -4,20 +4,20 @@ use std::{pin::Pin, sync::Arc};
 
 use futures_util::{Stream, StreamExt};
 use proto::{Packet, agent_service_server::AgentService, header};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
 use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
 use super::{Backend, BackendStream, strategy::AgentIdentifiers};
+use crate::stream_end::StreamEnd;
 use tunnel::metrics::when_blocked;
 
 use crate::{metrics::CONNECT, tunnels::Tunnels};
 
-/// Packets queued towards one agent, shared by all its connections.
-const BACKEND_QUEUE: usize = 256;
+/// Room for control packets beyond `--max-agent-queue-bytes` (see
+/// [`tunnel::queue`]): past it the agent has stopped reading.
+const CONTROL_RESERVE: usize = 1024 * 1024;
 
 /// The packet stream returned to an agent.
 pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
@@ -38,6 +38,9 @@ pub(crate) struct AgentServiceImpl {
     pub(crate) flow_control: bool,
     /// Agent token authentication, if on.
     pub(crate) token_auth: Option<Arc<crate::auth::TokenAuth>>,
+    /// Bytes queued towards one agent before its senders wait
+    /// (`--max-agent-queue-bytes`).
+    pub(crate) queue_bytes: usize,
 }
 
 /// Reads the single value of a metadata key that must appear exactly once.
@@ -112,8 +115,8 @@ impl AgentService for AgentServiceImpl {
             );
         let mut inbound = request.into_inner();
 
-        let (tx, rx) = mpsc::channel(BACKEND_QUEUE);
-        let cancel = self.shutdown.child_token();
+        let (tx, rx) = tunnel::queue::queue(self.queue_bytes, CONTROL_RESERVE);
+        let end = StreamEnd::new(self.shutdown.child_token());
         let backend = Arc::new(Backend::new(
             self.tunnels.next_uid(),
             agent_id.clone(),
@@ -121,7 +124,7 @@ impl AgentService for AgentServiceImpl {
             peer,
             BackendStream {
                 tx,
-                cancel: cancel.clone(),
+                end: end.clone(),
                 flow_control,
                 metrics: self.tunnels.metrics.clone(),
             },
@@ -141,21 +144,33 @@ impl AgentService for AgentServiceImpl {
                 };
                 loop {
                     let packet = tokio::select! {
-                        () = backend.cancel.cancelled() => break,
+                        () = backend.end.ended() => break,
                         packet = inbound.message() => packet,
                     };
                     match packet {
                         Ok(Some(packet)) => {
                             metrics.packet("from_agent", &packet);
-                            when_blocked(tunnels.backend_packet(&backend, packet), || {
-                                metrics.blocked(CONNECT)
-                            })
-                            .await;
+                            // Handling waits only for a frontend to take
+                            // DATA from an agent without flow control; it
+                            // ends with the stream.
+                            let handled = when_blocked(
+                                tunnels.backend_packet(&backend, packet),
+                                || metrics.blocked(CONNECT),
+                            );
+                            tokio::select! {
+                                () = backend.end.ended() => break,
+                                () = handled => {}
+                            }
                         }
                         Ok(None) => break,
                         Err(status) => {
+                            let status = crate::stream_end::receive_error(status);
                             metrics.stream_error("from_agent", status.code());
                             debug!(error = %status, "agent stream failed");
+                            if status.code() == tonic::Code::ResourceExhausted {
+                                warn!(error = %status.message(), "agent sent a message over the limit; closing its stream");
+                                backend.end.fail(status);
+                            }
                             break;
                         }
                     }
@@ -166,12 +181,10 @@ impl AgentService for AgentServiceImpl {
         );
 
         let metrics = self.tunnels.metrics.clone();
-        let stream = ReceiverStream::new(rx)
-            .map(move |packet| {
-                metrics.packet("to_agent", &packet);
-                Ok(packet)
-            })
-            .take_until(cancel.cancelled_owned());
+        let stream = end.outbound(rx.map(move |packet| {
+            metrics.packet("to_agent", &packet);
+            packet
+        }));
         let mut response = Response::new(Box::pin(stream) as PacketStream);
         let headers = response.metadata_mut();
         headers.insert(

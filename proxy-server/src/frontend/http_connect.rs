@@ -13,21 +13,19 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::{Bytes, BytesMut};
 use proto::{Packet, packet::PacketKind};
-use tokio::{
-    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
-    sync::mpsc,
-};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 use tunnel::{
     ids::{ConnId, DialId},
     metrics::when_blocked,
     pump::READ_CHUNK,
+    queue::QueueRx,
 };
 
 use super::{Frontend, FrontendGuard, FrontendKind};
 use crate::tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT, Tunnels};
-use crate::{conn::ToFrontend, metrics::PROXY};
+use crate::{conn::ToFrontend, metrics::PROXY, stream_end::StreamEnd};
 
 /// Largest request header accepted (Go's `http.DefaultMaxHeaderBytes`).
 pub(crate) const MAX_HEADER_BYTES: usize = 1 << 20;
@@ -202,11 +200,25 @@ async fn write_final<IO: AsyncWrite + Unpin>(io: &mut IO, bytes: &[u8]) {
     }
 }
 
+/// Answers a client over `--max-http-connections` with 503 and closes.
+pub(crate) async fn refuse<IO: AsyncWrite + Unpin>(mut io: IO) {
+    let _ = tokio::time::timeout(
+        REFUSE_TIMEOUT,
+        write_final(
+            &mut io,
+            &error_page(503, "too many HTTP CONNECT connections open"),
+        ),
+    )
+    .await;
+}
+
+/// How long a refused client may take to take its 503.
+const REFUSE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Serves one client connection (UDS or mTLS TCP).
 pub(crate) async fn serve_connection<IO>(
     mut io: IO,
     tunnels: Arc<Tunnels>,
-    queue: usize,
     shutdown: CancellationToken,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin,
@@ -233,15 +245,16 @@ pub(crate) async fn serve_connection<IO>(
         return;
     }
 
-    let (tx, mut rx) = mpsc::channel(super::queue_slots(queue));
+    let (tx, mut rx) = super::queue();
     let _live = tunnels.metrics.http_connection();
     let frontend = Arc::new(Frontend::new(
         tunnels.next_uid(),
         tx,
+        StreamEnd::new(shutdown.child_token()),
         tunnels.metrics.clone(),
         FrontendKind::HttpConnect,
     ));
-    let guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
+    let _guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
     let random = DialId::random();
     let mut early = head.rest;
     debug!(frontend = frontend.uid, address = %head.target, dial.id = %random, "CONNECT");
@@ -266,15 +279,11 @@ pub(crate) async fn serve_connection<IO>(
                 read = io.read_buf(&mut early), if early.len() < EARLY_BYTES => match read {
                     Ok(0) | Err(_) => {
                         debug!(frontend = frontend.uid, "client left while its dial was pending");
-                        guard.close().await;
                         return;
                     }
                     Ok(_) => {}
                 },
-                () = shutdown.cancelled() => {
-                    guard.close().await;
-                    return;
-                }
+                () = shutdown.cancelled() => return,
             }
         }
     };
@@ -282,18 +291,15 @@ pub(crate) async fn serve_connection<IO>(
         Ok(rsp) if rsp.error.is_empty() => ConnId(rsp.connect_id),
         Ok(rsp) => {
             write_final(&mut io, &dial_error_response(&rsp.error)).await;
-            guard.close().await;
             return;
         }
         Err(error) => {
             write_final(&mut io, &dial_error_response(&error)).await;
-            guard.close().await;
             return;
         }
     };
     // The 200 goes out alone, before any tunnel byte.
     if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
-        guard.close().await;
         return;
     }
     if !early.is_empty() {
@@ -301,7 +307,7 @@ pub(crate) async fn serve_connection<IO>(
             .frontend_packet(&frontend, Packet::data(conn.0, early.freeze()))
             .await;
     }
-    let client_closed = tunnel_bytes(&mut io, conn, &tunnels, &frontend, &mut rx, &shutdown).await;
+    let client_closed = tunnel_bytes(&mut io, conn, &tunnels, &frontend, &mut rx).await;
     if client_closed {
         // Ask the agent to close and wait for its answer, so nothing of this
         // connection stays behind.
@@ -310,7 +316,7 @@ pub(crate) async fn serve_connection<IO>(
             .await;
         let _ = tokio::time::timeout(CLOSE_WAIT, async {
             while let Some(item) = rx.recv().await {
-                item.taken().await;
+                item.taken();
                 if matches!(item.packet.into_kind(), PacketKind::CloseRsp(_)) {
                     return;
                 }
@@ -319,8 +325,6 @@ pub(crate) async fn serve_connection<IO>(
         .await;
     }
     let _ = io.shutdown().await;
-    drop(rx);
-    guard.close().await;
 }
 
 /// Moves bytes until one side ends; `true` if the client side ended first
@@ -330,8 +334,7 @@ async fn tunnel_bytes<IO>(
     conn: ConnId,
     tunnels: &Arc<Tunnels>,
     frontend: &Arc<Frontend>,
-    rx: &mut mpsc::Receiver<ToFrontend>,
-    shutdown: &CancellationToken,
+    rx: &mut QueueRx<ToFrontend>,
 ) -> bool
 where
     IO: AsyncRead + AsyncWrite + Unpin,
@@ -375,7 +378,7 @@ where
                 }
                 _ => None,
             };
-            item.taken().await;
+            item.taken();
             match written {
                 Some(true) => continue,
                 // The client is gone: close on the agent.
@@ -396,7 +399,8 @@ where
     tokio::select! {
         () = upstream => true,
         client_gone = downstream => client_gone,
-        () = shutdown.cancelled() => true,
+        // Shutdown, or the connection stalled (`--frontend-stall-timeout`).
+        () = frontend.end.ended() => true,
     }
 }
 
