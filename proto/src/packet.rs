@@ -175,9 +175,51 @@ impl std::fmt::Debug for PacketKind {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
     use prost::Message;
 
     use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// Any bytes from the network decode to a packet or an error, never
+        /// a panic; a decoded packet is never larger than its input (no
+        /// length field makes the decoder allocate more than it was given)
+        /// and can be looked at and named.
+        #[test]
+        fn any_bytes_decode_or_fail_without_panic(input in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(packet) = Packet::decode(&input[..]) {
+                let size = match &packet.payload {
+                    Some(Payload::Data(d)) => d.data.len() + d.error.len(),
+                    Some(Payload::DialRequest(r)) => r.address.len() + r.protocol.len(),
+                    Some(Payload::DialResponse(r)) => r.error.len(),
+                    Some(Payload::CloseResponse(r)) => r.error.len(),
+                    _ => 0,
+                };
+                prop_assert!(size <= input.len());
+                let _ = packet.type_name();
+                let _ = packet.into_kind();
+            }
+        }
+
+        /// Every packet we build round-trips through the wire bytes.
+        #[test]
+        fn built_packets_round_trip(id in any::<i64>(), text in ".{0,64}", data in proptest::collection::vec(any::<u8>(), 0..256)) {
+            for packet in [
+                Packet::dial_request("tcp", &text, id),
+                Packet::dial_response(id, id.wrapping_add(1), &text),
+                Packet::data(id, Bytes::from(data.clone())),
+                Packet::close_request(id),
+                Packet::close_response(id, &text),
+                Packet::close_dial(id),
+                Packet::drain(),
+            ] {
+                let bytes = packet.encode_to_vec();
+                prop_assert_eq!(Packet::decode(&bytes[..]).unwrap(), packet);
+            }
+        }
+    }
 
     fn encoded(p: &Packet) -> Vec<u8> {
         p.encode_to_vec()

@@ -67,6 +67,10 @@ async fn read_chunk<R: AsyncRead + Unpin>(
     if n == 0 {
         return Ok(None);
     }
+    if n < IDLE_READ {
+        // The socket had no more than this: a packet of its own size.
+        return Ok(Some(Bytes::copy_from_slice(&first[..n])));
+    }
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     buf.extend_from_slice(&first[..n]);
     while buf.len() < READ_CHUNK {
@@ -82,7 +86,19 @@ async fn read_chunk<R: AsyncRead + Unpin>(
             None => break,
         }
     }
-    Ok(Some(buf.freeze()))
+    Ok(Some(seal(buf)))
+}
+
+/// Turns read bytes into a DATA payload that holds no more memory than it
+/// carries, give or take half: a payload shorter than half a read buffer
+/// is copied out (the buffer is reused or freed), a longer one keeps the
+/// buffer without a copy. Queued payloads are then bounded by their bytes.
+pub fn seal(chunk: BytesMut) -> Bytes {
+    if chunk.len() < READ_CHUNK / 2 {
+        Bytes::copy_from_slice(&chunk)
+    } else {
+        chunk.freeze()
+    }
 }
 
 /// Runs both halves until one ends; see the module docs.
@@ -214,6 +230,24 @@ mod tests {
             panic!("expected the undelivered DATA, got {end:?}")
         };
         assert_eq!(packet.type_name(), "DATA");
+    }
+
+    #[tokio::test]
+    async fn a_small_read_holds_no_large_buffer() {
+        let (mut local, ours) = duplex(4 * READ_CHUNK);
+        let (_inbound, outbound) = flow::queue();
+        let (out_tx, mut out_rx) = crate::queue::queue(1 << 20, 1 << 20);
+        let _task = tokio::spawn(pump(ours, ConnId(1), outbound, out_tx, PumpFlow::default()));
+        for len in [1, IDLE_READ + 1, READ_CHUNK / 2 - 1] {
+            local.write_all(&vec![7u8; len]).await.unwrap();
+            let PacketKind::Data(d) = out_rx.recv().await.unwrap().into_kind() else {
+                panic!("expected DATA")
+            };
+            assert_eq!(d.data.len(), len);
+            // A buffer of its own size, not a slice of a 64 KiB one.
+            let held = d.data.try_into_mut().expect("one reference").capacity();
+            assert!(held < 2 * len + 64, "{len} bytes hold a {held}-byte buffer");
+        }
     }
 
     #[tokio::test]

@@ -689,6 +689,55 @@ mod tests {
         assert_eq!(fields.last().unwrap().1.len(), long_len);
     }
 
+    fn run<F: std::future::Future>(future: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(future)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Any bytes after the preface, read in any pieces: no panic, and
+        /// what comes out is bounded (a rewritten block is at most the
+        /// decoded-list limit).
+        #[test]
+        fn any_bytes_pass_without_panic(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096),
+            chunk in 1usize..2048,
+            out in 1usize..4096,
+        ) {
+            let input = [PREFACE, &body[..]].concat();
+            let output = run(through(&input, chunk, out));
+            let blocks = body.len() / FRAME_HEADER_LEN + 1;
+            proptest::prop_assert!(output.len() <= input.len() + blocks * (MAX_LIST + 1024));
+        }
+
+        /// Frames that carry no header block pass byte for byte, however
+        /// they are cut.
+        #[test]
+        fn frames_without_header_blocks_pass_unchanged(
+            frames in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec![0u8, 2, 3, 4, 6, 7, 8, 0x20]),
+                    proptest::prelude::any::<u8>(),
+                    0u32..16,
+                    proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+                ),
+                0..20,
+            ),
+            chunk in 1usize..700,
+            out in 1usize..700,
+        ) {
+            let mut input = PREFACE.to_vec();
+            for (kind, flags, stream, payload) in &frames {
+                input.extend(frame(*kind, *flags, *stream, payload));
+            }
+            proptest::prop_assert_eq!(run(through(&input, chunk, out)), input);
+        }
+    }
+
     #[tokio::test]
     async fn faults_pass_to_h2_unchanged() {
         let bad_hpack = [PREFACE.to_vec(), frame(HEADERS, END_HEADERS, 1, &[0x3f])].concat();

@@ -132,21 +132,16 @@ async fn read_head<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Head, HeadError
     // Where to resume looking for the blank line, so that a header arriving
     // in small pieces is scanned once, not once per piece.
     let mut scanned = 0;
-    let mut first_line_checked = false;
+    let mut request_line = RequestLine::default();
     loop {
         if let Some(i) = find(&buf[scanned..], b"\r\n\r\n") {
             let len = scanned + i + 4;
             return parse_head(buf, len);
         }
-        // Refuse what is clearly not HTTP once its first line is in, rather
-        // than reading a megabyte of it.
-        if !first_line_checked && find(&buf, b"\r\n").is_some() {
-            first_line_checked = true;
-            let mut headers = [httparse::EMPTY_HEADER; 64];
-            match httparse::Request::new(&mut headers).parse(&buf) {
-                Ok(_) | Err(httparse::Error::TooManyHeaders) => {}
-                Err(_) => return Err(HeadError::Malformed),
-            }
+        // Refuse what is clearly not HTTP as soon as its first bytes show
+        // it, rather than holding the socket until the header timeout.
+        if !request_line.plausible(&buf) {
+            return Err(HeadError::Malformed);
         }
         scanned = buf.len().saturating_sub(3);
         if buf.len() >= MAX_HEADER_BYTES {
@@ -156,6 +151,41 @@ async fn read_head<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Head, HeadError
         match io.read_buf(&mut buf).await {
             Ok(0) | Err(_) => return Err(HeadError::Gone),
             Ok(_) => {}
+        }
+    }
+}
+
+/// Checks a request head's first line as it arrives.
+#[derive(Default)]
+struct RequestLine {
+    /// The line is complete and was found valid: nothing more to check.
+    done: bool,
+    /// Buffer length at the last check; the next check waits for twice as
+    /// much (or the line's end), so a line sent a byte at a time costs
+    /// linear time.
+    checked: usize,
+}
+
+impl RequestLine {
+    /// Whether `head` (what has arrived of a request head) can still be
+    /// the start of a valid HTTP/1.x request: its method, target and
+    /// version so far (httparse answers `Partial` for a valid prefix).
+    fn plausible(&mut self, head: &[u8]) -> bool {
+        if self.done || head.is_empty() {
+            return true;
+        }
+        let line_ended = head.contains(&b'\n');
+        if !line_ended && head.len() < 2 * self.checked {
+            return true;
+        }
+        self.checked = head.len();
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        match httparse::Request::new(&mut headers).parse(head) {
+            Ok(_) | Err(httparse::Error::TooManyHeaders) => {
+                self.done = line_ended;
+                true
+            }
+            Err(_) => false,
         }
     }
 }
@@ -349,7 +379,7 @@ where
             match reader.read_buf(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
-                    let chunk: Bytes = buf.split().freeze();
+                    let chunk: Bytes = tunnel::pump::seal(buf.split());
                     // Counted as a gRPC frontend's reader is while it waits
                     // for credit or room on the agent stream.
                     when_blocked(
@@ -406,7 +436,106 @@ where
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    /// Feeds `input` to [`read_head`] in pieces cut at `cuts`, the client
+    /// then closing; returns what it made of it.
+    fn read_in_pieces(
+        input: &[u8],
+        cuts: &[usize],
+    ) -> Result<(String, String, Vec<u8>), &'static str> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (mut client, mut server) = tokio::io::duplex(input.len().max(1));
+            let mut pieces = Vec::new();
+            let mut start = 0;
+            let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (input.len() + 1)).collect();
+            cuts.sort_unstable();
+            for cut in cuts {
+                pieces.push(input[start..cut.max(start)].to_vec());
+                start = cut.max(start);
+            }
+            pieces.push(input[start..].to_vec());
+            let writer = tokio::spawn(async move {
+                for piece in pieces {
+                    if client.write_all(&piece).await.is_err() {
+                        return;
+                    }
+                    tokio::task::yield_now().await;
+                }
+            });
+            let head = read_head(&mut server).await;
+            drop(server);
+            writer.await.unwrap();
+            match head {
+                Ok(h) => Ok((h.method, h.target, h.rest.to_vec())),
+                Err(HeadError::Gone) => Err("gone"),
+                Err(HeadError::Malformed) => Err("malformed"),
+                Err(HeadError::TooLarge) => Err("too large"),
+            }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any bytes, in any pieces: an answer, never a panic.
+        #[test]
+        fn any_input_gets_an_answer(input in proptest::collection::vec(any::<u8>(), 0..2048),
+                                    cuts in proptest::collection::vec(any::<usize>(), 0..8)) {
+            let _ = read_in_pieces(&input, &cuts);
+        }
+
+        /// A valid CONNECT head, however it is cut, parses the same; what
+        /// arrived with it is kept (the rest is read later, as tunnel bytes).
+        #[test]
+        fn a_valid_head_parses_however_it_arrives(
+            host in "[a-z0-9.-]{1,40}",
+            port in 1u16..,
+            headers in proptest::collection::vec(("[A-Za-z][A-Za-z0-9-]{0,20}", "[ -~]{0,40}"), 0..8),
+            rest in proptest::collection::vec(any::<u8>(), 0..64),
+            cuts in proptest::collection::vec(any::<usize>(), 0..8),
+        ) {
+            let target = format!("{host}:{port}");
+            let mut input = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n");
+            for (name, value) in &headers {
+                input.push_str(&format!("{name}: {}\r\n", value.trim()));
+            }
+            input.push_str("\r\n");
+            let mut input = input.into_bytes();
+            input.extend_from_slice(&rest);
+            let (method, got_target, kept) = read_in_pieces(&input, &cuts).unwrap();
+            prop_assert_eq!(method, "CONNECT");
+            prop_assert_eq!(got_target, target);
+            prop_assert!(rest.starts_with(&kept), "{:?} is not a prefix of {:?}", kept, rest);
+        }
+
+        /// Bytes that cannot start a request are refused, however they
+        /// arrive, without waiting for a line end.
+        #[test]
+        fn a_bad_first_byte_is_refused(first in any::<u8>().prop_filter("not a token byte or a line end",
+                                          |b| !(b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~\r\n".contains(b))),
+                                       tail in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let mut input = vec![first];
+            input.extend(tail.iter().filter(|b| **b != b'\n'));
+            // The client stays open (a duplex larger than the input): only
+            // the bytes can end it.
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let refused = runtime.block_on(async {
+                let (mut client, mut server) = tokio::io::duplex(4096);
+                client.write_all(&input).await.unwrap();
+                let head = tokio::time::timeout(std::time::Duration::from_secs(5), read_head(&mut server)).await;
+                drop(client);
+                matches!(head, Ok(Err(HeadError::Malformed)))
+            });
+            prop_assert!(refused, "{:?} was not refused", input);
+        }
+    }
 
     #[test]
     fn dial_errors_map_like_anp() {
@@ -460,6 +589,36 @@ mod tests {
         assert_eq!(head.method, "CONNECT");
         assert_eq!(head.target, "10.0.0.1:443");
         assert_eq!(&head.rest[..], b"early bytes");
+    }
+
+    #[tokio::test]
+    async fn garbage_is_refused_from_its_first_bytes_without_a_line_end() {
+        for garbage in [
+            &b"\x00\x01garbage"[..],
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+            b"CONNECT\x7f",
+            b"CONNECT  10.0.0.1:443",
+            b"CONNECT 10.0.0.1:443 HTTQ",
+            b"C\xc3\xa9 x",
+        ] {
+            let (mut client, mut server) = tokio::io::duplex(1024);
+            // The client keeps its side open: only the bytes can end it.
+            client.write_all(garbage).await.unwrap();
+            let head =
+                tokio::time::timeout(std::time::Duration::from_secs(5), read_head(&mut server))
+                    .await
+                    .unwrap_or_else(|_| panic!("{garbage:?} was held"));
+            assert!(matches!(head, Err(HeadError::Malformed)), "{garbage:?}");
+        }
+        // A valid head that arrives a byte at a time is not refused.
+        let (mut client, mut server) = tokio::io::duplex(1024);
+        let reader =
+            tokio::spawn(async move { read_head(&mut server).await.ok().map(|h| h.target) });
+        for byte in b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: x\r\n\r\n" {
+            client.write_all(&[*byte]).await.unwrap();
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(reader.await.unwrap().as_deref(), Some("10.0.0.1:443"));
     }
 
     #[tokio::test]
