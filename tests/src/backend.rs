@@ -370,3 +370,51 @@ impl Drop for Stall {
         self.stop.cancel();
     }
 }
+
+/// An echo server in a Python process of its own (`tests/python/echo.py`),
+/// for more connections than this process may hold; killed on drop.
+pub struct EchoProcess {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The process.
+    child: std::process::Child,
+}
+
+impl EchoProcess {
+    /// Starts it and reads its port.
+    pub fn start() -> Self {
+        use std::io::BufRead;
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/echo.py");
+        let mut child = std::process::Command::new(crate::python::interpreter())
+            .arg(&script)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting tests/python/echo.py");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("reading the echo server's port");
+        let port: u16 = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("echo.py printed {line:?}, not a port"));
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            child,
+        }
+    }
+
+    /// `127.0.0.1:port` as a dial address.
+    pub fn address(&self) -> String {
+        self.addr.to_string()
+    }
+}
+
+impl Drop for EchoProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

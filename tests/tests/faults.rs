@@ -383,3 +383,530 @@ mod stalled_upload {
         stalled_uploads(Layout::HttpConnect, Ending::AgentKilled).await;
     }
 }
+
+/// A message one byte over gRPC's 4 MiB limit: a DATA packet whose
+/// payload alone is 4 MiB.
+fn oversize_data(conn: i64) -> Packet {
+    Packet::data(conn, Bytes::from(vec![0x42; 4 * 1024 * 1024]))
+}
+
+const FROM_CLIENT_TOO_LARGE: &str = "konnectivity_network_proxy_server_stream_errors_total{code=\"ResourceExhausted\",packet_type=\"Unknown\",segment=\"from_client\"}";
+const FROM_AGENT_TOO_LARGE: &str = "konnectivity_network_proxy_server_stream_errors_total{code=\"ResourceExhausted\",packet_type=\"Unknown\",segment=\"from_agent\"}";
+
+mod oversize {
+    use proto::agent_service_client::AgentServiceClient;
+    use tonic::{Code, Request, metadata::MetadataValue};
+
+    use super::*;
+
+    /// A frontend sends a message over 4 MiB: its stream ends with
+    /// RESOURCE_EXHAUSTED (as grpc-go's server answers), its connection is
+    /// closed on the node side, the error is counted, and the server keeps
+    /// serving.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn from_a_frontend() {
+        trace_init();
+        let server = ServerProcess::start("grpc", &[]).await;
+        let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
+        server.wait_for_agents(1).await;
+        let echo = backend::echo().await;
+
+        let (tx, rx) = mpsc::channel(4);
+        let random = DialId::random();
+        tx.send(Packet::dial_request("tcp", &echo.address(), random.0))
+            .await
+            .unwrap();
+        let channel = tunnel::client::uds_channel(&server.uds).await.unwrap();
+        let mut inbound = ProxyServiceClient::new(channel)
+            .max_encoding_message_size(16 << 20)
+            .proxy(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let conn = match inbound.message().await.unwrap().unwrap().into_kind() {
+            PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
+            other => panic!("expected a successful DIAL_RSP, got {other:?}"),
+        };
+        integration_tests::wait_for("the echo connection", || echo.open_connections() == 1).await;
+        tx.send(oversize_data(conn)).await.unwrap();
+
+        let status = loop {
+            match tokio::time::timeout(DEADLINE, inbound.message()).await.unwrap() {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended with OK: the message was dropped silently"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+        integration_tests::wait_for("the node-side connection to close", || {
+            echo.open_connections() == 0
+        })
+        .await;
+        server.wait_for_metric(FROM_CLIENT_TOO_LARGE, 1.0, DEADLINE).await;
+        server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
+        server.wait_for_metric(PROXY_STREAMS, 0.0, DEADLINE).await;
+        echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
+    }
+
+    /// An agent sends a message over 4 MiB: its stream ends with
+    /// RESOURCE_EXHAUSTED, the frontend's connection over it is closed with
+    /// an error, the error is counted, and the server keeps serving through
+    /// another agent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn from_an_agent() {
+        trace_init();
+        let server = ServerProcess::start("grpc", &[]).await;
+        let config = integration_tests::agent_config(server.agent_addr, &Default::default());
+        let channel = tunnel::client::tls_channel(server.agent_addr, "127.0.0.1", config.tls.clone())
+            .await
+            .unwrap();
+        let (agent_tx, agent_rx) = mpsc::channel::<Packet>(4);
+        let mut request = Request::new(ReceiverStream::new(agent_rx));
+        request
+            .metadata_mut()
+            .insert("agentid", MetadataValue::from_static("oversize-agent"));
+        let mut agent_inbound = AgentServiceClient::new(channel)
+            .max_encoding_message_size(16 << 20)
+            .connect(request)
+            .await
+            .unwrap()
+            .into_inner();
+        server.wait_for_agents(1).await;
+
+        // A frontend dials through the scripted agent.
+        let (tx, rx) = mpsc::channel(4);
+        let random = DialId::random();
+        tx.send(Packet::dial_request("tcp", "10.0.0.1:80", random.0))
+            .await
+            .unwrap();
+        let frontend = tunnel::client::uds_channel(&server.uds).await.unwrap();
+        let mut inbound = ProxyServiceClient::new(frontend)
+            .proxy(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        match agent_inbound.message().await.unwrap().unwrap().into_kind() {
+            PacketKind::DialReq(req) => {
+                assert_eq!(req.random, random.0);
+                agent_tx
+                    .send(Packet::dial_response(req.random, 1, ""))
+                    .await
+                    .unwrap();
+            }
+            other => panic!("expected DIAL_REQ, got {other:?}"),
+        }
+        match inbound.message().await.unwrap().unwrap().into_kind() {
+            PacketKind::DialRsp(rsp) => assert_eq!((rsp.connect_id, rsp.error.as_str()), (1, "")),
+            other => panic!("expected DIAL_RSP, got {other:?}"),
+        }
+
+        agent_tx.send(oversize_data(1)).await.unwrap();
+        let status = loop {
+            match tokio::time::timeout(DEADLINE, agent_inbound.message()).await.unwrap() {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the agent stream ended with OK: the message was dropped silently"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status}");
+        match tokio::time::timeout(DEADLINE, inbound.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+            .into_kind()
+        {
+            PacketKind::CloseRsp(rsp) => {
+                assert_eq!(rsp.connect_id, 1);
+                assert!(!rsp.error.is_empty(), "closed without an error");
+            }
+            other => panic!("expected CLOSE_RSP, got {other:?}"),
+        }
+        server.wait_for_metric(FROM_AGENT_TOO_LARGE, 1.0, DEADLINE).await;
+        server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
+
+        let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
+        server.wait_for_agents(1).await;
+        let echo = backend::echo().await;
+        echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
+    }
+}
+
+const STALLED_CLOSED: &str = "konnectivity_rs_server_connections_closed_total{reason=\"stalled\"}";
+
+/// A frontend stops reading its tunnel while another frontend downloads
+/// through the same agent: the download completes byte-exact (its rate
+/// next to the stalled one is the bench's `hol` scenario), and the stalled
+/// connection is closed with an error once `--frontend-stall-timeout`
+/// passes, at both ends.
+async fn stalled_reader(layout: Layout) {
+    trace_init();
+    let server =
+        ServerProcess::start(layout.mode(), &["--frontend-stall-timeout=1s".to_owned()]).await;
+    let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
+    server.wait_for_agents(1).await;
+    let endless = backend::download(256 * 1024 * 1024).await;
+    let bulk_len = 16 * 1024 * 1024;
+    let bulk = backend::download(bulk_len).await;
+
+    // The frontend that stops reading: it dials, then never reads again.
+    let stuck = match layout {
+        Layout::HttpConnect => {
+            let io = UnixStream::connect(&server.uds).await.unwrap();
+            Stuck::Connect(tunnel::client::http_connect(io, &endless.address()).await.unwrap())
+        }
+        _ => {
+            let (tx, rx) = mpsc::channel(4);
+            let random = DialId::random();
+            tx.send(Packet::dial_request("tcp", &endless.address(), random.0))
+                .await
+                .unwrap();
+            let channel = tunnel::client::uds_channel(&server.uds).await.unwrap();
+            let mut inbound = ProxyServiceClient::new(channel)
+                .proxy(ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            match inbound.message().await.unwrap().unwrap().into_kind() {
+                PacketKind::DialRsp(rsp) if rsp.error.is_empty() => {}
+                other => panic!("expected a successful DIAL_RSP, got {other:?}"),
+            }
+            Stuck::Grpc(tx, inbound)
+        }
+    };
+    let started = Instant::now();
+
+    // The other frontend downloads through the same agent, byte-exact.
+    let mut conn = server_dialer(&server, layout).dial(&bulk.address()).await.unwrap();
+    let mut got = Vec::with_capacity(bulk_len);
+    conn.read_to_end(&mut got).await.unwrap();
+    assert!(got == backend::pattern(bulk_len, 7), "the download differs");
+
+    // The stalled connection is closed with an error at both ends.
+    server.wait_for_metric(STALLED_CLOSED, 1.0, DEADLINE).await;
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    integration_tests::wait_for("the node side of the stalled connection to close", || {
+        endless.open_connections() == 0
+    })
+    .await;
+    let read = match stuck {
+        Stuck::Grpc(_tx, mut inbound) => {
+            let mut read = 0;
+            loop {
+                match tokio::time::timeout(DEADLINE, inbound.message()).await.unwrap() {
+                    Ok(Some(packet)) => match packet.into_kind() {
+                        PacketKind::Data(data) => read += data.data.len(),
+                        PacketKind::CloseRsp(rsp) => {
+                            assert_eq!(rsp.error, proxy_server::STALLED);
+                            break;
+                        }
+                        other => panic!("unexpected {other:?}"),
+                    },
+                    other => panic!("the stalled stream ended without CLOSE_RSP: {other:?}"),
+                }
+            }
+            read
+        }
+        Stuck::Connect(mut io) => {
+            let mut rest = Vec::new();
+            // What was in flight, then the close.
+            let _ = tokio::time::timeout(DEADLINE, io.read_to_end(&mut rest))
+                .await
+                .expect("the stalled CONNECT socket was never closed");
+            server.wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE).await;
+            rest.len()
+        }
+    };
+    assert!(read < 256 * 1024 * 1024, "the stalled connection was not cut short");
+    server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
+}
+
+/// The frontend of [`stalled_reader`] that stops reading.
+enum Stuck {
+    Grpc(mpsc::Sender<Packet>, tonic::Streaming<Packet>),
+    Connect(UnixStream),
+}
+
+fn server_dialer(server: &ServerProcess, layout: Layout) -> tunnel::client::Dialer {
+    tunnel::client::Dialer {
+        transport: tunnel::client::Transport::Uds(server.uds.clone()),
+        mode: match layout {
+            Layout::HttpConnect => tunnel::client::Mode::HttpConnect,
+            _ => tunnel::client::Mode::Grpc,
+        },
+    }
+}
+
+mod stalled_reader {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grpc() {
+        stalled_reader(Layout::GrpcConnectionPerTunnel).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn http_connect() {
+        stalled_reader(Layout::HttpConnect).await;
+    }
+}
+
+/// 1,000 clients send bytes that can never be an HTTP request head, and
+/// keep their sockets open: each is answered 400 and closed within a
+/// second, not held for the 60 s header timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_the_connect_socket_is_closed_at_once() {
+    trace_init();
+    let server = ServerProcess::start("http-connect", &[]).await;
+    let garbage: [&[u8]; 4] = [
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 a TLS hello",
+        b"\x00\x00\x00\x00",
+        b"GET\x01/ HTTP/1.1",
+        b"CONNECT 10.0.0.1:443 FTP/1.0\r\n",
+    ];
+    let mut clients = tokio::task::JoinSet::new();
+    for i in 0..1000 {
+        let uds = server.uds.clone();
+        let bytes = garbage[i % garbage.len()];
+        clients.spawn(async move {
+            let mut io = UnixStream::connect(&uds).await.unwrap();
+            io.write_all(bytes).await.unwrap();
+            let sent = Instant::now();
+            let mut answer = Vec::new();
+            tokio::time::timeout(DEADLINE, io.read_to_end(&mut answer))
+                .await
+                .expect("a garbage connection was held")
+                .unwrap();
+            (sent.elapsed(), answer)
+        });
+    }
+    while let Some(client) = clients.join_next().await {
+        let (took, answer) = client.unwrap();
+        assert!(took < Duration::from_secs(1), "closed after {took:?}");
+        assert!(
+            answer.starts_with(b"HTTP/1.1 400 Bad Request\r\n"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+    }
+    server.wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE).await;
+}
+
+/// 2,000 TCP connections that never send a byte sit on the agent port:
+/// the handshake cap drops the oldest of them, so a real agent still
+/// connects at once and serves a request, and the server holds a bounded
+/// number of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_silent_connections_does_not_lock_agents_out() {
+    trace_init();
+    let server = ServerProcess::start("grpc", &[]).await;
+    let mut silent = Vec::new();
+    for _ in 0..2000 {
+        silent.push(tokio::net::TcpStream::connect(server.agent_addr).await.unwrap());
+    }
+    let dropped = "konnectivity_rs_server_limit_reached_total{limit=\"tls_handshakes\"}";
+    server
+        .wait_for_metric(dropped, (2000 - 256) as f64, DEADLINE)
+        .await;
+
+    let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
+    server.wait_for_agents(1).await;
+    let echo = backend::echo().await;
+    echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
+    let fds = server.metric("process_open_fds").await;
+    assert!(fds < 400.0, "the server holds {fds} descriptors");
+    drop(silent);
+}
+
+/// Tunnels open at once in the many-tunnels test.
+const MANY: usize = 10_000;
+/// Dials in flight at once while opening them (the socket's backlog).
+const OPENING: usize = 256;
+
+/// Raises this process's open-file limit to its hard limit (children
+/// inherit it): `MANY` tunnels take as many sockets here (their frontends),
+/// in the server, the agent and the echo process (each a process of its
+/// own, so no process holds more than one socket per tunnel).
+fn raise_fd_limit() {
+    let want = MANY as u64 + 1024;
+    let (soft, hard) = rlimit::Resource::NOFILE.get().unwrap();
+    assert!(
+        hard >= want,
+        "the open-file hard limit is {hard}: {MANY} tunnels need {want} (ulimit -Hn)"
+    );
+    if soft < want {
+        rlimit::Resource::NOFILE.set(hard, hard).unwrap();
+    }
+}
+
+/// One tunnel of the many: dials the echo backend, echoes 1 KiB of its own
+/// pattern byte-exact, holds the tunnel open until `close`, then closes it.
+async fn one_of_many(
+    layout: Layout,
+    uds: std::path::PathBuf,
+    echo: String,
+    seed: u64,
+    opening: Arc<tokio::sync::Semaphore>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
+    close: tokio_util::sync::CancellationToken,
+) {
+    let sent = backend::pattern(1024, seed);
+    let mut got = vec![0u8; sent.len()];
+    match layout {
+        Layout::HttpConnect => {
+            let permit = opening.acquire().await.unwrap();
+            let io = UnixStream::connect(&uds).await.unwrap();
+            let mut io = tunnel::client::http_connect(io, &echo).await.unwrap();
+            io.write_all(&sent).await.unwrap();
+            io.read_exact(&mut got).await.unwrap();
+            drop(permit);
+            open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            close.cancelled().await;
+            io.shutdown().await.unwrap();
+            let mut rest = Vec::new();
+            io.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty());
+        }
+        _ => {
+            let permit = opening.acquire().await.unwrap();
+            let (tx, rx) = mpsc::channel(4);
+            let random = DialId::random();
+            tx.send(Packet::dial_request("tcp", &echo, random.0)).await.unwrap();
+            let channel = tunnel::client::uds_channel(&uds).await.unwrap();
+            let mut inbound = ProxyServiceClient::new(channel)
+                .proxy(ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            let conn = match inbound.message().await.unwrap().unwrap().into_kind() {
+                PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
+                other => panic!("expected a successful DIAL_RSP, got {other:?}"),
+            };
+            tx.send(Packet::data(conn, Bytes::from(sent.clone()))).await.unwrap();
+            let mut filled = 0;
+            while filled < got.len() {
+                match inbound.message().await.unwrap().unwrap().into_kind() {
+                    PacketKind::Data(data) => {
+                        got[filled..filled + data.data.len()].copy_from_slice(&data.data);
+                        filled += data.data.len();
+                    }
+                    other => panic!("expected DATA, got {other:?}"),
+                }
+            }
+            drop(permit);
+            open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            close.cancelled().await;
+            tx.send(Packet::close_request(conn)).await.unwrap();
+            match inbound.message().await.unwrap().unwrap().into_kind() {
+                PacketKind::CloseRsp(rsp) => assert_eq!(rsp.error, ""),
+                other => panic!("expected CLOSE_RSP, got {other:?}"),
+            }
+        }
+    }
+    assert!(got == sent, "tunnel {seed} echoed other bytes");
+}
+
+/// Rounds of [`many_tunnels`].
+const ROUNDS: usize = 6;
+
+/// `ROUNDS` rounds of `MANY` tunnels open at once, each echoing its own
+/// bytes: after each, every gauge is back to 0; over the rounds the
+/// memory of the server and the agent stops growing (after the last round
+/// within 10 % of after the second: a leak or creeping fragmentation grows
+/// every round).
+async fn many_tunnels(layout: Layout) {
+    trace_init();
+    raise_fd_limit();
+    let server = ServerProcess::start(layout.mode(), &[]).await;
+    let agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
+    server.wait_for_agents(1).await;
+    let echo = backend::EchoProcess::start();
+    let mut rss = Vec::new();
+    for _ in 0..ROUNDS {
+        let opening = Arc::new(tokio::sync::Semaphore::new(OPENING));
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let close = tokio_util::sync::CancellationToken::new();
+        let mut tunnels = tokio::task::JoinSet::new();
+        for seed in 0..MANY {
+            tunnels.spawn(one_of_many(
+                layout,
+                server.uds.clone(),
+                echo.address(),
+                seed as u64,
+                opening.clone(),
+                open.clone(),
+                close.clone(),
+            ));
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while open.load(std::sync::atomic::Ordering::SeqCst) < MANY {
+            if let Some(Err(e)) = tunnels.try_join_next() {
+                std::panic::resume_unwind(e.into_panic());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {MANY} tunnels open",
+                open.load(std::sync::atomic::Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        server.wait_for_metric(ESTABLISHED, MANY as f64, DEADLINE).await;
+        close.cancel();
+        while let Some(tunnel) = tunnels.join_next().await {
+            tunnel.unwrap();
+        }
+        for (series, value) in [
+            (ESTABLISHED, 0.0),
+            (PENDING, 0.0),
+            (PROXY_STREAMS, 0.0),
+            (HTTP_CONNECTIONS, 0.0),
+        ] {
+            server.wait_for_metric(series, value, DEADLINE).await;
+        }
+        rss.push((
+            settled_rss(server.pid()).await,
+            settled_rss(agent.pid()).await,
+        ));
+    }
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    let rounds: Vec<String> = rss
+        .iter()
+        .map(|(s, a)| format!("{:.1}/{:.1}", mib(*s), mib(*a)))
+        .collect();
+    eprintln!("RSS after each round (MiB, server/agent): {rounds:?}");
+    let (second, last) = (rss[1], rss[ROUNDS - 1]);
+    assert!(
+        last.0 as f64 <= second.0 as f64 * 1.1 && last.1 as f64 <= second.1 as f64 * 1.1,
+        "RSS (MiB, server/agent) grows over rounds: {rounds:?}"
+    );
+}
+
+/// RSS of `pid` once it stops moving: samples 250 ms apart until two are
+/// within 256 KiB (freed memory goes back within about a second), at most
+/// 5 s.
+async fn settled_rss(pid: u32) -> u64 {
+    let mut last = integration_tests::process::rss_bytes(pid);
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = integration_tests::process::rss_bytes(pid);
+        if now.abs_diff(last) <= 256 * 1024 {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
+mod many_tunnels {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn grpc() {
+        many_tunnels(Layout::GrpcConnectionPerTunnel).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn http_connect() {
+        many_tunnels(Layout::HttpConnect).await;
+    }
+}
