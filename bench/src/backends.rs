@@ -38,7 +38,8 @@ enum Behaviour {
     Echo,
     /// Reads [`EXCHANGE_BYTES`], writes as many back, closes.
     Responder,
-    /// Reads (and drops) until EOF, with a tiny buffer: an idle connection.
+    /// Writes back what it reads with a tiny buffer, until EOF: an idle
+    /// connection, or a small echo (the churn scenario).
     Hold,
 }
 
@@ -308,8 +309,13 @@ async fn serve(
         }
         Behaviour::Hold => {
             let mut buf = [0u8; 64];
-            while stream.read(&mut buf).await? > 0 {}
-            Ok(())
+            loop {
+                let n = stream.read(&mut buf).await?;
+                if n == 0 {
+                    return Ok(());
+                }
+                stream.write_all(&buf[..n]).await?;
+            }
         }
     }
 }

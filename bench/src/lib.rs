@@ -60,6 +60,9 @@ pub enum Scenario {
     Memory,
     /// CPU seconds of server + agent per GiB during bulk.
     Cpu,
+    /// Rounds of --conns tunnels open at once, each echoing 1 KiB: RSS
+    /// after round 2 and after the last.
+    Churn,
 }
 
 impl Scenario {
@@ -85,6 +88,9 @@ pub struct Opt {
     /// Idle tunneled connections opened in the memory scenario.
     #[arg(long, default_value_t = 10_000)]
     pub conns: usize,
+    /// Rounds of the churn scenario.
+    #[arg(long, default_value_t = 8)]
+    pub churn_rounds: usize,
     /// Timed ping-pong round trips per run.
     #[arg(long, default_value_t = 10_000)]
     pub round_trips: usize,
@@ -99,7 +105,7 @@ pub struct Opt {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "bulk,parallel,hol,pingpong,dial,memory,cpu"
+        default_value = "bulk,parallel,hol,pingpong,dial,memory,churn,cpu"
     )]
     pub scenarios: Vec<Scenario>,
     /// Where to write the JSON results.
@@ -248,6 +254,15 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
             (opt.conns / 10).max(1)
         ));
     }
+    if opt.has(Scenario::Churn) {
+        churn_scenario(&opt, &targets, &backends, &mut rec).await?;
+        notes.push(format!(
+            "churn runs once, after memory, before the time-boxed scenarios: {} rounds of {} \
+             tunnels open at once, each echoing 1 KiB, RSS settled after each",
+            opt.churn_rounds.max(2),
+            opt.conns
+        ));
+    }
     for rep in 0..opt.reps {
         for target in &targets {
             let ctx = format!("rep {}/{}", rep + 1, opt.reps);
@@ -364,6 +379,50 @@ async fn memory_scenario(
             m.per_conn.0 / 1024.0,
             m.per_conn.1 / 1024.0
         );
+    }
+    Ok(())
+}
+
+/// The churn scenario, for each tunneled route.
+async fn churn_scenario(
+    opt: &Opt,
+    targets: &[Target],
+    backends: &Backends,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let rounds = opt.churn_rounds.max(2);
+    for target in targets.iter().filter(|t| t.pids.is_some()) {
+        let route = target.route;
+        eprintln!(
+            "churn {}: {rounds} rounds of {} tunnels ...",
+            route.name(),
+            opt.conns
+        );
+        let rss = scenarios::churn(target, backends, opt.conns, rounds)
+            .await
+            .with_context(|| format!("churn scenario, {}", route.name()))?;
+        let per_round: Vec<String> = rss
+            .iter()
+            .map(|(s, a)| format!("{:.1}/{:.1}", *s as f64 / MIB, *a as f64 / MIB))
+            .collect();
+        eprintln!(
+            "churn {}: RSS after each round (MiB, server/agent): {}",
+            route.name(),
+            per_round.join(" ")
+        );
+        let (second, last) = (rss[1], rss[rss.len() - 1]);
+        let growth = |last: u64, second: u64| (last as f64 / second as f64 - 1.0) * 100.0;
+        for (def, value) in [
+            (&report::CHURN_R2_SERVER, second.0 as f64 / MIB),
+            (&report::CHURN_LAST_SERVER, last.0 as f64 / MIB),
+            (&report::CHURN_GROWTH_SERVER, growth(last.0, second.0)),
+            (&report::CHURN_R2_AGENT, second.1 as f64 / MIB),
+            (&report::CHURN_LAST_AGENT, last.1 as f64 / MIB),
+            (&report::CHURN_GROWTH_AGENT, growth(last.1, second.1)),
+        ] {
+            rec.push(def, route, 0, Some(value));
+        }
     }
     Ok(())
 }

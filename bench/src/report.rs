@@ -123,6 +123,18 @@ pub const MEM_R1_AGENT: Def = def("memory", "agent RSS after round 1", "MiB", fa
 pub const MEM_R10_AGENT: Def = def("memory", "agent RSS after round 10", "MiB", false);
 /// Agent RSS growth from round 1 to round 10.
 pub const MEM_GROWTH_AGENT: Def = def("memory", "agent growth round 1->10", "MiB", false);
+/// Server RSS after churn round 2.
+pub const CHURN_R2_SERVER: Def = def("churn", "server RSS after round 2", "MiB", false);
+/// Server RSS after the last churn round.
+pub const CHURN_LAST_SERVER: Def = def("churn", "server RSS after last round", "MiB", false);
+/// Server RSS growth from churn round 2 to the last, in percent.
+pub const CHURN_GROWTH_SERVER: Def = def("churn", "server growth round 2->last", "%", false);
+/// Agent RSS after churn round 2.
+pub const CHURN_R2_AGENT: Def = def("churn", "agent RSS after round 2", "MiB", false);
+/// Agent RSS after the last churn round.
+pub const CHURN_LAST_AGENT: Def = def("churn", "agent RSS after last round", "MiB", false);
+/// Agent RSS growth from churn round 2 to the last, in percent.
+pub const CHURN_GROWTH_AGENT: Def = def("churn", "agent growth round 2->last", "%", false);
 
 /// Every metric, in table order.
 const ALL: &[&Def] = &[
@@ -157,6 +169,12 @@ const ALL: &[&Def] = &[
     &MEM_R1_AGENT,
     &MEM_R10_AGENT,
     &MEM_GROWTH_AGENT,
+    &CHURN_R2_SERVER,
+    &CHURN_LAST_SERVER,
+    &CHURN_GROWTH_SERVER,
+    &CHURN_R2_AGENT,
+    &CHURN_LAST_AGENT,
+    &CHURN_GROWTH_AGENT,
 ];
 
 /// Values collected so far, per metric, route and repetition.

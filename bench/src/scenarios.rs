@@ -502,3 +502,44 @@ pub async fn memory(target: &Target, backends: &Backends, n: usize) -> anyhow::R
     result.round10 = settled_rss(pids).await?;
     Ok(result)
 }
+
+/// One round of the churn scenario: `n` tunnels to the hold-open backend
+/// (which echoes), opened `OPEN_CONCURRENCY` at a time, each exchanging
+/// 1 KiB, all open at once, then all closed.
+async fn churn_round(target: &Target, backends: &Backends, n: usize) -> anyhow::Result<()> {
+    let conns: Vec<Box<dyn Io>> = futures_util::stream::iter(0..n)
+        .map(|_| async {
+            let mut conn = target.connect(backends.hold.addr).await?;
+            let sent = [0x5au8; EXCHANGE_BYTES];
+            conn.write_all(&sent).await?;
+            let mut got = [0u8; EXCHANGE_BYTES];
+            conn.read_exact(&mut got).await?;
+            anyhow::ensure!(got == sent, "the echo differs");
+            Ok(conn)
+        })
+        .buffer_unordered(OPEN_CONCURRENCY)
+        .try_collect()
+        .await?;
+    close_idle(backends, conns).await
+}
+
+/// Server and agent RSS (settled) after each of `rounds` rounds of `n`
+/// tunnels open at once, each echoing 1 KiB (issue 14's churn: memory must
+/// stop growing after the first rounds).
+///
+/// # Errors
+/// A dial or an exchange fails, or the backend does not see the closes.
+pub async fn churn(
+    target: &Target,
+    backends: &Backends,
+    n: usize,
+    rounds: usize,
+) -> anyhow::Result<Vec<(u64, u64)>> {
+    let pids = target.pids.context("the churn scenario needs a tunnel")?;
+    let mut rss = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        churn_round(target, backends, n).await?;
+        rss.push(settled_rss(pids).await?);
+    }
+    Ok(rss)
+}

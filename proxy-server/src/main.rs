@@ -11,6 +11,7 @@ use tracing::error;
 /// jemalloc, configured in `.cargo/config.toml` to give freed memory back
 /// to the system within a second (glibc keeps what bursts of connections
 /// leave behind).
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

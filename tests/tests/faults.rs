@@ -431,7 +431,10 @@ mod oversize {
         tx.send(oversize_data(conn)).await.unwrap();
 
         let status = loop {
-            match tokio::time::timeout(DEADLINE, inbound.message()).await.unwrap() {
+            match tokio::time::timeout(DEADLINE, inbound.message())
+                .await
+                .unwrap()
+            {
                 Ok(Some(_)) => continue,
                 Ok(None) => panic!("the stream ended with OK: the message was dropped silently"),
                 Err(status) => break status,
@@ -442,7 +445,9 @@ mod oversize {
             echo.open_connections() == 0
         })
         .await;
-        server.wait_for_metric(FROM_CLIENT_TOO_LARGE, 1.0, DEADLINE).await;
+        server
+            .wait_for_metric(FROM_CLIENT_TOO_LARGE, 1.0, DEADLINE)
+            .await;
         server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
         server.wait_for_metric(PROXY_STREAMS, 0.0, DEADLINE).await;
         echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
@@ -457,9 +462,10 @@ mod oversize {
         trace_init();
         let server = ServerProcess::start("grpc", &[]).await;
         let config = integration_tests::agent_config(server.agent_addr, &Default::default());
-        let channel = tunnel::client::tls_channel(server.agent_addr, "127.0.0.1", config.tls.clone())
-            .await
-            .unwrap();
+        let channel =
+            tunnel::client::tls_channel(server.agent_addr, "127.0.0.1", config.tls.clone())
+                .await
+                .unwrap();
         let (agent_tx, agent_rx) = mpsc::channel::<Packet>(4);
         let mut request = Request::new(ReceiverStream::new(agent_rx));
         request
@@ -502,9 +508,14 @@ mod oversize {
 
         agent_tx.send(oversize_data(1)).await.unwrap();
         let status = loop {
-            match tokio::time::timeout(DEADLINE, agent_inbound.message()).await.unwrap() {
+            match tokio::time::timeout(DEADLINE, agent_inbound.message())
+                .await
+                .unwrap()
+            {
                 Ok(Some(_)) => continue,
-                Ok(None) => panic!("the agent stream ended with OK: the message was dropped silently"),
+                Ok(None) => {
+                    panic!("the agent stream ended with OK: the message was dropped silently")
+                }
                 Err(status) => break status,
             }
         };
@@ -522,7 +533,9 @@ mod oversize {
             }
             other => panic!("expected CLOSE_RSP, got {other:?}"),
         }
-        server.wait_for_metric(FROM_AGENT_TOO_LARGE, 1.0, DEADLINE).await;
+        server
+            .wait_for_metric(FROM_AGENT_TOO_LARGE, 1.0, DEADLINE)
+            .await;
         server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
 
         let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
@@ -553,7 +566,11 @@ async fn stalled_reader(layout: Layout) {
     let stuck = match layout {
         Layout::HttpConnect => {
             let io = UnixStream::connect(&server.uds).await.unwrap();
-            Stuck::Connect(tunnel::client::http_connect(io, &endless.address()).await.unwrap())
+            Stuck::Connect(
+                tunnel::client::http_connect(io, &endless.address())
+                    .await
+                    .unwrap(),
+            )
         }
         _ => {
             let (tx, rx) = mpsc::channel(4);
@@ -577,7 +594,10 @@ async fn stalled_reader(layout: Layout) {
     let started = Instant::now();
 
     // The other frontend downloads through the same agent, byte-exact.
-    let mut conn = server_dialer(&server, layout).dial(&bulk.address()).await.unwrap();
+    let mut conn = server_dialer(&server, layout)
+        .dial(&bulk.address())
+        .await
+        .unwrap();
     let mut got = Vec::with_capacity(bulk_len);
     conn.read_to_end(&mut got).await.unwrap();
     assert!(got == backend::pattern(bulk_len, 7), "the download differs");
@@ -593,7 +613,10 @@ async fn stalled_reader(layout: Layout) {
         Stuck::Grpc(_tx, mut inbound) => {
             let mut read = 0;
             loop {
-                match tokio::time::timeout(DEADLINE, inbound.message()).await.unwrap() {
+                match tokio::time::timeout(DEADLINE, inbound.message())
+                    .await
+                    .unwrap()
+                {
                     Ok(Some(packet)) => match packet.into_kind() {
                         PacketKind::Data(data) => read += data.data.len(),
                         PacketKind::CloseRsp(rsp) => {
@@ -613,11 +636,16 @@ async fn stalled_reader(layout: Layout) {
             let _ = tokio::time::timeout(DEADLINE, io.read_to_end(&mut rest))
                 .await
                 .expect("the stalled CONNECT socket was never closed");
-            server.wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE).await;
+            server
+                .wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE)
+                .await;
             rest.len()
         }
     };
-    assert!(read < 256 * 1024 * 1024, "the stalled connection was not cut short");
+    assert!(
+        read < 256 * 1024 * 1024,
+        "the stalled connection was not cut short"
+    );
     server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
 }
 
@@ -689,7 +717,9 @@ async fn garbage_on_the_connect_socket_is_closed_at_once() {
             String::from_utf8_lossy(&answer)
         );
     }
-    server.wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE).await;
+    server
+        .wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE)
+        .await;
 }
 
 /// 2,000 TCP connections that never send a byte sit on the agent port:
@@ -702,7 +732,11 @@ async fn a_flood_of_silent_connections_does_not_lock_agents_out() {
     let server = ServerProcess::start("grpc", &[]).await;
     let mut silent = Vec::new();
     for _ in 0..2000 {
-        silent.push(tokio::net::TcpStream::connect(server.agent_addr).await.unwrap());
+        silent.push(
+            tokio::net::TcpStream::connect(server.agent_addr)
+                .await
+                .unwrap(),
+        );
     }
     let dropped = "konnectivity_rs_server_limit_reached_total{limit=\"tls_handshakes\"}";
     server
@@ -771,7 +805,9 @@ async fn one_of_many(
             let permit = opening.acquire().await.unwrap();
             let (tx, rx) = mpsc::channel(4);
             let random = DialId::random();
-            tx.send(Packet::dial_request("tcp", &echo, random.0)).await.unwrap();
+            tx.send(Packet::dial_request("tcp", &echo, random.0))
+                .await
+                .unwrap();
             let channel = tunnel::client::uds_channel(&uds).await.unwrap();
             let mut inbound = ProxyServiceClient::new(channel)
                 .proxy(ReceiverStream::new(rx))
@@ -782,7 +818,9 @@ async fn one_of_many(
                 PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
                 other => panic!("expected a successful DIAL_RSP, got {other:?}"),
             };
-            tx.send(Packet::data(conn, Bytes::from(sent.clone()))).await.unwrap();
+            tx.send(Packet::data(conn, Bytes::from(sent.clone())))
+                .await
+                .unwrap();
             let mut filled = 0;
             while filled < got.len() {
                 match inbound.message().await.unwrap().unwrap().into_kind() {
@@ -850,7 +888,9 @@ async fn many_tunnels(layout: Layout) {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        server.wait_for_metric(ESTABLISHED, MANY as f64, DEADLINE).await;
+        server
+            .wait_for_metric(ESTABLISHED, MANY as f64, DEADLINE)
+            .await;
         close.cancel();
         while let Some(tunnel) = tunnels.join_next().await {
             tunnel.unwrap();

@@ -57,8 +57,12 @@ pub struct PumpFlow {
 }
 
 /// Reads the next chunk: waits with a small buffer, then takes whatever else
-/// is ready without waiting. `Ok(None)` is end of file.
-async fn read_chunk<R: AsyncRead + Unpin>(
+/// is ready without waiting. `Ok(None)` is end of file; `eof` is set when
+/// the end of file was found after the returned chunk.
+///
+/// # Errors
+/// The read's.
+pub async fn read_chunk<R: AsyncRead + Unpin>(
     reader: &mut R,
     eof: &mut bool,
 ) -> io::Result<Option<Bytes>> {

@@ -11,7 +11,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use proto::{Packet, packet::PacketKind};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -19,7 +19,6 @@ use tracing::debug;
 use tunnel::{
     ids::{ConnId, DialId},
     metrics::when_blocked,
-    pump::READ_CHUNK,
     queue::QueueRx,
 };
 
@@ -223,34 +222,44 @@ fn parse_head(buf: BytesMut, len: usize) -> Result<Head, HeadError> {
     })
 }
 
-/// Writes a final answer and closes the write side (flushing TLS).
+/// Writes a final answer and closes the write side (flushing TLS), within
+/// [`FINAL_WRITE_TIMEOUT`]: a client that does not read does not hold the
+/// connection.
 async fn write_final<IO: AsyncWrite + Unpin>(io: &mut IO, bytes: &[u8]) {
-    if io.write_all(bytes).await.is_ok() {
-        let _ = io.shutdown().await;
-    }
+    let _ = tokio::time::timeout(FINAL_WRITE_TIMEOUT, async {
+        if io.write_all(bytes).await.is_ok() {
+            let _ = io.shutdown().await;
+        }
+    })
+    .await;
 }
+
+/// How long a final answer (an error page, the close) may take to write.
+const FINAL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Answers a client over `--max-http-connections` with 503 and closes.
 pub(crate) async fn refuse<IO: AsyncWrite + Unpin>(mut io: IO) {
-    let _ = tokio::time::timeout(
-        REFUSE_TIMEOUT,
-        write_final(
-            &mut io,
-            &error_page(503, "too many HTTP CONNECT connections open"),
-        ),
+    write_final(
+        &mut io,
+        &error_page(503, "too many HTTP CONNECT connections open"),
     )
     .await;
 }
 
-/// How long a refused client may take to take its 503.
-const REFUSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Serves one client connection (UDS or mTLS TCP) until it ends or
+/// `shutdown`: every wait of the connection ends with it.
+pub(crate) async fn serve_connection<IO>(io: IO, tunnels: Arc<Tunnels>, shutdown: CancellationToken)
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = serve(io, tunnels, &shutdown) => {}
+    }
+}
 
-/// Serves one client connection (UDS or mTLS TCP).
-pub(crate) async fn serve_connection<IO>(
-    mut io: IO,
-    tunnels: Arc<Tunnels>,
-    shutdown: CancellationToken,
-) where
+async fn serve<IO>(mut io: IO, tunnels: Arc<Tunnels>, shutdown: &CancellationToken)
+where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
     let head = match tokio::time::timeout(READ_HEADER_TIMEOUT, read_head(&mut io)).await {
@@ -313,7 +322,6 @@ pub(crate) async fn serve_connection<IO>(
                     }
                     Ok(_) => {}
                 },
-                () = shutdown.cancelled() => return,
             }
         }
     };
@@ -354,7 +362,7 @@ pub(crate) async fn serve_connection<IO>(
         })
         .await;
     }
-    let _ = io.shutdown().await;
+    let _ = tokio::time::timeout(FINAL_WRITE_TIMEOUT, io.shutdown()).await;
 }
 
 /// Moves bytes until one side ends; `true` if the client side ended first
@@ -371,23 +379,22 @@ where
 {
     let (mut reader, mut writer) = tokio::io::split(io);
     let upstream = async {
-        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        // Reads as the agent's pump does: an idle client holds a small
+        // buffer, a busy one sends whole chunks.
+        let mut eof = false;
         loop {
-            if buf.capacity() < READ_CHUNK / 4 {
-                buf = BytesMut::with_capacity(READ_CHUNK);
-            }
-            match reader.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {
-                    let chunk: Bytes = tunnel::pump::seal(buf.split());
-                    // Counted as a gRPC frontend's reader is while it waits
-                    // for credit or room on the agent stream.
-                    when_blocked(
-                        tunnels.frontend_packet(frontend, Packet::data(conn.0, chunk)),
-                        || tunnels.metrics.blocked(PROXY),
-                    )
-                    .await;
-                }
+            let Ok(Some(chunk)) = tunnel::pump::read_chunk(&mut reader, &mut eof).await else {
+                return;
+            };
+            // Counted as a gRPC frontend's reader is while it waits for
+            // credit or room on the agent stream.
+            when_blocked(
+                tunnels.frontend_packet(frontend, Packet::data(conn.0, chunk)),
+                || tunnels.metrics.blocked(PROXY),
+            )
+            .await;
+            if eof {
+                return;
             }
         }
     };
