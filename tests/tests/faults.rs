@@ -287,11 +287,13 @@ async fn stalled_uploads(layout: Layout, ending: Ending) {
         .await;
     assert_eq!(stall.held(), STALLED);
 
+    let stalled_rss = server.rss();
     let fault = Instant::now();
     match ending {
         Ending::DestinationReset => stall.reset_all(),
         Ending::AgentKilled => agent.kill(),
     }
+    let mut slowest = Duration::ZERO;
     for upload in uploads {
         let told = tokio::time::timeout(DEADLINE, upload.told)
             .await
@@ -299,6 +301,7 @@ async fn stalled_uploads(layout: Layout, ending: Ending) {
             .unwrap();
         let after = told.saturating_duration_since(fault);
         assert!(after < TOLD_WITHIN, "a frontend was told after {after:?}");
+        slowest = slowest.max(after);
     }
 
     // Nothing stays behind.
@@ -345,8 +348,15 @@ async fn stalled_uploads(layout: Layout, ending: Ending) {
     drop(per_tunnel);
     server.wait_for_metric(ESTABLISHED, 0.0, DEADLINE).await;
 
+    let after_rss = server.rss();
     let took = server.terminate(Duration::from_secs(10)).await;
     assert!(took < EXIT_WITHIN, "SIGTERM took {took:?} to exit");
+    eprintln!(
+        "{layout:?}, {ending:?}: all told within {slowest:?}; server RSS {} MiB before, {} MiB stalled, {} MiB after; SIGTERM exit in {took:?}",
+        baseline >> 20,
+        stalled_rss >> 20,
+        after_rss >> 20
+    );
     drop(agent);
 }
 
@@ -708,9 +718,11 @@ async fn garbage_on_the_connect_socket_is_closed_at_once() {
             (sent.elapsed(), answer)
         });
     }
+    let mut slowest = Duration::ZERO;
     while let Some(client) = clients.join_next().await {
         let (took, answer) = client.unwrap();
         assert!(took < Duration::from_secs(1), "closed after {took:?}");
+        slowest = slowest.max(took);
         assert!(
             answer.starts_with(b"HTTP/1.1 400 Bad Request\r\n"),
             "{}",
@@ -720,6 +732,7 @@ async fn garbage_on_the_connect_socket_is_closed_at_once() {
     server
         .wait_for_metric(HTTP_CONNECTIONS, 0.0, DEADLINE)
         .await;
+    eprintln!("1,000 garbage clients answered 400 and closed, the slowest after {slowest:?}");
 }
 
 /// 2,000 TCP connections that never send a byte sit on the agent port:
@@ -743,12 +756,17 @@ async fn a_flood_of_silent_connections_does_not_lock_agents_out() {
         .wait_for_metric(dropped, (2000 - 256) as f64, DEADLINE)
         .await;
 
+    let started = Instant::now();
     let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
     server.wait_for_agents(1).await;
     let echo = backend::echo().await;
     echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
     let fds = server.metric("process_open_fds").await;
     assert!(fds < 400.0, "the server holds {fds} descriptors");
+    eprintln!(
+        "behind 2,000 silent connections an agent connected and served in {:?}; the server holds {fds} descriptors",
+        started.elapsed()
+    );
     drop(silent);
 }
 
@@ -914,27 +932,34 @@ async fn many_tunnels(layout: Layout) {
         .map(|(s, a)| format!("{:.1}/{:.1}", mib(*s), mib(*a)))
         .collect();
     eprintln!("RSS after each round (MiB, server/agent): {rounds:?}");
-    let (second, last) = (rss[1], rss[ROUNDS - 1]);
-    assert!(
-        last.0 as f64 <= second.0 as f64 * 1.1 && last.1 as f64 <= second.1 as f64 * 1.1,
-        "RSS (MiB, server/agent) grows over rounds: {rounds:?}"
-    );
+    // A leak grows every round: the later rounds' least would exceed the
+    // earlier rounds' most. (The bench's churn scenario measures the
+    // release binaries round by round.)
+    let half = ROUNDS / 2;
+    let early = |pick: fn(&(u64, u64)) -> u64| rss[..half].iter().map(pick).max().unwrap_or(0);
+    let late = |pick: fn(&(u64, u64)) -> u64| rss[half..].iter().map(pick).min().unwrap_or(0);
+    for (who, pick) in [
+        ("server", (|r: &(u64, u64)| r.0) as fn(&(u64, u64)) -> u64),
+        ("agent", |r| r.1),
+    ] {
+        assert!(
+            late(pick) as f64 <= early(pick) as f64 * 1.1,
+            "{who} RSS grows over rounds (MiB, server/agent): {rounds:?}"
+        );
+    }
 }
 
-/// RSS of `pid` once it stops moving: samples 250 ms apart until two are
-/// within 256 KiB (freed memory goes back within about a second), at most
-/// 5 s.
+/// RSS of `pid` once freed memory has gone back: jemalloc returns it
+/// within a second (`.cargo/config.toml`), so this waits two, then takes
+/// the least of four samples over the next second.
 async fn settled_rss(pid: u32) -> u64 {
-    let mut last = integration_tests::process::rss_bytes(pid);
-    for _ in 0..20 {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut least = u64::MAX;
+    for _ in 0..4 {
+        least = least.min(integration_tests::process::rss_bytes(pid));
         tokio::time::sleep(Duration::from_millis(250)).await;
-        let now = integration_tests::process::rss_bytes(pid);
-        if now.abs_diff(last) <= 256 * 1024 {
-            return now;
-        }
-        last = now;
     }
-    last
+    least
 }
 
 mod many_tunnels {
