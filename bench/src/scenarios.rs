@@ -458,21 +458,20 @@ async fn close_idle(backends: &Backends, conns: Vec<Box<dyn Io>>) -> anyhow::Res
     Ok(())
 }
 
-/// Waits until the RSS of both processes stops moving (two samples 250 ms
-/// apart within 64 KiB, at most 5 s), then returns it.
+/// The RSS of both processes once freed memory has gone back: the
+/// binaries' jemalloc returns freed pages within a second, so this waits
+/// two, then takes the least of four samples over the next second.
 pub async fn settled_rss(pids: Pids) -> anyhow::Result<(u64, u64)> {
+    const DECAY: Duration = Duration::from_secs(2);
     const STEP: Duration = Duration::from_millis(250);
-    const NOISE: u64 = 64 * 1024;
-    let mut last = pids.rss()?;
-    for _ in 0..20 {
-        tokio::time::sleep(STEP).await;
+    tokio::time::sleep(DECAY).await;
+    let mut least = (u64::MAX, u64::MAX);
+    for _ in 0..4 {
         let now = pids.rss()?;
-        if now.0.abs_diff(last.0) <= NOISE && now.1.abs_diff(last.1) <= NOISE {
-            return Ok(now);
-        }
-        last = now;
+        least = (least.0.min(now.0), least.1.min(now.1));
+        tokio::time::sleep(STEP).await;
     }
-    Ok(last)
+    Ok(least)
 }
 
 /// RSS per idle tunneled connection at `n` open, then 10 rounds of
