@@ -24,7 +24,8 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
-use tunnel::{client::Mode, flags::go_duration};
+use client::dial::Mode;
+use runtime::flags::go_duration;
 
 use crate::{
     backends::Backends,
@@ -147,7 +148,7 @@ pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
     opt.streams = opt.streams.max(1);
     tokio::select! {
         report = run_selected(opt) => report,
-        () = tunnel::signal::shutdown() => anyhow::bail!("interrupted"),
+        () = runtime::signal::shutdown() => anyhow::bail!("interrupted"),
     }
 }
 

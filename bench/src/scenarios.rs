@@ -12,6 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use client::dial::{Dialer, Io};
 use futures_util::{StreamExt, TryStreamExt};
 use hdrhistogram::Histogram;
 use tokio::{
@@ -19,7 +20,6 @@ use tokio::{
     net::TcpStream,
     task::JoinSet,
 };
-use tunnel::client::{Dialer, Io};
 
 use crate::{
     backends::{BULK_BUFFER, Backends, EXCHANGE_BYTES, wait_until},

@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use tunnel::client::{Dialer, Mode, Transport};
+use client::dial::{Dialer, Mode, Transport};
 
 use crate::probe;
 

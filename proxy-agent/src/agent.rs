@@ -12,10 +12,11 @@ use std::{
     time::Duration,
 };
 
+use runtime::error::DisplayErrorStack;
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, info, info_span, warn};
-use tunnel::{conn::bind_named, error::DisplayErrorStack, ids::ServerId};
+use tunnel::{conn::bind_named, ids::ServerId};
 
 use crate::{
     client::Client,
@@ -34,7 +35,7 @@ pub enum AgentError {
     Bind(#[from] tunnel::conn::BindError),
     /// `--count-server-leases` is on and the kube client cannot be set up.
     #[error(transparent)]
-    Kube(#[from] tunnel::kube::KubeSetupError),
+    Kube(#[from] runtime::kube::KubeSetupError),
 }
 
 /// One live server connection, as the client set sees it.
@@ -166,7 +167,7 @@ impl Agent {
     /// The port is taken or the address unusable.
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
         // Before anything can fail, so an operator sees them either way.
-        tunnel::flags::warn_flags(&config.not_implemented, &config.deprecated);
+        runtime::flags::warn_flags(&config.not_implemented, &config.deprecated);
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         // The lease watch reports its calls to the metrics, which read the
@@ -263,13 +264,13 @@ impl Bound {
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
         let health_port = health.local_addr().map_or(0, |a| a.port());
-        tasks.spawn(tunnel::http::serve(
+        tasks.spawn(runtime::http::serve(
             health,
             health::router(state.clone()),
             token.clone(),
             "health",
         ));
-        tasks.spawn(tunnel::http::serve(
+        tasks.spawn(runtime::http::serve(
             admin,
             health::admin_router(health_port, config.profiling),
             token.clone(),

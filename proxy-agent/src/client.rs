@@ -14,6 +14,7 @@ use std::{
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
 use proto::{Packet, agent_service_client::AgentServiceClient, header, packet::PacketKind};
+use runtime::metrics::when_blocked;
 use rustls_pki_types::ServerName;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
@@ -27,11 +28,10 @@ use tonic::{
     transport::{Channel, Endpoint},
 };
 use tracing::{Instrument, debug, debug_span, warn};
+use tunnel::conn::Io;
 use tunnel::{
-    client::Io,
     flow::{self, SendCredit},
     ids::{ConnId, DialId, ServerId},
-    metrics::when_blocked,
     proxy_client,
     pump::{PumpEnd, PumpFlow, pump},
     queue::{PushError, QueueTx},

@@ -8,11 +8,13 @@ use std::{
 };
 
 use clap::{ArgAction, Parser};
-use tunnel::{
+use runtime::{
     flags::{Deprecated, LogArgs, go_bool, go_duration},
+    tls,
+};
+use tunnel::{
     ids::AgentId,
     proxy_client::{Proxy, ProxyUrl},
-    tls,
 };
 
 use crate::lease::{LeaseCountConfig, ServerCountSource};
@@ -270,8 +272,8 @@ pub struct Config {
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
-pub use tunnel::flags::FlagError as ConfigError;
-use tunnel::flags::invalid;
+pub use runtime::flags::FlagError as ConfigError;
+use runtime::flags::invalid;
 
 /// Checks `--agent-identifiers` as ANP's agent does: only known keys, valid
 /// addresses and CIDRs, and a boolean `default-route`.
@@ -317,7 +319,7 @@ fn check_identifiers(text: &str) -> Result<(), String> {
 }
 
 fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
-    tunnel::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
+    runtime::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
 }
 
 impl TryFrom<Args> for Config {
@@ -378,10 +380,10 @@ impl TryFrom<Args> for Config {
             .unwrap_or(&args.lease_label_selector);
         // Both are label selectors, checked whatever --count-server-leases
         // says (ANP parses them as flags); empty selects every lease.
-        tunnel::kube::selector::check_label_selector(&args.lease_label_selector)
+        runtime::kube::selector::check_label_selector(&args.lease_label_selector)
             .map_err(|reason| invalid("lease-label-selector", reason))?;
         if let Some(label) = &args.lease_label {
-            tunnel::kube::selector::check_label_selector(label)
+            runtime::kube::selector::check_label_selector(label)
                 .map_err(|reason| invalid("lease-label", reason))?;
         }
         if args.count_server_leases && args.lease_namespace.is_empty() {
@@ -389,17 +391,17 @@ impl TryFrom<Args> for Config {
         }
         // Checked whenever given, used or not (ANP).
         if !args.kubeconfig.is_empty() {
-            tunnel::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
+            runtime::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
         }
         if !args.service_account_token_path.is_empty() {
-            tunnel::flags::check_readable_file(
+            runtime::flags::check_readable_file(
                 "service-account-token-path",
                 &args.service_account_token_path,
             )?;
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
-        let alpn = tunnel::flags::string_slice(&args.alpn_proto);
+        let alpn = runtime::flags::string_slice(&args.alpn_proto);
         let ca = PathBuf::from(&args.ca_cert);
         let client_cert = (!args.agent_cert.is_empty()).then(|| {
             (
@@ -668,7 +670,7 @@ mod tests {
             let err = parse(dir.path(), extra)
                 .err()
                 .unwrap_or_else(|| panic!("{extra:?}"));
-            let text = tunnel::error::DisplayErrorStack(&err).to_string();
+            let text = runtime::error::DisplayErrorStack(&err).to_string();
             assert!(text.contains(needle), "{extra:?}: {text}");
         }
         let err = Config::try_from(Args::try_parse_from(["proxy-agent"]).unwrap()).unwrap_err();
@@ -677,7 +679,7 @@ mod tests {
             Args::try_parse_from(["proxy-agent", "--ca-cert=/nonexistent/ca.crt"]).unwrap(),
         )
         .unwrap_err();
-        let text = tunnel::error::DisplayErrorStack(&err).to_string();
+        let text = runtime::error::DisplayErrorStack(&err).to_string();
         assert!(
             text.contains("--ca-cert") && text.contains("/nonexistent/ca.crt"),
             "{text}"

@@ -30,7 +30,7 @@ async fn metrics(
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            tunnel::metrics::CONTENT_TYPE,
+            runtime::metrics::CONTENT_TYPE,
         )],
         state.metrics.render(),
     )
@@ -49,7 +49,7 @@ pub(crate) fn admin_router(health_port: u16, profiling: bool) -> Router {
         ),
     );
     if profiling {
-        router.merge(tunnel::profiling::router())
+        router.merge(runtime::profiling::router())
     } else {
         router
     }
@@ -74,20 +74,20 @@ fn metrics_redirect(
         .or(host_header)
         .unwrap_or_default();
     // No port (or not splittable): Go keeps the whole of it.
-    let host = tunnel::http::split_host(&request_host).unwrap_or(&request_host);
+    let host = runtime::http::split_host(&request_host).unwrap_or(&request_host);
     let mut url = String::new();
     if let Some(scheme) = uri.scheme_str() {
         url.push_str(scheme);
         url.push(':');
     }
     url.push_str("//");
-    url.push_str(&tunnel::http::join_host_port(host, health_port));
+    url.push_str(&runtime::http::join_host_port(host, health_port));
     url.push_str(uri.path());
     if let Some(query) = uri.query() {
         url.push('?');
         url.push_str(query);
     }
-    tunnel::http::redirect(method, &url, StatusCode::MOVED_PERMANENTLY)
+    runtime::http::redirect(method, &url, StatusCode::MOVED_PERMANENTLY)
 }
 
 async fn readyz(

@@ -1,6 +1,6 @@
 //! Counting servers by their Leases (`--count-server-leases`): a watch on
 //! the Leases of `--lease-namespace` that match `--lease-label-selector`,
-//! counted when still valid (ANP's rule, see `tunnel::kube::lease_is_valid`).
+//! counted when still valid (ANP's rule, see `runtime::kube::lease_is_valid`).
 
 use std::{
     path::PathBuf,
@@ -20,11 +20,11 @@ use kube::{
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::AgentMetrics;
-use tracing::{debug, warn};
-use tunnel::{
+use runtime::{
     error::DisplayErrorStack,
     kube::{KubeSetupError, lease_is_valid},
 };
+use tracing::{debug, warn};
 
 /// How long one kube API request may take (a watch is re-established by
 /// kube-runtime with its own backoff).
@@ -97,12 +97,12 @@ pub(crate) async fn counter(
     config: &LeaseCountConfig,
     metrics: Arc<OnceLock<Arc<AgentMetrics>>>,
 ) -> Result<(Arc<LeaseCounter>, LeaseWatch), KubeSetupError> {
-    let observer: tunnel::kube::Observer = Arc::new(move |call| {
+    let observer: runtime::kube::Observer = Arc::new(move |call| {
         if let Some(metrics) = metrics.get() {
             metrics.lease_call(call);
         }
     });
-    let client = tunnel::kube::observed_client(
+    let client = runtime::kube::observed_client(
         config.kubeconfig.as_deref(),
         REQUEST_TIMEOUT,
         Some(observer),

@@ -18,7 +18,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    if let Err(e) = tunnel::telemetry::init(&args.log) {
+    if let Err(e) = runtime::telemetry::init(&args.log) {
         Args::command().error(ErrorKind::ValueValidation, e).exit();
     }
     let config = match Config::try_from(args) {
@@ -26,7 +26,7 @@ async fn main() -> std::process::ExitCode {
         Err(e) => Args::command()
             .error(
                 ErrorKind::ValueValidation,
-                tunnel::error::DisplayErrorStack(&e),
+                runtime::error::DisplayErrorStack(&e),
             )
             .exit(),
     };
@@ -43,7 +43,7 @@ async fn main() -> std::process::ExitCode {
 async fn run(config: Config) -> anyhow::Result<()> {
     let bound = Agent::bind(config).await.context("binding listeners")?;
     // First SIGTERM/SIGINT drains, the second stops at once (as ANP).
-    let (first, second) = tunnel::signal::twice();
+    let (first, second) = runtime::signal::twice();
     bound.serve_with_drain(first, second).await;
     Ok(())
 }

@@ -20,7 +20,7 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{MetricType, family::Family, histogram::Histogram},
 };
-use tunnel::{
+use runtime::{
     kube::{Call, CallKind, status_reason},
     metrics::{Counter, Metrics, Observed, StreamCounters},
 };
@@ -182,7 +182,7 @@ impl AgentMetrics {
             HistogramFamily::new_with_constructor(agent_histogram as fn() -> Histogram),
         );
         let streams = StreamCounters::register(&mut m, PREFIX);
-        tunnel::metrics::register_process(&mut m);
+        runtime::metrics::register_process(&mut m);
         let tunnel_bytes = m.register(
             "konnectivity_rs_agent_tunnel_bytes_total",
             "Payload bytes carried through the tunnel, by direction (to_endpoint: towards destinations; to_server: back)",

@@ -24,7 +24,7 @@ pub(crate) fn admin_router(state: HealthState, profiling: bool) -> Router {
         .route("/metrics", any(metrics))
         .with_state(state);
     if profiling {
-        router.merge(tunnel::profiling::router())
+        router.merge(runtime::profiling::router())
     } else {
         router
     }
@@ -46,7 +46,7 @@ pub(crate) async fn metrics(
     (
         [(
             axum::http::header::CONTENT_TYPE,
-            tunnel::metrics::CONTENT_TYPE,
+            runtime::metrics::CONTENT_TYPE,
         )],
         state.tunnels.metrics.render(&state.tunnels),
     )

@@ -15,11 +15,9 @@
 //! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - `metrics`: the Prometheus registry.
 //! - `stream_end`: ending a server-side stream, with a status.
-//! - [`client`]: the `proxy-client` tool (request, SOCKS5 and HTTP proxy).
 
 pub mod auth;
 pub mod backend;
-pub mod client;
 pub mod config;
 pub(crate) mod conn;
 mod dial;

@@ -18,7 +18,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    if let Err(e) = tunnel::telemetry::init(&args.log) {
+    if let Err(e) = runtime::telemetry::init(&args.log) {
         Args::command().error(ErrorKind::ValueValidation, e).exit();
     }
     let config = match Config::try_from(args) {
@@ -26,7 +26,7 @@ async fn main() -> std::process::ExitCode {
         Err(e) => Args::command()
             .error(
                 ErrorKind::ValueValidation,
-                tunnel::error::DisplayErrorStack(&e),
+                runtime::error::DisplayErrorStack(&e),
             )
             .exit(),
     };
@@ -45,7 +45,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .await
         .context("binding listeners")?;
     bound
-        .serve(tunnel::signal::shutdown())
+        .serve(runtime::signal::shutdown())
         .await
         .context("serving")
 }

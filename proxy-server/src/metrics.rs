@@ -16,7 +16,7 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{family::Family, gauge::Gauge, histogram::Histogram},
 };
-use tunnel::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
+use runtime::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
 
 use crate::{backend::strategy::ProxyStrategy, tunnels::Tunnels};
 
@@ -293,7 +293,7 @@ impl ServerMetrics {
             "Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.",
             Family::default(),
         );
-        tunnel::metrics::register_process(&mut m);
+        runtime::metrics::register_process(&mut m);
         let tunnel_bytes = m.register(
             "konnectivity_rs_server_tunnel_bytes_total",
             "Payload bytes carried through the tunnel, by direction (to_agent: from frontends towards destinations; to_frontend: back)",

@@ -94,7 +94,7 @@ impl LeaseStub {
         let pki = Pki::get();
         let (crt, key) = (pki.path("cluster.crt"), pki.path("cluster.key"));
         let tls =
-            tunnel::tls::server_config_with_alpn(&crt, &key, None, &[tunnel::tls::ALPN_HTTP11])
+            runtime::tls::server_config_with_alpn(&crt, &key, None, &[runtime::tls::ALPN_HTTP11])
                 .expect("stub TLS");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -32,6 +32,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use client::dial::{TunnelConn, dial, uds_channel};
 use proto::{Packet, proxy_service_client::ProxyServiceClient};
 use proxy_agent::agent::{Agent, AgentHandle};
 use proxy_server::{
@@ -39,15 +40,12 @@ use proxy_server::{
     config::{Config, FrontendListen, Mode},
     server::{ProxyServer, ServerHandle},
 };
+use runtime::tls;
 use tokio::{sync::mpsc, task::JoinHandle};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Streaming, transport::Channel};
-use tunnel::{
-    client::{TunnelConn, dial, uds_channel},
-    ids::{AgentId, ServerId},
-    tls,
-};
+use tunnel::ids::{AgentId, ServerId};
 
 /// How long readiness and cleanup conditions may take before a test fails.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -354,7 +352,7 @@ impl TestServer {
     pub async fn channel(&self) -> Channel {
         match self.frontend_tcp {
             Some(addr) => {
-                tunnel::client::tls_channel(addr, "localhost", frontend_client_tls(Pki::get()))
+                client::dial::tls_channel(addr, "localhost", frontend_client_tls(Pki::get()))
                     .await
                     .expect("connecting to the TCP frontend")
             }
@@ -366,26 +364,26 @@ impl TestServer {
 
     /// A dialer for this server's frontend (mode and transport), with the
     /// test PKI's frontend client certificate.
-    pub fn dialer(&self) -> tunnel::client::Dialer {
+    pub fn dialer(&self) -> client::dial::Dialer {
         let transport = match self.frontend_tcp {
-            Some(addr) => tunnel::client::Transport::Tls {
+            Some(addr) => client::dial::Transport::Tls {
                 addr,
                 server_name: "localhost".to_owned(),
                 tls: frontend_client_tls(Pki::get()),
             },
-            None => tunnel::client::Transport::Uds(self.uds.clone()),
+            None => client::dial::Transport::Uds(self.uds.clone()),
         };
-        tunnel::client::Dialer {
+        client::dial::Dialer {
             transport,
             mode: match self.mode {
-                Mode::Grpc => tunnel::client::Mode::Grpc,
-                Mode::HttpConnect => tunnel::client::Mode::HttpConnect,
+                Mode::Grpc => client::dial::Mode::Grpc,
+                Mode::HttpConnect => client::dial::Mode::HttpConnect,
             },
         }
     }
 
     /// Dials `address` through the tunnel on a fresh frontend connection.
-    pub async fn dial(&self, address: &str) -> Result<TunnelConn, tunnel::client::ClientError> {
+    pub async fn dial(&self, address: &str) -> Result<TunnelConn, client::dial::ClientError> {
         dial(self.channel().await, address).await
     }
 

@@ -81,7 +81,7 @@ async fn through_microsocks_with_auth_and_a_wrong_password_is_named() {
     .await;
 
     let err = refused(&format!("socks5://ops:wrong@{}", socks.addr), &server).await;
-    let text = tunnel::error::DisplayErrorStack(&err).to_string();
+    let text = runtime::error::DisplayErrorStack(&err).to_string();
     assert!(
         matches!(err, ConnectError::Proxy(ProxyError::AuthRefused { .. })),
         "{text}"
@@ -106,7 +106,7 @@ async fn through_tinyproxy_with_basic_auth_and_a_wrong_password_is_named() {
     .await;
 
     let err = refused(&format!("http://ops:wrong@{}", http.addr), &server).await;
-    let text = tunnel::error::DisplayErrorStack(&err).to_string();
+    let text = runtime::error::DisplayErrorStack(&err).to_string();
     assert!(
         matches!(err, ConnectError::Proxy(ProxyError::AuthRefused { .. })),
         "{text}"

@@ -6,10 +6,10 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
+use client::dial::TunnelConn;
 use integration_tests::{AgentOpts, AgentProcess, TestAgent, TestServer, backend, wait_for};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
-use tunnel::client::TunnelConn;
 
 /// Echoes `data` through `conn` and checks it came back byte-exact.
 async fn echo_exact(conn: &mut TunnelConn, data: &[u8]) {

@@ -172,7 +172,7 @@ async fn grpc_upload(
 /// closes the connection.
 async fn connect_upload(uds: &Path, address: &str) -> Upload {
     let io = UnixStream::connect(uds).await.unwrap();
-    let io = tunnel::client::http_connect(io, address).await.unwrap();
+    let io = client::dial::http_connect(io, address).await.unwrap();
     let (mut reader, mut writer) = tokio::io::split(io);
     let writer = tokio::spawn(async move {
         let chunk = vec![0x5a; CHUNK];
@@ -203,9 +203,9 @@ async fn echo_through(
     echo: &backend::Backend,
 ) {
     let sent = backend::pattern(256 * 1024, 3);
-    let mut conn: Box<dyn tunnel::client::Io> = match layout {
+    let mut conn: Box<dyn client::dial::Io> = match layout {
         Layout::HttpConnect => Box::new(
-            tunnel::client::http_connect(
+            client::dial::http_connect(
                 UnixStream::connect(&server.uds).await.unwrap(),
                 &echo.address(),
             )
@@ -215,13 +215,9 @@ async fn echo_through(
         _ => {
             let channel = match channel {
                 Some(channel) => channel,
-                None => tunnel::client::uds_channel(&server.uds).await.unwrap(),
+                None => client::dial::uds_channel(&server.uds).await.unwrap(),
             };
-            Box::new(
-                tunnel::client::dial(channel, &echo.address())
-                    .await
-                    .unwrap(),
-            )
+            Box::new(client::dial::dial(channel, &echo.address()).await.unwrap())
         }
     };
     let (mut r, mut w) = tokio::io::split(&mut conn);
@@ -426,7 +422,7 @@ mod oversize {
         tx.send(Packet::dial_request("tcp", &echo.address(), random.0))
             .await
             .unwrap();
-        let channel = tunnel::client::uds_channel(&server.uds).await.unwrap();
+        let channel = client::dial::uds_channel(&server.uds).await.unwrap();
         let mut inbound = ProxyServiceClient::new(channel)
             .max_encoding_message_size(16 << 20)
             .proxy(ReceiverStream::new(rx))
@@ -472,10 +468,9 @@ mod oversize {
         trace_init();
         let server = ServerProcess::start("grpc", &[]).await;
         let config = integration_tests::agent_config(server.agent_addr, &Default::default());
-        let channel =
-            tunnel::client::tls_channel(server.agent_addr, "127.0.0.1", config.tls.clone())
-                .await
-                .unwrap();
+        let channel = client::dial::tls_channel(server.agent_addr, "127.0.0.1", config.tls.clone())
+            .await
+            .unwrap();
         let (agent_tx, agent_rx) = mpsc::channel::<Packet>(4);
         let mut request = Request::new(ReceiverStream::new(agent_rx));
         request
@@ -495,7 +490,7 @@ mod oversize {
         tx.send(Packet::dial_request("tcp", "10.0.0.1:80", random.0))
             .await
             .unwrap();
-        let frontend = tunnel::client::uds_channel(&server.uds).await.unwrap();
+        let frontend = client::dial::uds_channel(&server.uds).await.unwrap();
         let mut inbound = ProxyServiceClient::new(frontend)
             .proxy(ReceiverStream::new(rx))
             .await
@@ -577,7 +572,7 @@ async fn stalled_reader(layout: Layout) {
         Layout::HttpConnect => {
             let io = UnixStream::connect(&server.uds).await.unwrap();
             Stuck::Connect(
-                tunnel::client::http_connect(io, &endless.address())
+                client::dial::http_connect(io, &endless.address())
                     .await
                     .unwrap(),
             )
@@ -588,7 +583,7 @@ async fn stalled_reader(layout: Layout) {
             tx.send(Packet::dial_request("tcp", &endless.address(), random.0))
                 .await
                 .unwrap();
-            let channel = tunnel::client::uds_channel(&server.uds).await.unwrap();
+            let channel = client::dial::uds_channel(&server.uds).await.unwrap();
             let mut inbound = ProxyServiceClient::new(channel)
                 .proxy(ReceiverStream::new(rx))
                 .await
@@ -665,12 +660,12 @@ enum Stuck {
     Connect(UnixStream),
 }
 
-fn server_dialer(server: &ServerProcess, layout: Layout) -> tunnel::client::Dialer {
-    tunnel::client::Dialer {
-        transport: tunnel::client::Transport::Uds(server.uds.clone()),
+fn server_dialer(server: &ServerProcess, layout: Layout) -> client::dial::Dialer {
+    client::dial::Dialer {
+        transport: client::dial::Transport::Uds(server.uds.clone()),
         mode: match layout {
-            Layout::HttpConnect => tunnel::client::Mode::HttpConnect,
-            _ => tunnel::client::Mode::Grpc,
+            Layout::HttpConnect => client::dial::Mode::HttpConnect,
+            _ => client::dial::Mode::Grpc,
         },
     }
 }
@@ -808,7 +803,7 @@ async fn one_of_many(
         Layout::HttpConnect => {
             let permit = opening.acquire().await.unwrap();
             let io = UnixStream::connect(&uds).await.unwrap();
-            let mut io = tunnel::client::http_connect(io, &echo).await.unwrap();
+            let mut io = client::dial::http_connect(io, &echo).await.unwrap();
             io.write_all(&sent).await.unwrap();
             io.read_exact(&mut got).await.unwrap();
             drop(permit);
@@ -826,7 +821,7 @@ async fn one_of_many(
             tx.send(Packet::dial_request("tcp", &echo, random.0))
                 .await
                 .unwrap();
-            let channel = tunnel::client::uds_channel(&uds).await.unwrap();
+            let channel = client::dial::uds_channel(&uds).await.unwrap();
             let mut inbound = ProxyServiceClient::new(channel)
                 .proxy(ReceiverStream::new(rx))
                 .await

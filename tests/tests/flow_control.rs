@@ -6,16 +6,14 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
+use client::dial::ClientError;
 use integration_tests::{
     AgentOpts, ServerOpts, TestAgent, TestServer,
     backend::{self, Fnv, pattern},
     wait_for,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tunnel::{
-    client::ClientError,
-    flow::{OVERFLOW, WINDOW},
-};
+use tunnel::flow::{OVERFLOW, WINDOW};
 
 const LEN: usize = 10 << 20;
 
@@ -146,7 +144,7 @@ async fn both_paths_carry_every_byte_both_ways() {
             let address = echo.address();
             tasks.push(tokio::spawn(async move {
                 let data = pattern(2 << 20, 100 + i);
-                let mut conn = tunnel::client::dial(channel, &address).await.unwrap();
+                let mut conn = client::dial::dial(channel, &address).await.unwrap();
                 let (mut rd, mut wr) = tokio::io::split(&mut conn);
                 let (_, got) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
                     let mut got = vec![0u8; data.len()];

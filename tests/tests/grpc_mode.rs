@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use client::dial::{ClientError, dial};
 use integration_tests::{
     AgentProcess, DEADLINE, RawFrontend, TestAgent, TestServer,
     backend::{self, Blackhole, Fnv, pattern},
@@ -11,7 +12,6 @@ use integration_tests::{
 };
 use proto::{Packet, packet::PacketKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tunnel::client::{ClientError, dial};
 
 #[tokio::test]
 async fn a_request_returns_the_backends_exact_bytes() {

@@ -5,6 +5,7 @@
 
 use std::{path::Path, process::Command, time::Duration};
 
+use client::dial::ClientError;
 use integration_tests::{
     DEADLINE, Pki, ServerOpts, TestAgent, TestServer,
     backend::{self, Blackhole, pattern},
@@ -15,7 +16,6 @@ use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::UnixStream,
 };
-use tunnel::client::ClientError;
 
 async fn server(tcp: bool) -> TestServer {
     TestServer::start_with(ServerOpts {

@@ -5,8 +5,9 @@
 
 use std::process::Command;
 
+use client::tool;
 use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, backend, binary};
-use proxy_server::{client, config::Mode};
+use proxy_server::config::Mode;
 use tokio::net::TcpListener;
 
 const BODY: &[u8] = b"hello from the node side, through proxy-client\n";
@@ -132,7 +133,7 @@ async fn curl_through_the_socks5_proxy_in_both_modes() {
         let web = backend::http(BODY).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let socks = listener.local_addr().unwrap();
-        let proxy = tokio::spawn(client::serve_socks5(listener, server.dialer(), None));
+        let proxy = tokio::spawn(tool::serve_socks5(listener, server.dialer(), None));
         // "localhost" is resolved on the agent side (socks5h).
         let url = format!("http://localhost:{}/", web.addr.port());
         curls(50, || {
@@ -159,7 +160,7 @@ async fn the_socks5_proxy_checks_username_and_password() {
     let web = backend::http(BODY).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let socks = listener.local_addr().unwrap();
-    let _proxy = tokio::spawn(client::serve_socks5(
+    let _proxy = tokio::spawn(tool::serve_socks5(
         listener,
         server.dialer(),
         Some(("ops".to_owned(), "s3cret".to_owned())),
@@ -191,7 +192,7 @@ async fn curl_through_the_http_proxy_in_both_modes() {
         let web = backend::http(BODY).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let proxy_addr = listener.local_addr().unwrap();
-        let proxy = tokio::spawn(client::serve_http_proxy(listener, server.dialer()));
+        let proxy = tokio::spawn(tool::serve_http_proxy(listener, server.dialer()));
         let url = format!("http://{}/", web.address());
         let proxy_url = format!("http://{proxy_addr}");
         // Absolute-form requests, then CONNECT tunnels.
@@ -215,7 +216,7 @@ async fn the_http_proxy_answers_502_for_a_refused_dial() {
     let (server, _agent) = server(Mode::Grpc).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let proxy_addr = listener.local_addr().unwrap();
-    let _proxy = tokio::spawn(client::serve_http_proxy(listener, server.dialer()));
+    let _proxy = tokio::spawn(tool::serve_http_proxy(listener, server.dialer()));
     let closed = backend::closed_port();
     let mut command = Command::new("curl");
     command

@@ -10,13 +10,13 @@ use integration_tests::{
     AgentOpts, DEADLINE, Pki, RawFrontend, TestAgent, TestServer, backend, wait_for,
 };
 use proto::{Packet, packet::PacketKind};
+use runtime::tls;
 use rustls_pki_types::ServerName;
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWriteExt},
     net::{TcpStream, UnixStream},
 };
 use tokio_rustls::TlsConnector;
-use tunnel::tls;
 
 /// The HTTP/2 connection preface.
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";

@@ -269,10 +269,8 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
 
     // A bearer token crossing the tunnel, both ways, at trace.
     let echo = backend::echo().await;
-    let channel = tunnel::client::uds_channel(&socket).await.unwrap();
-    let mut conn = tunnel::client::dial(channel, &echo.address())
-        .await
-        .unwrap();
+    let channel = client::dial::uds_channel(&socket).await.unwrap();
+    let mut conn = client::dial::dial(channel, &echo.address()).await.unwrap();
     let request = format!("GET / HTTP/1.1\r\nAuthorization: Bearer {TUNNELLED_TOKEN}\r\n\r\n");
     conn.write_all(request.as_bytes()).await.unwrap();
     let mut back = vec![0u8; request.len()];

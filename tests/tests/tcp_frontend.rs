@@ -2,9 +2,9 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
+use client::dial::{ClientError, dial, tls_channel};
 use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, backend, frontend_client_tls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tunnel::client::{ClientError, dial, tls_channel};
 
 async fn tcp_server() -> TestServer {
     TestServer::start_with(ServerOpts {
@@ -58,7 +58,7 @@ async fn frontends_without_a_trusted_client_certificate_are_refused() {
 
     // No certificate at all.
     let anonymous =
-        tunnel::tls::client_config(&Pki::get().path("frontend-ca.crt"), None, &[]).unwrap();
+        runtime::tls::client_config(&Pki::get().path("frontend-ca.crt"), None, &[]).unwrap();
     let err = match tls_channel(addr, "localhost", anonymous).await {
         Err(e) => e,
         Ok(channel) => dial(channel, &echo.address()).await.err().expect("refused"),

@@ -27,6 +27,11 @@ pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshaken connections waiting for the gRPC server to pick them up.
 const ACCEPT_BACKLOG: usize = 64;
 
+/// A bidirectional byte stream that can move between tasks (a TCP, TLS or
+/// Unix socket, a tunneled connection).
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+
 /// The peer's address, available in request extensions of TLS connections.
 #[derive(Debug, Clone, Copy)]
 pub struct PeerAddr(pub SocketAddr);

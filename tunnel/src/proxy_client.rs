@@ -13,7 +13,7 @@ use http_body_util::Empty;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use crate::client::Io;
+use crate::conn::Io;
 
 /// How the proxy is spoken to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,7 @@ use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
 use super::{Backend, BackendStream, strategy::AgentIdentifiers};
 use crate::stream_end::StreamEnd;
-use tunnel::metrics::when_blocked;
+use runtime::metrics::when_blocked;
 
 use crate::{metrics::CONNECT, tunnels::Tunnels};
 

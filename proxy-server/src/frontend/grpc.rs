@@ -9,7 +9,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, debug_span, warn};
 
 use super::{Frontend, FrontendGuard, FrontendKind};
-use tunnel::metrics::when_blocked;
+use runtime::metrics::when_blocked;
 
 use crate::{
     backend::service::PacketStream,

@@ -5,22 +5,20 @@
 use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result, bail};
+use client::dial::{Dialer, Transport};
 use proxy_agent::agent::Agent;
 use proxy_server::{
     backend::strategy::ProxyStrategy,
     config::{Config, FrontendListen, Mode},
     server::ProxyServer,
 };
+use runtime::tls;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpListener,
 };
 use tokio_util::sync::CancellationToken;
-use tunnel::{
-    client::{Dialer, Transport},
-    ids::ServerId,
-    tls,
-};
+use tunnel::ids::ServerId;
 
 const BODY: &str = "hello from the node side\n";
 
@@ -147,8 +145,8 @@ async fn main() -> Result<()> {
         let dialer = Dialer {
             transport: Transport::Uds(socket.clone()),
             mode: match mode {
-                Mode::Grpc => tunnel::client::Mode::Grpc,
-                Mode::HttpConnect => tunnel::client::Mode::HttpConnect,
+                Mode::Grpc => client::dial::Mode::Grpc,
+                Mode::HttpConnect => client::dial::Mode::HttpConnect,
             },
         };
         let mut conn = dialer.dial(&backend_addr.to_string()).await?;

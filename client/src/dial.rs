@@ -20,7 +20,7 @@ use tokio::{
 };
 use tonic::transport::{Channel, Endpoint};
 
-use crate::{
+use tunnel::{
     ids::{ConnId, DialId},
     pump::{PumpEnd, PumpFlow, pump},
 };
@@ -125,12 +125,12 @@ pub enum ClientError {
     CloseTimeout,
 }
 
-/// HTTP/2 settings of frontend channels (see [`crate::flow`]).
+/// HTTP/2 settings of frontend channels (see [`tunnel::flow`]).
 fn tuned(endpoint: Endpoint) -> Endpoint {
     endpoint
-        .max_frame_size(crate::flow::H2_MAX_FRAME_SIZE)
-        .initial_stream_window_size(crate::flow::H2_STREAM_WINDOW)
-        .initial_connection_window_size(crate::flow::H2_CONNECTION_WINDOW)
+        .max_frame_size(tunnel::flow::H2_MAX_FRAME_SIZE)
+        .initial_stream_window_size(tunnel::flow::H2_STREAM_WINDOW)
+        .initial_connection_window_size(tunnel::flow::H2_CONNECTION_WINDOW)
 }
 
 /// A gRPC channel over a fresh connection to a Unix socket.
@@ -222,10 +222,10 @@ impl TunnelConn {
 /// # Errors
 /// The stream cannot be opened, the dial is refused or times out.
 pub async fn dial(channel: Channel, address: &str) -> Result<TunnelConn, ClientError> {
-    let (out_tx, out_rx) = crate::queue::queue(OUTBOUND_BYTES, OUTBOUND_BYTES);
+    let (out_tx, out_rx) = tunnel::queue::queue(OUTBOUND_BYTES, OUTBOUND_BYTES);
     let random = DialId::random();
     let dial = Packet::dial_request("tcp", address, random.0);
-    let cost = crate::flow::packet_cost(&dial);
+    let cost = tunnel::flow::packet_cost(&dial);
     out_tx
         .push(dial, cost)
         .map_err(|_| ClientError::StreamClosed)?;
@@ -283,9 +283,9 @@ async fn drive(
     pipe: DuplexStream,
     conn_id: ConnId,
     mut inbound: tonic::Streaming<Packet>,
-    out_tx: crate::queue::QueueTx<Packet>,
+    out_tx: tunnel::queue::QueueTx<Packet>,
 ) -> Result<(), ClientError> {
-    let (data_tx, data_rx) = crate::flow::queue_with_slots(INBOUND_CAPACITY);
+    let (data_tx, data_rx) = tunnel::flow::queue_with_slots(INBOUND_CAPACITY);
     let reader = async move {
         // `data_tx` lives in here: when this returns, the pump drains and
         // closes the caller's pipe.
@@ -297,7 +297,7 @@ async fn drive(
             match packet.into_kind() {
                 PacketKind::Data(data) if data.connect_id == conn_id.0 => {
                     // The caller may be gone; keep reading until CLOSE_RSP.
-                    let cost = crate::flow::cost(data.data.len());
+                    let cost = tunnel::flow::cost(data.data.len());
                     let _ = data_tx.send(data.data, cost).await;
                 }
                 PacketKind::CloseRsp(rsp) if rsp.connect_id == conn_id.0 => {
@@ -327,7 +327,7 @@ async fn drive(
         end = &mut pumping => match end {
             PumpEnd::LocalEof | PumpEnd::LocalError(_) => {
                 let close = Packet::close_request(conn_id.0);
-                let cost = crate::flow::packet_cost(&close);
+                let cost = tunnel::flow::packet_cost(&close);
                 if out_tx.push(close, cost).is_err() {
                     return Err(ClientError::StreamClosed);
                 }
@@ -444,8 +444,7 @@ pub enum Mode {
 }
 
 /// A tunneled connection of either mode.
-pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+pub use tunnel::conn::Io;
 
 /// Dials through proxy-server the way kube-apiserver does: every dial on a
 /// fresh frontend connection (a single-use tunnel in gRPC mode).

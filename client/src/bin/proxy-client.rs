@@ -2,20 +2,20 @@
 
 use anyhow::Context;
 use clap::{CommandFactory, Parser, error::ErrorKind};
-use proxy_server::client::{self, Args, Command};
+use client::tool::{self, Args, Command};
 use tokio::net::TcpListener;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
     let filter = tracing_subscriber_filter(args.verbosity);
-    tunnel::telemetry::init_simple(&filter);
+    runtime::telemetry::init_simple(&filter);
     let dialer = match args.frontend.dialer() {
         Ok(dialer) => dialer,
         Err(e) => Args::command()
             .error(
                 ErrorKind::ValueValidation,
-                tunnel::error::DisplayErrorStack(&e),
+                runtime::error::DisplayErrorStack(&e),
             )
             .exit(),
     };
@@ -25,7 +25,7 @@ async fn main() -> std::process::ExitCode {
             method,
             request_ca_cert,
         } => {
-            let status = client::request(
+            let status = tool::request(
                 &dialer,
                 &url,
                 &method,
@@ -55,7 +55,7 @@ async fn main() -> std::process::ExitCode {
                 .await
                 .with_context(|| format!("listening on {listen}"));
             match listener {
-                Ok(l) => serve_until_signal(client::serve_socks5(l, dialer, credentials)).await,
+                Ok(l) => serve_until_signal(tool::serve_socks5(l, dialer, credentials)).await,
                 Err(e) => Err(e),
             }
         }
@@ -63,7 +63,7 @@ async fn main() -> std::process::ExitCode {
             .await
             .with_context(|| format!("listening on {listen}"))
         {
-            Ok(l) => serve_until_signal(client::serve_http_proxy(l, dialer)).await,
+            Ok(l) => serve_until_signal(tool::serve_http_proxy(l, dialer)).await,
             Err(e) => Err(e),
         },
     };
@@ -80,11 +80,11 @@ async fn main() -> std::process::ExitCode {
 async fn serve_until_signal(serve: impl std::future::Future<Output = ()>) -> anyhow::Result<bool> {
     tokio::select! {
         () = serve => {}
-        () = tunnel::signal::shutdown() => {}
+        () = runtime::signal::shutdown() => {}
     }
     Ok(true)
 }
 
 fn tracing_subscriber_filter(verbosity: u8) -> String {
-    tunnel::telemetry::level_for_verbosity(verbosity).to_owned()
+    runtime::telemetry::level_for_verbosity(verbosity).to_owned()
 }

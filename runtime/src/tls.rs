@@ -190,7 +190,7 @@ impl CipherSuites {
 }
 
 /// Parses the names of `--cipher-suites` (already split, see
-/// [`crate::flags::string_slice`]): `None` for no names; TLS 1.3 names are
+/// `flags::string_slice`): `None` for no names; TLS 1.3 names are
 /// accepted and, as in Go, have no effect; Go's ECDHE CBC suites are
 /// accepted and left out (rustls has none).
 ///
@@ -426,9 +426,18 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// A `--cipher-suites` value split as pflag splits it.
+    fn names(text: &str) -> Vec<String> {
+        text.trim_matches(['[', ']'])
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
     #[test]
     fn cipher_suites_parse_like_go() {
-        let names = |text: &str| crate::flags::string_slice(&[text.to_owned()]);
         assert_eq!(
             parse_cipher_suites(&names("[]")),
             Ok(CipherSuites::default())
@@ -457,7 +466,6 @@ mod tests {
     /// only a list whose every TLS 1.2 suite was left out is unusable.
     #[test]
     fn cbc_suites_are_left_out_by_name() {
-        let names = |text: &str| crate::flags::string_slice(&[text.to_owned()]);
         let mixed = parse_cipher_suites(&names(
             "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA,TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA",
         ))

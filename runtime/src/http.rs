@@ -57,7 +57,7 @@ pub async fn serve(
     loop {
         let (tcp, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = crate::conn::accept(&listener, what) => accepted,
+            accepted = tunnel::conn::accept(&listener, what) => accepted,
         };
         let router = router.clone();
         let shutdown = shutdown.clone();

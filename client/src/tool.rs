@@ -11,6 +11,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
+use crate::dial::{ClientError, Dialer, Mode, Transport};
 use bytes::Bytes;
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use fast_socks5::{
@@ -19,16 +20,12 @@ use fast_socks5::{
 use http_body_util::{BodyExt, Empty, Full, combinators::BoxBody};
 use hyper::{Method, Request, Response, StatusCode, body::Incoming};
 use hyper_util::rt::TokioIo;
+use runtime::{error::DisplayErrorStack, tls};
 use tokio::{
     io::{AsyncWriteExt, copy_bidirectional},
     net::{TcpListener, TcpStream},
 };
 use tracing::{debug, info, warn};
-use tunnel::{
-    client::{ClientError, Dialer, Mode, Transport},
-    error::DisplayErrorStack,
-    tls,
-};
 
 /// proxy-client: reach node-side addresses through proxy-server, as kube-apiserver does.
 #[derive(Debug, Parser)]
@@ -109,7 +106,7 @@ pub enum Command {
 }
 
 /// A bad flag or file (the same error type as the binaries' flags).
-pub use tunnel::flags::FlagError as ArgsError;
+pub use runtime::flags::FlagError as ArgsError;
 
 impl FrontendArgs {
     /// The dialer these flags describe.
@@ -253,7 +250,7 @@ pub async fn request(
             address: address.clone(),
             source,
         })?;
-    let io: Box<dyn tunnel::client::Io> = if https {
+    let io: Box<dyn crate::dial::Io> = if https {
         if ca.is_empty() {
             return Err(RequestError::NoCa);
         }

@@ -1,0 +1,26 @@
+//! What both binaries run on besides the data plane (`tunnel`): their
+//! flags, logging, TLS files, HTTP endpoints, metrics exposition, profiles
+//! and kube client.
+//!
+//! # Layout
+//! - [`duration`]: Go duration syntax for flags (`1h0m0s`, `100ms`).
+//! - [`error`]: printing error chains.
+//! - [`flags`]: Go booleans, Go durations and klog flags for clap.
+//! - [`tls`]: PEM loading and rustls configs (ring provider only).
+//! - [`signal`]: SIGINT/SIGTERM as futures.
+//! - [`telemetry`]: tracing subscriber set-up shared by both binaries.
+//! - [`http`]: the health and admin HTTP servers with ANP's limits and Go's answers.
+//! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
+//! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
+//! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
+
+pub mod duration;
+pub mod error;
+pub mod flags;
+pub mod http;
+pub mod kube;
+pub mod metrics;
+pub mod profiling;
+pub mod signal;
+pub mod telemetry;
+pub mod tls;
