@@ -11,7 +11,7 @@ use tunnel::ids::ServerId;
 
 use crate::{
     auth::TokenAuthConfig,
-    backend::strategy::{ProxyStrategy, parse_strategies},
+    strategy::{ProxyStrategy, parse_strategies},
     lease::{LeaseConfig, parse_labels},
 };
 

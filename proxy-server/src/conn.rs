@@ -1,9 +1,10 @@
-//! [`ServerConn`]: one established connection as the server sees it, with
-//! its flow-control state in both directions.
+//! [`ServerConn`]: the flow state of one established connection, shared by
+//! the routing core (which owns the connection by id) and the transports
+//! that move its bytes (which wait on it).
 
 use std::{
     sync::{
-        Arc, Mutex,
+        Mutex,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
@@ -16,14 +17,16 @@ use tunnel::{
     ids::ConnId,
 };
 
-use crate::{backend::Backend, frontend::Frontend, lock};
+use crate::{lock, router::BackendId};
 
-/// An established connection: a frontend's, over a backend.
+/// An established connection's flow state in both directions.
 pub(crate) struct ServerConn {
     /// The agent-assigned id.
     pub(crate) id: ConnId,
     /// The agent stream it runs over.
-    pub(crate) backend: Arc<Backend>,
+    pub(crate) backend: BackendId,
+    /// Whether the agent stream negotiated credit (`tunnel::flow`).
+    pub(crate) flow_control: bool,
     /// Cost of agent DATA queued towards the frontend and not yet taken by it
     /// (bounded by [`flow::WINDOW`]).
     pub(crate) budget: Budget,
@@ -37,28 +40,28 @@ pub(crate) struct ServerConn {
     /// was queued for it while nothing was (milliseconds after
     /// `established`): how long its frontend has left its bytes unread.
     progress: AtomicU64,
-    /// Cancelled once the connection is removed from its backend: every
-    /// wait on its behalf (credit, room in the agent queue) ends with it.
+    /// Cancelled once the connection leaves the routing core's tables:
+    /// every wait on its behalf (credit, room in the agent queue) ends with
+    /// it.
     pub(crate) closed: CancellationToken,
 }
 
 impl ServerConn {
-    pub(crate) fn new(id: ConnId, backend: Arc<Backend>) -> Self {
-        let send_credit = backend.flow_control.then(SendCredit::new);
+    pub(crate) fn new(id: ConnId, backend: BackendId, flow_control: bool, now: Instant) -> Self {
         Self {
             id,
             backend,
+            flow_control,
             budget: Budget::default(),
             granter: Mutex::new(Granter::default()),
-            send_credit,
-            established: Instant::now(),
+            send_credit: flow_control.then(SendCredit::new),
+            established: now,
             progress: AtomicU64::new(0),
             closed: CancellationToken::new(),
         }
     }
 
-    /// Ends every wait on this connection's behalf; called when it leaves
-    /// its backend's table.
+    /// Ends every wait on this connection's behalf.
     pub(crate) fn close(&self) {
         self.closed.cancel();
         if let Some(credit) = &self.send_credit {
@@ -66,20 +69,17 @@ impl ServerConn {
         }
     }
 
-    /// Records that the frontend took `cost` of this connection's DATA and
-    /// returns credit to the agent when enough has drained.
-    pub(crate) fn drained(&self, cost: usize) {
+    /// Records that the frontend took `cost` of this connection's DATA; the
+    /// credit grant to send the agent when enough has drained.
+    pub(crate) fn drained(&self, cost: usize) -> Option<Packet> {
         self.budget.release(cost);
         self.mark_progress();
-        if !self.backend.flow_control {
-            return;
+        if !self.flow_control {
+            return None;
         }
         let empty = self.budget.queued() == 0;
-        let credit = lock(&self.granter).drained(cost, empty);
-        if let Some(credit) = credit {
-            self.backend
-                .send_control(flow::credit_packet(self.id.0, credit));
-        }
+        let credit = lock(&self.granter).drained(cost, empty)?;
+        Some(flow::credit_packet(self.id.0, credit))
     }
 
     /// Records progress now: the frontend took DATA, or DATA was queued
@@ -105,29 +105,11 @@ impl ServerConn {
     }
 }
 
-/// What a backend knows of one of its connections.
-#[derive(Clone)]
-pub(crate) struct BackendConn {
-    /// The connection.
-    pub(crate) conn: Arc<ServerConn>,
-    /// Whose it is.
-    pub(crate) frontend: Arc<Frontend>,
-}
-
-/// An item of a frontend's outbound queue: a packet, and for DATA the
-/// connection and cost to release once the frontend took it.
-pub(crate) struct ToFrontend {
-    /// The packet.
-    pub(crate) packet: Packet,
-    /// For DATA: whose bytes, and what they cost.
-    pub(crate) data: Option<(Arc<ServerConn>, usize)>,
-}
-
-impl ToFrontend {
-    /// Releases the DATA accounting (after the frontend took the packet).
-    pub(crate) fn taken(&self) {
-        if let Some((conn, cost)) = &self.data {
-            conn.drained(*cost);
-        }
+impl std::fmt::Debug for ServerConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConn")
+            .field("id", &self.id)
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
     }
 }

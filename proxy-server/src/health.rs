@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use axum::{Router, extract::State, http::StatusCode, routing::any};
 
-use crate::tunnels::Tunnels;
+use crate::hub::Hub;
 
 /// Body of `/readyz` when no agent is connected.
 pub const NOT_READY: &str = "no connection to any proxy agent";
@@ -13,8 +13,8 @@ pub const NOT_READY: &str = "no connection to any proxy agent";
 /// What the health handlers read.
 #[derive(Clone)]
 pub(crate) struct HealthState {
-    /// Shared proxy state (and its metrics).
-    pub(crate) tunnels: Arc<Tunnels>,
+    /// The routing core (and the metrics).
+    pub(crate) hub: Arc<Hub>,
 }
 
 /// Routes of the admin port: `/metrics` (as on the health port) and, with
@@ -48,12 +48,12 @@ pub(crate) async fn metrics(
             axum::http::header::CONTENT_TYPE,
             runtime::metrics::CONTENT_TYPE,
         )],
-        state.tunnels.metrics.render(&state.tunnels),
+        state.hub.metrics.render(&state.hub.live()),
     )
 }
 
 async fn readyz(State(state): State<HealthState>) -> (StatusCode, &'static str) {
-    if state.tunnels.backends.is_ready() {
+    if state.hub.is_ready() {
         (StatusCode::OK, "ok")
     } else {
         (StatusCode::INTERNAL_SERVER_ERROR, NOT_READY)

@@ -3,34 +3,47 @@
 //! to an agent.
 //!
 //! # Layout
+//! The routing core, as plain data:
+//! - `router`: every frontend, agent stream, pending dial and connection
+//!   by id; each event in, what to send to whom out. No I/O.
+//! - [`strategy`], `manager`: proxy strategies and the agent streams
+//!   indexed by them.
+//! - `conn`: one connection's flow state (window, credit, end), shared
+//!   with the transports that move its bytes.
+//! - `events`: why dials fail and connections end, for the metrics.
+//!
+//! Around it:
+//! - `hub`: the router behind one lock with every stream's link; delivers
+//!   what never waits, hands back what does.
+//! - `link`: a stream's outbound queue and end; `stream_end`: ending a
+//!   stream from inside, with a status.
+//! - `frontend`: the `ProxyService` handler, HTTP CONNECT, the
+//!   `:authority` layer; `agent_service`: the `AgentService` handler.
+//! - [`auth`]: service-account token authentication (TokenReview).
+//! - [`health`]: `/healthz`, `/readyz`, `/metrics`; `metrics`: the registry.
+//! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - [`config`]: flags (ANP names and defaults) → validated [`config::Config`].
 //! - [`server`]: [`server::ProxyServer::bind`] → [`server::Bound::serve`].
-//! - `tunnels`: the packet bookkeeping between frontends and backends.
-//! - [`auth`]: service-account token authentication (TokenReview).
-//! - [`backend`]: one `Backend` per agent stream, the `BackendManager` and
-//!   proxy strategies, the `AgentService` handler.
-//! - `frontend`: one `Frontend` per `Proxy` stream, the `ProxyService` handler.
-//! - `dial`: the pending-dial table.
-//! - [`health`]: `/healthz`, `/readyz`, `/metrics`.
-//! - [`lease`]: the server's Lease (`--enable-lease-controller`).
-//! - `metrics`: the Prometheus registry.
-//! - `stream_end`: ending a server-side stream, with a status.
 
+mod agent_service;
 pub mod auth;
-pub mod backend;
 pub mod config;
-pub(crate) mod conn;
-mod dial;
+mod conn;
+mod events;
 mod frontend;
 pub mod health;
+mod hub;
 pub mod lease;
+mod link;
+mod manager;
 mod metrics;
+mod router;
 pub mod server;
 mod stream_end;
-mod tunnels;
+pub mod strategy;
 
 pub use frontend::http_connect::ESTABLISHED;
-pub use tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT, STALLED};
+pub use router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT, STALLED};
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 

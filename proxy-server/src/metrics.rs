@@ -3,7 +3,7 @@
 //! and konnectivity-rs additions under `konnectivity_rs_server_*`.
 //!
 //! Gauges of live state (pending dials, established connections, ready
-//! backends, buffered bytes) are read from [`Tunnels`] when scraped; the
+//! backends, buffered bytes) are read from the hub when scraped ([`Live`]); the
 //! rest is recorded where it happens. A labelled series appears once it
 //! has been observed, except `ready_backends`, which ANP presets to 0 for
 //! every strategy; so do the metrics ANP keeps in label-less vectors (dial,
@@ -18,7 +18,10 @@ use prometheus_client::{
 };
 use runtime::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
 
-use crate::{backend::strategy::ProxyStrategy, tunnels::Tunnels};
+use crate::{
+    events::{CloseReason, DialFailure, Limit},
+    strategy::ProxyStrategy,
+};
 
 /// Buckets of ANP's server latency histograms.
 const SERVER_BUCKETS: [f64; 9] = [1e-6, 1e-5, 1e-4, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
@@ -49,39 +52,6 @@ struct StrategyLabel {
     proxy_strategy: &'static str,
 }
 
-/// Why a dial failed (`dial_failure_count`'s `reason`).
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub(crate) enum DialFailure {
-    /// No agent could take the dial.
-    NoAgent,
-    /// The agent answered with an error.
-    ErrorResponse,
-    /// A DIAL_RSP for no pending dial.
-    UnrecognizedResponse,
-    /// The DIAL_RSP could not be sent to the frontend.
-    SendRsp,
-    /// The agent went away while the dial was pending.
-    BackendClose,
-    /// `--backend-dial-timeout` passed.
-    BackendDialTimeout,
-    /// The frontend went away while the dial was pending.
-    FrontendClose,
-}
-
-impl DialFailure {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::NoAgent => "no_agent",
-            Self::ErrorResponse => "error_response",
-            Self::UnrecognizedResponse => "unrecognized_response",
-            Self::SendRsp => "send_rsp",
-            Self::BackendClose => "backend_close",
-            Self::BackendDialTimeout => "backend_dial_timeout",
-            Self::FrontendClose => "frontend_close",
-        }
-    }
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
@@ -103,66 +73,6 @@ struct DirectionLabel {
     direction: &'static str,
 }
 
-/// Why an established connection ended (konnectivity-rs).
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum CloseReason {
-    /// CLOSE_RSP from the agent without an error (either side closed).
-    Closed,
-    /// CLOSE_RSP from the agent with an error.
-    Error,
-    /// The agent's stream ended.
-    AgentGone,
-    /// The frontend's stream ended.
-    FrontendGone,
-    /// The frontend fell a whole window behind.
-    Overflow,
-    /// The frontend took none of the connection's data for
-    /// `--frontend-stall-timeout`.
-    Stalled,
-    /// The frontend used another frontend's connection id.
-    Mismatch,
-}
-
-impl CloseReason {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Closed => "closed",
-            Self::Error => "error",
-            Self::AgentGone => "agent_gone",
-            Self::FrontendGone => "frontend_gone",
-            Self::Overflow => "overflow",
-            Self::Stalled => "stalled",
-            Self::Mismatch => "mismatch",
-        }
-    }
-}
-
-/// An admission limit of ours (`konnectivity_rs_server_limit_reached_total`).
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Limit {
-    /// An agent stream's outbound queue was past its reserve: the agent
-    /// does not read, and its stream was ended.
-    AgentQueue,
-    /// A frontend stream's control packets were past their reserve: the
-    /// frontend does not read, and its stream was ended.
-    FrontendQueue,
-    /// `--max-tls-handshakes`: the oldest pending handshake was dropped.
-    TlsHandshakes,
-    /// `--max-http-connections`: a CONNECT client was refused with 503.
-    HttpConnections,
-}
-
-impl Limit {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::AgentQueue => "agent_queue",
-            Self::FrontendQueue => "frontend_queue",
-            Self::TlsHandshakes => "tls_handshakes",
-            Self::HttpConnections => "http_connections",
-        }
-    }
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LimitLabel {
     limit: &'static str,
@@ -172,6 +82,21 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn default_histogram() -> Histogram {
     Histogram::new(DEFAULT_BUCKETS)
+}
+
+/// The live state the gauges show, read when scraped.
+#[derive(Debug, Default)]
+pub(crate) struct Live {
+    /// Distinct agent keys per strategy (`ready_backends`).
+    pub(crate) ready: Vec<(ProxyStrategy, usize)>,
+    /// Dials waiting for a DIAL_RSP.
+    pub(crate) pending: usize,
+    /// Established connections.
+    pub(crate) established: usize,
+    /// Bytes queued towards frontends, most for one connection.
+    pub(crate) max_buffered: usize,
+    /// Bytes queued towards frontends in all.
+    pub(crate) buffered: usize,
 }
 
 /// Everything the server records.
@@ -361,10 +286,9 @@ impl ServerMetrics {
             .inc();
     }
 
-    /// The exposition text, with the live-state gauges refreshed.
-    pub(crate) fn render(&self, tunnels: &Tunnels) -> String {
-        let ready = tunnels.backends.ready_backends();
-        for (strategy, count) in &ready {
+    /// The exposition text, with the live-state gauges set from `live`.
+    pub(crate) fn render(&self, live: &Live) -> String {
+        for (strategy, count) in &live.ready {
             self.ready_backends
                 .get_or_create(&StrategyLabel {
                     proxy_strategy: strategy.as_str(),
@@ -372,18 +296,13 @@ impl ServerMetrics {
                 .set(as_i64(*count));
         }
         // ANP: every manager writes it, the last one wins.
-        if let Some((_, count)) = ready.last() {
+        if let Some((_, count)) = live.ready.last() {
             self.ready_backend_connections.set(as_i64(*count));
         }
-        self.pending_dials
-            .peek()
-            .set(as_i64(tunnels.pending_count()));
-        self.established
-            .peek()
-            .set(as_i64(tunnels.established_count()));
-        let (max, total) = tunnels.buffered();
-        self.max_buffered.set(as_i64(max));
-        self.buffered.set(as_i64(total));
+        self.pending_dials.peek().set(as_i64(live.pending));
+        self.established.peek().set(as_i64(live.established));
+        self.max_buffered.set(as_i64(live.max_buffered));
+        self.buffered.set(as_i64(live.buffered));
         self.exposition.render()
     }
 

@@ -23,17 +23,18 @@ use tunnel::{
 };
 
 use crate::{
-    backend::{manager::BackendManager, service::AgentServiceImpl},
+    agent_service::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
     frontend::{authority::AnyAuthority, grpc::ProxyServiceImpl, http_connect},
     health,
-    metrics::{Limit, ServerMetrics},
-    tunnels::Tunnels,
+    events::Limit,
+    metrics::ServerMetrics,
+    hub::Hub,
 };
 
 /// Streams one frontend connection may have open at once (more wait for
 /// a free one, as HTTP/2 clients do). kube-apiserver opens one per
-/// connection (single-use tunnels) or few (reusable tunnels).
+/// connection (single-use hub) or few (reusable hub).
 const FRONTEND_MAX_STREAMS: u32 = 128;
 /// What a frontend may send on one stream ahead of the server's reader:
 /// one flow-control window, as much as the reader can forward at once.
@@ -93,7 +94,7 @@ type FrontendFuture =
 /// at most `max_connections` at once (more are answered 503 and closed).
 async fn serve_http_connect<S, IO>(
     mut incoming: S,
-    tunnels: Arc<Tunnels>,
+    hub: Arc<Hub>,
     max_connections: usize,
     tasks: TaskTracker,
     accept_stop: CancellationToken,
@@ -122,15 +123,15 @@ where
                         );
                     }
                     at_cap = true;
-                    tunnels.metrics.limit_reached(Limit::HttpConnections);
+                    hub.metrics.limit_reached(Limit::HttpConnections);
                     tasks.spawn(http_connect::refuse(io));
                     continue;
                 };
                 at_cap = false;
-                let tunnels = tunnels.clone();
+                let hub = hub.clone();
                 let shutdown = shutdown.clone();
                 tasks.spawn(async move {
-                    http_connect::serve_connection(io, tunnels, shutdown).await;
+                    http_connect::serve_connection(io, hub, shutdown).await;
                     drop(permit);
                 });
             }
@@ -173,8 +174,8 @@ impl ProxyServer {
         };
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
-        let tunnels = Arc::new(Tunnels::new(
-            BackendManager::new(&config.strategies),
+        let hub = Arc::new(Hub::new(
+            &config.strategies,
             config.backend_dial_timeout,
             Arc::new(ServerMetrics::new(&config.strategies)),
         ));
@@ -188,7 +189,7 @@ impl ProxyServer {
             frontend,
             health,
             admin,
-            tunnels,
+            hub,
             token_auth,
         })
     }
@@ -246,8 +247,8 @@ pub struct Bound {
     health: TcpListener,
     /// Admin listener (`/metrics`, pprof).
     admin: TcpListener,
-    /// Shared proxy state.
-    tunnels: Arc<Tunnels>,
+    /// The routing core and the streams' links.
+    hub: Arc<Hub>,
     /// Agent token authentication, if on.
     token_auth: Option<Arc<crate::auth::TokenAuth>>,
 }
@@ -289,7 +290,7 @@ impl Bound {
     /// A handle for observing the running server (tests, tools).
     pub fn handle(&self) -> ServerHandle {
         ServerHandle {
-            tunnels: self.tunnels.clone(),
+            hub: self.hub.clone(),
         }
     }
 
@@ -305,7 +306,7 @@ impl Bound {
             frontend,
             health,
             admin,
-            tunnels,
+            hub,
             token_auth,
         } = self;
         // `accept_stop` ends accepting (first phase of a graceful shutdown);
@@ -316,12 +317,12 @@ impl Bound {
         let agent_local = agent.local_addr().ok();
         info!(server.id = %config.server_id, server.count = config.server_count, "proxy-server starting");
         let on_handshake_limit: tunnel::conn::OnLimit = {
-            let metrics = tunnels.metrics.clone();
+            let metrics = hub.metrics.clone();
             Arc::new(move || metrics.limit_reached(Limit::TlsHandshakes))
         };
 
         let agent_service = AgentServiceServer::new(AgentServiceImpl {
-            tunnels: tunnels.clone(),
+            hub: hub.clone(),
             server_id: config.server_id.clone(),
             server_count: config.server_count,
             tasks: tasks.clone(),
@@ -350,7 +351,7 @@ impl Bound {
             );
 
         let proxy_service = ProxyServiceServer::new(ProxyServiceImpl {
-            tunnels: tunnels.clone(),
+            hub: hub.clone(),
             tasks: tasks.clone(),
             shutdown: token.clone(),
         });
@@ -399,7 +400,7 @@ impl Bound {
                 let incoming = UnixListenerStream::new(listener);
                 let server = serve_http_connect(
                     incoming,
-                    tunnels.clone(),
+                    hub.clone(),
                     config.max_http_connections,
                     tasks.clone(),
                     accept_stop.clone(),
@@ -419,7 +420,7 @@ impl Bound {
                 );
                 let server = serve_http_connect(
                     incoming,
-                    tunnels.clone(),
+                    hub.clone(),
                     config.max_http_connections,
                     tasks.clone(),
                     accept_stop.clone(),
@@ -431,7 +432,7 @@ impl Bound {
         info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
 
         let health_state = health::HealthState {
-            tunnels: tunnels.clone(),
+            hub: hub.clone(),
         };
         let admin_local = admin.local_addr().ok();
         let admin_server = runtime::http::serve(
@@ -458,13 +459,19 @@ impl Bound {
             tokio::spawn(crate::lease::run(
                 lease,
                 config.server_id.clone(),
-                tunnels.metrics.clone(),
+                hub.metrics.clone(),
                 lease_stop.clone(),
             ))
         });
 
+        // The dial timers (`--backend-dial-timeout`).
+        tasks.spawn({
+            let hub = hub.clone();
+            let token = token.clone();
+            async move { hub.run_timers(token).await }
+        });
         if let Some(limit) = config.frontend_stall_timeout {
-            let tunnels = tunnels.clone();
+            let hub = hub.clone();
             let token = token.clone();
             tasks.spawn(async move {
                 let mut ticks = tokio::time::interval(stall_check_interval(limit));
@@ -472,7 +479,7 @@ impl Bound {
                 loop {
                     tokio::select! {
                         () = token.cancelled() => return,
-                        _ = ticks.tick() => tunnels.close_stalled(limit),
+                        _ = ticks.tick() => hub.close_stalled(limit),
                     }
                 }
             });
@@ -483,15 +490,15 @@ impl Bound {
         lease_stop.cancel();
         accept_stop.cancel();
         if let Some(grace) = config.graceful_shutdown_timeout {
-            info!(timeout = ?grace, connections = tunnels.established_count(), "stopped accepting; letting open connections finish");
+            info!(timeout = ?grace, connections = hub.established_count(), "stopped accepting; letting open connections finish");
             let idle = async {
-                while tunnels.established_count() > 0 || tunnels.pending_count() > 0 {
+                while hub.established_count() > 0 || hub.pending_count() > 0 {
                     tokio::time::sleep(GRACE_POLL).await;
                 }
             };
             if tokio::time::timeout(grace, idle).await.is_err() {
                 warn!(
-                    connections = tunnels.established_count(),
+                    connections = hub.established_count(),
                     "graceful shutdown timed out; closing the rest"
                 );
             }
@@ -532,9 +539,7 @@ impl Bound {
                 Ok(())
             }
         };
-        for backend in tunnels.backends_snapshot() {
-            backend.end.end();
-        }
+        hub.end_backends();
         if let Some(path) = uds_path {
             let _ = std::fs::remove_file(path);
         }
@@ -546,33 +551,38 @@ impl Bound {
 /// Observes a running server.
 #[derive(Clone)]
 pub struct ServerHandle {
-    /// Shared proxy state.
-    tunnels: Arc<Tunnels>,
+    /// The routing core and the streams' links.
+    hub: Arc<Hub>,
 }
 
 impl ServerHandle {
     /// Connected agent streams.
     pub fn backend_count(&self) -> usize {
-        self.tunnels.backend_count()
+        self.hub.backend_count()
+    }
+
+    /// Frontend streams (gRPC streams and CONNECT clients past their head).
+    pub fn frontend_count(&self) -> usize {
+        self.hub.frontend_count()
     }
 
     /// Dials waiting for an agent's answer.
     pub fn pending_dials(&self) -> usize {
-        self.tunnels.pending_count()
+        self.hub.pending_count()
     }
 
     /// Established end-to-end connections.
     pub fn established_connections(&self) -> usize {
-        self.tunnels.established_count()
+        self.hub.established_count()
     }
 
     /// The agent id of every connected agent stream, sorted.
     pub fn agent_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self
-            .tunnels
-            .backends_snapshot()
-            .iter()
-            .map(|b| b.agent_id.0.clone())
+            .hub
+            .agents()
+            .into_iter()
+            .map(|(agent, _, _)| agent.0)
             .collect();
         ids.sort();
         ids
@@ -581,29 +591,29 @@ impl ServerHandle {
     /// The most bytes (payload plus per-packet overhead) any connection has
     /// queued towards its frontend right now.
     pub fn max_buffered(&self) -> usize {
-        self.tunnels.max_buffered()
+        self.hub.live().max_buffered
     }
 
     /// Agent streams that announced DRAIN.
     pub fn draining_backends(&self) -> usize {
-        self.tunnels
-            .backends_snapshot()
+        self.hub
+            .agents()
             .iter()
-            .filter(|b| b.is_draining())
+            .filter(|(_, draining, _)| *draining)
             .count()
     }
 
     /// The address each connected agent stream comes from.
     pub fn agent_peers(&self) -> Vec<SocketAddr> {
-        self.tunnels
-            .backends_snapshot()
-            .iter()
-            .filter_map(|b| b.peer)
+        self.hub
+            .agents()
+            .into_iter()
+            .filter_map(|(_, _, peer)| peer)
             .collect()
     }
 
     /// What `/readyz` says.
     pub fn is_ready(&self) -> bool {
-        self.tunnels.backends.is_ready()
+        self.hub.is_ready()
     }
 }

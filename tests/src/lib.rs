@@ -36,7 +36,7 @@ use client::dial::{TunnelConn, dial, uds_channel};
 use proto::{Packet, proxy_service_client::ProxyServiceClient};
 use proxy_agent::agent::{Agent, AgentHandle};
 use proxy_server::{
-    backend::strategy::ProxyStrategy,
+    strategy::ProxyStrategy,
     config::{Config, FrontendListen, Mode},
     server::{ProxyServer, ServerHandle},
 };

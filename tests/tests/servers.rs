@@ -14,7 +14,7 @@ use std::{
 use integration_tests::{
     AgentOpts, ServerOpts, TestAgent, TestServer, backend, http_get, wait_for,
 };
-use proxy_server::backend::strategy::ProxyStrategy;
+use proxy_server::strategy::ProxyStrategy;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Three servers that announce `servercount: 3`.

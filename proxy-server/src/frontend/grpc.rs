@@ -1,31 +1,51 @@
-//! The `ProxyService/Proxy` handler: one call is one [`Frontend`].
+//! The `ProxyService/Proxy` handler: one call is one frontend stream. Its
+//! reader feeds packets to the hub and runs what they need to wait for,
+//! raced against the stream's end; tonic drains its outbound queue.
 
-use std::sync::Arc;
+use std::{pin::Pin, sync::Arc};
 
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use proto::{Packet, proxy_service_server::ProxyService};
+use runtime::metrics::when_blocked;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, debug_span, warn};
 
-use super::{Frontend, FrontendGuard, FrontendKind};
-use runtime::metrics::when_blocked;
-
 use crate::{
-    backend::service::PacketStream,
+    hub::Hub,
+    link::{FrontendLink, frontend_queue},
     metrics::PROXY,
+    router::FrontendKind,
     stream_end::{StreamEnd, receive_error},
-    tunnels::Tunnels,
 };
+
+/// The packet stream returned to a peer.
+pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 /// Serves `ProxyService`.
 pub(crate) struct ProxyServiceImpl {
-    /// Shared proxy state.
-    pub(crate) tunnels: Arc<Tunnels>,
+    /// The routing core and the streams' links.
+    pub(crate) hub: Arc<Hub>,
     /// Tracker of the reader tasks.
     pub(crate) tasks: TaskTracker,
     /// Stops every reader.
     pub(crate) shutdown: CancellationToken,
+}
+
+/// Tells the hub that a frontend stream ended and ends its outbound side,
+/// when its reader ends, on error, cancel and panic alike; it never waits.
+struct FrontendGuard {
+    /// The hub.
+    hub: Arc<Hub>,
+    /// The frontend.
+    link: FrontendLink,
+}
+
+impl Drop for FrontendGuard {
+    fn drop(&mut self) {
+        self.hub.frontend_closed(self.link.id);
+        self.link.end.end();
+    }
 }
 
 #[tonic::async_trait]
@@ -37,42 +57,42 @@ impl ProxyService for ProxyServiceImpl {
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
         let mut inbound = request.into_inner();
-        let (tx, rx) = super::queue();
+        let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
-        let frontend = Arc::new(Frontend::new(
-            self.tunnels.next_uid(),
-            tx,
-            end.clone(),
-            self.tunnels.metrics.clone(),
-            FrontendKind::Grpc,
-        ));
-        let tunnels = self.tunnels.clone();
-        let metrics = self.tunnels.metrics.clone();
+        let metrics = self.hub.metrics.clone();
+        let link = self.hub.add_frontend(FrontendKind::Grpc, |id| {
+            FrontendLink::new(id, FrontendKind::Grpc, tx, end.clone(), metrics.clone())
+        });
+        let hub = self.hub.clone();
         let live = metrics.grpc_stream(PROXY);
-        let span = debug_span!("frontend", frontend = frontend.uid);
+        let span = debug_span!("frontend", frontend = %link.id);
         self.tasks.spawn(
             async move {
                 let _live = live;
-                let _guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
+                let guard = FrontendGuard {
+                    hub: hub.clone(),
+                    link: link.clone(),
+                };
+                let fe = guard.link.id;
                 loop {
                     let packet = tokio::select! {
-                        () = frontend.gone() => break,
+                        () = link.gone() => break,
                         packet = inbound.message() => packet,
                     };
                     match packet {
                         Ok(Some(packet)) => {
                             metrics.packet("from_client", &packet);
-                            // Handling may wait for credit or room on the
-                            // agent stream: it ends with the stream's end
-                            // (ended here or its response dropped), which
-                            // shutdown brings too.
-                            let handled = when_blocked(
-                                tunnels.frontend_packet(&frontend, packet),
-                                || metrics.blocked(PROXY),
-                            );
+                            let Some(work) = hub.frontend_packet(fe, packet) else {
+                                continue;
+                            };
+                            // A dial waiting for room on its agent stream,
+                            // DATA waiting for credit: it ends with the
+                            // stream's end (ended here or its response
+                            // dropped), which shutdown brings too.
+                            let waited = when_blocked(hub.run(work), || metrics.blocked(PROXY));
                             tokio::select! {
-                                () = frontend.gone() => break,
-                                () = handled => {}
+                                () = link.gone() => break,
+                                () = waited => {}
                             }
                         }
                         Ok(None) => break,
@@ -82,7 +102,7 @@ impl ProxyService for ProxyServiceImpl {
                             debug!(error = %status, "frontend stream failed");
                             if status.code() == tonic::Code::ResourceExhausted {
                                 warn!(error = %status.message(), "frontend sent a message over the limit; closing its stream");
-                                frontend.end.fail(status);
+                                link.end.fail(status);
                             }
                             break;
                         }
@@ -92,11 +112,14 @@ impl ProxyService for ProxyServiceImpl {
             .instrument(span),
         );
         // Taking an item for the HTTP/2 stream (which has a window of its
-        // own) releases its accounting and, with flow control, its credit.
-        let metrics = self.tunnels.metrics.clone();
+        // own) releases its accounting and, with credit, returns credit.
+        let hub = self.hub.clone();
+        let metrics = self.hub.metrics.clone();
         let packets = rx.map(move |item| {
             metrics.packet("to_client", &item.packet);
-            item.taken();
+            if let Some((conn, credit)) = item.taken() {
+                hub.to_backend(conn.backend, credit);
+            }
             item.packet
         });
         Ok(Response::new(Box::pin(end.outbound(packets))))

@@ -22,9 +22,14 @@ use tunnel::{
     queue::QueueRx,
 };
 
-use super::{Frontend, FrontendGuard, FrontendKind};
-use crate::tunnels::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT, Tunnels};
-use crate::{conn::ToFrontend, metrics::PROXY, stream_end::StreamEnd};
+use crate::{
+    conn::ServerConn,
+    hub::{Hub, Work},
+    link::{BackendLink, FrontendLink, ToFrontend, frontend_queue},
+    metrics::PROXY,
+    router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, FrontendId, FrontendKind, NO_AGENT},
+    stream_end::StreamEnd,
+};
 
 /// Largest request header accepted (Go's `http.DefaultMaxHeaderBytes`).
 pub(crate) const MAX_HEADER_BYTES: usize = 1 << 20;
@@ -248,17 +253,17 @@ pub(crate) async fn refuse<IO: AsyncWrite + Unpin>(mut io: IO) {
 
 /// Serves one client connection (UDS or mTLS TCP) until it ends or
 /// `shutdown`: every wait of the connection ends with it.
-pub(crate) async fn serve_connection<IO>(io: IO, tunnels: Arc<Tunnels>, shutdown: CancellationToken)
+pub(crate) async fn serve_connection<IO>(io: IO, hub: Arc<Hub>, shutdown: CancellationToken)
 where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
     tokio::select! {
         () = shutdown.cancelled() => {}
-        () = serve(io, tunnels, &shutdown) => {}
+        () = serve(io, hub, &shutdown) => {}
     }
 }
 
-async fn serve<IO>(mut io: IO, tunnels: Arc<Tunnels>, shutdown: &CancellationToken)
+async fn serve<IO>(mut io: IO, hub: Arc<Hub>, shutdown: &CancellationToken)
 where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
@@ -284,24 +289,27 @@ where
         return;
     }
 
-    let (tx, mut rx) = super::queue();
-    let _live = tunnels.metrics.http_connection();
-    let frontend = Arc::new(Frontend::new(
-        tunnels.next_uid(),
-        tx,
-        StreamEnd::new(shutdown.child_token()),
-        tunnels.metrics.clone(),
-        FrontendKind::HttpConnect,
-    ));
-    let _guard = FrontendGuard::new(tunnels.clone(), frontend.clone());
+    let (tx, mut rx) = frontend_queue();
+    let _live = hub.metrics.http_connection();
+    let end = StreamEnd::new(shutdown.child_token());
+    let metrics = hub.metrics.clone();
+    let link = hub.add_frontend(FrontendKind::HttpConnect, |id| {
+        FrontendLink::new(id, FrontendKind::HttpConnect, tx, end, metrics)
+    });
+    let _guard = FrontendGuard {
+        hub: hub.clone(),
+        link: link.clone(),
+    };
+    let fe = link.id;
     let random = DialId::random();
     let mut early = head.rest;
-    debug!(frontend = frontend.uid, address = %head.target, dial.id = %random, "CONNECT");
+    debug!(frontend = %fe, address = %head.target, dial.id = %random, "CONNECT");
 
     // Dial, while watching the client: a client that leaves cancels the dial.
     let answer = {
-        let dial = tunnels.frontend_packet(
-            &frontend,
+        let dial = send(
+            &hub,
+            fe,
             Packet::dial_request("tcp", &head.target, random.0),
         );
         tokio::pin!(dial);
@@ -317,7 +325,7 @@ where
                 },
                 read = io.read_buf(&mut early), if early.len() < EARLY_BYTES => match read {
                     Ok(0) | Err(_) => {
-                        debug!(frontend = frontend.uid, "client left while its dial was pending");
+                        debug!(frontend = %fe, "client left while its dial was pending");
                         return;
                     }
                     Ok(_) => {}
@@ -340,21 +348,23 @@ where
     if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
         return;
     }
+    // The connection's route: its bytes go straight to its agent's queue.
+    let Some(route) = hub.route(fe, conn) else {
+        return;
+    };
     if !early.is_empty() {
-        tunnels
-            .frontend_packet(&frontend, Packet::data(conn.0, early.freeze()))
-            .await;
+        upload(&hub, &route, early.freeze()).await;
     }
-    let client_closed = tunnel_bytes(&mut io, conn, &tunnels, &frontend, &mut rx).await;
+    let client_closed = tunnel_bytes(&mut io, &hub, &route, &link, &mut rx).await;
     if client_closed {
         // Ask the agent to close and wait for its answer, so nothing of this
         // connection stays behind.
-        tunnels
-            .frontend_packet(&frontend, Packet::close_request(conn.0))
-            .await;
+        send(&hub, fe, Packet::close_request(conn.0)).await;
         let _ = tokio::time::timeout(CLOSE_WAIT, async {
             while let Some(item) = rx.recv().await {
-                item.taken();
+                if let Some((conn, credit)) = item.taken() {
+                    hub.to_backend(conn.backend, credit);
+                }
                 if matches!(item.packet.into_kind(), PacketKind::CloseRsp(_)) {
                     return;
                 }
@@ -365,18 +375,56 @@ where
     let _ = tokio::time::timeout(FINAL_WRITE_TIMEOUT, io.shutdown()).await;
 }
 
+/// Tells the hub the frontend ended and ends its stream, when the
+/// connection's task ends, on error, cancel and panic alike.
+struct FrontendGuard {
+    /// The hub.
+    hub: Arc<Hub>,
+    /// The frontend.
+    link: FrontendLink,
+}
+
+impl Drop for FrontendGuard {
+    fn drop(&mut self) {
+        self.hub.frontend_closed(self.link.id);
+        self.link.end.end();
+    }
+}
+
+/// A packet from the client's side, through the hub, with what it waits
+/// for (a dial's room on its agent stream).
+async fn send(hub: &Hub, fe: FrontendId, packet: Packet) {
+    if let Some(work) = hub.frontend_packet(fe, packet) {
+        when_blocked(hub.run(work), || hub.metrics.blocked(PROXY)).await;
+    }
+}
+
+/// Client bytes to the agent: credit and room on the agent stream, counted
+/// as a gRPC frontend's reader is while it waits.
+async fn upload(hub: &Hub, route: &(Arc<ServerConn>, BackendLink), data: bytes::Bytes) {
+    let (conn, backend) = route;
+    hub.metrics.bytes("to_agent", data.len());
+    let work = Work::SendData {
+        conn: conn.clone(),
+        backend: backend.clone(),
+        data,
+    };
+    when_blocked(hub.run(work), || hub.metrics.blocked(PROXY)).await;
+}
+
 /// Moves bytes until one side ends; `true` if the client side ended first
 /// (so the connection still has to be closed on the agent).
 async fn tunnel_bytes<IO>(
     io: &mut IO,
-    conn: ConnId,
-    tunnels: &Arc<Tunnels>,
-    frontend: &Arc<Frontend>,
+    hub: &Hub,
+    route: &(Arc<ServerConn>, BackendLink),
+    link: &FrontendLink,
     rx: &mut QueueRx<ToFrontend>,
 ) -> bool
 where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
+    let conn = route.0.id;
     let (mut reader, mut writer) = tokio::io::split(io);
     let upstream = async {
         // Reads as the agent's pump does: an idle client holds a small
@@ -386,13 +434,10 @@ where
             let Ok(Some(chunk)) = tunnel::pump::read_chunk(&mut reader, &mut eof).await else {
                 return;
             };
-            // Counted as a gRPC frontend's reader is while it waits for
-            // credit or room on the agent stream.
-            when_blocked(
-                tunnels.frontend_packet(frontend, Packet::data(conn.0, chunk)),
-                || tunnels.metrics.blocked(PROXY),
-            )
-            .await;
+            if route.0.closed.is_cancelled() {
+                return;
+            }
+            upload(hub, route, chunk).await;
             if eof {
                 return;
             }
@@ -415,7 +460,9 @@ where
                 }
                 _ => None,
             };
-            item.taken();
+            if let Some((conn, credit)) = item.taken() {
+                hub.to_backend(conn.backend, credit);
+            }
             match written {
                 Some(true) => continue,
                 // The client is gone: close on the agent.
@@ -437,7 +484,7 @@ where
         () = upstream => true,
         client_gone = downstream => client_gone,
         // Shutdown, or the connection stalled (`--frontend-stall-timeout`).
-        () = frontend.end.ended() => true,
+        () = link.end.ended() => true,
     }
 }
 

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use client::dial::{Dialer, Transport};
 use proxy_agent::agent::Agent;
 use proxy_server::{
-    backend::strategy::ProxyStrategy,
+    strategy::ProxyStrategy,
     config::{Config, FrontendListen, Mode},
     server::ProxyServer,
 };

@@ -1,31 +1,30 @@
 //! The `AgentService/Connect` handler: one call is one [`Backend`].
 
-use std::{pin::Pin, sync::Arc};
+use std::{net::SocketAddr, sync::Arc};
 
-use futures_util::{Stream, StreamExt};
+use futures_util::StreamExt;
 use proto::{Packet, agent_service_server::AgentService, header};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
 use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
-use super::{Backend, BackendStream, strategy::AgentIdentifiers};
-use crate::stream_end::StreamEnd;
 use runtime::metrics::when_blocked;
 
-use crate::{metrics::CONNECT, tunnels::Tunnels};
-
-/// Room for control packets beyond `--max-agent-queue-bytes` (see
-/// [`tunnel::queue`]): past it the agent has stopped reading.
-const CONTROL_RESERVE: usize = 1024 * 1024;
-
-/// The packet stream returned to an agent.
-pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+use crate::{
+    frontend::grpc::PacketStream,
+    hub::Hub,
+    link::{BACKEND_CONTROL_RESERVE, BackendLink},
+    metrics::CONNECT,
+    router::{AgentInfo, BackendId},
+    stream_end::StreamEnd,
+    strategy::AgentIdentifiers,
+};
 
 /// Serves `AgentService`.
 pub(crate) struct AgentServiceImpl {
-    /// Shared proxy state.
-    pub(crate) tunnels: Arc<Tunnels>,
+    /// The routing core and the streams' links.
+    pub(crate) hub: Arc<Hub>,
     /// This server's id (`serverid` header).
     pub(crate) server_id: ServerId,
     /// Replica count (`servercount` header).
@@ -90,7 +89,7 @@ impl AgentService for AgentServiceImpl {
     ) -> Result<Response<PacketStream>, Status> {
         let peer = request.extensions().get::<PeerAddr>().map(|p| p.0);
         // Counted from the start of the call, refused ones too (ANP).
-        let live = self.tunnels.metrics.grpc_stream(CONNECT);
+        let live = self.hub.metrics.grpc_stream(CONNECT);
         // Authenticate first, as ANP does; the token itself is never logged.
         if let Some(auth) = &self.token_auth
             && let Err(error) = auth.authenticate(request.metadata()).await
@@ -115,51 +114,56 @@ impl AgentService for AgentServiceImpl {
             );
         let mut inbound = request.into_inner();
 
-        let (tx, rx) = tunnel::queue::queue(self.queue_bytes, CONTROL_RESERVE);
+        let (tx, rx) = tunnel::queue::queue(self.queue_bytes, BACKEND_CONTROL_RESERVE);
         let end = StreamEnd::new(self.shutdown.child_token());
-        let backend = Arc::new(Backend::new(
-            self.tunnels.next_uid(),
+        let link = BackendLink::new(
             agent_id.clone(),
-            identifiers,
             peer,
-            BackendStream {
-                tx,
-                end: end.clone(),
+            tx,
+            end.clone(),
+            self.hub.metrics.clone(),
+        );
+        let be = self.hub.add_backend(
+            AgentInfo {
+                agent_id: agent_id.clone(),
+                identifiers,
                 flow_control,
-                metrics: self.tunnels.metrics.clone(),
             },
-        ));
-        self.tunnels.add_backend(&backend);
+            link,
+        );
         info!(agent.id = %agent_id, peer.addr = ?peer, flow_control, "agent connected");
 
-        let tunnels = self.tunnels.clone();
-        let metrics = self.tunnels.metrics.clone();
+        let hub = self.hub.clone();
+        let metrics = self.hub.metrics.clone();
         let span = info_span!("backend", agent.id = %agent_id);
+        let reader_end = end.clone();
         self.tasks.spawn(
             async move {
                 let _live = live;
-                let guard = BackendGuard {
-                    tunnels: tunnels.clone(),
-                    backend: backend.clone(),
+                let _guard = BackendGuard {
+                    hub: hub.clone(),
+                    backend: be,
+                    agent_id,
+                    peer,
                 };
+                let end = reader_end;
                 loop {
                     let packet = tokio::select! {
-                        () = backend.end.ended() => break,
+                        () = end.ended() => break,
                         packet = inbound.message() => packet,
                     };
                     match packet {
                         Ok(Some(packet)) => {
                             metrics.packet("from_agent", &packet);
-                            // Handling waits only for a frontend to take
-                            // DATA from an agent without flow control; it
-                            // ends with the stream.
-                            let handled = when_blocked(
-                                tunnels.backend_packet(&backend, packet),
-                                || metrics.blocked(CONNECT),
-                            );
+                            let Some(work) = hub.backend_packet(be, packet) else {
+                                continue;
+                            };
+                            // Only DATA for a frontend, from an agent without
+                            // credit, waits; it ends with the stream.
+                            let waited = when_blocked(hub.run(work), || metrics.blocked(CONNECT));
                             tokio::select! {
-                                () = backend.end.ended() => break,
-                                () = handled => {}
+                                () = end.ended() => break,
+                                () = waited => {}
                             }
                         }
                         Ok(None) => break,
@@ -169,18 +173,17 @@ impl AgentService for AgentServiceImpl {
                             debug!(error = %status, "agent stream failed");
                             if status.code() == tonic::Code::ResourceExhausted {
                                 warn!(error = %status.message(), "agent sent a message over the limit; closing its stream");
-                                backend.end.fail(status);
+                                end.fail(status);
                             }
                             break;
                         }
                     }
                 }
-                drop(guard);
             }
             .instrument(span),
         );
 
-        let metrics = self.tunnels.metrics.clone();
+        let metrics = self.hub.metrics.clone();
         let stream = end.outbound(rx.map(move |packet| {
             metrics.packet("to_agent", &packet);
             packet
@@ -203,17 +206,23 @@ impl AgentService for AgentServiceImpl {
     }
 }
 
-/// Removes the backend everywhere when its reader ends, on error, cancel or
-/// panic alike.
+/// Tells the hub that an agent stream ended when its reader ends, on error,
+/// cancel and panic alike: its connections are closed towards their
+/// frontends and its pending dials fail.
 struct BackendGuard {
-    /// Shared proxy state.
-    tunnels: Arc<Tunnels>,
-    /// The backend to remove.
-    backend: Arc<Backend>,
+    /// The hub.
+    hub: Arc<Hub>,
+    /// The agent stream.
+    backend: BackendId,
+    /// Its agent, for the log.
+    agent_id: AgentId,
+    /// Its address, for the log.
+    peer: Option<SocketAddr>,
 }
 
 impl Drop for BackendGuard {
     fn drop(&mut self) {
-        self.tunnels.backend_closed(&self.backend);
+        self.hub.backend_closed(self.backend);
+        info!(agent.id = %self.agent_id, peer.addr = ?self.peer, "agent disconnected");
     }
 }

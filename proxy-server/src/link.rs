@@ -1,0 +1,374 @@
+//! The outbound side of the server's streams: where the routing core's
+//! packets go. A [`FrontendLink`] or [`BackendLink`] owns the sending end
+//! of its stream's byte-bounded queue and the stream's [`StreamEnd`].
+
+use std::{net::SocketAddr, sync::Arc};
+
+use proto::Packet;
+use tonic::Status;
+use tracing::warn;
+use tunnel::{
+    flow,
+    ids::AgentId,
+    queue::{self, Closed, QueueRx, QueueTx},
+};
+
+use crate::{
+    conn::ServerConn,
+    events::Limit,
+    metrics::ServerMetrics,
+    router::{FrontendId, FrontendKind},
+    stream_end::StreamEnd,
+};
+
+/// Control packets (DIAL_RSP, CLOSE_RSP, DIAL_CLS) a frontend may leave
+/// unread before its stream is ended: a frontend that keeps dialing
+/// without reading its answers is broken, and must not make the server
+/// hold its answers without bound.
+pub(crate) const FRONTEND_CONTROL_RESERVE: usize = 256 * 1024;
+
+/// Room for control packets beyond `--max-agent-queue-bytes`: past it the
+/// agent has stopped reading.
+pub(crate) const BACKEND_CONTROL_RESERVE: usize = 1024 * 1024;
+
+/// An item of a frontend's outbound queue: a packet, and for DATA the
+/// connection and cost to release once the frontend took it.
+pub(crate) struct ToFrontend {
+    /// The packet.
+    pub(crate) packet: Packet,
+    /// For DATA: whose bytes, and what they cost.
+    pub(crate) data: Option<(Arc<ServerConn>, usize)>,
+}
+
+impl ToFrontend {
+    /// Releases the DATA accounting once the frontend took the packet; the
+    /// credit grant to send the connection's agent, if one is due.
+    pub(crate) fn taken(&self) -> Option<(&ServerConn, Packet)> {
+        let (conn, cost) = self.data.as_ref()?;
+        conn.drained(*cost).map(|credit| (&**conn, credit))
+    }
+}
+
+/// A frontend's outbound queue: nobody waits on it; DATA is admitted by its
+/// connection's window and control packets up to the reserve.
+pub(crate) fn frontend_queue() -> (QueueTx<ToFrontend>, QueueRx<ToFrontend>) {
+    queue::queue(0, FRONTEND_CONTROL_RESERVE)
+}
+
+/// Why DATA could not be queued towards a frontend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DataRefused {
+    /// The connection is a window behind: close it.
+    Overflow,
+    /// The frontend is gone.
+    Gone,
+}
+
+/// Where packets for one frontend stream go.
+#[derive(Clone)]
+pub(crate) struct FrontendLink {
+    /// The frontend, for logs.
+    pub(crate) id: FrontendId,
+    /// Its protocol.
+    pub(crate) kind: FrontendKind,
+    /// Its outbound queue; the transport drains the receiver.
+    tx: QueueTx<ToFrontend>,
+    /// Ends its stream (its reader, its outbound packets), with a status.
+    pub(crate) end: Arc<StreamEnd>,
+    /// Where writes to the frontend are timed and lost packets counted.
+    metrics: Arc<ServerMetrics>,
+}
+
+impl FrontendLink {
+    pub(crate) fn new(
+        id: FrontendId,
+        kind: FrontendKind,
+        tx: QueueTx<ToFrontend>,
+        end: Arc<StreamEnd>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self {
+            id,
+            kind,
+            tx,
+            end,
+            metrics,
+        }
+    }
+
+    /// Counts a packet that could not reach a gRPC frontend (its stream is
+    /// gone) as ANP counts a failed `Send`.
+    fn undelivered(&self, packet: &Packet) {
+        if self.kind == FrontendKind::Grpc {
+            self.metrics.send_error("to_client", packet);
+        }
+    }
+
+    /// Queues a control packet without waiting; `false` if it could not be
+    /// queued. A frontend that leaves [`FRONTEND_CONTROL_RESERVE`] of them
+    /// unread has its stream ended with an error.
+    pub(crate) fn notify(&self, packet: Packet) -> bool {
+        tracing::trace!(frontend = %self.id, packet = packet.type_name(), "to frontend");
+        let started = std::time::Instant::now();
+        let cost = flow::packet_cost(&packet);
+        let pushed = self.tx.push(ToFrontend { packet, data: None }, cost);
+        self.metrics.frontend_write(started.elapsed());
+        match pushed {
+            Ok(()) => true,
+            Err(queue::PushError::Closed(item)) => {
+                self.undelivered(&item.packet);
+                false
+            }
+            Err(queue::PushError::Full(item)) => {
+                self.undelivered(&item.packet);
+                self.fail_unread();
+                false
+            }
+        }
+    }
+
+    /// Ends a frontend that does not read its stream.
+    fn fail_unread(&self) {
+        if !self.end.is_ended() {
+            warn!(frontend = %self.id, "frontend does not read its stream; closing it");
+            self.metrics.limit_reached(Limit::FrontendQueue);
+        }
+        self.end.fail(Status::resource_exhausted(
+            "the frontend does not read its stream: too many answers queued",
+        ));
+    }
+
+    /// Queues agent DATA of `conn` whose `cost` the window already admitted
+    /// (the window, not the control reserve, bounds DATA).
+    pub(crate) fn push_data(
+        &self,
+        conn: Arc<ServerConn>,
+        packet: Packet,
+        cost: usize,
+    ) -> Result<(), DataRefused> {
+        if conn.budget.queued() == cost {
+            // The only DATA queued: the frontend's wait starts now.
+            conn.mark_progress();
+        }
+        let item = ToFrontend {
+            packet,
+            data: Some((conn, cost)),
+        };
+        self.tx.push(item, 0).map_err(|e| {
+            let item = match e {
+                queue::PushError::Full(item) => {
+                    self.fail_unread();
+                    item
+                }
+                queue::PushError::Closed(item) => {
+                    self.undelivered(&item.packet);
+                    item
+                }
+            };
+            if let Some((conn, cost)) = &item.data {
+                conn.budget.release(*cost);
+            }
+            DataRefused::Gone
+        })
+    }
+
+    /// Times a write to the frontend (ANP's `frontend_write_duration`).
+    pub(crate) fn timed(&self, took: std::time::Duration) {
+        self.metrics.frontend_write(took);
+    }
+
+    /// Resolves once the stream is over: ended from inside the server, or
+    /// its transport dropped the receiving end.
+    pub(crate) async fn gone(&self) {
+        tokio::select! {
+            () = self.tx.closed() => {}
+            () = self.end.ended() => {}
+        }
+    }
+}
+
+/// The agent stream is gone; the packet was not sent.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("agent stream closed")]
+pub(crate) struct BackendGone;
+
+/// Where packets for one agent stream go.
+#[derive(Clone)]
+pub(crate) struct BackendLink {
+    /// The agent's self-asserted id.
+    pub(crate) agent_id: AgentId,
+    /// The agent's address, if known.
+    pub(crate) peer: Option<SocketAddr>,
+    /// Outbound packets, bounded in bytes; tonic drains the receiver into
+    /// the stream.
+    tx: QueueTx<Packet>,
+    /// Ends the stream (agent gone, retired, shutdown, a fault).
+    pub(crate) end: Arc<StreamEnd>,
+    /// Where packets that cannot be sent are counted.
+    metrics: Arc<ServerMetrics>,
+}
+
+impl BackendLink {
+    pub(crate) fn new(
+        agent_id: AgentId,
+        peer: Option<SocketAddr>,
+        tx: QueueTx<Packet>,
+        end: Arc<StreamEnd>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self {
+            agent_id,
+            peer,
+            tx,
+            end,
+            metrics,
+        }
+    }
+
+    /// Queues a packet for the agent, waiting while the stream's queue is
+    /// full (`--max-agent-queue-bytes`). For a frontend's DATA and dials,
+    /// whose callers race the wait against their own end.
+    pub(crate) async fn send(&self, packet: Packet) -> Result<(), BackendGone> {
+        tracing::trace!(agent.id = %self.agent_id, packet = packet.type_name(), "to agent");
+        let cost = flow::packet_cost(&packet);
+        self.tx.send(packet, cost).await.map_err(|Closed(packet)| {
+            self.metrics.send_error("to_agent", &packet);
+            BackendGone
+        })
+    }
+
+    /// Queues a control packet without waiting: stream readers and cleanup
+    /// send these and must not wait on an agent (two full queues waiting
+    /// on each other would deadlock). Past the queue's reserve the agent has
+    /// stopped reading its stream: the stream is ended with an error.
+    pub(crate) fn send_control(&self, packet: Packet) {
+        tracing::trace!(agent.id = %self.agent_id, packet = packet.type_name(), "to agent");
+        let cost = flow::packet_cost(&packet);
+        match self.tx.push(packet, cost) {
+            Ok(()) => {}
+            Err(queue::PushError::Closed(packet)) => self.metrics.send_error("to_agent", &packet),
+            Err(queue::PushError::Full(packet)) => {
+                self.metrics.send_error("to_agent", &packet);
+                if !self.end.is_ended() {
+                    warn!(agent.id = %self.agent_id, queued = self.tx.queued(), "agent does not read its stream; closing it");
+                    self.metrics.limit_reached(Limit::AgentQueue);
+                }
+                self.end.fail(Status::resource_exhausted(
+                    "the agent does not read its stream: its outbound queue is full",
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+
+    fn frontend(kind: FrontendKind) -> (FrontendLink, Arc<ServerMetrics>, QueueRx<ToFrontend>) {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let (tx, rx) = frontend_queue();
+        let end = StreamEnd::new(CancellationToken::new());
+        (
+            FrontendLink::new(FrontendId(1), kind, tx, end, metrics.clone()),
+            metrics,
+            rx,
+        )
+    }
+
+    #[tokio::test]
+    async fn packets_for_a_gone_grpc_frontend_are_send_errors() {
+        let (fe, metrics, rx) = frontend(FrontendKind::Grpc);
+        drop(rx);
+        assert!(!fe.notify(Packet::dial_response(1, 0, "x")));
+        fe.notify(Packet::close_response(2, ""));
+        let text = metrics.text();
+        let series = |kind: &str| {
+            format!(
+                "konnectivity_network_proxy_server_stream_errors_total{{code=\"Unavailable\",packet_type=\"{kind}\",segment=\"to_client\"}} 1\n"
+            )
+        };
+        assert!(text.contains(&series("DIAL_RSP")), "{text}");
+        assert!(text.contains(&series("CLOSE_RSP")), "{text}");
+        // Both writes were timed, as ANP times every frontend send.
+        assert!(
+            text.contains(
+                "konnectivity_network_proxy_server_frontend_write_duration_seconds_count 2\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_http_connect_frontend_has_no_packet_errors() {
+        let (fe, metrics, rx) = frontend(FrontendKind::HttpConnect);
+        drop(rx);
+        fe.notify(Packet::dial_response(1, 0, "x"));
+        assert!(!metrics.text().contains("stream_errors_total{"));
+    }
+
+    #[tokio::test]
+    async fn a_frontend_that_leaves_its_answers_unread_is_ended_with_an_error() {
+        let (fe, metrics, _rx) = frontend(FrontendKind::Grpc);
+        let answer = Packet::dial_response(1, 0, &"x".repeat(1000));
+        let mut sent = 0;
+        while !fe.end.is_ended() {
+            fe.notify(answer.clone());
+            sent += 1;
+            assert!(sent <= FRONTEND_CONTROL_RESERVE / 1000 + 1, "{sent} answers queued");
+        }
+        assert!(sent >= FRONTEND_CONTROL_RESERVE / flow::packet_cost(&answer));
+        assert!(
+            metrics
+                .text()
+                .contains("konnectivity_rs_server_limit_reached_total{limit=\"frontend_queue\"} 1\n")
+        );
+    }
+
+    fn backend(limit: usize) -> (BackendLink, Arc<ServerMetrics>, QueueRx<Packet>) {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let (tx, rx) = queue::queue(limit, limit);
+        let link = BackendLink::new(
+            AgentId("a".to_owned()),
+            None,
+            tx,
+            StreamEnd::new(CancellationToken::new()),
+            metrics.clone(),
+        );
+        (link, metrics, rx)
+    }
+
+    const CLOSE_REQ_LOST: &str = "konnectivity_network_proxy_server_stream_errors_total{code=\"Unavailable\",packet_type=\"CLOSE_REQ\",segment=\"to_agent\"}";
+
+    #[tokio::test]
+    async fn a_packet_for_a_gone_agent_is_counted_as_a_send_error() {
+        let (backend, metrics, rx) = backend(1024);
+        backend.send(Packet::close_request(1)).await.unwrap();
+        assert!(!metrics.text().contains("stream_errors_total{"));
+        drop(rx);
+        assert!(backend.send(Packet::close_request(1)).await.is_err());
+        backend.send_control(Packet::close_request(2));
+        let text = metrics.text();
+        assert!(text.contains(&format!("\n{CLOSE_REQ_LOST} 2\n")), "{text}");
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_does_not_read_has_its_stream_ended_not_a_task_per_packet() {
+        let (backend, metrics, _rx) = backend(64);
+        // Control packets never wait; once past the reserve the stream ends.
+        let mut sent = 0;
+        while !backend.end.is_ended() {
+            backend.send_control(Packet::close_request(sent));
+            sent += 1;
+            assert!(sent < 100, "the queue took {sent} packets");
+        }
+        assert!(backend.tx.queued() < 2 * 64 + flow::packet_cost(&Packet::close_request(1)));
+        let text = metrics.text();
+        assert!(
+            text.contains("konnectivity_rs_server_limit_reached_total{limit=\"agent_queue\"} 1\n"),
+            "{text}"
+        );
+    }
+}

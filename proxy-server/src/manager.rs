@@ -1,0 +1,281 @@
+//! [`BackendManager`]: the connected agent streams, indexed once per
+//! strategy, as plain data (ids), owned by the routing core.
+
+use std::{collections::HashSet, net::IpAddr};
+
+use ipnet::IpNet;
+use tunnel::ids::AgentId;
+
+use crate::{
+    router::BackendId,
+    strategy::{AgentIdentifiers, ProxyStrategy, host_of},
+};
+
+/// Backends under one strategy: key → streams, both in insertion order.
+#[derive(Default)]
+struct Store {
+    /// `(key, backends)`; the first backend of a key is preferred.
+    entries: Vec<(String, Vec<BackendId>)>,
+    /// `cidr` identifiers (destHost only), same shape.
+    nets: Vec<(IpNet, Vec<BackendId>)>,
+}
+
+/// Appends `backend` under `key`, keeping keys and backends in insertion order.
+fn add_to<K: PartialEq>(list: &mut Vec<(K, Vec<BackendId>)>, key: K, backend: BackendId) {
+    match list.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, backends)) => backends.push(backend),
+        None => list.push((key, vec![backend])),
+    }
+}
+
+fn remove_from<K>(list: &mut Vec<(K, Vec<BackendId>)>, backend: BackendId) {
+    for (_, backends) in list.iter_mut() {
+        backends.retain(|b| *b != backend);
+    }
+    list.retain(|(_, backends)| !backends.is_empty());
+}
+
+impl Store {
+    fn remove(&mut self, backend: BackendId) {
+        remove_from(&mut self.entries, backend);
+        remove_from(&mut self.nets, backend);
+    }
+
+    /// Distinct keys (hosts and networks).
+    fn len(&self) -> usize {
+        self.entries.len() + self.nets.len()
+    }
+
+    /// destHost: the exact host key (ANP), else — for an IP destination —
+    /// the networks containing it, longest prefix first.
+    fn pick_dest(&self, address: &str, draining: &HashSet<BackendId>) -> Option<BackendId> {
+        let host = host_of(address);
+        let exact = pick_from(
+            self.entries
+                .iter()
+                .filter(|(k, _)| k == host)
+                .map(|(_, list)| list),
+            draining,
+        );
+        if exact.is_some() {
+            return exact;
+        }
+        let ip = host.parse::<IpAddr>().ok()?;
+        let mut nets: Vec<_> = self.nets.iter().filter(|(n, _)| n.contains(&ip)).collect();
+        // Stable: equal prefixes keep insertion order.
+        nets.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
+        pick_from(nets.into_iter().map(|(_, list)| list), draining)
+    }
+
+    /// Starts at a random key and walks all keys in order (ANP's default).
+    fn pick_random(
+        &self,
+        draining: &HashSet<BackendId>,
+        rng: &mut fastrand::Rng,
+    ) -> Option<BackendId> {
+        if self.entries.is_empty() {
+            return None;
+        }
+        let start = rng.usize(..self.entries.len());
+        let (tail, head) = self.entries.split_at(start);
+        pick_from(head.iter().chain(tail).map(|(_, list)| list), draining)
+    }
+}
+
+/// The first non-draining backend among `lists` (in order), else the first
+/// draining one.
+fn pick_from<'a>(
+    lists: impl Iterator<Item = &'a Vec<BackendId>>,
+    draining: &HashSet<BackendId>,
+) -> Option<BackendId> {
+    let mut fallback = None;
+    for list in lists {
+        for backend in list {
+            if !draining.contains(backend) {
+                return Some(*backend);
+            }
+            fallback.get_or_insert(*backend);
+        }
+    }
+    fallback
+}
+
+/// Every connected backend, indexed for each configured strategy.
+pub(crate) struct BackendManager {
+    /// One store per `--proxy-strategies` entry, in order.
+    stores: Vec<(ProxyStrategy, Store)>,
+    /// Backends that announced DRAIN (or were retired): other backends are
+    /// preferred for new dials.
+    draining: HashSet<BackendId>,
+    /// Where `default`'s random start comes from (seeded in tests).
+    rng: fastrand::Rng,
+}
+
+impl BackendManager {
+    /// An empty manager for `strategies` (tried in this order).
+    pub(crate) fn new(strategies: &[ProxyStrategy], rng: fastrand::Rng) -> Self {
+        Self {
+            stores: strategies.iter().map(|s| (*s, Store::default())).collect(),
+            draining: HashSet::new(),
+            rng,
+        }
+    }
+
+    /// Indexes a new backend under every strategy it fits.
+    pub(crate) fn add(
+        &mut self,
+        backend: BackendId,
+        agent_id: &AgentId,
+        identifiers: &AgentIdentifiers,
+    ) {
+        for (strategy, store) in &mut self.stores {
+            match strategy {
+                ProxyStrategy::Default => add_to(&mut store.entries, agent_id.0.clone(), backend),
+                ProxyStrategy::DestHost => {
+                    for key in identifiers.dest_host_keys() {
+                        add_to(&mut store.entries, key.to_owned(), backend);
+                    }
+                    for net in &identifiers.cidrs {
+                        add_to(&mut store.nets, *net, backend);
+                    }
+                }
+                ProxyStrategy::DefaultRoute => {
+                    if identifiers.default_route {
+                        add_to(&mut store.entries, agent_id.0.clone(), backend);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes a backend out of every strategy.
+    pub(crate) fn remove(&mut self, backend: BackendId) {
+        for (_, store) in &mut self.stores {
+            store.remove(backend);
+        }
+        self.draining.remove(&backend);
+    }
+
+    /// Prefers other backends to this one from now on.
+    pub(crate) fn set_draining(&mut self, backend: BackendId) {
+        self.draining.insert(backend);
+    }
+
+    /// Whether the backend announced DRAIN.
+    pub(crate) fn is_draining(&self, backend: BackendId) -> bool {
+        self.draining.contains(&backend)
+    }
+
+    /// The backend for a dial to `address`: the strategies in order, the first
+    /// that has one wins.
+    pub(crate) fn pick(&mut self, address: &str) -> Option<BackendId> {
+        let Self {
+            stores,
+            draining,
+            rng,
+        } = self;
+        stores.iter().find_map(|(strategy, store)| match strategy {
+            ProxyStrategy::Default | ProxyStrategy::DefaultRoute => {
+                store.pick_random(draining, rng)
+            }
+            ProxyStrategy::DestHost => store.pick_dest(address, draining),
+        })
+    }
+
+    /// Ready when the first strategy has at least one backend (ANP).
+    pub(crate) fn is_ready(&self) -> bool {
+        self.stores.first().is_some_and(|(_, store)| store.len() > 0)
+    }
+
+    /// Distinct keys per strategy (ANP's `ready_backends` gauge).
+    pub(crate) fn ready_backends(&self) -> Vec<(ProxyStrategy, usize)> {
+        self.stores.iter().map(|(s, store)| (*s, store.len())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(strategies: &[ProxyStrategy]) -> BackendManager {
+        BackendManager::new(strategies, fastrand::Rng::with_seed(7))
+    }
+
+    fn add(m: &mut BackendManager, id: u64, agent: &str, ids: &str) -> BackendId {
+        let backend = BackendId(id);
+        m.add(
+            backend,
+            &AgentId(agent.to_owned()),
+            &AgentIdentifiers::parse(ids),
+        );
+        backend
+    }
+
+    #[test]
+    fn default_prefers_non_draining_and_falls_back() {
+        let mut m = manager(&[ProxyStrategy::Default]);
+        assert!(m.pick("x:1").is_none());
+        assert!(!m.is_ready());
+        let a = add(&mut m, 1, "a", "");
+        let b = add(&mut m, 2, "b", "");
+        assert!(m.is_ready());
+        m.set_draining(a);
+        for _ in 0..20 {
+            assert_eq!(m.pick("x:1"), Some(b));
+        }
+        m.set_draining(b);
+        assert!(m.pick("x:1").is_some(), "a draining agent is the fallback");
+        m.remove(b);
+        assert_eq!(m.pick("x:1"), Some(a));
+        m.remove(a);
+        assert!(m.pick("x:1").is_none());
+        assert!(!m.is_ready());
+    }
+
+    #[test]
+    fn default_starts_at_random_keys() {
+        let mut m = manager(&[ProxyStrategy::Default]);
+        let a = add(&mut m, 1, "a", "");
+        let b = add(&mut m, 2, "b", "");
+        let picks: HashSet<_> = (0..64).filter_map(|_| m.pick("x:1")).collect();
+        assert_eq!(picks, HashSet::from([a, b]));
+    }
+
+    #[test]
+    fn dest_host_matches_exact_keys_then_networks_longest_first() {
+        let mut m = manager(&[ProxyStrategy::DestHost, ProxyStrategy::Default]);
+        let host = add(&mut m, 1, "a", "host=node-1&ipv4=10.0.0.7");
+        let wide = add(&mut m, 2, "b", "cidr=10.0.0.0/8");
+        let narrow = add(&mut m, 3, "c", "cidr=10.0.0.0/24");
+        assert_eq!(m.pick("node-1:10250"), Some(host));
+        assert_eq!(m.pick("10.0.0.7:443"), Some(host));
+        assert_eq!(m.pick("10.0.0.9:443"), Some(narrow));
+        assert_eq!(m.pick("10.9.0.9:443"), Some(wide));
+        // No destHost match: the next strategy (default) takes it.
+        assert!(m.pick("192.168.0.1:80").is_some());
+        assert_eq!(
+            m.ready_backends(),
+            [(ProxyStrategy::DestHost, 4), (ProxyStrategy::Default, 3)]
+        );
+    }
+
+    #[test]
+    fn default_route_takes_only_agents_that_announce_it() {
+        let mut m = manager(&[ProxyStrategy::DefaultRoute]);
+        add(&mut m, 1, "a", "");
+        assert!(m.pick("x:1").is_none());
+        assert!(!m.is_ready());
+        let b = add(&mut m, 2, "b", "default-route=true");
+        assert_eq!(m.pick("x:1"), Some(b));
+    }
+
+    #[test]
+    fn two_streams_of_one_agent_are_two_backends() {
+        let mut m = manager(&[ProxyStrategy::Default]);
+        let first = add(&mut m, 1, "a", "");
+        let second = add(&mut m, 2, "a", "");
+        assert_eq!(m.ready_backends(), [(ProxyStrategy::Default, 1)]);
+        m.remove(first);
+        assert_eq!(m.pick("x:1"), Some(second));
+    }
+}

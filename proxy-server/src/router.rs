@@ -1,0 +1,912 @@
+//! [`Router`]: the server's routing state as plain data, without I/O.
+//!
+//! One struct owns every frontend stream, agent stream (backend), pending
+//! dial and established connection, each by id. Each event (a packet from a
+//! frontend or an agent, a stream's end, a timer, a transport's report)
+//! goes through one method that updates the tables and appends what to
+//! send to whom to an output list ([`Out`]). It never awaits, never spawns
+//! and never touches a socket or a queue: the transports (see `hub`) do
+//! all of that, and race every wait against its connection's end
+//! (quinn-proto's `Connection` and its driver).
+//!
+//! The lifecycle is ANP's (`pkg/server/server.go`): DIAL_REQ picks a
+//! backend by the strategies and becomes a pending dial, keyed globally by
+//! the frontend's random; DIAL_RSP makes it an established connection,
+//! keyed by the agent's connect id within its backend; DATA and CLOSE_* are
+//! routed by connect id, checked against the frontend that owns it; DIAL_CLS
+//! cancels a pending dial from either side; the end of either stream closes
+//! what it had open on the other side.
+
+use std::{
+    collections::{BTreeSet, HashMap, HashSet, VecDeque},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use proto::{DialRequest, Packet, packet::PacketKind};
+use tunnel::{
+    flow,
+    ids::{AgentId, ConnId, DialId},
+};
+
+use crate::{
+    conn::ServerConn,
+    events::{CloseReason, DialFailure},
+    manager::BackendManager,
+    strategy::{AgentIdentifiers, ProxyStrategy},
+};
+
+/// Answer to a dial when no agent can take it (ANP's text, matched by clients).
+pub const NO_AGENT: &str = "No agent available";
+/// Answer to a dial whose DIAL_RSP did not come within `--backend-dial-timeout`.
+pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
+/// DIAL_RSP error when the chosen agent's stream closed before the dial went out.
+pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
+/// CLOSE_RSP error when a frontend used a connection id it does not own.
+pub const MISMATCHED: &str = "mismatched connection IDs";
+/// CLOSE_RSP error of a connection whose frontend took none of its data
+/// for `--frontend-stall-timeout`.
+pub const STALLED: &str =
+    "the frontend took none of this connection's data within --frontend-stall-timeout";
+/// DIAL_RSP error for a dial whose random another dial is using.
+pub(crate) const DIAL_ID_PENDING: &str = "dial id already pending";
+/// CLOSE_RSP error for DATA from a frontend that never dialed.
+pub(crate) const NOT_INITIALIZED: &str = "backend not initialized";
+/// CLOSE_RSP error for CLOSE_REQ from a frontend that never dialed.
+pub(crate) const UNINITIALIZED: &str = "backend uninitialized";
+
+/// How many closed connection ids a frontend remembers.
+const RECENTLY_CLOSED: usize = 32;
+
+/// A frontend stream (`ProxyService/Proxy`, or one HTTP CONNECT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct FrontendId(pub(crate) u64);
+
+/// An agent stream (`AgentService/Connect`): ANP's backend. Two streams of
+/// one agent are two backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct BackendId(pub(crate) u64);
+
+impl std::fmt::Display for FrontendId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Display for BackendId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The protocol of a frontend: ANP counts some events for one only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FrontendKind {
+    /// A `ProxyService/Proxy` stream.
+    Grpc,
+    /// An HTTP CONNECT request: one dial, then bytes.
+    HttpConnect,
+}
+
+/// What the router asks the transports to do, in order.
+#[derive(Debug)]
+pub(crate) enum Out {
+    /// A control packet for a frontend (never waits).
+    ToFrontend(FrontendId, Packet),
+    /// A control packet for an agent (never waits).
+    ToBackend(BackendId, Packet),
+    /// A dial to forward to an agent; the sender may wait for room (bounded
+    /// by `--backend-dial-timeout`) and reports the outcome with
+    /// [`Router::dial_forwarded`] or [`Router::dial_not_forwarded`].
+    Forward {
+        /// Whose dial.
+        frontend: FrontendId,
+        /// Where it goes.
+        backend: BackendId,
+        /// The dial.
+        dial: DialId,
+        /// The DIAL_REQ.
+        packet: Packet,
+    },
+    /// A frontend's DATA for an agent: the sender waits for credit and room,
+    /// raced against the connection's end.
+    DataToBackend {
+        /// The connection (its backend, credit and end).
+        conn: Arc<ServerConn>,
+        /// The payload.
+        data: Bytes,
+    },
+    /// An agent's DATA for a frontend, within the connection's window; a
+    /// connection a window behind is reported with [`Router::overflow`].
+    DataToFrontend {
+        /// Whose connection.
+        frontend: FrontendId,
+        /// The connection (its window).
+        conn: Arc<ServerConn>,
+        /// The DATA packet.
+        packet: Packet,
+    },
+    /// A dial succeeded: DIAL_RSP to the frontend. If it cannot be queued,
+    /// the transport reports [`Router::dial_rsp_undelivered`]; if it can,
+    /// the dial latency is observed.
+    Established {
+        /// Whose dial.
+        frontend: FrontendId,
+        /// The agent stream of the connection.
+        backend: BackendId,
+        /// The connection.
+        conn: ConnId,
+        /// The DIAL_RSP.
+        packet: Packet,
+        /// From DIAL_REQ to DIAL_RSP.
+        latency: Duration,
+    },
+    /// End a frontend's stream (an HTTP CONNECT: close its socket).
+    EndFrontend(FrontendId),
+    /// End an agent's stream.
+    EndBackend(BackendId),
+    /// Something to count.
+    Count(Event),
+}
+
+/// What the router counts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Event {
+    /// A dial failed.
+    DialFailed(DialFailure),
+    /// A dial became pending.
+    DialPending,
+    /// A connection was established.
+    Established,
+    /// An established connection ended after the given time.
+    Closed(CloseReason, Duration),
+    /// Payload bytes towards the agent.
+    BytesToAgent(usize),
+    /// Payload bytes towards the frontend.
+    BytesToFrontend(usize),
+}
+
+/// Why a dial could not be forwarded to its agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ForwardFailure {
+    /// The agent stream is gone.
+    Closed,
+    /// The agent stream had no room within `--backend-dial-timeout`: it is
+    /// retired.
+    TimedOut,
+}
+
+/// What a new agent stream announced.
+#[derive(Debug, Clone)]
+pub(crate) struct AgentInfo {
+    /// `agentid`.
+    pub(crate) agent_id: AgentId,
+    /// `agentidentifiers`.
+    pub(crate) identifiers: AgentIdentifiers,
+    /// Whether per-connection credit was negotiated.
+    pub(crate) flow_control: bool,
+}
+
+/// A frontend stream's dials and connections.
+struct FrontendEntry {
+    /// Its protocol.
+    kind: FrontendKind,
+    /// Set after a protocol violation: further packets are ignored.
+    failed: bool,
+    /// Whether a dial was ever made on this stream.
+    dialed: bool,
+    /// Dials sent and not yet answered.
+    pending: HashSet<DialId>,
+    /// Established connections and the backend of each.
+    conns: HashMap<ConnId, BackendId>,
+    /// The last connections closed under the frontend: packets it sent for
+    /// them before it learnt of the close are dropped, not treated as a
+    /// protocol error.
+    recently_closed: VecDeque<ConnId>,
+}
+
+impl FrontendEntry {
+    /// Forgets an established connection, remembering it was closed.
+    fn close_conn(&mut self, id: ConnId) {
+        if self.conns.remove(&id).is_none() {
+            return;
+        }
+        if self.recently_closed.len() == RECENTLY_CLOSED {
+            self.recently_closed.pop_front();
+        }
+        self.recently_closed.push_back(id);
+    }
+}
+
+/// An agent stream's connections.
+struct BackendEntry {
+    /// What it announced.
+    info: AgentInfo,
+    /// Established connections and the frontend of each.
+    conns: HashMap<ConnId, (FrontendId, Arc<ServerConn>)>,
+}
+
+/// A dial forwarded and not yet answered.
+struct PendingDial {
+    /// Who asked.
+    frontend: FrontendId,
+    /// Which agent stream it went to.
+    backend: BackendId,
+    /// When it was received, for the dial latency.
+    started: Instant,
+    /// When it times out (`--backend-dial-timeout`), once forwarded.
+    deadline: Option<Instant>,
+}
+
+/// Who owns a connection id a frontend used.
+enum Owner {
+    /// This frontend's connection over this backend.
+    Ours(BackendId),
+    /// Nobody: the frontend never dialed.
+    Nobody,
+    /// This frontend's, but already closed (the frontend has not learnt it yet).
+    Closed,
+    /// Not this frontend.
+    Other,
+}
+
+/// The routing state. See the module documentation.
+pub(crate) struct Router {
+    /// Frontend streams by id.
+    frontends: HashMap<FrontendId, FrontendEntry>,
+    /// Agent streams by id.
+    backends: HashMap<BackendId, BackendEntry>,
+    /// The agent streams indexed by strategy.
+    manager: BackendManager,
+    /// Dials in flight, by the frontend's random (global, as in ANP).
+    pending: HashMap<DialId, PendingDial>,
+    /// Pending dials by deadline.
+    deadlines: BTreeSet<(Instant, DialId)>,
+    /// `--backend-dial-timeout`.
+    dial_timeout: Option<Duration>,
+    /// Next frontend or backend id.
+    next_id: u64,
+}
+
+impl Router {
+    /// An empty router for `strategies`; `rng` seeds the default strategy's
+    /// random start.
+    pub(crate) fn new(
+        strategies: &[ProxyStrategy],
+        dial_timeout: Option<Duration>,
+        rng: fastrand::Rng,
+    ) -> Self {
+        Self {
+            frontends: HashMap::new(),
+            backends: HashMap::new(),
+            manager: BackendManager::new(strategies, rng),
+            pending: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            dial_timeout,
+            next_id: 1,
+        }
+    }
+
+    fn next_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    /// A new frontend stream.
+    pub(crate) fn add_frontend(&mut self, kind: FrontendKind) -> FrontendId {
+        let id = FrontendId(self.next_id());
+        self.frontends.insert(
+            id,
+            FrontendEntry {
+                kind,
+                failed: false,
+                dialed: false,
+                pending: HashSet::new(),
+                conns: HashMap::new(),
+                recently_closed: VecDeque::new(),
+            },
+        );
+        id
+    }
+
+    /// A new agent stream, available to dials at once.
+    pub(crate) fn add_backend(&mut self, info: AgentInfo) -> BackendId {
+        let id = BackendId(self.next_id());
+        self.manager.add(id, &info.agent_id, &info.identifiers);
+        self.backends.insert(
+            id,
+            BackendEntry {
+                info,
+                conns: HashMap::new(),
+            },
+        );
+        id
+    }
+
+    /// A packet from a frontend.
+    pub(crate) fn frontend_packet(
+        &mut self,
+        now: Instant,
+        fe: FrontendId,
+        packet: Packet,
+        out: &mut Vec<Out>,
+    ) {
+        let Some(entry) = self.frontends.get(&fe) else {
+            return;
+        };
+        if entry.failed {
+            return;
+        }
+        match packet.into_kind() {
+            PacketKind::DialReq(req) => self.dial(now, fe, req, out),
+            PacketKind::Data(data) => {
+                let id = ConnId(data.connect_id);
+                if id.0 == 0 {
+                    return;
+                }
+                match self.owner(fe, id) {
+                    Owner::Ours(backend) => {
+                        let Some((_, conn)) = self.conn(backend, id) else {
+                            return;
+                        };
+                        out.push(Out::Count(Event::BytesToAgent(data.data.len())));
+                        out.push(Out::DataToBackend {
+                            conn,
+                            data: data.data,
+                        });
+                    }
+                    Owner::Nobody => {
+                        out.push(Out::ToFrontend(
+                            fe,
+                            Packet::close_response(id.0, NOT_INITIALIZED),
+                        ));
+                    }
+                    Owner::Closed => {}
+                    Owner::Other => self.mismatch(fe, id, out),
+                }
+            }
+            PacketKind::CloseReq(req) => {
+                let id = ConnId(req.connect_id);
+                match self.owner(fe, id) {
+                    Owner::Ours(backend) => {
+                        out.push(Out::ToBackend(backend, Packet::close_request(id.0)));
+                    }
+                    Owner::Nobody => {
+                        out.push(Out::ToFrontend(
+                            fe,
+                            Packet::close_response(id.0, UNINITIALIZED),
+                        ));
+                    }
+                    Owner::Closed => {}
+                    Owner::Other => self.mismatch(fe, id, out),
+                }
+            }
+            PacketKind::DialCls(cls) => {
+                let id = DialId(cls.random);
+                if let Some(dial) = self.take_pending_if(id, |d| d.frontend == fe) {
+                    out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
+                    // ANP's agent ignores DIAL_CLS; ours stops dialing.
+                    out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn owner(&self, fe: FrontendId, id: ConnId) -> Owner {
+        let Some(entry) = self.frontends.get(&fe) else {
+            return Owner::Other;
+        };
+        match entry.conns.get(&id) {
+            Some(backend) => Owner::Ours(*backend),
+            None if entry.recently_closed.contains(&id) => Owner::Closed,
+            None if entry.conns.is_empty() && entry.pending.is_empty() && !entry.dialed => {
+                Owner::Nobody
+            }
+            None => Owner::Other,
+        }
+    }
+
+    /// A frontend's established connection, for the transport that moves
+    /// its bytes.
+    pub(crate) fn route(&self, fe: FrontendId, id: ConnId) -> Option<Arc<ServerConn>> {
+        let backend = *self.frontends.get(&fe)?.conns.get(&id)?;
+        self.conn(backend, id).map(|(_, conn)| conn)
+    }
+
+    fn conn(&self, backend: BackendId, id: ConnId) -> Option<(FrontendId, Arc<ServerConn>)> {
+        self.backends.get(&backend)?.conns.get(&id).cloned()
+    }
+
+    /// A frontend used a connection id it does not own: answer it and close
+    /// the frontend's own connections (ANP), touching nobody else's.
+    fn mismatch(&mut self, fe: FrontendId, bad: ConnId, out: &mut Vec<Out>) {
+        let Some(entry) = self.frontends.get_mut(&fe) else {
+            return;
+        };
+        entry.failed = true;
+        let mut own: Vec<(ConnId, BackendId)> = entry.conns.iter().map(|(c, b)| (*c, *b)).collect();
+        own.sort_unstable();
+        out.push(Out::ToFrontend(fe, Packet::close_response(bad.0, MISMATCHED)));
+        for (id, backend) in own {
+            self.remove_conn(backend, id, CloseReason::Mismatch, out);
+            out.push(Out::ToBackend(backend, Packet::close_request(id.0)));
+            out.push(Out::ToFrontend(fe, Packet::close_response(id.0, MISMATCHED)));
+        }
+    }
+
+    fn dial(&mut self, now: Instant, fe: FrontendId, req: DialRequest, out: &mut Vec<Out>) {
+        let id = DialId(req.random);
+        let kind = self.frontends.get(&fe).map(|e| e.kind);
+        let Some(backend) = self.manager.pick(&req.address) else {
+            // ANP counts it for gRPC frontends only; HTTP CONNECT answers 500.
+            if kind == Some(FrontendKind::Grpc) {
+                out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
+            }
+            out.push(Out::ToFrontend(fe, Packet::dial_response(id.0, 0, NO_AGENT)));
+            return;
+        };
+        if self.pending.contains_key(&id) {
+            out.push(Out::ToFrontend(
+                fe,
+                Packet::dial_response(id.0, 0, DIAL_ID_PENDING),
+            ));
+            return;
+        }
+        if let Some(entry) = self.frontends.get_mut(&fe) {
+            entry.pending.insert(id);
+            entry.dialed = true;
+        }
+        self.pending.insert(
+            id,
+            PendingDial {
+                frontend: fe,
+                backend,
+                started: now,
+                deadline: None,
+            },
+        );
+        out.push(Out::Count(Event::DialPending));
+        out.push(Out::Forward {
+            frontend: fe,
+            backend,
+            dial: id,
+            packet: Packet::dial_request(&req.protocol, &req.address, id.0),
+        });
+    }
+
+    /// A dial went out to its agent: its answer is awaited for
+    /// `--backend-dial-timeout` from now.
+    pub(crate) fn dial_forwarded(&mut self, now: Instant, dial: DialId) {
+        let Some(limit) = self.dial_timeout else {
+            return;
+        };
+        if let Some(pending) = self.pending.get_mut(&dial)
+            && pending.deadline.is_none()
+        {
+            let deadline = now + limit;
+            pending.deadline = Some(deadline);
+            self.deadlines.insert((deadline, dial));
+        }
+    }
+
+    /// A dial could not go out to its agent; a timed-out agent stream is
+    /// retired (no new dials, its stream ended), as ANP does.
+    pub(crate) fn dial_not_forwarded(
+        &mut self,
+        fe: FrontendId,
+        dial: DialId,
+        why: ForwardFailure,
+        out: &mut Vec<Out>,
+    ) {
+        let (failure, error) = match why {
+            ForwardFailure::Closed => (DialFailure::BackendClose, AGENT_STREAM_CLOSED),
+            ForwardFailure::TimedOut => (DialFailure::BackendDialTimeout, DIAL_TIMED_OUT),
+        };
+        let backend = self.pending.get(&dial).map(|d| d.backend);
+        if why == ForwardFailure::TimedOut
+            && let Some(backend) = backend
+        {
+            self.retire(backend, out);
+        }
+        // Counted once: whoever removes the pending dial counts it.
+        if self.take_pending_if(dial, |d| d.frontend == fe).is_some() {
+            out.push(Out::Count(Event::DialFailed(failure)));
+            out.push(Out::ToFrontend(fe, Packet::dial_response(dial.0, 0, error)));
+        }
+    }
+
+    /// Takes a backend out of service: no new dials, its stream ended.
+    fn retire(&mut self, backend: BackendId, out: &mut Vec<Out>) {
+        self.manager.set_draining(backend);
+        self.manager.remove(backend);
+        out.push(Out::EndBackend(backend));
+    }
+
+    /// Removes a pending dial if `belongs` says it is the caller's, and
+    /// forgets it in its frontend.
+    fn take_pending_if(
+        &mut self,
+        id: DialId,
+        belongs: impl FnOnce(&PendingDial) -> bool,
+    ) -> Option<PendingDial> {
+        if !self.pending.get(&id).is_some_and(belongs) {
+            return None;
+        }
+        let dial = self.pending.remove(&id)?;
+        if let Some(deadline) = dial.deadline {
+            self.deadlines.remove(&(deadline, id));
+        }
+        if let Some(entry) = self.frontends.get_mut(&dial.frontend) {
+            entry.pending.remove(&id);
+        }
+        Some(dial)
+    }
+
+    /// A packet from an agent.
+    pub(crate) fn backend_packet(
+        &mut self,
+        now: Instant,
+        be: BackendId,
+        packet: Packet,
+        out: &mut Vec<Out>,
+    ) {
+        if !self.backends.contains_key(&be) {
+            return;
+        }
+        if let Some((id, credit)) = flow::parse_credit(&packet) {
+            if let Some((_, conn)) = self.conn(be, ConnId(id))
+                && let Some(send_credit) = &conn.send_credit
+            {
+                send_credit.grant(credit);
+            }
+            return;
+        }
+        match packet.into_kind() {
+            PacketKind::DialRsp(rsp) => {
+                let id = DialId(rsp.random);
+                let conn = ConnId(rsp.connect_id);
+                let Some(dial) = self.take_pending_if(id, |d| d.backend == be) else {
+                    out.push(Out::Count(Event::DialFailed(
+                        DialFailure::UnrecognizedResponse,
+                    )));
+                    if conn.0 != 0 {
+                        out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+                    }
+                    return;
+                };
+                let fe = dial.frontend;
+                if !rsp.error.is_empty() {
+                    out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
+                    out.push(Out::ToFrontend(
+                        fe,
+                        Packet::dial_response(id.0, 0, &rsp.error),
+                    ));
+                    return;
+                }
+                let Some(entry) = self.frontends.get(&fe).filter(|e| !e.failed) else {
+                    // The frontend is gone or failed.
+                    out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
+                    out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+                    return;
+                };
+                let reused = self.backends.get(&be).is_some_and(|b| b.conns.contains_key(&conn));
+                if reused || entry.conns.contains_key(&conn) {
+                    // The agent answered with an id that is already in use,
+                    // by this stream (only a broken agent does that: the
+                    // live connection is left alone) or by another
+                    // connection of the frontend, over another agent.
+                    out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
+                    if !reused {
+                        out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+                    }
+                    out.push(Out::ToFrontend(
+                        fe,
+                        Packet::dial_response(id.0, 0, &format!("connection id {conn} already in use")),
+                    ));
+                    return;
+                }
+                let flow_control = self
+                    .backends
+                    .get(&be)
+                    .is_some_and(|b| b.info.flow_control);
+                let server_conn = Arc::new(ServerConn::new(conn, be, flow_control, now));
+                if let Some(entry) = self.frontends.get_mut(&fe) {
+                    entry.conns.insert(conn, be);
+                }
+                if let Some(backend) = self.backends.get_mut(&be) {
+                    backend.conns.insert(conn, (fe, server_conn));
+                }
+                out.push(Out::Count(Event::Established));
+                out.push(Out::Established {
+                    frontend: fe,
+                    backend: be,
+                    conn,
+                    packet: Packet::dial_response(id.0, conn.0, ""),
+                    latency: now.saturating_duration_since(dial.started),
+                });
+            }
+            PacketKind::Data(data) => {
+                let id = ConnId(data.connect_id);
+                match self.conn(be, id) {
+                    Some((frontend, conn)) => {
+                        out.push(Out::Count(Event::BytesToFrontend(data.data.len())));
+                        out.push(Out::DataToFrontend {
+                            frontend,
+                            conn,
+                            packet: Packet::data(id.0, data.data),
+                        });
+                    }
+                    None if id.0 != 0 => {
+                        out.push(Out::ToBackend(be, Packet::close_request(id.0)));
+                    }
+                    None => {}
+                }
+            }
+            PacketKind::CloseRsp(rsp) => {
+                let id = ConnId(rsp.connect_id);
+                let reason = if rsp.error.is_empty() {
+                    CloseReason::Closed
+                } else {
+                    CloseReason::Error
+                };
+                if let Some(frontend) = self.remove_conn(be, id, reason, out) {
+                    out.push(Out::ToFrontend(
+                        frontend,
+                        Packet::close_response(id.0, &rsp.error),
+                    ));
+                }
+            }
+            PacketKind::DialCls(cls) => {
+                let id = DialId(cls.random);
+                if let Some(dial) = self.take_pending_if(id, |d| d.backend == be) {
+                    out.push(Out::ToFrontend(dial.frontend, Packet::close_dial(id.0)));
+                }
+            }
+            PacketKind::Drain => self.manager.set_draining(be),
+            _ => {}
+        }
+    }
+
+    /// Removes an established connection from both tables (its waits end)
+    /// and counts its end; the frontend it belonged to, if it was there.
+    fn remove_conn(
+        &mut self,
+        be: BackendId,
+        id: ConnId,
+        reason: CloseReason,
+        out: &mut Vec<Out>,
+    ) -> Option<FrontendId> {
+        let (frontend, conn) = self.backends.get_mut(&be)?.conns.remove(&id)?;
+        conn.close();
+        if let Some(entry) = self.frontends.get_mut(&frontend) {
+            entry.close_conn(id);
+        }
+        out.push(Out::Count(Event::Closed(
+            reason,
+            conn.established.elapsed(),
+        )));
+        Some(frontend)
+    }
+
+    /// The DIAL_RSP of an established connection could not reach its
+    /// frontend (its stream is gone): the connection is closed on the agent.
+    pub(crate) fn dial_rsp_undelivered(
+        &mut self,
+        fe: FrontendId,
+        be: BackendId,
+        conn: ConnId,
+        out: &mut Vec<Out>,
+    ) {
+        if self.conn(be, conn).is_some_and(|(owner, _)| owner == fe) {
+            out.push(Out::Count(Event::DialFailed(DialFailure::SendRsp)));
+            if let Some(backend) = self.backends.get_mut(&be)
+                && let Some((_, server_conn)) = backend.conns.remove(&conn)
+            {
+                server_conn.close();
+            }
+            if let Some(entry) = self.frontends.get_mut(&fe) {
+                entry.close_conn(conn);
+            }
+            out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+        }
+    }
+
+    /// A connection's frontend fell a window behind: it is closed on both
+    /// ends with [`flow::OVERFLOW`] rather than stall the agent stream.
+    pub(crate) fn overflow(&mut self, be: BackendId, id: ConnId, out: &mut Vec<Out>) {
+        self.close_on_both_ends(be, id, CloseReason::Overflow, flow::OVERFLOW, out);
+    }
+
+    fn close_on_both_ends(
+        &mut self,
+        be: BackendId,
+        id: ConnId,
+        reason: CloseReason,
+        error: &str,
+        out: &mut Vec<Out>,
+    ) {
+        if let Some(frontend) = self.remove_conn(be, id, reason, out) {
+            out.push(Out::ToBackend(be, Packet::close_request(id.0)));
+            out.push(Out::ToFrontend(frontend, Packet::close_response(id.0, error)));
+        }
+    }
+
+    /// Closes every connection whose frontend has left its queued DATA
+    /// untaken for `limit` (`--frontend-stall-timeout`), with an error at
+    /// both ends: CLOSE_REQ to the agent, CLOSE_RSP with [`STALLED`] to the
+    /// frontend; an HTTP CONNECT frontend's stream is ended (its socket
+    /// closed), as its one connection is.
+    pub(crate) fn close_stalled(&mut self, limit: Duration, out: &mut Vec<Out>) {
+        let mut stalled: Vec<(BackendId, ConnId, FrontendId)> = self
+            .backends
+            .iter()
+            .flat_map(|(be, entry)| {
+                entry
+                    .conns
+                    .iter()
+                    .filter(|(_, (_, conn))| conn.stalled_for() >= limit)
+                    .map(|(id, (fe, _))| (*be, *id, *fe))
+            })
+            .collect();
+        stalled.sort_unstable();
+        for (be, id, fe) in stalled {
+            self.close_on_both_ends(be, id, CloseReason::Stalled, STALLED, out);
+            if self
+                .frontends
+                .get(&fe)
+                .is_some_and(|e| e.kind == FrontendKind::HttpConnect)
+            {
+                out.push(Out::EndFrontend(fe));
+            }
+        }
+    }
+
+    /// A frontend stream ended: its dials are cancelled and its
+    /// connections closed on the agents.
+    pub(crate) fn frontend_closed(&mut self, fe: FrontendId, out: &mut Vec<Out>) {
+        let Some(entry) = self.frontends.remove(&fe) else {
+            return;
+        };
+        let mut pending: Vec<DialId> = entry.pending.iter().copied().collect();
+        pending.sort_unstable();
+        for id in pending {
+            if let Some(dial) = self.pending.remove(&id) {
+                if let Some(deadline) = dial.deadline {
+                    self.deadlines.remove(&(deadline, id));
+                }
+                // ANP counts a gRPC frontend's pending dials only on DIAL_CLS.
+                if entry.kind == FrontendKind::HttpConnect {
+                    out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
+                }
+                out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
+            }
+        }
+        let mut conns: Vec<(ConnId, BackendId)> = entry.conns.into_iter().collect();
+        conns.sort_unstable();
+        for (id, be) in conns {
+            if self.remove_conn(be, id, CloseReason::FrontendGone, out).is_some() {
+                out.push(Out::ToBackend(be, Packet::close_request(id.0)));
+            }
+        }
+    }
+
+    /// An agent stream ended: its connections are closed towards their
+    /// frontends and its pending dials fail at once (not left to a
+    /// backstop).
+    pub(crate) fn backend_closed(&mut self, be: BackendId, out: &mut Vec<Out>) {
+        let Some(entry) = self.backends.remove(&be) else {
+            return;
+        };
+        self.manager.remove(be);
+        let reason = format!("agent {} disconnected", entry.info.agent_id);
+        let mut conns: Vec<_> = entry.conns.into_iter().collect();
+        conns.sort_unstable_by_key(|(id, _)| *id);
+        for (id, (fe, conn)) in conns {
+            conn.close();
+            out.push(Out::Count(Event::Closed(
+                CloseReason::AgentGone,
+                conn.established.elapsed(),
+            )));
+            if let Some(frontend) = self.frontends.get_mut(&fe) {
+                frontend.close_conn(id);
+            }
+            out.push(Out::ToFrontend(fe, Packet::close_response(id.0, &reason)));
+        }
+        let mut dials: Vec<DialId> = self
+            .pending
+            .iter()
+            .filter(|(_, d)| d.backend == be)
+            .map(|(id, _)| *id)
+            .collect();
+        dials.sort_unstable();
+        for id in dials {
+            if let Some(dial) = self.take_pending_if(id, |_| true) {
+                out.push(Out::Count(Event::DialFailed(DialFailure::BackendClose)));
+                out.push(Out::ToFrontend(
+                    dial.frontend,
+                    Packet::dial_response(id.0, 0, &reason),
+                ));
+            }
+        }
+    }
+
+    /// When the earliest pending dial times out, if any.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        self.deadlines.first().map(|(at, _)| *at)
+    }
+
+    /// Fails the dials whose `--backend-dial-timeout` passed by `now`:
+    /// DIAL_RSP with [`DIAL_TIMED_OUT`] to the frontend, DIAL_CLS to the
+    /// agent.
+    pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Out>) {
+        while let Some((at, id)) = self.deadlines.first().copied() {
+            if at > now {
+                return;
+            }
+            self.deadlines.remove(&(at, id));
+            if let Some(dial) = self.take_pending_if(id, |_| true) {
+                out.push(Out::Count(Event::DialFailed(
+                    DialFailure::BackendDialTimeout,
+                )));
+                out.push(Out::ToFrontend(
+                    dial.frontend,
+                    Packet::dial_response(id.0, 0, DIAL_TIMED_OUT),
+                ));
+                out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
+            }
+        }
+    }
+
+    /// Connected agent streams.
+    pub(crate) fn backend_count(&self) -> usize {
+        self.backends.len()
+    }
+
+    /// Frontend streams.
+    pub(crate) fn frontend_count(&self) -> usize {
+        self.frontends.len()
+    }
+
+    /// Dials waiting for a DIAL_RSP.
+    pub(crate) fn pending_count(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Established connections.
+    pub(crate) fn established_count(&self) -> usize {
+        self.backends.values().map(|b| b.conns.len()).sum()
+    }
+
+    /// Ready when the first strategy has an agent (ANP's `/readyz`).
+    pub(crate) fn is_ready(&self) -> bool {
+        self.manager.is_ready()
+    }
+
+    /// Distinct agent keys per strategy (`ready_backends`).
+    pub(crate) fn ready_backends(&self) -> Vec<(ProxyStrategy, usize)> {
+        self.manager.ready_backends()
+    }
+
+    /// The most and the total cost queued towards frontends.
+    pub(crate) fn buffered(&self) -> (usize, usize) {
+        self.backends
+            .values()
+            .flat_map(|b| b.conns.values())
+            .map(|(_, conn)| conn.queued())
+            .fold((0, 0), |(max, total), q| (max.max(q), total + q))
+    }
+
+    /// Each agent stream: its agent id and whether it is draining.
+    pub(crate) fn agents(&self) -> Vec<(BackendId, AgentId, bool)> {
+        self.backends
+            .iter()
+            .map(|(id, b)| (*id, b.info.agent_id.clone(), self.manager.is_draining(*id)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;
