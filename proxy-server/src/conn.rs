@@ -17,7 +17,7 @@ use tunnel::{
     ids::ConnId,
 };
 
-use crate::{lock, router::BackendId};
+use crate::{ids::BackendId, lock};
 
 /// An established connection's flow state in both directions.
 pub(crate) struct ServerConn {

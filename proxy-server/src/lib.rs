@@ -11,6 +11,7 @@
 //! - `conn`: one connection's flow state (window, credit, end), shared
 //!   with the transports that move its bytes.
 //! - `events`: why dials fail and connections end, for the metrics.
+//! - `ids`: the ids of frontend and agent streams.
 //!
 //! Around it:
 //! - `hub`: the router behind one lock with every stream's link; delivers
@@ -33,6 +34,7 @@ mod events;
 mod frontend;
 pub mod health;
 mod hub;
+mod ids;
 pub mod lease;
 mod link;
 mod manager;

@@ -30,6 +30,7 @@ use tunnel::{
     ids::{AgentId, ConnId, DialId},
 };
 
+pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
     conn::ServerConn,
     events::{CloseReason, DialFailure},
@@ -58,27 +59,6 @@ pub(crate) const UNINITIALIZED: &str = "backend uninitialized";
 
 /// How many closed connection ids a frontend remembers.
 const RECENTLY_CLOSED: usize = 32;
-
-/// A frontend stream (`ProxyService/Proxy`, or one HTTP CONNECT).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct FrontendId(pub(crate) u64);
-
-/// An agent stream (`AgentService/Connect`): ANP's backend. Two streams of
-/// one agent are two backends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct BackendId(pub(crate) u64);
-
-impl std::fmt::Display for FrontendId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::fmt::Display for BackendId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
 
 /// The protocol of a frontend: ANP counts some events for one only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,23 @@
+//! The server's own ids: of a frontend stream and of an agent stream
+//! (ANP's backend). The protocol's ids are `tunnel::ids`.
+
+/// A frontend stream (`ProxyService/Proxy`, or one HTTP CONNECT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct FrontendId(pub(crate) u64);
+
+/// An agent stream (`AgentService/Connect`): ANP's backend. Two streams of
+/// one agent are two backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct BackendId(pub(crate) u64);
+
+impl std::fmt::Display for FrontendId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Display for BackendId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
