@@ -17,8 +17,8 @@ use crate::{
     link::{BACKEND_CONTROL_RESERVE, BackendLink},
     metrics::CONNECT,
     router::{AgentInfo, BackendId},
-    stream_end::StreamEnd,
     strategy::AgentIdentifiers,
+    stream_end::StreamEnd,
 };
 
 /// Serves `AgentService`.

@@ -11,8 +11,8 @@ use tunnel::ids::ServerId;
 
 use crate::{
     auth::TokenAuthConfig,
-    strategy::{ProxyStrategy, parse_strategies},
     lease::{LeaseConfig, parse_labels},
+    strategy::{ProxyStrategy, parse_strategies},
 };
 
 /// proxy-server: serves kube-apiserver (frontends) and proxy-agents (backends).

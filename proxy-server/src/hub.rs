@@ -27,8 +27,7 @@ use crate::{
     lock,
     metrics::{Live, ServerMetrics},
     router::{
-        AgentInfo, BackendId, Event, ForwardFailure, FrontendId, FrontendKind, Out, Router,
-        STALLED,
+        AgentInfo, BackendId, Event, ForwardFailure, FrontendId, FrontendKind, Out, Router, STALLED,
     },
     strategy::ProxyStrategy,
 };
@@ -168,7 +167,11 @@ impl Hub {
 
     /// A connection's route, for a transport that moves its bytes itself:
     /// its flow state and its agent's link.
-    pub(crate) fn route(&self, fe: FrontendId, conn: ConnId) -> Option<(Arc<ServerConn>, BackendLink)> {
+    pub(crate) fn route(
+        &self,
+        fe: FrontendId,
+        conn: ConnId,
+    ) -> Option<(Arc<ServerConn>, BackendLink)> {
         let state = self.state();
         let server_conn = state.router.route(fe, conn)?;
         let link = state.backends.get(&server_conn.backend)?.clone();
@@ -208,24 +211,22 @@ impl Hub {
                     backend,
                     dial,
                     packet,
-                } => {
-                    match state.backends.get(&backend) {
-                        Some(link) => {
-                            work = Some(Work::Forward {
-                                frontend,
-                                dial,
-                                backend: link.clone(),
-                                packet,
-                            });
-                        }
-                        None => state.router.dial_not_forwarded(
+                } => match state.backends.get(&backend) {
+                    Some(link) => {
+                        work = Some(Work::Forward {
                             frontend,
                             dial,
-                            ForwardFailure::Closed,
-                            &mut more,
-                        ),
+                            backend: link.clone(),
+                            packet,
+                        });
                     }
-                }
+                    None => state.router.dial_not_forwarded(
+                        frontend,
+                        dial,
+                        ForwardFailure::Closed,
+                        &mut more,
+                    ),
+                },
                 Out::DataToBackend { conn, data } => {
                     if let Some(link) = state.backends.get(&conn.backend) {
                         work = Some(Work::SendData {
@@ -325,7 +326,10 @@ impl Hub {
                 packet,
             } => {
                 let sent = match self.dial_timeout {
-                    None => backend.send(packet).await.map_err(|_| ForwardFailure::Closed),
+                    None => backend
+                        .send(packet)
+                        .await
+                        .map_err(|_| ForwardFailure::Closed),
                     Some(limit) => match tokio::time::timeout(limit, backend.send(packet)).await {
                         Ok(sent) => sent.map_err(|_| ForwardFailure::Closed),
                         Err(_) => Err(ForwardFailure::TimedOut),

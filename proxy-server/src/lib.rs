@@ -41,8 +41,8 @@ mod manager;
 mod metrics;
 mod router;
 pub mod server;
-mod stream_end;
 pub mod strategy;
+mod stream_end;
 
 pub use frontend::http_connect::ESTABLISHED;
 pub use router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT, STALLED};

@@ -317,13 +317,16 @@ mod tests {
         while !fe.end.is_ended() {
             fe.notify(answer.clone());
             sent += 1;
-            assert!(sent <= FRONTEND_CONTROL_RESERVE / 1000 + 1, "{sent} answers queued");
+            assert!(
+                sent <= FRONTEND_CONTROL_RESERVE / 1000 + 1,
+                "{sent} answers queued"
+            );
         }
         assert!(sent >= FRONTEND_CONTROL_RESERVE / flow::packet_cost(&answer));
         assert!(
-            metrics
-                .text()
-                .contains("konnectivity_rs_server_limit_reached_total{limit=\"frontend_queue\"} 1\n")
+            metrics.text().contains(
+                "konnectivity_rs_server_limit_reached_total{limit=\"frontend_queue\"} 1\n"
+            )
         );
     }
 

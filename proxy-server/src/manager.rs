@@ -184,12 +184,17 @@ impl BackendManager {
 
     /// Ready when the first strategy has at least one backend (ANP).
     pub(crate) fn is_ready(&self) -> bool {
-        self.stores.first().is_some_and(|(_, store)| store.len() > 0)
+        self.stores
+            .first()
+            .is_some_and(|(_, store)| store.len() > 0)
     }
 
     /// Distinct keys per strategy (ANP's `ready_backends` gauge).
     pub(crate) fn ready_backends(&self) -> Vec<(ProxyStrategy, usize)> {
-        self.stores.iter().map(|(s, store)| (*s, store.len())).collect()
+        self.stores
+            .iter()
+            .map(|(s, store)| (*s, store.len()))
+            .collect()
     }
 }
 

@@ -409,11 +409,17 @@ impl Router {
         entry.failed = true;
         let mut own: Vec<(ConnId, BackendId)> = entry.conns.iter().map(|(c, b)| (*c, *b)).collect();
         own.sort_unstable();
-        out.push(Out::ToFrontend(fe, Packet::close_response(bad.0, MISMATCHED)));
+        out.push(Out::ToFrontend(
+            fe,
+            Packet::close_response(bad.0, MISMATCHED),
+        ));
         for (id, backend) in own {
             self.remove_conn(backend, id, CloseReason::Mismatch, out);
             out.push(Out::ToBackend(backend, Packet::close_request(id.0)));
-            out.push(Out::ToFrontend(fe, Packet::close_response(id.0, MISMATCHED)));
+            out.push(Out::ToFrontend(
+                fe,
+                Packet::close_response(id.0, MISMATCHED),
+            ));
         }
     }
 
@@ -425,7 +431,10 @@ impl Router {
             if kind == Some(FrontendKind::Grpc) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
             }
-            out.push(Out::ToFrontend(fe, Packet::dial_response(id.0, 0, NO_AGENT)));
+            out.push(Out::ToFrontend(
+                fe,
+                Packet::dial_response(id.0, 0, NO_AGENT),
+            ));
             return;
         };
         if self.pending.contains_key(&id) {
@@ -572,7 +581,10 @@ impl Router {
                     out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
                     return;
                 };
-                let reused = self.backends.get(&be).is_some_and(|b| b.conns.contains_key(&conn));
+                let reused = self
+                    .backends
+                    .get(&be)
+                    .is_some_and(|b| b.conns.contains_key(&conn));
                 if reused || entry.conns.contains_key(&conn) {
                     // The agent answered with an id that is already in use,
                     // by this stream (only a broken agent does that: the
@@ -584,14 +596,15 @@ impl Router {
                     }
                     out.push(Out::ToFrontend(
                         fe,
-                        Packet::dial_response(id.0, 0, &format!("connection id {conn} already in use")),
+                        Packet::dial_response(
+                            id.0,
+                            0,
+                            &format!("connection id {conn} already in use"),
+                        ),
                     ));
                     return;
                 }
-                let flow_control = self
-                    .backends
-                    .get(&be)
-                    .is_some_and(|b| b.info.flow_control);
+                let flow_control = self.backends.get(&be).is_some_and(|b| b.info.flow_control);
                 let server_conn = Arc::new(ServerConn::new(conn, be, flow_control, now));
                 if let Some(entry) = self.frontends.get_mut(&fe) {
                     entry.conns.insert(conn, be);
@@ -710,7 +723,10 @@ impl Router {
     ) {
         if let Some(frontend) = self.remove_conn(be, id, reason, out) {
             out.push(Out::ToBackend(be, Packet::close_request(id.0)));
-            out.push(Out::ToFrontend(frontend, Packet::close_response(id.0, error)));
+            out.push(Out::ToFrontend(
+                frontend,
+                Packet::close_response(id.0, error),
+            ));
         }
     }
 
@@ -767,7 +783,10 @@ impl Router {
         let mut conns: Vec<(ConnId, BackendId)> = entry.conns.into_iter().collect();
         conns.sort_unstable();
         for (id, be) in conns {
-            if self.remove_conn(be, id, CloseReason::FrontendGone, out).is_some() {
+            if self
+                .remove_conn(be, id, CloseReason::FrontendGone, out)
+                .is_some()
+            {
                 out.push(Out::ToBackend(be, Packet::close_request(id.0)));
             }
         }

@@ -25,11 +25,11 @@ use tunnel::{
 use crate::{
     agent_service::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
+    events::Limit,
     frontend::{authority::AnyAuthority, grpc::ProxyServiceImpl, http_connect},
     health,
-    events::Limit,
-    metrics::ServerMetrics,
     hub::Hub,
+    metrics::ServerMetrics,
 };
 
 /// Streams one frontend connection may have open at once (more wait for
@@ -431,9 +431,7 @@ impl Bound {
         };
         info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
 
-        let health_state = health::HealthState {
-            hub: hub.clone(),
-        };
+        let health_state = health::HealthState { hub: hub.clone() };
         let admin_local = admin.local_addr().ok();
         let admin_server = runtime::http::serve(
             admin,

@@ -36,9 +36,9 @@ use client::dial::{TunnelConn, dial, uds_channel};
 use proto::{Packet, proxy_service_client::ProxyServiceClient};
 use proxy_agent::agent::{Agent, AgentHandle};
 use proxy_server::{
-    strategy::ProxyStrategy,
     config::{Config, FrontendListen, Mode},
     server::{ProxyServer, ServerHandle},
+    strategy::ProxyStrategy,
 };
 use runtime::tls;
 use tokio::{sync::mpsc, task::JoinHandle};

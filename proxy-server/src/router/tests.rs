@@ -1,1 +1,1241 @@
+//! The routing core without sockets: every transition of ANP's lifecycle
+//! as a packet sequence and the output it must give (quinn-proto's `Pair`
+//! style), and property tests over random interleavings.
+
+use std::collections::{HashMap as Map, HashSet as Set};
+
+use proptest::prelude::*;
+
 use super::*;
+
+/// `--backend-dial-timeout` of the test routers that have one.
+const LIMIT: Duration = Duration::from_secs(5);
+
+/// A router, a clock, and what came out of the last step.
+struct Bench {
+    router: Router,
+    now: Instant,
+}
+
+fn info(agent: &str, flow_control: bool) -> AgentInfo {
+    AgentInfo {
+        agent_id: AgentId(agent.to_owned()),
+        identifiers: AgentIdentifiers::default(),
+        flow_control,
+    }
+}
+
+impl Bench {
+    fn new() -> Self {
+        Self::with(&[ProxyStrategy::Default], Some(LIMIT))
+    }
+
+    fn with(strategies: &[ProxyStrategy], dial_timeout: Option<Duration>) -> Self {
+        Self {
+            router: Router::new(strategies, dial_timeout, fastrand::Rng::with_seed(1)),
+            now: Instant::now(),
+        }
+    }
+
+    fn frontend(&mut self) -> FrontendId {
+        self.router.add_frontend(FrontendKind::Grpc)
+    }
+
+    fn connect_frontend(&mut self) -> FrontendId {
+        self.router.add_frontend(FrontendKind::HttpConnect)
+    }
+
+    fn backend(&mut self, agent: &str) -> BackendId {
+        self.router.add_backend(info(agent, true))
+    }
+
+    /// A packet from a frontend; what came out, shown.
+    fn fe(&mut self, fe: FrontendId, packet: Packet) -> Vec<String> {
+        let mut out = Vec::new();
+        self.router.frontend_packet(self.now, fe, packet, &mut out);
+        show_all(&out)
+    }
+
+    /// A packet from an agent; what came out, shown.
+    fn be(&mut self, be: BackendId, packet: Packet) -> Vec<String> {
+        let mut out = Vec::new();
+        self.router.backend_packet(self.now, be, packet, &mut out);
+        show_all(&out)
+    }
+
+    fn step(&mut self, event: impl FnOnce(&mut Router, &mut Vec<Out>)) -> Vec<String> {
+        let mut out = Vec::new();
+        event(&mut self.router, &mut out);
+        show_all(&out)
+    }
+
+    /// A dial from `fe` through `be`, forwarded and answered with `conn`.
+    fn establish(&mut self, fe: FrontendId, be: BackendId, random: i64, conn: i64) {
+        let dialed = self.fe(fe, dial(random));
+        assert!(
+            dialed
+                .iter()
+                .any(|o| o.starts_with(&format!("forward fe{fe} -> be{be}"))),
+            "{dialed:?}"
+        );
+        self.router.dial_forwarded(self.now, DialId(random));
+        let answered = self.be(be, Packet::dial_response(random, conn, ""));
+        assert!(
+            answered.contains(&format!(
+                "established fe{fe} be{be} conn {conn}: DIAL_RSP({random},{conn},)"
+            )),
+            "{answered:?}"
+        );
+    }
+}
+
+fn dial(random: i64) -> Packet {
+    Packet::dial_request("tcp", "10.0.0.1:80", random)
+}
+
+fn data(conn: i64, bytes: &'static [u8]) -> Packet {
+    Packet::data(conn, Bytes::from_static(bytes))
+}
+
+/// A packet in a few words.
+fn show_packet(packet: &Packet) -> String {
+    match packet.clone().into_kind() {
+        PacketKind::DialReq(r) => format!("DIAL_REQ({},{})", r.random, r.address),
+        PacketKind::DialRsp(r) => format!("DIAL_RSP({},{},{})", r.random, r.connect_id, r.error),
+        PacketKind::CloseReq(r) => format!("CLOSE_REQ({})", r.connect_id),
+        PacketKind::CloseRsp(r) => format!("CLOSE_RSP({},{})", r.connect_id, r.error),
+        PacketKind::Data(d) if packet.r#type == flow::CREDIT_TYPE => {
+            format!("CREDIT({})", d.connect_id)
+        }
+        PacketKind::Data(d) => format!("DATA({},{}B)", d.connect_id, d.data.len()),
+        PacketKind::DialCls(c) => format!("DIAL_CLS({})", c.random),
+        PacketKind::Drain => "DRAIN".to_owned(),
+        PacketKind::Unknown(t) => format!("UNKNOWN({t})"),
+    }
+}
+
+/// An output in a few words.
+fn show(out: &Out) -> String {
+    match out {
+        Out::ToFrontend(fe, p) => format!("fe{fe} <- {}", show_packet(p)),
+        Out::ToBackend(be, p) => format!("be{be} <- {}", show_packet(p)),
+        Out::Forward {
+            frontend,
+            backend,
+            dial,
+            packet,
+        } => format!(
+            "forward fe{frontend} -> be{backend} dial {dial}: {}",
+            show_packet(packet)
+        ),
+        Out::DataToBackend { conn, data } => format!(
+            "data -> be{} conn {}: {}B",
+            conn.backend,
+            conn.id,
+            data.len()
+        ),
+        Out::DataToFrontend {
+            frontend,
+            conn,
+            packet,
+        } => format!(
+            "data -> fe{frontend} conn {}: {}",
+            conn.id,
+            show_packet(packet)
+        ),
+        Out::Established {
+            frontend,
+            backend,
+            conn,
+            packet,
+            ..
+        } => format!(
+            "established fe{frontend} be{backend} conn {conn}: {}",
+            show_packet(packet)
+        ),
+        Out::EndFrontend(fe) => format!("end fe{fe}"),
+        Out::EndBackend(be) => format!("end be{be}"),
+        Out::Count(event) => match event {
+            Event::DialFailed(reason) => format!("count dial_failed {}", reason.as_str()),
+            Event::DialPending => "count pending".to_owned(),
+            Event::Established => "count established".to_owned(),
+            Event::Closed(reason, _) => format!("count closed {}", reason.as_str()),
+            Event::BytesToAgent(n) => format!("count to_agent {n}"),
+            Event::BytesToFrontend(n) => format!("count to_frontend {n}"),
+        },
+    }
+}
+
+fn show_all(out: &[Out]) -> Vec<String> {
+    out.iter().map(show).collect()
+}
+
+fn strings(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| (*s).to_owned()).collect()
+}
+
+// --- Dials ------------------------------------------------------------------
+
+#[test]
+fn a_dial_with_no_agent_is_answered_no_agent_and_counted_for_grpc() {
+    let mut b = Bench::new();
+    let fe = b.frontend();
+    assert_eq!(
+        b.fe(fe, dial(7)),
+        strings(&[
+            "count dial_failed no_agent",
+            "fe1 <- DIAL_RSP(7,0,No agent available)"
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+}
+
+#[test]
+fn a_connect_dial_with_no_agent_is_not_counted() {
+    let mut b = Bench::new();
+    let fe = b.connect_frontend();
+    assert_eq!(
+        b.fe(fe, dial(7)),
+        strings(&["fe1 <- DIAL_RSP(7,0,No agent available)"])
+    );
+}
+
+#[test]
+fn a_dial_goes_to_an_agent_and_is_pending() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    assert_eq!(
+        b.fe(fe, dial(7)),
+        strings(&[
+            "count pending",
+            "forward fe2 -> be1 dial 7: DIAL_REQ(7,10.0.0.1:80)"
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 1);
+    assert_eq!(be, BackendId(1));
+}
+
+#[test]
+fn a_random_already_pending_is_refused() {
+    let mut b = Bench::new();
+    b.backend("a");
+    let one = b.frontend();
+    let two = b.frontend();
+    b.fe(one, dial(7));
+    assert_eq!(
+        b.fe(two, dial(7)),
+        strings(&["fe3 <- DIAL_RSP(7,0,dial id already pending)"])
+    );
+    assert_eq!(b.router.pending_count(), 1);
+}
+
+#[test]
+fn a_forwarded_dial_times_out_after_the_backend_dial_timeout() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    assert_eq!(b.router.poll_timeout(), None, "armed once forwarded");
+    b.router.dial_forwarded(b.now, DialId(7));
+    assert_eq!(b.router.poll_timeout(), Some(b.now + LIMIT));
+    let early = b.now + LIMIT - Duration::from_millis(1);
+    assert!(b.step(|r, out| r.handle_timeout(early, out)).is_empty());
+    let late = b.now + LIMIT;
+    assert_eq!(
+        b.step(|r, out| r.handle_timeout(late, out)),
+        strings(&[
+            "count dial_failed backend_dial_timeout",
+            "fe2 <- DIAL_RSP(7,0,timed out waiting for backend dial)",
+            "be1 <- DIAL_CLS(7)"
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+    assert_eq!(b.router.poll_timeout(), None);
+    // The agent's late answer is for no pending dial.
+    assert_eq!(
+        b.be(be, Packet::dial_response(7, 3, "")),
+        strings(&[
+            "count dial_failed unrecognized_response",
+            "be1 <- CLOSE_REQ(3)"
+        ])
+    );
+}
+
+#[test]
+fn without_a_backend_dial_timeout_a_dial_waits_for_its_answer() {
+    let mut b = Bench::with(&[ProxyStrategy::Default], None);
+    b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    b.router.dial_forwarded(b.now, DialId(7));
+    assert_eq!(b.router.poll_timeout(), None);
+    let much_later = b.now + Duration::from_secs(3600);
+    assert!(
+        b.step(|r, out| r.handle_timeout(much_later, out))
+            .is_empty()
+    );
+    assert_eq!(b.router.pending_count(), 1);
+}
+
+#[test]
+fn an_answered_dial_has_no_timer_left() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert_eq!(b.router.poll_timeout(), None);
+}
+
+#[test]
+fn a_dial_that_cannot_go_out_is_answered_agent_stream_closed() {
+    let mut b = Bench::new();
+    b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    assert_eq!(
+        b.step(|r, out| r.dial_not_forwarded(fe, DialId(7), ForwardFailure::Closed, out)),
+        strings(&[
+            "count dial_failed backend_close",
+            "fe2 <- DIAL_RSP(7,0,agent stream closed)"
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+}
+
+#[test]
+fn a_dial_that_times_out_going_out_retires_its_agent_stream() {
+    let mut b = Bench::new();
+    let stuck = b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    assert_eq!(
+        b.step(|r, out| r.dial_not_forwarded(fe, DialId(7), ForwardFailure::TimedOut, out)),
+        strings(&[
+            "end be1",
+            "count dial_failed backend_dial_timeout",
+            "fe2 <- DIAL_RSP(7,0,timed out waiting for backend dial)"
+        ])
+    );
+    // The retired stream takes no new dial.
+    let fresh = b.backend("b");
+    let dialed = b.fe(fe, dial(8));
+    assert!(
+        dialed.contains(&format!(
+            "forward fe{fe} -> be{fresh} dial 8: DIAL_REQ(8,10.0.0.1:80)"
+        )),
+        "{dialed:?}"
+    );
+    assert_ne!(stuck, fresh);
+}
+
+#[test]
+fn a_dial_rsp_establishes_the_connection() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    assert_eq!(
+        b.be(be, Packet::dial_response(7, 3, "")),
+        strings(&[
+            "count established",
+            "established fe2 be1 conn 3: DIAL_RSP(7,3,)"
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+    assert_eq!(b.router.established_count(), 1);
+    assert!(b.router.route(fe, ConnId(3)).is_some());
+}
+
+#[test]
+fn a_dial_rsp_error_is_passed_on() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    assert_eq!(
+        b.be(
+            be,
+            Packet::dial_response(7, 0, "dial tcp 10.0.0.1:80: connect: connection refused")
+        ),
+        strings(&[
+            "count dial_failed error_response",
+            "fe2 <- DIAL_RSP(7,0,dial tcp 10.0.0.1:80: connect: connection refused)"
+        ])
+    );
+    assert_eq!(b.router.established_count(), 0);
+}
+
+#[test]
+fn a_dial_rsp_for_no_dial_is_counted_and_its_connection_closed() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    assert_eq!(
+        b.be(be, Packet::dial_response(9, 4, "")),
+        strings(&[
+            "count dial_failed unrecognized_response",
+            "be1 <- CLOSE_REQ(4)"
+        ])
+    );
+    assert_eq!(
+        b.be(be, Packet::dial_response(9, 0, "refused")),
+        strings(&["count dial_failed unrecognized_response"])
+    );
+}
+
+#[test]
+fn a_dial_rsp_from_another_agent_stream_is_not_the_dials() {
+    let mut b = Bench::new();
+    let a = b.backend("a");
+    let other = b.backend("b");
+    let fe = b.frontend();
+    let dialed = b.fe(fe, dial(7));
+    let chosen = if dialed.iter().any(|o| o.contains(&format!("-> be{a} "))) {
+        a
+    } else {
+        other
+    };
+    let wrong = if chosen == a { other } else { a };
+    assert_eq!(
+        b.be(wrong, Packet::dial_response(7, 4, "")),
+        strings(&[
+            "count dial_failed unrecognized_response",
+            &format!("be{wrong} <- CLOSE_REQ(4)")
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 1);
+}
+
+#[test]
+fn a_dial_rsp_after_the_frontend_left_closes_the_connection() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    b.step(|r, out| r.frontend_closed(fe, out));
+    assert_eq!(
+        b.be(be, Packet::dial_response(7, 3, "")),
+        strings(&[
+            "count dial_failed unrecognized_response",
+            "be1 <- CLOSE_REQ(3)"
+        ])
+    );
+    assert_eq!(b.router.established_count(), 0);
+}
+
+#[test]
+fn a_dial_rsp_for_a_frontend_that_broke_the_protocol_closes_the_connection() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    let other = b.frontend();
+    b.establish(other, be, 5, 1);
+    b.fe(fe, dial(7));
+    b.fe(fe, data(1, b"x")); // another frontend's connection: fe fails
+    assert_eq!(
+        b.be(be, Packet::dial_response(7, 3, "")),
+        strings(&["count dial_failed frontend_close", "be1 <- CLOSE_REQ(3)"])
+    );
+}
+
+#[test]
+fn a_connect_id_the_frontend_already_uses_over_another_agent_is_refused() {
+    let mut b = Bench::with(&[ProxyStrategy::DestHost], Some(LIMIT));
+    let a = b.router.add_backend(AgentInfo {
+        identifiers: AgentIdentifiers::parse("host=one"),
+        ..info("a", true)
+    });
+    let other = b.router.add_backend(AgentInfo {
+        identifiers: AgentIdentifiers::parse("host=two"),
+        ..info("b", true)
+    });
+    let fe = b.frontend();
+    b.fe(fe, Packet::dial_request("tcp", "one:80", 7));
+    b.be(a, Packet::dial_response(7, 3, ""));
+    b.fe(fe, Packet::dial_request("tcp", "two:80", 8));
+    assert_eq!(
+        b.be(other, Packet::dial_response(8, 3, "")),
+        strings(&[
+            "count dial_failed error_response",
+            "be2 <- CLOSE_REQ(3)",
+            "fe3 <- DIAL_RSP(8,0,connection id 3 already in use)"
+        ])
+    );
+    // The first connection is untouched.
+    assert_eq!(b.router.route(fe, ConnId(3)).map(|c| c.backend), Some(a));
+}
+
+#[test]
+fn a_connect_id_live_on_the_same_agent_stream_is_refused_and_left_alone() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let one = b.frontend();
+    let two = b.frontend();
+    b.establish(one, be, 7, 3);
+    b.fe(two, dial(8));
+    assert_eq!(
+        b.be(be, Packet::dial_response(8, 3, "")),
+        strings(&[
+            "count dial_failed error_response",
+            "fe3 <- DIAL_RSP(8,0,connection id 3 already in use)"
+        ])
+    );
+    assert!(b.router.route(one, ConnId(3)).is_some());
+}
+
+#[test]
+fn an_undelivered_dial_rsp_closes_the_connection_on_the_agent() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    let conn = b.router.route(fe, ConnId(3)).unwrap();
+    assert_eq!(
+        b.step(|r, out| r.dial_rsp_undelivered(fe, be, ConnId(3), out)),
+        strings(&["count dial_failed send_rsp", "be1 <- CLOSE_REQ(3)"])
+    );
+    assert_eq!(b.router.established_count(), 0);
+    assert!(conn.closed.is_cancelled());
+}
+
+// --- DIAL_CLS -----------------------------------------------------------------
+
+#[test]
+fn a_frontend_cancels_its_pending_dial() {
+    let mut b = Bench::new();
+    b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    b.router.dial_forwarded(b.now, DialId(7));
+    assert_eq!(
+        b.fe(fe, Packet::close_dial(7)),
+        strings(&["count dial_failed frontend_close", "be1 <- DIAL_CLS(7)"])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+    assert_eq!(b.router.poll_timeout(), None, "its timer went with it");
+}
+
+#[test]
+fn a_frontend_cannot_cancel_another_frontends_dial() {
+    let mut b = Bench::new();
+    b.backend("a");
+    let owner = b.frontend();
+    let other = b.frontend();
+    b.fe(owner, dial(7));
+    assert!(b.fe(other, Packet::close_dial(7)).is_empty());
+    assert_eq!(b.router.pending_count(), 1);
+}
+
+#[test]
+fn an_agent_cancels_a_dial_it_was_given() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.fe(fe, dial(7));
+    assert_eq!(
+        b.be(be, Packet::close_dial(7)),
+        strings(&["fe2 <- DIAL_CLS(7)"])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+}
+
+#[test]
+fn an_agent_cannot_cancel_a_dial_it_was_not_given() {
+    let mut b = Bench::with(&[ProxyStrategy::DefaultRoute], Some(LIMIT));
+    let chosen = b.router.add_backend(AgentInfo {
+        identifiers: AgentIdentifiers::parse("default-route=true"),
+        ..info("a", true)
+    });
+    let other = b.backend("b");
+    let fe = b.frontend();
+    assert!(
+        b.fe(fe, dial(7))
+            .iter()
+            .any(|o| o.contains(&format!("-> be{chosen} ")))
+    );
+    assert!(b.be(other, Packet::close_dial(7)).is_empty());
+    assert_eq!(b.router.pending_count(), 1);
+}
+
+// --- DATA -------------------------------------------------------------------------
+
+#[test]
+fn frontend_data_goes_to_its_connections_agent() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert_eq!(
+        b.fe(fe, data(3, b"hello")),
+        strings(&["count to_agent 5", "data -> be1 conn 3: 5B"])
+    );
+}
+
+#[test]
+fn frontend_data_for_connection_zero_is_dropped() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert!(b.fe(fe, data(0, b"x")).is_empty());
+}
+
+#[test]
+fn data_before_any_dial_is_answered_not_initialized() {
+    let mut b = Bench::new();
+    let fe = b.frontend();
+    assert_eq!(
+        b.fe(fe, data(3, b"x")),
+        strings(&["fe1 <- CLOSE_RSP(3,backend not initialized)"])
+    );
+}
+
+#[test]
+fn data_for_a_connection_closed_under_the_frontend_is_dropped() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    b.be(be, Packet::close_response(3, ""));
+    assert!(b.fe(fe, data(3, b"late")).is_empty());
+    assert!(b.fe(fe, Packet::close_request(3)).is_empty());
+}
+
+#[test]
+fn data_for_another_frontends_connection_closes_the_senders_own() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let victim = b.frontend();
+    let offender = b.frontend();
+    b.establish(victim, be, 7, 3);
+    b.establish(offender, be, 8, 4);
+    assert_eq!(
+        b.fe(offender, data(3, b"x")),
+        strings(&[
+            "fe3 <- CLOSE_RSP(3,mismatched connection IDs)",
+            "count closed mismatch",
+            "be1 <- CLOSE_REQ(4)",
+            "fe3 <- CLOSE_RSP(4,mismatched connection IDs)"
+        ])
+    );
+    // The victim's connection is untouched; the offender is ignored from now on.
+    assert!(b.router.route(victim, ConnId(3)).is_some());
+    assert!(b.fe(offender, dial(9)).is_empty());
+    assert_eq!(b.router.established_count(), 1);
+}
+
+#[test]
+fn agent_data_goes_to_the_connections_frontend() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert_eq!(
+        b.be(be, data(3, b"world!")),
+        strings(&["count to_frontend 6", "data -> fe2 conn 3: DATA(3,6B)"])
+    );
+}
+
+#[test]
+fn agent_data_for_an_unknown_connection_is_closed_on_the_agent() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    assert_eq!(b.be(be, data(9, b"x")), strings(&["be1 <- CLOSE_REQ(9)"]));
+    assert!(b.be(be, data(0, b"x")).is_empty());
+}
+
+#[test]
+fn credit_from_the_agent_is_granted_to_its_connection() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    let conn = b.router.route(fe, ConnId(3)).unwrap();
+    let credit = conn.send_credit.clone().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(credit.take(flow::WINDOW)).unwrap();
+    assert_eq!(credit.available(), 0);
+    assert!(b.be(be, flow::credit_packet(3, 1000)).is_empty());
+    assert_eq!(credit.available(), 1000);
+}
+
+// --- CLOSE ------------------------------------------------------------------------
+
+#[test]
+fn a_frontend_close_request_goes_to_the_agent() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert_eq!(
+        b.fe(fe, Packet::close_request(3)),
+        strings(&["be1 <- CLOSE_REQ(3)"])
+    );
+    assert_eq!(b.router.established_count(), 1, "until the agent answers");
+}
+
+#[test]
+fn a_close_request_before_any_dial_is_answered_uninitialized() {
+    let mut b = Bench::new();
+    let fe = b.frontend();
+    assert_eq!(
+        b.fe(fe, Packet::close_request(3)),
+        strings(&["fe1 <- CLOSE_RSP(3,backend uninitialized)"])
+    );
+}
+
+#[test]
+fn a_close_request_for_another_frontends_connection_is_a_mismatch() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let victim = b.frontend();
+    let offender = b.frontend();
+    b.establish(victim, be, 7, 3);
+    b.fe(offender, dial(8));
+    assert_eq!(
+        b.fe(offender, Packet::close_request(3)),
+        strings(&["fe3 <- CLOSE_RSP(3,mismatched connection IDs)"])
+    );
+    assert!(b.router.route(victim, ConnId(3)).is_some());
+}
+
+#[test]
+fn a_close_response_ends_the_connection_at_the_frontend() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    let conn = b.router.route(fe, ConnId(3)).unwrap();
+    assert_eq!(
+        b.be(be, Packet::close_response(3, "")),
+        strings(&["count closed closed", "fe2 <- CLOSE_RSP(3,)"])
+    );
+    assert_eq!(b.router.established_count(), 0);
+    assert!(conn.closed.is_cancelled(), "its waits end");
+}
+
+#[test]
+fn a_close_response_with_an_error_is_counted_as_one() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert_eq!(
+        b.be(be, Packet::close_response(3, "connection reset by peer")),
+        strings(&[
+            "count closed error",
+            "fe2 <- CLOSE_RSP(3,connection reset by peer)"
+        ])
+    );
+}
+
+#[test]
+fn a_close_response_for_no_connection_is_ignored() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    assert!(b.be(be, Packet::close_response(3, "")).is_empty());
+}
+
+// --- Streams ending -----------------------------------------------------------------
+
+#[test]
+fn a_grpc_frontend_that_ends_cancels_its_dials_and_closes_its_connections() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    b.fe(fe, dial(8));
+    b.router.dial_forwarded(b.now, DialId(8));
+    assert_eq!(
+        b.step(|r, out| r.frontend_closed(fe, out)),
+        strings(&[
+            "be1 <- DIAL_CLS(8)",
+            "count closed frontend_gone",
+            "be1 <- CLOSE_REQ(3)"
+        ])
+    );
+    assert_eq!(b.router.pending_count(), 0);
+    assert_eq!(b.router.established_count(), 0);
+    assert_eq!(b.router.frontend_count(), 0);
+    assert_eq!(b.router.poll_timeout(), None);
+}
+
+#[test]
+fn a_connect_client_that_leaves_during_its_dial_counts_it_as_frontend_close() {
+    let mut b = Bench::new();
+    b.backend("a");
+    let fe = b.connect_frontend();
+    b.fe(fe, dial(8));
+    assert_eq!(
+        b.step(|r, out| r.frontend_closed(fe, out)),
+        strings(&["count dial_failed frontend_close", "be1 <- DIAL_CLS(8)"])
+    );
+}
+
+#[test]
+fn an_agent_stream_that_ends_closes_its_connections_and_fails_its_dials() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    b.fe(fe, dial(8));
+    assert_eq!(
+        b.step(|r, out| r.backend_closed(be, out)),
+        strings(&[
+            "count closed agent_gone",
+            "fe2 <- CLOSE_RSP(3,agent a disconnected)",
+            "count dial_failed backend_close",
+            "fe2 <- DIAL_RSP(8,0,agent a disconnected)"
+        ])
+    );
+    assert_eq!(b.router.backend_count(), 0);
+    assert!(!b.router.is_ready());
+    // The frontend's late packets for the connection are not a mismatch.
+    assert!(b.fe(fe, data(3, b"late")).is_empty());
+    // And a new dial finds no agent.
+    assert_eq!(
+        b.fe(fe, dial(9)),
+        strings(&[
+            "count dial_failed no_agent",
+            "fe2 <- DIAL_RSP(9,0,No agent available)"
+        ])
+    );
+}
+
+#[test]
+fn two_streams_of_one_agent_do_not_touch_each_others_connections() {
+    let mut b = Bench::new();
+    let first = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, first, 7, 1);
+    let second = b.backend("a");
+    let other = b.frontend();
+    // Both streams number their connections from 1.
+    b.fe(other, dial(8));
+    let to = if b.router.pending.get(&DialId(8)).map(|d| d.backend) == Some(second) {
+        second
+    } else {
+        first
+    };
+    if to == second {
+        b.be(second, Packet::dial_response(8, 1, ""));
+        b.step(|r, out| r.backend_closed(first, out));
+        assert!(b.router.route(other, ConnId(1)).is_some());
+        assert!(b.router.route(fe, ConnId(1)).is_none());
+    } else {
+        b.be(first, Packet::dial_response(8, 2, ""));
+        b.step(|r, out| r.backend_closed(second, out));
+        assert!(b.router.route(fe, ConnId(1)).is_some());
+        assert!(b.router.route(other, ConnId(2)).is_some());
+    }
+}
+
+#[test]
+fn ending_a_stream_twice_or_an_unknown_one_does_nothing() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.step(|r, out| r.frontend_closed(fe, out));
+    b.step(|r, out| r.backend_closed(be, out));
+    assert!(b.step(|r, out| r.frontend_closed(fe, out)).is_empty());
+    assert!(b.step(|r, out| r.backend_closed(be, out)).is_empty());
+    assert!(
+        b.fe(fe, dial(1)).is_empty(),
+        "a gone frontend's packets are ignored"
+    );
+    assert!(
+        b.be(be, data(1, b"x")).is_empty(),
+        "a gone agent's packets are ignored"
+    );
+}
+
+// --- Drain, strategies, readiness ---------------------------------------------------
+
+#[test]
+fn a_draining_agent_gets_dials_only_when_no_other_fits() {
+    let mut b = Bench::new();
+    let draining = b.backend("a");
+    assert!(b.be(draining, Packet::drain()).is_empty());
+    let fresh = b.backend("b");
+    let fe = b.frontend();
+    for random in 1..=20 {
+        let out = b.fe(fe, dial(random));
+        assert!(
+            out.iter().any(|o| o.contains(&format!("-> be{fresh} "))),
+            "{out:?}"
+        );
+        b.fe(fe, Packet::close_dial(random));
+    }
+    b.step(|r, out| r.backend_closed(fresh, out));
+    let out = b.fe(fe, dial(21));
+    assert!(
+        out.iter().any(|o| o.contains(&format!("-> be{draining} "))),
+        "{out:?}"
+    );
+    assert_eq!(
+        b.router.agents(),
+        [(draining, AgentId("a".to_owned()), true)]
+    );
+}
+
+#[test]
+fn readiness_and_ready_backends_follow_the_strategies() {
+    let mut b = Bench::with(&[ProxyStrategy::DestHost, ProxyStrategy::Default], None);
+    assert!(!b.router.is_ready());
+    b.backend("a");
+    assert!(!b.router.is_ready(), "the first strategy has no agent");
+    b.router.add_backend(AgentInfo {
+        identifiers: AgentIdentifiers::parse("host=node-1"),
+        ..info("b", true)
+    });
+    assert!(b.router.is_ready());
+    assert_eq!(
+        b.router.ready_backends(),
+        [(ProxyStrategy::DestHost, 1), (ProxyStrategy::Default, 2)]
+    );
+}
+
+// --- Overflow, stalls, buffers ------------------------------------------------------
+
+#[test]
+fn an_overflowing_connection_is_closed_at_both_ends() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    assert_eq!(
+        b.step(|r, out| r.overflow(be, ConnId(3), out)),
+        strings(&[
+            "count closed overflow",
+            "be1 <- CLOSE_REQ(3)",
+            &format!("fe2 <- CLOSE_RSP(3,{})", flow::OVERFLOW)
+        ])
+    );
+    assert!(
+        b.step(|r, out| r.overflow(be, ConnId(3), out)).is_empty(),
+        "once"
+    );
+}
+
+#[test]
+fn a_connection_whose_frontend_takes_nothing_is_closed_as_stalled() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let reader = b.frontend();
+    let stuck = b.connect_frontend();
+    b.establish(reader, be, 7, 3);
+    b.establish(stuck, be, 8, 4);
+    let stuck_conn = b.router.route(stuck, ConnId(4)).unwrap();
+    assert!(stuck_conn.budget.try_reserve(1000));
+    stuck_conn.mark_progress();
+    // Nothing queued for the reader's connection: never stalled.
+    assert!(
+        b.step(|r, out| r.close_stalled(Duration::from_secs(3600), out))
+            .is_empty()
+    );
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        b.step(|r, out| r.close_stalled(Duration::from_millis(10), out)),
+        strings(&[
+            "count closed stalled",
+            "be1 <- CLOSE_REQ(4)",
+            &format!("fe3 <- CLOSE_RSP(4,{STALLED})"),
+            "end fe3"
+        ])
+    );
+    assert!(b.router.route(reader, ConnId(3)).is_some());
+}
+
+#[test]
+fn buffered_bytes_are_summed_over_connections() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    b.establish(fe, be, 7, 3);
+    b.establish(fe, be, 8, 4);
+    assert!(
+        b.router
+            .route(fe, ConnId(3))
+            .unwrap()
+            .budget
+            .try_reserve(100)
+    );
+    assert!(
+        b.router
+            .route(fe, ConnId(4))
+            .unwrap()
+            .budget
+            .try_reserve(300)
+    );
+    assert_eq!(b.router.buffered(), (300, 400));
+}
+
+#[test]
+fn unknown_packet_types_are_ignored_on_both_sides() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let fe = b.frontend();
+    let odd = Packet {
+        r#type: 42,
+        payload: None,
+    };
+    assert!(b.fe(fe, odd.clone()).is_empty());
+    assert!(b.be(be, odd).is_empty());
+    assert!(
+        b.fe(fe, Packet::drain()).is_empty(),
+        "DRAIN from a frontend"
+    );
+    assert!(b.be(be, dial(1)).is_empty(), "DIAL_REQ from an agent");
+}
+
+// --- Properties over random interleavings -------------------------------------------
+
+/// One event of a random run.
+#[derive(Debug, Clone)]
+enum Step {
+    Frontend(bool),
+    Backend(bool),
+    Dial(usize, i64),
+    Forwarded(i64),
+    NotForwarded(usize, i64, bool),
+    FrontendData(usize, i64),
+    FrontendClose(usize, i64),
+    FrontendCancel(usize, i64),
+    DialRsp(usize, i64, i64, bool),
+    AgentData(usize, i64),
+    CloseRsp(usize, i64),
+    AgentCancel(usize, i64),
+    Drain(usize),
+    Overflow(usize, i64),
+    FrontendEnds(usize),
+    BackendEnds(usize),
+    Tick(u64),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let slot = 0usize..4;
+    let random = 1i64..6;
+    let conn = 0i64..5;
+    prop_oneof![
+        any::<bool>().prop_map(Step::Frontend),
+        any::<bool>().prop_map(Step::Backend),
+        (slot.clone(), random.clone()).prop_map(|(f, r)| Step::Dial(f, r)),
+        random.clone().prop_map(Step::Forwarded),
+        (slot.clone(), random.clone(), any::<bool>())
+            .prop_map(|(f, r, t)| Step::NotForwarded(f, r, t)),
+        (slot.clone(), conn.clone()).prop_map(|(f, c)| Step::FrontendData(f, c)),
+        (slot.clone(), conn.clone()).prop_map(|(f, c)| Step::FrontendClose(f, c)),
+        (slot.clone(), random.clone()).prop_map(|(f, r)| Step::FrontendCancel(f, r)),
+        (slot.clone(), random.clone(), conn.clone(), any::<bool>())
+            .prop_map(|(b, r, c, e)| Step::DialRsp(b, r, c, e)),
+        (slot.clone(), conn.clone()).prop_map(|(b, c)| Step::AgentData(b, c)),
+        (slot.clone(), conn.clone()).prop_map(|(b, c)| Step::CloseRsp(b, c)),
+        (slot.clone(), random).prop_map(|(b, r)| Step::AgentCancel(b, r)),
+        slot.clone().prop_map(Step::Drain),
+        (slot.clone(), conn).prop_map(|(b, c)| Step::Overflow(b, c)),
+        slot.clone().prop_map(Step::FrontendEnds),
+        slot.prop_map(Step::BackendEnds),
+        (0u64..10).prop_map(Step::Tick),
+    ]
+}
+
+/// What the property test watches of a run.
+#[derive(Default)]
+struct Watch {
+    /// DIAL_REQs sent, by frontend and random.
+    requests: Map<(FrontendId, i64), usize>,
+    /// Answers seen per dial.
+    answers: Map<(FrontendId, i64), usize>,
+    /// Established connections: (backend, conn) → frontend.
+    owners: Map<(BackendId, i64), FrontendId>,
+}
+
+impl Watch {
+    fn see(&mut self, out: &[Out]) -> Result<(), TestCaseError> {
+        for o in out {
+            match o {
+                Out::ToFrontend(fe, packet) => match packet.clone().into_kind() {
+                    PacketKind::DialRsp(rsp) => self.answer(*fe, rsp.random),
+                    PacketKind::DialCls(cls) => self.answer(*fe, cls.random),
+                    _ => {}
+                },
+                Out::Established {
+                    frontend,
+                    backend,
+                    conn,
+                    packet,
+                    ..
+                } => {
+                    if let PacketKind::DialRsp(rsp) = packet.clone().into_kind() {
+                        self.answer(*frontend, rsp.random);
+                    }
+                    prop_assert!(
+                        self.owners.insert((*backend, conn.0), *frontend).is_none(),
+                        "connection {conn} of backend {backend} established twice"
+                    );
+                }
+                Out::DataToBackend { conn, .. } => {
+                    prop_assert!(
+                        self.owners.contains_key(&(conn.backend, conn.id.0)),
+                        "DATA for a connection that is not established"
+                    );
+                }
+                Out::DataToFrontend { frontend, conn, .. } => {
+                    prop_assert_eq!(
+                        self.owners.get(&(conn.backend, conn.id.0)),
+                        Some(frontend),
+                        "agent DATA reached a frontend that does not own the connection"
+                    );
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn answer(&mut self, fe: FrontendId, random: i64) {
+        *self.answers.entry((fe, random)).or_default() += 1;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Random interleavings of every event: no panic; frontend DATA goes
+    /// only to the sender's own connections and agent DATA only to the
+    /// owning frontend; no dial is answered more often than it was made;
+    /// and once every stream has ended, every table is empty.
+    #[test]
+    fn random_interleavings_keep_the_invariants(steps in proptest::collection::vec(step(), 1..120)) {
+        let mut b = Bench::new();
+        let mut frontends: Vec<FrontendId> = Vec::new();
+        let mut backends: Vec<BackendId> = Vec::new();
+        let mut watch = Watch::default();
+        let pick = |list: &[u64], i: usize| list.get(i % list.len().max(1)).copied();
+        for s in steps {
+            let fe_ids: Vec<u64> = frontends.iter().map(|f| f.0).collect();
+            let be_ids: Vec<u64> = backends.iter().map(|b| b.0).collect();
+            let fe = |i| pick(&fe_ids, i).map(FrontendId);
+            let be = |i| pick(&be_ids, i).map(BackendId);
+            let mut out = Vec::new();
+            let now = b.now;
+            match s {
+                Step::Frontend(connect) => frontends.push(if connect { b.connect_frontend() } else { b.frontend() }),
+                Step::Backend(flow) => backends.push(b.router.add_backend(info("agent", flow))),
+                Step::Dial(f, r) => if let Some(f) = fe(f) {
+                    *watch.requests.entry((f, r)).or_default() += 1;
+                    b.router.frontend_packet(now, f, dial(r), &mut out);
+                },
+                Step::Forwarded(r) => b.router.dial_forwarded(now, DialId(r)),
+                Step::NotForwarded(f, r, timed_out) => if let Some(f) = fe(f) {
+                    let why = if timed_out { ForwardFailure::TimedOut } else { ForwardFailure::Closed };
+                    b.router.dial_not_forwarded(f, DialId(r), why, &mut out);
+                },
+                Step::FrontendData(f, c) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, data(c, b"f"), &mut out) },
+                Step::FrontendClose(f, c) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, Packet::close_request(c), &mut out) },
+                Step::FrontendCancel(f, r) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, Packet::close_dial(r), &mut out) },
+                Step::DialRsp(i, r, c, error) => if let Some(x) = be(i) {
+                    let rsp = Packet::dial_response(r, if error { 0 } else { c }, if error { "refused" } else { "" });
+                    b.router.backend_packet(now, x, rsp, &mut out);
+                },
+                Step::AgentData(i, c) => if let Some(x) = be(i) { b.router.backend_packet(now, x, data(c, b"a"), &mut out) },
+                Step::CloseRsp(i, c) => if let Some(x) = be(i) { b.router.backend_packet(now, x, Packet::close_response(c, ""), &mut out) },
+                Step::AgentCancel(i, r) => if let Some(x) = be(i) { b.router.backend_packet(now, x, Packet::close_dial(r), &mut out) },
+                Step::Drain(i) => if let Some(x) = be(i) { b.router.backend_packet(now, x, Packet::drain(), &mut out) },
+                Step::Overflow(i, c) => if let Some(x) = be(i) { b.router.overflow(x, ConnId(c), &mut out) },
+                Step::FrontendEnds(f) => if let Some(f) = fe(f) {
+                    b.router.frontend_closed(f, &mut out);
+                    frontends.retain(|x| *x != f);
+                },
+                Step::BackendEnds(i) => if let Some(x) = be(i) {
+                    b.router.backend_closed(x, &mut out);
+                    backends.retain(|y| *y != x);
+                    watch.owners.retain(|(owner, _), _| *owner != x);
+                },
+                Step::Tick(secs) => {
+                    b.now += Duration::from_secs(secs);
+                    let now = b.now;
+                    b.router.handle_timeout(now, &mut out);
+                }
+            }
+            watch.see(&out)?;
+            // Connections closed by this step are no longer owned.
+            let live: Set<(BackendId, i64)> = b
+                .router
+                .backends
+                .iter()
+                .flat_map(|(id, e)| e.conns.keys().map(move |c| (*id, c.0)))
+                .collect();
+            watch.owners.retain(|key, _| live.contains(key));
+            for (dial, answers) in &watch.answers {
+                let made = watch.requests.get(dial).copied().unwrap_or(0);
+                prop_assert!(*answers <= made, "dial {dial:?} answered {answers} times for {made} made");
+            }
+            prop_assert!(b.router.deadlines.len() <= b.router.pending.len());
+        }
+        // Every stream ends: every table is empty.
+        let mut out = Vec::new();
+        for f in frontends {
+            b.router.frontend_closed(f, &mut out);
+        }
+        for x in backends {
+            b.router.backend_closed(x, &mut out);
+        }
+        prop_assert_eq!(b.router.frontend_count(), 0);
+        prop_assert_eq!(b.router.backend_count(), 0);
+        prop_assert_eq!(b.router.pending_count(), 0);
+        prop_assert_eq!(b.router.established_count(), 0);
+        prop_assert!(b.router.deadlines.is_empty());
+        prop_assert!(!b.router.is_ready());
+    }
+
+    /// Every dial gets exactly one answer while its frontend lives: DIAL_RSP
+    /// (success or error) or DIAL_CLS, whatever the agents and the clock do,
+    /// once every agent stream has ended.
+    #[test]
+    fn every_dial_gets_exactly_one_answer(
+        agents in 1usize..3,
+        dials in proptest::collection::vec((0usize..3, any::<bool>(), 0u8..5), 1..12),
+        timeout in any::<bool>(),
+    ) {
+        let mut b = Bench::with(&[ProxyStrategy::Default], timeout.then_some(LIMIT));
+        let backends: Vec<BackendId> = (0..agents).map(|i| b.router.add_backend(info(&format!("a{i}"), true))).collect();
+        let fe = b.frontend();
+        let mut watch = Watch::default();
+        let mut out = Vec::new();
+        for (random, (_, _, _)) in (1i64..).zip(&dials) {
+            b.router.frontend_packet(b.now, fe, dial(random), &mut out);
+            b.router.dial_forwarded(b.now, DialId(random));
+        }
+        for (random, (agent, succeed, how)) in (1i64..).zip(&dials) {
+            let be = backends[*agent % backends.len()];
+            match how {
+                0 => b.router.backend_packet(b.now, be, Packet::dial_response(random, random, if *succeed { "" } else { "refused" }), &mut out),
+                1 => b.router.backend_packet(b.now, be, Packet::close_dial(random), &mut out),
+                2 => b.router.frontend_packet(b.now, fe, Packet::close_dial(random), &mut out),
+                3 => {
+                    b.now += LIMIT;
+                    let now = b.now;
+                    b.router.handle_timeout(now, &mut out);
+                }
+                _ => {}
+            }
+        }
+        for be in &backends {
+            b.router.backend_closed(*be, &mut out);
+        }
+        watch.see(&out)?;
+        for (random, (_, _, how)) in (1i64..).zip(&dials) {
+            let answers = watch.answers.get(&(fe, random)).copied().unwrap_or(0);
+            if *how == 2 {
+                // Cancelled by the frontend itself: no answer is owed.
+                prop_assert!(answers <= 1);
+            } else {
+                prop_assert_eq!(answers, 1, "dial {} answered {} times", random, answers);
+            }
+        }
+        prop_assert_eq!(b.router.pending_count(), 0);
+    }
+}

@@ -8,9 +8,9 @@ use anyhow::{Context, Result, bail};
 use client::dial::{Dialer, Transport};
 use proxy_agent::agent::Agent;
 use proxy_server::{
-    strategy::ProxyStrategy,
     config::{Config, FrontendListen, Mode},
     server::ProxyServer,
+    strategy::ProxyStrategy,
 };
 use runtime::tls;
 use tokio::{
