@@ -22,7 +22,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use tunnel::{
     ids::{ConnId, DialId},
-    pump::{PumpEnd, PumpFlow, pump},
+    mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
 };
 
 /// How long a dial may wait for its DIAL_RSP (konnectivity-client's backstop).
@@ -277,7 +277,7 @@ pub async fn dial(channel: Channel, address: &str) -> Result<TunnelConn, ClientE
     })
 }
 
-/// Runs an established connection: the pump between the caller's pipe and
+/// Runs an established connection: the byte mover between the caller's pipe and
 /// DATA packets, and the reader of the inbound stream.
 async fn drive(
     pipe: DuplexStream,
@@ -287,7 +287,7 @@ async fn drive(
 ) -> Result<(), ClientError> {
     let (data_tx, data_rx) = tunnel::flow::queue_with_slots(INBOUND_CAPACITY);
     let reader = async move {
-        // `data_tx` lives in here: when this returns, the pump drains and
+        // `data_tx` lives in here: when this returns, the mover drains and
         // closes the caller's pipe.
         let data_tx = data_tx;
         loop {
@@ -315,17 +315,18 @@ async fn drive(
         }
     };
     // The stream is this connection's own: HTTP/2 flow control is its window.
-    let pumping = pump(pipe, conn_id, data_rx, out_tx.clone(), PumpFlow::default());
-    tokio::pin!(reader, pumping);
+    let up = QueueUpstream::new(conn_id, out_tx.clone(), None);
+    let moving = mover::run(pipe, up, WindowDownstream::new(conn_id, data_rx, None));
+    tokio::pin!(reader, moving);
     tokio::select! {
         result = &mut reader => {
-            // Remote side closed (or the stream broke): let the pump write
+            // Remote side closed (or the stream broke): let the mover write
             // what is queued, then it ends on its own.
-            let _ = pumping.await;
+            let _ = moving.await;
             result
         }
-        end = &mut pumping => match end {
-            PumpEnd::LocalEof | PumpEnd::LocalError(_) => {
+        end = &mut moving => match end {
+            MoverEnd::LocalEof | MoverEnd::LocalError(_) => {
                 let close = Packet::close_request(conn_id.0);
                 let cost = tunnel::flow::packet_cost(&close);
                 if out_tx.push(close, cost).is_err() {
@@ -335,7 +336,7 @@ async fn drive(
                     .await
                     .unwrap_or(Err(ClientError::CloseTimeout))
             }
-            PumpEnd::PeerClosed | PumpEnd::TunnelGone | PumpEnd::Undelivered(_) => reader.await,
+            MoverEnd::PeerClosed | MoverEnd::TunnelGone => reader.await,
         },
     }
 }

@@ -32,8 +32,8 @@ use tunnel::conn::Io;
 use tunnel::{
     flow::{self, SendCredit},
     ids::{ConnId, DialId, ServerId},
+    mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
     proxy_client,
-    pump::{PumpEnd, PumpFlow, pump},
     queue::{PushError, QueueTx},
 };
 
@@ -588,7 +588,7 @@ impl Stream {
             PacketKind::CloseReq(req) => {
                 let id = ConnId(req.connect_id);
                 if let Some(conn) = self.conns.remove(id) {
-                    // Dropped: its pump writes what is queued, then the
+                    // Dropped: its mover writes what is queued, then the
                     // connection task answers CLOSE_RSP (within CLOSE_DRAIN).
                     debug!(conn.id = %id, "server closes connection");
                     conn.closing.cancel();
@@ -648,7 +648,7 @@ impl Stream {
                         return;
                     }
                 };
-                let (inbound, outbound) = flow::queue();
+                let (inbound, window) = flow::queue();
                 let send_credit = flow_control.then(SendCredit::new);
                 let abort = cancel.child_token();
                 let closing = CancellationToken::new();
@@ -674,10 +674,9 @@ impl Stream {
                     return;
                 }
                 debug!("connected");
-                let flow = PumpFlow {
-                    send_credit,
-                    grant: flow_control,
-                };
+                let mut up = QueueUpstream::new(conn_id, out_tx.clone(), send_credit);
+                let grants = flow_control.then(|| out_tx.clone());
+                let down = WindowDownstream::new(conn_id, window, grants);
                 // After CLOSE_REQ the queued bytes get CLOSE_DRAIN to reach a
                 // destination that may not be reading.
                 let drain_deadline = async {
@@ -685,36 +684,32 @@ impl Stream {
                     tokio::time::sleep(CLOSE_DRAIN).await;
                 };
                 let end = tokio::select! {
-                    () = abort.cancelled() => PumpEnd::TunnelGone,
+                    () = abort.cancelled() => MoverEnd::TunnelGone,
                     () = drain_deadline => {
                         let _ = abort_reason.set("timed out writing to the destination before closing".to_owned());
-                        PumpEnd::TunnelGone
+                        MoverEnd::TunnelGone
                     }
-                    end = pump(stream, conn_id, outbound, out_tx.clone(), flow) => end,
+                    end = mover::run(stream, &mut up, down) => end,
                 };
                 conns.remove(conn_id);
-                if let PumpEnd::Undelivered(packet) = &end {
+                if let Some(packet) = &up.undelivered {
                     metrics.send_failed(packet);
                 }
                 metrics.connection_closed(match &end {
-                    PumpEnd::TunnelGone | PumpEnd::Undelivered(_)
-                        if abort_reason.get().is_some() =>
-                    {
-                        CloseReason::Overflow
-                    }
-                    PumpEnd::TunnelGone | PumpEnd::Undelivered(_) => CloseReason::StreamGone,
-                    PumpEnd::LocalError(_) => CloseReason::EndpointError,
-                    PumpEnd::LocalEof => CloseReason::EndpointClosed,
-                    PumpEnd::PeerClosed => CloseReason::ServerClosed,
+                    MoverEnd::TunnelGone if abort_reason.get().is_some() => CloseReason::Overflow,
+                    MoverEnd::TunnelGone => CloseReason::StreamGone,
+                    MoverEnd::LocalError(_) => CloseReason::EndpointError,
+                    MoverEnd::LocalEof => CloseReason::EndpointClosed,
+                    MoverEnd::PeerClosed => CloseReason::ServerClosed,
                 });
                 let error = match &end {
-                    PumpEnd::TunnelGone | PumpEnd::Undelivered(_) => match abort_reason.get() {
+                    MoverEnd::TunnelGone => match abort_reason.get() {
                         // Aborted for overflow: tell the server why.
                         Some(reason) if !cancel.is_cancelled() => reason.clone(),
                         _ => return,
                     },
-                    PumpEnd::LocalError(e) => e.to_string(),
-                    PumpEnd::LocalEof | PumpEnd::PeerClosed => String::new(),
+                    MoverEnd::LocalError(e) => e.to_string(),
+                    MoverEnd::LocalEof | MoverEnd::PeerClosed => String::new(),
                 };
                 debug!(?end, "connection closed");
                 send_control(

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
-    flow::{Inbound, SendCredit},
+    flow::{SendCredit, WindowTx},
     ids::{ConnId, DialId},
 };
 
@@ -23,7 +23,7 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct EndpointConn {
     /// Bytes from the server for the socket; dropping it closes the
     /// connection after the queued bytes are written.
-    pub inbound: Inbound<Bytes>,
+    pub inbound: WindowTx<Bytes>,
     /// Credit for DATA to the server, when flow control was negotiated.
     pub send_credit: Option<SendCredit>,
     /// Ends the connection's task at once (overflow); the error is in `abort_reason`.
@@ -54,7 +54,7 @@ impl ConnectionManager {
     }
 
     /// The receive queue of a connection.
-    pub fn inbound(&self, id: ConnId) -> Option<Inbound<Bytes>> {
+    pub fn inbound(&self, id: ConnId) -> Option<WindowTx<Bytes>> {
         lock(&self.conns).get(&id).map(|c| c.inbound.clone())
     }
 

@@ -195,6 +195,13 @@ async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
     )
     .await;
     server.wait_for_backends(1).await;
+    // The server may see the stream before the agent has recorded it: wait
+    // for both, or there is nothing yet to disconnect.
+    let agent_handle = agent.handle.clone();
+    wait_for("the agent to record its stream", || {
+        agent_handle.server_connections() == 1
+    })
+    .await;
 
     // The kubelet rotates the token: the old one stops working, the file changes.
     stub.revoke("token-one");

@@ -155,18 +155,19 @@ impl Budget {
     }
 }
 
-/// The enqueue end of a connection's receive queue: counts what is queued
-/// and bounds it by the window.
+/// The sending end of a connection's receive queue (what arrived for the
+/// local socket): counts what is queued and bounds it by the window.
 #[derive(Clone)]
-pub struct Inbound<T> {
+pub struct WindowTx<T> {
     /// The queue.
     tx: mpsc::Sender<(T, usize)>,
     /// Cost queued and not yet drained (shared with the drain end).
     budget: Arc<Budget>,
 }
 
-/// The drain end of a connection's receive queue.
-pub struct Outbound<T> {
+/// The receiving end of a connection's receive queue: its writer drains it
+/// into the socket.
+pub struct WindowRx<T> {
     /// The queue.
     rx: mpsc::Receiver<(T, usize)>,
     /// Cost queued and not yet drained (shared with the enqueue end).
@@ -174,26 +175,26 @@ pub struct Outbound<T> {
 }
 
 /// A per-connection receive queue bounded by [`WINDOW`] cost units.
-pub fn queue<T>() -> (Inbound<T>, Outbound<T>) {
+pub fn queue<T>() -> (WindowTx<T>, WindowRx<T>) {
     // One slot per smallest possible packet of a window; tokio allocates
     // slots in small blocks only as they fill.
     queue_with_slots(WINDOW / PACKET_OVERHEAD)
 }
 
-/// A receive queue of `slots` items, for [`Inbound::send`] (waiting) users.
-pub fn queue_with_slots<T>(slots: usize) -> (Inbound<T>, Outbound<T>) {
+/// A receive queue of `slots` items, for [`WindowTx::send`] (waiting) users.
+pub fn queue_with_slots<T>(slots: usize) -> (WindowTx<T>, WindowRx<T>) {
     let (tx, rx) = mpsc::channel(slots.max(1));
     let budget = Arc::new(Budget::default());
     (
-        Inbound {
+        WindowTx {
             tx,
             budget: budget.clone(),
         },
-        Outbound { rx, budget },
+        WindowRx { rx, budget },
     )
 }
 
-impl<T> Inbound<T> {
+impl<T> WindowTx<T> {
     /// Queues `item` of `cost` units, or says why not; never waits (the
     /// negotiated path, where a sender past the window broke the protocol).
     ///
@@ -250,9 +251,9 @@ impl<T> Inbound<T> {
     }
 }
 
-impl<T> Outbound<T> {
+impl<T> WindowRx<T> {
     /// The next item and its cost; the cost stays counted until
-    /// [`Outbound::drained`] is called for it (after it was written).
+    /// [`WindowRx::drained`] is called for it (after it was written).
     pub async fn recv(&mut self) -> Option<(T, usize)> {
         self.rx.recv().await
     }

@@ -6,7 +6,8 @@
 //! - [`ids`]: newtypes for connection, dial, agent and server ids.
 //! - [`flow`]: per-connection windows, credit and bounded receive queues.
 //! - [`queue`]: byte-bounded outbound queues of shared streams.
-//! - [`pump`]: moves bytes between a socket and DATA packets.
+//! - [`mover`]: one connection's bytes between its socket and its DATA
+//!   packets, both ways.
 //! - [`conn`]: accepting TLS and TCP for tonic without letting one peer
 //!   hold up the others; binding listeners.
 //! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
@@ -14,6 +15,6 @@
 pub mod conn;
 pub mod flow;
 pub mod ids;
+pub mod mover;
 pub mod proxy_client;
-pub mod pump;
 pub mod queue;

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 use tunnel::{
     ids::{ConnId, DialId},
+    mover::{self, MoverEnd},
     queue::QueueRx,
 };
 
@@ -355,8 +356,8 @@ where
     if !early.is_empty() {
         upload(&hub, &route, early.freeze()).await;
     }
-    let client_closed = tunnel_bytes(&mut io, &hub, &route, &link, &mut rx).await;
-    if client_closed {
+    let ended = tunnel_bytes(&mut io, &hub, &route, &link, &mut rx).await;
+    if let TunnelEnd::ByClient = ended {
         // Ask the agent to close and wait for its answer, so nothing of this
         // connection stays behind.
         send(&hub, fe, Packet::close_request(conn.0)).await;
@@ -412,79 +413,119 @@ async fn upload(hub: &Hub, route: &(Arc<ServerConn>, BackendLink), data: bytes::
     when_blocked(hub.run(work), || hub.metrics.blocked(PROXY)).await;
 }
 
-/// Moves bytes until one side ends; `true` if the client side ended first
-/// (so the connection still has to be closed on the agent).
+/// Client bytes go to the connection's agent through the hub: credit and
+/// room on the agent stream, counted as a gRPC frontend's reader is while
+/// it waits.
+struct ToAgent<'a> {
+    /// The hub.
+    hub: &'a Hub,
+    /// The connection's route.
+    route: &'a (Arc<ServerConn>, BackendLink),
+}
+
+impl mover::Upstream for ToAgent<'_> {
+    async fn send(&mut self, data: bytes::Bytes) -> bool {
+        upload(self.hub, self.route, data).await;
+        !self.route.0.closed.is_cancelled()
+    }
+}
+
+/// The agent's bytes for the client come from the frontend's queue; its
+/// CLOSE_RSP (or DIAL_CLS) is the peer's close.
+struct FromAgent<'a> {
+    /// The hub, for credit.
+    hub: &'a Hub,
+    /// The connection.
+    conn: ConnId,
+    /// The frontend's queue.
+    rx: &'a mut QueueRx<ToFrontend>,
+    /// The item whose bytes are being written.
+    writing: Option<ToFrontend>,
+    /// The agent's close, once seen.
+    closed: &'a mut Option<String>,
+}
+
+impl mover::Downstream for FromAgent<'_> {
+    async fn next(&mut self) -> Option<bytes::Bytes> {
+        while let Some(item) = self.rx.recv().await {
+            match &item.packet.payload {
+                Some(proto::Payload::Data(data))
+                    if data.connect_id == self.conn.0
+                        && item.packet.r#type == proto::PacketType::Data as i32 =>
+                {
+                    let bytes = data.data.clone();
+                    self.writing = Some(item);
+                    return Some(bytes);
+                }
+                _ => {}
+            }
+            match item.packet.into_kind() {
+                PacketKind::CloseRsp(rsp) if rsp.connect_id == self.conn.0 => {
+                    debug!(conn.id = %self.conn, error = %rsp.error, "closed by the agent side");
+                    *self.closed = Some(rsp.error);
+                    return None;
+                }
+                PacketKind::DialCls(_) => {
+                    *self.closed = Some("dial closed".to_owned());
+                    return None;
+                }
+                other => debug!(packet = ?other, "ignoring packet"),
+            }
+        }
+        None
+    }
+
+    fn written(&mut self) -> bool {
+        if let Some(item) = self.writing.take()
+            && let Some((conn, credit)) = item.taken()
+        {
+            self.hub.to_backend(conn.backend, credit);
+        }
+        true
+    }
+
+    fn has_more(&self) -> bool {
+        !self.rx.is_empty()
+    }
+}
+
+/// How a CONNECT tunnel ended.
+enum TunnelEnd {
+    /// The client closed or failed first: the connection is still open on
+    /// the agent.
+    ByClient,
+    /// The agent closed it (CLOSE_RSP), or the agent stream is gone.
+    ByAgent,
+    /// The stream was ended from inside (shutdown, a stalled connection).
+    FromInside,
+}
+
+/// Moves bytes with the byte mover until one side ends.
 async fn tunnel_bytes<IO>(
     io: &mut IO,
     hub: &Hub,
     route: &(Arc<ServerConn>, BackendLink),
     link: &FrontendLink,
     rx: &mut QueueRx<ToFrontend>,
-) -> bool
+) -> TunnelEnd
 where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
-    let conn = route.0.id;
-    let (mut reader, mut writer) = tokio::io::split(io);
-    let upstream = async {
-        // Reads as the agent's pump does: an idle client holds a small
-        // buffer, a busy one sends whole chunks.
-        let mut eof = false;
-        loop {
-            let Ok(Some(chunk)) = tunnel::pump::read_chunk(&mut reader, &mut eof).await else {
-                return;
-            };
-            if route.0.closed.is_cancelled() {
-                return;
-            }
-            upload(hub, route, chunk).await;
-            if eof {
-                return;
-            }
-        }
+    let mut closed = None;
+    let down = FromAgent {
+        hub,
+        conn: route.0.id,
+        rx,
+        writing: None,
+        closed: &mut closed,
     };
-    let downstream = async {
-        while let Some(item) = rx.recv().await {
-            let written = match &item.packet.payload {
-                Some(proto::Payload::Data(data))
-                    if data.connect_id == conn.0
-                        && item.packet.r#type == proto::PacketType::Data as i32 =>
-                {
-                    let mut ok = writer.write_all(&data.data).await.is_ok();
-                    // TLS may hold written bytes until flushed: flush whenever
-                    // nothing else is queued behind them.
-                    if ok && rx.is_empty() {
-                        ok = writer.flush().await.is_ok();
-                    }
-                    Some(ok)
-                }
-                _ => None,
-            };
-            if let Some((conn, credit)) = item.taken() {
-                hub.to_backend(conn.backend, credit);
-            }
-            match written {
-                Some(true) => continue,
-                // The client is gone: close on the agent.
-                Some(false) => return true,
-                None => {}
-            }
-            match item.packet.into_kind() {
-                PacketKind::CloseRsp(rsp) if rsp.connect_id == conn.0 => {
-                    debug!(conn.id = %conn, error = %rsp.error, "closed by the agent side");
-                    return false;
-                }
-                PacketKind::DialCls(_) => return false,
-                other => debug!(packet = ?other, "ignoring packet"),
-            }
-        }
-        false
+    let end = tokio::select! {
+        end = mover::run(io, ToAgent { hub, route }, down) => end,
+        () = link.end.ended() => return TunnelEnd::FromInside,
     };
-    tokio::select! {
-        () = upstream => true,
-        client_gone = downstream => client_gone,
-        // Shutdown, or the connection stalled (`--frontend-stall-timeout`).
-        () = link.end.ended() => true,
+    match end {
+        MoverEnd::LocalEof | MoverEnd::LocalError(_) => TunnelEnd::ByClient,
+        MoverEnd::PeerClosed | MoverEnd::TunnelGone => TunnelEnd::ByAgent,
     }
 }
 

@@ -1,0 +1,456 @@
+//! The byte mover: one connection's bytes between its socket and the DATA
+//! packets of its tunnel, in both directions (linkerd's `duplex`).
+//!
+//! The socket → DATA half ([`Reader`]) waits for readability with a small
+//! buffer (an idle connection holds no large one), then takes what is ready
+//! into one read buffer that it reuses from read to read; a payload under
+//! half a buffer is copied out to its own size, a larger one leaves with the
+//! buffer's memory. Each payload goes to the [`Upstream`], which waits for
+//! credit and room: a slow tunnel slows the reader rather than growing a
+//! buffer.
+//!
+//! The DATA → socket half writes what the [`Downstream`] yields, tells it
+//! each chunk was written (so it releases the connection's window and
+//! returns credit), flushes when nothing more is queued, and once the peer
+//! has closed writes everything already queued before it shuts the socket's
+//! write side down (drain, then close). The protocol has no half-close:
+//! whichever half ends first ends the mover, as in ANP.
+//!
+//! Users: the agent's node-side connections, the server's HTTP CONNECT
+//! clients, the frontend client; the gRPC frontend's writer shares the
+//! window and credit accounting (its "socket" is the gRPC stream).
+
+use std::{future::Future, io};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use proto::Packet;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::{
+    flow::{self, Granter, SendCredit, WindowRx},
+    ids::ConnId,
+    queue::{Closed, QueueTx},
+};
+
+/// Largest DATA payload we send (ANP's agent sends 4 KiB, which costs a
+/// packet per 4 KiB); within the 4 MiB gRPC limit and a flow window.
+pub const READ_CHUNK: usize = flow::MAX_CHUNK;
+/// What an idle connection's reader holds while it waits.
+const IDLE_READ: usize = 2048;
+
+/// Why a mover stopped.
+#[derive(Debug)]
+pub enum MoverEnd {
+    /// The socket reached end of file: the local side closed.
+    LocalEof,
+    /// Reading or writing the socket failed.
+    LocalError(io::Error),
+    /// The peer closed the connection, after every queued byte was written.
+    PeerClosed,
+    /// The tunnel is gone (its stream ended, or the connection was closed
+    /// under the mover).
+    TunnelGone,
+}
+
+/// Where a connection's socket bytes go: DATA packets towards the peer.
+pub trait Upstream: Send {
+    /// Sends one payload, waiting for credit and room; `false` if the
+    /// tunnel is gone.
+    fn send(&mut self, data: Bytes) -> impl Future<Output = bool> + Send;
+}
+
+/// Where a connection's bytes for the socket come from.
+pub trait Downstream: Send {
+    /// The next bytes to write; `None` once the peer closed (every byte
+    /// queued before the close came first).
+    fn next(&mut self) -> impl Future<Output = Option<Bytes>> + Send;
+    /// The bytes last returned were written: their window is released (and
+    /// credit returned); `false` if the tunnel is gone.
+    fn written(&mut self) -> bool;
+    /// Whether more bytes are queued right now (if not, the writer flushes).
+    fn has_more(&self) -> bool;
+}
+
+/// Reads a socket into DATA payloads with one reusable buffer.
+pub struct Reader<R> {
+    /// The socket's read half.
+    io: R,
+    /// The read buffer, kept between reads while the connection is busy
+    /// and dropped when it goes idle.
+    buf: BytesMut,
+    /// The socket reached end of file after the last payload.
+    eof: bool,
+}
+
+impl<R: AsyncRead + Unpin> Reader<R> {
+    /// A reader of `io` holding no buffer yet.
+    pub fn new(io: R) -> Self {
+        Self {
+            io,
+            buf: BytesMut::new(),
+            eof: false,
+        }
+    }
+
+    /// The next payload: waits with a small buffer, then takes whatever
+    /// else is ready without waiting. `Ok(None)` is end of file.
+    ///
+    /// # Errors
+    /// The read's.
+    ///
+    /// # Cancel safety
+    /// Cancel safe while waiting: nothing has been read until the first
+    /// read returns.
+    pub async fn next(&mut self) -> io::Result<Option<Bytes>> {
+        if self.eof {
+            return Ok(None);
+        }
+        let mut first = [0u8; IDLE_READ];
+        let n = self.io.read(&mut first).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        if n < IDLE_READ {
+            // The socket had no more than this: a payload of its own size,
+            // and no buffer held while the connection idles.
+            self.buf = BytesMut::new();
+            return Ok(Some(Bytes::copy_from_slice(&first[..n])));
+        }
+        // Reuses the buffer when the payloads cut from it are gone.
+        self.buf.reserve(READ_CHUNK);
+        self.buf.extend_from_slice(&first[..n]);
+        while self.buf.len() < READ_CHUNK {
+            // `read_buf` is cancel safe: polled once, it either reads or
+            // registers for wake-up and is dropped.
+            match self.io.read_buf(&mut self.buf).now_or_never() {
+                Some(Ok(0)) => {
+                    self.eof = true;
+                    break;
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e),
+                None => break,
+            }
+        }
+        Ok(Some(seal(self.buf.split())))
+    }
+}
+
+/// Turns read bytes into a DATA payload that holds no more memory than it
+/// carries, give or take half: a payload shorter than half a read buffer
+/// is copied out (the buffer is reused or freed), a longer one keeps the
+/// buffer without a copy. Queued payloads are then bounded by their bytes.
+pub fn seal(chunk: BytesMut) -> Bytes {
+    if chunk.len() < READ_CHUNK / 2 {
+        Bytes::copy_from_slice(&chunk)
+    } else {
+        chunk.freeze()
+    }
+}
+
+/// Moves bytes both ways until one half ends; see the module docs.
+///
+/// # Cancel safety
+/// Dropping the future drops queued bytes and the socket.
+pub async fn run<IO, U, D>(io: IO, mut up: U, mut down: D) -> MoverEnd
+where
+    IO: AsyncRead + AsyncWrite,
+    U: Upstream,
+    D: Downstream,
+{
+    let (reader, mut writer) = tokio::io::split(io);
+    let mut reader = Reader::new(reader);
+    let upstream = async {
+        loop {
+            let data = match reader.next().await {
+                Ok(Some(data)) => data,
+                Ok(None) => return MoverEnd::LocalEof,
+                Err(e) => return MoverEnd::LocalError(e),
+            };
+            if !up.send(data).await {
+                return MoverEnd::TunnelGone;
+            }
+        }
+    };
+    let downstream = async {
+        while let Some(data) = down.next().await {
+            if let Err(e) = writer.write_all(&data).await {
+                return MoverEnd::LocalError(e);
+            }
+            // TLS may hold written bytes until flushed: flush whenever
+            // nothing else is queued behind them.
+            if !down.has_more()
+                && let Err(e) = writer.flush().await
+            {
+                return MoverEnd::LocalError(e);
+            }
+            if !down.written() {
+                return MoverEnd::TunnelGone;
+            }
+        }
+        match writer.shutdown().await {
+            Ok(()) => MoverEnd::PeerClosed,
+            Err(e) => MoverEnd::LocalError(e),
+        }
+    };
+    tokio::select! {
+        end = upstream => end,
+        end = downstream => end,
+    }
+}
+
+/// DATA packets of connection `conn` on a stream's outbound queue, each
+/// waiting for the connection's credit when it has some.
+pub struct QueueUpstream {
+    /// The connection.
+    pub conn: ConnId,
+    /// The stream's outbound queue.
+    pub out: QueueTx<Packet>,
+    /// Credit to spend before each payload; `None` without negotiation.
+    pub credit: Option<SendCredit>,
+    /// The DATA packet refused because the stream's queue had closed.
+    pub undelivered: Option<Packet>,
+}
+
+impl QueueUpstream {
+    /// An upstream of `conn`'s DATA onto `out`, spending `credit` if given.
+    pub fn new(conn: ConnId, out: QueueTx<Packet>, credit: Option<SendCredit>) -> Self {
+        Self {
+            conn,
+            out,
+            credit,
+            undelivered: None,
+        }
+    }
+}
+
+impl Upstream for QueueUpstream {
+    async fn send(&mut self, data: Bytes) -> bool {
+        if let Some(credit) = &self.credit
+            && credit.take(flow::cost(data.len())).await.is_err()
+        {
+            // The connection was closed under us: nothing more goes out.
+            return false;
+        }
+        let packet = Packet::data(self.conn.0, data);
+        let cost = flow::packet_cost(&packet);
+        match self.out.send(packet, cost).await {
+            Ok(()) => true,
+            Err(Closed(packet)) => {
+                self.undelivered = Some(packet);
+                false
+            }
+        }
+    }
+}
+
+impl<U: Upstream> Upstream for &mut U {
+    fn send(&mut self, data: Bytes) -> impl Future<Output = bool> + Send {
+        (**self).send(data)
+    }
+}
+
+/// A connection's receive queue drained into its socket; credit goes back
+/// on the stream's outbound queue as the window empties (negotiated only).
+pub struct WindowDownstream {
+    /// The connection.
+    pub conn: ConnId,
+    /// Its receive queue.
+    pub rx: WindowRx<Bytes>,
+    /// Where credit goes; `None` without negotiation.
+    pub grants: Option<QueueTx<Packet>>,
+    /// Accumulates drained cost into grants.
+    pub granter: Granter,
+    /// Cost of the chunk being written.
+    pub pending: usize,
+}
+
+impl WindowDownstream {
+    /// A downstream of `rx` for `conn`; grants go to `grants` when given.
+    pub fn new(conn: ConnId, rx: WindowRx<Bytes>, grants: Option<QueueTx<Packet>>) -> Self {
+        Self {
+            conn,
+            rx,
+            grants,
+            granter: Granter::default(),
+            pending: 0,
+        }
+    }
+}
+
+impl Downstream for WindowDownstream {
+    async fn next(&mut self) -> Option<Bytes> {
+        let (data, cost) = self.rx.recv().await?;
+        self.pending = cost;
+        Some(data)
+    }
+
+    fn written(&mut self) -> bool {
+        let cost = std::mem::take(&mut self.pending);
+        self.rx.drained(cost);
+        let Some(grants) = &self.grants else {
+            return true;
+        };
+        match self.granter.drained(cost, self.rx.is_empty()) {
+            // A control packet: it never waits. Refused, the stream is gone
+            // or its peer stopped reading it.
+            Some(credit) => {
+                let packet = flow::credit_packet(self.conn.0, credit);
+                let cost = flow::packet_cost(&packet);
+                grants.push(packet, cost).is_ok()
+            }
+            None => true,
+        }
+    }
+
+    fn has_more(&self) -> bool {
+        !self.rx.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proto::packet::PacketKind;
+    use tokio::io::duplex;
+
+    use super::*;
+    use crate::queue;
+
+    fn up(out: QueueTx<Packet>, credit: Option<SendCredit>) -> QueueUpstream {
+        QueueUpstream::new(ConnId(7), out, credit)
+    }
+
+    #[tokio::test]
+    async fn socket_bytes_become_data_packets_until_eof() {
+        let (mut local, ours) = duplex(1024);
+        let (_window, rx) = flow::queue();
+        let (out_tx, mut out_rx) = queue::queue(1 << 20, 1 << 20);
+        let down = WindowDownstream::new(ConnId(7), rx, None);
+        let task = tokio::spawn(run(ours, up(out_tx, None), down));
+        local.write_all(b"hello").await.unwrap();
+        match out_rx.recv().await.unwrap().into_kind() {
+            PacketKind::Data(d) => {
+                assert_eq!(d.connect_id, 7);
+                assert_eq!(&d.data[..], b"hello");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        drop(local);
+        assert!(matches!(task.await.unwrap(), MoverEnd::LocalEof));
+    }
+
+    #[tokio::test]
+    async fn queued_bytes_are_written_before_the_close() {
+        let (mut local, ours) = duplex(1 << 20);
+        let (window, rx) = flow::queue();
+        let (out_tx, _out_rx) = queue::queue(1 << 20, 1 << 20);
+        for part in [&b"one "[..], b"two ", b"three"] {
+            window
+                .push(Bytes::copy_from_slice(part), flow::cost(part.len()))
+                .unwrap();
+        }
+        drop(window);
+        let down = WindowDownstream::new(ConnId(1), rx, None);
+        let end = run(ours, up(out_tx, None), down).await;
+        assert!(matches!(end, MoverEnd::PeerClosed), "{end:?}");
+        let mut got = Vec::new();
+        local.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"one two three");
+    }
+
+    #[tokio::test]
+    async fn a_dead_tunnel_stops_the_mover() {
+        let (mut local, ours) = duplex(1024);
+        let (_window, rx) = flow::queue();
+        let (out_tx, out_rx) = queue::queue(1 << 20, 1 << 20);
+        drop(out_rx);
+        let down = WindowDownstream::new(ConnId(1), rx, None);
+        let task = tokio::spawn(run(ours, up(out_tx, None), down));
+        local.write_all(b"x").await.unwrap();
+        assert!(matches!(task.await.unwrap(), MoverEnd::TunnelGone));
+    }
+
+    #[tokio::test]
+    async fn bulk_reads_fill_large_packets() {
+        let (mut local, ours) = duplex(4 * READ_CHUNK);
+        local.write_all(&vec![7u8; 3 * READ_CHUNK]).await.unwrap();
+        let mut reader = Reader::new(ours);
+        let chunk = reader.next().await.unwrap().unwrap();
+        assert_eq!(chunk.len(), READ_CHUNK, "one read takes a whole chunk");
+    }
+
+    #[tokio::test]
+    async fn a_small_read_holds_no_large_buffer() {
+        let (mut local, ours) = duplex(4 * READ_CHUNK);
+        let mut reader = Reader::new(ours);
+        for len in [1, IDLE_READ + 1, READ_CHUNK / 2 - 1] {
+            local.write_all(&vec![7u8; len]).await.unwrap();
+            let data = reader.next().await.unwrap().unwrap();
+            assert_eq!(data.len(), len);
+            // A buffer of its own size, not a slice of a 64 KiB one.
+            let held = data.try_into_mut().expect("one reference").capacity();
+            assert!(held < 2 * len + 64, "{len} bytes hold a {held}-byte buffer");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_read_buffer_is_reused_once_its_payloads_are_gone() {
+        let (mut local, ours) = duplex(4 * READ_CHUNK);
+        let mut reader = Reader::new(ours);
+        local.write_all(&vec![1u8; READ_CHUNK]).await.unwrap();
+        let first = reader.next().await.unwrap().unwrap();
+        let at = first.as_ptr();
+        drop(first);
+        local.write_all(&vec![2u8; READ_CHUNK]).await.unwrap();
+        let second = reader.next().await.unwrap().unwrap();
+        assert_eq!(second.as_ptr(), at, "a fresh allocation per read");
+        // While a payload is held, the next read takes another buffer.
+        local.write_all(&vec![3u8; READ_CHUNK]).await.unwrap();
+        let third = reader.next().await.unwrap().unwrap();
+        assert_ne!(third.as_ptr(), second.as_ptr());
+        assert_eq!((second[0], third[0]), (2, 3));
+    }
+
+    #[tokio::test]
+    async fn credit_limits_what_is_in_flight_and_drains_return_it() {
+        let (mut local, ours) = duplex(4 << 20);
+        let (window, rx) = flow::queue();
+        let (out_tx, mut out_rx) = queue::queue(64 << 20, 1 << 20);
+        let credit = SendCredit::new();
+        let down = WindowDownstream::new(ConnId(3), rx, Some(out_tx.clone()));
+        let _task = tokio::spawn(run(ours, up(out_tx, Some(credit.clone())), down));
+        local.write_all(&vec![1u8; 3 << 20]).await.unwrap();
+        // Without grants, at most a window's worth of DATA goes out: the
+        // mover spends its credit, then waits for more (a waiting take
+        // holds what is left, so the credit shows none).
+        let mut sent = 0;
+        for _ in 0..1000 {
+            tokio::task::yield_now().await;
+            while let Some(Some(packet)) = out_rx.recv().now_or_never() {
+                if let PacketKind::Data(d) = packet.into_kind() {
+                    sent += flow::cost(d.data.len());
+                }
+            }
+        }
+        assert!(sent <= flow::WINDOW, "{sent} sent without credit back");
+        assert!(
+            sent > flow::WINDOW - flow::cost(READ_CHUNK),
+            "only {sent} sent"
+        );
+        assert!(credit.available() < flow::cost(READ_CHUNK));
+        // Bytes for the socket are written and credited back.
+        window
+            .push(Bytes::from(vec![2u8; 1000]), flow::cost(1000))
+            .unwrap();
+        let mut got = vec![0u8; 1000];
+        local.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, vec![2u8; 1000]);
+        let credit_back = loop {
+            if let Some((conn, c)) = flow::parse_credit(&out_rx.recv().await.unwrap()) {
+                break (conn, c);
+            }
+        };
+        assert_eq!(credit_back, (3, flow::cost(1000)));
+    }
+}
