@@ -6,7 +6,7 @@ use std::{
     future::Future,
     net::SocketAddr,
     sync::{
-        Arc, Mutex, MutexGuard, OnceLock, PoisonError,
+        Arc, Mutex, MutexGuard, PoisonError,
         atomic::{AtomicBool, AtomicU32, Ordering},
     },
     time::Duration,
@@ -21,10 +21,11 @@ use tunnel::{conn::bind_named, ids::ServerId};
 use crate::{
     client::Client,
     config::Config,
+    config::ServerCountSource,
     endpoint::ConnectionManager,
     health,
-    lease::{self, LeaseCounter, LeaseWatch, ServerCountSource},
-    metrics::AgentMetrics,
+    lease::{self, LeaseCounter, LeaseWatch},
+    metrics::{AgentMetrics, LeaseMetrics, Live},
 };
 
 /// Failure to start the agent.
@@ -60,8 +61,6 @@ pub(crate) struct AgentState {
     draining: Arc<AtomicBool>,
     /// Lease count (`--count-server-leases`), if on.
     leases: Option<Arc<LeaseCounter>>,
-    /// What the agent records.
-    pub(crate) metrics: Arc<AgentMetrics>,
     /// `--server-count-source`.
     count_source: ServerCountSource,
 }
@@ -118,6 +117,20 @@ impl AgentState {
     }
 }
 
+impl Live for AgentState {
+    fn server_connections(&self) -> usize {
+        self.server_connections()
+    }
+
+    fn target_count(&self) -> usize {
+        self.target_count()
+    }
+
+    fn endpoint_connections(&self) -> usize {
+        self.endpoint_connections()
+    }
+}
+
 /// Jittered exponential backoff (ANP: factor 1.5, jitter 0.1, capped).
 struct Backoff {
     /// First and steady interval.
@@ -170,30 +183,31 @@ impl Agent {
         runtime::flags::warn_flags(&config.not_implemented, &config.deprecated);
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
-        // The lease watch reports its calls to the metrics, which read the
-        // state: both are made together.
-        let metrics_slot: Arc<OnceLock<Arc<AgentMetrics>>> = Arc::default();
+        // The lease watch reports its calls to its own metrics; the state
+        // holds the lease count; the gauges read the state.
+        let lease_metrics = LeaseMetrics::default();
         let (leases, lease_watch) = match &config.leases {
             Some(leases) => {
-                let (counter, watch) = lease::counter(leases, metrics_slot.clone()).await?;
+                let (counter, watch) = lease::counter(leases, lease_metrics.clone()).await?;
                 (Some(counter), Some(watch))
             }
             None => (None, None),
         };
-        let state = Arc::new_cyclic(|weak| AgentState {
+        let state = Arc::new(AgentState {
             clients: Mutex::new(HashMap::new()),
             server_count: AtomicU32::new(0),
             draining: Arc::new(AtomicBool::new(false)),
             leases,
             count_source: config.server_count_source,
-            metrics: Arc::new(AgentMetrics::new(weak.clone())),
         });
-        let _ = metrics_slot.set(state.metrics.clone());
+        let live: Arc<dyn Live> = state.clone();
+        let metrics = Arc::new(AgentMetrics::new(Arc::downgrade(&live), &lease_metrics));
         Ok(Bound {
             health,
             admin,
             lease_watch,
             state,
+            metrics,
             config,
         })
     }
@@ -211,6 +225,8 @@ pub struct Bound {
     lease_watch: Option<LeaseWatch>,
     /// Shared state.
     state: Arc<AgentState>,
+    /// What the agent records.
+    metrics: Arc<AgentMetrics>,
 }
 
 impl Bound {
@@ -258,6 +274,7 @@ impl Bound {
             admin,
             lease_watch,
             state,
+            metrics,
         } = self;
         let servers: Vec<String> = config.servers.iter().map(ToString::to_string).collect();
         info!(agent.id = %config.agent_id, ?servers, health.addr = ?health.local_addr().ok(), "proxy-agent starting");
@@ -266,7 +283,7 @@ impl Bound {
         let health_port = health.local_addr().map_or(0, |a| a.port());
         tasks.spawn(runtime::http::serve(
             health,
-            health::router(state.clone()),
+            health::router(metrics.clone(), state.clone()),
             token.clone(),
             "health",
         ));
@@ -285,6 +302,7 @@ impl Bound {
                 config.clone(),
                 address,
                 state.clone(),
+                metrics.clone(),
                 token.clone(),
                 tasks.clone(),
             ));
@@ -307,24 +325,21 @@ impl Bound {
                 let cost = tunnel::flow::packet_cost(&drain);
                 let _ = client.out_tx.push(drain, cost);
             }
-            let stopped = false;
-            if !stopped {
-                if config.exit_when_drained {
-                    // Open connections finish on their own; the second
-                    // signal ends it sooner.
-                    loop {
-                        if state.endpoint_connections() == 0 && state.dials_in_progress() == 0 {
-                            info!("drained: no open connections left");
-                            break;
-                        }
-                        tokio::select! {
-                            () = &mut stop => break,
-                            () = tokio::time::sleep(DRAIN_POLL) => {}
-                        }
+            if config.exit_when_drained {
+                // Open connections finish on their own; the second signal
+                // ends it sooner.
+                loop {
+                    if state.endpoint_connections() == 0 && state.dials_in_progress() == 0 {
+                        info!("drained: no open connections left");
+                        break;
                     }
-                } else {
-                    stop.await;
+                    tokio::select! {
+                        () = &mut stop => break,
+                        () = tokio::time::sleep(DRAIN_POLL) => {}
+                    }
                 }
+            } else {
+                stop.await;
             }
             if state.endpoint_connections() > 0 {
                 warn!(
@@ -362,6 +377,7 @@ async fn sync_loop(
     config: Arc<Config>,
     address: usize,
     state: Arc<AgentState>,
+    metrics: Arc<AgentMetrics>,
     token: CancellationToken,
     tasks: TaskTracker,
 ) {
@@ -372,7 +388,7 @@ async fn sync_loop(
             // Draining: no new server connections.
             jitter(config.sync_interval)
         } else if state.should_dial(address, config.servers.len(), config.sync_forever) {
-            match Client::connect(&config, target).await {
+            match Client::connect(&config, target, metrics.clone()).await {
                 Ok(client) => {
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()
@@ -421,13 +437,13 @@ fn add_client(
             .server_count
             .store(client.server_count, Ordering::Relaxed);
     }
-    state.metrics.server_connection_opened();
+    client.metrics().server_connection_opened();
     info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
     let state = state.clone();
     let span = info_span!("client", server.id = %server_id);
     tasks.spawn(
         async move {
-            client.serve(conns, state.metrics.clone(), cancel).await;
+            client.serve(conns, cancel).await;
             state.clients().remove(&server_id);
             info!("disconnected from proxy-server");
         }

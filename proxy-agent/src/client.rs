@@ -4,7 +4,7 @@ use std::{
     io,
     pin::Pin,
     sync::{
-        Arc, Mutex, OnceLock,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicI64, Ordering},
     },
     task::{Context, Poll},
@@ -139,8 +139,8 @@ pub struct Client {
     inbound: Streaming<Packet>,
     /// Packets to the server, bounded in bytes.
     out_tx: QueueTx<Packet>,
-    /// Where the outbound stream counts packets, set by `serve`.
-    metrics: Arc<OnceLock<Arc<AgentMetrics>>>,
+    /// What the agent records.
+    metrics: Arc<AgentMetrics>,
     /// Keeps the HTTP/2 connection alive while the client lives.
     _channel: Channel,
     /// The connection's transport, for the probe.
@@ -272,11 +272,15 @@ impl Client {
     ///
     /// # Errors
     /// Each step's failure, naming the server.
-    pub async fn connect(config: &Config, target: &ServerAddr) -> Result<Self, ConnectError> {
+    pub async fn connect(
+        config: &Config,
+        target: &ServerAddr,
+        metrics: Arc<AgentMetrics>,
+    ) -> Result<Self, ConnectError> {
         let server = target.to_string();
         tokio::time::timeout(
             CONNECT_TIMEOUT,
-            Self::connect_inner(config, target, &server),
+            Self::connect_inner(config, target, &server, metrics),
         )
         .await
         .map_err(|_| ConnectError::Timeout {
@@ -288,6 +292,7 @@ impl Client {
         config: &Config,
         target: &ServerAddr,
         server: &str,
+        metrics: Arc<AgentMetrics>,
     ) -> Result<Self, ConnectError> {
         let tcp: Box<dyn Io> = match &target.proxy {
             Some(proxy) => proxy_client::connect(proxy, &target.host, target.port).await?,
@@ -340,18 +345,14 @@ impl Client {
             })?;
 
         let (out_tx, out_rx) = tunnel::queue::queue(config.max_server_queue_bytes, CONTROL_RESERVE);
-        // Sent packets are counted once `serve` has the metrics.
-        let metrics: Arc<OnceLock<Arc<AgentMetrics>>> = Arc::default();
         let counting = metrics.clone();
         let outbound = out_rx.map(move |packet: Packet| {
-            if let Some(metrics) = counting.get() {
-                metrics.packet("from_agent", &packet);
-                // Flow-control credits travel as DATA; they carry no bytes.
-                if let Some(proto::Payload::Data(data)) = &packet.payload
-                    && tunnel::flow::parse_credit(&packet).is_none()
-                {
-                    metrics.bytes("to_server", data.data.len());
-                }
+            counting.packet("from_agent", &packet);
+            // Flow-control credits travel as DATA; they carry no bytes.
+            if let Some(proto::Payload::Data(data)) = &packet.payload
+                && tunnel::flow::parse_credit(&packet).is_none()
+            {
+                counting.bytes("to_server", data.data.len());
             }
             packet
         });
@@ -441,6 +442,11 @@ impl Client {
         })
     }
 
+    /// What the agent records.
+    pub fn metrics(&self) -> &AgentMetrics {
+        &self.metrics
+    }
+
     /// Sender for packets to this server (DRAIN, …).
     pub fn sender(&self) -> QueueTx<Packet> {
         self.out_tx.clone()
@@ -448,12 +454,7 @@ impl Client {
 
     /// Serves the stream until it ends or `cancel` fires; every connection of
     /// the stream is closed when it returns.
-    pub async fn serve(
-        self,
-        conns: Arc<ConnectionManager>,
-        metrics: Arc<AgentMetrics>,
-        cancel: CancellationToken,
-    ) {
+    pub async fn serve(self, conns: Arc<ConnectionManager>, cancel: CancellationToken) {
         let Self {
             mut inbound,
             out_tx,
@@ -462,10 +463,9 @@ impl Client {
             _channel,
             transport,
             probe_interval,
-            metrics: counting,
+            metrics,
             ..
         } = self;
-        let _ = counting.set(metrics.clone());
         let tasks = TaskTracker::new();
         let next_conn_id = Arc::new(AtomicI64::new(1));
         let stream = Stream {

@@ -17,8 +17,6 @@ use tunnel::{
     proxy_client::{Proxy, ProxyUrl},
 };
 
-use crate::lease::{LeaseCountConfig, ServerCountSource};
-
 /// proxy-agent: dials out to proxy-server and opens node-side connections for it.
 ///
 /// Flag names and defaults are ANP's, so an existing manifest works unchanged.
@@ -514,6 +512,27 @@ impl TryFrom<Args> for Config {
             deprecated,
         })
     }
+}
+
+/// Where to count leases, from the flags.
+#[derive(Debug, Clone)]
+pub struct LeaseCountConfig {
+    /// `--lease-namespace`.
+    pub namespace: String,
+    /// `--lease-label-selector` (or the deprecated `--lease-label`).
+    pub selector: String,
+    /// `--kubeconfig`; `None` means in-cluster configuration.
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// `--server-count-source`: how leases and server answers combine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ServerCountSource {
+    /// Leases when counting them, else the servers' `servercount`.
+    #[default]
+    Default,
+    /// The larger of the two.
+    Max,
 }
 
 #[cfg(test)]

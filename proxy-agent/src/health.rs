@@ -12,28 +12,28 @@ use axum::{
     routing::any,
 };
 
-use crate::agent::AgentState;
+use crate::metrics::{AgentMetrics, Live};
 
 /// Routes of the health port.
-pub(crate) fn router(state: Arc<AgentState>) -> Router {
+pub(crate) fn router(metrics: Arc<AgentMetrics>, state: Arc<dyn Live>) -> Router {
+    let render = move || metrics.render();
     Router::new()
         .route("/healthz", any(|| async { "ok" }))
         .route("/readyz", any(readyz))
         .route("/ready", any(readyz))
-        .route("/metrics", any(metrics))
+        .route(
+            "/metrics",
+            any(move || {
+                let text = render();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, runtime::metrics::CONTENT_TYPE)],
+                        text,
+                    )
+                }
+            }),
+        )
         .with_state(state)
-}
-
-async fn metrics(
-    State(state): State<Arc<AgentState>>,
-) -> ([(axum::http::HeaderName, &'static str); 1], String) {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            runtime::metrics::CONTENT_TYPE,
-        )],
-        state.metrics.render(),
-    )
 }
 
 /// Routes of the admin port: `/metrics` answers 301 to the same URL on the
@@ -91,7 +91,7 @@ fn metrics_redirect(
 }
 
 async fn readyz(
-    State(state): State<Arc<AgentState>>,
+    State(state): State<Arc<dyn Live>>,
     RawQuery(query): RawQuery,
 ) -> (StatusCode, String) {
     // Go's `r.URL.Query()["verbose"]`: the key present, with any value.

@@ -3,9 +3,8 @@
 //! counted when still valid (ANP's rule, see `runtime::kube::lease_is_valid`).
 
 use std::{
-    path::PathBuf,
     sync::{
-        Arc, OnceLock,
+        Arc,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
@@ -19,7 +18,7 @@ use kube::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::AgentMetrics;
+use crate::{config::LeaseCountConfig, metrics::LeaseMetrics};
 use runtime::{
     error::DisplayErrorStack,
     kube::{KubeSetupError, lease_is_valid},
@@ -29,27 +28,6 @@ use tracing::{debug, warn};
 /// How long one kube API request may take (a watch is re-established by
 /// kube-runtime with its own backoff).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Where to count leases, from the flags.
-#[derive(Debug, Clone)]
-pub struct LeaseCountConfig {
-    /// `--lease-namespace`.
-    pub namespace: String,
-    /// `--lease-label-selector` (or the deprecated `--lease-label`).
-    pub selector: String,
-    /// `--kubeconfig`; `None` means in-cluster configuration.
-    pub kubeconfig: Option<PathBuf>,
-}
-
-/// `--server-count-source`: how leases and server answers combine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ServerCountSource {
-    /// Leases when counting them, else the servers' `servercount`.
-    #[default]
-    Default,
-    /// The larger of the two.
-    Max,
-}
 
 /// The current count of valid leases, kept up to date by [`LeaseWatch`].
 pub(crate) struct LeaseCounter {
@@ -95,13 +73,9 @@ pub(crate) struct LeaseWatch {
 /// The kubeconfig (or in-cluster configuration) cannot be used.
 pub(crate) async fn counter(
     config: &LeaseCountConfig,
-    metrics: Arc<OnceLock<Arc<AgentMetrics>>>,
+    metrics: LeaseMetrics,
 ) -> Result<(Arc<LeaseCounter>, LeaseWatch), KubeSetupError> {
-    let observer: runtime::kube::Observer = Arc::new(move |call| {
-        if let Some(metrics) = metrics.get() {
-            metrics.lease_call(call);
-        }
-    });
+    let observer: runtime::kube::Observer = Arc::new(move |call| metrics.lease_call(call));
     let client = runtime::kube::observed_client(
         config.kubeconfig.as_deref(),
         REQUEST_TIMEOUT,

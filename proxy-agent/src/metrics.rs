@@ -25,8 +25,6 @@ use runtime::{
     metrics::{Counter, Metrics, Observed, StreamCounters},
 };
 
-use crate::agent::AgentState;
-
 /// Buckets of ANP's agent latency histograms.
 const AGENT_BUCKETS: [f64; 7] = [0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0];
 
@@ -57,6 +55,72 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 fn agent_histogram() -> Histogram {
     Histogram::new(AGENT_BUCKETS)
+}
+
+/// What the three gauges read when scraped: the agent's live state.
+pub(crate) trait Live: Send + Sync {
+    /// Connected servers.
+    fn server_connections(&self) -> usize;
+    /// Servers the agent works towards.
+    fn target_count(&self) -> usize;
+    /// Open node-side connections.
+    fn endpoint_connections(&self) -> usize;
+}
+
+/// The lease watch's metrics, made before the agent's state (whose lease
+/// counter reports to them) and registered with the rest.
+#[derive(Clone)]
+pub(crate) struct LeaseMetrics {
+    lists: Family<ResponseLabels, Counter>,
+    watches: Family<ResponseLabels, Counter>,
+    list_latency: HistogramFamily<ResponseCodeLabel>,
+}
+
+impl Default for LeaseMetrics {
+    fn default() -> Self {
+        Self {
+            lists: Family::default(),
+            watches: Family::default(),
+            list_latency: HistogramFamily::new_with_constructor(agent_histogram),
+        }
+    }
+}
+
+impl LeaseMetrics {
+    /// A kube API call of the lease watch.
+    pub(crate) fn lease_call(&self, call: &Call) {
+        let labels = ResponseLabels {
+            http_response_code: call.status.to_string(),
+            reason: status_reason(call.status),
+        };
+        match call.kind {
+            CallKind::List => {
+                self.lists.get_or_create(&labels).inc();
+                self.list_latency
+                    .get_or_create(&ResponseCodeLabel {
+                        http_response_code: call.status.to_string(),
+                    })
+                    .observe(call.took.as_secs_f64());
+            }
+            CallKind::Watch => self.watches.get_or_create(&labels).inc(),
+            CallKind::Delete | CallKind::Other => {}
+        }
+    }
+}
+
+/// A state that is never there: the gauges read 0.
+struct Nothing;
+
+impl Live for Nothing {
+    fn server_connections(&self) -> usize {
+        0
+    }
+    fn target_count(&self) -> usize {
+        0
+    }
+    fn endpoint_connections(&self) -> usize {
+        0
+    }
 }
 
 /// Why a node-side connection ended (konnectivity-rs).
@@ -97,9 +161,6 @@ pub struct AgentMetrics {
     endpoint_seen: Arc<AtomicBool>,
     server_failures: Family<DirectionLabel, Counter>,
     dial_failures: Family<ReasonLabel, Counter>,
-    lease_lists: Family<ResponseLabels, Counter>,
-    lease_watches: Family<ResponseLabels, Counter>,
-    lease_list_latency: HistogramFamily<ResponseCodeLabel>,
     streams: StreamCounters,
     tunnel_bytes: Family<DirectionLabel, Counter>,
     closed: Family<ReasonLabel, Counter>,
@@ -114,8 +175,16 @@ impl std::fmt::Debug for AgentMetrics {
 }
 
 impl AgentMetrics {
+    /// Metrics of no agent (its gauges read 0), for a [`Client`] used on
+    /// its own.
+    ///
+    /// [`Client`]: crate::client::Client
+    pub fn unattached() -> Self {
+        Self::new(Weak::<Nothing>::new(), &LeaseMetrics::default())
+    }
+
     /// Registers every metric; the gauges read `state` when scraped.
-    pub(crate) fn new(state: Weak<AgentState>) -> Self {
+    pub(crate) fn new(state: Weak<dyn Live>, leases: &LeaseMetrics) -> Self {
         let mut m = Metrics::default();
         let name = |n: &str| format!("{PREFIX}{n}");
         let dial_duration = m.register(
@@ -136,50 +205,47 @@ impl AgentMetrics {
         let server_seen = Arc::new(AtomicBool::new(false));
         let endpoint_seen = Arc::new(AtomicBool::new(false));
         // A gauge read from the state, shown once `seen` is set.
-        let gauge = |read: fn(&AgentState) -> usize, seen: Option<Arc<AtomicBool>>| {
+        let gauge = |read: fn(&dyn Live) -> usize, seen: Option<Arc<AtomicBool>>| {
             let state = state.clone();
             move || {
                 if seen.as_ref().is_some_and(|s| !s.load(Ordering::Relaxed)) {
                     return None;
                 }
-                Some(state.upgrade().map_or(0.0, |s| read(&s) as f64))
+                Some(state.upgrade().map_or(0.0, |s| read(&*s) as f64))
             }
         };
         m.probe(
             name("open_server_connections"),
             "Current number of open server connections.",
             MetricType::Gauge,
-            gauge(AgentState::server_connections, Some(server_seen.clone())),
+            gauge(|s| s.server_connections(), Some(server_seen.clone())),
         );
         m.probe(
             name("known_server_count"),
             "Current number of servers agent is trying to connect to.",
             MetricType::Gauge,
-            gauge(AgentState::target_count, None),
+            gauge(|s| s.target_count(), None),
         );
         m.probe(
             name("open_endpoint_connections"),
             "Current number of open endpoint connections.",
             MetricType::Gauge,
-            gauge(
-                AgentState::endpoint_connections,
-                Some(endpoint_seen.clone()),
-            ),
+            gauge(|s| s.endpoint_connections(), Some(endpoint_seen.clone())),
         );
-        let lease_lists = m.register(
+        m.register(
             name("lease_lists_total"),
             "Count of server lease list calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
-            Family::default(),
+            leases.lists.clone(),
         );
-        let lease_watches = m.register(
+        m.register(
             name("lease_watches_total"),
             "Count of server lease watch calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
-            Family::default(),
+            leases.watches.clone(),
         );
-        let lease_list_latency = m.register(
+        m.register(
             name("lease_list_latency_seconds"),
             "Latency of server lease listing in seconds",
-            HistogramFamily::new_with_constructor(agent_histogram as fn() -> Histogram),
+            leases.list_latency.clone(),
         );
         let streams = StreamCounters::register(&mut m, PREFIX);
         runtime::metrics::register_process(&mut m);
@@ -210,9 +276,6 @@ impl AgentMetrics {
             endpoint_seen,
             server_failures,
             dial_failures,
-            lease_lists,
-            lease_watches,
-            lease_list_latency,
             streams,
             tunnel_bytes,
             closed,
@@ -304,26 +367,6 @@ impl AgentMetrics {
     pub(crate) fn blocked(&self, took: Duration) {
         self.blocked.inc_by(took.as_secs_f64());
     }
-
-    /// A kube API call of the lease watch.
-    pub(crate) fn lease_call(&self, call: &Call) {
-        let labels = ResponseLabels {
-            http_response_code: call.status.to_string(),
-            reason: status_reason(call.status),
-        };
-        match call.kind {
-            CallKind::List => {
-                self.lease_lists.get_or_create(&labels).inc();
-                self.lease_list_latency
-                    .get_or_create(&ResponseCodeLabel {
-                        http_response_code: call.status.to_string(),
-                    })
-                    .observe(call.took.as_secs_f64());
-            }
-            CallKind::Watch => self.lease_watches.get_or_create(&labels).inc(),
-            CallKind::Delete | CallKind::Other => {}
-        }
-    }
 }
 
 #[cfg(test)]
@@ -332,7 +375,7 @@ mod tests {
 
     #[test]
     fn a_packet_the_server_stream_did_not_take_counts_in_both_metrics() {
-        let metrics = AgentMetrics::new(Weak::new());
+        let metrics = AgentMetrics::unattached();
         metrics.send_failed(&proto::Packet::dial_response(1, 2, ""));
         let text = metrics.render();
         for series in [
@@ -345,7 +388,7 @@ mod tests {
 
     #[test]
     fn connection_gauges_appear_once_set() {
-        let metrics = AgentMetrics::new(Weak::new());
+        let metrics = AgentMetrics::unattached();
         let text = metrics.render();
         assert!(!text.contains("open_server_connections"), "{text}");
         assert!(!text.contains("open_endpoint_connections"), "{text}");

@@ -445,9 +445,9 @@ pub struct AgentOpts {
     /// `--keepalive-time` (default 1 h).
     pub keepalive_time: Option<Duration>,
     /// `--count-server-leases` and where.
-    pub leases: Option<proxy_agent::lease::LeaseCountConfig>,
+    pub leases: Option<proxy_agent::config::LeaseCountConfig>,
     /// `--server-count-source`.
-    pub server_count_source: proxy_agent::lease::ServerCountSource,
+    pub server_count_source: proxy_agent::config::ServerCountSource,
     /// `--sync-forever`.
     pub sync_forever: bool,
     /// `--enable-profiling`.

@@ -5,13 +5,19 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
-use std::process::{Command, Stdio};
+use std::{
+    process::{Command, Stdio},
+    sync::Arc,
+};
 
 use integration_tests::{
     AgentOpts, TestAgent, TestServer, agent_config, backend,
     proxies::{microsocks, tinyproxy},
 };
-use proxy_agent::client::{Client, ConnectError};
+use proxy_agent::{
+    client::{Client, ConnectError},
+    metrics::AgentMetrics,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel::proxy_client::{Proxy, ProxyError};
 
@@ -56,10 +62,14 @@ async fn refused(proxy_url: &str, server: &TestServer) -> ConnectError {
             ..AgentOpts::default()
         },
     );
-    Client::connect(&config, &config.servers[0])
-        .await
-        .err()
-        .expect("the connect should fail")
+    Client::connect(
+        &config,
+        &config.servers[0],
+        Arc::new(AgentMetrics::unattached()),
+    )
+    .await
+    .err()
+    .expect("the connect should fail")
 }
 
 #[tokio::test]

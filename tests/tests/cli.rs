@@ -196,9 +196,13 @@ async fn the_server_serves_its_socket_with_mode_0770_and_its_id_from_proxy_serve
         format!("127.0.0.1:{agent_port}").parse().unwrap(),
         &Default::default(),
     );
-    let client = proxy_agent::client::Client::connect(&config, &config.servers[0])
-        .await
-        .unwrap();
+    let client = proxy_agent::client::Client::connect(
+        &config,
+        &config.servers[0],
+        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
+    )
+    .await
+    .unwrap();
     assert_eq!(client.server_id.0, "server-from-env");
     assert_eq!(client.server_count, 1);
 }

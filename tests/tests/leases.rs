@@ -16,7 +16,7 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
     jiff::{SignedDuration, Timestamp},
 };
-use proxy_agent::lease::{LeaseCountConfig, ServerCountSource};
+use proxy_agent::config::{LeaseCountConfig, ServerCountSource};
 use proxy_server::lease::LeaseConfig;
 
 const NAMESPACE: &str = "kube-system";

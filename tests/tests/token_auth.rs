@@ -46,7 +46,13 @@ async fn refusal(server: &TestServer, token: &str) -> String {
             ..Default::default()
         },
     );
-    match Client::connect(&config, &config.servers[0]).await {
+    match Client::connect(
+        &config,
+        &config.servers[0],
+        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
+    )
+    .await
+    {
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
             assert!(
@@ -132,7 +138,13 @@ async fn each_failed_check_is_refused_with_its_reason() {
             ..Default::default()
         },
     );
-    match Client::connect(&config, &config.servers[0]).await {
+    match Client::connect(
+        &config,
+        &config.servers[0],
+        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
+    )
+    .await
+    {
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(
                 status.message(),

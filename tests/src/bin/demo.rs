@@ -127,7 +127,7 @@ async fn main() -> Result<()> {
             max_server_queue_bytes: 4 << 20,
             token_path: None,
             leases: None,
-            server_count_source: proxy_agent::lease::ServerCountSource::Default,
+            server_count_source: proxy_agent::config::ServerCountSource::Default,
             not_implemented: Vec::new(),
             deprecated: Vec::new(),
         })
