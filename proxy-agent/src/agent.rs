@@ -22,7 +22,7 @@ use crate::{
     client::Client,
     config::Config,
     config::ServerCountSource,
-    endpoint::ConnectionManager,
+    endpoint::Connections,
     health,
     lease::{self, LeaseCounter, LeaseWatch},
     metrics::{AgentMetrics, LeaseMetrics, Live},
@@ -44,7 +44,7 @@ struct ClientEntry {
     /// Stops the client.
     cancel: CancellationToken,
     /// Its connections.
-    conns: Arc<ConnectionManager>,
+    conns: Connections,
     /// Packets to the server (DRAIN).
     out_tx: tunnel::queue::QueueTx<proto::Packet>,
     /// Which `--proxy-server-host` entry it was reached through.
@@ -417,7 +417,7 @@ fn add_client(
 ) {
     let server_id = client.server_id.clone();
     let cancel = token.child_token();
-    let conns = Arc::new(ConnectionManager::default());
+    let conns = Connections::new(client.flow_control, &cancel);
     {
         let mut clients = state.clients();
         if clients.contains_key(&server_id) {

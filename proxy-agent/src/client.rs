@@ -5,7 +5,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicI64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -13,7 +13,7 @@ use std::{
 
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
-use proto::{Packet, agent_service_client::AgentServiceClient, header, packet::PacketKind};
+use proto::{Packet, agent_service_client::AgentServiceClient, header};
 use runtime::metrics::when_blocked;
 use rustls_pki_types::ServerName;
 use tokio::{
@@ -31,7 +31,7 @@ use tracing::{Instrument, debug, debug_span, warn};
 use tunnel::conn::Io;
 use tunnel::{
     flow::{self, SendCredit},
-    ids::{ConnId, DialId, ServerId},
+    ids::ServerId,
     mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
     proxy_client,
     queue::{PushError, QueueTx},
@@ -39,8 +39,9 @@ use tunnel::{
 
 use crate::{
     config::{Config, ServerAddr},
-    endpoint::{self, ConnectionManager, EndpointConn},
+    endpoint::{self, Connections, EndpointConn},
     metrics::{AgentMetrics, CloseReason},
+    table::{Dialed, Step, Ticket},
 };
 
 /// How long the TCP connect, TLS handshake and gRPC headers may take.
@@ -454,7 +455,7 @@ impl Client {
 
     /// Serves the stream until it ends or `cancel` fires; every connection of
     /// the stream is closed when it returns.
-    pub async fn serve(self, conns: Arc<ConnectionManager>, cancel: CancellationToken) {
+    pub async fn serve(self, conns: Connections, cancel: CancellationToken) {
         let Self {
             mut inbound,
             out_tx,
@@ -467,13 +468,11 @@ impl Client {
             ..
         } = self;
         let tasks = TaskTracker::new();
-        let next_conn_id = Arc::new(AtomicI64::new(1));
-        let stream = Stream {
-            conns,
+        let dispatcher = Dispatcher {
+            conns: conns.clone(),
             out_tx,
             cancel: cancel.clone(),
             tasks: tasks.clone(),
-            next_conn_id,
             flow_control,
             metrics: metrics.clone(),
         };
@@ -493,7 +492,7 @@ impl Client {
                 // (without flow control); a cancel must still get through.
                 Ok(Some(packet)) => {
                     metrics.packet("to_agent", &packet);
-                    let handled = when_blocked(stream.handle(packet), || {
+                    let handled = when_blocked(dispatcher.handle(packet), || {
                         BlockedTimer(std::time::Instant::now(), &metrics)
                     });
                     tokio::select! {
@@ -513,23 +512,27 @@ impl Client {
             }
         }
         cancel.cancel();
+        // Dials and connections leave the table now; their tasks end with
+        // `cancel` (their tokens are its children) and answer nothing.
+        let (dials, open) = conns.lock().stream_ended();
+        drop((dials, open));
         tasks.close();
         tasks.wait().await;
     }
 }
 
-/// What a stream's packet handlers share.
-struct Stream {
+/// Carries out the connection table's steps for one server stream: the
+/// stream reader hands it each packet; dial and connection tasks report to
+/// the table themselves.
+struct Dispatcher {
     /// Connections and dials of this stream.
-    conns: Arc<ConnectionManager>,
+    conns: Connections,
     /// Packets to the server.
     out_tx: QueueTx<Packet>,
     /// Ends every task of the stream.
     cancel: CancellationToken,
     /// Dial and connection tasks.
     tasks: TaskTracker,
-    /// Next connection id; ids start at 1 and are unique per stream.
-    next_conn_id: Arc<AtomicI64>,
     /// Whether per-connection credits are in use on this stream.
     flow_control: bool,
     /// What the agent records.
@@ -545,63 +548,64 @@ impl Drop for BlockedTimer<'_> {
     }
 }
 
-impl Stream {
+impl Dispatcher {
     async fn handle(&self, packet: Packet) {
-        if let Some((conn, credit)) = flow::parse_credit(&packet) {
-            if self.flow_control {
-                self.conns.grant(ConnId(conn), credit);
-            }
-            return;
-        }
-        match packet.into_kind() {
-            PacketKind::DialReq(req) => {
-                // A draining agent still dials (ANP): the server sends it new
-                // dials only when no other agent fits.
-                self.spawn_dial(req.protocol, req.address, DialId(req.random));
-            }
-            PacketKind::Data(data) => {
-                let id = ConnId(data.connect_id);
-                match self.conns.inbound(id) {
-                    Some(inbound) => {
-                        self.metrics.bytes("to_endpoint", data.data.len());
-                        let cost = flow::cost(data.data.len());
-                        let pushed = if self.flow_control {
-                            // The server respects our window: this never waits.
-                            inbound.push(data.data, cost)
-                        } else {
-                            // An ANP server sends without credit: wait while the
-                            // destination drains, give up if it stalls.
-                            inbound.push_wait(data.data, cost, flow::COMPAT_STALL).await
-                        };
-                        // Closed: the connection is ending; its task answers.
-                        if pushed == Err(flow::PushError::Overflow) {
-                            warn!(conn.id = %id, "connection closed: its destination reads too slowly");
-                            self.conns.abort(id, flow::OVERFLOW);
-                        }
+        // One lock: the step and the handle it needs.
+        let (step, window) = {
+            let mut table = self.conns.lock();
+            let step = table.handle(packet);
+            let window = match step {
+                Step::Deliver { conn, .. } => table.conn(conn).map(|c| c.inbound.clone()),
+                Step::Grant { conn, credit } => {
+                    if let Some(credit_of) = table.conn(conn).and_then(|c| c.send_credit.as_ref()) {
+                        credit_of.grant(credit);
                     }
-                    None => {
-                        debug!(conn.id = %id, "DATA for unknown connection");
-                        self.control(Packet::close_response(id.0, "unrecognized connectID"));
-                    }
+                    None
                 }
-            }
-            PacketKind::CloseReq(req) => {
-                let id = ConnId(req.connect_id);
-                if let Some(conn) = self.conns.remove(id) {
-                    // Dropped: its mover writes what is queued, then the
-                    // connection task answers CLOSE_RSP (within CLOSE_DRAIN).
-                    debug!(conn.id = %id, "server closes connection");
-                    conn.closing.cancel();
+                _ => None,
+            };
+            (step, window)
+        };
+        match step {
+            Step::Dial {
+                ticket,
+                protocol,
+                address,
+                cancel,
+            } => self.spawn_dial(ticket, protocol, address, cancel),
+            Step::Deliver { conn, data } => {
+                let Some(window) = window else { return };
+                self.metrics.bytes("to_endpoint", data.len());
+                let cost = flow::cost(data.len());
+                let pushed = if self.flow_control {
+                    // The server respects our window: this never waits.
+                    window.push(data, cost)
                 } else {
-                    self.control(Packet::close_response(id.0, "Unknown connectID"));
+                    // An ANP server sends without credit: wait while the
+                    // destination drains, give up if it stalls.
+                    window.push_wait(data, cost, flow::COMPAT_STALL).await
+                };
+                // Closed: the connection is ending; its task answers.
+                if pushed == Err(flow::PushError::Overflow) {
+                    warn!(conn.id = %conn, "connection closed: its destination reads too slowly");
+                    if let Some(handle) = self.conns.lock().remove(conn) {
+                        handle.abort(flow::OVERFLOW);
+                    }
                 }
             }
-            PacketKind::DialCls(cls) => {
-                if self.conns.cancel_dial(DialId(cls.random)) {
-                    debug!(dial.id = cls.random, "dial cancelled by the server");
-                }
+            Step::Grant { .. } => {}
+            Step::Close { conn, handle } => {
+                // Dropped: its mover writes what is queued, then the
+                // connection task answers CLOSE_RSP (within CLOSE_DRAIN).
+                debug!(conn.id = %conn, "server closes connection");
+                handle.closing.cancel();
             }
-            other => debug!(packet = ?other, "ignoring unexpected packet from server"),
+            Step::CancelDial(cancel) => {
+                debug!("dial cancelled by the server");
+                cancel.cancel();
+            }
+            Step::Reply(packet) => self.control(packet),
+            Step::Ignore(why) => debug!(why, "packet from the server ignored"),
         }
     }
 
@@ -610,27 +614,28 @@ impl Stream {
         send_control(&self.out_tx, packet, &self.cancel, &self.metrics);
     }
 
-    fn spawn_dial(&self, protocol: String, address: String, dial_id: DialId) {
-        let conn_id = ConnId(self.next_conn_id.fetch_add(1, Ordering::Relaxed));
+    fn spawn_dial(
+        &self,
+        ticket: Ticket,
+        protocol: String,
+        address: String,
+        cancel: CancellationToken,
+    ) {
         let conns = self.conns.clone();
         let out_tx = self.out_tx.clone();
-        let cancel = self.cancel.child_token();
         let stream_cancel = self.cancel.clone();
         let flow_control = self.flow_control;
         let metrics = self.metrics.clone();
-        conns.start_dial(dial_id, cancel.clone());
-        let span = debug_span!("conn", conn.id = %conn_id, dial.id = %dial_id, %address);
+        let span =
+            debug_span!("conn", dial.id = %ticket.dial, %address, conn.id = tracing::field::Empty);
         self.tasks.spawn(
             async move {
                 let started = std::time::Instant::now();
                 let dialed = tokio::select! {
-                    () = cancel.cancelled() => {
-                        conns.finish_dial(dial_id);
-                        return;
-                    }
+                    // DIAL_CLS or the stream's end: it has left the table.
+                    () = cancel.cancelled() => return,
                     dialed = endpoint::dial(&protocol, &address) => dialed,
                 };
-                conns.finish_dial(dial_id);
                 let stream = match dialed {
                     Ok(stream) => {
                         metrics.dial_succeeded(started.elapsed());
@@ -639,12 +644,9 @@ impl Stream {
                     Err(error) => {
                         metrics.dial_failed(&error);
                         debug!(%error, "dial failed");
-                        send_control(
-                            &out_tx,
-                            Packet::dial_response(dial_id.0, 0, &error),
-                            &stream_cancel,
-                            &metrics,
-                        );
+                        if let Dialed::Failed { reply } = conns.lock().dialed(ticket, Err(error)) {
+                            send_control(&out_tx, reply, &stream_cancel, &metrics);
+                        }
                         return;
                     }
                 };
@@ -653,24 +655,22 @@ impl Stream {
                 let abort = cancel.child_token();
                 let closing = CancellationToken::new();
                 let abort_reason = Arc::new(std::sync::OnceLock::new());
-                conns.insert(
-                    conn_id,
-                    EndpointConn {
-                        inbound,
-                        send_credit: send_credit.clone(),
-                        abort: abort.clone(),
-                        closing: closing.clone(),
-                        abort_reason: abort_reason.clone(),
-                    },
-                );
+                let handle = EndpointConn {
+                    inbound,
+                    send_credit: send_credit.clone(),
+                    abort: abort.clone(),
+                    closing: closing.clone(),
+                    abort_reason: abort_reason.clone(),
+                };
+                let opened = conns.lock().dialed(ticket, Ok(handle));
+                let Dialed::Open { conn: conn_id, reply } = opened else {
+                    // Cancelled meanwhile: the socket closes unanswered.
+                    return;
+                };
+                tracing::Span::current().record("conn.id", tracing::field::display(conn_id));
                 metrics.endpoint_connection_opened();
-                if !send_control(
-                    &out_tx,
-                    Packet::dial_response(dial_id.0, conn_id.0, ""),
-                    &stream_cancel,
-                    &metrics,
-                ) {
-                    conns.remove(conn_id);
+                if !send_control(&out_tx, reply, &stream_cancel, &metrics) {
+                    conns.lock().remove(conn_id);
                     return;
                 }
                 debug!("connected");
@@ -691,7 +691,7 @@ impl Stream {
                     }
                     end = mover::run(stream, &mut up, down) => end,
                 };
-                conns.remove(conn_id);
+                conns.lock().remove(conn_id);
                 if let Some(packet) = &up.undelivered {
                     metrics.send_failed(packet);
                 }

@@ -1,8 +1,8 @@
-//! Node-side connections: one [`EndpointConn`] per connection id, kept by the
-//! [`ConnectionManager`] of the server stream that dialed it.
+//! Node-side connections: one [`EndpointConn`] per connection id, kept in
+//! the [`Connections`] table of the server stream that dialed it, and the
+//! dial itself.
 
 use std::{
-    collections::HashMap,
     io,
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::Duration,
@@ -11,10 +11,9 @@ use std::{
 use bytes::Bytes;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
-use tunnel::{
-    flow::{SendCredit, WindowTx},
-    ids::{ConnId, DialId},
-};
+use tunnel::flow::{SendCredit, WindowTx};
+
+use crate::table::ConnTable;
 
 /// How long a node-side dial may take (ANP's `dialTimeout`).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -34,82 +33,50 @@ pub struct EndpointConn {
     pub abort_reason: Arc<std::sync::OnceLock<String>>,
 }
 
-/// The connections and pending dials of one server stream.
-#[derive(Default)]
-pub struct ConnectionManager {
-    /// Established connections.
-    conns: Mutex<HashMap<ConnId, EndpointConn>>,
-    /// Dials in progress, cancelled by DIAL_CLS.
-    dials: Mutex<HashMap<DialId, CancellationToken>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl ConnectionManager {
-    /// Registers an established connection.
-    pub fn insert(&self, id: ConnId, conn: EndpointConn) {
-        lock(&self.conns).insert(id, conn);
-    }
-
-    /// The receive queue of a connection.
-    pub fn inbound(&self, id: ConnId) -> Option<WindowTx<Bytes>> {
-        lock(&self.conns).get(&id).map(|c| c.inbound.clone())
-    }
-
-    /// Removes a connection and aborts it; its task answers CLOSE_RSP with
+impl EndpointConn {
+    /// Ends the connection's task at once; it answers CLOSE_RSP with
     /// `reason`.
-    pub fn abort(&self, id: ConnId, reason: &str) {
-        if let Some(conn) = lock(&self.conns).remove(&id) {
-            let _ = conn.abort_reason.set(reason.to_owned());
-            conn.abort.cancel();
-        }
+    pub fn abort(self, reason: &str) {
+        let _ = self.abort_reason.set(reason.to_owned());
+        self.abort.cancel();
+    }
+}
+
+/// The connection table of one server stream (see [`crate::table`]),
+/// shared by the stream's reader and its dial and connection tasks, each
+/// holding the lock only for one table call.
+#[derive(Clone)]
+pub struct Connections(Arc<Mutex<ConnTable<CancellationToken, EndpointConn>>>);
+
+impl Connections {
+    /// An empty table; pending dials are cancelled through children of
+    /// `stream` (so they end with it).
+    pub fn new(flow_control: bool, stream: &CancellationToken) -> Self {
+        let stream = stream.clone();
+        Self(Arc::new(Mutex::new(ConnTable::new(
+            flow_control,
+            move || stream.child_token(),
+        ))))
     }
 
-    /// Adds credit the server returned for a connection.
-    pub fn grant(&self, id: ConnId, credit: usize) {
-        if let Some(send_credit) = lock(&self.conns)
-            .get(&id)
-            .and_then(|c| c.send_credit.clone())
-        {
-            send_credit.grant(credit);
-        }
-    }
-
-    /// Removes a connection; dropping the result starts its close.
-    pub fn remove(&self, id: ConnId) -> Option<EndpointConn> {
-        lock(&self.conns).remove(&id)
+    /// The table, locked.
+    pub fn lock(&self) -> MutexGuard<'_, ConnTable<CancellationToken, EndpointConn>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Number of open connections.
     pub fn len(&self) -> usize {
-        lock(&self.conns).len()
+        self.lock().len()
     }
 
     /// Whether no connection is open.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Registers a dial in progress.
-    pub fn start_dial(&self, id: DialId, cancel: CancellationToken) {
-        lock(&self.dials).insert(id, cancel);
-    }
-
-    /// Forgets a finished dial.
-    pub fn finish_dial(&self, id: DialId) {
-        lock(&self.dials).remove(&id);
-    }
-
-    /// Cancels a dial; `false` if it is not in progress.
-    pub fn cancel_dial(&self, id: DialId) -> bool {
-        lock(&self.dials).remove(&id).map(|c| c.cancel()).is_some()
+        self.lock().is_empty()
     }
 
     /// Number of dials in progress.
     pub fn dials_in_progress(&self) -> usize {
-        lock(&self.dials).len()
+        self.lock().dials_in_progress()
     }
 }
 
@@ -185,9 +152,6 @@ fn io_text(e: &io::Error) -> String {
     }
 }
 
-/// Shared handle so tasks can reach the manager of their stream.
-pub type SharedConnections = Arc<ConnectionManager>;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,17 +176,5 @@ mod tests {
     async fn other_protocols_are_refused() {
         let err = dial("udp", "127.0.0.1:53").await.unwrap_err();
         assert!(err.contains("unknown network udp"), "{err}");
-    }
-
-    #[test]
-    fn dial_cancellation() {
-        let m = ConnectionManager::default();
-        let token = CancellationToken::new();
-        m.start_dial(DialId(5), token.clone());
-        assert_eq!(m.dials_in_progress(), 1);
-        assert!(m.cancel_dial(DialId(5)));
-        assert!(token.is_cancelled());
-        assert!(!m.cancel_dial(DialId(5)));
-        assert_eq!(m.dials_in_progress(), 0);
     }
 }

@@ -19,3 +19,4 @@ pub mod endpoint;
 mod health;
 pub mod lease;
 pub mod metrics;
+pub mod table;
