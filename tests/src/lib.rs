@@ -1,12 +1,14 @@
 //! Harness of the end-to-end tests: a proxy-server, proxy-agents and
-//! backends on loopback with ephemeral ports, each a handle that shuts down
-//! on drop, with readiness awaited (never slept for).
+//! destinations (node-side servers) on loopback with ephemeral ports, each
+//! a handle that shuts down on drop, with readiness awaited (never slept
+//! for).
 //!
 //! # Layout
 //! - [`Pki`]: certificates made fresh for the test process.
 //! - [`TestServer`], [`TestAgent`], [`AgentProcess`]: the proxies.
 //! - [`process`]: the real `proxy-server` binary, observed from outside.
-//! - [`backend`]: echo, bulk and blackhole backends.
+//! - [`destination`]: node-side servers the agent dials (echo, bulk,
+//!   blackhole); ANP's "backend" is an agent stream, as in the server.
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
 //! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
@@ -17,7 +19,7 @@
 //! - [`http_get`], [`http_request`], [`wait_for_status`]: raw HTTP/1.1 to
 //!   the health and admin ports.
 
-pub mod backend;
+pub mod destination;
 pub mod kube_stub;
 pub mod lease_stub;
 pub mod process;

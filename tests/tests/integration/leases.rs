@@ -145,7 +145,7 @@ async fn an_api_outage_does_not_stop_the_server_and_the_lease_follows_recovery()
     })
     .await;
     let agent = TestAgent::start(&server).await;
-    let echo = integration_tests::backend::echo().await;
+    let echo = integration_tests::destination::echo().await;
     let conn = server.dial(&echo.address()).await.unwrap();
     conn.finish().await.unwrap();
     assert!(find(&stub, "konnectivity-proxy-server-replica-b").is_none());

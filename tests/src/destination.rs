@@ -1,5 +1,5 @@
-//! Node-side backends for the tests, on `127.0.0.1:0` (or another loopback
-//! address), stopped on drop.
+//! Destinations for the tests: the node-side servers an agent dials, on
+//! `127.0.0.1:0` (or another loopback address), stopped on drop.
 
 use std::{
     net::SocketAddr,
@@ -15,8 +15,8 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-/// A running backend.
-pub struct Backend {
+/// A running destination.
+pub struct Destination {
     /// Where it listens.
     pub addr: SocketAddr,
     /// Connections currently open on it.
@@ -27,7 +27,7 @@ pub struct Backend {
     stop: CancellationToken,
 }
 
-impl Backend {
+impl Destination {
     /// `127.0.0.1:port` as a dial address.
     pub fn address(&self) -> String {
         self.addr.to_string()
@@ -39,14 +39,14 @@ impl Backend {
     }
 }
 
-impl Drop for Backend {
+impl Drop for Destination {
     fn drop(&mut self) {
         self.stop.cancel();
     }
 }
 
-/// Starts a backend that runs `serve` for every accepted connection.
-pub async fn spawn<F, Fut>(serve: F) -> Backend
+/// Starts a destination that runs `serve` for every accepted connection.
+pub async fn spawn<F, Fut>(serve: F) -> Destination
 where
     F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -55,14 +55,16 @@ where
 }
 
 /// [`spawn`] on another loopback address (`127.x.y.z`).
-pub async fn spawn_on<F, Fut>(ip: std::net::Ipv4Addr, serve: F) -> Backend
+pub async fn spawn_on<F, Fut>(ip: std::net::Ipv4Addr, serve: F) -> Destination
 where
     F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     assert!(ip.is_loopback(), "tests bind only to loopback");
-    let listener = TcpListener::bind((ip, 0)).await.expect("binding a backend");
-    let addr = listener.local_addr().expect("backend address");
+    let listener = TcpListener::bind((ip, 0))
+        .await
+        .expect("binding a destination");
+    let addr = listener.local_addr().expect("destination address");
     let open = Arc::new(AtomicUsize::new(0));
     let accepted = Arc::new(AtomicUsize::new(0));
     let stop = CancellationToken::new();
@@ -91,7 +93,7 @@ where
             }
         });
     }
-    Backend {
+    Destination {
         addr,
         open,
         accepted,
@@ -100,12 +102,12 @@ where
 }
 
 /// Echoes every byte back until the client closes.
-pub async fn echo() -> Backend {
+pub async fn echo() -> Destination {
     echo_on(std::net::Ipv4Addr::LOCALHOST).await
 }
 
 /// [`echo`] on another loopback address.
-pub async fn echo_on(ip: std::net::Ipv4Addr) -> Backend {
+pub async fn echo_on(ip: std::net::Ipv4Addr) -> Destination {
     spawn_on(ip, |mut stream| async move {
         let (mut r, mut w) = stream.split();
         let _ = tokio::io::copy(&mut r, &mut w).await;
@@ -114,7 +116,7 @@ pub async fn echo_on(ip: std::net::Ipv4Addr) -> Backend {
 }
 
 /// Writes `len` bytes of [`pattern`] and closes.
-pub async fn download(len: usize) -> Backend {
+pub async fn download(len: usize) -> Destination {
     spawn(move |mut stream| async move {
         let _ = stream.write_all(&pattern(len, 7)).await;
         let _ = stream.shutdown().await;
@@ -124,7 +126,7 @@ pub async fn download(len: usize) -> Backend {
 
 /// Reads an 8-byte big-endian length and that many bytes, answers with the
 /// FNV-1a hash of the bytes (8 bytes, big-endian) and closes.
-pub async fn upload_hash() -> Backend {
+pub async fn upload_hash() -> Destination {
     spawn(|mut stream| async move {
         let Ok(len) = stream.read_u64().await else {
             return;
@@ -149,7 +151,7 @@ pub async fn upload_hash() -> Backend {
 }
 
 /// Accepts and holds connections open without reading or writing.
-pub async fn silent() -> Backend {
+pub async fn silent() -> Destination {
     spawn(|stream| async move {
         let _held = stream;
         std::future::pending::<()>().await;
@@ -256,7 +258,7 @@ impl Default for Blackhole {
 }
 
 /// Answers every HTTP request with `200` and `body`, then closes.
-pub async fn http(body: &'static [u8]) -> Backend {
+pub async fn http(body: &'static [u8]) -> Destination {
     spawn(move |mut stream| async move {
         let mut head = Vec::new();
         let mut byte = [0u8; 1];
@@ -279,7 +281,7 @@ pub async fn http(body: &'static [u8]) -> Backend {
 
 /// Writes `banner` as soon as a client connects (a server-speaks-first
 /// protocol, like SSH or SMTP), then echoes.
-pub async fn banner(banner: &'static [u8]) -> Backend {
+pub async fn banner(banner: &'static [u8]) -> Destination {
     spawn(move |mut stream| async move {
         if stream.write_all(banner).await.is_err() {
             return;
@@ -291,7 +293,7 @@ pub async fn banner(banner: &'static [u8]) -> Backend {
 }
 
 /// Writes bytes until the client goes away (an endless download).
-pub async fn source() -> Backend {
+pub async fn source() -> Destination {
     spawn(|mut stream| async move {
         let chunk = pattern(64 * 1024, 13);
         while stream.write_all(&chunk).await.is_ok() {}

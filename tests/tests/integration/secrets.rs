@@ -21,7 +21,7 @@ use std::{
 use base64::Engine;
 use clap::Parser;
 use integration_tests::{
-    LoggedProcess, Pki, backend, binary,
+    LoggedProcess, Pki, binary, destination,
     kube_stub::{Echo, Identity, SERVER_TOKEN, TokenReviewStub},
     proxies::{microsocks, tinyproxy},
 };
@@ -219,7 +219,7 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
         ],
         None,
     );
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     let mut no_proxy = agent(
         port,
         &[
@@ -268,7 +268,7 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
     );
 
     // A bearer token crossing the tunnel, both ways, at trace.
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let channel = client::dial::uds_channel(&socket).await.unwrap();
     let mut conn = client::dial::dial(channel, &echo.address()).await.unwrap();
     let request = format!("GET / HTTP/1.1\r\nAuthorization: Bearer {TUNNELLED_TOKEN}\r\n\r\n");

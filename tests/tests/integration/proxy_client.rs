@@ -6,7 +6,7 @@
 use std::process::Command;
 
 use client::tool;
-use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, backend, binary};
+use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, binary, destination};
 use proxy_server::config::Mode;
 use tokio::net::TcpListener;
 
@@ -36,7 +36,7 @@ async fn server(mode: Mode) -> (TestServer, TestAgent) {
 async fn request_prints_status_and_body_in_both_modes() {
     for (mode, flag) in [(Mode::Grpc, "grpc"), (Mode::HttpConnect, "http-connect")] {
         let (server, _agent) = server(mode).await;
-        let web = backend::http(BODY).await;
+        let web = destination::http(BODY).await;
         let mut command = Command::new(binary("proxy-client"));
         command.args([
             format!("--mode={flag}"),
@@ -62,7 +62,7 @@ async fn request_prints_status_and_body_in_both_modes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_reports_a_refused_dial() {
     let (server, _agent) = server(Mode::Grpc).await;
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     let mut command = Command::new(binary("proxy-client"));
     command.args([
         format!("--uds-name={}", server.uds.display()),
@@ -83,7 +83,7 @@ async fn request_through_the_tcp_frontend_with_mtls() {
     })
     .await;
     let _agent = TestAgent::start(&server).await;
-    let web = backend::http(BODY).await;
+    let web = destination::http(BODY).await;
     let pki = Pki::get();
     let mut command = Command::new(binary("proxy-client"));
     command.args([
@@ -130,7 +130,7 @@ async fn curls(n: usize, args: impl Fn() -> Vec<String>) {
 async fn curl_through_the_socks5_proxy_in_both_modes() {
     for mode in [Mode::Grpc, Mode::HttpConnect] {
         let (server, agent) = server(mode).await;
-        let web = backend::http(BODY).await;
+        let web = destination::http(BODY).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let socks = listener.local_addr().unwrap();
         let proxy = tokio::spawn(tool::serve_socks5(listener, server.dialer(), None));
@@ -157,7 +157,7 @@ async fn curl_through_the_socks5_proxy_in_both_modes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_socks5_proxy_checks_username_and_password() {
     let (server, _agent) = server(Mode::Grpc).await;
-    let web = backend::http(BODY).await;
+    let web = destination::http(BODY).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let socks = listener.local_addr().unwrap();
     let _proxy = tokio::spawn(tool::serve_socks5(
@@ -189,7 +189,7 @@ async fn the_socks5_proxy_checks_username_and_password() {
 async fn curl_through_the_http_proxy_in_both_modes() {
     for mode in [Mode::Grpc, Mode::HttpConnect] {
         let (server, _agent) = server(mode).await;
-        let web = backend::http(BODY).await;
+        let web = destination::http(BODY).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let proxy_addr = listener.local_addr().unwrap();
         let proxy = tokio::spawn(tool::serve_http_proxy(listener, server.dialer()));
@@ -217,7 +217,7 @@ async fn the_http_proxy_answers_502_for_a_refused_dial() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let proxy_addr = listener.local_addr().unwrap();
     let _proxy = tokio::spawn(tool::serve_http_proxy(listener, server.dialer()));
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     let mut command = Command::new("curl");
     command
         .args([

@@ -348,7 +348,7 @@ async fn wait_in_file(file: &std::path::Path, needle: &str, n: usize) -> String 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rust_log_overrides_v_unless_it_is_empty_or_invalid() {
     let server = TestServer::start().await;
-    let closed = integration_tests::backend::closed_port().port();
+    let closed = integration_tests::destination::closed_port().port();
 
     // RUST_LOG=trace beats -v=0.
     let mut traced = logging_agent(
@@ -383,7 +383,7 @@ async fn rust_log_overrides_v_unless_it_is_empty_or_invalid() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_file_gets_every_line_and_standard_error_the_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let closed = integration_tests::backend::closed_port().port();
+    let closed = integration_tests::destination::closed_port().port();
 
     // An agent that fails at once: its ERROR is in the file and on stderr.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -457,7 +457,7 @@ async fn a_log_file_gets_every_line_and_standard_error_the_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_flags_without_effect_together_are_named() {
     let dir = tempfile::tempdir().unwrap();
-    let closed = integration_tests::backend::closed_port().port();
+    let closed = integration_tests::destination::closed_port().port();
     // --log-file while --logtostderr is true (its default): ignored, said so.
     let ignored_log = dir.path().join("ignored.log");
     let mut ignored = logging_agent(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use client::dial::{ClientError, dial};
 use integration_tests::{
     AgentProcess, DEADLINE, RawFrontend, TestAgent, TestServer,
-    backend::{self, Blackhole, Fnv, pattern},
+    destination::{self, Blackhole, Fnv, pattern},
     wait_for,
 };
 use proto::{Packet, packet::PacketKind};
@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 async fn a_request_returns_the_backends_exact_bytes() {
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
@@ -33,7 +33,7 @@ async fn ten_mib_down_is_byte_exact_and_closes_cleanly() {
     const LEN: usize = 10 << 20;
     let server = TestServer::start().await;
     let agent = TestAgent::start(&server).await;
-    let download = backend::download(LEN).await;
+    let download = destination::download(LEN).await;
 
     let mut conn = server.dial(&download.address()).await.unwrap();
     let mut got = Vec::with_capacity(LEN);
@@ -54,7 +54,7 @@ async fn ten_mib_up_is_byte_exact() {
     const LEN: usize = 10 << 20;
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
-    let sink = backend::upload_hash().await;
+    let sink = destination::upload_hash().await;
 
     let data = pattern(LEN, 3);
     let mut expected = Fnv::new();
@@ -72,7 +72,7 @@ async fn ten_mib_both_ways_at_once_through_an_echo() {
     const LEN: usize = 10 << 20;
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     let conn = server.dial(&echo.address()).await.unwrap();
     let (mut rd, mut wr) = tokio::io::split(conn);
@@ -93,7 +93,7 @@ async fn ten_mib_both_ways_at_once_through_an_echo() {
 async fn a_hundred_concurrent_connections_are_each_byte_exact() {
     let server = TestServer::start().await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     let mut tasks = Vec::new();
     for i in 0..100u64 {
@@ -130,7 +130,7 @@ async fn a_hundred_concurrent_connections_are_each_byte_exact() {
 async fn a_dial_to_a_closed_port_fails_and_leaks_nothing() {
     let server = TestServer::start().await;
     let agent = TestAgent::start(&server).await;
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
 
     let err = server.dial(&closed.to_string()).await.err().unwrap();
     match err {
@@ -159,7 +159,7 @@ async fn without_an_agent_the_dial_says_no_agent_available() {
 async fn a_killed_agent_ends_the_frontend_connection_with_an_error_within_a_second() {
     let server = TestServer::start().await;
     let mut agent = AgentProcess::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     let mut conn = server.dial(&echo.address()).await.unwrap();
     let (mut rd, mut wr) = tokio::io::split(&mut conn);
@@ -197,7 +197,7 @@ async fn a_killed_agent_ends_the_frontend_connection_with_an_error_within_a_seco
 async fn a_restarted_server_gets_its_agent_back() {
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     roundtrip(&server, &echo.address()).await;
 
     let server = server.restart().await;
@@ -218,7 +218,7 @@ async fn roundtrip(server: &TestServer, address: &str) {
 async fn several_streams_share_one_frontend_connection() {
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let channel = server.channel().await;
     let mut tasks = Vec::new();
     for i in 0..8u64 {
@@ -279,7 +279,7 @@ async fn a_frontend_that_goes_away_cancels_its_dials_and_closes_its_connections(
     let server = TestServer::start().await;
     let agent = TestAgent::start(&server).await;
     let hole = Blackhole::new();
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     // A pending dial, then the frontend vanishes.
     let frontend = RawFrontend::open(
@@ -405,7 +405,7 @@ async fn the_server_is_ready_only_with_an_agent() {
 
 #[tokio::test]
 async fn an_agent_without_a_server_is_not_ready() {
-    let nowhere = backend::closed_port();
+    let nowhere = destination::closed_port();
     let agent = TestAgent::start_with(nowhere, Default::default()).await;
     assert_eq!(
         integration_tests::http_get(agent.health_addr, "/readyz").await,
@@ -423,7 +423,7 @@ async fn an_agent_without_a_server_is_not_ready() {
 
 #[tokio::test]
 async fn an_agent_started_before_its_server_connects_once_it_is_up() {
-    let port = backend::closed_port().port();
+    let port = destination::closed_port().port();
     let agent = TestAgent::start_with(
         std::net::SocketAddr::from(([127, 0, 0, 1], port)),
         Default::default(),
@@ -437,6 +437,6 @@ async fn an_agent_started_before_its_server_connects_once_it_is_up() {
     })
     .await;
     server.wait_for_backends(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     roundtrip(&server, &echo.address()).await;
 }

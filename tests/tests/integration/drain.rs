@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
 use client::dial::TunnelConn;
-use integration_tests::{AgentOpts, AgentProcess, TestAgent, TestServer, backend, wait_for};
+use integration_tests::{AgentOpts, AgentProcess, TestAgent, TestServer, destination, wait_for};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -29,7 +29,7 @@ async fn after_drain_a_new_dial_is_served_by_the_only_agent_which_keeps_running(
     let drain = CancellationToken::new();
     let agent = TestAgent::start_drainable(server.agent_addr, drain.clone()).await;
     server.wait_for_backends(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     drain.cancel();
     wait_for("DRAIN to reach the server", || {
@@ -41,7 +41,7 @@ async fn after_drain_a_new_dial_is_served_by_the_only_agent_which_keeps_running(
     // The only agent is draining: the server falls back to it and it dials.
     for round in 0..3u64 {
         let mut conn = server.dial(&echo.address()).await.unwrap();
-        echo_exact(&mut conn, &backend::pattern(256 << 10, round)).await;
+        echo_exact(&mut conn, &destination::pattern(256 << 10, round)).await;
         conn.finish().await.unwrap();
     }
     server.wait_idle().await;
@@ -55,7 +55,7 @@ async fn a_draining_agent_finishes_its_transfer_while_new_dials_go_elsewhere() {
     let drain = CancellationToken::new();
     let draining = TestAgent::start_drainable(server.agent_addr, drain.clone()).await;
     server.wait_for_backends(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     // A long transfer through the agent that is about to drain.
     let mut conn = server.dial(&echo.address()).await.unwrap();
@@ -82,7 +82,7 @@ async fn a_draining_agent_finishes_its_transfer_while_new_dials_go_elsewhere() {
     }
 
     // The transfer in flight completes byte-exact.
-    echo_exact(&mut conn, &backend::pattern(10 << 20, 77)).await;
+    echo_exact(&mut conn, &destination::pattern(10 << 20, 77)).await;
     conn.finish().await.unwrap();
     server.wait_idle().await;
     assert!(
@@ -97,7 +97,7 @@ async fn the_second_signal_exits_at_once_and_ends_open_connections_with_an_error
     let drain = CancellationToken::new();
     let agent = TestAgent::start_drainable(server.agent_addr, drain.clone()).await;
     server.wait_for_backends(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let conn = server.dial(&echo.address()).await.unwrap();
 
     drain.cancel();
@@ -129,7 +129,7 @@ async fn with_exit_when_drained_the_agent_exits_once_its_last_connection_closes(
     )
     .await;
     server.wait_for_backends(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
 
     drain.cancel();
@@ -141,7 +141,7 @@ async fn with_exit_when_drained_the_agent_exits_once_its_last_connection_closes(
     let mut fresh = server.dial(&echo.address()).await.unwrap();
     echo_exact(&mut fresh, b"while draining").await;
     fresh.finish().await.unwrap();
-    echo_exact(&mut conn, &backend::pattern(1 << 20, 5)).await;
+    echo_exact(&mut conn, &destination::pattern(1 << 20, 5)).await;
     assert!(!agent.has_exited(), "it waits for its open connection");
 
     conn.finish().await.unwrap();
@@ -153,7 +153,7 @@ async fn with_exit_when_drained_the_agent_exits_once_its_last_connection_closes(
 async fn the_real_agent_keeps_serving_after_sigterm_and_exits_on_the_second() {
     let server = TestServer::start().await;
     let mut agent = AgentProcess::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
 
     agent.signal("TERM");
@@ -164,7 +164,7 @@ async fn the_real_agent_keeps_serving_after_sigterm_and_exits_on_the_second() {
     // Its open connection and a new dial both work (TestProxyHandle_AfterDrain).
     echo_exact(&mut conn, b"still").await;
     let mut fresh = server.dial(&echo.address()).await.unwrap();
-    echo_exact(&mut fresh, &backend::pattern(64 << 10, 9)).await;
+    echo_exact(&mut fresh, &destination::pattern(64 << 10, 9)).await;
     fresh.finish().await.unwrap();
     conn.finish().await.unwrap();
     server.wait_idle().await;
@@ -181,7 +181,7 @@ async fn the_real_agent_keeps_serving_after_sigterm_and_exits_on_the_second() {
 async fn the_real_agent_with_exit_when_drained_exits_once_idle() {
     let server = TestServer::start().await;
     let mut agent = AgentProcess::start_with_args(&server, &["--exit-when-drained"]).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
 
     agent.signal("TERM");
@@ -203,7 +203,7 @@ async fn server_graceful_shutdown_lets_a_transfer_finish_within_the_timeout() {
     })
     .await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
 
     server.begin_shutdown();
@@ -213,7 +213,7 @@ async fn server_graceful_shutdown_lets_a_transfer_finish_within_the_timeout() {
     })
     .await;
     // ...but the open connection carries every byte.
-    let data = backend::pattern(10 << 20, 31);
+    let data = destination::pattern(10 << 20, 31);
     let (mut rd, mut wr) = tokio::io::split(&mut conn);
     let (_, echoed) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
         let mut echoed = vec![0u8; data.len()];
@@ -234,7 +234,7 @@ async fn past_the_graceful_timeout_both_ends_get_an_error() {
     })
     .await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     server.begin_shutdown();
     // The connection outlives the timeout: it is closed under us (EOF) and

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, backend,
+    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, destination,
     kube_stub::{Identity, TokenReviewStub},
     wait_for,
 };
@@ -90,7 +90,7 @@ async fn a_good_token_connects_and_tunnels() {
     )
     .await;
     server.wait_for_backends(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"authenticated").await.unwrap();
     let mut got = [0u8; 13];
@@ -175,7 +175,7 @@ async fn an_api_outage_refuses_new_agents_but_keeps_serving_and_recovers() {
     assert!(text.contains("TokenReview failed"), "{text}");
     // A second agent keeps retrying; the first keeps serving.
     let second = TestAgent::start_with(server.agent_addr, opts).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"x").await.unwrap();
     let mut b = [0u8; 1];

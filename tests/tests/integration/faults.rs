@@ -18,7 +18,7 @@ use bytes::Bytes;
 use hyper_util::rt::TokioIo;
 use integration_tests::{
     AgentProcess, DEADLINE,
-    backend::{self, Stall},
+    destination::{self, Stall},
     process::ServerProcess,
     trace_init,
 };
@@ -200,9 +200,9 @@ async fn echo_through(
     server: &ServerProcess,
     layout: Layout,
     channel: Option<Channel>,
-    echo: &backend::Backend,
+    echo: &destination::Destination,
 ) {
-    let sent = backend::pattern(256 * 1024, 3);
+    let sent = destination::pattern(256 * 1024, 3);
     let mut conn: Box<dyn client::dial::Io> = match layout {
         Layout::HttpConnect => Box::new(
             client::dial::http_connect(
@@ -242,7 +242,7 @@ async fn stalled_uploads(layout: Layout, ending: Ending) {
     let mut server = ServerProcess::start(layout.mode(), &[GRACE.to_owned()]).await;
     let mut agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
     server.wait_for_agents(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let shared = match layout {
         Layout::GrpcSharedConnection => Some(ClosableChannel::connect(&server.uds).await),
         _ => None,
@@ -415,7 +415,7 @@ mod oversize {
         let server = ServerProcess::start("grpc", &[]).await;
         let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
         server.wait_for_agents(1).await;
-        let echo = backend::echo().await;
+        let echo = destination::echo().await;
 
         let (tx, rx) = mpsc::channel(4);
         let random = DialId::random();
@@ -545,7 +545,7 @@ mod oversize {
 
         let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
         server.wait_for_agents(1).await;
-        let echo = backend::echo().await;
+        let echo = destination::echo().await;
         echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
     }
 }
@@ -563,9 +563,9 @@ async fn stalled_reader(layout: Layout) {
         ServerProcess::start(layout.mode(), &["--frontend-stall-timeout=1s".to_owned()]).await;
     let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
     server.wait_for_agents(1).await;
-    let endless = backend::download(256 * 1024 * 1024).await;
+    let endless = destination::download(256 * 1024 * 1024).await;
     let bulk_len = 16 * 1024 * 1024;
-    let bulk = backend::download(bulk_len).await;
+    let bulk = destination::download(bulk_len).await;
 
     // The frontend that stops reading: it dials, then never reads again.
     let stuck = match layout {
@@ -605,7 +605,10 @@ async fn stalled_reader(layout: Layout) {
         .unwrap();
     let mut got = Vec::with_capacity(bulk_len);
     conn.read_to_end(&mut got).await.unwrap();
-    assert!(got == backend::pattern(bulk_len, 7), "the download differs");
+    assert!(
+        got == destination::pattern(bulk_len, 7),
+        "the download differs"
+    );
 
     // The stalled connection is closed with an error at both ends.
     server.wait_for_metric(STALLED_CLOSED, 1.0, DEADLINE).await;
@@ -754,7 +757,7 @@ async fn a_flood_of_silent_connections_does_not_lock_agents_out() {
     let started = Instant::now();
     let _agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
     server.wait_for_agents(1).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
     let fds = server.metric("process_open_fds").await;
     assert!(fds < 400.0, "the server holds {fds} descriptors");
@@ -797,7 +800,7 @@ async fn one_of_many(
     open: Arc<std::sync::atomic::AtomicUsize>,
     close: tokio_util::sync::CancellationToken,
 ) {
-    let sent = backend::pattern(1024, seed);
+    let sent = destination::pattern(1024, seed);
     let mut got = vec![0u8; sent.len()];
     match layout {
         Layout::HttpConnect => {
@@ -871,7 +874,7 @@ async fn many_tunnels(layout: Layout) {
     let server = ServerProcess::start(layout.mode(), &[]).await;
     let agent = AgentProcess::spawn(server.agent_addr.port(), &[]);
     server.wait_for_agents(1).await;
-    let echo = backend::EchoProcess::start();
+    let echo = destination::EchoProcess::start();
     let mut rss = Vec::new();
     for _ in 0..ROUNDS {
         let opening = Arc::new(tokio::sync::Semaphore::new(OPENING));

@@ -11,7 +11,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, backend, http_request, wait_for_status,
+    AgentOpts, ServerOpts, TestAgent, TestServer, destination, http_request, wait_for_status,
 };
 use tokio::io::AsyncWriteExt;
 
@@ -83,7 +83,7 @@ async fn expect_redirect(admin: SocketAddr, method: &str, target: &str, host: &s
 async fn every_endpoint_answers_as_anps_before_and_after_an_agent_connects() {
     let server = TestServer::start().await;
     // An agent with no server to reach: what an agent looks like before it connects.
-    let lonely = TestAgent::start_with(backend::closed_port(), AgentOpts::default()).await;
+    let lonely = TestAgent::start_with(destination::closed_port(), AgentOpts::default()).await;
 
     // Before.
     for method in METHODS {
@@ -226,7 +226,7 @@ async fn enable_profiling_serves_cpu_profiles_on_the_server_admin_port() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enable_profiling_serves_cpu_profiles_on_the_agent_admin_port() {
     let agent = TestAgent::start_with(
-        backend::closed_port(),
+        destination::closed_port(),
         AgentOpts {
             profiling: true,
             ..AgentOpts::default()
@@ -267,7 +267,7 @@ async fn enable_profiling_serves_cpu_profiles_on_the_agent_admin_port() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_and_admin_ports_read_a_mebibyte_of_headers() {
     let server = TestServer::start().await;
-    let agent = TestAgent::start_with(backend::closed_port(), AgentOpts::default()).await;
+    let agent = TestAgent::start_with(destination::closed_port(), AgentOpts::default()).await;
     // Past hyper's default limit (~400 KiB), within Go's `MaxHeaderBytes`.
     let big = format!("X-Big: {}\r\n", "x".repeat(900 * 1024));
     let huge = format!("X-Big: {}\r\n", "x".repeat(1024 * 1024 + 8192));
@@ -300,7 +300,7 @@ async fn http_request_lenient(addr: SocketAddr, path: &str, extra: &str) -> Stri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_client_cannot_hold_up_the_agents_shutdown() {
-    let agent = TestAgent::start_with(backend::closed_port(), AgentOpts::default()).await;
+    let agent = TestAgent::start_with(destination::closed_port(), AgentOpts::default()).await;
     // Half a request: the connection is busy until the 60 s header timeout.
     let mut slow = tokio::net::TcpStream::connect(agent.health_addr)
         .await

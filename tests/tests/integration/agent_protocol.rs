@@ -6,7 +6,7 @@
 use std::pin::Pin;
 
 use futures_util::Stream;
-use integration_tests::{AgentOpts, DEADLINE, Pki, TestAgent, backend, wait_for};
+use integration_tests::{AgentOpts, DEADLINE, Pki, TestAgent, destination, wait_for};
 use proto::{
     Packet,
     agent_service_server::{AgentService, AgentServiceServer},
@@ -148,7 +148,7 @@ async fn the_agent_answers_every_packet_as_anp_expects() {
     .await;
 
     // Two dials get connection ids 1 and 2, echoing the dial ids.
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut ids = Vec::new();
     for random in [111, 222] {
         server
@@ -205,7 +205,7 @@ async fn the_agent_answers_every_packet_as_anp_expects() {
     }
 
     // A failed dial: DIAL_RSP with Go's error text and connection id 0.
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     server
         .send(Packet::dial_request("tcp", &closed.to_string(), 333))
         .await;
@@ -221,7 +221,7 @@ async fn the_agent_answers_every_packet_as_anp_expects() {
     }
 
     // The destination closes its connection: CLOSE_RSP with no error.
-    let download = backend::download(1000).await;
+    let download = destination::download(1000).await;
     server
         .send(Packet::dial_request("tcp", &download.address(), 444))
         .await;
@@ -283,7 +283,7 @@ async fn the_agent_writes_every_queued_byte_before_closing() {
         .await
         .unwrap()
         .unwrap();
-    let sink = backend::upload_hash().await;
+    let sink = destination::upload_hash().await;
     server
         .send(Packet::dial_request("tcp", &sink.address(), 1))
         .await;
@@ -291,8 +291,8 @@ async fn the_agent_writes_every_queued_byte_before_closing() {
         panic!("expected DIAL_RSP")
     };
     let id = rsp.connect_id;
-    let data = backend::pattern(3 << 20, 8);
-    let mut hash = backend::Fnv::new();
+    let data = destination::pattern(3 << 20, 8);
+    let mut hash = destination::Fnv::new();
     hash.update(&data);
     server
         .send(Packet::data(
@@ -321,7 +321,7 @@ async fn a_dial_cancelled_with_dial_cls_is_never_answered_or_connected() {
         agent.handle.server_connections() == 1
     })
     .await;
-    let hole = backend::Blackhole::new();
+    let hole = destination::Blackhole::new();
     server
         .send(Packet::dial_request("tcp", &hole.addr.to_string(), 5))
         .await;
@@ -332,7 +332,7 @@ async fn a_dial_cancelled_with_dial_cls_is_never_answered_or_connected() {
     server.send(Packet::close_dial(5)).await;
     wait_for("the dial to stop", || agent.handle.dials_in_progress() == 0).await;
     // The next answer is for the next dial, not the cancelled one.
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     server
         .send(Packet::dial_request("tcp", &echo.address(), 6))
         .await;

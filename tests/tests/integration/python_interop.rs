@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering::SeqCst;
 
 use integration_tests::{
     Pki, ServerOpts, TestAgent, TestServer,
-    backend::{self, Backend},
+    destination::{self, Destination},
     python::{self, Report},
     wait_for,
 };
@@ -89,7 +89,7 @@ impl Form {
 
 /// Waits until the server, the agent and the backend hold nothing of the
 /// finished tunnels.
-async fn assert_clean(server: &TestServer, agent: &TestAgent, backend: &Backend) {
+async fn assert_clean(server: &TestServer, agent: &TestAgent, backend: &Destination) {
     server.wait_idle().await;
     wait_for("agent and backend connections closed", || {
         agent.handle.endpoint_connections() == 0 && backend.open_connections() == 0
@@ -118,7 +118,7 @@ fn assert_echoed(report: &Report, len: u64) {
 async fn echo(form: Form) {
     let server = form.server().await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let more = [
         format!("--address={}", echo.address()),
         "--bytes=1048576".into(),
@@ -133,7 +133,7 @@ async fn echo(form: Form) {
 async fn dial_error(form: Form) {
     let server = form.server().await;
     let agent = TestAgent::start(&server).await;
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     let more = [format!("--address={closed}")];
     let report = python::frontend(form.args(&server, "dial-error", &more)).await;
     report.assert_ok();
@@ -153,7 +153,7 @@ async fn concurrent(form: Form) {
     const TUNNELS: u64 = 50;
     let server = form.server().await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let more = [
         format!("--address={}", echo.address()),
         format!("--tunnels={TUNNELS}"),
@@ -174,7 +174,7 @@ async fn multi_stream(form: Form) {
     const STREAMS: u64 = 8;
     let server = form.server().await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let more = [
         format!("--address={}", echo.address()),
         format!("--streams={STREAMS}"),
@@ -233,7 +233,7 @@ grpc_cases!(tcp_mtls, Form::TcpMtls);
 async fn tcp_mtls_refuses_a_foreign_or_missing_client_certificate() {
     let server = Form::TcpMtls.server().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let foreign = Pki::other();
     let clients = [
         vec![
@@ -320,7 +320,7 @@ async fn connect_server() -> TestServer {
 async fn connect_with_the_standard_library_echoes_one_mib_byte_exact() {
     let server = connect_server().await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let report = python::frontend([
         "connect-echo".to_owned(),
         format!("--socket={}", server.uds.display()),
@@ -348,7 +348,7 @@ async fn connect_with_the_standard_library_echoes_one_mib_byte_exact() {
 async fn connect_to_a_closed_port_gets_502_with_the_agents_error() {
     let server = connect_server().await;
     let agent = TestAgent::start(&server).await;
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     let report = python::frontend([
         "connect-error".to_owned(),
         format!("--socket={}", server.uds.display()),

@@ -9,7 +9,7 @@
 use client::dial::ClientError;
 use integration_tests::{
     AgentOpts, ServerOpts, TestAgent, TestServer,
-    backend::{self, Fnv, pattern},
+    destination::{self, Fnv, pattern},
     wait_for,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -48,8 +48,8 @@ async fn download_exact(server: &TestServer, address: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_that_stops_reading_does_not_hold_up_the_others() {
     let (server, _agent) = setup(true).await;
-    let endless = backend::source().await;
-    let download = backend::download(LEN).await;
+    let endless = destination::source().await;
+    let download = destination::download(LEN).await;
 
     // The stalled connection: data keeps coming, nobody reads it.
     let mut stalled = server.dial(&endless.address()).await.unwrap();
@@ -77,8 +77,8 @@ async fn a_frontend_that_stops_reading_does_not_hold_up_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_that_stops_reading_does_not_hold_up_the_others() {
     let (server, _agent) = setup(true).await;
-    let silent = backend::silent().await;
-    let sink = backend::upload_hash().await;
+    let silent = destination::silent().await;
+    let sink = destination::upload_hash().await;
 
     // The stalled connection: we keep writing, the destination never reads.
     let stalled = server.dial(&silent.address()).await.unwrap();
@@ -107,8 +107,8 @@ async fn a_destination_that_stops_reading_does_not_hold_up_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_negotiation_a_stalled_connection_is_closed_and_the_others_complete() {
     let (server, _agent) = setup(false).await;
-    let endless = backend::source().await;
-    let download = backend::download(LEN).await;
+    let endless = destination::source().await;
+    let download = destination::download(LEN).await;
 
     let stalled = server.dial(&endless.address()).await.unwrap();
     let handle = server.handle.clone();
@@ -133,8 +133,8 @@ async fn without_negotiation_a_stalled_connection_is_closed_and_the_others_compl
 async fn both_paths_carry_every_byte_both_ways() {
     for negotiated in [true, false] {
         let (server, agent) = setup(negotiated).await;
-        let echo = backend::echo().await;
-        let download = backend::download(LEN).await;
+        let echo = destination::echo().await;
+        let download = destination::download(LEN).await;
         download_exact(&server, &download.address()).await;
 
         // 16 connections at once, each echoing 2 MiB both ways.

@@ -12,7 +12,7 @@ use std::{
 };
 
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, backend, http_get, wait_for,
+    AgentOpts, ServerOpts, TestAgent, TestServer, destination, http_get, wait_for,
 };
 use proxy_server::strategy::ProxyStrategy;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -34,9 +34,9 @@ async fn three_servers() -> Vec<TestServer> {
 }
 
 /// A request through `server`'s frontend to `echo` comes back byte-exact.
-async fn round_trip(server: &TestServer, echo: &backend::Backend) {
+async fn round_trip(server: &TestServer, echo: &destination::Destination) {
     let mut conn = server.dial(&echo.address()).await.unwrap();
-    let sent = backend::pattern(64 * 1024, 7);
+    let sent = destination::pattern(64 * 1024, 7);
     conn.write_all(&sent).await.unwrap();
     let mut got = vec![0u8; sent.len()];
     conn.read_exact(&mut got).await.unwrap();
@@ -57,7 +57,7 @@ async fn wait_connected(agent: &TestAgent, servers: &[&TestServer]) {
 /// The agent keeps serving through the others while one server is down,
 /// and reconnects to it when it comes back.
 async fn survive_one_server_restart(agent: &TestAgent, mut servers: Vec<TestServer>) {
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     wait_connected(agent, &servers.iter().collect::<Vec<_>>()).await;
     for server in &servers {
         round_trip(server, &echo).await;
@@ -275,11 +275,11 @@ async fn dest_host_cidr_and_default_route_pick_the_right_agent() {
         ("gateway", &gateway),
     ];
 
-    let local = backend::echo().await;
-    let two = backend::echo_on(Ipv4Addr::new(127, 0, 0, 2)).await;
-    let three = backend::echo_on(Ipv4Addr::new(127, 0, 0, 3)).await;
-    let far = backend::echo_on(Ipv4Addr::new(127, 0, 1, 1)).await;
-    let outside = backend::echo_on(Ipv4Addr::new(127, 1, 0, 1)).await;
+    let local = destination::echo().await;
+    let two = destination::echo_on(Ipv4Addr::new(127, 0, 0, 2)).await;
+    let three = destination::echo_on(Ipv4Addr::new(127, 0, 0, 3)).await;
+    let far = destination::echo_on(Ipv4Addr::new(127, 0, 1, 1)).await;
+    let outside = destination::echo_on(Ipv4Addr::new(127, 1, 0, 1)).await;
     let port = local.addr.port();
 
     // destHost: the host name and the ipv4 identifier match exactly.
@@ -325,7 +325,7 @@ async fn readiness_follows_the_first_strategy_while_dials_fall_through() {
     .await;
     let plain = TestAgent::start(&server).await;
     // Served through `default`, yet not ready: no agent has a destHost key.
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     round_trip(&server, &echo).await;
     assert!(!server.handle.is_ready());
     assert_ne!(http_get(server.health_addr, "/readyz").await.0, 200);

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use integration_tests::{
-    AgentOpts, DEADLINE, Pki, RawFrontend, TestAgent, TestServer, backend, wait_for,
+    AgentOpts, DEADLINE, Pki, RawFrontend, TestAgent, TestServer, destination, wait_for,
 };
 use proto::{Packet, packet::PacketKind};
 use runtime::tls;
@@ -39,7 +39,7 @@ async fn expect_closed(stream: &mut (impl AsyncRead + Unpin)) {
 
 /// Proves the server still serves: a fresh dial through the tunnel echoes.
 async fn still_serves(server: &TestServer) {
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"still here").await.unwrap();
     let mut got = [0u8; 10];
@@ -109,7 +109,7 @@ async fn plain_tcp_and_garbage_on_the_agent_port_are_dropped() {
 
     let mut garbage = TcpStream::connect(server.agent_addr).await.unwrap();
     garbage
-        .write_all(&backend::pattern(4096, 99))
+        .write_all(&destination::pattern(4096, 99))
         .await
         .unwrap();
     expect_closed(&mut garbage).await;
@@ -120,7 +120,7 @@ async fn plain_tcp_and_garbage_on_the_agent_port_are_dropped() {
     // Good TLS, then garbage instead of HTTP/2; then truncated HTTP/2.
     let mut tls_garbage = agent_tls(&server, Pki::get(), true).await;
     tls_garbage
-        .write_all(&backend::pattern(1000, 5))
+        .write_all(&destination::pattern(1000, 5))
         .await
         .unwrap();
     expect_closed(&mut tls_garbage).await;
@@ -147,7 +147,7 @@ async fn garbage_and_truncated_http2_on_the_frontend_socket_are_dropped() {
 
     let mut garbage = UnixStream::connect(&server.uds).await.unwrap();
     garbage
-        .write_all(&backend::pattern(4096, 42))
+        .write_all(&destination::pattern(4096, 42))
         .await
         .unwrap();
     expect_closed(&mut garbage).await;
@@ -184,7 +184,7 @@ async fn garbage_and_truncated_http2_on_the_frontend_socket_are_dropped() {
 async fn undecodable_packets_end_only_that_stream() {
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut victim = server.dial(&echo.address()).await.unwrap();
 
     // A well-framed gRPC message whose bytes are not a Packet.
@@ -225,7 +225,7 @@ async fn undecodable_packets_end_only_that_stream() {
 async fn frontends_using_connections_they_do_not_own_get_anps_answers() {
     let server = TestServer::start().await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     // The victim: an established connection of another frontend.
     let mut victim = server.dial(&echo.address()).await.unwrap();

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
 use client::dial::{ClientError, dial, tls_channel};
-use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, backend, frontend_client_tls};
+use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, destination, frontend_client_tls};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn tcp_server() -> TestServer {
@@ -19,17 +19,17 @@ async fn byte_exact_through_the_tcp_frontend() {
     const LEN: usize = 10 << 20;
     let server = tcp_server().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
-    let download = backend::download(LEN).await;
+    let echo = destination::echo().await;
+    let download = destination::download(LEN).await;
 
     let mut conn = server.dial(&download.address()).await.unwrap();
     let mut got = Vec::new();
     conn.read_to_end(&mut got).await.unwrap();
-    assert!(got == backend::pattern(LEN, 7));
+    assert!(got == destination::pattern(LEN, 7));
     conn.finish().await.unwrap();
 
     let mut conn = server.dial(&echo.address()).await.unwrap();
-    let data = backend::pattern(1 << 20, 5);
+    let data = destination::pattern(1 << 20, 5);
     let (mut rd, mut wr) = tokio::io::split(&mut conn);
     let (_, got) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
         let mut got = vec![0u8; data.len()];
@@ -45,7 +45,7 @@ async fn byte_exact_through_the_tcp_frontend() {
 async fn frontends_without_a_trusted_client_certificate_are_refused() {
     let server = tcp_server().await;
     let _agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let addr = server.frontend_tcp.unwrap();
 
     // A certificate from another CA.

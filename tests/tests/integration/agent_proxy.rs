@@ -11,7 +11,7 @@ use std::{
 };
 
 use integration_tests::{
-    AgentOpts, TestAgent, TestServer, agent_config, backend,
+    AgentOpts, TestAgent, TestServer, agent_config, destination,
     proxies::{microsocks, tinyproxy},
 };
 use proxy_agent::{
@@ -40,8 +40,8 @@ async fn through(proxy_url: String, via: [u8; 4], server: &TestServer) {
         std::net::IpAddr::from(via),
         "the agent did not come through the proxy"
     );
-    let echo = backend::echo().await;
-    let data = backend::pattern(1 << 20, 9);
+    let echo = destination::echo().await;
+    let data = destination::pattern(1 << 20, 9);
     let mut conn = server.dial(&echo.address()).await.unwrap();
     let (mut rd, mut wr) = tokio::io::split(&mut conn);
     let (_, got) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {
@@ -129,7 +129,7 @@ async fn through_tinyproxy_with_basic_auth_and_a_wrong_password_is_named() {
 async fn proxy_failures_name_the_proxy_and_the_target() {
     let server = TestServer::start().await;
     // Nothing listens there.
-    let dead = backend::closed_port();
+    let dead = destination::closed_port();
     let err = refused(&format!("socks5://{dead}"), &server).await;
     assert!(
         matches!(err, ConnectError::Proxy(ProxyError::Unreachable { .. })),

@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
 use integration_tests::{
-    AgentOpts, RawFrontend, ServerOpts, TestAgent, TestServer, backend, http_request, wait_for,
+    AgentOpts, RawFrontend, ServerOpts, TestAgent, TestServer, destination, http_request, wait_for,
 };
 use proto::Packet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -195,7 +195,7 @@ async fn a_fresh_process_shows_only_the_metrics_anp_shows_before_any_event() {
     let text = scrape(server.health_addr).await;
     assert_eq!(anp_block(&text, S, &[]), FRESH_SERVER, "{text}");
 
-    let nobody = backend::closed_port();
+    let nobody = destination::closed_port();
     let agent = TestAgent::start_with(nobody, AgentOpts::default()).await;
     let agent_text = scrape(agent.health_addr).await;
     assert_eq!(anp_block(&agent_text, A, &[]), FRESH_AGENT, "{agent_text}");
@@ -228,7 +228,7 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     let agent = TestAgent::start(&server).await;
 
     // 2. A good dial: 5 bytes there and back, then closed by the client.
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"hello").await.unwrap();
     let mut got = [0u8; 5];
@@ -247,12 +247,12 @@ async fn the_exposition_after_a_scripted_scenario_matches_anps() {
     conn.finish().await.unwrap();
 
     // 3. A dial to a closed port.
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     assert!(server.dial(&closed.to_string()).await.is_err());
 
     // 4. A frontend that cancels its dial (DIAL_CLS) while the agent is
     // still dialing, then leaves.
-    let hole = backend::Blackhole::new();
+    let hole = destination::Blackhole::new();
     let frontend = RawFrontend::open(
         &server,
         Packet::dial_request("tcp", &hole.addr.to_string(), 77),
@@ -411,7 +411,7 @@ async fn http_connect_dial_failures_are_counted_as_anps() {
     );
 
     let agent = TestAgent::start(&server).await;
-    let hole = backend::Blackhole::new();
+    let hole = destination::Blackhole::new();
     let io = connect(hole.addr.to_string()).await;
     let handle = agent.handle.clone();
     wait_for("the dial to reach the agent", || {

@@ -8,7 +8,7 @@ use std::{path::Path, process::Command, time::Duration};
 use client::dial::ClientError;
 use integration_tests::{
     DEADLINE, Pki, ServerOpts, TestAgent, TestServer,
-    backend::{self, Blackhole, pattern},
+    destination::{self, Blackhole, pattern},
     wait_for,
 };
 use proxy_server::config::Mode;
@@ -46,7 +46,7 @@ fn connect(target: &str) -> Vec<u8> {
 async fn connect_answers_exactly_200_then_carries_bytes_both_ways() {
     let server = server(false).await;
     let agent = TestAgent::start(&server).await;
-    let echo = backend::echo().await;
+    let echo = destination::echo().await;
 
     let mut io = UnixStream::connect(&server.uds).await.unwrap();
     // The request header and the first tunnel bytes in one write: pipelined
@@ -85,7 +85,7 @@ async fn ten_mib_down_through_the_dialer_over_uds_and_tcp() {
     for tcp in [false, true] {
         let server = server(tcp).await;
         let _agent = TestAgent::start(&server).await;
-        let download = backend::download(LEN).await;
+        let download = destination::download(LEN).await;
         let mut io = server.dialer().dial(&download.address()).await.unwrap();
         let mut got = Vec::with_capacity(LEN);
         io.read_to_end(&mut got).await.unwrap();
@@ -123,7 +123,7 @@ async fn no_agent_gets_anps_500() {
 async fn a_closed_port_gets_502_connection_refused() {
     let server = server(false).await;
     let _agent = TestAgent::start(&server).await;
-    let closed = backend::closed_port();
+    let closed = destination::closed_port();
     let answer = raw(&server, &connect(&closed.to_string())).await;
     assert!(
         answer.starts_with("HTTP/1.1 502 Bad Gateway\r\n"),
@@ -216,7 +216,7 @@ async fn a_server_speaks_first_backend_comes_after_the_200_every_time() {
     const BANNER: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n";
     let server = server(false).await;
     let _agent = TestAgent::start(&server).await;
-    let ssh = backend::banner(BANNER).await;
+    let ssh = destination::banner(BANNER).await;
     let expected: Vec<u8> = [proxy_server::ESTABLISHED, BANNER].concat();
     for round in 0..200 {
         let mut io = UnixStream::connect(&server.uds).await.unwrap();
@@ -282,7 +282,7 @@ async fn curl_through_the_tcp_frontend_with_a_client_certificate() {
     const BODY: &[u8] = b"node-side answer through HTTP CONNECT\n";
     let server = server(true).await;
     let _agent = TestAgent::start(&server).await;
-    let web = backend::http(BODY).await;
+    let web = destination::http(BODY).await;
     let port = server.frontend_tcp.unwrap().port();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("body");

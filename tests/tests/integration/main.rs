@@ -1,0 +1,29 @@
+//! The end-to-end suite: one test binary, one module per area. Each case
+//! drives real processes or in-process servers and agents on loopback
+//! (`integration_tests` holds the harness); nextest runs each test in its
+//! own process, so a case still cannot disturb another.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
+mod agent_protocol;
+mod agent_proxy;
+mod cli;
+mod docs_args;
+mod drain;
+mod endpoints;
+mod faults;
+mod flow_control;
+mod grpc_mode;
+mod http_connect_mode;
+mod keepalive;
+mod lease_stub;
+mod leases;
+mod manifests;
+mod metrics;
+mod proxy_client;
+mod python_interop;
+mod robustness;
+mod secrets;
+mod servers;
+mod tcp_frontend;
+mod token_auth;
