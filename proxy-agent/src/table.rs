@@ -198,7 +198,7 @@ impl<D: Clone, C> ConnTable<D, C> {
             }
             PacketKind::CloseReq(req) => {
                 let conn = ConnId(req.connect_id);
-                if let Some(handle) = self.conns.remove(&conn) {
+                if let Some(handle) = self.remove(conn) {
                     Step::Close { conn, handle }
                 } else {
                     Step::Reply(Packet::close_response(conn.0, "Unknown connectID"))
@@ -250,7 +250,13 @@ impl<D: Clone, C> ConnTable<D, C> {
     /// Takes a connection out of the table (it ended, was closed by the
     /// server, or overflowed); `None` if it already left.
     pub fn remove(&mut self, conn: ConnId) -> Option<C> {
-        self.conns.remove(&conn)
+        let handle = self.conns.remove(&conn);
+        // A burst of connections must not leave a table that size behind:
+        // shrink once mostly empty (to twice the entries: amortised O(1)).
+        if self.conns.capacity() > 64 && self.conns.len() * 4 < self.conns.capacity() {
+            self.conns.shrink_to(self.conns.len() * 2);
+        }
+        handle
     }
 
     /// The stream ended: every pending dial and connection leaves the table
@@ -259,8 +265,11 @@ impl<D: Clone, C> ConnTable<D, C> {
     pub fn stream_ended(&mut self) -> (Vec<D>, Vec<C>) {
         self.ended = true;
         (
-            self.dials.drain().map(|(_, (_, d))| d).collect(),
-            self.conns.drain().map(|(_, c)| c).collect(),
+            std::mem::take(&mut self.dials)
+                .into_values()
+                .map(|(_, d)| d)
+                .collect(),
+            std::mem::take(&mut self.conns).into_values().collect(),
         )
     }
 

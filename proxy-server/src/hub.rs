@@ -22,6 +22,7 @@ use tunnel::{
 };
 
 use crate::{
+    compact,
     conn::ServerConn,
     link::{BackendLink, DataRefused, FrontendLink},
     lock,
@@ -148,7 +149,9 @@ impl Hub {
     /// A frontend stream ended.
     pub(crate) fn frontend_closed(&self, fe: FrontendId) {
         self.with_router(|router, out| router.frontend_closed(fe, out));
-        self.state().frontends.remove(&fe);
+        let mut state = self.state();
+        state.frontends.remove(&fe);
+        compact(&mut state.frontends);
     }
 
     /// An agent stream ended.

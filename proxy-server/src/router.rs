@@ -32,6 +32,7 @@ use tunnel::{
 
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
+    compact,
     conn::ServerConn,
     events::{CloseReason, DialFailure},
     manager::BackendManager,
@@ -525,6 +526,7 @@ impl Router {
             return None;
         }
         let dial = self.pending.remove(&id)?;
+        compact(&mut self.pending);
         if let Some(deadline) = dial.deadline {
             self.deadlines.remove(&(deadline, id));
         }
@@ -672,7 +674,9 @@ impl Router {
         reason: CloseReason,
         out: &mut Vec<Out>,
     ) -> Option<FrontendId> {
-        let (frontend, conn) = self.backends.get_mut(&be)?.conns.remove(&id)?;
+        let backend = self.backends.get_mut(&be)?;
+        let (frontend, conn) = backend.conns.remove(&id)?;
+        compact(&mut backend.conns);
         conn.close();
         if let Some(entry) = self.frontends.get_mut(&frontend) {
             entry.close_conn(id);
@@ -698,6 +702,7 @@ impl Router {
             if let Some(backend) = self.backends.get_mut(&be)
                 && let Some((_, server_conn)) = backend.conns.remove(&conn)
             {
+                compact(&mut backend.conns);
                 server_conn.close();
             }
             if let Some(entry) = self.frontends.get_mut(&fe) {
@@ -766,6 +771,7 @@ impl Router {
         let Some(entry) = self.frontends.remove(&fe) else {
             return;
         };
+        compact(&mut self.frontends);
         let mut pending: Vec<DialId> = entry.pending.iter().copied().collect();
         pending.sort_unstable();
         for id in pending {

@@ -76,8 +76,8 @@ pub trait Downstream: Send {
 pub struct Reader<R> {
     /// The socket's read half.
     io: R,
-    /// The read buffer, kept between reads while the connection is busy
-    /// and dropped when it goes idle.
+    /// The read buffer, kept between reads while they fill whole chunks
+    /// (bulk) and dropped as soon as one does not (the socket was drained).
     buf: BytesMut,
     /// The socket reached end of file after the last payload.
     eof: bool,
@@ -133,7 +133,15 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 None => break,
             }
         }
-        Ok(Some(seal(self.buf.split())))
+        let full = self.buf.len() >= READ_CHUNK;
+        let payload = seal(self.buf.split());
+        if !full {
+            // The socket is drained: the connection may now idle, so it
+            // keeps no buffer (a bulk transfer fills whole chunks and
+            // keeps reusing its one).
+            self.buf = BytesMut::new();
+        }
+        Ok(Some(payload))
     }
 }
 
@@ -410,6 +418,20 @@ mod tests {
         let third = reader.next().await.unwrap().unwrap();
         assert_ne!(third.as_ptr(), second.as_ptr());
         assert_eq!((second[0], third[0]), (2, 3));
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_goes_idle_after_a_burst_keeps_no_buffer() {
+        let (mut local, ours) = duplex(4 * READ_CHUNK);
+        let mut reader = Reader::new(ours);
+        // Less than a chunk, copied out or not: the socket is drained, and
+        // the reader holds nothing while the connection idles.
+        for len in [5000, READ_CHUNK - 1000] {
+            local.write_all(&vec![2u8; len]).await.unwrap();
+            let data = reader.next().await.unwrap().unwrap();
+            assert_eq!(data.len(), len);
+            assert_eq!(reader.buf.capacity(), 0, "{len}: a buffer held while idle");
+        }
     }
 
     #[tokio::test]

@@ -1239,3 +1239,33 @@ proptest! {
         prop_assert_eq!(b.router.pending_count(), 0);
     }
 }
+
+#[test]
+fn tables_give_their_memory_back_after_a_burst() {
+    let mut b = Bench::new();
+    let be = b.backend("a");
+    let frontends: Vec<FrontendId> = (0..2000)
+        .map(|i| {
+            let fe = b.frontend();
+            b.establish(fe, be, i + 1, i + 1);
+            fe
+        })
+        .collect();
+    let big = b.router.backends[&be].conns.capacity();
+    assert!(big >= 2000);
+    for fe in frontends {
+        b.step(|r, out| r.frontend_closed(fe, out));
+    }
+    // The agent answers each CLOSE_REQ.
+    for i in 0..2000 {
+        b.be(be, Packet::close_response(i + 1, ""));
+    }
+    assert_eq!(b.router.established_count(), 0);
+    assert!(
+        b.router.frontends.capacity() <= 128,
+        "{}",
+        b.router.frontends.capacity()
+    );
+    let left = b.router.backends[&be].conns.capacity();
+    assert!(left <= 128, "{big} slots kept as {left}");
+}
