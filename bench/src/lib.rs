@@ -445,18 +445,56 @@ async fn run_rep(
     let tunneled = target.pids.is_some();
 
     if opt.has(Scenario::Bulk) || (opt.has(Scenario::Cpu) && tunneled) {
-        for (rate, cpu, up) in [
-            (&report::BULK_DOWN, &report::CPU_DOWN, false),
-            (&report::BULK_UP, &report::CPU_UP, true),
-        ] {
+        // gRPC mode runs twice: with our client's HTTP/2 settings, then
+        // with grpc-go's (kube-apiserver's client).
+        let grpc_go = target.dialer.as_ref().and_then(|d| {
+            (d.mode == client::dial::Mode::Grpc).then(|| Target {
+                dialer: Some(client::dial::Dialer {
+                    h2: client::dial::H2Settings::GrpcGo,
+                    ..d.clone()
+                }),
+                ..target.clone()
+            })
+        });
+        let mut runs = vec![
+            (target, &report::BULK_DOWN, &report::CPU_DOWN, false, ""),
+            (target, &report::BULK_UP, &report::CPU_UP, true, ""),
+        ];
+        if let Some(go) = &grpc_go {
+            runs.push((
+                go,
+                &report::BULK_DOWN_GO,
+                &report::CPU_DOWN_GO,
+                false,
+                " (grpc-go h2)",
+            ));
+            runs.push((
+                go,
+                &report::BULK_UP_GO,
+                &report::CPU_UP_GO,
+                true,
+                " (grpc-go h2)",
+            ));
+        }
+        for (target, rate, cpu, up, how) in runs {
             let window = if up {
                 scenarios::upload(target, backends, timing).await
             } else {
                 scenarios::download(target, backends, timing, 1).await
             };
-            let what = if up { "bulk up" } else { "bulk down" };
+            let what = format!("{}{how}", if up { "bulk up" } else { "bulk down" });
+            let what = what.as_str();
             match window {
                 Ok(w) => {
+                    if route == Route::Direct && opt.has(Scenario::Bulk) {
+                        // The grpc-go rows' ratios are to the same direct run.
+                        let go = if up {
+                            &report::BULK_UP_GO
+                        } else {
+                            &report::BULK_DOWN_GO
+                        };
+                        rec.push(go, route, rep, Some(w.mb_per_s()));
+                    }
                     eprintln!(
                         "{ctx} {what} {name}: {:.0} MB/s{}",
                         w.mb_per_s(),

@@ -69,6 +69,14 @@ pub const BULK_UP: Def = def("bulk", "1 stream up", "MB/s", true);
 pub const CPU_DOWN: Def = def("cpu", "server+agent, bulk down", "s/GiB", false);
 /// CPU of server + agent per GiB during bulk up.
 pub const CPU_UP: Def = def("cpu", "server+agent, bulk up", "s/GiB", false);
+/// Single stream down, with a client announcing grpc-go's HTTP/2 settings.
+pub const BULK_DOWN_GO: Def = def("bulk", "1 stream down, grpc-go h2", "MB/s", true);
+/// Single stream up, with a client announcing grpc-go's HTTP/2 settings.
+pub const BULK_UP_GO: Def = def("bulk", "1 stream up, grpc-go h2", "MB/s", true);
+/// CPU per GiB during bulk down with the grpc-go-like client.
+pub const CPU_DOWN_GO: Def = def("cpu", "server+agent, down, grpc-go h2", "s/GiB", false);
+/// CPU per GiB during bulk up with the grpc-go-like client.
+pub const CPU_UP_GO: Def = def("cpu", "server+agent, up, grpc-go h2", "s/GiB", false);
 /// Aggregate of the parallel streams.
 pub const PARALLEL_RATE: Def = def("parallel", "16 streams down, total", "MB/s", true);
 /// Jain's index over the parallel streams.
@@ -142,6 +150,10 @@ const ALL: &[&Def] = &[
     &BULK_UP,
     &CPU_DOWN,
     &CPU_UP,
+    &BULK_DOWN_GO,
+    &BULK_UP_GO,
+    &CPU_DOWN_GO,
+    &CPU_UP_GO,
     &PARALLEL_RATE,
     &PARALLEL_FAIRNESS,
     &HOL_SOLO,

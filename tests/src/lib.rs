@@ -381,6 +381,7 @@ impl TestServer {
                 Mode::Grpc => client::dial::Mode::Grpc,
                 Mode::HttpConnect => client::dial::Mode::HttpConnect,
             },
+            h2: client::dial::H2Settings::default(),
         }
     }
 
