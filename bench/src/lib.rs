@@ -112,6 +112,10 @@ pub struct Opt {
     /// Where to write the JSON results.
     #[arg(long, default_value = "bench-results.json")]
     pub json: PathBuf,
+    /// `--worker-threads` of proxy-server and proxy-agent (0: their default,
+    /// one per CPU).
+    #[arg(long, default_value_t = 0)]
+    pub worker_threads: usize,
     /// proxy-server binary (default: next to this executable).
     #[arg(long)]
     pub server_bin: Option<PathBuf>,
@@ -184,7 +188,11 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
     }
     let machine = Machine::read();
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    let bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone())?;
+    let mut bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone())?;
+    if opt.worker_threads > 0 {
+        bins.extra
+            .push(format!("--worker-threads={}", opt.worker_threads));
+    }
     println!("command: {command_line}");
     println!(
         "machine: {} CPUs ({}), {} MiB, kernel {}",
@@ -204,8 +212,18 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
         duration: opt.duration,
     };
     println!(
-        "settings: duration {:?} (+{:?} warm-up), reps {}, conns {}, round trips {}, streams {}",
-        timing.duration, timing.warmup, opt.reps, opt.conns, opt.round_trips, opt.streams
+        "settings: duration {:?} (+{:?} warm-up), reps {}, conns {}, round trips {}, streams {}, \
+         server/agent worker threads {}",
+        timing.duration,
+        timing.warmup,
+        opt.reps,
+        opt.conns,
+        opt.round_trips,
+        opt.streams,
+        match opt.worker_threads {
+            0 => "one per CPU".to_owned(),
+            n => n.to_string(),
+        }
     );
 
     let dir = tempfile::Builder::new()

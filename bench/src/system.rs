@@ -24,6 +24,8 @@ pub struct Binaries {
     pub server: PathBuf,
     /// `proxy-agent`.
     pub agent: PathBuf,
+    /// Flags given to both (`--worker-threads=N`).
+    pub extra: Vec<String>,
 }
 
 impl Binaries {
@@ -51,6 +53,7 @@ impl Binaries {
         Ok(Self {
             server: found(server, "proxy-server")?,
             agent: found(agent, "proxy-agent")?,
+            extra: Vec::new(),
         })
     }
 }
@@ -138,36 +141,44 @@ impl Deployment {
             format!("proxy-server --mode={name}"),
             &bins.server,
             &[
-                format!("--mode={name}"),
-                format!("--uds-name={}", uds.display()),
-                "--server-port=0".to_owned(),
-                format!("--cluster-cert={}", file("cluster.crt")),
-                format!("--cluster-key={}", file("cluster.key")),
-                format!("--cluster-ca-cert={}", file("agent-ca.crt")),
-                "--agent-bind-address=127.0.0.1".to_owned(),
-                format!("--agent-port={agent_port}"),
-                "--health-bind-address=127.0.0.1".to_owned(),
-                format!("--health-port={health_port}"),
-                "--admin-port=0".to_owned(),
-                "--v=0".to_owned(),
-            ],
+                &bins.extra[..],
+                &[
+                    format!("--mode={name}"),
+                    format!("--uds-name={}", uds.display()),
+                    "--server-port=0".to_owned(),
+                    format!("--cluster-cert={}", file("cluster.crt")),
+                    format!("--cluster-key={}", file("cluster.key")),
+                    format!("--cluster-ca-cert={}", file("agent-ca.crt")),
+                    "--agent-bind-address=127.0.0.1".to_owned(),
+                    format!("--agent-port={agent_port}"),
+                    "--health-bind-address=127.0.0.1".to_owned(),
+                    format!("--health-port={health_port}"),
+                    "--admin-port=0".to_owned(),
+                    "--v=0".to_owned(),
+                ],
+            ]
+            .concat(),
             dir.join(format!("{name}-server.log")),
         )?;
         let agent = Process::spawn(
             format!("proxy-agent of the {name} server"),
             &bins.agent,
             &[
-                format!("--ca-cert={}", file("agent-ca.crt")),
-                format!("--agent-cert={}", file("proxy-agent.crt")),
-                format!("--agent-key={}", file("proxy-agent.key")),
-                "--proxy-server-host=127.0.0.1".to_owned(),
-                format!("--proxy-server-port={agent_port}"),
-                "--health-server-host=127.0.0.1".to_owned(),
-                "--health-server-port=0".to_owned(),
-                "--admin-server-port=0".to_owned(),
-                "--sync-interval=100ms".to_owned(),
-                "--v=0".to_owned(),
-            ],
+                &bins.extra[..],
+                &[
+                    format!("--ca-cert={}", file("agent-ca.crt")),
+                    format!("--agent-cert={}", file("proxy-agent.crt")),
+                    format!("--agent-key={}", file("proxy-agent.key")),
+                    "--proxy-server-host=127.0.0.1".to_owned(),
+                    format!("--proxy-server-port={agent_port}"),
+                    "--health-server-host=127.0.0.1".to_owned(),
+                    "--health-server-port=0".to_owned(),
+                    "--admin-server-port=0".to_owned(),
+                    "--sync-interval=100ms".to_owned(),
+                    "--v=0".to_owned(),
+                ],
+            ]
+            .concat(),
             dir.join(format!("{name}-agent.log")),
         )?;
         let mut deployment = Self {

@@ -9,7 +9,7 @@ use std::{
 
 use clap::{ArgAction, Parser};
 use runtime::{
-    flags::{Deprecated, LogArgs, go_bool, go_duration},
+    flags::{Deprecated, LogArgs, RuntimeArgs, go_bool, go_duration},
     tls,
 };
 use tunnel::{
@@ -148,6 +148,9 @@ pub struct Args {
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
+    /// The async runtime's size (`--worker-threads`).
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
 }
 
 /// One entry of `--proxy-server-host`: where to reach a server (or a load

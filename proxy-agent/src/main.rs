@@ -15,9 +15,18 @@ use tracing::error;
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    match args.runtime.build() {
+        Ok(runtime) => runtime.block_on(serve(args)),
+        Err(e) => {
+            eprintln!("proxy-agent: cannot start the async runtime: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(args: Args) -> std::process::ExitCode {
     if let Err(e) = runtime::telemetry::init(&args.log) {
         Args::command().error(ErrorKind::ValueValidation, e).exit();
     }

@@ -4,7 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{ArgAction, Parser};
 use runtime::{
-    flags::{Deprecated, LogArgs, go_bool, go_duration},
+    flags::{Deprecated, LogArgs, RuntimeArgs, go_bool, go_duration},
     tls,
 };
 use tunnel::ids::ServerId;
@@ -180,6 +180,9 @@ pub struct Args {
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
+    /// The async runtime's size (`--worker-threads`).
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
 }
 
 /// Frontend protocol.

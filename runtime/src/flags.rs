@@ -144,6 +144,28 @@ pub enum LogFormat {
     Json,
 }
 
+/// The size of the async runtime (both binaries; ours, not ANP's).
+#[derive(Debug, Clone, Args)]
+pub struct RuntimeArgs {
+    /// Threads that run connections: 0 = one per CPU (tokio's default).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub worker_threads: usize,
+}
+
+impl RuntimeArgs {
+    /// The tokio runtime these flags ask for.
+    ///
+    /// # Errors
+    /// The runtime's threads or I/O driver cannot be created.
+    pub fn build(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        if self.worker_threads > 0 {
+            builder.worker_threads(self.worker_threads);
+        }
+        builder.enable_all().build()
+    }
+}
+
 /// The klog flags ANP registers on both binaries, plus `--log-format`.
 ///
 /// `-v`/`--v` picks the level (0–4 info, 5–8 debug, 9+ trace; ANP's default

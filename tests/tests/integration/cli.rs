@@ -603,3 +603,34 @@ fn bool_flags_take_their_value_only_after_equals() {
     check::<proxy_server::config::Args>("proxy-server");
     check::<proxy_agent::config::Args>("proxy-agent");
 }
+
+/// Threads of process `pid` named as tokio's workers.
+fn worker_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(Result::ok)
+                .filter(|task| {
+                    std::fs::read_to_string(task.path().join("comm"))
+                        .is_ok_and(|comm| comm.trim() == "tokio-rt-worker")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn worker_threads_sizes_the_runtime_of_both_binaries() {
+    // One more than the CPUs: only the flag gives that many.
+    let n = std::thread::available_parallelism().map_or(1, usize::from) + 1;
+    let server = integration_tests::process::ServerProcess::start(
+        "grpc",
+        &[format!("--worker-threads={n}")],
+    )
+    .await;
+    assert_eq!(worker_threads(server.pid()), n);
+    let agent =
+        integration_tests::AgentProcess::spawn(server.agent_addr.port(), &["--worker-threads=1"]);
+    server.wait_for_agents(1).await;
+    assert_eq!(worker_threads(agent.pid()), 1);
+}
