@@ -310,8 +310,9 @@ impl Client {
         };
         let name = ServerName::try_from(target.host.clone())
             .map_err(|_| ConnectError::ServerName(target.host.clone()))?;
+        // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
         let tls = TlsConnector::from(config.tls.clone())
-            .connect(name, tcp)
+            .connect(name, tunnel::read_ahead::ReadAhead::new(tcp))
             .await
             .map_err(|source| ConnectError::Tls {
                 server: server.to_owned(),

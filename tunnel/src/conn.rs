@@ -22,6 +22,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 use tracing::debug;
 
+use crate::read_ahead::ReadAhead;
+
 /// How long a peer may take to complete its TLS handshake.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshaken connections waiting for the gRPC server to pick them up.
@@ -38,8 +40,8 @@ pub struct PeerAddr(pub SocketAddr);
 
 /// A server-side TLS connection that tonic can serve.
 pub struct TlsConn {
-    /// The stream.
-    inner: TlsStream<TcpStream>,
+    /// The stream, reading ahead under TLS.
+    inner: TlsStream<ReadAhead<TcpStream>>,
     /// Who is on the other end.
     peer: SocketAddr,
 }
@@ -172,7 +174,10 @@ pub fn tls_incoming(
             let tx = tx.clone();
             let pending = pending.clone();
             tokio::spawn(async move {
-                let handshake = tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp));
+                let handshake = tokio::time::timeout(
+                    TLS_HANDSHAKE_TIMEOUT,
+                    acceptor.accept(ReadAhead::new(tcp)),
+                );
                 let result = tokio::select! {
                     () = cancel.cancelled() => None,
                     r = handshake => Some(r),

@@ -10,6 +10,8 @@
 //!   packets, both ways.
 //! - [`conn`]: accepting TLS and TCP for tonic without letting one peer
 //!   hold up the others; binding listeners.
+//! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
+//!   buffer while idle.
 //! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
 
 pub mod conn;
@@ -18,3 +20,4 @@ pub mod ids;
 pub mod mover;
 pub mod proxy_client;
 pub mod queue;
+pub mod read_ahead;
