@@ -515,8 +515,7 @@ impl Client {
         cancel.cancel();
         // Dials and connections leave the table now; their tasks end with
         // `cancel` (their tokens are its children) and answer nothing.
-        let (dials, open) = conns.lock().stream_ended();
-        drop((dials, open));
+        drop(conns.lock().stream_ended());
         tasks.close();
         tasks.wait().await;
     }

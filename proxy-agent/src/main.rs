@@ -17,13 +17,7 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    match args.runtime.build() {
-        Ok(runtime) => runtime.block_on(serve(args)),
-        Err(e) => {
-            eprintln!("proxy-agent: cannot start the async runtime: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    args.runtime.clone().block_on("proxy-agent", serve(args))
 }
 
 async fn serve(args: Args) -> std::process::ExitCode {

@@ -251,11 +251,7 @@ impl<D: Clone, C> ConnTable<D, C> {
     /// server, or overflowed); `None` if it already left.
     pub fn remove(&mut self, conn: ConnId) -> Option<C> {
         let handle = self.conns.remove(&conn);
-        // A burst of connections must not leave a table that size behind:
-        // shrink once mostly empty (to twice the entries: amortised O(1)).
-        if self.conns.capacity() > 64 && self.conns.len() * 4 < self.conns.capacity() {
-            self.conns.shrink_to(self.conns.len() * 2);
-        }
+        tunnel::compact(&mut self.conns);
         handle
     }
 

@@ -7,3 +7,24 @@
 pub(crate) mod authority;
 pub(crate) mod grpc;
 pub(crate) mod http_connect;
+
+use std::sync::Arc;
+
+use crate::{hub::Hub, link::FrontendLink};
+
+/// Tells the hub that a frontend ended and ends its stream's outbound side
+/// when the frontend's task ends, on error, cancel and panic alike; it
+/// never waits.
+pub(crate) struct FrontendGuard {
+    /// The hub.
+    pub(crate) hub: Arc<Hub>,
+    /// The frontend.
+    pub(crate) link: FrontendLink,
+}
+
+impl Drop for FrontendGuard {
+    fn drop(&mut self) {
+        self.hub.frontend_closed(self.link.id);
+        self.link.end.end();
+    }
+}

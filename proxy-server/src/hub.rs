@@ -17,12 +17,12 @@ use proto::Packet;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
+    compact,
     flow::{self, PushError},
     ids::{AgentId, ConnId, DialId},
 };
 
 use crate::{
-    compact,
     conn::ServerConn,
     link::{BackendLink, DataRefused, FrontendLink},
     lock,

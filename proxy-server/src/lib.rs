@@ -54,13 +54,3 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
-
-/// Gives a table's memory back once it is mostly empty: a burst of 10,000
-/// tunnels must not leave tables that size behind for good. Amortised
-/// O(1): a table shrinks to twice its entries, so it must lose half of
-/// them again before the next shrink.
-fn compact<K: Eq + std::hash::Hash, V>(map: &mut std::collections::HashMap<K, V>) {
-    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
-        map.shrink_to(map.len() * 2);
-    }
-}

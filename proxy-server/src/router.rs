@@ -26,13 +26,12 @@ use std::{
 use bytes::Bytes;
 use proto::{DialRequest, Packet, packet::PacketKind};
 use tunnel::{
-    flow,
+    compact, flow,
     ids::{AgentId, ConnId, DialId},
 };
 
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
-    compact,
     conn::ServerConn,
     events::{CloseReason, DialFailure},
     manager::BackendManager,

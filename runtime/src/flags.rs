@@ -164,6 +164,22 @@ impl RuntimeArgs {
         }
         builder.enable_all().build()
     }
+
+    /// Runs a binary's `main` future on the runtime these flags ask for;
+    /// failure to start the runtime is named after `binary`.
+    pub fn block_on(
+        &self,
+        binary: &str,
+        main: impl std::future::Future<Output = std::process::ExitCode>,
+    ) -> std::process::ExitCode {
+        match self.build() {
+            Ok(runtime) => runtime.block_on(main),
+            Err(e) => {
+                eprintln!("{binary}: cannot start the async runtime: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        }
+    }
 }
 
 /// The klog flags ANP registers on both binaries, plus `--log-format`.

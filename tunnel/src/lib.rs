@@ -13,6 +13,7 @@
 //! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
 //!   buffer while idle.
 //! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
+//! - [`compact`]: id-keyed tables give their memory back after a burst.
 
 pub mod conn;
 pub mod flow;
@@ -21,3 +22,14 @@ pub mod mover;
 pub mod proxy_client;
 pub mod queue;
 pub mod read_ahead;
+
+/// Gives a table's memory back once it is mostly empty: a burst of 10,000
+/// tunnels must not leave tables that size behind for good. Amortised
+/// O(1): a table shrinks to twice its entries, so it must lose half of
+/// them again before the next shrink. Used by the server's router and hub
+/// and the agent's connection table.
+pub fn compact<K: Eq + std::hash::Hash, V>(map: &mut std::collections::HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
+        map.shrink_to(map.len() * 2);
+    }
+}

@@ -12,6 +12,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, debug_span, warn};
 
 use crate::{
+    frontend::FrontendGuard,
     hub::Hub,
     link::{FrontendLink, frontend_queue},
     metrics::PROXY,
@@ -30,22 +31,6 @@ pub(crate) struct ProxyServiceImpl {
     pub(crate) tasks: TaskTracker,
     /// Stops every reader.
     pub(crate) shutdown: CancellationToken,
-}
-
-/// Tells the hub that a frontend stream ended and ends its outbound side,
-/// when its reader ends, on error, cancel and panic alike; it never waits.
-struct FrontendGuard {
-    /// The hub.
-    hub: Arc<Hub>,
-    /// The frontend.
-    link: FrontendLink,
-}
-
-impl Drop for FrontendGuard {
-    fn drop(&mut self) {
-        self.hub.frontend_closed(self.link.id);
-        self.link.end.end();
-    }
 }
 
 #[tonic::async_trait]

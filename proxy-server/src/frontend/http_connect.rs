@@ -25,6 +25,7 @@ use tunnel::{
 
 use crate::{
     conn::ServerConn,
+    frontend::FrontendGuard,
     hub::{Hub, Work},
     link::{BackendLink, FrontendLink, ToFrontend, frontend_queue},
     metrics::PROXY,
@@ -374,22 +375,6 @@ where
         .await;
     }
     let _ = tokio::time::timeout(FINAL_WRITE_TIMEOUT, io.shutdown()).await;
-}
-
-/// Tells the hub the frontend ended and ends its stream, when the
-/// connection's task ends, on error, cancel and panic alike.
-struct FrontendGuard {
-    /// The hub.
-    hub: Arc<Hub>,
-    /// The frontend.
-    link: FrontendLink,
-}
-
-impl Drop for FrontendGuard {
-    fn drop(&mut self) {
-        self.hub.frontend_closed(self.link.id);
-        self.link.end.end();
-    }
 }
 
 /// A packet from the client's side, through the hub, with what it waits
