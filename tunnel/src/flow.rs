@@ -40,8 +40,12 @@ pub const WINDOW: usize = 1024 * 1024;
 /// Cost of a packet beyond its payload, so that many tiny packets are bounded
 /// too.
 pub const PACKET_OVERHEAD: usize = 64;
-/// Largest DATA payload sent when credits are in use (a window must hold it).
-pub const MAX_CHUNK: usize = 64 * 1024;
+/// Largest DATA payload sent when credits are in use (a window holds four).
+/// Every packet costs a few task wake-ups on each side, whatever its size:
+/// 256 KiB instead of 64 KiB cut server+agent CPU per GiB by 10–20 % in
+/// bulk (`bench --scenarios cpu`). Far below gRPC's 4 MiB message limit,
+/// so ANP peers take it.
+pub const MAX_CHUNK: usize = 256 * 1024;
 /// Credit is returned once this much has drained (fewer packets on the wire).
 pub const GRANT_THRESHOLD: usize = WINDOW / 8;
 /// Error text of a connection closed because its reader fell a window behind.
@@ -363,7 +367,7 @@ impl Granter {
 }
 
 /// HTTP/2 frame size we accept (peers may send DATA frames this large), so
-/// that a 64 KiB DATA packet crosses in one frame instead of four of 16 KiB.
+/// that a DATA packet of `MAX_CHUNK` crosses in one frame, not sixteen of 16 KiB.
 pub const H2_MAX_FRAME_SIZE: u32 = 256 * 1024;
 /// HTTP/2 stream window: an agent stream carries many connections and is
 /// always drained (readers never block), so a large window only saves

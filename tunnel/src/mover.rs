@@ -396,7 +396,7 @@ mod tests {
             local.write_all(&vec![7u8; len]).await.unwrap();
             let data = reader.next().await.unwrap().unwrap();
             assert_eq!(data.len(), len);
-            // A buffer of its own size, not a slice of a 64 KiB one.
+            // A buffer of its own size, not a slice of the read buffer.
             let held = data.try_into_mut().expect("one reference").capacity();
             assert!(held < 2 * len + 64, "{len} bytes hold a {held}-byte buffer");
         }
