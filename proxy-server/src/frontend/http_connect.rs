@@ -411,7 +411,16 @@ struct ToAgent<'a> {
 impl mover::Upstream for ToAgent<'_> {
     async fn send(&mut self, data: bytes::Bytes) -> bool {
         upload(self.hub, self.route, data).await;
-        !self.route.0.closed.is_cancelled()
+        if self.route.0.closed.is_cancelled() {
+            // The connection has left the routing core: the agent closed it
+            // (CLOSE_RSP, DIAL_CLS) or its stream is gone, and the close is
+            // on the frontend's queue behind the agent's last DATA. Reading
+            // the client stops here; the downstream writes those bytes and
+            // ends the tunnel at the close (the caller also races the
+            // stream's end). Ending here instead would drop them.
+            std::future::pending::<()>().await;
+        }
+        true
     }
 }
 
@@ -519,6 +528,89 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::{
+        metrics::ServerMetrics,
+        router::AgentInfo,
+        strategy::{AgentIdentifiers, ProxyStrategy},
+    };
+
+    /// The destination answers and closes at once: its DATA and CLOSE_RSP
+    /// reach the frontend's queue, and the connection leaves the tables,
+    /// while the client's own bytes are still on their way to the agent.
+    /// The upload then finds the connection closed; the client must still
+    /// get every byte the agent sent before its close, then the end.
+    #[tokio::test]
+    async fn the_agents_last_bytes_reach_the_client_when_the_upload_sees_the_close_first() {
+        let metrics = Arc::new(ServerMetrics::new(&[ProxyStrategy::Default]));
+        let hub = Hub::new(&[ProxyStrategy::Default], None, metrics.clone());
+        let (agent_tx, mut agent_rx) = tunnel::queue::queue(1 << 20, 1 << 16);
+        let be = hub.add_backend(
+            AgentInfo {
+                agent_id: tunnel::ids::AgentId("agent".to_owned()),
+                identifiers: AgentIdentifiers::default(),
+                flow_control: false,
+            },
+            BackendLink::new(
+                tunnel::ids::AgentId("agent".to_owned()),
+                None,
+                agent_tx,
+                StreamEnd::new(CancellationToken::new()),
+                metrics.clone(),
+            ),
+        );
+        let (tx, mut rx) = frontend_queue();
+        let link = hub.add_frontend(FrontendKind::HttpConnect, |id| {
+            FrontendLink::new(
+                id,
+                FrontendKind::HttpConnect,
+                tx,
+                StreamEnd::new(CancellationToken::new()),
+                metrics.clone(),
+            )
+        });
+        send(&hub, link.id, Packet::dial_request("tcp", "10.0.0.1:80", 7)).await;
+        assert!(agent_rx.recv().await.is_some(), "the agent gets the dial");
+        let _ = hub.backend_packet(be, Packet::dial_response(7, 1, ""));
+        assert!(rx.recv().await.is_some(), "the frontend gets DIAL_RSP");
+        let route = hub.route(link.id, ConnId(1)).expect("established");
+
+        let answer = vec![5u8; 1024];
+        for packet in [
+            Packet::data(1, answer.clone().into()),
+            Packet::close_response(1, ""),
+        ] {
+            if let Some(work) = hub.backend_packet(be, packet) {
+                hub.run(work).await;
+            }
+        }
+        assert!(
+            route.0.closed.is_cancelled(),
+            "the connection left the tables"
+        );
+
+        // The client has sent bytes, and its socket takes 64 bytes at a
+        // time: the answer cannot be written before the upload is tried.
+        let (mut client, mut ours) = tokio::io::duplex(64);
+        client.write_all(b"ping").await.unwrap();
+        let tunnel = async {
+            let end = tunnel_bytes(&mut ours, &hub, &route, &link, &mut rx).await;
+            let _ = ours.shutdown().await;
+            end
+        };
+        let read = async {
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.unwrap();
+            got
+        };
+        let (end, got) = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(tunnel, read)
+        })
+        .await
+        .expect("the tunnel ends");
+        assert!(matches!(end, TunnelEnd::ByAgent));
+        assert_eq!(got.len(), answer.len(), "every byte before the close");
+        assert_eq!(got, answer);
+    }
 
     /// Feeds `input` to [`read_head`] in pieces cut at `cuts`, the client
     /// then closing; returns what it made of it.
