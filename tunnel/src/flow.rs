@@ -42,8 +42,8 @@ pub const WINDOW: usize = 1024 * 1024;
 pub const PACKET_OVERHEAD: usize = 64;
 /// Largest DATA payload sent when credits are in use (a window holds four).
 /// Every packet costs a few task wake-ups on each side, whatever its size:
-/// 256 KiB instead of 64 KiB cut server+agent CPU per GiB by 10–20 % in
-/// bulk (`bench --scenarios cpu`). Far below gRPC's 4 MiB message limit,
+/// 256 KiB instead of 64 KiB cut server+agent CPU per GiB by 9–21 % in
+/// bulk (`bench --scenarios bulk,cpu`, each mode and direction). Far below gRPC's 4 MiB message limit,
 /// so ANP peers take it.
 pub const MAX_CHUNK: usize = 256 * 1024;
 /// Credit is returned once this much has drained (fewer packets on the wire).

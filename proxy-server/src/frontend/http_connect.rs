@@ -544,14 +544,15 @@ mod tests {
         let metrics = Arc::new(ServerMetrics::new(&[ProxyStrategy::Default]));
         let hub = Hub::new(&[ProxyStrategy::Default], None, metrics.clone());
         let (agent_tx, mut agent_rx) = tunnel::queue::queue(1 << 20, 1 << 16);
+        let agent = tunnel::ids::AgentId("agent".to_owned());
         let be = hub.add_backend(
             AgentInfo {
-                agent_id: tunnel::ids::AgentId("agent".to_owned()),
+                agent_id: agent.clone(),
                 identifiers: AgentIdentifiers::default(),
                 flow_control: false,
             },
             BackendLink::new(
-                tunnel::ids::AgentId("agent".to_owned()),
+                agent,
                 None,
                 agent_tx,
                 StreamEnd::new(CancellationToken::new()),
