@@ -51,6 +51,16 @@ struct ClientEntry {
     address: usize,
 }
 
+impl ClientEntry {
+    /// Queues DRAIN: a control packet, queued at once, never waiting on the
+    /// server.
+    fn send_drain(&self) {
+        let drain = proto::Packet::drain();
+        let cost = tunnel::flow::packet_cost(&drain);
+        let _ = self.out_tx.push(drain, cost);
+    }
+}
+
 /// State shared by the sync loop, the clients and the health server.
 pub(crate) struct AgentState {
     /// Live clients by server id.
@@ -68,6 +78,33 @@ pub(crate) struct AgentState {
 impl AgentState {
     fn clients(&self) -> MutexGuard<'_, HashMap<ServerId, ClientEntry>> {
         self.clients.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sets `draining` and sends DRAIN to every connected server, under the
+    /// client lock: a connection [`register`](Self::register)ed at the same
+    /// moment either is in the map here or sees the flag there, so an early
+    /// signal (one racing the first connection) is never lost.
+    fn start_draining(&self) {
+        let clients = self.clients();
+        self.draining.store(true, Ordering::SeqCst);
+        for client in clients.values() {
+            client.send_drain();
+        }
+    }
+
+    /// Adds a new server connection unless one to `server_id` exists
+    /// (`false`); tells it DRAIN at once if the agent is already draining.
+    fn register(&self, server_id: ServerId, entry: ClientEntry, server_count: u32) -> bool {
+        let mut clients = self.clients();
+        if clients.contains_key(&server_id) {
+            return false;
+        }
+        if self.draining.load(Ordering::SeqCst) {
+            entry.send_drain();
+        }
+        clients.insert(server_id, entry);
+        self.server_count.store(server_count, Ordering::Relaxed);
+        true
     }
 
     /// Number of connected servers.
@@ -318,13 +355,7 @@ impl Bound {
                 exit_when_drained = config.exit_when_drained,
                 "draining: telling servers, still serving until the second signal"
             );
-            state.draining.store(true, Ordering::SeqCst);
-            // A control packet: queued at once, never waiting on a server.
-            for client in state.clients().values() {
-                let drain = proto::Packet::drain();
-                let cost = tunnel::flow::packet_cost(&drain);
-                let _ = client.out_tx.push(drain, cost);
-            }
+            state.start_draining();
             if config.exit_when_drained {
                 // Open connections finish on their own; the second signal
                 // ends it sooner.
@@ -418,24 +449,15 @@ fn add_client(
     let server_id = client.server_id.clone();
     let cancel = token.child_token();
     let conns = Connections::new(client.flow_control, &cancel);
-    {
-        let mut clients = state.clients();
-        if clients.contains_key(&server_id) {
-            tracing::debug!(server.id = %server_id, "already connected to this server; closing the duplicate");
-            return;
-        }
-        clients.insert(
-            server_id.clone(),
-            ClientEntry {
-                cancel: cancel.clone(),
-                conns: conns.clone(),
-                out_tx: client.sender(),
-                address,
-            },
-        );
-        state
-            .server_count
-            .store(client.server_count, Ordering::Relaxed);
+    let entry = ClientEntry {
+        cancel: cancel.clone(),
+        conns: conns.clone(),
+        out_tx: client.sender(),
+        address,
+    };
+    if !state.register(server_id.clone(), entry, client.server_count) {
+        tracing::debug!(server.id = %server_id, "already connected to this server; closing the duplicate");
+        return;
     }
     client.metrics().server_connection_opened();
     info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
@@ -507,5 +529,65 @@ mod tests {
         let reset = b.success();
         assert!(reset >= Duration::from_secs(1) && reset <= Duration::from_millis(1100));
         assert!(b.next_failure() <= Duration::from_millis(1100));
+    }
+
+    fn state() -> AgentState {
+        AgentState {
+            clients: Mutex::new(HashMap::new()),
+            server_count: AtomicU32::new(0),
+            draining: Arc::new(AtomicBool::new(false)),
+            leases: None,
+            count_source: ServerCountSource::Default,
+        }
+    }
+
+    fn entry(cancel: &CancellationToken) -> (ClientEntry, tunnel::queue::QueueRx<proto::Packet>) {
+        let (out_tx, out_rx) = tunnel::queue::queue(1 << 20, 1 << 10);
+        let entry = ClientEntry {
+            cancel: cancel.clone(),
+            conns: Connections::new(true, cancel),
+            out_tx,
+            address: 0,
+        };
+        (entry, out_rx)
+    }
+
+    fn is_drain(rx: &mut tunnel::queue::QueueRx<proto::Packet>) -> bool {
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        match rx.poll_recv(&mut cx) {
+            std::task::Poll::Ready(Some(packet)) => {
+                matches!(packet.into_kind(), proto::packet::PacketKind::Drain)
+            }
+            _ => false,
+        }
+    }
+
+    #[test]
+    fn a_server_connection_registered_after_the_drain_signal_is_told_drain() {
+        let state = state();
+        let cancel = CancellationToken::new();
+        let (before, mut before_rx) = entry(&cancel);
+        assert!(state.register(ServerId("a".into()), before, 1));
+        state.start_draining();
+        assert!(is_drain(&mut before_rx), "a connected server is told");
+        // The connection that completes after the signal (the race an early
+        // SIGTERM hits) is told too.
+        let (after, mut after_rx) = entry(&cancel);
+        assert!(state.register(ServerId("b".into()), after, 2));
+        assert!(is_drain(&mut after_rx), "a server connected later is told");
+        // A duplicate is refused and told nothing.
+        let (duplicate, mut duplicate_rx) = entry(&cancel);
+        assert!(!state.register(ServerId("b".into()), duplicate, 2));
+        assert!(!is_drain(&mut duplicate_rx));
+    }
+
+    #[test]
+    fn before_the_drain_signal_a_server_connection_is_told_nothing() {
+        let state = state();
+        let cancel = CancellationToken::new();
+        let (entry, mut rx) = entry(&cancel);
+        assert!(state.register(ServerId("a".into()), entry, 1));
+        assert!(!is_drain(&mut rx));
     }
 }
