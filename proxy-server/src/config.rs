@@ -161,11 +161,13 @@ pub struct Args {
     /// stopped reading, and its stream is closed.
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     pub max_agent_queue_bytes: usize,
-    /// TLS handshakes in progress at once on each TLS listener (agents, TCP
-    /// frontend) (konnectivity-rs). At the cap a new connection replaces
-    /// the oldest pending handshake, so silent connections cannot lock
-    /// agents out.
-    #[arg(long, default_value_t = 256)]
+    /// Connections whose TLS handshake has not finished, per TLS listener
+    /// (agents, TCP frontend) (konnectivity-rs). At the cap new connections
+    /// wait in the listen backlog, and a pending one whose peer has kept it
+    /// waiting 1 s in all (silent or stalling) is dropped to make room; a
+    /// handshake that makes progress is never dropped. Each handshake has
+    /// 10 s from its accept.
+    #[arg(long, default_value_t = 8192)]
     pub max_tls_handshakes: usize,
     /// HTTP-CONNECT client connections open at once (konnectivity-rs);
     /// more are answered 503 and closed.
@@ -615,7 +617,7 @@ mod tests {
         assert_eq!(a.proxy_strategies, "default");
         assert_eq!(a.xfr_channel_size, None, "10, not named");
         assert_eq!(a.max_agent_queue_bytes, 4 << 20);
-        assert_eq!(a.max_tls_handshakes, 256);
+        assert_eq!(a.max_tls_handshakes, 8192);
         assert_eq!(a.max_http_connections, 65_536);
         assert_eq!(a.frontend_stall_timeout, Duration::from_secs(300));
         assert_eq!(a.kube_api_content_type, None, "protobuf, not named");

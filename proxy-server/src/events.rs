@@ -78,7 +78,8 @@ pub(crate) enum Limit {
     /// A frontend stream's control packets were past their reserve: the
     /// frontend does not read, and its stream was ended.
     FrontendQueue,
-    /// `--max-tls-handshakes`: the oldest pending handshake was dropped.
+    /// `--max-tls-handshakes`: a pending handshake whose peer stalled was
+    /// dropped to make room.
     TlsHandshakes,
     /// `--max-http-connections`: a CONNECT client was refused with 503.
     HttpConnections,

@@ -246,7 +246,7 @@ impl ServerMetrics {
         );
         let limits = m.register(
             "konnectivity_rs_server_limit_reached_total",
-            "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: the oldest pending handshake was dropped; http_connections: a CONNECT client was refused)",
+            "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused)",
             Family::default(),
         );
         Self {

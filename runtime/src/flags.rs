@@ -172,6 +172,7 @@ impl RuntimeArgs {
         binary: &str,
         main: impl std::future::Future<Output = std::process::ExitCode>,
     ) -> std::process::ExitCode {
+        raise_open_file_limit();
         match self.build() {
             Ok(runtime) => runtime.block_on(main),
             Err(e) => {
@@ -179,6 +180,16 @@ impl RuntimeArgs {
                 std::process::ExitCode::FAILURE
             }
         }
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit, as the Go runtime
+/// does for ANP's binaries (since Go 1.19): a server holds a socket per
+/// agent and per tunnel, thousands of them, and a container's soft limit
+/// may be 1,024. Failure leaves the limit as it was (it is only a ceiling).
+fn raise_open_file_limit() {
+    if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
+        eprintln!("cannot raise the open-file limit: {error}");
     }
 }
 

@@ -177,7 +177,7 @@ impl Default for ServerOpts {
             keepalive_time: None,
             lease: None,
             profiling: false,
-            max_tls_handshakes: 256,
+            max_tls_handshakes: 8192,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
         }
     }

@@ -84,15 +84,33 @@ impl ServerProcess {
     /// Polls `/metrics` until `series` has `value`; panics after `limit`
     /// with the last text.
     pub async fn wait_for_metric(&self, series: &str, value: f64, limit: Duration) {
+        self.wait_for_metric_where(series, &format!("{value}"), |v| v == value, limit)
+            .await;
+    }
+
+    /// Waits until one series (as [`metric`](Self::metric)) is at least
+    /// `value`.
+    pub async fn wait_for_metric_at_least(&self, series: &str, value: f64, limit: Duration) {
+        self.wait_for_metric_where(series, &format!("at least {value}"), |v| v >= value, limit)
+            .await;
+    }
+
+    async fn wait_for_metric_where(
+        &self,
+        series: &str,
+        wanted: &str,
+        done: impl Fn(f64) -> bool,
+        limit: Duration,
+    ) {
         let start = Instant::now();
         loop {
             let text = self.metrics().await;
-            if metric_value(&text, series) == value {
+            if done(metric_value(&text, series)) {
                 return;
             }
             assert!(
                 start.elapsed() < limit,
-                "{series} is {} after {limit:?}, not {value}:\n{text}",
+                "{series} is {} after {limit:?}, not {wanted}:\n{text}",
                 metric_value(&text, series)
             );
             tokio::time::sleep(Duration::from_millis(20)).await;

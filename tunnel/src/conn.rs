@@ -2,11 +2,10 @@
 //! handshake hold up the accept loop.
 
 use std::{
-    collections::BTreeMap,
     io,
     net::SocketAddr,
     pin::Pin,
-    sync::{Arc, Mutex, PoisonError},
+    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
@@ -22,7 +21,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 use tracing::debug;
 
-use crate::read_ahead::ReadAhead;
+use crate::{
+    admission::{Admission, Watched},
+    read_ahead::ReadAhead,
+};
 
 /// How long a peer may take to complete its TLS handshake.
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -41,7 +43,7 @@ pub struct PeerAddr(pub SocketAddr);
 /// A server-side TLS connection that tonic can serve.
 pub struct TlsConn {
     /// The stream, reading ahead under TLS.
-    inner: TlsStream<ReadAhead<TcpStream>>,
+    inner: TlsStream<Watched<ReadAhead<TcpStream>>>,
     /// Who is on the other end.
     peer: SocketAddr,
 }
@@ -114,83 +116,76 @@ pub async fn accept(listener: &TcpListener, what: &'static str) -> (TcpStream, S
 /// Pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Called each time a listener's handshake cap is reached.
+/// Called each time a listener drops a stalled pending handshake at its
+/// cap.
 pub type OnLimit = Arc<dyn Fn() + Send + Sync>;
 
 /// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
-/// own task (bounded by [`TLS_HANDSHAKE_TIMEOUT`]) and yields the completed
-/// ones. Failed handshakes (plain TCP, wrong CA, garbage) are logged at debug
-/// with the peer address and dropped; they never reach the gRPC server.
+/// own task (bounded by [`TLS_HANDSHAKE_TIMEOUT`] from its `accept`) and
+/// yields the completed ones. Failed handshakes (plain TCP, wrong CA,
+/// garbage) are logged at debug with the peer address and dropped; they
+/// never reach the gRPC server.
 ///
-/// At most `max_handshakes` are in progress at once: at the cap a new
-/// connection replaces the oldest pending handshake, which is dropped (a
-/// real peer completes its handshake in milliseconds, so the oldest is the
-/// likeliest to be a silent or slow one), and `on_limit` is called; the
-/// first time is logged.
+/// At most `max_pending` connections are between `accept` and the gRPC
+/// server at once. At the cap, new connections wait in the listen backlog,
+/// and the pending one whose peer has kept it waiting longest, if at least
+/// [`STALL`](crate::admission::STALL) (a silent or stalling socket), is
+/// dropped to make room, calling `on_limit`; the first drop is logged. A handshake that makes progress is never dropped, so a
+/// storm of real peers all get through, while a flood of silent ones
+/// cannot keep them out (see [`admission`](crate::admission)).
 pub fn tls_incoming(
     listener: TcpListener,
     acceptor: Arc<rustls::ServerConfig>,
     shutdown: CancellationToken,
     what: &'static str,
-    max_handshakes: usize,
+    max_pending: usize,
     on_limit: OnLimit,
 ) -> ReceiverStream<Result<TlsConn, io::Error>> {
     let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
     let acceptor = TlsAcceptor::from(acceptor);
-    // Pending handshakes by arrival, each stopped by its own token.
-    let pending: Arc<Mutex<BTreeMap<u64, CancellationToken>>> = Arc::default();
+    let admission = Admission::new(max_pending);
     tokio::spawn(async move {
-        let mut next_id = 0u64;
-        let mut logged = false;
+        let logged = std::sync::atomic::AtomicBool::new(false);
+        let on_shed = || {
+            on_limit();
+            if !logged.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    listener = what,
+                    limit = max_pending,
+                    "--max-tls-handshakes reached; dropping pending handshakes whose peers stall"
+                );
+            }
+        };
         loop {
+            let ticket = tokio::select! {
+                () = shutdown.cancelled() => return,
+                ticket = admission.admit(&shutdown, &on_shed) => ticket,
+            };
             let (tcp, peer) = tokio::select! {
                 () = shutdown.cancelled() => return,
                 accepted = accept(&listener, what) => accepted,
             };
+            let deadline = tokio::time::Instant::now() + TLS_HANDSHAKE_TIMEOUT;
             let _ = tcp.set_nodelay(true);
-            let id = next_id;
-            next_id += 1;
-            let cancel = shutdown.child_token();
-            {
-                let mut pending = pending.lock().unwrap_or_else(PoisonError::into_inner);
-                while pending.len() >= max_handshakes.max(1) {
-                    let Some((_, oldest)) = pending.pop_first() else {
-                        break;
-                    };
-                    oldest.cancel();
-                    on_limit();
-                    if !logged {
-                        logged = true;
-                        tracing::warn!(
-                            listener = what,
-                            limit = max_handshakes,
-                            "--max-tls-handshakes reached; dropping the oldest pending handshakes"
-                        );
-                    }
-                }
-                pending.insert(id, cancel.clone());
-            }
+            // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
+            let io = admission.watch(ReadAhead::new(tcp), &ticket);
             let acceptor = acceptor.clone();
             let tx = tx.clone();
-            let pending = pending.clone();
+            let admission = admission.clone();
             tokio::spawn(async move {
-                let handshake = tokio::time::timeout(
-                    TLS_HANDSHAKE_TIMEOUT,
-                    acceptor.accept(ReadAhead::new(tcp)),
-                );
                 let result = tokio::select! {
-                    () = cancel.cancelled() => None,
-                    r = handshake => Some(r),
+                    () = ticket.cancel.cancelled() => None,
+                    r = tokio::time::timeout_at(deadline, acceptor.accept(io)) => Some(r),
                 };
-                pending
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(&id);
+                admission.done(&ticket);
                 match result {
                     None => debug!(peer.addr = %peer, listener = what, "tls handshake dropped"),
-                    Some(Ok(Ok(inner))) => {
+                    Some(Ok(Ok(mut inner))) => {
+                        inner.get_mut().0.disarm();
+                        // The slot is held until the server takes the
+                        // connection, so a slow taker bounds them too.
                         tokio::select! {
-                            () = cancel.cancelled() => {}
+                            () = ticket.cancel.cancelled() => {}
                             _ = tx.send(Ok(TlsConn { inner, peer })) => {}
                         }
                     }
@@ -230,17 +225,72 @@ pub async fn bind_named(addr: SocketAddr, what: &'static str) -> Result<TcpListe
         .map_err(|source| BindError { addr, what, source })
 }
 
-/// Binds a TCP listener; an unspecified IPv6 address (`[::]`, what an empty
-/// bind-address flag means) falls back to `0.0.0.0` where IPv6 is disabled.
+/// Binds a TCP listener with the largest listen backlog the kernel allows
+/// (`net.core.somaxconn`, as Go's listeners do, not std's 128): a storm of
+/// thousands of agents reconnecting at once must queue in the kernel, not
+/// have its SYNs dropped and retried a second later. An unspecified IPv6
+/// address (`[::]`, what an empty bind-address flag means) falls back to
+/// `0.0.0.0` where IPv6 is disabled.
 ///
 /// # Errors
 /// The bind error.
 pub async fn bind_tcp(addr: SocketAddr) -> io::Result<TcpListener> {
-    match TcpListener::bind(addr).await {
+    match listen(addr) {
         Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
             let v4 = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), addr.port());
-            TcpListener::bind(v4).await.map_err(|_| e)
+            listen(v4).map_err(|_| e)
         }
         other => other,
+    }
+}
+
+/// Listen backlog asked for; the kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 65_535;
+
+/// A listening socket on `addr` (`SO_REUSEADDR`, as std's), backlog
+/// [`LISTEN_BACKLOG`].
+fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connections that complete while nobody accepts: with std's backlog
+    /// of 128 the rest would wait for accepts that never come.
+    #[tokio::test]
+    async fn the_listen_backlog_is_the_kernels_largest_not_128() {
+        let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(somaxconn > 128, "net.core.somaxconn is {somaxconn}");
+        let n = somaxconn.min(600) - 1;
+        let listener = bind_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut connecting = tokio::task::JoinSet::new();
+        for _ in 0..n {
+            connecting.spawn(tokio::time::timeout(
+                Duration::from_secs(10),
+                TcpStream::connect(addr),
+            ));
+        }
+        let mut held = Vec::new();
+        while let Some(connected) = connecting.join_next().await {
+            held.push(connected.unwrap().expect("queued in the backlog").unwrap());
+        }
+        for _ in 0..n {
+            listener.accept().await.unwrap();
+        }
+        assert_eq!(held.len(), n);
     }
 }

@@ -8,6 +8,8 @@
 //! - [`queue`]: byte-bounded outbound queues of shared streams.
 //! - [`mover`]: one connection's bytes between its socket and its DATA
 //!   packets, both ways.
+//! - [`admission`]: how many connections a TLS listener holds before
+//!   their handshakes end, and which it drops at the cap.
 //! - [`conn`]: accepting TLS and TCP for tonic without letting one peer
 //!   hold up the others; binding listeners.
 //! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
@@ -15,6 +17,7 @@
 //! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
+pub mod admission;
 pub mod conn;
 pub mod flow;
 pub mod ids;

@@ -79,7 +79,7 @@ async fn main() -> Result<()> {
             server_count: 1,
             strategies: vec![ProxyStrategy::Default],
             max_agent_queue_bytes: 4 << 20,
-            max_tls_handshakes: 256,
+            max_tls_handshakes: 8192,
             max_http_connections: 65_536,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             keepalive_time: Duration::from_secs(3600),

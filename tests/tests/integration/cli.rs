@@ -634,3 +634,31 @@ async fn worker_threads_sizes_the_runtime_of_both_binaries() {
     server.wait_for_agents(1).await;
     assert_eq!(worker_threads(agent.pid()), 1);
 }
+
+/// The soft open-file limit of `pid`, from `/proc/<pid>/limits`.
+fn soft_open_files(pid: u32) -> u64 {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    line.split_whitespace().nth(3).unwrap().parse().unwrap()
+}
+
+/// Both binaries raise their soft open-file limit to the hard limit at
+/// start-up, as Go's runtime does for ANP's (a server holds a socket per
+/// agent, thousands of them, and a container's soft limit may be 1,024).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_binaries_raise_their_open_file_limit_to_the_hard_limit() {
+    // nextest runs each test in a process of its own: the lowered limit is
+    // this test's and its children's only.
+    let (_, hard) = rlimit::Resource::NOFILE.get().unwrap();
+    assert!(hard > 512, "the hard limit is {hard}: nothing to raise");
+    rlimit::Resource::NOFILE.set(512, hard).unwrap();
+    let server = integration_tests::process::ServerProcess::start("grpc", &[]).await;
+    let agent = integration_tests::AgentProcess::spawn(server.agent_addr.port(), &[]);
+    server.wait_for_agents(1).await;
+    assert_eq!(soft_open_files(std::process::id()), 512, "this test's own");
+    assert_eq!(soft_open_files(server.pid()), hard, "proxy-server");
+    assert_eq!(soft_open_files(agent.pid()), hard, "proxy-agent");
+}
