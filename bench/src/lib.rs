@@ -4,6 +4,8 @@
 //! loopback, interleaved direct/grpc/http-connect within each repetition.
 //!
 //! # Layout
+//! - [`agents`]: the agents scenario (N real agents in `agent-swarm`
+//!   processes against one server).
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
 //!   hold-open) in the bench process.
 //! - [`system`]: starting, probing and killing proxy-server and proxy-agent.
@@ -13,6 +15,7 @@
 //! - [`stats`]: median/min/max, Jain's index, latency histograms.
 //! - [`report`]: metric definitions, the table and the JSON.
 
+pub mod agents;
 pub mod backends;
 pub mod probe;
 pub mod report;
@@ -64,6 +67,10 @@ pub enum Scenario {
     /// Rounds of --conns tunnels open at once, each echoing 1 KiB: RSS
     /// after round 2 and after the last.
     Churn,
+    /// --agents agents against one server: connected after a cold start and
+    /// after a server restart, RSS and CPU per agent, health latency, dial
+    /// rate with 1 and N agents, ANP-style agents.
+    Agents,
 }
 
 impl Scenario {
@@ -95,10 +102,13 @@ pub struct Opt {
     /// Timed ping-pong round trips per run.
     #[arg(long, default_value_t = 10_000)]
     pub round_trips: usize,
+    /// Agents of the agents scenario.
+    #[arg(long, default_value_t = 5_000)]
+    pub agents: usize,
     /// Streams of the parallel scenario.
     #[arg(long, default_value_t = 16)]
     pub streams: usize,
-    /// Smoke run: --duration=1s, --reps=1, --conns=1000 (overrides them).
+    /// Smoke run: --duration=1s, --reps=1, --conns=1000, --agents at most 1000.
     #[arg(long)]
     pub quick: bool,
     /// Scenarios to run, comma-separated.
@@ -106,7 +116,7 @@ pub struct Opt {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "bulk,parallel,hol,pingpong,dial,memory,churn,cpu"
+        default_value = "bulk,parallel,hol,pingpong,dial,memory,churn,cpu,agents"
     )]
     pub scenarios: Vec<Scenario>,
     /// Where to write the JSON results.
@@ -147,6 +157,7 @@ pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
         opt.duration = Duration::from_secs(1);
         opt.reps = 1;
         opt.conns = 1000;
+        opt.agents = opt.agents.min(1000);
     }
     opt.reps = opt.reps.max(1);
     opt.streams = opt.streams.max(1);
@@ -303,6 +314,33 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
                 }
             }
         }
+    }
+    if opt.has(Scenario::Agents) {
+        if !bins.swarm.is_file() {
+            anyhow::bail!(
+                "{} not found; run `cargo build --release --workspace --bins`",
+                bins.swarm.display()
+            );
+        }
+        agents::run(
+            &bins,
+            dir.path(),
+            &backends,
+            opt.agents,
+            timing.duration,
+            nofile,
+            &mut rec,
+        )
+        .await
+        .context("agents scenario")?;
+        notes.push(format!(
+            "agents runs once, last, against a server of its own (gRPC mode, default flags): N = {} \
+             real agents in agent-swarm processes (each agent its own TLS connection, Connect \
+             stream, health and admin listeners; default --sync-interval); RSS per agent = \
+             (RSS with N - RSS before) / N, the swarm's beyond its first agent; CPU = utime+stime \
+             of proxy-server while they connect",
+            opt.agents
+        ));
     }
     notes.push(
         "each repetition runs direct, grpc, http-connect in turn; cells are median [min–max] \

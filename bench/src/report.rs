@@ -144,6 +144,43 @@ pub const CHURN_LAST_AGENT: Def = def("churn", "agent RSS after last round", "Mi
 /// Agent RSS growth from churn round 2 to the last, in percent.
 pub const CHURN_GROWTH_AGENT: Def = def("churn", "agent growth round 2->last", "%", false);
 
+/// All agents connected after a cold start (agents scenario).
+pub const AGENTS_COLD: Def = def("agents", "N agents connected, cold start", "s", false);
+/// All agents connected after the server was killed and started again.
+pub const AGENTS_RESTART: Def = def("agents", "N agents connected, server restart", "s", false);
+/// Server CPU per agent connection during the cold start.
+pub const AGENTS_CPU_COLD: Def = def("agents", "server CPU per agent, cold start", "ms", false);
+/// Server CPU per agent connection during the restart storm.
+pub const AGENTS_CPU_RESTART: Def = def("agents", "server CPU per agent, restart", "ms", false);
+/// Server RSS per connected idle agent.
+pub const AGENTS_RSS_SERVER: Def = def("agents", "server RSS per idle agent", "KiB", false);
+/// Agent-side RSS per agent (the swarm process, beyond one agent).
+pub const AGENTS_RSS_SWARM: Def = def("agents", "agent side RSS per agent (swarm)", "KiB", false);
+/// Slowest `/readyz` with N agents connected.
+pub const AGENTS_READYZ: Def = def("agents", "/readyz slowest of 20, N agents", "ms", false);
+/// Slowest `/metrics` with N agents connected.
+pub const AGENTS_METRICS: Def = def("agents", "/metrics slowest of 20, N agents", "ms", false);
+/// Dial rate at 8 clients with one agent.
+pub const AGENTS_DIAL1_RATE: Def = def("agents", "c=8 dial rate, 1 agent", "dials/s", false);
+/// Dial p99 at 8 clients with one agent.
+pub const AGENTS_DIAL1_P99: Def = def("agents", "c=8 dial p99, 1 agent", "us", false);
+/// Dial rate at 8 clients with N agents.
+pub const AGENTS_DIALN_RATE: Def = def("agents", "c=8 dial rate, N agents", "dials/s", false);
+/// Dial p99 at 8 clients with N agents.
+pub const AGENTS_DIALN_P99: Def = def("agents", "c=8 dial p99, N agents", "us", false);
+/// Dial rate with N agents over with one.
+pub const AGENTS_DIAL_RATIO: Def = def("agents", "dial rate N agents / 1 agent", "ratio", false);
+/// Dial p99 with N agents over with one.
+pub const AGENTS_DIAL_P99_RATIO: Def = def("agents", "dial p99 N agents / 1 agent", "ratio", false);
+/// ANP-style agents (no flow-control negotiation) connected, cold start.
+pub const AGENTS_ANP_COLD: Def = def("agents", "N ANP-style agents connected, cold", "s", false);
+/// Dial rate at 8 clients with N ANP-style agents.
+pub const AGENTS_ANP_DIAL_RATE: Def = def("agents", "c=8 dial rate, N ANP-style", "dials/s", false);
+/// Dial p99 at 8 clients with N ANP-style agents.
+pub const AGENTS_ANP_DIAL_P99: Def = def("agents", "c=8 dial p99, N ANP-style", "us", false);
+/// Failed dials over the agents scenario's dial rows.
+pub const AGENTS_DIAL_ERRORS: Def = def("agents", "dial errors", "count", false);
+
 /// Every metric, in table order.
 const ALL: &[&Def] = &[
     &BULK_DOWN,
@@ -187,6 +224,24 @@ const ALL: &[&Def] = &[
     &CHURN_R2_AGENT,
     &CHURN_LAST_AGENT,
     &CHURN_GROWTH_AGENT,
+    &AGENTS_COLD,
+    &AGENTS_RESTART,
+    &AGENTS_CPU_COLD,
+    &AGENTS_CPU_RESTART,
+    &AGENTS_RSS_SERVER,
+    &AGENTS_RSS_SWARM,
+    &AGENTS_READYZ,
+    &AGENTS_METRICS,
+    &AGENTS_DIAL1_RATE,
+    &AGENTS_DIAL1_P99,
+    &AGENTS_DIALN_RATE,
+    &AGENTS_DIALN_P99,
+    &AGENTS_DIAL_RATIO,
+    &AGENTS_DIAL_P99_RATIO,
+    &AGENTS_ANP_COLD,
+    &AGENTS_ANP_DIAL_RATE,
+    &AGENTS_ANP_DIAL_P99,
+    &AGENTS_DIAL_ERRORS,
 ];
 
 /// Values collected so far, per metric, route and repetition.

@@ -24,6 +24,8 @@ pub struct Binaries {
     pub server: PathBuf,
     /// `proxy-agent`.
     pub agent: PathBuf,
+    /// `agent-swarm` (the agents scenario), next to this executable.
+    pub swarm: PathBuf,
     /// Flags given to both (`--worker-threads=N`).
     pub extra: Vec<String>,
 }
@@ -53,13 +55,14 @@ impl Binaries {
         Ok(Self {
             server: found(server, "proxy-server")?,
             agent: found(agent, "proxy-agent")?,
+            swarm: dir.join("agent-swarm"),
             extra: Vec::new(),
         })
     }
 }
 
 /// A child process killed (SIGKILL) and reaped on drop.
-struct Process {
+pub struct Process {
     /// The child.
     child: Child,
     /// What it is, for messages.
@@ -70,7 +73,15 @@ struct Process {
 
 impl Process {
     /// Starts `program args`, stdout discarded, stderr to `log`.
-    fn spawn(name: String, program: &Path, args: &[String], log: PathBuf) -> anyhow::Result<Self> {
+    ///
+    /// # Errors
+    /// The log cannot be created or the program started.
+    pub fn spawn(
+        name: String,
+        program: &Path,
+        args: &[String],
+        log: PathBuf,
+    ) -> anyhow::Result<Self> {
         let stderr = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let child = Command::new(program)
             .args(args)
@@ -82,8 +93,16 @@ impl Process {
         Ok(Self { child, name, log })
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// An error if the process has exited, with the end of its log.
-    fn check_alive(&mut self) -> anyhow::Result<()> {
+    ///
+    /// # Errors
+    /// It has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
         if let Some(status) = self.child.try_wait()? {
             let log = std::fs::read_to_string(&self.log).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(20).collect();
@@ -130,32 +149,14 @@ impl Deployment {
             Mode::Grpc => "grpc",
             Mode::HttpConnect => "http-connect",
         };
-        let file = |f: &str| dir.join(f).display().to_string();
         let uds = dir.join(format!("{name}.sock"));
-        let agent_port = free_port()?;
-        let mut health_port = free_port()?;
-        while health_port == agent_port {
-            health_port = free_port()?;
-        }
+        let (agent_port, health_port) = free_ports()?;
         let server = Process::spawn(
             format!("proxy-server --mode={name}"),
             &bins.server,
             &[
                 &bins.extra[..],
-                &[
-                    format!("--mode={name}"),
-                    format!("--uds-name={}", uds.display()),
-                    "--server-port=0".to_owned(),
-                    format!("--cluster-cert={}", file("cluster.crt")),
-                    format!("--cluster-key={}", file("cluster.key")),
-                    format!("--cluster-ca-cert={}", file("agent-ca.crt")),
-                    "--agent-bind-address=127.0.0.1".to_owned(),
-                    format!("--agent-port={agent_port}"),
-                    "--health-bind-address=127.0.0.1".to_owned(),
-                    format!("--health-port={health_port}"),
-                    "--admin-port=0".to_owned(),
-                    "--v=0".to_owned(),
-                ],
+                &server_args(dir, name, &uds, agent_port, health_port),
             ]
             .concat(),
             dir.join(format!("{name}-server.log")),
@@ -165,18 +166,8 @@ impl Deployment {
             &bins.agent,
             &[
                 &bins.extra[..],
-                &[
-                    format!("--ca-cert={}", file("agent-ca.crt")),
-                    format!("--agent-cert={}", file("proxy-agent.crt")),
-                    format!("--agent-key={}", file("proxy-agent.key")),
-                    "--proxy-server-host=127.0.0.1".to_owned(),
-                    format!("--proxy-server-port={agent_port}"),
-                    "--health-server-host=127.0.0.1".to_owned(),
-                    "--health-server-port=0".to_owned(),
-                    "--admin-server-port=0".to_owned(),
-                    "--sync-interval=100ms".to_owned(),
-                    "--v=0".to_owned(),
-                ],
+                &agent_args(dir, agent_port),
+                &["--sync-interval=100ms".to_owned()],
             ]
             .concat(),
             dir.join(format!("{name}-agent.log")),
@@ -266,6 +257,63 @@ impl Pids {
     pub fn cpu_ticks(&self) -> anyhow::Result<u64> {
         Ok(probe::cpu_ticks(self.server)? + probe::cpu_ticks(self.agent)?)
     }
+}
+
+/// proxy-server's flags in `mode` (`grpc`, `http-connect`) with the
+/// certificates in `dir`, the frontend on `uds`, the agent and health ports
+/// given, quiet logs.
+pub fn server_args(
+    dir: &Path,
+    mode: &str,
+    uds: &Path,
+    agent_port: u16,
+    health_port: u16,
+) -> Vec<String> {
+    let file = |f: &str| dir.join(f).display().to_string();
+    vec![
+        format!("--mode={mode}"),
+        format!("--uds-name={}", uds.display()),
+        "--server-port=0".to_owned(),
+        format!("--cluster-cert={}", file("cluster.crt")),
+        format!("--cluster-key={}", file("cluster.key")),
+        format!("--cluster-ca-cert={}", file("agent-ca.crt")),
+        "--agent-bind-address=127.0.0.1".to_owned(),
+        format!("--agent-port={agent_port}"),
+        "--health-bind-address=127.0.0.1".to_owned(),
+        format!("--health-port={health_port}"),
+        "--admin-port=0".to_owned(),
+        "--v=0".to_owned(),
+    ]
+}
+
+/// proxy-agent's flags towards the server's `agent_port`, with the
+/// certificates in `dir`, ephemeral health and admin ports, quiet logs.
+pub fn agent_args(dir: &Path, agent_port: u16) -> Vec<String> {
+    let file = |f: &str| dir.join(f).display().to_string();
+    vec![
+        format!("--ca-cert={}", file("agent-ca.crt")),
+        format!("--agent-cert={}", file("proxy-agent.crt")),
+        format!("--agent-key={}", file("proxy-agent.key")),
+        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-port={agent_port}"),
+        "--health-server-host=127.0.0.1".to_owned(),
+        "--health-server-port=0".to_owned(),
+        "--admin-server-port=0".to_owned(),
+        "--v=0".to_owned(),
+    ]
+}
+
+/// Two distinct free ports (agent, health).
+///
+/// # Errors
+/// No free port.
+pub fn free_ports() -> anyhow::Result<(u16, u16)> {
+    let first = free_port()?;
+    let mut second = free_port()?;
+    while second == first {
+        second = free_port()?;
+    }
+    Ok((first, second))
 }
 
 /// A currently free loopback port that proxy-server accepts: ANP's port

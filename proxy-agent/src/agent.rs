@@ -73,6 +73,8 @@ pub(crate) struct AgentState {
     leases: Option<Arc<LeaseCounter>>,
     /// `--server-count-source`.
     count_source: ServerCountSource,
+    /// Told when a server connection ends: wakes the sync loops.
+    lost: tokio::sync::Notify,
 }
 
 impl AgentState {
@@ -168,7 +170,13 @@ impl Live for AgentState {
     }
 }
 
-/// Jittered exponential backoff (ANP: factor 1.5, jitter 0.1, capped).
+/// Jittered exponential backoff: factor 1.5 up to the cap, as ANP's, but
+/// each wait drawn from the upper half of the current step rather than
+/// ANP's +10 %, so agents that failed together do not retry together.
+/// A refused connection (see [`ConnectError::is_refused`]) is retried
+/// within one `--sync-interval` and does not grow the step.
+///
+/// [`ConnectError::is_refused`]: crate::client::ConnectError::is_refused
 struct Backoff {
     /// First and steady interval.
     initial: Duration,
@@ -187,11 +195,18 @@ impl Backoff {
         }
     }
 
-    /// The wait after a failure; grows towards the cap.
+    /// The wait after a failure: in the upper half of the current step,
+    /// which then grows towards the cap.
     fn next_failure(&mut self) -> Duration {
-        let wait = jitter(self.current).min(self.cap);
+        let wait = self.current.mul_f64(0.5 + 0.5 * fastrand::f64());
         self.current = self.current.mul_f64(1.5).min(self.cap);
         wait
+    }
+
+    /// The wait after a refused connection: anywhere within the first
+    /// step; the step does not grow.
+    fn refused(&self) -> Duration {
+        spread(self.initial)
     }
 
     /// The wait after a success; resets the growth.
@@ -204,6 +219,13 @@ impl Backoff {
 /// Adds up to 10 % (ANP's `wait.Jitter(d, 0.1)`).
 fn jitter(d: Duration) -> Duration {
     d + d.mul_f64(0.1 * fastrand::f64())
+}
+
+/// Anywhere in `(0, d]`: how long an agent waits before reconnecting to a
+/// server that went away, so that thousands of agents losing the same
+/// server come back spread over `d`, not in one burst.
+fn spread(d: Duration) -> Duration {
+    d.mul_f64(1.0 - fastrand::f64())
 }
 
 /// Entry point: `Agent::bind(config)` then `Bound::serve(shutdown)`.
@@ -236,6 +258,7 @@ impl Agent {
             draining: Arc::new(AtomicBool::new(false)),
             leases,
             count_source: config.server_count_source,
+            lost: tokio::sync::Notify::new(),
         });
         let live: Arc<dyn Live> = state.clone();
         let metrics = Arc::new(AgentMetrics::new(Arc::downgrade(&live), &lease_metrics));
@@ -424,6 +447,10 @@ async fn sync_loop(
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()
                 }
+                Err(error) if error.is_refused() => {
+                    warn!(error = %DisplayErrorStack(&error), "proxy-server refused the connection; will retry soon");
+                    backoff.refused()
+                }
                 Err(error) => {
                     warn!(error = %DisplayErrorStack(&error), "cannot connect to proxy-server; will retry");
                     backoff.next_failure()
@@ -432,9 +459,19 @@ async fn sync_loop(
         } else {
             jitter(config.sync_interval)
         };
+        let lost = state.lost.notified();
         tokio::select! {
             () = token.cancelled() => return,
             () = tokio::time::sleep(wait) => {}
+            () = lost => {
+                // A server connection ended: reconnect after a pause drawn
+                // from one interval, not in step with every other agent
+                // that lost the same server.
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    () = tokio::time::sleep(spread(config.sync_interval)) => {}
+                }
+            }
         }
     }
 }
@@ -467,6 +504,7 @@ fn add_client(
         async move {
             client.serve(conns, cancel).await;
             state.clients().remove(&server_id);
+            state.lost.notify_waiters();
             info!("disconnected from proxy-server");
         }
         .instrument(span),
@@ -523,12 +561,42 @@ mod tests {
     fn backoff_grows_to_the_cap_and_resets() {
         let mut b = Backoff::new(Duration::from_secs(1), Duration::from_secs(10));
         let waits: Vec<Duration> = (0..10).map(|_| b.next_failure()).collect();
-        assert!(waits[0] >= Duration::from_secs(1) && waits[0] <= Duration::from_millis(1100));
-        assert!(waits[1] >= Duration::from_millis(1500) && waits[1] <= Duration::from_millis(1650));
-        assert_eq!(*waits.last().unwrap(), Duration::from_secs(10), "capped");
+        let within = |d: Duration, lo: u64, hi: u64| {
+            d >= Duration::from_millis(lo) && d <= Duration::from_millis(hi)
+        };
+        assert!(within(waits[0], 500, 1000), "{:?}", waits[0]);
+        assert!(within(waits[1], 750, 1500), "{:?}", waits[1]);
+        assert!(within(waits[9], 5000, 10_000), "capped: {:?}", waits[9]);
+        // Refusals wait at most one step and do not grow it.
+        for _ in 0..100 {
+            assert!(within(b.refused(), 0, 1000));
+        }
         let reset = b.success();
-        assert!(reset >= Duration::from_secs(1) && reset <= Duration::from_millis(1100));
-        assert!(b.next_failure() <= Duration::from_millis(1100));
+        assert!(within(reset, 1000, 1100), "{reset:?}");
+        assert!(within(b.next_failure(), 500, 1000));
+    }
+
+    #[test]
+    fn waits_of_agents_that_failed_together_are_spread() {
+        // 1,000 agents losing one server: their pauses cover the interval
+        // rather than falling in one millisecond.
+        let interval = Duration::from_secs(1);
+        let mut buckets = [0usize; 10];
+        for _ in 0..1000 {
+            let wait = spread(interval);
+            assert!(wait > Duration::ZERO && wait <= interval, "{wait:?}");
+            buckets[(wait.as_millis() as usize * 10 / 1001).min(9)] += 1;
+        }
+        assert!(buckets.iter().all(|&n| n > 0), "{buckets:?}");
+        let mut b = Backoff::new(interval, Duration::from_secs(10));
+        let failed: Vec<Duration> = (0..1000)
+            .map(|_| {
+                b.current = interval;
+                b.next_failure()
+            })
+            .collect();
+        let distinct: std::collections::HashSet<_> = failed.iter().map(|d| d.as_millis()).collect();
+        assert!(distinct.len() > 100, "{} distinct waits", distinct.len());
     }
 
     fn state() -> AgentState {
@@ -538,6 +606,7 @@ mod tests {
             draining: Arc::new(AtomicBool::new(false)),
             leases: None,
             count_source: ServerCountSource::Default,
+            lost: tokio::sync::Notify::new(),
         }
     }
 

@@ -128,6 +128,30 @@ pub enum ConnectError {
     },
 }
 
+impl ConnectError {
+    /// Whether the server's side turned the connection away before TLS
+    /// said anything: nothing listening (a restarting server) or the
+    /// socket closed during the handshake (a server shedding load). Such a
+    /// failure says nothing against the next try, so it is retried soon
+    /// rather than after a growing backoff.
+    pub fn is_refused(&self) -> bool {
+        let cut = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionRefused
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::BrokenPipe
+            )
+        };
+        match self {
+            Self::Tcp { source, .. } | Self::Tls { source, .. } => cut(source),
+            _ => false,
+        }
+    }
+}
+
 /// A freshly opened stream, not yet serving.
 pub struct Client {
     /// The server's id (`serverid`).
@@ -763,6 +787,54 @@ mod tests {
     use super::*;
 
     const TICK: Duration = Duration::from_millis(10);
+
+    #[test]
+    fn a_server_that_turns_the_socket_away_is_refused_and_a_tls_verdict_is_not() {
+        let server = || "proxy:8091".to_owned();
+        let io = |kind| io::Error::new(kind, "test");
+        let cases = [
+            (
+                ConnectError::Tcp {
+                    server: server(),
+                    source: io(io::ErrorKind::ConnectionRefused),
+                },
+                true,
+            ),
+            (
+                ConnectError::Tls {
+                    server: server(),
+                    source: io(io::ErrorKind::UnexpectedEof),
+                },
+                true,
+            ),
+            (
+                ConnectError::Tls {
+                    server: server(),
+                    source: io(io::ErrorKind::ConnectionReset),
+                },
+                true,
+            ),
+            (
+                ConnectError::Tcp {
+                    server: server(),
+                    source: io(io::ErrorKind::HostUnreachable),
+                },
+                false,
+            ),
+            // A TLS alert (bad certificate) is a verdict, not load.
+            (
+                ConnectError::Tls {
+                    server: server(),
+                    source: io(io::ErrorKind::InvalidData),
+                },
+                false,
+            ),
+            (ConnectError::Timeout { server: server() }, false),
+        ];
+        for (error, refused) in cases {
+            assert_eq!(error.is_refused(), refused, "{error:?}");
+        }
+    }
 
     #[tokio::test]
     async fn the_probe_sees_the_transport_end() {

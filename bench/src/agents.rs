@@ -1,0 +1,427 @@
+//! The agents scenario: one proxy-server (gRPC mode, default admission
+//! flags) and N real agents run by `agent-swarm` processes, each agent its
+//! own TLS connection and `Connect` stream, as a cluster's DaemonSet has one
+//! per node. Measures, in one run:
+//! - the time until all N are connected after a cold start, and after the
+//!   server is killed (SIGKILL) and started again on the same port, with the
+//!   server's CPU per agent connection in each;
+//! - the server's RSS per connected idle agent, and the swarm's;
+//! - `/readyz` and `/metrics` latency with N agents;
+//! - the single-use dial rate and p99 at 8 clients with 1 agent and with N;
+//! - the same cold start and dial rate with ANP-style agents (no
+//!   flow-control negotiation).
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use client::dial::{Dialer, H2Settings, Mode, Transport};
+
+use crate::{
+    backends::Backends,
+    probe,
+    report::{self, Recorder, Route},
+    scenarios::{self, Target},
+    stats,
+    system::{self, Binaries, Pids, Process},
+};
+
+/// Descriptors an agent holds while idle: its server connection, its health
+/// and admin listeners.
+const FDS_PER_AGENT: u64 = 3;
+/// Descriptors a swarm process keeps for everything else (dials, logs).
+const SWARM_SPARE_FDS: u64 = 1024;
+/// Longest wait for all agents to connect.
+const CONNECT_LIMIT: Duration = Duration::from_secs(120);
+/// How often the server's gauge is read while agents connect.
+const POLL: Duration = Duration::from_millis(50);
+/// Health-endpoint requests timed per endpoint.
+const HEALTH_SAMPLES: usize = 20;
+/// Concurrency of the dial rows.
+const DIAL_CLIENTS: usize = 8;
+/// The server's count of connected agent streams.
+const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+
+/// The server under test, restartable on the same ports.
+struct Server {
+    /// The running process, if any.
+    process: Option<Process>,
+    /// Its flags.
+    args: Vec<String>,
+    /// The binary.
+    bin: PathBuf,
+    /// Where logs go.
+    dir: PathBuf,
+    /// How many times it was started (log names).
+    starts: usize,
+    /// The health port (`/metrics`, `/readyz`).
+    health: SocketAddr,
+    /// The agent port.
+    agent_port: u16,
+    /// The frontend socket.
+    uds: PathBuf,
+}
+
+impl Server {
+    fn new(bins: &Binaries, dir: &Path) -> anyhow::Result<Self> {
+        let (agent_port, health_port) = system::free_ports()?;
+        let uds = dir.join("agents.sock");
+        let args = [
+            &bins.extra[..],
+            &system::server_args(dir, "grpc", &uds, agent_port, health_port),
+        ]
+        .concat();
+        Ok(Self {
+            process: None,
+            args,
+            bin: bins.server.clone(),
+            dir: dir.to_owned(),
+            starts: 0,
+            health: SocketAddr::from(([127, 0, 0, 1], health_port)),
+            agent_port,
+            uds,
+        })
+    }
+
+    /// Starts the process and waits until `/metrics` answers.
+    async fn start(&mut self) -> anyhow::Result<()> {
+        self.starts += 1;
+        self.process = Some(Process::spawn(
+            "proxy-server (agents scenario)".to_owned(),
+            &self.bin,
+            &self.args,
+            self.dir.join(format!("agents-server-{}.log", self.starts)),
+        )?);
+        let started = Instant::now();
+        while probe::http_get(self.health, "/metrics").await.is_err() {
+            self.check_alive()?;
+            if started.elapsed() > CONNECT_LIMIT {
+                bail!("proxy-server did not answer /metrics within {CONNECT_LIMIT:?}");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        Ok(())
+    }
+
+    /// SIGKILL, as a crashed or evicted control-plane Pod.
+    fn kill(&mut self) {
+        self.process = None;
+    }
+
+    fn pid(&self) -> anyhow::Result<u32> {
+        self.process
+            .as_ref()
+            .map(Process::pid)
+            .context("proxy-server is not running")
+    }
+
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        match &mut self.process {
+            Some(p) => p.check_alive(),
+            None => bail!("proxy-server is not running"),
+        }
+    }
+
+    /// Connected agent streams, from `/metrics`.
+    async fn connected(&self) -> anyhow::Result<usize> {
+        let (_, text) = probe::http_get(self.health, "/metrics").await?;
+        Ok(probe::prometheus_value(&text, CONNECTED).unwrap_or(0.0) as usize)
+    }
+
+    /// Waits until exactly `n` agents are connected; how long that took
+    /// from `since`.
+    async fn wait_connected(&mut self, n: usize, since: Instant) -> anyhow::Result<Duration> {
+        loop {
+            self.check_alive()?;
+            let now = self.connected().await.unwrap_or(0);
+            if now == n {
+                return Ok(since.elapsed());
+            }
+            if since.elapsed() > CONNECT_LIMIT {
+                bail!("{now} of {n} agents connected after {CONNECT_LIMIT:?}");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    fn target(&self, swarm_pid: u32) -> anyhow::Result<Target> {
+        Ok(Target {
+            route: Route::Grpc,
+            dialer: Some(Dialer {
+                transport: Transport::Uds(self.uds.clone()),
+                mode: Mode::Grpc,
+                h2: H2Settings::default(),
+            }),
+            pids: Some(Pids {
+                server: self.pid()?,
+                agent: swarm_pid,
+            }),
+            health: Some(self.health),
+        })
+    }
+}
+
+/// `agent-swarm` processes running N agents between them.
+struct Swarm {
+    /// The processes.
+    processes: Vec<Process>,
+}
+
+impl Swarm {
+    /// Starts `n` agents of `server`, as few processes as the open-file
+    /// limit allows; `flow_control` off makes them ANP-style.
+    fn start(
+        bins: &Binaries,
+        dir: &Path,
+        server: &Server,
+        n: usize,
+        flow_control: bool,
+        nofile: u64,
+    ) -> anyhow::Result<Self> {
+        let per = usize::try_from(nofile.saturating_sub(SWARM_SPARE_FDS) / FDS_PER_AGENT)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        let mut processes = Vec::new();
+        let mut first = 0;
+        while first < n {
+            let agents = per.min(n - first);
+            let args = [
+                vec![
+                    format!("--agents={agents}"),
+                    format!("--first={first}"),
+                    "--".to_owned(),
+                ],
+                system::agent_args(dir, server.agent_port),
+                vec![format!("--flow-control={flow_control}")],
+            ]
+            .concat();
+            processes.push(Process::spawn(
+                format!("agent-swarm --first={first}"),
+                &bins.swarm,
+                &args,
+                dir.join(format!("swarm-{first}.log")),
+            )?);
+            first += agents;
+        }
+        Ok(Self { processes })
+    }
+
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        self.processes.iter_mut().try_for_each(Process::check_alive)
+    }
+
+    /// RSS of all swarm processes, bytes.
+    fn rss(&self) -> anyhow::Result<u64> {
+        self.processes.iter().map(|p| probe::rss(p.pid())).sum()
+    }
+
+    fn first_pid(&self) -> u32 {
+        self.processes.first().map_or(0, Process::pid)
+    }
+}
+
+/// RSS of `pid` once freed memory has gone back (see
+/// [`scenarios::settled_rss`]).
+async fn settled(rss: impl Fn() -> anyhow::Result<u64>) -> anyhow::Result<u64> {
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut least = u64::MAX;
+    for _ in 0..4 {
+        least = least.min(rss()?);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok(least)
+}
+
+/// The slowest of [`HEALTH_SAMPLES`] GETs of `path`, ms.
+async fn slowest_get(addr: SocketAddr, path: &str) -> anyhow::Result<f64> {
+    let mut slowest = Duration::ZERO;
+    for _ in 0..HEALTH_SAMPLES {
+        let began = Instant::now();
+        let (status, _) = probe::http_get(addr, path).await?;
+        if status != 200 {
+            bail!("GET {path} answered {status}");
+        }
+        slowest = slowest.max(began.elapsed());
+    }
+    Ok(slowest.as_secs_f64() * 1e3)
+}
+
+/// One dial row: rate and p99 (µs) at [`DIAL_CLIENTS`]; errors.
+async fn dial_row(
+    target: &Target,
+    backends: &Backends,
+    duration: Duration,
+    what: &str,
+) -> anyhow::Result<(f64, f64, u64)> {
+    let pids = target.pids.context("a tunneled target")?;
+    let before = (
+        probe::cpu_ticks(pids.server)?,
+        probe::cpu_ticks(pids.agent)?,
+    );
+    let d = scenarios::dial_rate(target, backends, DIAL_CLIENTS, duration).await?;
+    let after = (
+        probe::cpu_ticks(pids.server)?,
+        probe::cpu_ticks(pids.agent)?,
+    );
+    let dials = d.latency.len().max(1) as f64;
+    let p99 = stats::quantile_us(&d.latency, 0.99);
+    eprintln!(
+        "agents: dial c={DIAL_CLIENTS} with {what}: {:.0} dials/s, p99 {p99:.0} us, \
+         CPU per dial: server {:.0} us, agents {:.0} us; {} errors{}",
+        d.rate,
+        ticks_ms(after.0 - before.0) * 1e3 / dials,
+        ticks_ms(after.1 - before.1) * 1e3 / dials,
+        d.errors,
+        d.first_error
+            .as_deref()
+            .map(|e| format!(" (first: {e})"))
+            .unwrap_or_default()
+    );
+    Ok((d.rate, p99, d.errors))
+}
+
+/// Runs the scenario with `n` agents and records its rows.
+///
+/// # Errors
+/// A process does not start or dies, or the agents do not all connect
+/// within two minutes.
+pub async fn run(
+    bins: &Binaries,
+    dir: &Path,
+    backends: &Backends,
+    n: usize,
+    duration: Duration,
+    nofile: u64,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    let push = |rec: &mut Recorder, def: &report::Def, value: f64| {
+        rec.push(def, Route::Grpc, 0, Some(value));
+    };
+    let mut server = Server::new(bins, dir)?;
+    server.start().await?;
+    let server_idle = settled(|| probe::rss(server.pid()?)).await?;
+
+    // One agent: the dial row to compare with, and the swarm's own size.
+    let mut swarm = Swarm::start(bins, dir, &server, 1, true, nofile)?;
+    server.wait_connected(1, Instant::now()).await?;
+    let (rate1, p99_1, errors1) = dial_row(
+        &server.target(swarm.first_pid())?,
+        backends,
+        duration,
+        "1 agent",
+    )
+    .await?;
+    swarm.check_alive()?;
+    let swarm_one = settled(|| swarm.rss()).await?;
+    drop(swarm);
+    server.wait_connected(0, Instant::now()).await?;
+
+    // Cold start: N agents at once.
+    let cpu = probe::cpu_ticks(server.pid()?)?;
+    let began = Instant::now();
+    let mut swarm = Swarm::start(bins, dir, &server, n, true, nofile)?;
+    let cold = server.wait_connected(n, began).await?;
+    let cold_cpu = probe::cpu_ticks(server.pid()?)? - cpu;
+    swarm.check_alive()?;
+    eprintln!(
+        "agents: {n} connected {:.2} s after a cold start; server CPU {:.2} ms per agent",
+        cold.as_secs_f64(),
+        ticks_ms(cold_cpu) / n as f64
+    );
+    push(rec, &report::AGENTS_COLD, cold.as_secs_f64());
+    push(rec, &report::AGENTS_CPU_COLD, ticks_ms(cold_cpu) / n as f64);
+
+    let server_rss = settled(|| probe::rss(server.pid()?)).await?;
+    let swarm_rss = settled(|| swarm.rss()).await?;
+    let per_server = server_rss.saturating_sub(server_idle) as f64 / n as f64 / 1024.0;
+    let per_swarm = swarm_rss.saturating_sub(swarm_one) as f64 / (n.max(2) - 1) as f64 / 1024.0;
+    eprintln!(
+        "agents: server RSS {:.1} MiB idle, {:.1} MiB with {n}: {per_server:.1} KiB per agent; \
+         swarm {per_swarm:.1} KiB per agent",
+        mib(server_idle),
+        mib(server_rss)
+    );
+    push(rec, &report::AGENTS_RSS_SERVER, per_server);
+    push(rec, &report::AGENTS_RSS_SWARM, per_swarm);
+
+    let readyz = slowest_get(server.health, "/readyz").await?;
+    let metrics = slowest_get(server.health, "/metrics").await?;
+    eprintln!(
+        "agents: slowest of {HEALTH_SAMPLES}: /readyz {readyz:.1} ms, /metrics {metrics:.1} ms"
+    );
+    push(rec, &report::AGENTS_READYZ, readyz);
+    push(rec, &report::AGENTS_METRICS, metrics);
+
+    let (rate_n, p99_n, errors_n) = dial_row(
+        &server.target(swarm.first_pid())?,
+        backends,
+        duration,
+        &format!("{n} agents"),
+    )
+    .await?;
+    push(rec, &report::AGENTS_DIAL1_RATE, rate1);
+    push(rec, &report::AGENTS_DIAL1_P99, p99_1);
+    push(rec, &report::AGENTS_DIALN_RATE, rate_n);
+    push(rec, &report::AGENTS_DIALN_P99, p99_n);
+    push(rec, &report::AGENTS_DIAL_RATIO, rate_n / rate1);
+    push(rec, &report::AGENTS_DIAL_P99_RATIO, p99_n / p99_1);
+
+    // Restart storm: SIGKILL, then the same ports again.
+    server.kill();
+    let began = Instant::now();
+    server.start().await?;
+    let restart = server.wait_connected(n, began).await?;
+    // A fresh process: all its CPU is the storm's.
+    let restart_cpu = probe::cpu_ticks(server.pid()?)?;
+    swarm.check_alive()?;
+    eprintln!(
+        "agents: {n} connected {:.2} s after a server restart; server CPU {:.2} ms per agent",
+        restart.as_secs_f64(),
+        ticks_ms(restart_cpu) / n as f64
+    );
+    push(rec, &report::AGENTS_RESTART, restart.as_secs_f64());
+    push(
+        rec,
+        &report::AGENTS_CPU_RESTART,
+        ticks_ms(restart_cpu) / n as f64,
+    );
+    drop(swarm);
+    server.wait_connected(0, Instant::now()).await?;
+
+    // ANP-style agents: no flow-control negotiation.
+    let began = Instant::now();
+    let swarm = Swarm::start(bins, dir, &server, n, false, nofile)?;
+    let anp_cold = server.wait_connected(n, began).await?;
+    eprintln!(
+        "agents: {n} ANP-style agents connected {:.2} s after a cold start",
+        anp_cold.as_secs_f64()
+    );
+    let (rate_anp, p99_anp, errors_anp) = dial_row(
+        &server.target(swarm.first_pid())?,
+        backends,
+        duration,
+        &format!("{n} ANP-style agents"),
+    )
+    .await?;
+    push(rec, &report::AGENTS_ANP_COLD, anp_cold.as_secs_f64());
+    push(rec, &report::AGENTS_ANP_DIAL_RATE, rate_anp);
+    push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
+    push(
+        rec,
+        &report::AGENTS_DIAL_ERRORS,
+        (errors1 + errors_n + errors_anp) as f64,
+    );
+    Ok(())
+}
+
+/// Clock ticks (100 per second) as milliseconds.
+fn ticks_ms(ticks: u64) -> f64 {
+    ticks as f64 * 10.0
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}

@@ -1,0 +1,108 @@
+//! agent-swarm: many proxy-agents in one process, for the bench's agents
+//! scenario (a cluster has one agent per node, thousands of them). Each is
+//! the real agent (`proxy_agent::Agent`) with its own id, its own TLS
+//! connection and `Connect` stream, its own health and admin listeners;
+//! they share one process, one runtime and one TLS configuration with
+//! session resumption off (every handshake is a full one, as after a
+//! server restart).
+//!
+//! ```text
+//! agent-swarm --agents 5000 --first 0 -- <proxy-agent flags>
+//! ```
+//! Agent ids are `swarm-<first>`, `swarm-<first+1>`, …. Agent `n` listens
+//! for health and admin on ANP's ports 8093 and 8094 of a loopback address
+//! of its own, `127.100.0.1` onwards, as agents on separate nodes do:
+//! thousands of listeners on port 0 of one address cost the kernel a
+//! search per bind that grows with each (half the swarm's CPU at 5,000).
+//! Runs until SIGTERM/SIGINT.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    sync::Arc,
+};
+
+use clap::Parser;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// Many proxy-agents in one process.
+#[derive(Debug, Parser)]
+#[command(name = "agent-swarm")]
+struct Opt {
+    /// Agents to run.
+    #[arg(long, default_value_t = 1)]
+    agents: usize,
+    /// Number of the first agent (ids are `swarm-<n>`).
+    #[arg(long, default_value_t = 0)]
+    first: usize,
+    /// proxy-agent flags, shared by every agent.
+    #[arg(last = true)]
+    agent_args: Vec<String>,
+}
+
+/// ANP's agent health port.
+const HEALTH_PORT: u16 = 8093;
+/// ANP's agent admin port.
+const ADMIN_PORT: u16 = 8094;
+
+/// Agent `n`'s own loopback address: `127.100.0.1` onwards, each octet in
+/// 1..=250 (16 million agents before it wraps).
+fn node_address(n: usize) -> IpAddr {
+    let octet = |k: usize| u8::try_from(k % 250 + 1).expect("at most 250");
+    Ipv4Addr::new(127, 100 + octet(n / 62_500) - 1, octet(n / 250), octet(n)).into()
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let opt = Opt::parse();
+    runtime::telemetry::init_simple("error");
+    let args = match proxy_agent::config::Args::try_parse_from(
+        std::iter::once("proxy-agent".to_owned()).chain(opt.agent_args.iter().cloned()),
+    ) {
+        Ok(args) => args,
+        Err(e) => e.exit(),
+    };
+    let base = match proxy_agent::config::Config::try_from(args) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("agent-swarm: {}", runtime::error::DisplayErrorStack(&e));
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let mut tls = (*base.tls).clone();
+    tls.resumption = rustls::client::Resumption::disabled();
+    let tls = Arc::new(tls);
+    let stop = CancellationToken::new();
+    let agents = TaskTracker::new();
+    for n in opt.first..opt.first + opt.agents {
+        let mut config = base.clone();
+        config.agent_id = tunnel::ids::AgentId(format!("swarm-{n}"));
+        let ip = node_address(n);
+        config.health_addr = SocketAddr::new(ip, HEALTH_PORT);
+        config.admin_addr = SocketAddr::new(ip, ADMIN_PORT);
+        config.tls = tls.clone();
+        let bound = match proxy_agent::agent::Agent::bind(config).await {
+            Ok(bound) => bound,
+            Err(e) => {
+                eprintln!(
+                    "agent-swarm: agent {n} of {}: {}",
+                    opt.agents,
+                    runtime::error::DisplayErrorStack(&e)
+                );
+                stop.cancel();
+                agents.close();
+                agents.wait().await;
+                return std::process::ExitCode::FAILURE;
+            }
+        };
+        agents.spawn(bound.serve(stop.clone().cancelled_owned()));
+    }
+    agents.close();
+    eprintln!("agent-swarm: {} agents started", opt.agents);
+    runtime::signal::shutdown().await;
+    stop.cancel();
+    agents.wait().await;
+    std::process::ExitCode::SUCCESS
+}
