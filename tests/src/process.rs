@@ -1,6 +1,7 @@
 //! The real `proxy-server` binary as a child process, observed from outside
 //! as an operator would: its ports from its log, its gauges from
-//! `/metrics`, its memory from `/proc`, its exit after a signal.
+//! `/metrics`, its memory from `/proc`, its exit after a signal; and many
+//! real agents in one `agent-swarm` process.
 
 use std::{
     net::SocketAddr,
@@ -10,6 +11,38 @@ use std::{
 };
 
 use crate::{DEADLINE, LoggedProcess, Pki, binary, http_get};
+
+/// `n` real agents (`proxy_agent::Agent`, each its own TLS connection and
+/// `Connect` stream) in one `agent-swarm` process, killed on drop.
+pub struct AgentSwarm {
+    /// The process and its log.
+    pub process: LoggedProcess,
+}
+
+impl AgentSwarm {
+    /// Starts `n` agents numbered from `first` against the agent port `port`
+    /// on 127.0.0.1 with the test PKI, ANP's default intervals and `extra`
+    /// proxy-agent flags; returns once the process says they are started.
+    pub async fn start(port: u16, first: usize, n: usize, extra: &[&str]) -> Self {
+        let pki = Pki::get();
+        let mut command = Command::new(binary("agent-swarm"));
+        command
+            .args([
+                format!("--agents={n}"),
+                format!("--first={first}"),
+                "--".to_owned(),
+                format!("--ca-cert={}", pki.path("agent-ca.crt").display()),
+                format!("--agent-cert={}", pki.path("proxy-agent.crt").display()),
+                format!("--agent-key={}", pki.path("proxy-agent.key").display()),
+                "--proxy-server-host=127.0.0.1".to_owned(),
+                format!("--proxy-server-port={port}"),
+            ])
+            .args(extra);
+        let mut process = LoggedProcess::spawn(command, "agent-swarm");
+        process.wait_for("agents started", 1, DEADLINE * 3).await;
+        Self { process }
+    }
+}
 
 /// A `proxy-server` process on loopback, killed on drop.
 pub struct ServerProcess {
@@ -119,10 +152,15 @@ impl ServerProcess {
 
     /// Waits until `n` agent streams are connected (`/metrics`).
     pub async fn wait_for_agents(&self, n: usize) {
+        self.wait_for_agents_within(n, DEADLINE).await;
+    }
+
+    /// [`wait_for_agents`](Self::wait_for_agents) with a longer `limit`.
+    pub async fn wait_for_agents_within(&self, n: usize, limit: Duration) {
         self.wait_for_metric(
             "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}",
             n as f64,
-            DEADLINE,
+            limit,
         )
         .await;
     }

@@ -58,6 +58,10 @@ fn node_address(n: usize) -> IpAddr {
 async fn main() -> std::process::ExitCode {
     let opt = Opt::parse();
     runtime::telemetry::init_simple("error");
+    // Three descriptors per agent: as many as the hard limit allows.
+    if let Err(e) = rlimit::increase_nofile_limit(u64::MAX) {
+        eprintln!("agent-swarm: cannot raise the open-file limit: {e}");
+    }
     let args = match proxy_agent::config::Args::try_parse_from(
         std::iter::once("proxy-agent".to_owned()).chain(opt.agent_args.iter().cloned()),
     ) {

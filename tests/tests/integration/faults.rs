@@ -19,7 +19,7 @@ use hyper_util::rt::TokioIo;
 use integration_tests::{
     AgentProcess, DEADLINE,
     destination::{self, Stall},
-    process::ServerProcess,
+    process::{AgentSwarm, ServerProcess},
     trace_init,
 };
 use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
@@ -799,6 +799,70 @@ async fn at_its_cap_the_agent_port_drops_silent_connections_to_let_an_agent_in()
         server.metric(SHED).await
     );
     drop(silent);
+}
+
+/// Agents of the storm test: one `agent-swarm` process of ours and one of
+/// ANP-style agents (no flow-control negotiation), half each.
+const STORM_AGENTS: usize = 1_000;
+/// How long the storm's agents may take to connect, in the debug build on
+/// 2 cores (the bench measures the release build: about 2 s for 5,000).
+const STORM_LIMIT: Duration = Duration::from_secs(60);
+
+/// Every agent counts once in each of the server's agent gauges, and
+/// nothing was dropped at the handshake cap.
+async fn storm_gauges_are_right(server: &ServerProcess, agents: usize) {
+    for series in [
+        "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}",
+        "konnectivity_network_proxy_server_ready_backend_connections",
+    ] {
+        assert_eq!(server.metric(series).await, agents as f64, "{series}");
+    }
+    assert_eq!(server.metric(SHED).await, 0.0, "a handshake was dropped");
+}
+
+/// A cluster's reconnect storm: 1,000 agents, each its own TLS connection
+/// and `Connect` stream, connect at once to a server with its default flags;
+/// every one is admitted (none dropped at the handshake cap) and a tunnel
+/// works through them. Then the server is killed (SIGKILL) and started
+/// again on the same port: all 1,000 come back by themselves, the gauges
+/// count each once, and tunnels work again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_agents_connects_and_all_return_after_a_server_restart() {
+    trace_init();
+    let server = ServerProcess::start("grpc", &[]).await;
+    let port = server.agent_addr.port();
+    let half = STORM_AGENTS / 2;
+    let _ours = AgentSwarm::start(port, 0, half, &[]).await;
+    let _anp_style = AgentSwarm::start(port, half, half, &["--flow-control=false"]).await;
+    let connected = Instant::now();
+    server
+        .wait_for_agents_within(STORM_AGENTS, STORM_LIMIT)
+        .await;
+    eprintln!(
+        "{STORM_AGENTS} agents connected in {:?}",
+        connected.elapsed()
+    );
+    storm_gauges_are_right(&server, STORM_AGENTS).await;
+    let echo = destination::echo().await;
+    for _ in 0..4 {
+        echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
+    }
+
+    drop(server);
+    let restarted = Instant::now();
+    let server = ServerProcess::start("grpc", &[format!("--agent-port={port}")]).await;
+    assert_eq!(server.agent_addr.port(), port);
+    server
+        .wait_for_agents_within(STORM_AGENTS, STORM_LIMIT)
+        .await;
+    eprintln!(
+        "{STORM_AGENTS} agents back {:?} after the restart",
+        restarted.elapsed()
+    );
+    storm_gauges_are_right(&server, STORM_AGENTS).await;
+    for _ in 0..4 {
+        echo_through(&server, Layout::GrpcConnectionPerTunnel, None, &echo).await;
+    }
 }
 
 /// Pending handshakes dropped at `--max-tls-handshakes`.
