@@ -18,7 +18,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use client::dial::{Dialer, H2Settings, Mode, Transport};
+use client::dial::{Dialer, Mode, Transport};
 
 use crate::{
     backends::Backends,
@@ -153,7 +153,6 @@ impl Server {
             dialer: Some(Dialer {
                 transport: Transport::Uds(self.uds.clone()),
                 mode: Mode::Grpc,
-                h2: H2Settings::default(),
             }),
             pids: Some(Pids {
                 server: self.pid()?,

@@ -6,6 +6,8 @@
 //! # Layout
 //! - [`agents`]: the agents scenario (N real agents in `agent-swarm`
 //!   processes against one server).
+//! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
+//!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
 //!   hold-open) in the bench process.
 //! - [`system`]: starting, probing and killing proxy-server and proxy-agent.
@@ -17,6 +19,7 @@
 
 pub mod agents;
 pub mod backends;
+pub mod grpc_go;
 pub mod probe;
 pub mod report;
 pub mod scenarios;
@@ -132,6 +135,10 @@ pub struct Opt {
     /// proxy-agent binary (default: next to this executable).
     #[arg(long)]
     pub agent_bin: Option<PathBuf>,
+    /// The grpc-go frontend (default: `target/go-frontend`, which
+    /// `scripts/test` builds).
+    #[arg(long)]
+    pub go_frontend: Option<PathBuf>,
     /// Internal: serve only the hold-open backend (the bench starts itself
     /// so, to keep idle connections' far ends out of its own fd limit).
     #[arg(long, hide = true)]
@@ -273,6 +280,13 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
         },
     ];
 
+    let go = if opt.has(Scenario::Bulk) || opt.has(Scenario::Cpu) || opt.has(Scenario::Dial) {
+        let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
+        println!("grpc-go frontend: {}", go.path.display());
+        Some(go)
+    } else {
+        None
+    };
     let mut rec = Recorder::new(opt.reps);
     if opt.has(Scenario::Memory) {
         memory_scenario(&opt, &targets, &backends, &mut rec).await?;
@@ -295,8 +309,7 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
     }
     for rep in 0..opt.reps {
         for target in &targets {
-            let ctx = format!("rep {}/{}", rep + 1, opt.reps);
-            run_rep(&opt, target, &backends, timing, rep, &mut rec, &ctx).await;
+            run_rep(&opt, go.as_ref(), target, &backends, timing, rep, &mut rec).await;
             grpc.check_alive()?;
             http.check_alive()?;
         }
@@ -488,57 +501,45 @@ async fn churn_scenario(
 /// target; failures are reported and leave `n/a`.
 async fn run_rep(
     opt: &Opt,
+    go: Option<&grpc_go::GoFrontend>,
     target: &Target,
     backends: &Backends,
     timing: Timing,
     rep: usize,
     rec: &mut Recorder,
-    ctx: &str,
 ) {
+    let ctx = format!("rep {}/{}", rep + 1, opt.reps);
     let route = target.route;
     let name = route.name();
     let failed = |what: &str, e: anyhow::Error| eprintln!("{ctx} {what} {name}: FAILED: {e:#}");
     let tunneled = target.pids.is_some();
 
     if opt.has(Scenario::Bulk) || (opt.has(Scenario::Cpu) && tunneled) {
-        // gRPC mode runs twice: with our client's HTTP/2 settings, then
-        // with grpc-go's (kube-apiserver's client).
-        let grpc_go = target.dialer.as_ref().and_then(|d| {
-            (d.mode == client::dial::Mode::Grpc).then(|| Target {
-                dialer: Some(client::dial::Dialer {
-                    h2: client::dial::H2Settings::GrpcGo,
-                    ..d.clone()
-                }),
-                ..target.clone()
-            })
-        });
+        // gRPC mode runs twice: with our client, then with grpc-go
+        // (kube-apiserver's client library).
+        let grpc = target
+            .dialer
+            .as_ref()
+            .is_some_and(|d| d.mode == client::dial::Mode::Grpc);
         let mut runs = vec![
-            (target, &report::BULK_DOWN, &report::CPU_DOWN, false, ""),
-            (target, &report::BULK_UP, &report::CPU_UP, true, ""),
+            (&report::BULK_DOWN, &report::CPU_DOWN, false, None),
+            (&report::BULK_UP, &report::CPU_UP, true, None),
         ];
-        if let Some(go) = &grpc_go {
-            runs.push((
-                go,
-                &report::BULK_DOWN_GO,
-                &report::CPU_DOWN_GO,
-                false,
-                " (grpc-go h2)",
-            ));
-            runs.push((
-                go,
-                &report::BULK_UP_GO,
-                &report::CPU_UP_GO,
-                true,
-                " (grpc-go h2)",
-            ));
+        if let (true, Some(go)) = (grpc, go) {
+            runs.push((&report::BULK_DOWN_GO, &report::CPU_DOWN_GO, false, Some(go)));
+            runs.push((&report::BULK_UP_GO, &report::CPU_UP_GO, true, Some(go)));
         }
-        for (target, rate, cpu, up, how) in runs {
-            let window = if up {
-                scenarios::upload(target, backends, timing).await
-            } else {
-                scenarios::download(target, backends, timing, 1).await
+        for (rate, cpu, up, go) in runs {
+            let window = match (go, up) {
+                (Some(go), up) => go.bulk(target, backends, timing, up).await,
+                (None, true) => scenarios::upload(target, backends, timing).await,
+                (None, false) => scenarios::download(target, backends, timing, 1).await,
             };
-            let what = format!("{}{how}", if up { "bulk up" } else { "bulk down" });
+            let what = format!(
+                "{}{}",
+                if up { "bulk up" } else { "bulk down" },
+                if go.is_some() { " (grpc-go)" } else { "" }
+            );
             let what = what.as_str();
             match window {
                 Ok(w) => {
@@ -555,7 +556,11 @@ async fn run_rep(
                         "{ctx} {what} {name}: {:.0} MB/s{}",
                         w.mb_per_s(),
                         w.cpu_s_per_gib()
-                            .map(|c| format!(", {c:.2} cpu s/GiB"))
+                            .zip(w.server_cpu_s_per_gib())
+                            .map(|(c, s)| format!(
+                                ", {c:.2} cpu s/GiB (server {s:.2}, agent {:.2})",
+                                c - s
+                            ))
                             .unwrap_or_default()
                     );
                     if opt.has(Scenario::Bulk) {
@@ -663,6 +668,62 @@ async fn run_rep(
                     failed("dial", e);
                     rec.push(defs[0], route, rep, None);
                 }
+            }
+        }
+        let grpc = target
+            .dialer
+            .as_ref()
+            .is_some_and(|d| d.mode == client::dial::Mode::Grpc);
+        if let (true, Some(go)) = (grpc, go) {
+            for (concurrency, defs) in DIAL_CONCURRENCY.into_iter().zip([
+                [
+                    &report::DIAL1_RATE_GO,
+                    &report::DIAL1_P50_GO,
+                    &report::DIAL1_P99_GO,
+                ],
+                [
+                    &report::DIAL8_RATE_GO,
+                    &report::DIAL8_P50_GO,
+                    &report::DIAL8_P99_GO,
+                ],
+            ]) {
+                match go
+                    .dials(target, backends, concurrency, timing.duration)
+                    .await
+                {
+                    Ok(d) => {
+                        eprintln!(
+                            "{ctx} dial c={concurrency} {name} (grpc-go): {:.0} dials/s, p50 {:.0} us, \
+                             p99 {:.0} us, {} errors{}",
+                            d.rate,
+                            d.p50_us,
+                            d.p99_us,
+                            d.errors,
+                            d.first_error
+                                .as_deref()
+                                .map(|e| format!(" (first: {e})"))
+                                .unwrap_or_default()
+                        );
+                        rec.push(defs[0], route, rep, Some(d.rate));
+                        rec.push(defs[1], route, rep, Some(d.p50_us));
+                        rec.push(defs[2], route, rep, Some(d.p99_us));
+                        errors += d.errors;
+                    }
+                    Err(e) => {
+                        failed("dial (grpc-go)", e);
+                        rec.push(defs[0], route, rep, None);
+                    }
+                }
+            }
+        }
+        if route == Route::Direct {
+            // The grpc-go rows' ratios are to the same direct run.
+            for (ours, go) in [
+                (&report::DIAL1_RATE, &report::DIAL1_RATE_GO),
+                (&report::DIAL8_RATE, &report::DIAL8_RATE_GO),
+            ] {
+                let direct = rec.get(ours, route, rep);
+                rec.push(go, route, rep, direct);
             }
         }
         rec.push(&report::DIAL_ERRORS, route, rep, Some(errors as f64));

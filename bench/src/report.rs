@@ -69,14 +69,14 @@ pub const BULK_UP: Def = def("bulk", "1 stream up", "MB/s", true);
 pub const CPU_DOWN: Def = def("cpu", "server+agent, bulk down", "s/GiB", false);
 /// CPU of server + agent per GiB during bulk up.
 pub const CPU_UP: Def = def("cpu", "server+agent, bulk up", "s/GiB", false);
-/// Single stream down, with a client announcing grpc-go's HTTP/2 settings.
-pub const BULK_DOWN_GO: Def = def("bulk", "1 stream down, grpc-go h2", "MB/s", true);
-/// Single stream up, with a client announcing grpc-go's HTTP/2 settings.
-pub const BULK_UP_GO: Def = def("bulk", "1 stream up, grpc-go h2", "MB/s", true);
-/// CPU per GiB during bulk down with the grpc-go-like client.
-pub const CPU_DOWN_GO: Def = def("cpu", "server+agent, down, grpc-go h2", "s/GiB", false);
-/// CPU per GiB during bulk up with the grpc-go-like client.
-pub const CPU_UP_GO: Def = def("cpu", "server+agent, up, grpc-go h2", "s/GiB", false);
+/// Single stream down, grpc-go client (kube-apiserver's library).
+pub const BULK_DOWN_GO: Def = def("bulk", "1 stream down, grpc-go", "MB/s", true);
+/// Single stream up, grpc-go client.
+pub const BULK_UP_GO: Def = def("bulk", "1 stream up, grpc-go", "MB/s", true);
+/// CPU per GiB during bulk down with the grpc-go client.
+pub const CPU_DOWN_GO: Def = def("cpu", "server+agent, down, grpc-go", "s/GiB", false);
+/// CPU per GiB during bulk up with the grpc-go client.
+pub const CPU_UP_GO: Def = def("cpu", "server+agent, up, grpc-go", "s/GiB", false);
 /// Aggregate of the parallel streams.
 pub const PARALLEL_RATE: Def = def("parallel", "16 streams down, total", "MB/s", true);
 /// Jain's index over the parallel streams.
@@ -109,6 +109,18 @@ pub const DIAL8_RATE: Def = def("dial", "c=8 rate", "dials/s", true);
 pub const DIAL8_P50: Def = def("dial", "c=8 dial+1KiB exchange p50", "us", false);
 /// Dial + exchange latency p99, eight at a time.
 pub const DIAL8_P99: Def = def("dial", "c=8 dial+1KiB exchange p99", "us", false);
+/// Dial rate, one at a time, grpc-go client.
+pub const DIAL1_RATE_GO: Def = def("dial", "c=1 rate, grpc-go", "dials/s", true);
+/// Dial + exchange latency median, one at a time, grpc-go client.
+pub const DIAL1_P50_GO: Def = def("dial", "c=1 p50, grpc-go", "us", false);
+/// Dial + exchange latency p99, one at a time, grpc-go client.
+pub const DIAL1_P99_GO: Def = def("dial", "c=1 p99, grpc-go", "us", false);
+/// Dial rate, eight at a time, grpc-go client.
+pub const DIAL8_RATE_GO: Def = def("dial", "c=8 rate, grpc-go", "dials/s", true);
+/// Dial + exchange latency median, eight at a time, grpc-go client.
+pub const DIAL8_P50_GO: Def = def("dial", "c=8 p50, grpc-go", "us", false);
+/// Dial + exchange latency p99, eight at a time, grpc-go client.
+pub const DIAL8_P99_GO: Def = def("dial", "c=8 p99, grpc-go", "us", false);
 /// Failed dials or exchanges (both concurrencies).
 pub const DIAL_ERRORS: Def = def("dial", "errors", "count", false);
 /// Server RSS after its agent connected, before any traffic.
@@ -207,6 +219,12 @@ const ALL: &[&Def] = &[
     &DIAL8_RATE,
     &DIAL8_P50,
     &DIAL8_P99,
+    &DIAL1_RATE_GO,
+    &DIAL1_P50_GO,
+    &DIAL1_P99_GO,
+    &DIAL8_RATE_GO,
+    &DIAL8_P50_GO,
+    &DIAL8_P99_GO,
     &DIAL_ERRORS,
     &MEM_IDLE_SERVER,
     &MEM_IDLE_AGENT,

@@ -104,6 +104,8 @@ pub struct Window {
     pub secs: f64,
     /// CPU ticks of server + agent within the measured time (tunneled only).
     pub cpu_ticks: Option<u64>,
+    /// Of those, the server's.
+    pub server_ticks: Option<u64>,
 }
 
 impl Window {
@@ -122,11 +124,17 @@ impl Window {
         let gib = self.bytes() as f64 / f64::from(1u32 << 30);
         Some(self.cpu_ticks? as f64 / probe::CLOCK_TICKS_PER_SEC / gib).filter(|v| v.is_finite())
     }
+
+    /// The server's share of [`cpu_s_per_gib`](Self::cpu_s_per_gib).
+    pub fn server_cpu_s_per_gib(&self) -> Option<f64> {
+        let gib = self.bytes() as f64 / f64::from(1u32 << 30);
+        Some(self.server_ticks? as f64 / probe::CLOCK_TICKS_PER_SEC / gib).filter(|v| v.is_finite())
+    }
 }
 
 /// Stream tasks of a run; all are aborted (and their connections dropped)
 /// when this is dropped.
-type Streams = JoinSet<io::Result<()>>;
+pub type Streams = JoinSet<io::Result<()>>;
 
 /// Fails if a stream task has ended: they only end on error.
 fn check_streams(streams: &mut Streams) -> anyhow::Result<()> {
@@ -140,7 +148,7 @@ fn check_streams(streams: &mut Streams) -> anyhow::Result<()> {
 
 /// Warms up, then samples `counts` (per-stream byte counters) and the CPU
 /// time of `pids` at both ends of the measured time.
-async fn measure(
+pub async fn measure(
     pids: Option<Pids>,
     timing: Timing,
     streams: &mut Streams,
@@ -149,17 +157,20 @@ async fn measure(
     tokio::time::sleep(timing.warmup).await;
     check_streams(streams)?;
     let cpu0 = pids.map(|p| p.cpu_ticks()).transpose()?;
+    let server0 = pids.map(|p| probe::cpu_ticks(p.server)).transpose()?;
     let bytes0 = counts();
     let t0 = Instant::now();
     tokio::time::sleep(timing.duration).await;
     let bytes1 = counts();
     let secs = t0.elapsed().as_secs_f64();
     let cpu1 = pids.map(|p| p.cpu_ticks()).transpose()?;
+    let server1 = pids.map(|p| probe::cpu_ticks(p.server)).transpose()?;
     check_streams(streams)?;
     Ok(Window {
         per_stream: bytes1.iter().zip(&bytes0).map(|(b, a)| b - a).collect(),
         secs,
         cpu_ticks: cpu0.zip(cpu1).map(|(a, b)| b.saturating_sub(a)),
+        server_ticks: server0.zip(server1).map(|(a, b)| b.saturating_sub(a)),
     })
 }
 

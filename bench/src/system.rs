@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use client::dial::{Dialer, H2Settings, Mode, Transport};
+use client::dial::{Dialer, Mode, Transport};
 
 use crate::probe;
 
@@ -213,7 +213,6 @@ impl Deployment {
         Dialer {
             transport: Transport::Uds(self.uds.clone()),
             mode: self.mode,
-            h2: H2Settings::default(),
         }
     }
 

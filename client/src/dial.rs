@@ -125,31 +125,13 @@ pub enum ClientError {
     CloseTimeout,
 }
 
-/// The HTTP/2 settings a gRPC channel announces to the frontend.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum H2Settings {
-    /// Ours (see [`tunnel::flow`]): 256 KiB frames, large fixed windows.
-    #[default]
-    Tuned,
-    /// As grpc-go (kube-apiserver's client) announces them: 16 KiB frames,
-    /// 64 KiB stream and connection windows grown by BDP estimation. (What
-    /// it *sends* is cut by the server's frame size, not by this.)
-    GrpcGo,
-}
-
-impl H2Settings {
-    fn apply(self, endpoint: Endpoint) -> Endpoint {
-        match self {
-            Self::Tuned => endpoint
-                .max_frame_size(tunnel::flow::H2_MAX_FRAME_SIZE)
-                .initial_stream_window_size(tunnel::flow::H2_STREAM_WINDOW)
-                .initial_connection_window_size(tunnel::flow::H2_CONNECTION_WINDOW),
-            Self::GrpcGo => endpoint
-                .initial_stream_window_size(65_535)
-                .initial_connection_window_size(65_535)
-                .http2_adaptive_window(true),
-        }
-    }
+/// Our HTTP/2 settings (see [`tunnel::flow`]): 256 KiB frames, large fixed
+/// windows.
+fn tuned(endpoint: Endpoint) -> Endpoint {
+    endpoint
+        .max_frame_size(tunnel::flow::H2_MAX_FRAME_SIZE)
+        .initial_stream_window_size(tunnel::flow::H2_STREAM_WINDOW)
+        .initial_connection_window_size(tunnel::flow::H2_CONNECTION_WINDOW)
 }
 
 /// A gRPC channel over a fresh connection to a Unix socket.
@@ -157,16 +139,8 @@ impl H2Settings {
 /// # Errors
 /// [`ClientError::Connect`] naming the path.
 pub async fn uds_channel(path: &Path) -> Result<Channel, ClientError> {
-    uds_channel_with(path, H2Settings::Tuned).await
-}
-
-/// [`uds_channel`] announcing `h2`.
-///
-/// # Errors
-/// [`ClientError::Connect`] naming the path.
-pub async fn uds_channel_with(path: &Path, h2: H2Settings) -> Result<Channel, ClientError> {
     let socket = path.to_owned();
-    h2.apply(Endpoint::from_static("http://proxy-server.invalid"))
+    tuned(Endpoint::from_static("http://proxy-server.invalid"))
         .connect_with_connector(tower::service_fn(move |_| {
             let socket = socket.clone();
             async move { UnixStream::connect(socket).await.map(TokioIo::new) }
@@ -188,19 +162,6 @@ pub async fn tls_channel(
     server_name: &str,
     tls: std::sync::Arc<rustls::ClientConfig>,
 ) -> Result<Channel, ClientError> {
-    tls_channel_with(addr, server_name, tls, H2Settings::Tuned).await
-}
-
-/// [`tls_channel`] announcing `h2`.
-///
-/// # Errors
-/// As [`tls_channel`].
-pub async fn tls_channel_with(
-    addr: std::net::SocketAddr,
-    server_name: &str,
-    tls: std::sync::Arc<rustls::ClientConfig>,
-    h2: H2Settings,
-) -> Result<Channel, ClientError> {
     let name = rustls_pki_types::ServerName::try_from(server_name.to_owned())
         .map_err(|_| ClientError::ServerName(server_name.to_owned()))?;
     let connect = |source: io::Error| ClientError::Tls { addr, source };
@@ -215,7 +176,7 @@ pub async fn tls_channel_with(
     let slot = std::sync::Mutex::new(Some(stream));
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|source| ClientError::Transport { addr, source })?;
-    h2.apply(endpoint)
+    tuned(endpoint)
         .connect_with_connector(tower::service_fn(move |_| {
             let stream = slot.lock().ok().and_then(|mut s| s.take());
             async move {
@@ -495,8 +456,6 @@ pub struct Dialer {
     pub transport: Transport,
     /// Which protocol it speaks.
     pub mode: Mode,
-    /// HTTP/2 settings of its gRPC channels.
-    pub h2: H2Settings,
 }
 
 impl Dialer {
@@ -506,9 +465,9 @@ impl Dialer {
     /// Connecting to the frontend fails, or the dial is refused.
     pub async fn dial(&self, address: &str) -> Result<Box<dyn Io>, ClientError> {
         match (self.mode, &self.transport) {
-            (Mode::Grpc, Transport::Uds(path)) => Ok(Box::new(
-                dial(uds_channel_with(path, self.h2).await?, address).await?,
-            )),
+            (Mode::Grpc, Transport::Uds(path)) => {
+                Ok(Box::new(dial(uds_channel(path).await?, address).await?))
+            }
             (
                 Mode::Grpc,
                 Transport::Tls {
@@ -517,11 +476,7 @@ impl Dialer {
                     tls,
                 },
             ) => Ok(Box::new(
-                dial(
-                    tls_channel_with(*addr, server_name, tls.clone(), self.h2).await?,
-                    address,
-                )
-                .await?,
+                dial(tls_channel(*addr, server_name, tls.clone()).await?, address).await?,
             )),
             (Mode::HttpConnect, Transport::Uds(path)) => {
                 let io =

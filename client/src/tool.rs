@@ -11,7 +11,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
-use crate::dial::{ClientError, Dialer, H2Settings, Mode, Transport};
+use crate::dial::{ClientError, Dialer, Mode, Transport};
 use bytes::Bytes;
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use fast_socks5::{
@@ -128,7 +128,6 @@ impl FrontendArgs {
             return Ok(Dialer {
                 transport: Transport::Uds(PathBuf::from(&self.uds_name)),
                 mode,
-                h2: H2Settings::default(),
             });
         }
         for (flag, value) in [
@@ -181,7 +180,6 @@ impl FrontendArgs {
                 tls,
             },
             mode,
-            h2: H2Settings::default(),
         })
     }
 }

@@ -9,6 +9,8 @@
 //! - [`process`]: the real `proxy-server` binary, observed from outside.
 //! - [`destination`]: node-side servers the agent dials (echo, bulk,
 //!   blackhole); ANP's "backend" is an agent stream, as in the server.
+//! - [`grpc_go`]: `tests/go/frontend`, the grpc-go frontend (kube-apiserver's
+//!   gRPC client).
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
 //! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
@@ -20,6 +22,7 @@
 //!   the health and admin ports.
 
 pub mod destination;
+pub mod grpc_go;
 pub mod kube_stub;
 pub mod lease_stub;
 pub mod process;
@@ -381,7 +384,6 @@ impl TestServer {
                 Mode::Grpc => client::dial::Mode::Grpc,
                 Mode::HttpConnect => client::dial::Mode::HttpConnect,
             },
-            h2: client::dial::H2Settings::default(),
         }
     }
 

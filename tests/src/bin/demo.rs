@@ -148,7 +148,6 @@ async fn main() -> Result<()> {
                 Mode::Grpc => client::dial::Mode::Grpc,
                 Mode::HttpConnect => client::dial::Mode::HttpConnect,
             },
-            h2: client::dial::H2Settings::default(),
         };
         let mut conn = dialer.dial(&backend_addr.to_string()).await?;
         conn.write_all(b"GET / HTTP/1.1\r\nHost: backend\r\n\r\n")

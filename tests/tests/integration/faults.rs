@@ -670,7 +670,6 @@ fn server_dialer(server: &ServerProcess, layout: Layout) -> client::dial::Dialer
             Layout::HttpConnect => client::dial::Mode::HttpConnect,
             _ => client::dial::Mode::Grpc,
         },
-        h2: client::dial::H2Settings::default(),
     }
 }
 

@@ -13,6 +13,7 @@ mod drain;
 mod endpoints;
 mod faults;
 mod flow_control;
+mod go_interop;
 mod grpc_mode;
 mod http_connect_mode;
 mod keepalive;

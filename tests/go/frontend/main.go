@@ -1,0 +1,681 @@
+// Command frontend is a konnectivity frontend on grpc-go, kube-apiserver's
+// gRPC client: it speaks ProxyService/Proxy the way kube-apiserver's egress
+// dialer does. Each tunnel is a new gRPC connection (grpc.Dial with the
+// socket path as the target and a context dialer to the Unix socket, so
+// grpc-go picks its own :authority; or TCP with mTLS), DIAL_REQ with a
+// random id, DATA both ways, CLOSE_REQ. No HTTP/2 or window settings of its
+// own: grpc-go's defaults (16 KiB frames, 64 KiB initial windows grown by BDP
+// pings).
+//
+// Built from Debian's grpc-go in GOPATH mode (no module download):
+//
+//	GOPATH=/usr/share/gocode GO111MODULE=off go build -o frontend ./tests/go/frontend
+//
+// Usage: frontend (-uds PATH | -tcp HOST:PORT -ca F -cert F -key F) MODE -addr HOST:PORT ...
+//
+// Modes (each prints one JSON line on stdout and exits 0 when it did what
+// was asked, else prints the error on stderr and exits 1):
+//
+//	download -bytes N [-seed S]   read N bytes; with -seed, check them against pattern(N, S)
+//	upload -bytes N [-hash]       send N bytes of pattern(N, 11); with -hash, send the length
+//	                              first and read the destination's FNV-1a answer
+//	download -bytes 0, upload -bytes 0
+//	                              move bytes without end, printing {"bytes": N} (so far)
+//	                              every 100 ms, until stdin closes (the bench)
+//	echo -bytes N                 send N bytes and read them back, checked
+//	dials -concurrency C (-count N | -duration D) [-exchange B]
+//	                              single-use tunnels, each sending B bytes and reading B back
+//	dial-error                    expect the dial to fail; print the error
+//	stall                         open a tunnel and read nothing until stdin closes
+//
+// The messages are encoded with protowire (the wire format of client.proto,
+// written down here) through a codec registered as "proto", grpc-go's
+// default, so the headers on the wire are exactly those of generated code.
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/ioutil"
+	"math/rand"
+	"net"
+	"os"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// Packet types of client.proto.
+const (
+	dialReq  = 0
+	dialRsp  = 1
+	closeReq = 2
+	closeRsp = 3
+	data     = 4
+	dialCls  = 5
+)
+
+// packet is client.proto's Packet, flattened: the fields of whichever
+// payload its type carries.
+type packet struct {
+	typ      int64
+	protocol string // DialRequest
+	address  string // DialRequest
+	random   int64  // DialRequest, DialResponse, CloseDial
+	errText  string // DialResponse, CloseResponse, Data
+	connID   int64  // DialResponse, CloseRequest, CloseResponse, Data
+	data     []byte // Data
+}
+
+// payloadField is the oneof field number of each packet type's payload.
+var payloadField = map[int64]protowire.Number{
+	dialReq: 2, dialRsp: 3, data: 4, closeReq: 5, closeRsp: 6, dialCls: 7,
+}
+
+func appendString(b []byte, n protowire.Number, s string) []byte {
+	if s == "" {
+		return b
+	}
+	return protowire.AppendString(protowire.AppendTag(b, n, protowire.BytesType), s)
+}
+
+func appendInt(b []byte, n protowire.Number, v int64) []byte {
+	if v == 0 {
+		return b
+	}
+	return protowire.AppendVarint(protowire.AppendTag(b, n, protowire.VarintType), uint64(v))
+}
+
+func (p *packet) marshal() []byte {
+	var inner []byte
+	switch p.typ {
+	case dialReq:
+		inner = appendString(inner, 1, p.protocol)
+		inner = appendString(inner, 2, p.address)
+		inner = appendInt(inner, 3, p.random)
+	case closeReq:
+		inner = appendInt(inner, 1, p.connID)
+	case data:
+		inner = appendInt(inner, 1, p.connID)
+		inner = appendString(inner, 2, p.errText)
+		if len(p.data) > 0 {
+			inner = protowire.AppendBytes(protowire.AppendTag(inner, 3, protowire.BytesType), p.data)
+		}
+	case dialCls:
+		inner = appendInt(inner, 1, p.random)
+	}
+	b := make([]byte, 0, len(inner)+16)
+	b = appendInt(b, 1, p.typ)
+	b = protowire.AppendTag(b, payloadField[p.typ], protowire.BytesType)
+	return protowire.AppendBytes(b, inner)
+}
+
+// fields calls f for each field of the message in b.
+func fields(b []byte, f func(n protowire.Number, t protowire.Type, b []byte) int) error {
+	for len(b) > 0 {
+		n, t, k := protowire.ConsumeTag(b)
+		if k < 0 {
+			return protowire.ParseError(k)
+		}
+		b = b[k:]
+		k = f(n, t, b)
+		if k < 0 {
+			return protowire.ParseError(k)
+		}
+		b = b[k:]
+	}
+	return nil
+}
+
+// value reads a varint or a length-delimited field into v or s.
+func value(t protowire.Type, b []byte, v *int64, s *[]byte) int {
+	switch t {
+	case protowire.VarintType:
+		x, k := protowire.ConsumeVarint(b)
+		if v != nil {
+			*v = int64(x)
+		}
+		return k
+	case protowire.BytesType:
+		x, k := protowire.ConsumeBytes(b)
+		if s != nil {
+			*s = x
+		}
+		return k
+	}
+	return protowire.ConsumeFieldValue(0, t, b)
+}
+
+func (p *packet) unmarshal(b []byte) error {
+	*p = packet{}
+	var payload []byte
+	err := fields(b, func(n protowire.Number, t protowire.Type, b []byte) int {
+		switch {
+		case n == 1:
+			return value(t, b, &p.typ, nil)
+		case n >= 2 && n <= 8:
+			return value(t, b, nil, &payload)
+		}
+		return protowire.ConsumeFieldValue(n, t, b)
+	})
+	if err != nil {
+		return err
+	}
+	return fields(payload, func(n protowire.Number, t protowire.Type, b []byte) int {
+		var s []byte
+		var k int
+		switch p.typ {
+		case dialRsp:
+			switch n {
+			case 1:
+				k = value(t, b, nil, &s)
+				p.errText = string(s)
+				return k
+			case 2:
+				return value(t, b, &p.connID, nil)
+			case 3:
+				return value(t, b, &p.random, nil)
+			}
+		case closeRsp:
+			switch n {
+			case 1:
+				k = value(t, b, nil, &s)
+				p.errText = string(s)
+				return k
+			case 2:
+				return value(t, b, &p.connID, nil)
+			}
+		case data:
+			switch n {
+			case 1:
+				return value(t, b, &p.connID, nil)
+			case 2:
+				k = value(t, b, nil, &s)
+				p.errText = string(s)
+				return k
+			case 3:
+				return value(t, b, nil, &p.data)
+			}
+		}
+		return protowire.ConsumeFieldValue(n, t, b)
+	})
+}
+
+// codec carries *packet values; registered as "proto", grpc-go's default.
+type codec struct{}
+
+func (codec) Marshal(v interface{}) ([]byte, error)   { return v.(*packet).marshal(), nil }
+func (codec) Unmarshal(b []byte, v interface{}) error { return v.(*packet).unmarshal(b) }
+func (codec) Name() string                            { return "proto" }
+
+func init() { encoding.RegisterCodec(codec{}) }
+
+var proxyStream = &grpc.StreamDesc{StreamName: "Proxy", ServerStreams: true, ClientStreams: true}
+
+// transport says how to reach proxy-server's frontend.
+type transport struct {
+	uds  string
+	tcp  string
+	cred credentials.TransportCredentials
+}
+
+// conn is one tunneled connection: its own gRPC connection and stream.
+type conn struct {
+	cc     *grpc.ClientConn
+	stream grpc.ClientStream
+	id     int64
+	// pending holds bytes of a DATA packet not yet read.
+	pending []byte
+	eof     bool
+}
+
+// dial opens a gRPC connection as kube-apiserver does and dials address
+// through it.
+func (t *transport) dial(ctx context.Context, address string) (*conn, error) {
+	var cc *grpc.ClientConn
+	var err error
+	if t.uds != "" {
+		path := t.uds
+		cc, err = grpc.DialContext(ctx, path, grpc.WithInsecure(),
+			grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", path)
+			}))
+	} else {
+		cc, err = grpc.DialContext(ctx, t.tcp, grpc.WithTransportCredentials(t.cred))
+	}
+	if err != nil {
+		return nil, err
+	}
+	stream, err := cc.NewStream(context.Background(), proxyStream, "/ProxyService/Proxy")
+	if err != nil {
+		cc.Close()
+		return nil, err
+	}
+	random := rand.Int63()
+	if err := stream.SendMsg(&packet{typ: dialReq, protocol: "tcp", address: address, random: random}); err != nil {
+		cc.Close()
+		return nil, err
+	}
+	var rsp packet
+	if err := stream.RecvMsg(&rsp); err != nil {
+		cc.Close()
+		return nil, err
+	}
+	if rsp.typ != dialRsp || rsp.random != random {
+		cc.Close()
+		return nil, fmt.Errorf("expected DIAL_RSP for %d, got type %d for %d", random, rsp.typ, rsp.random)
+	}
+	if rsp.errText != "" {
+		cc.Close()
+		return nil, dialError(rsp.errText)
+	}
+	return &conn{cc: cc, stream: stream, id: rsp.connID}, nil
+}
+
+// dialError is the agent's dial error, from DIAL_RSP.
+type dialError string
+
+func (e dialError) Error() string { return string(e) }
+
+// Write sends p as one DATA packet, as kube-apiserver's client does with
+// each Write.
+func (c *conn) Write(p []byte) (int, error) {
+	if err := c.stream.SendMsg(&packet{typ: data, connID: c.id, data: p}); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// copyChunk is io.Copy's buffer: what a proxied stream hands each Write.
+const copyChunk = 32 * 1024
+
+// writeAll writes p in copyChunk pieces.
+func (c *conn) writeAll(p []byte) error {
+	for off := 0; off < len(p); off += copyChunk {
+		end := off + copyChunk
+		if end > len(p) {
+			end = len(p)
+		}
+		if _, err := c.Write(p[off:end]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Read returns the bytes of DATA packets; io.EOF after CLOSE_RSP.
+func (c *conn) Read(p []byte) (int, error) {
+	for len(c.pending) == 0 {
+		if c.eof {
+			return 0, io.EOF
+		}
+		var pkt packet
+		if err := c.stream.RecvMsg(&pkt); err != nil {
+			return 0, err
+		}
+		switch pkt.typ {
+		case data:
+			if pkt.errText != "" {
+				return 0, errors.New(pkt.errText)
+			}
+			c.pending = pkt.data
+		case closeRsp:
+			c.eof = true
+			if pkt.errText != "" {
+				return 0, fmt.Errorf("CLOSE_RSP: %s", pkt.errText)
+			}
+		default:
+			return 0, fmt.Errorf("unexpected packet type %d", pkt.typ)
+		}
+	}
+	n := copy(p, c.pending)
+	c.pending = c.pending[n:]
+	return n, nil
+}
+
+// Close sends CLOSE_REQ, waits for CLOSE_RSP (discarding DATA) and closes
+// the gRPC connection.
+func (c *conn) Close() error {
+	defer c.cc.Close()
+	if c.eof {
+		return nil
+	}
+	if err := c.stream.SendMsg(&packet{typ: closeReq, connID: c.id}); err != nil {
+		return err
+	}
+	for {
+		var pkt packet
+		if err := c.stream.RecvMsg(&pkt); err != nil {
+			return err
+		}
+		if pkt.typ == closeRsp {
+			if pkt.errText != "" {
+				return fmt.Errorf("CLOSE_RSP: %s", pkt.errText)
+			}
+			return nil
+		}
+	}
+}
+
+// pattern is tests/src/destination.rs's pattern(len, seed).
+func pattern(n int, seed uint64) []byte {
+	x := seed*0x9E3779B97F4A7C15 | 1
+	out := make([]byte, n)
+	for i := range out {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		out[i] = byte(x >> 24)
+	}
+	return out
+}
+
+// fnv is FNV-1a, 64 bit (tests/src/destination.rs's Fnv).
+func fnv(b []byte) uint64 {
+	h := uint64(0xcbf29ce484222325)
+	for _, c := range b {
+		h ^= uint64(c)
+		h *= 0x100000001b3
+	}
+	return h
+}
+
+func fail(format string, args ...interface{}) {
+	fmt.Fprintf(os.Stderr, "frontend: "+format+"\n", args...)
+	os.Exit(1)
+}
+
+func report(v interface{}) {
+	if err := json.NewEncoder(os.Stdout).Encode(v); err != nil {
+		fail("writing the result: %v", err)
+	}
+}
+
+func main() {
+	uds := flag.String("uds", "", "proxy-server's frontend Unix socket (its --uds-name)")
+	tcp := flag.String("tcp", "", "proxy-server's frontend HOST:PORT (TCP with mTLS)")
+	ca := flag.String("ca", "", "CA of the server certificate (TCP)")
+	cert := flag.String("cert", "", "client certificate (TCP)")
+	key := flag.String("key", "", "client key (TCP)")
+	serverName := flag.String("server-name", "localhost", "name the server certificate must carry (TCP)")
+	flag.Parse()
+	if flag.NArg() < 1 {
+		fail("no mode (download, upload, echo, dials, dial-error, stall)")
+	}
+	t := &transport{uds: *uds, tcp: *tcp}
+	if *tcp != "" {
+		pair, err := tls.LoadX509KeyPair(*cert, *key)
+		if err != nil {
+			fail("loading -cert %s / -key %s: %v", *cert, *key, err)
+		}
+		pem, err := ioutil.ReadFile(*ca)
+		if err != nil {
+			fail("reading -ca %s: %v", *ca, err)
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pem) {
+			fail("-ca %s holds no certificate", *ca)
+		}
+		t.cred = credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{pair}, RootCAs: roots, ServerName: *serverName})
+	} else if *uds == "" {
+		fail("give -uds or -tcp")
+	}
+	mode := flag.Arg(0)
+	args := flag.NewFlagSet(mode, flag.ExitOnError)
+	addr := args.String("addr", "", "node-side HOST:PORT to dial")
+	size := args.Int("bytes", 0, "bytes to move")
+	seed := args.Int64("seed", -1, "download: check the bytes against pattern(bytes, seed)")
+	hash := args.Bool("hash", false, "upload: length first, then read the FNV-1a answer")
+	concurrency := args.Int("concurrency", 8, "dials: tunnels at once")
+	count := args.Int("count", 0, "dials: tunnels in all (0: for -duration)")
+	duration := args.Duration("duration", 0, "dials: how long")
+	exchange := args.Int("exchange", 1024, "dials: bytes each way per tunnel")
+	if err := args.Parse(flag.Args()[1:]); err != nil {
+		fail("%v", err)
+	}
+	rand.Seed(time.Now().UnixNano())
+	ctx := context.Background()
+	switch mode {
+	case "download":
+		download(ctx, t, *addr, *size, *seed)
+	case "upload":
+		upload(ctx, t, *addr, *size, *hash)
+	case "echo":
+		echo(ctx, t, *addr, *size)
+	case "dials":
+		dials(t, *addr, *concurrency, *count, *duration, *exchange)
+	case "dial-error":
+		c, err := t.dial(ctx, *addr)
+		if err == nil {
+			c.Close()
+			fail("the dial to %s succeeded", *addr)
+		}
+		var de dialError
+		if !errors.As(err, &de) {
+			fail("expected a DIAL_RSP error, got %v", err)
+		}
+		report(map[string]string{"error": string(de)})
+	case "stall":
+		c, err := t.dial(ctx, *addr)
+		if err != nil {
+			fail("dial %s: %v", *addr, err)
+		}
+		report(map[string]string{"stalled": *addr})
+		io.Copy(ioutil.Discard, os.Stdin)
+		c.cc.Close()
+	default:
+		fail("unknown mode %q", mode)
+	}
+}
+
+// endless moves bytes with move (a read or a write of up to 32 KiB) until
+// it fails or stdin closes, printing the bytes moved so far every 100 ms.
+func endless(c *conn, move func([]byte) (int, error)) {
+	var moved int64
+	go func() {
+		buf := make([]byte, copyChunk)
+		for {
+			n, err := move(buf)
+			atomic.AddInt64(&moved, int64(n))
+			if err != nil {
+				fail("after %d bytes: %v", atomic.LoadInt64(&moved), err)
+			}
+		}
+	}()
+	done := make(chan struct{})
+	go func() {
+		io.Copy(ioutil.Discard, os.Stdin)
+		close(done)
+	}()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-done:
+			c.cc.Close()
+			return
+		case <-tick.C:
+			report(map[string]int64{"bytes": atomic.LoadInt64(&moved)})
+		}
+	}
+}
+
+func download(ctx context.Context, t *transport, addr string, n int, seed int64) {
+	c, err := t.dial(ctx, addr)
+	if err != nil {
+		fail("dial %s: %v", addr, err)
+	}
+	if n == 0 {
+		endless(c, c.Read)
+		return
+	}
+	start := time.Now()
+	got := make([]byte, n)
+	if _, err := io.ReadFull(c, got); err != nil {
+		fail("reading %d bytes: %v", n, err)
+	}
+	seconds := time.Since(start).Seconds()
+	if seed >= 0 && string(got) != string(pattern(n, uint64(seed))) {
+		fail("the %d bytes read are not pattern(%d, %d)", n, n, seed)
+	}
+	c.cc.Close()
+	report(map[string]interface{}{"bytes": n, "seconds": seconds, "fnv": fnv(got)})
+}
+
+func upload(ctx context.Context, t *transport, addr string, n int, hash bool) {
+	c, err := t.dial(ctx, addr)
+	if err != nil {
+		fail("dial %s: %v", addr, err)
+	}
+	if n == 0 {
+		endless(c, c.Write)
+		return
+	}
+	body := pattern(n, 11)
+	start := time.Now()
+	if hash {
+		var length [8]byte
+		binary.BigEndian.PutUint64(length[:], uint64(n))
+		if _, err := c.Write(length[:]); err != nil {
+			fail("writing the length: %v", err)
+		}
+	}
+	if err := c.writeAll(body); err != nil {
+		fail("writing %d bytes: %v", n, err)
+	}
+	result := map[string]interface{}{"bytes": n, "fnv": fnv(body)}
+	if hash {
+		var answer [8]byte
+		if _, err := io.ReadFull(c, answer[:]); err != nil {
+			fail("reading the hash: %v", err)
+		}
+		result["answer"] = binary.BigEndian.Uint64(answer[:])
+		result["seconds"] = time.Since(start).Seconds()
+		c.Close()
+	} else {
+		if err := c.Close(); err != nil {
+			fail("closing: %v", err)
+		}
+		result["seconds"] = time.Since(start).Seconds()
+	}
+	report(result)
+}
+
+func echo(ctx context.Context, t *transport, addr string, n int) {
+	c, err := t.dial(ctx, addr)
+	if err != nil {
+		fail("dial %s: %v", addr, err)
+	}
+	sent := pattern(n, 5)
+	errs := make(chan error, 1)
+	go func() {
+		errs <- c.writeAll(sent)
+	}()
+	got := make([]byte, n)
+	if _, err := io.ReadFull(c, got); err != nil {
+		fail("reading the echo: %v", err)
+	}
+	if err := <-errs; err != nil {
+		fail("writing: %v", err)
+	}
+	if string(got) != string(sent) {
+		fail("the echo differs")
+	}
+	if err := c.Close(); err != nil {
+		fail("closing: %v", err)
+	}
+	report(map[string]interface{}{"bytes": n, "fnv": fnv(got)})
+}
+
+// dials runs single-use tunnels: dial, send exchange bytes, read as many,
+// close; concurrency at once, count in all or for duration.
+func dials(t *transport, addr string, concurrency, count int, duration time.Duration, exchange int) {
+	var mu sync.Mutex
+	var latencies []time.Duration
+	var failures int
+	var firstError string
+	start := time.Now()
+	deadline := start.Add(duration)
+	next := 0
+	take := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if count > 0 {
+			next++
+			return next <= count
+		}
+		return time.Now().Before(deadline)
+	}
+	sent := pattern(exchange, 3)
+	var wg sync.WaitGroup
+	for w := 0; w < concurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			got := make([]byte, exchange)
+			for take() {
+				began := time.Now()
+				err := func() error {
+					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+					defer cancel()
+					c, err := t.dial(ctx, addr)
+					if err != nil {
+						return err
+					}
+					if _, err := c.Write(sent); err != nil {
+						c.cc.Close()
+						return err
+					}
+					if _, err := io.ReadFull(c, got); err != nil {
+						c.cc.Close()
+						return err
+					}
+					if string(got) != string(sent) {
+						c.cc.Close()
+						return errors.New("the exchange differs")
+					}
+					return c.Close()
+				}()
+				took := time.Since(began)
+				mu.Lock()
+				if err != nil {
+					failures++
+					if firstError == "" {
+						firstError = err.Error()
+					}
+				} else {
+					latencies = append(latencies, took)
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	seconds := time.Since(start).Seconds()
+	sort.Slice(latencies, func(i, j int) bool { return latencies[i] < latencies[j] })
+	quantile := func(q float64) float64 {
+		if len(latencies) == 0 {
+			return 0
+		}
+		i := int(q * float64(len(latencies)-1))
+		return float64(latencies[i].Microseconds())
+	}
+	report(map[string]interface{}{
+		"dials": len(latencies), "errors": failures, "first_error": firstError,
+		"seconds": seconds, "p50_us": quantile(0.5), "p99_us": quantile(0.99),
+	})
+}
