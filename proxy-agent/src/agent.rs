@@ -496,7 +496,6 @@ fn add_client(
         tracing::debug!(server.id = %server_id, "already connected to this server; closing the duplicate");
         return;
     }
-    client.metrics().server_connection_opened();
     info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
     let state = state.clone();
     let span = info_span!("client", server.id = %server_id);

@@ -155,8 +155,6 @@ impl CloseReason {
 pub struct AgentMetrics {
     exposition: Arc<Metrics>,
     dial_duration: Observed<Histogram>,
-    /// Whether a server connection was ever opened (shows the gauge).
-    server_seen: Arc<AtomicBool>,
     /// Whether an endpoint connection was ever opened (shows the gauge).
     endpoint_seen: Arc<AtomicBool>,
     server_failures: Family<DirectionLabel, Counter>,
@@ -202,7 +200,6 @@ impl AgentMetrics {
             "Number of failures dialing the remote endpoint, by reason (example: timeout).",
             Family::default(),
         );
-        let server_seen = Arc::new(AtomicBool::new(false));
         let endpoint_seen = Arc::new(AtomicBool::new(false));
         // A gauge read from the state, shown once `seen` is set.
         let gauge = |read: fn(&dyn Live) -> usize, seen: Option<Arc<AtomicBool>>| {
@@ -218,7 +215,10 @@ impl AgentMetrics {
             name("open_server_connections"),
             "Current number of open server connections.",
             MetricType::Gauge,
-            gauge(|s| s.server_connections(), Some(server_seen.clone())),
+            // Shown from start-up, at 0 until the first server connection
+            // (ANP shows it only from then on; a scrape right after
+            // `/healthz` answers would find no such metric).
+            gauge(|s| s.server_connections(), None),
         );
         m.probe(
             name("known_server_count"),
@@ -272,7 +272,6 @@ impl AgentMetrics {
         Self {
             exposition: Arc::new(m),
             dial_duration,
-            server_seen,
             endpoint_seen,
             server_failures,
             dial_failures,
@@ -292,11 +291,6 @@ impl AgentMetrics {
     /// A destination dial succeeded after `took`.
     pub(crate) fn dial_succeeded(&self, took: Duration) {
         self.dial_duration.get().observe(took.as_secs_f64());
-    }
-
-    /// A server connection was added (ANP sets its gauge from then on).
-    pub(crate) fn server_connection_opened(&self) {
-        self.server_seen.store(true, Ordering::Relaxed);
     }
 
     /// An endpoint connection was registered (ANP sets its gauge from then
@@ -387,16 +381,14 @@ mod tests {
     }
 
     #[test]
-    fn connection_gauges_appear_once_set() {
+    fn the_server_gauge_shows_from_start_up_and_the_endpoint_gauge_once_set() {
         let metrics = AgentMetrics::unattached();
         let text = metrics.render();
-        assert!(!text.contains("open_server_connections"), "{text}");
+        assert!(text.contains("\nkonnectivity_network_proxy_agent_open_server_connections 0\n"));
         assert!(!text.contains("open_endpoint_connections"), "{text}");
         assert!(text.contains("\nkonnectivity_network_proxy_agent_known_server_count 0\n"));
-        metrics.server_connection_opened();
         metrics.endpoint_connection_opened();
         let text = metrics.render();
-        assert!(text.contains("\nkonnectivity_network_proxy_agent_open_server_connections 0\n"));
         assert!(text.contains("\nkonnectivity_network_proxy_agent_open_endpoint_connections 0\n"));
     }
 }

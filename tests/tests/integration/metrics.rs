@@ -183,10 +183,15 @@ konnectivity_network_proxy_agent_stream_packets_total{packet_type="DIAL_REQ",seg
 konnectivity_network_proxy_agent_stream_packets_total{packet_type="DIAL_RSP",segment="from_agent"} 2
 "#;
 
-/// What an agent that has never reached a server shows of ANP's families.
+/// What an agent that has never reached a server shows of ANP's families:
+/// ANP's, and (ours) the server connection gauge at 0, which ANP shows
+/// only from the first connection.
 const FRESH_AGENT: &str = r#"# HELP konnectivity_network_proxy_agent_known_server_count Current number of servers agent is trying to connect to.
 # TYPE konnectivity_network_proxy_agent_known_server_count gauge
 konnectivity_network_proxy_agent_known_server_count 1
+# HELP konnectivity_network_proxy_agent_open_server_connections Current number of open server connections.
+# TYPE konnectivity_network_proxy_agent_open_server_connections gauge
+konnectivity_network_proxy_agent_open_server_connections 0
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -441,4 +446,54 @@ async fn http_connect_dial_failures_are_counted_as_anps() {
         )),
         "{text}"
     );
+}
+
+/// The real agent binary: the first scrape after `/healthz` first answers
+/// already has the server connection gauge, 0 while no server is reached
+/// (a monitoring stack that waits for `/healthz` and reads it finds it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_server_connection_gauge_is_there_as_soon_as_healthz_answers() {
+    use integration_tests::{LoggedProcess, Pki, binary};
+    let pki = Pki::get();
+    let nobody = destination::closed_port();
+    let mut command = std::process::Command::new(binary("proxy-agent"));
+    command.args([
+        format!("--ca-cert={}", pki.path("agent-ca.crt").display()),
+        format!("--agent-cert={}", pki.path("proxy-agent.crt").display()),
+        format!("--agent-key={}", pki.path("proxy-agent.key").display()),
+        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-port={}", nobody.port()),
+        "--health-server-host=127.0.0.1".to_owned(),
+        "--health-server-port=0".to_owned(),
+        "--admin-server-port=0".to_owned(),
+    ]);
+    let mut agent = LoggedProcess::spawn(command, "proxy-agent");
+    let port = agent.logged_port("health.addr=Some(127.0.0.1:").await;
+    let health = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    wait_for_async_200(health).await;
+    let text = scrape(health).await;
+    assert!(
+        text.contains(&format!("\n{A}open_server_connections 0\n")),
+        "{text}"
+    );
+}
+
+/// Polls `GET /healthz` on `addr` until it answers 200.
+async fn wait_for_async_200(addr: std::net::SocketAddr) {
+    let start = std::time::Instant::now();
+    loop {
+        if tokio::net::TcpStream::connect(addr).await.is_ok()
+            && http_request(addr, "GET", "/healthz", "localhost", "")
+                .await
+                .status
+                == 200
+        {
+            return;
+        }
+        assert!(
+            start.elapsed() < integration_tests::DEADLINE,
+            "/healthz on {addr} never answered 200"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
 }
