@@ -20,6 +20,7 @@ use tracing::{info, warn};
 use tunnel::{
     conn::{bind_named, tls_incoming},
     flow,
+    read_ahead::ReadAhead,
 };
 
 use crate::{
@@ -368,9 +369,12 @@ impl Bound {
             (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
                 info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
                 // Any `:authority` is accepted on the socket: kube-apiserver
-                // sends the socket's path, which h2 refuses by itself.
-                let incoming = UnixListenerStream::new(listener)
-                    .map(|accepted| accepted.map(AnyAuthority::new));
+                // sends the socket's path, which h2 refuses by itself. Reads
+                // take up to 64 KiB per system call: h2 asks for 8 KiB at a
+                // time, and grpc-go's uploads come in 16 KiB frames.
+                let incoming = UnixListenerStream::new(listener).map(|accepted| {
+                    accepted.map(|socket| AnyAuthority::new(ReadAhead::new(socket)))
+                });
                 let server = frontend_builder
                     .clone()
                     .add_service(proxy_service)

@@ -88,6 +88,14 @@ impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {
     }
 }
 
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for ReadAhead<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
 impl<T: AsyncWrite + Unpin> AsyncWrite for ReadAhead<T> {
     fn poll_write(
         self: Pin<&mut Self>,
