@@ -173,10 +173,8 @@ impl std::fmt::Debug for AgentMetrics {
 }
 
 impl AgentMetrics {
-    /// Metrics of no agent (its gauges read 0), for a [`Client`] used on
-    /// its own.
-    ///
-    /// [`Client`]: crate::client::Client
+    /// Metrics of no agent (its gauges read 0), for a client (one server
+    /// connection) used on its own.
     pub fn unattached() -> Self {
         Self::new(Weak::<Nothing>::new(), &LeaseMetrics::default())
     }

@@ -7,7 +7,7 @@ use ipnet::IpNet;
 use tunnel::ids::AgentId;
 
 use crate::{
-    router::BackendId,
+    ids::BackendId,
     strategy::{AgentIdentifiers, ProxyStrategy, host_of},
 };
 
