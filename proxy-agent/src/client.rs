@@ -32,15 +32,16 @@ use tunnel::conn::Io;
 use tunnel::{
     flow::{self, SendCredit},
     ids::ServerId,
-    mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
+    mover::{QueueUpstream, WindowDownstream},
     proxy_client,
-    queue::{PushError, QueueTx},
+    queue::QueueTx,
 };
 
 use crate::{
     config::{Config, ServerAddr},
-    endpoint::{self, Connections, EndpointConn},
-    metrics::{AgentMetrics, CloseReason},
+    endpoint::{self, ConnDriver, Connections, EndpointConn},
+    metrics::AgentMetrics,
+    outbound::ToServer,
     table::{Dialed, Step, Ticket},
 };
 
@@ -49,9 +50,6 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Room for control packets beyond `--max-server-queue-bytes` (see
 /// [`tunnel::queue`]): past it the server has stopped reading.
 const CONTROL_RESERVE: usize = 1024 * 1024;
-/// How long a connection closed by the server may take to write what was
-/// queued for its destination.
-const CLOSE_DRAIN: Duration = Duration::from_secs(10);
 
 /// Why a connection to proxy-server failed.
 #[derive(Debug, thiserror::Error)]
@@ -495,8 +493,7 @@ impl Client {
         let tasks = TaskTracker::new();
         let dispatcher = Dispatcher {
             conns: conns.clone(),
-            out_tx,
-            cancel: cancel.clone(),
+            to_server: ToServer::new(out_tx, cancel.clone(), metrics.clone()),
             tasks: tasks.clone(),
             flow_control,
             metrics: metrics.clone(),
@@ -552,9 +549,7 @@ struct Dispatcher {
     /// Connections and dials of this stream.
     conns: Connections,
     /// Packets to the server.
-    out_tx: QueueTx<Packet>,
-    /// Ends every task of the stream.
-    cancel: CancellationToken,
+    to_server: ToServer,
     /// Dial and connection tasks.
     tasks: TaskTracker,
     /// Whether per-connection credits are in use on this stream.
@@ -575,20 +570,16 @@ impl Drop for BlockedTimer<'_> {
 impl Dispatcher {
     async fn handle(&self, packet: Packet) {
         // One lock: the step and the handle it needs.
-        let (step, window) = {
+        let (step, window, credit) = {
             let mut table = self.conns.lock();
             let step = table.handle(packet);
-            let window = match step {
-                Step::Deliver { conn, .. } => table.conn(conn).map(|c| c.inbound.clone()),
-                Step::Grant { conn, credit } => {
-                    if let Some(credit_of) = table.conn(conn).and_then(|c| c.send_credit.as_ref()) {
-                        credit_of.grant(credit);
-                    }
-                    None
-                }
+            let conn = match step {
+                Step::Deliver { conn, .. } | Step::Grant { conn, .. } => table.conn(conn),
                 _ => None,
             };
-            (step, window)
+            let window = conn.map(|c| c.inbound.clone());
+            let credit = conn.and_then(|c| c.send_credit.clone());
+            (step, window, credit)
         };
         match step {
             Step::Dial {
@@ -613,11 +604,17 @@ impl Dispatcher {
                 if pushed == Err(flow::PushError::Overflow) {
                     warn!(conn.id = %conn, "connection closed: its destination reads too slowly");
                     if let Some(handle) = self.conns.lock().remove(conn) {
-                        handle.abort(flow::OVERFLOW);
+                        handle.overflow.cancel();
                     }
                 }
             }
-            Step::Grant { .. } => {}
+            Step::Grant {
+                credit: granted, ..
+            } => {
+                if let Some(credit) = credit {
+                    credit.grant(granted);
+                }
+            }
             Step::Close { conn, handle } => {
                 // Dropped: its mover writes what is queued, then the
                 // connection task answers CLOSE_RSP (within CLOSE_DRAIN).
@@ -633,9 +630,9 @@ impl Dispatcher {
         }
     }
 
-    /// Sends a control packet without waiting (see [`send_control`]).
+    /// Sends a control packet without waiting (see [`ToServer::control`]).
     fn control(&self, packet: Packet) {
-        send_control(&self.out_tx, packet, &self.cancel, &self.metrics);
+        self.to_server.control(packet);
     }
 
     fn spawn_dial(
@@ -646,8 +643,7 @@ impl Dispatcher {
         cancel: CancellationToken,
     ) {
         let conns = self.conns.clone();
-        let out_tx = self.out_tx.clone();
-        let stream_cancel = self.cancel.clone();
+        let to_server = self.to_server.clone();
         let flow_control = self.flow_control;
         let metrics = self.metrics.clone();
         let span =
@@ -660,123 +656,61 @@ impl Dispatcher {
                     () = cancel.cancelled() => return,
                     dialed = endpoint::dial(&protocol, &address) => dialed,
                 };
-                let stream = match dialed {
-                    Ok(stream) => {
+                let socket = match dialed {
+                    Ok(socket) => {
                         metrics.dial_succeeded(started.elapsed());
-                        stream
+                        socket
                     }
                     Err(error) => {
                         metrics.dial_failed(&error);
                         debug!(%error, "dial failed");
                         if let Dialed::Failed { reply } = conns.lock().dialed(ticket, Err(error)) {
-                            send_control(&out_tx, reply, &stream_cancel, &metrics);
+                            to_server.control(reply);
                         }
                         return;
                     }
                 };
                 let (inbound, window) = flow::queue();
                 let send_credit = flow_control.then(SendCredit::new);
-                let abort = cancel.child_token();
+                let overflow = CancellationToken::new();
                 let closing = CancellationToken::new();
-                let abort_reason = Arc::new(std::sync::OnceLock::new());
                 let handle = EndpointConn {
                     inbound,
                     send_credit: send_credit.clone(),
-                    abort: abort.clone(),
+                    overflow: overflow.clone(),
                     closing: closing.clone(),
-                    abort_reason: abort_reason.clone(),
                 };
                 let opened = conns.lock().dialed(ticket, Ok(handle));
-                let Dialed::Open { conn: conn_id, reply } = opened else {
+                let Dialed::Open { conn: id, reply } = opened else {
                     // Cancelled meanwhile: the socket closes unanswered.
                     return;
                 };
-                tracing::Span::current().record("conn.id", tracing::field::display(conn_id));
+                tracing::Span::current().record("conn.id", tracing::field::display(id));
                 metrics.endpoint_connection_opened();
-                if !send_control(&out_tx, reply, &stream_cancel, &metrics) {
-                    conns.lock().remove(conn_id);
+                if !to_server.control(reply) {
+                    conns.lock().remove(id);
                     return;
                 }
                 debug!("connected");
-                let mut up = QueueUpstream::new(conn_id, out_tx.clone(), send_credit);
-                let grants = flow_control.then(|| out_tx.clone());
-                let down = WindowDownstream::new(conn_id, window, grants);
-                // After CLOSE_REQ the queued bytes get CLOSE_DRAIN to reach a
-                // destination that may not be reading.
-                let drain_deadline = async {
-                    closing.cancelled().await;
-                    tokio::time::sleep(CLOSE_DRAIN).await;
-                };
-                let end = tokio::select! {
-                    () = abort.cancelled() => MoverEnd::TunnelGone,
-                    () = drain_deadline => {
-                        let _ = abort_reason.set("timed out writing to the destination before closing".to_owned());
-                        MoverEnd::TunnelGone
-                    }
-                    end = mover::run(stream, &mut up, down) => end,
-                };
-                conns.lock().remove(conn_id);
-                if let Some(packet) = &up.undelivered {
-                    metrics.send_failed(packet);
+                let out = to_server.queue().clone();
+                let grants = flow_control.then(|| out.clone());
+                ConnDriver {
+                    id,
+                    socket,
+                    up: QueueUpstream::new(id, out, send_credit),
+                    down: WindowDownstream::new(id, window, grants),
+                    overflow,
+                    closing,
+                    stream: cancel,
+                    conns,
+                    to_server,
+                    metrics,
                 }
-                metrics.connection_closed(match &end {
-                    MoverEnd::TunnelGone if abort_reason.get().is_some() => CloseReason::Overflow,
-                    MoverEnd::TunnelGone => CloseReason::StreamGone,
-                    MoverEnd::LocalError(_) => CloseReason::EndpointError,
-                    MoverEnd::LocalEof => CloseReason::EndpointClosed,
-                    MoverEnd::PeerClosed => CloseReason::ServerClosed,
-                });
-                let error = match &end {
-                    MoverEnd::TunnelGone => match abort_reason.get() {
-                        // Aborted for overflow: tell the server why.
-                        Some(reason) if !cancel.is_cancelled() => reason.clone(),
-                        _ => return,
-                    },
-                    MoverEnd::LocalError(e) => e.to_string(),
-                    MoverEnd::LocalEof | MoverEnd::PeerClosed => String::new(),
-                };
-                debug!(?end, "connection closed");
-                send_control(
-                    &out_tx,
-                    Packet::close_response(conn_id.0, &error),
-                    &stream_cancel,
-                    &metrics,
-                );
+                .run()
+                .await;
             }
             .instrument(span),
         );
-    }
-}
-
-/// Queues a control packet for the server without waiting: readers and
-/// connection ends send these and must not wait on a server. Past the
-/// queue's reserve the server has stopped reading the stream, which is then
-/// ended (`cancel`). `false` if the packet was not queued.
-fn send_control(
-    out_tx: &QueueTx<Packet>,
-    packet: Packet,
-    cancel: &CancellationToken,
-    metrics: &AgentMetrics,
-) -> bool {
-    let cost = flow::packet_cost(&packet);
-    match out_tx.push(packet, cost) {
-        Ok(()) => true,
-        Err(PushError::Closed(packet)) => {
-            metrics.send_failed(&packet);
-            false
-        }
-        Err(PushError::Full(packet)) => {
-            metrics.send_failed(&packet);
-            if !cancel.is_cancelled() {
-                warn!(
-                    queued = out_tx.queued(),
-                    "the server does not read its stream; closing it"
-                );
-                metrics.limit_reached();
-            }
-            cancel.cancel();
-            false
-        }
     }
 }
 

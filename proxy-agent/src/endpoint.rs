@@ -9,36 +9,165 @@ use std::{
 };
 
 use bytes::Bytes;
+use proto::Packet;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
-use tunnel::flow::{SendCredit, WindowTx};
+use tunnel::{
+    flow::{self, SendCredit, WindowTx},
+    ids::ConnId,
+    mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
+};
 
-use crate::table::ConnTable;
+use crate::{
+    metrics::{AgentMetrics, CloseReason},
+    outbound::ToServer,
+    table::ConnTable,
+};
 
 /// How long a node-side dial may take (ANP's `dialTimeout`).
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Handle of one node-side connection: where its inbound bytes go.
+/// Handle of one node-side connection, kept in its stream's table: where
+/// its inbound bytes go and how the stream's reader ends it.
 pub struct EndpointConn {
     /// Bytes from the server for the socket; dropping it closes the
     /// connection after the queued bytes are written.
     pub inbound: WindowTx<Bytes>,
     /// Credit for DATA to the server, when flow control was negotiated.
     pub send_credit: Option<SendCredit>,
-    /// Ends the connection's task at once (overflow); the error is in `abort_reason`.
-    pub abort: CancellationToken,
+    /// Cancelled when the destination fell a window behind: the connection
+    /// ends at once, with [`ConnEnd::Overflow`].
+    pub overflow: CancellationToken,
     /// Cancelled when the server closed the connection: bounds the drain.
     pub closing: CancellationToken,
-    /// Why the connection was aborted, for its CLOSE_RSP.
-    pub abort_reason: Arc<std::sync::OnceLock<String>>,
 }
 
-impl EndpointConn {
-    /// Ends the connection's task at once; it answers CLOSE_RSP with
-    /// `reason`.
-    pub fn abort(self, reason: &str) {
-        let _ = self.abort_reason.set(reason.to_owned());
-        self.abort.cancel();
+/// Why a node-side connection ended: counted, and answered to the server.
+#[derive(Debug)]
+pub(crate) enum ConnEnd {
+    /// The destination closed its side.
+    DestinationClosed,
+    /// Reading or writing the destination failed.
+    DestinationError(io::Error),
+    /// The server closed the connection, and every queued byte was written.
+    ServerClosed,
+    /// The server stream ended (or the connection left it): nothing to answer.
+    StreamGone,
+    /// The destination read too slowly: it fell a window behind.
+    Overflow,
+    /// After the server's close, the queued bytes did not reach the
+    /// destination within [`CLOSE_DRAIN`].
+    DrainTimedOut,
+}
+
+impl ConnEnd {
+    fn from_mover(end: MoverEnd) -> Self {
+        match end {
+            MoverEnd::LocalEof => Self::DestinationClosed,
+            MoverEnd::LocalError(e) => Self::DestinationError(e),
+            MoverEnd::PeerClosed => Self::ServerClosed,
+            MoverEnd::TunnelGone => Self::StreamGone,
+        }
+    }
+
+    /// How the close is counted.
+    pub(crate) fn reason(&self) -> CloseReason {
+        match self {
+            Self::DestinationClosed => CloseReason::EndpointClosed,
+            Self::DestinationError(_) => CloseReason::EndpointError,
+            Self::ServerClosed => CloseReason::ServerClosed,
+            Self::StreamGone => CloseReason::StreamGone,
+            Self::Overflow => CloseReason::Overflow,
+            Self::DrainTimedOut => CloseReason::DrainTimedOut,
+        }
+    }
+
+    /// The error of the CLOSE_RSP to send (empty: a clean close), or `None`
+    /// when there is nobody to answer.
+    pub(crate) fn close_error(&self) -> Option<String> {
+        match self {
+            Self::DestinationClosed | Self::ServerClosed => Some(String::new()),
+            Self::DestinationError(e) => Some(e.to_string()),
+            Self::StreamGone => None,
+            Self::Overflow => Some(flow::OVERFLOW.to_owned()),
+            Self::DrainTimedOut => Some(DRAIN_TIMED_OUT.to_owned()),
+        }
+    }
+}
+
+/// CLOSE_RSP error when the destination did not take the last bytes in
+/// time after the server's close.
+pub(crate) const DRAIN_TIMED_OUT: &str = "timed out writing to the destination before closing";
+
+/// How long a connection closed by the server may take to write what is
+/// queued to a destination that may not be reading.
+pub const CLOSE_DRAIN: Duration = Duration::from_secs(10);
+
+/// One established node-side connection's task: moves its bytes both ways
+/// until it ends, then leaves the table, counts the end and answers the
+/// server. Every wait is raced against the stream's end (`stream`), an
+/// overflow and the drain deadline.
+pub(crate) struct ConnDriver {
+    /// The connection.
+    pub(crate) id: ConnId,
+    /// The destination socket.
+    pub(crate) socket: TcpStream,
+    /// Socket bytes to the server.
+    pub(crate) up: QueueUpstream,
+    /// Server bytes to the socket.
+    pub(crate) down: WindowDownstream,
+    /// Its handle's signals (see [`EndpointConn`]).
+    pub(crate) overflow: CancellationToken,
+    /// See [`EndpointConn::closing`].
+    pub(crate) closing: CancellationToken,
+    /// Cancelled when the stream ends (the dial's token, a child of it).
+    pub(crate) stream: CancellationToken,
+    /// The stream's table, which it leaves at the end.
+    pub(crate) conns: Connections,
+    /// The stream's outbound side, for the CLOSE_RSP.
+    pub(crate) to_server: ToServer,
+    /// Where the end is counted.
+    pub(crate) metrics: Arc<AgentMetrics>,
+}
+
+impl ConnDriver {
+    /// Runs the connection to its end.
+    pub(crate) async fn run(self) {
+        let Self {
+            id,
+            socket,
+            mut up,
+            down,
+            overflow,
+            closing,
+            stream,
+            conns,
+            to_server,
+            metrics,
+        } = self;
+        // After CLOSE_REQ the queued bytes get CLOSE_DRAIN to reach a
+        // destination that may not be reading.
+        let drain_deadline = async {
+            closing.cancelled().await;
+            tokio::time::sleep(CLOSE_DRAIN).await;
+        };
+        let end = tokio::select! {
+            () = stream.cancelled() => ConnEnd::StreamGone,
+            () = overflow.cancelled() => ConnEnd::Overflow,
+            () = drain_deadline => ConnEnd::DrainTimedOut,
+            end = mover::run(socket, &mut up, down) => ConnEnd::from_mover(end),
+        };
+        conns.lock().remove(id);
+        if let Some(packet) = &up.undelivered {
+            metrics.send_failed(packet);
+        }
+        metrics.connection_closed(end.reason());
+        tracing::debug!(?end, "connection closed");
+        if let Some(error) = end.close_error()
+            && !stream.is_cancelled()
+        {
+            to_server.control(Packet::close_response(id.0, &error));
+        }
     }
 }
 
@@ -154,7 +283,118 @@ fn io_text(e: &io::Error) -> String {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::AsyncReadExt;
+
     use super::*;
+
+    /// A connected pair with small socket buffers: the driver's side, and
+    /// the destination's.
+    async fn small_pair() -> (TcpStream, TcpStream) {
+        let listener = tokio::net::TcpSocket::new_v4().unwrap();
+        listener.set_recv_buffer_size(4096).unwrap();
+        listener.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = listener.listen(1).unwrap();
+        let ours = tokio::net::TcpSocket::new_v4().unwrap();
+        ours.set_send_buffer_size(4096).unwrap();
+        let (ours, theirs) = tokio::join!(
+            ours.connect(listener.local_addr().unwrap()),
+            listener.accept()
+        );
+        (ours.unwrap(), theirs.unwrap().0)
+    }
+
+    /// A connection the server closed with a full window still queued for
+    /// its destination; what it sent the server, and its metrics.
+    struct Closed {
+        driver: ConnDriver,
+        out: tunnel::queue::QueueRx<Packet>,
+        metrics: Arc<AgentMetrics>,
+        queued: usize,
+    }
+
+    fn closed_with_a_full_window(socket: TcpStream) -> Closed {
+        let stream = CancellationToken::new();
+        let (out_tx, out) = tunnel::queue::queue(1 << 20, 1 << 20);
+        let metrics = Arc::new(AgentMetrics::unattached());
+        let (inbound, window) = flow::queue();
+        let chunk = Bytes::from(vec![7u8; 64 * 1024]);
+        let mut queued = 0;
+        while inbound.push(chunk.clone(), flow::cost(chunk.len())).is_ok() {
+            queued += chunk.len();
+        }
+        let closing = CancellationToken::new();
+        // CLOSE_REQ: the handle leaves the table (its sender drops).
+        drop(inbound);
+        closing.cancel();
+        let id = ConnId(1);
+        let driver = ConnDriver {
+            id,
+            socket,
+            up: QueueUpstream::new(id, out_tx.clone(), None),
+            down: WindowDownstream::new(id, window, None),
+            overflow: CancellationToken::new(),
+            closing,
+            stream: stream.clone(),
+            conns: Connections::new(false, &stream),
+            to_server: ToServer::new(out_tx, stream, metrics.clone()),
+            metrics: metrics.clone(),
+        };
+        Closed {
+            driver,
+            out,
+            metrics,
+            queued,
+        }
+    }
+
+    fn close_error(packet: Packet) -> String {
+        match packet.into_kind() {
+            proto::packet::PacketKind::CloseRsp(rsp) => rsp.error,
+            other => panic!("expected CLOSE_RSP, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_destination_that_does_not_take_the_last_bytes_is_closed_after_the_drain() {
+        let (ours, _destination_never_reads) = small_pair().await;
+        let mut closed = closed_with_a_full_window(ours);
+        let started = tokio::time::Instant::now();
+        closed.driver.run().await;
+        assert!(started.elapsed() >= CLOSE_DRAIN);
+        let answer = closed.out.recv().await.unwrap();
+        assert_eq!(close_error(answer), DRAIN_TIMED_OUT);
+        let text = closed.metrics.render();
+        assert!(
+            text.contains(
+                "konnectivity_rs_agent_connections_closed_total{reason=\"drain_timeout\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("reason=\"overflow\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_destination_that_reads_gets_every_byte_then_a_clean_close() {
+        let (ours, mut destination) = small_pair().await;
+        let mut closed = closed_with_a_full_window(ours);
+        let reader = tokio::spawn(async move {
+            let mut all = Vec::new();
+            destination.read_to_end(&mut all).await.unwrap();
+            all
+        });
+        closed.driver.run().await;
+        let all = reader.await.unwrap();
+        assert_eq!(all.len(), closed.queued);
+        assert!(all.iter().all(|b| *b == 7));
+        assert_eq!(close_error(closed.out.recv().await.unwrap()), "");
+        let text = closed.metrics.render();
+        assert!(
+            text.contains(
+                "konnectivity_rs_agent_connections_closed_total{reason=\"server_closed\"} 1\n"
+            ),
+            "{text}"
+        );
+    }
 
     #[tokio::test]
     async fn refused_dials_read_like_go() {

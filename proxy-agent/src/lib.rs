@@ -19,4 +19,5 @@ pub mod endpoint;
 mod health;
 pub mod lease;
 pub mod metrics;
+mod outbound;
 pub mod table;

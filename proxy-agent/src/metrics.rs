@@ -132,9 +132,11 @@ pub(crate) enum CloseReason {
     EndpointError,
     /// The server (its frontend) closed it.
     ServerClosed,
-    /// The destination read too slowly (a window behind) or did not take
-    /// the last bytes in time after a close.
+    /// The destination read too slowly: a window behind.
     Overflow,
+    /// The destination did not take the last bytes in time after the
+    /// server's close.
+    DrainTimedOut,
     /// The server stream ended.
     StreamGone,
 }
@@ -146,6 +148,7 @@ impl CloseReason {
             Self::EndpointError => "endpoint_error",
             Self::ServerClosed => "server_closed",
             Self::Overflow => "overflow",
+            Self::DrainTimedOut => "drain_timeout",
             Self::StreamGone => "stream_gone",
         }
     }
@@ -254,7 +257,7 @@ impl AgentMetrics {
         );
         let closed = m.register(
             "konnectivity_rs_agent_connections_closed_total",
-            "Node-side connections that ended, by reason (endpoint_closed, endpoint_error, server_closed, overflow, stream_gone)",
+            "Node-side connections that ended, by reason (endpoint_closed, endpoint_error, server_closed, overflow, drain_timeout, stream_gone)",
             Family::default(),
         );
         let blocked = m.register(

@@ -9,13 +9,12 @@ use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
 use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 
-use runtime::metrics::when_blocked;
-
 use crate::{
     frontend::grpc::PacketStream,
     hub::Hub,
     link::{BACKEND_CONTROL_RESERVE, BackendLink},
     metrics::CONNECT,
+    reader::{self, Side},
     router::{AgentInfo, BackendId},
     strategy::AgentIdentifiers,
     stream_end::StreamEnd,
@@ -112,7 +111,7 @@ impl AgentService for AgentServiceImpl {
                     .get(tunnel::flow::HEADER)
                     .and_then(|v| v.to_str().ok()),
             );
-        let mut inbound = request.into_inner();
+        let inbound = request.into_inner();
 
         let (tx, rx) = tunnel::queue::queue(self.queue_bytes, BACKEND_CONTROL_RESERVE);
         let end = StreamEnd::new(self.shutdown.child_token());
@@ -134,7 +133,6 @@ impl AgentService for AgentServiceImpl {
         info!(agent.id = %agent_id, peer.addr = ?peer, flow_control, "agent connected");
 
         let hub = self.hub.clone();
-        let metrics = self.hub.metrics.clone();
         let span = info_span!("backend", agent.id = %agent_id);
         let reader_end = end.clone();
         self.tasks.spawn(
@@ -146,39 +144,15 @@ impl AgentService for AgentServiceImpl {
                     agent_id,
                     peer,
                 };
-                let end = reader_end;
-                loop {
-                    let packet = tokio::select! {
-                        () = end.ended() => break,
-                        packet = inbound.message() => packet,
-                    };
-                    match packet {
-                        Ok(Some(packet)) => {
-                            metrics.packet("from_agent", &packet);
-                            let Some(work) = hub.backend_packet(be, packet) else {
-                                continue;
-                            };
-                            // Only DATA for a frontend, from an agent without
-                            // credit, waits; it ends with the stream.
-                            let waited = when_blocked(hub.run(work), || metrics.blocked(CONNECT));
-                            tokio::select! {
-                                () = end.ended() => break,
-                                () = waited => {}
-                            }
-                        }
-                        Ok(None) => break,
-                        Err(status) => {
-                            let status = crate::stream_end::receive_error(status);
-                            metrics.stream_error("from_agent", status.code());
-                            debug!(error = %status, "agent stream failed");
-                            if status.code() == tonic::Code::ResourceExhausted {
-                                warn!(error = %status.message(), "agent sent a message over the limit; closing its stream");
-                                end.fail(status);
-                            }
-                            break;
-                        }
-                    }
-                }
+                reader::read(
+                    Side::Agent,
+                    inbound,
+                    &hub,
+                    &reader_end,
+                    || reader_end.ended(),
+                    |hub, packet| hub.backend_packet(be, packet),
+                )
+                .await;
             }
             .instrument(span),
         );

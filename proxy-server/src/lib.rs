@@ -39,6 +39,7 @@ pub mod lease;
 mod link;
 mod manager;
 mod metrics;
+mod reader;
 mod router;
 pub mod server;
 pub mod strategy;

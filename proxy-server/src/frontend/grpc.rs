@@ -6,18 +6,18 @@ use std::{pin::Pin, sync::Arc};
 
 use futures_util::{Stream, StreamExt};
 use proto::{Packet, proxy_service_server::ProxyService};
-use runtime::metrics::when_blocked;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{Instrument, debug, debug_span, warn};
+use tracing::{Instrument, debug_span};
 
 use crate::{
     frontend::FrontendGuard,
     hub::Hub,
     link::{FrontendLink, frontend_queue},
     metrics::PROXY,
+    reader::{self, Side},
     router::FrontendKind,
-    stream_end::{StreamEnd, receive_error},
+    stream_end::StreamEnd,
 };
 
 /// The packet stream returned to a peer.
@@ -41,7 +41,7 @@ impl ProxyService for ProxyServiceImpl {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
-        let mut inbound = request.into_inner();
+        let inbound = request.into_inner();
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
         let metrics = self.hub.metrics.clone();
@@ -59,40 +59,15 @@ impl ProxyService for ProxyServiceImpl {
                     link: link.clone(),
                 };
                 let fe = guard.link.id;
-                loop {
-                    let packet = tokio::select! {
-                        () = link.gone() => break,
-                        packet = inbound.message() => packet,
-                    };
-                    match packet {
-                        Ok(Some(packet)) => {
-                            metrics.packet("from_client", &packet);
-                            let Some(work) = hub.frontend_packet(fe, packet) else {
-                                continue;
-                            };
-                            // A dial waiting for room on its agent stream,
-                            // DATA waiting for credit: it ends with the
-                            // stream's end (ended here or its response
-                            // dropped), which shutdown brings too.
-                            let waited = when_blocked(hub.run(work), || metrics.blocked(PROXY));
-                            tokio::select! {
-                                () = link.gone() => break,
-                                () = waited => {}
-                            }
-                        }
-                        Ok(None) => break,
-                        Err(status) => {
-                            let status = receive_error(status);
-                            metrics.stream_error("from_client", status.code());
-                            debug!(error = %status, "frontend stream failed");
-                            if status.code() == tonic::Code::ResourceExhausted {
-                                warn!(error = %status.message(), "frontend sent a message over the limit; closing its stream");
-                                link.end.fail(status);
-                            }
-                            break;
-                        }
-                    }
-                }
+                reader::read(
+                    Side::Frontend,
+                    inbound,
+                    &hub,
+                    &link.end,
+                    || link.gone(),
+                    |hub, packet| hub.frontend_packet(fe, packet),
+                )
+                .await;
             }
             .instrument(span),
         );
