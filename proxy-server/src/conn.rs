@@ -1,6 +1,10 @@
-//! [`ServerConn`]: the flow state of one established connection, shared by
-//! the routing core (which owns the connection by id) and the transports
-//! that move its bytes (which wait on it).
+//! [`ServerConn`]: the flow state of one established connection, kept by
+//! the router's driver (`hub`) from the router's [`Opened`] to its
+//! [`Closed`], and shared with the transports that move its bytes (which
+//! wait on it).
+//!
+//! [`Opened`]: crate::router::Out::Opened
+//! [`Closed`]: crate::router::Out::Closed
 
 use std::{
     sync::{
@@ -69,11 +73,11 @@ impl ServerConn {
         }
     }
 
-    /// Records that the frontend took `cost` of this connection's DATA; the
-    /// credit grant to send the agent when enough has drained.
-    pub(crate) fn drained(&self, cost: usize) -> Option<Packet> {
+    /// Records that the frontend took `cost` of this connection's DATA at
+    /// `now`; the credit grant to send the agent when enough has drained.
+    pub(crate) fn drained(&self, cost: usize, now: Instant) -> Option<Packet> {
         self.budget.release(cost);
-        self.mark_progress();
+        self.mark_progress(now);
         if !self.flow_control {
             return None;
         }
@@ -82,21 +86,23 @@ impl ServerConn {
         Some(flow::credit_packet(self.id.0, credit))
     }
 
-    /// Records progress now: the frontend took DATA, or DATA was queued
-    /// while none was (its wait starts now).
-    pub(crate) fn mark_progress(&self) {
-        let now = u64::try_from(self.established.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.progress.store(now, Ordering::Relaxed);
+    /// Records progress at `now`: the frontend took DATA, or DATA was
+    /// queued while none was (its wait starts then).
+    pub(crate) fn mark_progress(&self, now: Instant) {
+        let at = now.saturating_duration_since(self.established).as_millis();
+        self.progress
+            .store(u64::try_from(at).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
-    /// How long the frontend has left queued DATA unread (zero when none is
-    /// queued).
-    pub(crate) fn stalled_for(&self) -> Duration {
+    /// How long, at `now`, the frontend has left queued DATA unread (zero
+    /// when none is queued).
+    pub(crate) fn stalled_for(&self, now: Instant) -> Duration {
         if self.budget.queued() == 0 {
             return Duration::ZERO;
         }
         let since = Duration::from_millis(self.progress.load(Ordering::Relaxed));
-        self.established.elapsed().saturating_sub(since)
+        now.saturating_duration_since(self.established)
+            .saturating_sub(since)
     }
 
     /// Cost units queued towards the frontend now.
@@ -111,5 +117,47 @@ impl std::fmt::Debug for ServerConn {
             .field("id", &self.id)
             .field("backend", &self.backend)
             .finish_non_exhaustive()
+    }
+}
+
+/// The most and the total cost queued towards frontends over `conns`.
+pub(crate) fn buffered<'a>(conns: impl Iterator<Item = &'a ServerConn>) -> (usize, usize) {
+    conns
+        .map(ServerConn::queued)
+        .fold((0, 0), |(max, total), q| (max.max(q), total + q))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_connection_is_stalled_from_when_its_data_waited_untaken() {
+        let start = Instant::now();
+        let conn = ServerConn::new(ConnId(3), BackendId(1), true, start);
+        // Nothing queued: never stalled.
+        assert_eq!(conn.stalled_for(start + 3600 * 1000 * MS), Duration::ZERO);
+        assert!(conn.budget.try_reserve(1000));
+        conn.mark_progress(start + 10 * MS);
+        assert_eq!(conn.stalled_for(start + 30 * MS), 20 * MS);
+        // Taking part of it is progress; the wait starts again.
+        let _credit = conn.drained(500, start + 40 * MS);
+        assert_eq!(conn.stalled_for(start + 45 * MS), 5 * MS);
+        // Taking the rest: nothing queued, not stalled.
+        let _credit = conn.drained(500, start + 50 * MS);
+        assert_eq!(conn.stalled_for(start + 3600 * 1000 * MS), Duration::ZERO);
+    }
+
+    #[test]
+    fn buffered_bytes_are_summed_over_connections() {
+        let now = Instant::now();
+        let one = ServerConn::new(ConnId(3), BackendId(1), true, now);
+        let two = ServerConn::new(ConnId(4), BackendId(1), true, now);
+        assert!(one.budget.try_reserve(100));
+        assert!(two.budget.try_reserve(300));
+        assert_eq!(buffered([&one, &two].into_iter()), (300, 400));
+        assert_eq!(buffered(std::iter::empty()), (0, 0));
     }
 }

@@ -1,9 +1,11 @@
 //! [`Hub`]: the routing core ([`Router`]) behind one lock, with the links
-//! of every stream, shared by the transports. Each transport event takes
-//! the lock once: the router decides, then the hub delivers what never
-//! waits (control packets, window-admitted DATA, stream ends, counts) and
+//! of every stream and the flow state of every connection, shared by the
+//! transports: the router's driver. Each transport event takes the lock
+//! once: the router decides, then the hub delivers what never waits
+//! (control packets, window-admitted DATA, credit, stream ends, counts) and
 //! returns what may wait ([`Work`]) for the transport to run outside the
-//! lock, raced against its own end.
+//! lock, raced against its own end. The hub reads the clock and gives the
+//! router `now`.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -41,6 +43,9 @@ struct State {
     frontends: HashMap<FrontendId, FrontendLink>,
     /// Agent streams' links.
     backends: HashMap<BackendId, BackendLink>,
+    /// Established connections' flow state, from the router's `Opened` to
+    /// its `Closed`.
+    conns: HashMap<(BackendId, ConnId), Arc<ServerConn>>,
 }
 
 /// See the module documentation.
@@ -104,6 +109,7 @@ impl Hub {
                 router: Router::new(strategies, dial_timeout, fastrand::Rng::new()),
                 frontends: HashMap::new(),
                 backends: HashMap::new(),
+                conns: HashMap::new(),
             }),
             metrics,
             clock: Notify::new(),
@@ -148,7 +154,7 @@ impl Hub {
 
     /// A frontend stream ended.
     pub(crate) fn frontend_closed(&self, fe: FrontendId) {
-        self.with_router(|router, out| router.frontend_closed(fe, out));
+        self.with_router(|router, out| router.frontend_closed(Instant::now(), fe, out));
         let mut state = self.state();
         state.frontends.remove(&fe);
         compact(&mut state.frontends);
@@ -156,7 +162,7 @@ impl Hub {
 
     /// An agent stream ended.
     pub(crate) fn backend_closed(&self, be: BackendId) {
-        self.with_router(|router, out| router.backend_closed(be, out));
+        self.with_router(|router, out| router.backend_closed(Instant::now(), be, out));
         self.state().backends.remove(&be);
     }
 
@@ -176,8 +182,9 @@ impl Hub {
         conn: ConnId,
     ) -> Option<(Arc<ServerConn>, BackendLink)> {
         let state = self.state();
-        let server_conn = state.router.route(fe, conn)?;
-        let link = state.backends.get(&server_conn.backend)?.clone();
+        let backend = state.router.route(fe, conn)?;
+        let server_conn = state.conns.get(&(backend, conn))?.clone();
+        let link = state.backends.get(&backend)?.clone();
         Some((server_conn, link))
     }
 
@@ -230,10 +237,16 @@ impl Hub {
                         &mut more,
                     ),
                 },
-                Out::DataToBackend { conn, data } => {
-                    if let Some(link) = state.backends.get(&conn.backend) {
+                Out::DataToBackend {
+                    backend,
+                    conn,
+                    data,
+                } => {
+                    if let Some(link) = state.backends.get(&backend)
+                        && let Some(conn) = state.conns.get(&(backend, conn))
+                    {
                         work = Some(Work::SendData {
-                            conn,
+                            conn: conn.clone(),
                             backend: link.clone(),
                             data,
                         });
@@ -241,10 +254,14 @@ impl Hub {
                 }
                 Out::DataToFrontend {
                     frontend,
+                    backend,
                     conn,
                     packet,
                 } => {
-                    let Some(link) = state.frontends.get(&frontend) else {
+                    let (Some(link), Some(conn)) = (
+                        state.frontends.get(&frontend),
+                        state.conns.get(&(backend, conn)).cloned(),
+                    ) else {
                         continue;
                     };
                     let cost = flow::cost(data_len(&packet));
@@ -259,7 +276,9 @@ impl Hub {
                         link.timed(started.elapsed());
                         if pushed == Err(DataRefused::Overflow) {
                             tracing::warn!(conn.id = %conn.id, "connection closed: its frontend reads too slowly");
-                            state.router.overflow(conn.backend, conn.id, &mut more);
+                            state
+                                .router
+                                .overflow(Instant::now(), conn.backend, conn.id, &mut more);
                         }
                     } else {
                         work = Some(Work::PushData {
@@ -268,6 +287,33 @@ impl Hub {
                             packet,
                         });
                     }
+                }
+                Out::Credit {
+                    backend,
+                    conn,
+                    credit,
+                } => {
+                    if let Some(send_credit) = state
+                        .conns
+                        .get(&(backend, conn))
+                        .and_then(|c| c.send_credit.as_ref())
+                    {
+                        send_credit.grant(credit);
+                    }
+                }
+                Out::Opened {
+                    backend,
+                    conn,
+                    flow_control,
+                } => {
+                    let server_conn = ServerConn::new(conn, backend, flow_control, Instant::now());
+                    state.conns.insert((backend, conn), Arc::new(server_conn));
+                }
+                Out::Closed { backend, conn } => {
+                    if let Some(server_conn) = state.conns.remove(&(backend, conn)) {
+                        server_conn.close();
+                    }
+                    compact(&mut state.conns);
                 }
                 Out::Established {
                     frontend,
@@ -384,7 +430,9 @@ impl Hub {
                 frontend.timed(started.elapsed());
                 if pushed == Err(DataRefused::Overflow) {
                     tracing::warn!(conn.id = %conn.id, "connection closed: its frontend reads too slowly");
-                    self.with_router(|router, out| router.overflow(conn.backend, conn.id, out));
+                    self.with_router(|router, out| {
+                        router.overflow(Instant::now(), conn.backend, conn.id, out);
+                    });
                 }
             }
         }
@@ -413,7 +461,21 @@ impl Hub {
     /// Closes the connections whose frontend left their data untaken for
     /// `limit` (`--frontend-stall-timeout`).
     pub(crate) fn close_stalled(&self, limit: Duration) {
-        self.with_router(|router, out| router.close_stalled(limit, out));
+        let mut state = self.state();
+        let now = Instant::now();
+        let stalled: Vec<(BackendId, ConnId)> = state
+            .conns
+            .iter()
+            .filter(|(_, conn)| conn.stalled_for(now) >= limit)
+            .map(|(key, _)| *key)
+            .collect();
+        if stalled.is_empty() {
+            return;
+        }
+        let mut out = Vec::new();
+        state.router.close_stalled(now, &stalled, &mut out);
+        let work = self.deliver(&mut state, out);
+        debug_assert!(work.is_none(), "closing waits for nothing");
     }
 
     /// Ends every agent stream (shutdown).
@@ -426,7 +488,7 @@ impl Hub {
     /// The live state the gauges show.
     pub(crate) fn live(&self) -> Live {
         let state = self.state();
-        let (max_buffered, buffered) = state.router.buffered();
+        let (max_buffered, buffered) = crate::conn::buffered(state.conns.values().map(|c| &**c));
         Live {
             ready: state.router.ready_backends(),
             pending: state.router.pending_count(),

@@ -45,7 +45,8 @@ impl ToFrontend {
     /// credit grant to send the connection's agent, if one is due.
     pub(crate) fn taken(&self) -> Option<(&ServerConn, Packet)> {
         let (conn, cost) = self.data.as_ref()?;
-        conn.drained(*cost).map(|credit| (&**conn, credit))
+        conn.drained(*cost, std::time::Instant::now())
+            .map(|credit| (&**conn, credit))
     }
 }
 
@@ -148,7 +149,7 @@ impl FrontendLink {
     ) -> Result<(), DataRefused> {
         if conn.budget.queued() == cost {
             // The only DATA queued: the frontend's wait starts now.
-            conn.mark_progress();
+            conn.mark_progress(std::time::Instant::now());
         }
         let item = ToFrontend {
             packet,

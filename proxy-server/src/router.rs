@@ -4,10 +4,14 @@
 //! dial and established connection, each by id. Each event (a packet from a
 //! frontend or an agent, a stream's end, a timer, a transport's report)
 //! goes through one method that updates the tables and appends what to
-//! send to whom to an output list ([`Out`]). It never awaits, never spawns
-//! and never touches a socket or a queue: the transports (see `hub`) do
+//! send to whom to an output list ([`Out`]). It holds ids and plain data
+//! only: no `Arc`, no lock, no waker, and no clock (every event that needs
+//! the time is given `now`). It never awaits, never spawns and never
+//! touches a socket or a queue: its driver (`hub`) and the transports do
 //! all of that, and race every wait against its connection's end
-//! (quinn-proto's `Connection` and its driver).
+//! (quinn-proto's `Connection` and its driver). A connection's flow state
+//! (window, credit, progress) belongs to the driver, which the router tells
+//! when a connection opens and closes ([`Out::Opened`], [`Out::Closed`]).
 //!
 //! The lifecycle is ANP's (`pkg/server/server.go`): DIAL_REQ picks a
 //! backend by the strategies and becomes a pending dial, keyed globally by
@@ -19,7 +23,6 @@
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet, VecDeque},
-    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -32,7 +35,6 @@ use tunnel::{
 
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
-    conn::ServerConn,
     events::{CloseReason, DialFailure},
     manager::BackendManager,
     strategy::{AgentIdentifiers, ProxyStrategy},
@@ -92,8 +94,10 @@ pub(crate) enum Out {
     /// A frontend's DATA for an agent: the sender waits for credit and room,
     /// raced against the connection's end.
     DataToBackend {
-        /// The connection (its backend, credit and end).
-        conn: Arc<ServerConn>,
+        /// The agent stream.
+        backend: BackendId,
+        /// The connection.
+        conn: ConnId,
         /// The payload.
         data: Bytes,
     },
@@ -102,10 +106,37 @@ pub(crate) enum Out {
     DataToFrontend {
         /// Whose connection.
         frontend: FrontendId,
-        /// The connection (its window).
-        conn: Arc<ServerConn>,
+        /// The agent stream it came on.
+        backend: BackendId,
+        /// The connection.
+        conn: ConnId,
         /// The DATA packet.
         packet: Packet,
+    },
+    /// The agent returned credit for a connection's DATA (negotiated only).
+    Credit {
+        /// The agent stream.
+        backend: BackendId,
+        /// The connection.
+        conn: ConnId,
+        /// Cost units.
+        credit: usize,
+    },
+    /// A connection was established: its flow state starts now.
+    Opened {
+        /// The agent stream it runs over.
+        backend: BackendId,
+        /// The connection.
+        conn: ConnId,
+        /// Whether the agent stream negotiated credit.
+        flow_control: bool,
+    },
+    /// A connection left the tables: every wait on its behalf ends.
+    Closed {
+        /// The agent stream it ran over.
+        backend: BackendId,
+        /// The connection.
+        conn: ConnId,
     },
     /// A dial succeeded: DIAL_RSP to the frontend. If it cannot be queued,
     /// the transport reports [`Router::dial_rsp_undelivered`]; if it can,
@@ -203,8 +234,17 @@ impl FrontendEntry {
 struct BackendEntry {
     /// What it announced.
     info: AgentInfo,
-    /// Established connections and the frontend of each.
-    conns: HashMap<ConnId, (FrontendId, Arc<ServerConn>)>,
+    /// Established connections.
+    conns: HashMap<ConnId, ConnEntry>,
+}
+
+/// An established connection.
+#[derive(Debug, Clone, Copy)]
+struct ConnEntry {
+    /// Its frontend.
+    frontend: FrontendId,
+    /// When the dial succeeded, for its lifetime.
+    established: Instant,
 }
 
 /// A dial forwarded and not yet answered.
@@ -328,12 +368,10 @@ impl Router {
                 }
                 match self.owner(fe, id) {
                     Owner::Ours(backend) => {
-                        let Some((_, conn)) = self.conn(backend, id) else {
-                            return;
-                        };
                         out.push(Out::Count(Event::BytesToAgent(data.data.len())));
                         out.push(Out::DataToBackend {
-                            conn,
+                            backend,
+                            conn: id,
                             data: data.data,
                         });
                     }
@@ -344,7 +382,7 @@ impl Router {
                         ));
                     }
                     Owner::Closed => {}
-                    Owner::Other => self.mismatch(fe, id, out),
+                    Owner::Other => self.mismatch(now, fe, id, out),
                 }
             }
             PacketKind::CloseReq(req) => {
@@ -360,7 +398,7 @@ impl Router {
                         ));
                     }
                     Owner::Closed => {}
-                    Owner::Other => self.mismatch(fe, id, out),
+                    Owner::Other => self.mismatch(now, fe, id, out),
                 }
             }
             PacketKind::DialCls(cls) => {
@@ -389,20 +427,20 @@ impl Router {
         }
     }
 
-    /// A frontend's established connection, for the transport that moves
-    /// its bytes.
-    pub(crate) fn route(&self, fe: FrontendId, id: ConnId) -> Option<Arc<ServerConn>> {
+    /// The agent stream of a frontend's established connection, for the
+    /// transport that moves its bytes.
+    pub(crate) fn route(&self, fe: FrontendId, id: ConnId) -> Option<BackendId> {
         let backend = *self.frontends.get(&fe)?.conns.get(&id)?;
-        self.conn(backend, id).map(|(_, conn)| conn)
+        self.conn(backend, id).map(|_| backend)
     }
 
-    fn conn(&self, backend: BackendId, id: ConnId) -> Option<(FrontendId, Arc<ServerConn>)> {
-        self.backends.get(&backend)?.conns.get(&id).cloned()
+    fn conn(&self, backend: BackendId, id: ConnId) -> Option<ConnEntry> {
+        self.backends.get(&backend)?.conns.get(&id).copied()
     }
 
     /// A frontend used a connection id it does not own: answer it and close
     /// the frontend's own connections (ANP), touching nobody else's.
-    fn mismatch(&mut self, fe: FrontendId, bad: ConnId, out: &mut Vec<Out>) {
+    fn mismatch(&mut self, now: Instant, fe: FrontendId, bad: ConnId, out: &mut Vec<Out>) {
         let Some(entry) = self.frontends.get_mut(&fe) else {
             return;
         };
@@ -414,7 +452,7 @@ impl Router {
             Packet::close_response(bad.0, MISMATCHED),
         ));
         for (id, backend) in own {
-            self.remove_conn(backend, id, CloseReason::Mismatch, out);
+            self.remove_conn(now, backend, id, CloseReason::Mismatch, out);
             out.push(Out::ToBackend(backend, Packet::close_request(id.0)));
             out.push(Out::ToFrontend(
                 fe,
@@ -547,10 +585,12 @@ impl Router {
             return;
         }
         if let Some((id, credit)) = flow::parse_credit(&packet) {
-            if let Some((_, conn)) = self.conn(be, ConnId(id))
-                && let Some(send_credit) = &conn.send_credit
-            {
-                send_credit.grant(credit);
+            if self.conn(be, ConnId(id)).is_some() {
+                out.push(Out::Credit {
+                    backend: be,
+                    conn: ConnId(id),
+                    credit,
+                });
             }
             return;
         }
@@ -606,13 +646,23 @@ impl Router {
                     return;
                 }
                 let flow_control = self.backends.get(&be).is_some_and(|b| b.info.flow_control);
-                let server_conn = Arc::new(ServerConn::new(conn, be, flow_control, now));
                 if let Some(entry) = self.frontends.get_mut(&fe) {
                     entry.conns.insert(conn, be);
                 }
                 if let Some(backend) = self.backends.get_mut(&be) {
-                    backend.conns.insert(conn, (fe, server_conn));
+                    backend.conns.insert(
+                        conn,
+                        ConnEntry {
+                            frontend: fe,
+                            established: now,
+                        },
+                    );
                 }
+                out.push(Out::Opened {
+                    backend: be,
+                    conn,
+                    flow_control,
+                });
                 out.push(Out::Count(Event::Established));
                 out.push(Out::Established {
                     frontend: fe,
@@ -625,11 +675,12 @@ impl Router {
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);
                 match self.conn(be, id) {
-                    Some((frontend, conn)) => {
+                    Some(entry) => {
                         out.push(Out::Count(Event::BytesToFrontend(data.data.len())));
                         out.push(Out::DataToFrontend {
-                            frontend,
-                            conn,
+                            frontend: entry.frontend,
+                            backend: be,
+                            conn: id,
                             packet: Packet::data(id.0, data.data),
                         });
                     }
@@ -646,7 +697,7 @@ impl Router {
                 } else {
                     CloseReason::Error
                 };
-                if let Some(frontend) = self.remove_conn(be, id, reason, out) {
+                if let Some(frontend) = self.remove_conn(now, be, id, reason, out) {
                     out.push(Out::ToFrontend(
                         frontend,
                         Packet::close_response(id.0, &rsp.error),
@@ -668,23 +719,27 @@ impl Router {
     /// and counts its end; the frontend it belonged to, if it was there.
     fn remove_conn(
         &mut self,
+        now: Instant,
         be: BackendId,
         id: ConnId,
         reason: CloseReason,
         out: &mut Vec<Out>,
     ) -> Option<FrontendId> {
         let backend = self.backends.get_mut(&be)?;
-        let (frontend, conn) = backend.conns.remove(&id)?;
+        let conn = backend.conns.remove(&id)?;
         compact(&mut backend.conns);
-        conn.close();
-        if let Some(entry) = self.frontends.get_mut(&frontend) {
+        out.push(Out::Closed {
+            backend: be,
+            conn: id,
+        });
+        if let Some(entry) = self.frontends.get_mut(&conn.frontend) {
             entry.close_conn(id);
         }
         out.push(Out::Count(Event::Closed(
             reason,
-            conn.established.elapsed(),
+            now.saturating_duration_since(conn.established),
         )));
-        Some(frontend)
+        Some(conn.frontend)
     }
 
     /// The DIAL_RSP of an established connection could not reach its
@@ -696,13 +751,16 @@ impl Router {
         conn: ConnId,
         out: &mut Vec<Out>,
     ) {
-        if self.conn(be, conn).is_some_and(|(owner, _)| owner == fe) {
+        if self
+            .conn(be, conn)
+            .is_some_and(|entry| entry.frontend == fe)
+        {
             out.push(Out::Count(Event::DialFailed(DialFailure::SendRsp)));
             if let Some(backend) = self.backends.get_mut(&be)
-                && let Some((_, server_conn)) = backend.conns.remove(&conn)
+                && backend.conns.remove(&conn).is_some()
             {
                 compact(&mut backend.conns);
-                server_conn.close();
+                out.push(Out::Closed { backend: be, conn });
             }
             if let Some(entry) = self.frontends.get_mut(&fe) {
                 entry.close_conn(conn);
@@ -713,19 +771,20 @@ impl Router {
 
     /// A connection's frontend fell a window behind: it is closed on both
     /// ends with [`flow::OVERFLOW`] rather than stall the agent stream.
-    pub(crate) fn overflow(&mut self, be: BackendId, id: ConnId, out: &mut Vec<Out>) {
-        self.close_on_both_ends(be, id, CloseReason::Overflow, flow::OVERFLOW, out);
+    pub(crate) fn overflow(&mut self, now: Instant, be: BackendId, id: ConnId, out: &mut Vec<Out>) {
+        self.close_on_both_ends(now, be, id, CloseReason::Overflow, flow::OVERFLOW, out);
     }
 
     fn close_on_both_ends(
         &mut self,
+        now: Instant,
         be: BackendId,
         id: ConnId,
         reason: CloseReason,
         error: &str,
         out: &mut Vec<Out>,
     ) {
-        if let Some(frontend) = self.remove_conn(be, id, reason, out) {
+        if let Some(frontend) = self.remove_conn(now, be, id, reason, out) {
             out.push(Out::ToBackend(be, Packet::close_request(id.0)));
             out.push(Out::ToFrontend(
                 frontend,
@@ -734,26 +793,25 @@ impl Router {
         }
     }
 
-    /// Closes every connection whose frontend has left its queued DATA
-    /// untaken for `limit` (`--frontend-stall-timeout`), with an error at
-    /// both ends: CLOSE_REQ to the agent, CLOSE_RSP with [`STALLED`] to the
-    /// frontend; an HTTP CONNECT frontend's stream is ended (its socket
-    /// closed), as its one connection is.
-    pub(crate) fn close_stalled(&mut self, limit: Duration, out: &mut Vec<Out>) {
-        let mut stalled: Vec<(BackendId, ConnId, FrontendId)> = self
-            .backends
+    /// Closes the connections whose frontend left their queued DATA untaken
+    /// for `--frontend-stall-timeout` (the driver, which keeps their flow
+    /// state, found them), with an error at both ends: CLOSE_REQ to the
+    /// agent, CLOSE_RSP with [`STALLED`] to the frontend; an HTTP CONNECT
+    /// frontend's stream is ended (its socket closed), as its one
+    /// connection is.
+    pub(crate) fn close_stalled(
+        &mut self,
+        now: Instant,
+        stalled: &[(BackendId, ConnId)],
+        out: &mut Vec<Out>,
+    ) {
+        let mut stalled: Vec<(BackendId, ConnId, FrontendId)> = stalled
             .iter()
-            .flat_map(|(be, entry)| {
-                entry
-                    .conns
-                    .iter()
-                    .filter(|(_, (_, conn))| conn.stalled_for() >= limit)
-                    .map(|(id, (fe, _))| (*be, *id, *fe))
-            })
+            .filter_map(|&(be, id)| Some((be, id, self.conn(be, id)?.frontend)))
             .collect();
         stalled.sort_unstable();
         for (be, id, fe) in stalled {
-            self.close_on_both_ends(be, id, CloseReason::Stalled, STALLED, out);
+            self.close_on_both_ends(now, be, id, CloseReason::Stalled, STALLED, out);
             if self
                 .frontends
                 .get(&fe)
@@ -766,7 +824,7 @@ impl Router {
 
     /// A frontend stream ended: its dials are cancelled and its
     /// connections closed on the agents.
-    pub(crate) fn frontend_closed(&mut self, fe: FrontendId, out: &mut Vec<Out>) {
+    pub(crate) fn frontend_closed(&mut self, now: Instant, fe: FrontendId, out: &mut Vec<Out>) {
         let Some(entry) = self.frontends.remove(&fe) else {
             return;
         };
@@ -789,7 +847,7 @@ impl Router {
         conns.sort_unstable();
         for (id, be) in conns {
             if self
-                .remove_conn(be, id, CloseReason::FrontendGone, out)
+                .remove_conn(now, be, id, CloseReason::FrontendGone, out)
                 .is_some()
             {
                 out.push(Out::ToBackend(be, Packet::close_request(id.0)));
@@ -800,7 +858,7 @@ impl Router {
     /// An agent stream ended: its connections are closed towards their
     /// frontends and its pending dials fail at once (not left to a
     /// backstop).
-    pub(crate) fn backend_closed(&mut self, be: BackendId, out: &mut Vec<Out>) {
+    pub(crate) fn backend_closed(&mut self, now: Instant, be: BackendId, out: &mut Vec<Out>) {
         let Some(entry) = self.backends.remove(&be) else {
             return;
         };
@@ -808,16 +866,22 @@ impl Router {
         let reason = format!("agent {} disconnected", entry.info.agent_id);
         let mut conns: Vec<_> = entry.conns.into_iter().collect();
         conns.sort_unstable_by_key(|(id, _)| *id);
-        for (id, (fe, conn)) in conns {
-            conn.close();
+        for (id, conn) in conns {
+            out.push(Out::Closed {
+                backend: be,
+                conn: id,
+            });
             out.push(Out::Count(Event::Closed(
                 CloseReason::AgentGone,
-                conn.established.elapsed(),
+                now.saturating_duration_since(conn.established),
             )));
-            if let Some(frontend) = self.frontends.get_mut(&fe) {
+            if let Some(frontend) = self.frontends.get_mut(&conn.frontend) {
                 frontend.close_conn(id);
             }
-            out.push(Out::ToFrontend(fe, Packet::close_response(id.0, &reason)));
+            out.push(Out::ToFrontend(
+                conn.frontend,
+                Packet::close_response(id.0, &reason),
+            ));
         }
         let mut dials: Vec<DialId> = self
             .pending
@@ -892,15 +956,6 @@ impl Router {
     /// Distinct agent keys per strategy (`ready_backends`).
     pub(crate) fn ready_backends(&self) -> Vec<(ProxyStrategy, usize)> {
         self.manager.ready_backends()
-    }
-
-    /// The most and the total cost queued towards frontends.
-    pub(crate) fn buffered(&self) -> (usize, usize) {
-        self.backends
-            .values()
-            .flat_map(|b| b.conns.values())
-            .map(|(_, conn)| conn.queued())
-            .fold((0, 0), |(max, total), q| (max.max(q), total + q))
     }
 
     /// Each agent stream: its agent id and whether it is draining.
