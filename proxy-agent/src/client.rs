@@ -167,24 +167,24 @@ pub struct Client {
     /// Keeps the HTTP/2 connection alive while the client lives.
     _channel: Channel,
     /// The connection's transport, for the probe.
-    transport: Transport,
+    transport: TransportEnd,
     /// How often the probe checks it (`--probe-interval`).
     probe_interval: Duration,
 }
 
-/// Whether a server connection's TCP/TLS transport is still open. ANP's
-/// probe checks that the gRPC connection state is `Ready` every
-/// `--probe-interval`; this is the same check on our transport.
+/// Whether a server connection's TCP/TLS transport has ended (a flag its
+/// I/O sets). ANP's probe checks that the gRPC connection state is `Ready`
+/// every `--probe-interval`; this is the same check on our transport.
 #[derive(Clone, Default)]
-struct Transport {
+struct TransportEnd {
     /// Set once the transport hit EOF, failed or was dropped.
     closed: Arc<AtomicBool>,
 }
 
-impl Transport {
+impl TransportEnd {
     /// Wraps `io` so that its end is seen here.
-    fn watch<T>(&self, io: T) -> Watched<T> {
-        Watched {
+    fn watch<T>(&self, io: T) -> EndNoted<T> {
+        EndNoted {
             io,
             closed: self.closed.clone(),
         }
@@ -204,13 +204,13 @@ impl Transport {
     }
 }
 
-/// An I/O object that records its own end in a [`Transport`].
-struct Watched<T> {
+/// An I/O object that records its own end in a [`TransportEnd`].
+struct EndNoted<T> {
     io: T,
     closed: Arc<AtomicBool>,
 }
 
-impl<T> Watched<T> {
+impl<T> EndNoted<T> {
     fn note<R>(&self, result: &io::Result<R>) {
         if result.is_err() {
             self.closed.store(true, Ordering::Relaxed);
@@ -218,13 +218,13 @@ impl<T> Watched<T> {
     }
 }
 
-impl<T> Drop for Watched<T> {
+impl<T> Drop for EndNoted<T> {
     fn drop(&mut self) {
         self.closed.store(true, Ordering::Relaxed);
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
+impl<T: AsyncRead + Unpin> AsyncRead for EndNoted<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -243,7 +243,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
+impl<T: AsyncWrite + Unpin> AsyncWrite for EndNoted<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -341,7 +341,7 @@ impl Client {
                 source,
             })?;
         // tonic asks its connector for a connection; hand it this one, once.
-        let transport = Transport::default();
+        let transport = TransportEnd::default();
         let slot = Arc::new(Mutex::new(Some(transport.watch(tls))));
         let channel = Endpoint::from_shared(format!("http://{server}"))
             .map_err(|source| ConnectError::Transport {
@@ -773,7 +773,7 @@ mod tests {
     #[tokio::test]
     async fn the_probe_sees_the_transport_end() {
         // EOF from the peer.
-        let transport = Transport::default();
+        let transport = TransportEnd::default();
         let (ours, theirs) = tokio::io::duplex(64);
         let mut ours = transport.watch(ours);
         drop(theirs);
@@ -784,7 +784,7 @@ mod tests {
             .expect("the probe missed EOF");
 
         // A failed write.
-        let transport = Transport::default();
+        let transport = TransportEnd::default();
         let (ours, theirs) = tokio::io::duplex(64);
         let mut ours = transport.watch(ours);
         drop(theirs);
@@ -792,7 +792,7 @@ mod tests {
         assert!(!transport.is_open());
 
         // The transport dropped (hyper gave up on the connection).
-        let transport = Transport::default();
+        let transport = TransportEnd::default();
         let (ours, _theirs) = tokio::io::duplex(64);
         let ours = transport.watch(ours);
         assert!(transport.is_open());
@@ -804,7 +804,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_probe_waits_while_the_transport_is_open() {
-        let transport = Transport::default();
+        let transport = TransportEnd::default();
         let (ours, mut theirs) = tokio::io::duplex(64);
         let mut ours = transport.watch(ours);
         theirs.write_all(b"ping").await.unwrap();

@@ -9,7 +9,7 @@ use std::{
 
 use clap::{ArgAction, Parser};
 use runtime::{
-    flags::{Deprecated, LogArgs, RuntimeArgs, go_bool, go_duration},
+    flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_bool, go_duration},
     tls,
 };
 use tunnel::{
@@ -58,12 +58,10 @@ pub struct Args {
     #[arg(long, default_value_t = 8094)]
     pub admin_server_port: u16,
     /// Serve pprof-format profiles on the admin port.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub enable_profiling: bool,
     /// Enable contention profiling (requires --enable-profiling).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub enable_contention_profiling: bool,
     /// This agent's id (default: env PROXY_AGENT_ID, else a random UUID).
     #[arg(long, env = "PROXY_AGENT_ID", default_value = "")]
@@ -87,12 +85,10 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub service_account_token_path: String,
     /// Log when a per-connection channel is full.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub warn_on_channel_limit: bool,
     /// Keep opening connections forever to discover server-count changes.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub sync_forever: bool,
     /// Capacity, in packets, of each connection's channels (ANP's default:
     /// 150). Not implemented: per-connection queues are bounded in bytes;
@@ -100,8 +96,7 @@ pub struct Args {
     #[arg(long, value_name = "PACKETS")]
     pub xfr_channel_size: Option<usize>,
     /// Compute the server count from Leases.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub count_server_leases: bool,
     /// Namespace watched for leases.
     #[arg(long, default_value = "kube-system")]
@@ -125,14 +120,12 @@ pub struct Args {
     pub kube_api_content_type: Option<String>,
     /// Negotiate per-connection flow control with servers that support it
     /// (konnectivity-rs); ANP servers never see a difference.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(true))]
     pub flow_control: bool,
     /// After the first SIGTERM/SIGINT, exit once no connection is open
     /// (konnectivity-rs). Without it a draining agent keeps serving until
     /// the second signal or the kubelet's SIGKILL, as ANP's does.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub exit_when_drained: bool,
     /// Bytes queued towards one server stream before the connections
     /// sending to it wait (konnectivity-rs). 1 MiB more is kept for control

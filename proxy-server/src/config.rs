@@ -4,7 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{ArgAction, Parser};
 use runtime::{
-    flags::{Deprecated, LogArgs, RuntimeArgs, go_bool, go_duration},
+    flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_duration},
     tls,
 };
 use tunnel::ids::ServerId;
@@ -46,8 +46,7 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub uds_name: String,
     /// Remove a stale file at --uds-name before listening.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(true))]
     pub delete_existing_uds_file: bool,
     /// TCP port of the frontend (0 with --uds-name).
     #[arg(long, default_value_t = 8090)]
@@ -80,12 +79,10 @@ pub struct Args {
     #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
     pub frontend_keepalive_time: Duration,
     /// Serve pprof-format profiles on the admin port.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub enable_profiling: bool,
     /// Enable contention profiling (requires --enable-profiling).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub enable_contention_profiling: bool,
     /// Unique id of this server, sent to agents (default: env PROXY_SERVER_ID, else a random UUID).
     #[arg(long, env = "PROXY_SERVER_ID", default_value = "")]
@@ -131,8 +128,7 @@ pub struct Args {
     #[arg(long)]
     pub xfr_channel_size: Option<usize>,
     /// Publish and renew this server's Lease.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "false",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub enable_lease_controller: bool,
     /// Namespace of the leases.
     #[arg(long, default_value = "kube-system")]
@@ -147,13 +143,11 @@ pub struct Args {
     #[arg(long, default_value = "0s", value_parser = go_duration)]
     pub backend_dial_timeout: Duration,
     /// Deprecated (as in ANP), no effect; named at start-up when given.
-    #[arg(long, hide = true, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, hide = true, go_bool = None)]
     pub warn_on_channel_limit: Option<bool>,
     /// Offer per-connection flow control to agents that ask for it
     /// (konnectivity-rs agents); ANP agents never see a difference.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_value = "true",
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(true))]
     pub flow_control: bool,
     /// Bytes queued towards one agent stream before the frontends sending
     /// to it wait (konnectivity-rs). 1 MiB more is kept for control

@@ -25,7 +25,7 @@ use tunnel::{
 };
 
 use crate::{
-    conn::ServerConn,
+    flow_state::ConnFlow,
     link::{BackendLink, DataRefused, FrontendLink},
     lock,
     metrics::{Live, ServerMetrics},
@@ -45,7 +45,7 @@ struct State {
     backends: HashMap<BackendId, BackendLink>,
     /// Established connections' flow state, from the router's `Opened` to
     /// its `Closed`.
-    conns: HashMap<(BackendId, ConnId), Arc<ServerConn>>,
+    conns: HashMap<(BackendId, ConnId), Arc<ConnFlow>>,
 }
 
 /// See the module documentation.
@@ -80,7 +80,7 @@ pub(crate) enum Work {
     /// waiting for credit (negotiated) and for room in the agent's queue.
     SendData {
         /// The connection (credit, end).
-        conn: Arc<ServerConn>,
+        conn: Arc<ConnFlow>,
         /// Where it goes.
         backend: BackendLink,
         /// The payload.
@@ -92,7 +92,7 @@ pub(crate) enum Work {
         /// Where it goes.
         frontend: FrontendLink,
         /// The connection (window, end).
-        conn: Arc<ServerConn>,
+        conn: Arc<ConnFlow>,
         /// The DATA packet.
         packet: Packet,
     },
@@ -180,7 +180,7 @@ impl Hub {
         &self,
         fe: FrontendId,
         conn: ConnId,
-    ) -> Option<(Arc<ServerConn>, BackendLink)> {
+    ) -> Option<(Arc<ConnFlow>, BackendLink)> {
         let state = self.state();
         let backend = state.router.route(fe, conn)?;
         let server_conn = state.conns.get(&(backend, conn))?.clone();
@@ -208,7 +208,7 @@ impl Hub {
             match next {
                 Out::ToFrontend(fe, packet) => {
                     if let Some(link) = state.frontends.get(&fe) {
-                        link.notify(packet);
+                        link.send_control(packet);
                     }
                 }
                 Out::ToBackend(be, packet) => {
@@ -306,7 +306,7 @@ impl Hub {
                     conn,
                     flow_control,
                 } => {
-                    let server_conn = ServerConn::new(conn, backend, flow_control, Instant::now());
+                    let server_conn = ConnFlow::new(conn, backend, flow_control, Instant::now());
                     state.conns.insert((backend, conn), Arc::new(server_conn));
                 }
                 Out::Closed { backend, conn } => {
@@ -325,7 +325,7 @@ impl Hub {
                     let delivered = state
                         .frontends
                         .get(&frontend)
-                        .is_some_and(|link| link.notify(packet));
+                        .is_some_and(|link| link.send_control(packet));
                     if delivered {
                         // ANP observes the latency once the DIAL_RSP is delivered.
                         self.metrics.dial_succeeded(latency);
@@ -488,7 +488,8 @@ impl Hub {
     /// The live state the gauges show.
     pub(crate) fn live(&self) -> Live {
         let state = self.state();
-        let (max_buffered, buffered) = crate::conn::buffered(state.conns.values().map(|c| &**c));
+        let (max_buffered, buffered) =
+            crate::flow_state::buffered(state.conns.values().map(|c| &**c));
         Live {
             ready: state.router.ready_backends(),
             pending: state.router.pending_count(),
@@ -548,7 +549,7 @@ fn data_len(packet: &Packet) -> usize {
 
 /// Sends a frontend's DATA to the agent; with credit, in pieces that fit a
 /// window, each waiting for credit (this holds up only this connection).
-async fn send_data(conn: &ServerConn, backend: &BackendLink, mut data: Bytes) {
+async fn send_data(conn: &ConnFlow, backend: &BackendLink, mut data: Bytes) {
     let Some(credit) = &conn.send_credit else {
         // A dead agent stream is reported to the frontend by its teardown.
         let _ = backend.send(Packet::data(conn.id.0, data)).await;

@@ -29,8 +29,8 @@
 mod agent_service;
 pub mod auth;
 pub mod config;
-mod conn;
 mod events;
+mod flow_state;
 mod frontend;
 pub mod health;
 mod hub;

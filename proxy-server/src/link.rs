@@ -14,8 +14,8 @@ use tunnel::{
 };
 
 use crate::{
-    conn::ServerConn,
     events::Limit,
+    flow_state::ConnFlow,
     metrics::ServerMetrics,
     router::{FrontendId, FrontendKind},
     stream_end::StreamEnd,
@@ -33,17 +33,17 @@ pub(crate) const BACKEND_CONTROL_RESERVE: usize = 1024 * 1024;
 
 /// An item of a frontend's outbound queue: a packet, and for DATA the
 /// connection and cost to release once the frontend took it.
-pub(crate) struct ToFrontend {
+pub(crate) struct FrontendItem {
     /// The packet.
     pub(crate) packet: Packet,
     /// For DATA: whose bytes, and what they cost.
-    pub(crate) data: Option<(Arc<ServerConn>, usize)>,
+    pub(crate) data: Option<(Arc<ConnFlow>, usize)>,
 }
 
-impl ToFrontend {
+impl FrontendItem {
     /// Releases the DATA accounting once the frontend took the packet; the
     /// credit grant to send the connection's agent, if one is due.
-    pub(crate) fn taken(&self) -> Option<(&ServerConn, Packet)> {
+    pub(crate) fn taken(&self) -> Option<(&ConnFlow, Packet)> {
         let (conn, cost) = self.data.as_ref()?;
         conn.drained(*cost, std::time::Instant::now())
             .map(|credit| (&**conn, credit))
@@ -52,7 +52,7 @@ impl ToFrontend {
 
 /// A frontend's outbound queue: nobody waits on it; DATA is admitted by its
 /// connection's window and control packets up to the reserve.
-pub(crate) fn frontend_queue() -> (QueueTx<ToFrontend>, QueueRx<ToFrontend>) {
+pub(crate) fn frontend_queue() -> (QueueTx<FrontendItem>, QueueRx<FrontendItem>) {
     queue::queue(0, FRONTEND_CONTROL_RESERVE)
 }
 
@@ -73,7 +73,7 @@ pub(crate) struct FrontendLink {
     /// Its protocol.
     pub(crate) kind: FrontendKind,
     /// Its outbound queue; the transport drains the receiver.
-    tx: QueueTx<ToFrontend>,
+    tx: QueueTx<FrontendItem>,
     /// Ends its stream (its reader, its outbound packets), with a status.
     pub(crate) end: Arc<StreamEnd>,
     /// Where writes to the frontend are timed and lost packets counted.
@@ -84,7 +84,7 @@ impl FrontendLink {
     pub(crate) fn new(
         id: FrontendId,
         kind: FrontendKind,
-        tx: QueueTx<ToFrontend>,
+        tx: QueueTx<FrontendItem>,
         end: Arc<StreamEnd>,
         metrics: Arc<ServerMetrics>,
     ) -> Self {
@@ -108,11 +108,11 @@ impl FrontendLink {
     /// Queues a control packet without waiting; `false` if it could not be
     /// queued. A frontend that leaves [`FRONTEND_CONTROL_RESERVE`] of them
     /// unread has its stream ended with an error.
-    pub(crate) fn notify(&self, packet: Packet) -> bool {
+    pub(crate) fn send_control(&self, packet: Packet) -> bool {
         tracing::trace!(frontend = %self.id, packet = packet.type_name(), "to frontend");
         let started = std::time::Instant::now();
         let cost = flow::packet_cost(&packet);
-        let pushed = self.tx.push(ToFrontend { packet, data: None }, cost);
+        let pushed = self.tx.push(FrontendItem { packet, data: None }, cost);
         self.metrics.frontend_write(started.elapsed());
         match pushed {
             Ok(()) => true,
@@ -143,7 +143,7 @@ impl FrontendLink {
     /// (the window, not the control reserve, bounds DATA).
     pub(crate) fn push_data(
         &self,
-        conn: Arc<ServerConn>,
+        conn: Arc<ConnFlow>,
         packet: Packet,
         cost: usize,
     ) -> Result<(), DataRefused> {
@@ -151,7 +151,7 @@ impl FrontendLink {
             // The only DATA queued: the frontend's wait starts now.
             conn.mark_progress(std::time::Instant::now());
         }
-        let item = ToFrontend {
+        let item = FrontendItem {
             packet,
             data: Some((conn, cost)),
         };
@@ -268,7 +268,7 @@ mod tests {
 
     use super::*;
 
-    fn frontend(kind: FrontendKind) -> (FrontendLink, Arc<ServerMetrics>, QueueRx<ToFrontend>) {
+    fn frontend(kind: FrontendKind) -> (FrontendLink, Arc<ServerMetrics>, QueueRx<FrontendItem>) {
         let metrics = Arc::new(ServerMetrics::new(&[]));
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(CancellationToken::new());
@@ -283,8 +283,8 @@ mod tests {
     async fn packets_for_a_gone_grpc_frontend_are_send_errors() {
         let (fe, metrics, rx) = frontend(FrontendKind::Grpc);
         drop(rx);
-        assert!(!fe.notify(Packet::dial_response(1, 0, "x")));
-        fe.notify(Packet::close_response(2, ""));
+        assert!(!fe.send_control(Packet::dial_response(1, 0, "x")));
+        fe.send_control(Packet::close_response(2, ""));
         let text = metrics.text();
         let series = |kind: &str| {
             format!(
@@ -306,7 +306,7 @@ mod tests {
     async fn an_http_connect_frontend_has_no_packet_errors() {
         let (fe, metrics, rx) = frontend(FrontendKind::HttpConnect);
         drop(rx);
-        fe.notify(Packet::dial_response(1, 0, "x"));
+        fe.send_control(Packet::dial_response(1, 0, "x"));
         assert!(!metrics.text().contains("stream_errors_total{"));
     }
 
@@ -316,7 +316,7 @@ mod tests {
         let answer = Packet::dial_response(1, 0, &"x".repeat(1000));
         let mut sent = 0;
         while !fe.end.is_ended() {
-            fe.notify(answer.clone());
+            fe.send_control(answer.clone());
             sent += 1;
             assert!(
                 sent <= FRONTEND_CONTROL_RESERVE / 1000 + 1,

@@ -10,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+use authority::AnyAuthority;
 use futures_util::StreamExt as _;
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
 use tokio::net::{TcpListener, UnixListener};
@@ -27,7 +28,7 @@ use crate::{
     agent_service::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
     events::Limit,
-    frontend::{authority::AnyAuthority, grpc::ProxyServiceImpl, http_connect},
+    frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
     hub::Hub,
     metrics::ServerMetrics,
@@ -310,11 +311,16 @@ impl Bound {
             hub,
             token_auth,
         } = self;
-        // `accept_stop` ends accepting (first phase of a graceful shutdown);
-        // `token` ends every stream and connection.
-        let accept_stop = CancellationToken::new();
+        // One tree of ends: `token` ends every stream and connection, and
+        // with it its children, `accept_stop` (accepting ends first in a
+        // graceful shutdown) and `lease_stop` (the lease goes before that).
+        // Every task is tracked: `tasks` has the streams' and connections',
+        // `listeners` the servers' and the lease's.
         let token = CancellationToken::new();
+        let accept_stop = token.child_token();
+        let lease_stop = token.child_token();
         let tasks = TaskTracker::new();
+        let listeners = TaskTracker::new();
         let agent_local = agent.local_addr().ok();
         info!(server.id = %config.server_id, server.count = config.server_count, "proxy-server starting");
         let on_handshake_limit: tunnel::conn::OnLimit = {
@@ -451,14 +457,13 @@ impl Bound {
         );
         info!(admin.addr = ?admin_local, profiling = config.profiling, "admin listening");
 
-        let agent_task = tokio::spawn(agent_server);
-        let frontend_task = tokio::spawn(frontend_server);
-        let health_task = tokio::spawn(async move {
+        let agent_task = listeners.spawn(agent_server);
+        let frontend_task = listeners.spawn(frontend_server);
+        let health_task = listeners.spawn(async move {
             let _ = tokio::join!(health_server, admin_server);
         });
-        let lease_stop = CancellationToken::new();
         let lease_task = config.lease.clone().map(|lease| {
-            tokio::spawn(crate::lease::run(
+            listeners.spawn(crate::lease::run(
                 lease,
                 config.server_id.clone(),
                 hub.metrics.clone(),
@@ -508,6 +513,7 @@ impl Bound {
         info!("stopping");
         token.cancel();
         tasks.close();
+        listeners.close();
         let aborts = [
             agent_task.abort_handle(),
             frontend_task.abort_handle(),
@@ -520,6 +526,7 @@ impl Bound {
             if let Some(lease) = lease_task {
                 let _ = lease.await;
             }
+            listeners.wait().await;
             tasks.wait().await;
             (agent, frontend)
         };

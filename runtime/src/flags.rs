@@ -21,6 +21,32 @@ pub fn go_bool(text: &str) -> Result<bool, String> {
     }
 }
 
+/// A Go boolean flag as pflag parses one: `--x` alone is true, `--x=false`
+/// (only with `=`) sets it, and the values are [`go_bool`]'s. Used in a
+/// derive as `#[arg(long, go_bool = DEFAULT)]` (`Some(bool)` for a flag
+/// with a default; `None` for an `Option<bool>` that is absent unless given).
+pub trait GoBoolArg {
+    /// Makes this argument a Go boolean with `default`.
+    #[must_use]
+    fn go_bool(self, default: Option<bool>) -> Self;
+}
+
+impl GoBoolArg for clap::Arg {
+    fn go_bool(self, default: Option<bool>) -> Self {
+        let arg = self
+            .action(clap::ArgAction::Set)
+            .num_args(0..=1)
+            .require_equals(true)
+            .default_missing_value("true")
+            .value_parser(go_bool);
+        match default {
+            Some(true) => arg.default_value("true"),
+            Some(false) => arg.default_value("false"),
+            None => arg,
+        }
+    }
+}
+
 /// Parses a Go duration (`1h0m0s`, `100ms`); see [`crate::duration`].
 ///
 /// # Errors
@@ -204,12 +230,10 @@ pub struct LogArgs {
     #[arg(short = 'v', long = "v", default_value_t = 4, value_name = "LEVEL")]
     pub verbosity: u8,
     /// Log to standard error instead of files (klog; when true, --log-file is ignored).
-    #[arg(long, num_args = 0..=1, require_equals = true,
-          default_value = "true", default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(true))]
     pub logtostderr: bool,
     /// Also log to standard error when logging to a file (klog).
-    #[arg(long, num_args = 0..=1, require_equals = true,
-          default_value = "false", default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, go_bool = Some(false))]
     pub alsologtostderr: bool,
     /// Log file to write to when --logtostderr=false (klog).
     #[arg(long, alias = "log_file", value_name = "PATH")]
@@ -241,24 +265,19 @@ pub struct LogArgs {
     #[arg(long, alias = "log_backtrace_at", hide = true)]
     pub log_backtrace_at: Option<String>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "add_dir_header", hide = true, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, alias = "add_dir_header", hide = true, go_bool = None)]
     pub add_dir_header: Option<bool>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "one_output", hide = true, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, alias = "one_output", hide = true, go_bool = None)]
     pub one_output: Option<bool>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "skip_headers", hide = true, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, alias = "skip_headers", hide = true, go_bool = None)]
     pub skip_headers: Option<bool>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "skip_log_headers", hide = true, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, alias = "skip_log_headers", hide = true, go_bool = None)]
     pub skip_log_headers: Option<bool>,
     /// Accepted for klog compatibility; no effect.
-    #[arg(long, alias = "legacy_stderr_threshold_behavior", hide = true, num_args = 0..=1,
-          require_equals = true, default_missing_value = "true", value_parser = go_bool)]
+    #[arg(long, alias = "legacy_stderr_threshold_behavior", hide = true, go_bool = None)]
     pub legacy_stderr_threshold_behavior: Option<bool>,
 }
 

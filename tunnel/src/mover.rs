@@ -53,11 +53,23 @@ pub enum MoverEnd {
     TunnelGone,
 }
 
+/// What became of a payload given to an [`Upstream`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// It went out; read on.
+    Sent,
+    /// The tunnel is gone: the connection ends now ([`MoverEnd::TunnelGone`]).
+    Gone,
+    /// The peer is closing the connection: reading the socket stops, and
+    /// the downstream half writes what the peer sent before its close,
+    /// then ends the connection.
+    Closing,
+}
+
 /// Where a connection's socket bytes go: DATA packets towards the peer.
 pub trait Upstream: Send {
-    /// Sends one payload, waiting for credit and room; `false` if the
-    /// tunnel is gone.
-    fn send(&mut self, data: Bytes) -> impl Future<Output = bool> + Send;
+    /// Sends one payload, waiting for credit and room.
+    fn send(&mut self, data: Bytes) -> impl Future<Output = Sent> + Send;
 }
 
 /// Where a connection's bytes for the socket come from.
@@ -169,15 +181,19 @@ where
 {
     let (reader, mut writer) = tokio::io::split(io);
     let mut reader = Reader::new(reader);
+    // `None`: the upstream stopped for the peer's close; the end is the
+    // downstream's.
     let upstream = async {
         loop {
             let data = match reader.next().await {
                 Ok(Some(data)) => data,
-                Ok(None) => return MoverEnd::LocalEof,
-                Err(e) => return MoverEnd::LocalError(e),
+                Ok(None) => return Some(MoverEnd::LocalEof),
+                Err(e) => return Some(MoverEnd::LocalError(e)),
             };
-            if !up.send(data).await {
-                return MoverEnd::TunnelGone;
+            match up.send(data).await {
+                Sent::Sent => {}
+                Sent::Gone => return Some(MoverEnd::TunnelGone),
+                Sent::Closing => return None,
             }
         }
     };
@@ -202,9 +218,13 @@ where
             Err(e) => MoverEnd::LocalError(e),
         }
     };
+    tokio::pin!(downstream);
     tokio::select! {
-        end = upstream => end,
-        end = downstream => end,
+        end = upstream => match end {
+            Some(end) => end,
+            None => downstream.await,
+        },
+        end = &mut downstream => end,
     }
 }
 
@@ -234,27 +254,27 @@ impl QueueUpstream {
 }
 
 impl Upstream for QueueUpstream {
-    async fn send(&mut self, data: Bytes) -> bool {
+    async fn send(&mut self, data: Bytes) -> Sent {
         if let Some(credit) = &self.credit
             && credit.take(flow::cost(data.len())).await.is_err()
         {
             // The connection was closed under us: nothing more goes out.
-            return false;
+            return Sent::Gone;
         }
         let packet = Packet::data(self.conn.0, data);
         let cost = flow::packet_cost(&packet);
         match self.out.send(packet, cost).await {
-            Ok(()) => true,
+            Ok(()) => Sent::Sent,
             Err(Closed(packet)) => {
                 self.undelivered = Some(packet);
-                false
+                Sent::Gone
             }
         }
     }
 }
 
 impl<U: Upstream> Upstream for &mut U {
-    fn send(&mut self, data: Bytes) -> impl Future<Output = bool> + Send {
+    fn send(&mut self, data: Bytes) -> impl Future<Output = Sent> + Send {
         (**self).send(data)
     }
 }
@@ -346,6 +366,52 @@ mod tests {
         }
         drop(local);
         assert!(matches!(task.await.unwrap(), MoverEnd::LocalEof));
+    }
+
+    /// An upstream that learns of the peer's close with its first payload,
+    /// and says when it got it.
+    struct ClosingAtFirst {
+        sends: usize,
+        told: Option<tokio::sync::oneshot::Sender<()>>,
+    }
+
+    impl Upstream for ClosingAtFirst {
+        async fn send(&mut self, _data: Bytes) -> Sent {
+            self.sends += 1;
+            if let Some(told) = self.told.take() {
+                let _ = told.send(());
+            }
+            Sent::Closing
+        }
+    }
+
+    #[tokio::test]
+    async fn a_closing_upstream_stops_reading_and_the_downstream_ends_the_connection() {
+        let (mut local, ours) = duplex(1 << 20);
+        let (window, rx) = flow::queue();
+        let (told, first_sent) = tokio::sync::oneshot::channel();
+        let mut up = ClosingAtFirst {
+            sends: 0,
+            told: Some(told),
+        };
+        let task = run(ours, &mut up, WindowDownstream::new(ConnId(7), rx, None));
+        let client = async {
+            local.write_all(b"first").await.unwrap();
+            first_sent.await.unwrap();
+            local.write_all(b"more, never read").await.unwrap();
+            // The peer's last bytes, then its close.
+            window
+                .push(Bytes::from_static(b"last words"), flow::cost(10))
+                .unwrap();
+            drop(window);
+            let mut got = Vec::new();
+            local.read_to_end(&mut got).await.unwrap();
+            got
+        };
+        let (end, got) = tokio::join!(task, client);
+        assert!(matches!(end, MoverEnd::PeerClosed), "{end:?}");
+        assert_eq!(got, b"last words");
+        assert_eq!(up.sends, 1, "reading stopped at the close");
     }
 
     #[tokio::test]

@@ -24,10 +24,10 @@ use tunnel::{
 };
 
 use crate::{
-    conn::ServerConn,
+    flow_state::ConnFlow,
     frontend::FrontendGuard,
     hub::{Hub, Work},
-    link::{BackendLink, FrontendLink, ToFrontend, frontend_queue},
+    link::{BackendLink, FrontendItem, FrontendLink, frontend_queue},
     metrics::PROXY,
     router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, FrontendId, FrontendKind, NO_AGENT},
     stream_end::StreamEnd,
@@ -387,7 +387,7 @@ async fn send(hub: &Hub, fe: FrontendId, packet: Packet) {
 
 /// Client bytes to the agent: credit and room on the agent stream, counted
 /// as a gRPC frontend's reader is while it waits.
-async fn upload(hub: &Hub, route: &(Arc<ServerConn>, BackendLink), data: bytes::Bytes) {
+async fn upload(hub: &Hub, route: &(Arc<ConnFlow>, BackendLink), data: bytes::Bytes) {
     let (conn, backend) = route;
     hub.metrics.bytes("to_agent", data.len());
     let work = Work::SendData {
@@ -405,11 +405,11 @@ struct ToAgent<'a> {
     /// The hub.
     hub: &'a Hub,
     /// The connection's route.
-    route: &'a (Arc<ServerConn>, BackendLink),
+    route: &'a (Arc<ConnFlow>, BackendLink),
 }
 
 impl mover::Upstream for ToAgent<'_> {
-    async fn send(&mut self, data: bytes::Bytes) -> bool {
+    async fn send(&mut self, data: bytes::Bytes) -> mover::Sent {
         upload(self.hub, self.route, data).await;
         if self.route.0.closed.is_cancelled() {
             // The connection has left the routing core: the agent closed it
@@ -418,9 +418,9 @@ impl mover::Upstream for ToAgent<'_> {
             // the client stops here; the downstream writes those bytes and
             // ends the tunnel at the close (the caller also races the
             // stream's end). Ending here instead would drop them.
-            std::future::pending::<()>().await;
+            return mover::Sent::Closing;
         }
-        true
+        mover::Sent::Sent
     }
 }
 
@@ -432,9 +432,9 @@ struct FromAgent<'a> {
     /// The connection.
     conn: ConnId,
     /// The frontend's queue.
-    rx: &'a mut QueueRx<ToFrontend>,
+    rx: &'a mut QueueRx<FrontendItem>,
     /// The item whose bytes are being written.
-    writing: Option<ToFrontend>,
+    writing: Option<FrontendItem>,
     /// The agent's close, once seen.
     closed: &'a mut Option<String>,
 }
@@ -498,9 +498,9 @@ enum TunnelEnd {
 async fn tunnel_bytes<IO>(
     io: &mut IO,
     hub: &Hub,
-    route: &(Arc<ServerConn>, BackendLink),
+    route: &(Arc<ConnFlow>, BackendLink),
     link: &FrontendLink,
-    rx: &mut QueueRx<ToFrontend>,
+    rx: &mut QueueRx<FrontendItem>,
 ) -> TunnelEnd
 where
     IO: AsyncRead + AsyncWrite + Unpin,

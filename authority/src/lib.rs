@@ -64,7 +64,7 @@ const READ_CHUNK: usize = 16 * 1024;
 
 /// A server-side connection whose client header blocks lose an
 /// `:authority` h2 would refuse. See the module documentation.
-pub(crate) struct AnyAuthority<IO> {
+pub struct AnyAuthority<IO> {
     /// The client connection.
     io: IO,
     /// Bytes read but not yet classified; they start at a frame boundary
@@ -129,7 +129,7 @@ impl FrameHead {
 
 impl<IO> AnyAuthority<IO> {
     /// Wraps a freshly accepted client connection.
-    pub(crate) fn new(io: IO) -> Self {
+    pub fn new(io: IO) -> Self {
         Self {
             io,
             inbox: BytesMut::new(),

@@ -1,4 +1,4 @@
-//! [`ServerConn`]: the flow state of one established connection, kept by
+//! [`ConnFlow`]: the flow state of one established connection, kept by
 //! the router's driver (`hub`) from the router's [`Opened`] to its
 //! [`Closed`], and shared with the transports that move its bytes (which
 //! wait on it).
@@ -24,7 +24,7 @@ use tunnel::{
 use crate::{ids::BackendId, lock};
 
 /// An established connection's flow state in both directions.
-pub(crate) struct ServerConn {
+pub(crate) struct ConnFlow {
     /// The agent-assigned id.
     pub(crate) id: ConnId,
     /// The agent stream it runs over.
@@ -50,7 +50,7 @@ pub(crate) struct ServerConn {
     pub(crate) closed: CancellationToken,
 }
 
-impl ServerConn {
+impl ConnFlow {
     pub(crate) fn new(id: ConnId, backend: BackendId, flow_control: bool, now: Instant) -> Self {
         Self {
             id,
@@ -111,9 +111,9 @@ impl ServerConn {
     }
 }
 
-impl std::fmt::Debug for ServerConn {
+impl std::fmt::Debug for ConnFlow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerConn")
+        f.debug_struct("ConnFlow")
             .field("id", &self.id)
             .field("backend", &self.backend)
             .finish_non_exhaustive()
@@ -121,9 +121,9 @@ impl std::fmt::Debug for ServerConn {
 }
 
 /// The most and the total cost queued towards frontends over `conns`.
-pub(crate) fn buffered<'a>(conns: impl Iterator<Item = &'a ServerConn>) -> (usize, usize) {
+pub(crate) fn buffered<'a>(conns: impl Iterator<Item = &'a ConnFlow>) -> (usize, usize) {
     conns
-        .map(ServerConn::queued)
+        .map(ConnFlow::queued)
         .fold((0, 0), |(max, total), q| (max.max(q), total + q))
 }
 
@@ -136,7 +136,7 @@ mod tests {
     #[test]
     fn a_connection_is_stalled_from_when_its_data_waited_untaken() {
         let start = Instant::now();
-        let conn = ServerConn::new(ConnId(3), BackendId(1), true, start);
+        let conn = ConnFlow::new(ConnId(3), BackendId(1), true, start);
         // Nothing queued: never stalled.
         assert_eq!(conn.stalled_for(start + 3600 * 1000 * MS), Duration::ZERO);
         assert!(conn.budget.try_reserve(1000));
@@ -153,8 +153,8 @@ mod tests {
     #[test]
     fn buffered_bytes_are_summed_over_connections() {
         let now = Instant::now();
-        let one = ServerConn::new(ConnId(3), BackendId(1), true, now);
-        let two = ServerConn::new(ConnId(4), BackendId(1), true, now);
+        let one = ConnFlow::new(ConnId(3), BackendId(1), true, now);
+        let two = ConnFlow::new(ConnId(4), BackendId(1), true, now);
         assert!(one.budget.try_reserve(100));
         assert!(two.budget.try_reserve(300));
         assert_eq!(buffered([&one, &two].into_iter()), (300, 400));
