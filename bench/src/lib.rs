@@ -31,7 +31,7 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
 use client::dial::Mode;
-use runtime::flags::go_duration;
+use ops::flags::go_duration;
 
 use crate::{
     backends::Backends,
@@ -170,7 +170,7 @@ pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
     opt.streams = opt.streams.max(1);
     tokio::select! {
         report = run_selected(opt) => report,
-        () = runtime::signal::shutdown() => anyhow::bail!("interrupted"),
+        () = ops::signal::shutdown() => anyhow::bail!("interrupted"),
     }
 }
 

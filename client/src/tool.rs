@@ -20,7 +20,7 @@ use fast_socks5::{
 use http_body_util::{BodyExt, Empty, Full, combinators::BoxBody};
 use hyper::{Method, Request, Response, StatusCode, body::Incoming};
 use hyper_util::rt::TokioIo;
-use runtime::{error::DisplayErrorStack, tls};
+use ops::{error::DisplayErrorStack, tls};
 use tokio::{
     io::{AsyncWriteExt, copy_bidirectional},
     net::{TcpListener, TcpStream},
@@ -106,7 +106,7 @@ pub enum Command {
 }
 
 /// A bad flag or file (the same error type as the binaries' flags).
-pub use runtime::flags::FlagError as ArgsError;
+pub use ops::flags::FlagError as ArgsError;
 
 impl FrontendArgs {
     /// The dialer these flags describe.

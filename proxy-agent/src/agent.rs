@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use runtime::error::DisplayErrorStack;
+use ops::error::DisplayErrorStack;
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, info, info_span, warn};
@@ -36,7 +36,7 @@ pub enum AgentError {
     Bind(#[from] tunnel::conn::BindError),
     /// `--count-server-leases` is on and the kube client cannot be set up.
     #[error(transparent)]
-    Kube(#[from] runtime::kube::KubeSetupError),
+    Kube(#[from] ops::kube::KubeSetupError),
 }
 
 /// One live server connection, as the client set sees it.
@@ -239,7 +239,7 @@ impl Agent {
     /// The port is taken or the address unusable.
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
         // Before anything can fail, so an operator sees them either way.
-        runtime::flags::warn_flags(&config.not_implemented, &config.deprecated);
+        ops::flags::warn_flags(&config.not_implemented, &config.deprecated);
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         // The lease watch reports its calls to its own metrics; the state
@@ -341,13 +341,13 @@ impl Bound {
         let token = CancellationToken::new();
         let tasks = TaskTracker::new();
         let health_port = health.local_addr().map_or(0, |a| a.port());
-        tasks.spawn(runtime::http::serve(
+        tasks.spawn(ops::http::serve(
             health,
             health::router(metrics.clone(), state.clone()),
             token.clone(),
             "health",
         ));
-        tasks.spawn(runtime::http::serve(
+        tasks.spawn(ops::http::serve(
             admin,
             health::admin_router(health_port, config.profiling),
             token.clone(),

@@ -14,7 +14,6 @@ use std::{
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
 use proto::{Packet, agent_service_client::AgentServiceClient, header};
-use runtime::metrics::when_blocked;
 use rustls_pki_types::ServerName;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
@@ -28,6 +27,7 @@ use tonic::{
     transport::{Channel, Endpoint},
 };
 use tracing::{Instrument, debug, debug_span, warn};
+use tunnel::blocked::when_blocked;
 use tunnel::conn::Io;
 use tunnel::{
     flow::{self, SendCredit},

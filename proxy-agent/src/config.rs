@@ -8,7 +8,7 @@ use std::{
 };
 
 use clap::{ArgAction, Parser};
-use runtime::{
+use ops::{
     flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_bool, go_duration},
     tls,
 };
@@ -266,8 +266,8 @@ pub struct Config {
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
-pub use runtime::flags::FlagError as ConfigError;
-use runtime::flags::invalid;
+pub use ops::flags::FlagError as ConfigError;
+use ops::flags::invalid;
 
 /// Checks `--agent-identifiers` as ANP's agent does: only known keys, valid
 /// addresses and CIDRs, and a boolean `default-route`.
@@ -313,7 +313,7 @@ fn check_identifiers(text: &str) -> Result<(), String> {
 }
 
 fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
-    runtime::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
+    ops::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
 }
 
 impl TryFrom<Args> for Config {
@@ -374,10 +374,10 @@ impl TryFrom<Args> for Config {
             .unwrap_or(&args.lease_label_selector);
         // Both are label selectors, checked whatever --count-server-leases
         // says (ANP parses them as flags); empty selects every lease.
-        runtime::kube::selector::check_label_selector(&args.lease_label_selector)
+        ops::kube::selector::check_label_selector(&args.lease_label_selector)
             .map_err(|reason| invalid("lease-label-selector", reason))?;
         if let Some(label) = &args.lease_label {
-            runtime::kube::selector::check_label_selector(label)
+            ops::kube::selector::check_label_selector(label)
                 .map_err(|reason| invalid("lease-label", reason))?;
         }
         if args.count_server_leases && args.lease_namespace.is_empty() {
@@ -385,17 +385,17 @@ impl TryFrom<Args> for Config {
         }
         // Checked whenever given, used or not (ANP).
         if !args.kubeconfig.is_empty() {
-            runtime::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
+            ops::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
         }
         if !args.service_account_token_path.is_empty() {
-            runtime::flags::check_readable_file(
+            ops::flags::check_readable_file(
                 "service-account-token-path",
                 &args.service_account_token_path,
             )?;
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
-        let alpn = runtime::flags::string_slice(&args.alpn_proto);
+        let alpn = ops::flags::string_slice(&args.alpn_proto);
         let ca = PathBuf::from(&args.ca_cert);
         let client_cert = (!args.agent_cert.is_empty()).then(|| {
             (
@@ -685,7 +685,7 @@ mod tests {
             let err = parse(dir.path(), extra)
                 .err()
                 .unwrap_or_else(|| panic!("{extra:?}"));
-            let text = runtime::error::DisplayErrorStack(&err).to_string();
+            let text = ops::error::DisplayErrorStack(&err).to_string();
             assert!(text.contains(needle), "{extra:?}: {text}");
         }
         let err = Config::try_from(Args::try_parse_from(["proxy-agent"]).unwrap()).unwrap_err();
@@ -694,7 +694,7 @@ mod tests {
             Args::try_parse_from(["proxy-agent", "--ca-cert=/nonexistent/ca.crt"]).unwrap(),
         )
         .unwrap_err();
-        let text = runtime::error::DisplayErrorStack(&err).to_string();
+        let text = ops::error::DisplayErrorStack(&err).to_string();
         assert!(
             text.contains("--ca-cert") && text.contains("/nonexistent/ca.crt"),
             "{text}"

@@ -25,12 +25,7 @@ pub(crate) fn router(metrics: Arc<AgentMetrics>, state: Arc<dyn Live>) -> Router
             "/metrics",
             any(move || {
                 let text = render();
-                async move {
-                    (
-                        [(header::CONTENT_TYPE, runtime::metrics::CONTENT_TYPE)],
-                        text,
-                    )
-                }
+                async move { ([(header::CONTENT_TYPE, ops::metrics::CONTENT_TYPE)], text) }
             }),
         )
         .with_state(state)
@@ -49,7 +44,7 @@ pub(crate) fn admin_router(health_port: u16, profiling: bool) -> Router {
         ),
     );
     if profiling {
-        router.merge(runtime::profiling::router())
+        router.merge(ops::profiling::router())
     } else {
         router
     }
@@ -74,20 +69,20 @@ fn metrics_redirect(
         .or(host_header)
         .unwrap_or_default();
     // No port (or not splittable): Go keeps the whole of it.
-    let host = runtime::http::split_host(&request_host).unwrap_or(&request_host);
+    let host = ops::http::split_host(&request_host).unwrap_or(&request_host);
     let mut url = String::new();
     if let Some(scheme) = uri.scheme_str() {
         url.push_str(scheme);
         url.push(':');
     }
     url.push_str("//");
-    url.push_str(&runtime::http::join_host_port(host, health_port));
+    url.push_str(&ops::http::join_host_port(host, health_port));
     url.push_str(uri.path());
     if let Some(query) = uri.query() {
         url.push('?');
         url.push_str(query);
     }
-    runtime::http::redirect(method, &url, StatusCode::MOVED_PERMANENTLY)
+    ops::http::redirect(method, &url, StatusCode::MOVED_PERMANENTLY)
 }
 
 async fn readyz(

@@ -1,6 +1,6 @@
 //! Counting servers by their Leases (`--count-server-leases`): a watch on
 //! the Leases of `--lease-namespace` that match `--lease-label-selector`,
-//! counted when still valid (ANP's rule, see `runtime::kube::lease_is_valid`).
+//! counted when still valid (ANP's rule, see `ops::kube::lease_is_valid`).
 
 use std::{
     sync::{
@@ -19,7 +19,7 @@ use kube::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{config::LeaseCountConfig, metrics::LeaseMetrics};
-use runtime::{
+use ops::{
     error::DisplayErrorStack,
     kube::{KubeSetupError, lease_is_valid},
 };
@@ -75,8 +75,8 @@ pub(crate) async fn counter(
     config: &LeaseCountConfig,
     metrics: LeaseMetrics,
 ) -> Result<(Arc<LeaseCounter>, LeaseWatch), KubeSetupError> {
-    let observer: runtime::kube::Observer = Arc::new(move |call| metrics.lease_call(call));
-    let client = runtime::kube::observed_client(
+    let observer: ops::kube::Observer = Arc::new(move |call| metrics.lease_call(call));
+    let client = ops::kube::observed_client(
         config.kubeconfig.as_deref(),
         REQUEST_TIMEOUT,
         Some(observer),

@@ -21,7 +21,7 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(args: Args) -> std::process::ExitCode {
-    if let Err(e) = runtime::telemetry::init(&args.log) {
+    if let Err(e) = ops::telemetry::init(&args.log) {
         Args::command().error(ErrorKind::ValueValidation, e).exit();
     }
     let config = match Config::try_from(args) {
@@ -29,7 +29,7 @@ async fn serve(args: Args) -> std::process::ExitCode {
         Err(e) => Args::command()
             .error(
                 ErrorKind::ValueValidation,
-                runtime::error::DisplayErrorStack(&e),
+                ops::error::DisplayErrorStack(&e),
             )
             .exit(),
     };
@@ -46,7 +46,7 @@ async fn serve(args: Args) -> std::process::ExitCode {
 async fn run(config: Config) -> anyhow::Result<()> {
     let bound = Agent::bind(config).await.context("binding listeners")?;
     // First SIGTERM/SIGINT drains, the second stops at once (as ANP).
-    let (first, second) = runtime::signal::twice();
+    let (first, second) = ops::signal::twice();
     bound.serve_with_drain(first, second).await;
     Ok(())
 }

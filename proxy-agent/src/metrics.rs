@@ -16,13 +16,13 @@ use std::{
     time::Duration,
 };
 
+use ops::{
+    kube::{Call, CallKind, status_reason},
+    metrics::{Counter, Metrics, Observed, StreamCounters},
+};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{MetricType, family::Family, histogram::Histogram},
-};
-use runtime::{
-    kube::{Call, CallKind, status_reason},
-    metrics::{Counter, Metrics, Observed, StreamCounters},
 };
 
 /// Buckets of ANP's agent latency histograms.
@@ -249,7 +249,7 @@ impl AgentMetrics {
             leases.list_latency.clone(),
         );
         let streams = StreamCounters::register(&mut m, PREFIX);
-        runtime::metrics::register_process(&mut m);
+        ops::metrics::register_process(&mut m);
         let tunnel_bytes = m.register(
             "konnectivity_rs_agent_tunnel_bytes_total",
             "Payload bytes carried through the tunnel, by direction (to_endpoint: towards destinations; to_server: back)",

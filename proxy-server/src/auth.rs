@@ -28,7 +28,7 @@ pub struct TokenAuthConfig {
 }
 
 /// The kube client could not be set up.
-pub use runtime::kube::KubeSetupError as AuthSetupError;
+pub use ops::kube::KubeSetupError as AuthSetupError;
 
 /// Why an agent was refused; the text goes back to the agent (gRPC
 /// `Unauthenticated`) and to the log, and never contains the token.
@@ -97,7 +97,7 @@ impl TokenAuth {
     pub async fn new(config: TokenAuthConfig) -> Result<Self, AuthSetupError> {
         // The agent retries with its own backoff; kube's default retries
         // (up to 15, for minutes) would hold its Connect open instead.
-        let client = runtime::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
+        let client = ops::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
         Ok(Self { config, client })
     }
 

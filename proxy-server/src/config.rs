@@ -3,7 +3,7 @@
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{ArgAction, Parser};
-use runtime::{
+use ops::{
     flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_duration},
     tls,
 };
@@ -262,8 +262,8 @@ pub struct Config {
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
-pub use runtime::flags::FlagError as ConfigError;
-use runtime::flags::invalid;
+pub use ops::flags::FlagError as ConfigError;
+use ops::flags::invalid;
 
 /// ANP's port rule (1024..=49151), extended so that 0 binds a free port.
 fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
@@ -279,7 +279,7 @@ fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
 
 /// Joins a bind address flag ("" = all interfaces) and a port.
 fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
-    runtime::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
+    ops::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
 }
 
 /// The flag whose file a TLS error is about (`fallback` if none matches).
@@ -309,7 +309,7 @@ impl TryFrom<Args> for Config {
             tracing::warn!(flag = "--tls-min-version", value = %args.tls_min_version, "{warning}");
         }
         let cipher_suites =
-            tls::parse_cipher_suites(&runtime::flags::string_slice(&args.cipher_suites))
+            tls::parse_cipher_suites(&ops::flags::string_slice(&args.cipher_suites))
                 .map_err(|reason| invalid("cipher-suites", reason))?;
         if !cipher_suites.left_out.is_empty() {
             if cipher_suites.no_tls12_suite_left() && !tls13_only {
@@ -421,7 +421,7 @@ impl TryFrom<Args> for Config {
         }
         // Checked whenever given, used or not (ANP).
         if !args.kubeconfig.is_empty() {
-            runtime::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
+            ops::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
         }
         let cluster_ca = path_flag(&args.cluster_ca_cert);
         let agent_tls = tls::server_config_with_policy(
@@ -769,7 +769,7 @@ mod tests {
             let err = parse(&args)
                 .err()
                 .unwrap_or_else(|| panic!("{args:?} should fail"));
-            let text = runtime::error::DisplayErrorStack(&err).to_string();
+            let text = ops::error::DisplayErrorStack(&err).to_string();
             assert!(text.contains(needle), "{args:?}: {text}");
         }
     }
@@ -839,7 +839,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            runtime::flags::string_slice(&a.cipher_suites),
+            ops::flags::string_slice(&a.cipher_suites),
             [
                 "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA",
                 "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",

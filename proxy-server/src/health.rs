@@ -24,7 +24,7 @@ pub(crate) fn admin_router(state: HealthState, profiling: bool) -> Router {
         .route("/metrics", any(metrics))
         .with_state(state);
     if profiling {
-        router.merge(runtime::profiling::router())
+        router.merge(ops::profiling::router())
     } else {
         router
     }
@@ -44,10 +44,7 @@ pub(crate) async fn metrics(
     State(state): State<HealthState>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            runtime::metrics::CONTENT_TYPE,
-        )],
+        [(axum::http::header::CONTENT_TYPE, ops::metrics::CONTENT_TYPE)],
         state.hub.metrics.render(&state.hub.live()),
     )
 }

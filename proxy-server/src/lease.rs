@@ -23,7 +23,7 @@ use kube::{
     Api, Client,
     api::{DeleteParams, ListParams, PostParams, Preconditions},
 };
-use runtime::{error::DisplayErrorStack, kube::lease_is_valid};
+use ops::{error::DisplayErrorStack, kube::lease_is_valid};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use tunnel::ids::ServerId;
@@ -94,7 +94,7 @@ pub(crate) async fn run(
     metrics: Arc<ServerMetrics>,
     stop: CancellationToken,
 ) {
-    let client = match runtime::kube::client(config.kubeconfig.as_deref(), REQUEST_TIMEOUT).await {
+    let client = match ops::kube::client(config.kubeconfig.as_deref(), REQUEST_TIMEOUT).await {
         Ok(client) => client,
         Err(error) => {
             warn!(error = %DisplayErrorStack(&error), "lease controller cannot start; this server is not counted by lease-counting agents");

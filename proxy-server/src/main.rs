@@ -21,7 +21,7 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(args: Args) -> std::process::ExitCode {
-    if let Err(e) = runtime::telemetry::init(&args.log) {
+    if let Err(e) = ops::telemetry::init(&args.log) {
         Args::command().error(ErrorKind::ValueValidation, e).exit();
     }
     let config = match Config::try_from(args) {
@@ -29,7 +29,7 @@ async fn serve(args: Args) -> std::process::ExitCode {
         Err(e) => Args::command()
             .error(
                 ErrorKind::ValueValidation,
-                runtime::error::DisplayErrorStack(&e),
+                ops::error::DisplayErrorStack(&e),
             )
             .exit(),
     };
@@ -48,7 +48,7 @@ async fn run(config: Config) -> anyhow::Result<()> {
         .await
         .context("binding listeners")?;
     bound
-        .serve(runtime::signal::shutdown())
+        .serve(ops::signal::shutdown())
         .await
         .context("serving")
 }

@@ -12,11 +12,11 @@
 
 use std::{sync::Arc, time::Duration};
 
+use ops::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{family::Family, gauge::Gauge, histogram::Histogram},
 };
-use runtime::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
 
 use crate::{
     events::{CloseReason, DialFailure, Limit},
@@ -218,7 +218,7 @@ impl ServerMetrics {
             "Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.",
             Family::default(),
         );
-        runtime::metrics::register_process(&mut m);
+        ops::metrics::register_process(&mut m);
         let tunnel_bytes = m.register(
             "konnectivity_rs_server_tunnel_bytes_total",
             "Payload bytes carried through the tunnel, by direction (to_agent: from frontends towards destinations; to_frontend: back)",

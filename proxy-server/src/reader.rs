@@ -6,9 +6,9 @@
 use std::future::Future;
 
 use proto::Packet;
-use runtime::metrics::when_blocked;
 use tonic::Streaming;
 use tracing::{debug, warn};
+use tunnel::blocked::when_blocked;
 
 use crate::{
     hub::{Hub, Work},

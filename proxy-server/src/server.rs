@@ -156,7 +156,7 @@ impl ProxyServer {
     /// A port is taken, the socket path cannot be used, …; the error names it.
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
         // Before anything can fail, so an operator sees them either way.
-        runtime::flags::warn_flags(&config.not_implemented, &config.deprecated);
+        ops::flags::warn_flags(&config.not_implemented, &config.deprecated);
         let agent = bind_named(config.agent_addr, "agent").await?;
         let frontend = match &config.frontend {
             FrontendListen::Uds {
@@ -443,13 +443,13 @@ impl Bound {
 
         let health_state = health::HealthState { hub: hub.clone() };
         let admin_local = admin.local_addr().ok();
-        let admin_server = runtime::http::serve(
+        let admin_server = ops::http::serve(
             admin,
             health::admin_router(health_state.clone(), config.profiling),
             token.clone(),
             "admin",
         );
-        let health_server = runtime::http::serve(
+        let health_server = ops::http::serve(
             health,
             health::router(health_state),
             token.clone(),

@@ -72,11 +72,11 @@ impl TokenReviewStub {
     /// Starts the stub with no known token.
     pub async fn start() -> Self {
         let pki = Pki::get();
-        let tls = runtime::tls::server_config_with_alpn(
+        let tls = ops::tls::server_config_with_alpn(
             &pki.path("cluster.crt"),
             &pki.path("cluster.key"),
             None,
-            &[runtime::tls::ALPN_HTTP11],
+            &[ops::tls::ALPN_HTTP11],
         )
         .expect("stub TLS");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

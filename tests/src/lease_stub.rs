@@ -93,9 +93,8 @@ impl LeaseStub {
     pub async fn start() -> Self {
         let pki = Pki::get();
         let (crt, key) = (pki.path("cluster.crt"), pki.path("cluster.key"));
-        let tls =
-            runtime::tls::server_config_with_alpn(&crt, &key, None, &[runtime::tls::ALPN_HTTP11])
-                .expect("stub TLS");
+        let tls = ops::tls::server_config_with_alpn(&crt, &key, None, &[ops::tls::ALPN_HTTP11])
+            .expect("stub TLS");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");

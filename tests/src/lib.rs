@@ -38,6 +38,7 @@ use std::{
 };
 
 use client::dial::{TunnelConn, dial, uds_channel};
+use ops::tls;
 use proto::{Packet, proxy_service_client::ProxyServiceClient};
 use proxy_agent::agent::{Agent, AgentHandle};
 use proxy_server::{
@@ -45,7 +46,6 @@ use proxy_server::{
     server::{ProxyServer, ServerHandle},
     strategy::ProxyStrategy,
 };
-use runtime::tls;
 use tokio::{sync::mpsc, task::JoinHandle};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;

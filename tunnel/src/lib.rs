@@ -18,6 +18,7 @@
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
 pub mod admission;
+pub mod blocked;
 pub mod conn;
 pub mod flow;
 pub mod ids;

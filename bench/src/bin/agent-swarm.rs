@@ -57,7 +57,7 @@ fn node_address(n: usize) -> IpAddr {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let opt = Opt::parse();
-    runtime::telemetry::init_simple("error");
+    ops::telemetry::init_simple("error");
     // Three descriptors per agent: as many as the hard limit allows.
     if let Err(e) = rlimit::increase_nofile_limit(u64::MAX) {
         eprintln!("agent-swarm: cannot raise the open-file limit: {e}");
@@ -71,7 +71,7 @@ async fn main() -> std::process::ExitCode {
     let base = match proxy_agent::config::Config::try_from(args) {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("agent-swarm: {}", runtime::error::DisplayErrorStack(&e));
+            eprintln!("agent-swarm: {}", ops::error::DisplayErrorStack(&e));
             return std::process::ExitCode::from(2);
         }
     };
@@ -93,7 +93,7 @@ async fn main() -> std::process::ExitCode {
                 eprintln!(
                     "agent-swarm: agent {n} of {}: {}",
                     opt.agents,
-                    runtime::error::DisplayErrorStack(&e)
+                    ops::error::DisplayErrorStack(&e)
                 );
                 stop.cancel();
                 agents.close();
@@ -105,7 +105,7 @@ async fn main() -> std::process::ExitCode {
     }
     agents.close();
     eprintln!("agent-swarm: {} agents started", opt.agents);
-    runtime::signal::shutdown().await;
+    ops::signal::shutdown().await;
     stop.cancel();
     agents.wait().await;
     std::process::ExitCode::SUCCESS

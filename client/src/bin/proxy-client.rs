@@ -9,13 +9,13 @@ use tokio::net::TcpListener;
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
     let filter = tracing_subscriber_filter(args.verbosity);
-    runtime::telemetry::init_simple(&filter);
+    ops::telemetry::init_simple(&filter);
     let dialer = match args.frontend.dialer() {
         Ok(dialer) => dialer,
         Err(e) => Args::command()
             .error(
                 ErrorKind::ValueValidation,
-                runtime::error::DisplayErrorStack(&e),
+                ops::error::DisplayErrorStack(&e),
             )
             .exit(),
     };
@@ -80,11 +80,11 @@ async fn main() -> std::process::ExitCode {
 async fn serve_until_signal(serve: impl std::future::Future<Output = ()>) -> anyhow::Result<bool> {
     tokio::select! {
         () = serve => {}
-        () = runtime::signal::shutdown() => {}
+        () = ops::signal::shutdown() => {}
     }
     Ok(true)
 }
 
 fn tracing_subscriber_filter(verbosity: u8) -> String {
-    runtime::telemetry::level_for_verbosity(verbosity).to_owned()
+    ops::telemetry::level_for_verbosity(verbosity).to_owned()
 }

@@ -13,10 +13,10 @@ use std::{sync::Arc, time::Duration};
 
 use bytes::BytesMut;
 use proto::{Packet, packet::PacketKind};
-use runtime::metrics::when_blocked;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
+use tunnel::blocked::when_blocked;
 use tunnel::{
     ids::{ConnId, DialId},
     mover::{self, MoverEnd},

@@ -6,13 +6,13 @@ use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result, bail};
 use client::dial::{Dialer, Transport};
+use ops::tls;
 use proxy_agent::agent::Agent;
 use proxy_server::{
     config::{Config, FrontendListen, Mode},
     server::ProxyServer,
     strategy::ProxyStrategy,
 };
-use runtime::tls;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpListener,

@@ -90,7 +90,7 @@ async fn scripted_server() -> (
     CancellationToken,
 ) {
     let pki = Pki::get();
-    let tls = runtime::tls::server_config(
+    let tls = ops::tls::server_config(
         &pki.path("cluster.crt"),
         &pki.path("cluster.key"),
         Some(&pki.path("agent-ca.crt")),

@@ -91,7 +91,7 @@ async fn through_microsocks_with_auth_and_a_wrong_password_is_named() {
     .await;
 
     let err = refused(&format!("socks5://ops:wrong@{}", socks.addr), &server).await;
-    let text = runtime::error::DisplayErrorStack(&err).to_string();
+    let text = ops::error::DisplayErrorStack(&err).to_string();
     assert!(
         matches!(err, ConnectError::Proxy(ProxyError::AuthRefused { .. })),
         "{text}"
@@ -116,7 +116,7 @@ async fn through_tinyproxy_with_basic_auth_and_a_wrong_password_is_named() {
     .await;
 
     let err = refused(&format!("http://ops:wrong@{}", http.addr), &server).await;
-    let text = runtime::error::DisplayErrorStack(&err).to_string();
+    let text = ops::error::DisplayErrorStack(&err).to_string();
     assert!(
         matches!(err, ConnectError::Proxy(ProxyError::AuthRefused { .. })),
         "{text}"

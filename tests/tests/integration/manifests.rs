@@ -413,7 +413,7 @@ fn mtls_server_manifest_fails_only_on_missing_cert_files() {
     }
     let err =
         proxy_server::config::Config::try_from(args).expect_err("no certificates on this machine");
-    let text = runtime::error::DisplayErrorStack(&err).to_string();
+    let text = ops::error::DisplayErrorStack(&err).to_string();
     assert!(
         matches!(err, proxy_server::config::ConfigError::Tls { .. }),
         "want a TLS file error, got: {text}"

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use integration_tests::{
     AgentOpts, DEADLINE, Pki, RawFrontend, TestAgent, TestServer, destination, wait_for,
 };
+use ops::tls;
 use proto::{Packet, packet::PacketKind};
-use runtime::tls;
 use rustls_pki_types::ServerName;
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWriteExt},

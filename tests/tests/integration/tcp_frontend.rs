@@ -58,7 +58,7 @@ async fn frontends_without_a_trusted_client_certificate_are_refused() {
 
     // No certificate at all.
     let anonymous =
-        runtime::tls::client_config(&Pki::get().path("frontend-ca.crt"), None, &[]).unwrap();
+        ops::tls::client_config(&Pki::get().path("frontend-ca.crt"), None, &[]).unwrap();
     let err = match tls_channel(addr, "localhost", anonymous).await {
         Err(e) => e,
         Ok(channel) => dial(channel, &echo.address()).await.err().expect("refused"),

@@ -9,17 +9,7 @@ use std::{
 
 use clap::Args;
 
-/// Parses a boolean as Go's `strconv.ParseBool` does.
-///
-/// # Errors
-/// Anything but `1 t T TRUE true True 0 f F FALSE false False`.
-pub fn go_bool(text: &str) -> Result<bool, String> {
-    match text {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
-        _ => Err(format!("invalid boolean {text:?} (want true or false)")),
-    }
-}
+pub use proto::header::go_bool;
 
 /// A Go boolean flag as pflag parses one: `--x` alone is true, `--x=false`
 /// (only with `=`) sets it, and the values are [`go_bool`]'s. Used in a

@@ -397,21 +397,6 @@ pub fn register_process(metrics: &mut Metrics) {
     );
 }
 
-/// Runs `fut`; if it cannot finish at once (a full buffer or queue ahead),
-/// `on_block` makes a guard that lives until it does — for counting
-/// blocked readers and the time they wait, at no cost when nothing blocks.
-pub async fn when_blocked<F: std::future::Future, G>(
-    fut: F,
-    on_block: impl FnOnce() -> G,
-) -> F::Output {
-    let mut fut = std::pin::pin!(fut);
-    if let std::task::Poll::Ready(out) = futures_util::poll!(fut.as_mut()) {
-        return out;
-    }
-    let _guard = on_block();
-    fut.await
-}
-
 /// Histogram buckets of Go's `prometheus.DefBuckets`.
 pub const DEFAULT_BUCKETS: [f64; 11] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -525,20 +510,6 @@ mod tests {
         assert_eq!(code_name(tonic::Code::Ok), "OK");
         assert_eq!(code_name(tonic::Code::Unavailable), "Unavailable");
         assert_eq!(code_name(tonic::Code::DeadlineExceeded), "DeadlineExceeded");
-    }
-
-    #[tokio::test]
-    async fn blocking_is_noticed_only_when_it_happens() {
-        let blocked = std::sync::atomic::AtomicUsize::new(0);
-        let note = || {
-            blocked.fetch_add(1, Ordering::Relaxed);
-        };
-        assert_eq!(when_blocked(async { 1 }, note).await, 1);
-        assert_eq!(blocked.load(Ordering::Relaxed), 0);
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move { tx.send(2) });
-        assert_eq!(when_blocked(async { rx.await.unwrap() }, note).await, 2);
-        assert_eq!(blocked.load(Ordering::Relaxed), 1);
     }
 
     #[test]
