@@ -1,0 +1,47 @@
+//! [`RawFrontend`]: a frontend that sends packets by hand.
+
+use proto::{Packet, proxy_service_client::ProxyServiceClient};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use crate::{DEADLINE, TestServer};
+
+/// A frontend that speaks packets directly, for protocol tests.
+pub struct RawFrontend {
+    /// Packets to the server.
+    pub tx: mpsc::Sender<Packet>,
+    /// Packets from the server.
+    pub rx: Streaming<Packet>,
+}
+
+impl RawFrontend {
+    /// Opens a `Proxy` stream on a fresh frontend connection; `first` is sent
+    /// before the call so the server's headers come with its answer.
+    pub async fn open(server: &TestServer, first: Packet) -> Self {
+        let (tx, rx) = mpsc::channel(64);
+        tx.send(first).await.expect("queueing the first packet");
+        let response = ProxyServiceClient::new(server.channel().await)
+            .proxy(ReceiverStream::new(rx))
+            .await
+            .expect("opening the proxy stream");
+        Self {
+            tx,
+            rx: response.into_inner(),
+        }
+    }
+
+    /// Sends a packet.
+    pub async fn send(&self, packet: Packet) {
+        self.tx.send(packet).await.expect("sending a packet");
+    }
+
+    /// The next packet, failing the test after [`DEADLINE`].
+    pub async fn recv(&mut self) -> Packet {
+        tokio::time::timeout(DEADLINE, self.rx.message())
+            .await
+            .expect("timed out waiting for a packet")
+            .expect("stream failed")
+            .expect("stream ended")
+    }
+}
