@@ -6,10 +6,9 @@ use std::{net::SocketAddr, time::Duration};
 
 use anyhow::{Context, Result, bail};
 use client::dial::{Dialer, Transport};
-use ops::tls;
 use proxy_agent::agent::Agent;
 use proxy_server::{
-    config::{Config, FrontendListen, Mode},
+    config::{Config, FrontendListen, ListenerTls, Mode},
     server::ProxyServer,
     strategy::ProxyStrategy,
 };
@@ -67,11 +66,11 @@ async fn main() -> Result<()> {
                 delete_existing: true,
             },
             agent_addr: any,
-            agent_tls: tls::server_config(
-                &path("cluster.crt"),
-                &path("cluster.key"),
-                Some(&path("agent-ca.crt")),
-            )?,
+            agent_tls: ListenerTls::agent(
+                path("cluster.crt"),
+                path("cluster.key"),
+                Some(path("agent-ca.crt")),
+            ),
             health_addr: any,
             admin_addr: any,
             profiling: false,
@@ -91,6 +90,7 @@ async fn main() -> Result<()> {
             lease: None,
             not_implemented: Vec::new(),
             deprecated: Vec::new(),
+            notices: Vec::new(),
         })
         .await?;
         let agent_addr = server.agent_addr();
@@ -107,11 +107,10 @@ async fn main() -> Result<()> {
                 "127.0.0.1",
                 agent_addr.port(),
             )],
-            tls: tls::client_config(
-                &path("agent-ca.crt"),
-                Some((&path("proxy-agent.crt"), &path("proxy-agent.key"))),
-                &[],
-            )?,
+            tls: proxy_agent::config::ClientTls::new(
+                path("agent-ca.crt"),
+                Some((path("proxy-agent.crt"), path("proxy-agent.key"))),
+            ),
             agent_id: tunnel::ids::AgentId("demo-agent".to_owned()),
             agent_identifiers: String::new(),
             health_addr: any,

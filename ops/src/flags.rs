@@ -11,6 +11,16 @@ use clap::Args;
 
 pub use proto::header::go_bool;
 
+/// A path flag's value, taken as written: unlike clap's own parser it
+/// accepts an empty one (ANP's flags are strings, and `--x=` is how a
+/// manifest leaves one unset).
+///
+/// # Errors
+/// None.
+pub fn path(text: &str) -> Result<PathBuf, std::convert::Infallible> {
+    Ok(PathBuf::from(text))
+}
+
 /// A Go boolean flag as pflag parses one: `--x` alone is true, `--x=false`
 /// (only with `=`) sets it, and the values are [`go_bool`]'s. Used in a
 /// derive as `#[arg(long, go_bool = DEFAULT)]` (`Some(bool)` for a flag
@@ -122,13 +132,26 @@ pub struct Deprecated {
 /// Logs, by name, the flags given that have no effect in this build and
 /// the deprecated flags given. Both binaries call it before they bind
 /// anything, so the warning is there even when start-up fails.
-pub fn warn_flags(not_implemented: &[&'static str], deprecated: &[Deprecated]) {
+pub fn warn_flags(not_implemented: &[&'static str], deprecated: &[Deprecated], notices: &[Notice]) {
+    for Notice { flag, text } in notices {
+        tracing::warn!(flag = %format_args!("--{flag}"), "{text}");
+    }
     if !not_implemented.is_empty() {
         tracing::warn!(flags = ?not_implemented, "flags accepted but not implemented yet in this build; they have no effect");
     }
     for Deprecated { flag, note } in deprecated {
         tracing::warn!(flag = %format_args!("--{flag}"), note, "deprecated flag given");
     }
+}
+
+/// A flag value accepted with a caveat (logged at start-up, where the
+/// other flag warnings are).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// The flag, without dashes.
+    pub flag: &'static str,
+    /// What to know about its value.
+    pub text: String,
 }
 
 /// A listen address from a bind-address flag and a port, as ANP reads them:

@@ -37,6 +37,10 @@ pub enum AgentError {
     /// `--count-server-leases` is on and the kube client cannot be set up.
     #[error(transparent)]
     Kube(#[from] ops::kube::KubeSetupError),
+    /// A certificate, key or CA file cannot be used (the error names its
+    /// flag).
+    #[error(transparent)]
+    Tls(#[from] crate::config::ConfigError),
 }
 
 /// One live server connection, as the client set sees it.
@@ -239,7 +243,10 @@ impl Agent {
     /// The port is taken or the address unusable.
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
         // Before anything can fail, so an operator sees them either way.
-        ops::flags::warn_flags(&config.not_implemented, &config.deprecated);
+        ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &[]);
+        // The certificates are read for each connection; a start-up with
+        // files that cannot work fails here, naming the flag.
+        config.tls.load()?;
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         // The lease watch reports its calls to its own metrics; the state

@@ -75,6 +75,10 @@ pub enum ConnectError {
         #[source]
         source: io::Error,
     },
+    /// A certificate, key or CA file cannot be used (the error names its
+    /// flag).
+    #[error(transparent)]
+    TlsFiles(#[from] crate::config::ConfigError),
     /// `--proxy-server-host` is not a valid TLS server name.
     #[error("--proxy-server-host {0:?} is not a valid TLS server name")]
     ServerName(String),
@@ -332,8 +336,11 @@ impl Client {
         };
         let name = ServerName::try_from(target.host.clone())
             .map_err(|_| ConnectError::ServerName(target.host.clone()))?;
+        // The files as they are now: a rotated certificate is used from the
+        // next connection on.
+        let tls_config = config.tls.load()?;
         // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
-        let tls = TlsConnector::from(config.tls.clone())
+        let tls = TlsConnector::from(tls_config)
             .connect(name, tunnel::read_ahead::ReadAhead::new(tcp))
             .await
             .map_err(|source| ConnectError::Tls {

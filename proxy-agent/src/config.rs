@@ -24,14 +24,14 @@ use tunnel::{
 #[command(name = "proxy-agent", version, about, args_override_self = true)]
 pub struct Args {
     /// Client certificate presented to proxy-server (mTLS).
-    #[arg(long, default_value = "")]
-    pub agent_cert: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub agent_cert: Option<PathBuf>,
     /// Private key of --agent-cert.
-    #[arg(long, default_value = "")]
-    pub agent_key: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub agent_key: Option<PathBuf>,
     /// CA that proxy-server's certificate must chain to (required).
-    #[arg(long, default_value = "")]
-    pub ca_cert: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub ca_cert: Option<PathBuf>,
     /// proxy-server host (or load balancer); also the TLS server name.
     /// Beyond ANP: a comma-separated list (`a,b:8133,[fd00::1]:8132`) makes
     /// the agent connect to every entry; an entry without a port uses
@@ -82,8 +82,8 @@ pub struct Args {
     #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
     pub keepalive_time: Duration,
     /// File with a service-account token sent as `authorization: Bearer`.
-    #[arg(long, default_value = "")]
-    pub service_account_token_path: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub service_account_token_path: Option<PathBuf>,
     /// Log when a per-connection channel is full.
     #[arg(long, go_bool = Some(false))]
     pub warn_on_channel_limit: bool,
@@ -107,12 +107,12 @@ pub struct Args {
     /// Deprecated alias of --lease-label-selector (named at start-up when given).
     #[arg(long, hide = true)]
     pub lease_label: Option<String>,
-    /// Where the server count comes from: default or max.
-    #[arg(long, default_value = "default")]
-    pub server_count_source: String,
+    /// Where the server count comes from.
+    #[arg(long, value_enum, default_value_t = ServerCountSource::Default)]
+    pub server_count_source: ServerCountSource,
     /// Kubeconfig for leases; empty means in-cluster config.
-    #[arg(long, default_value = "")]
-    pub kubeconfig: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub kubeconfig: Option<PathBuf>,
     /// Content type of kube API requests (ANP's default:
     /// application/vnd.kubernetes.protobuf); this build speaks
     /// application/json only, and names any other value at start-up.
@@ -225,8 +225,8 @@ pub struct Config {
     /// Where the servers are: one entry per `--proxy-server-host` item; the
     /// agent holds connections to every one.
     pub servers: Vec<ServerAddr>,
-    /// TLS to the server.
-    pub tls: Arc<rustls::ClientConfig>,
+    /// TLS to the server: the files, read for each new connection.
+    pub tls: ClientTls,
     /// This agent's id.
     pub agent_id: AgentId,
     /// Raw `agentidentifiers` value (validated).
@@ -319,163 +319,31 @@ fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, Co
 impl TryFrom<Args> for Config {
     type Error = ConfigError;
 
+    /// Checks every flag, a group at a time; reads no certificate (see
+    /// [`ClientTls::load`]).
     fn try_from(args: Args) -> Result<Self, ConfigError> {
-        if args.ca_cert.is_empty() {
-            return Err(invalid(
-                "ca-cert",
-                "required: the server's certificate is always verified",
-            ));
-        }
-        if args.agent_cert.is_empty() != args.agent_key.is_empty() {
-            return Err(invalid(
-                "agent-cert",
-                "--agent-cert and --agent-key go together",
-            ));
-        }
-        if args.proxy_server_port == 0 {
-            return Err(invalid("proxy-server-port", "must be greater than 0"));
-        }
-        if args.proxy_server_host.is_empty() {
-            return Err(invalid("proxy-server-host", "must not be empty"));
-        }
-        if args.xfr_channel_size == Some(0) {
-            return Err(invalid("xfr-channel-size", "must be greater than 0"));
-        }
-        if args.max_server_queue_bytes == 0 {
-            return Err(invalid("max-server-queue-bytes", "must be greater than 0"));
-        }
-        if args.sync_interval > args.sync_interval_cap {
-            return Err(invalid(
-                "sync-interval",
-                "must not exceed --sync-interval-cap",
-            ));
-        }
-        if args.sync_interval.is_zero() {
-            return Err(invalid("sync-interval", "must be greater than 0"));
-        }
-        if args.probe_interval.is_zero() {
-            return Err(invalid("probe-interval", "must be greater than 0"));
-        }
+        let tls = client_tls(&args)?;
+        let servers = servers(&args)?;
+        limits(&args)?;
+        intervals(&args)?;
         if args.enable_contention_profiling && !args.enable_profiling {
             return Err(invalid(
                 "enable-contention-profiling",
                 "requires --enable-profiling",
             ));
         }
-        let server_count_source = match args.server_count_source.as_str() {
-            "" | "default" => ServerCountSource::Default,
-            "max" => ServerCountSource::Max,
-            _ => return Err(invalid("server-count-source", "want default or max")),
-        };
-        // The hidden, deprecated --lease-label wins when given (ANP).
-        let selector = args
-            .lease_label
-            .as_ref()
-            .unwrap_or(&args.lease_label_selector);
-        // Both are label selectors, checked whatever --count-server-leases
-        // says (ANP parses them as flags); empty selects every lease.
-        ops::kube::selector::check_label_selector(&args.lease_label_selector)
-            .map_err(|reason| invalid("lease-label-selector", reason))?;
-        if let Some(label) = &args.lease_label {
-            ops::kube::selector::check_label_selector(label)
-                .map_err(|reason| invalid("lease-label", reason))?;
-        }
-        if args.count_server_leases && args.lease_namespace.is_empty() {
-            return Err(invalid("lease-namespace", "must not be empty"));
-        }
-        // Checked whenever given, used or not (ANP).
-        if !args.kubeconfig.is_empty() {
-            ops::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
-        }
-        if !args.service_account_token_path.is_empty() {
-            ops::flags::check_readable_file(
-                "service-account-token-path",
-                &args.service_account_token_path,
-            )?;
+        let leases = leases(&args)?;
+        let token_path = given(args.service_account_token_path.as_ref());
+        if let Some(path) = &token_path {
+            ops::flags::check_readable_file("service-account-token-path", &path.to_string_lossy())?;
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
-        let alpn = ops::flags::string_slice(&args.alpn_proto);
-        let ca = PathBuf::from(&args.ca_cert);
-        let client_cert = (!args.agent_cert.is_empty()).then(|| {
-            (
-                PathBuf::from(&args.agent_cert),
-                PathBuf::from(&args.agent_key),
-            )
-        });
-        let tls = tls::client_config(
-            &ca,
-            client_cert
-                .as_ref()
-                .map(|(c, k)| (c.as_path(), k.as_path())),
-            &alpn,
-        )
-        .map_err(|source| {
-            let path = source.path();
-            let flag = match &client_cert {
-                Some((cert, _)) if path == cert => "agent-cert",
-                Some((_, key)) if path == key => "agent-key",
-                _ => "ca-cert",
-            };
-            ConfigError::Tls { flag, source }
-        })?;
-        let proxy_url = (!args.proxy_url.is_empty())
-            .then(|| Proxy::parse(&args.proxy_url).map_err(|reason| invalid("proxy-url", reason)))
-            .transpose()?;
-        let servers = parse_server_hosts(&args.proxy_server_host, args.proxy_server_port)
-            .map_err(|reason| invalid("proxy-server-host", reason))?
-            .into_iter()
-            .map(|(host, port)| {
-                let proxy = match &proxy_url {
-                    Some(proxy) => Some(proxy.clone()),
-                    None => Proxy::from_env(|name| std::env::var(name).ok(), &host)
-                        .map_err(|reason| invalid("proxy-url", reason))?,
-                };
-                Ok(ServerAddr { host, port, proxy })
-            })
-            .collect::<Result<Vec<_>, ConfigError>>()?;
         let agent_id = if args.agent_id.is_empty() {
             AgentId(uuid::Uuid::new_v4().to_string())
         } else {
             AgentId(args.agent_id.clone())
         };
-        let admin_addr = bind_addr(
-            "admin-bind-address",
-            &args.admin_bind_address,
-            args.admin_server_port,
-        )?;
-        // Rust has no block profiler; CPU profiles are served.
-        let not_implemented = [
-            (
-                "enable-contention-profiling",
-                args.enable_contention_profiling,
-            ),
-            // Per-connection queues are bounded in bytes and never block the
-            // stream, so there is no channel limit to warn about.
-            ("warn-on-channel-limit", args.warn_on_channel_limit),
-            // ... and not in packets: the flag has nothing to size.
-            ("xfr-channel-size", args.xfr_channel_size.is_some()),
-            // The kube crate speaks JSON only.
-            (
-                "kube-api-content-type",
-                args.kube_api_content_type
-                    .as_ref()
-                    .is_some_and(|t| t != "application/json"),
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(flag, given)| given.then_some(flag))
-        .chain(args.log.without_effect())
-        .collect();
-        let deprecated = args
-            .lease_label
-            .as_ref()
-            .map(|_| Deprecated {
-                flag: "lease-label",
-                note: "use --lease-label-selector; when given, --lease-label wins (ANP)",
-            })
-            .into_iter()
-            .collect();
         Ok(Self {
             servers,
             tls,
@@ -486,7 +354,11 @@ impl TryFrom<Args> for Config {
                 &args.health_server_host,
                 args.health_server_port,
             )?,
-            admin_addr,
+            admin_addr: bind_addr(
+                "admin-bind-address",
+                &args.admin_bind_address,
+                args.admin_server_port,
+            )?,
             profiling: args.enable_profiling,
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
@@ -496,17 +368,227 @@ impl TryFrom<Args> for Config {
             flow_control: args.flow_control,
             exit_when_drained: args.exit_when_drained,
             max_server_queue_bytes: args.max_server_queue_bytes,
-            token_path: (!args.service_account_token_path.is_empty())
-                .then(|| PathBuf::from(&args.service_account_token_path)),
-            leases: args.count_server_leases.then(|| LeaseCountConfig {
-                namespace: args.lease_namespace.clone(),
-                selector: selector.clone(),
-                kubeconfig: (!args.kubeconfig.is_empty()).then(|| PathBuf::from(&args.kubeconfig)),
-            }),
-            server_count_source,
-            not_implemented,
-            deprecated,
+            token_path,
+            leases,
+            server_count_source: args.server_count_source,
+            not_implemented: not_implemented(&args),
+            deprecated: deprecated(&args),
         })
+    }
+}
+
+/// A path flag's value; empty counts as not given (ANP's flags are strings).
+fn given(path: Option<&PathBuf>) -> Option<PathBuf> {
+    path.filter(|p| !p.as_os_str().is_empty()).cloned()
+}
+
+/// `--ca-cert`, `--agent-cert`, `--agent-key`, `--alpn-proto`.
+fn client_tls(args: &Args) -> Result<ClientTls, ConfigError> {
+    let ca = given(args.ca_cert.as_ref()).ok_or_else(|| {
+        invalid(
+            "ca-cert",
+            "required: the server's certificate is always verified",
+        )
+    })?;
+    let client = match (
+        given(args.agent_cert.as_ref()),
+        given(args.agent_key.as_ref()),
+    ) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => {
+            return Err(invalid(
+                "agent-cert",
+                "--agent-cert and --agent-key go together",
+            ));
+        }
+    };
+    Ok(ClientTls {
+        ca,
+        client,
+        alpn: ops::flags::string_slice(&args.alpn_proto),
+        resumption: true,
+    })
+}
+
+/// `--proxy-server-host`, `--proxy-server-port`, `--proxy-url` (or the
+/// proxy environment variables).
+fn servers(args: &Args) -> Result<Vec<ServerAddr>, ConfigError> {
+    if args.proxy_server_port == 0 {
+        return Err(invalid("proxy-server-port", "must be greater than 0"));
+    }
+    if args.proxy_server_host.is_empty() {
+        return Err(invalid("proxy-server-host", "must not be empty"));
+    }
+    let proxy_url = (!args.proxy_url.is_empty())
+        .then(|| Proxy::parse(&args.proxy_url).map_err(|reason| invalid("proxy-url", reason)))
+        .transpose()?;
+    parse_server_hosts(&args.proxy_server_host, args.proxy_server_port)
+        .map_err(|reason| invalid("proxy-server-host", reason))?
+        .into_iter()
+        .map(|(host, port)| {
+            let proxy = match &proxy_url {
+                Some(proxy) => Some(proxy.clone()),
+                None => Proxy::from_env(|name| std::env::var(name).ok(), &host)
+                    .map_err(|reason| invalid("proxy-url", reason))?,
+            };
+            Ok(ServerAddr { host, port, proxy })
+        })
+        .collect()
+}
+
+/// The queue caps.
+fn limits(args: &Args) -> Result<(), ConfigError> {
+    if args.xfr_channel_size == Some(0) {
+        return Err(invalid("xfr-channel-size", "must be greater than 0"));
+    }
+    if args.max_server_queue_bytes == 0 {
+        return Err(invalid("max-server-queue-bytes", "must be greater than 0"));
+    }
+    Ok(())
+}
+
+/// `--sync-interval`, `--sync-interval-cap`, `--probe-interval`.
+fn intervals(args: &Args) -> Result<(), ConfigError> {
+    if args.sync_interval > args.sync_interval_cap {
+        return Err(invalid(
+            "sync-interval",
+            "must not exceed --sync-interval-cap",
+        ));
+    }
+    if args.sync_interval.is_zero() {
+        return Err(invalid("sync-interval", "must be greater than 0"));
+    }
+    if args.probe_interval.is_zero() {
+        return Err(invalid("probe-interval", "must be greater than 0"));
+    }
+    Ok(())
+}
+
+/// Lease counting (`--count-server-leases`, `--lease-namespace`,
+/// `--lease-label-selector` or the deprecated `--lease-label` (which wins
+/// when given, as in ANP), `--kubeconfig`). The selectors and the
+/// kubeconfig are checked whatever `--count-server-leases` says (ANP parses
+/// them as flags); an empty selector selects every lease.
+fn leases(args: &Args) -> Result<Option<LeaseCountConfig>, ConfigError> {
+    ops::kube::selector::check_label_selector(&args.lease_label_selector)
+        .map_err(|reason| invalid("lease-label-selector", reason))?;
+    if let Some(label) = &args.lease_label {
+        ops::kube::selector::check_label_selector(label)
+            .map_err(|reason| invalid("lease-label", reason))?;
+    }
+    if args.count_server_leases && args.lease_namespace.is_empty() {
+        return Err(invalid("lease-namespace", "must not be empty"));
+    }
+    let kubeconfig = given(args.kubeconfig.as_ref());
+    if let Some(path) = &kubeconfig {
+        ops::flags::check_readable_file("kubeconfig", &path.to_string_lossy())?;
+    }
+    let selector = args
+        .lease_label
+        .as_ref()
+        .unwrap_or(&args.lease_label_selector);
+    Ok(args.count_server_leases.then(|| LeaseCountConfig {
+        namespace: args.lease_namespace.clone(),
+        selector: selector.clone(),
+        kubeconfig,
+    }))
+}
+
+/// Flags given that this build accepts but does not act on.
+fn not_implemented(args: &Args) -> Vec<&'static str> {
+    [
+        // Rust has no block profiler; CPU profiles are served.
+        (
+            "enable-contention-profiling",
+            args.enable_contention_profiling,
+        ),
+        // Per-connection queues are bounded in bytes and never block the
+        // stream, so there is no channel limit to warn about.
+        ("warn-on-channel-limit", args.warn_on_channel_limit),
+        // ... and not in packets: the flag has nothing to size.
+        ("xfr-channel-size", args.xfr_channel_size.is_some()),
+        // The kube crate speaks JSON only.
+        (
+            "kube-api-content-type",
+            args.kube_api_content_type
+                .as_ref()
+                .is_some_and(|t| t != "application/json"),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(flag, given)| given.then_some(flag))
+    .chain(args.log.without_effect())
+    .collect()
+}
+
+/// Deprecated flags given.
+fn deprecated(args: &Args) -> Vec<Deprecated> {
+    args.lease_label
+        .as_ref()
+        .map(|_| Deprecated {
+            flag: "lease-label",
+            note: "use --lease-label-selector; when given, --lease-label wins (ANP)",
+        })
+        .into_iter()
+        .collect()
+}
+
+/// The agent's TLS files, named by their flags, read for each new
+/// connection to a server (so a rotated certificate is used from the next
+/// connection on).
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    /// `--ca-cert`: the CA the server's certificate must chain to.
+    pub ca: PathBuf,
+    /// `--agent-cert` and `--agent-key`, for mTLS.
+    pub client: Option<(PathBuf, PathBuf)>,
+    /// `--alpn-proto`: protocols offered before h2.
+    pub alpn: Vec<String>,
+    /// Offer TLS session resumption (the bench's swarm turns it off, so
+    /// that every agent does a full handshake).
+    pub resumption: bool,
+}
+
+impl ClientTls {
+    /// The files of `ca` and, for mTLS, `client` (certificate, key).
+    pub fn new(ca: PathBuf, client: Option<(PathBuf, PathBuf)>) -> Self {
+        Self {
+            ca,
+            client,
+            alpn: Vec::new(),
+            resumption: true,
+        }
+    }
+
+    /// Reads the files into a TLS configuration.
+    ///
+    /// # Errors
+    /// A file cannot be read or parsed, or the key does not match the
+    /// certificate; the error names the flag of the file.
+    pub fn load(&self) -> Result<Arc<rustls::ClientConfig>, ConfigError> {
+        let loaded = tls::client_config(
+            &self.ca,
+            self.client
+                .as_ref()
+                .map(|(cert, key)| (cert.as_path(), key.as_path())),
+            &self.alpn,
+        )
+        .map_err(|source| {
+            let path = source.path();
+            let flag = match &self.client {
+                Some((cert, _)) if path == cert => "agent-cert",
+                Some((_, key)) if path == key => "agent-key",
+                _ => "ca-cert",
+            };
+            ConfigError::Tls { flag, source }
+        })?;
+        if self.resumption {
+            return Ok(loaded);
+        }
+        let mut config = (*loaded).clone();
+        config.resumption = rustls::client::Resumption::disabled();
+        Ok(Arc::new(config))
     }
 }
 
@@ -522,10 +604,12 @@ pub struct LeaseCountConfig {
 }
 
 /// `--server-count-source`: how leases and server answers combine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ServerCountSource {
-    /// Leases when counting them, else the servers' `servercount`.
+    /// Leases when counting them, else the servers' `servercount` (also
+    /// an empty value, as ANP reads it).
     #[default]
+    #[value(alias = "")]
     Default,
     /// The larger of the two.
     Max,
@@ -554,7 +638,16 @@ mod tests {
             format!("--agent-key={}", dir.join("proxy-agent.key").display()),
         ];
         argv.extend(extra.iter().map(|s| (*s).to_owned()));
-        Config::try_from(Args::try_parse_from(argv).unwrap())
+        let config =
+            Config::try_from(
+                Args::try_parse_from(argv).map_err(|e| ConfigError::Invalid {
+                    flag: "(syntax)",
+                    reason: e.to_string(),
+                })?,
+            )?;
+        // As the agent does when it starts.
+        config.tls.load()?;
+        Ok(config)
     }
 
     #[test]
@@ -577,7 +670,7 @@ mod tests {
         assert!(!a.warn_on_channel_limit);
         assert_eq!(a.lease_namespace, "kube-system");
         assert_eq!(a.lease_label_selector, "k8s-app=konnectivity-server");
-        assert_eq!(a.server_count_source, "default");
+        assert_eq!(a.server_count_source, ServerCountSource::Default);
         assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
     }
 
@@ -690,10 +783,11 @@ mod tests {
         }
         let err = Config::try_from(Args::try_parse_from(["proxy-agent"]).unwrap()).unwrap_err();
         assert!(err.to_string().contains("--ca-cert"), "{err}");
-        let err = Config::try_from(
+        let config = Config::try_from(
             Args::try_parse_from(["proxy-agent", "--ca-cert=/nonexistent/ca.crt"]).unwrap(),
         )
-        .unwrap_err();
+        .expect("the files are read when the agent starts, not while parsing");
+        let err = config.tls.load().unwrap_err();
         let text = ops::error::DisplayErrorStack(&err).to_string();
         assert!(
             text.contains("--ca-cert") && text.contains("/nonexistent/ca.crt"),
@@ -706,10 +800,41 @@ mod tests {
         assert!(err.contains("--sync-interval"), "{err}");
     }
 
+    /// ANP's flags are strings: an empty path or an empty
+    /// `--server-count-source` is the same as none.
+    #[test]
+    fn empty_values_are_not_given() {
+        let dir = pki();
+        let config = parse(
+            dir.path(),
+            &[
+                "--kubeconfig=",
+                "--service-account-token-path=",
+                "--server-count-source=",
+            ],
+        )
+        .unwrap();
+        assert_eq!(config.token_path, None);
+        assert_eq!(config.server_count_source, ServerCountSource::Default);
+        let err = Config::try_from(
+            Args::try_parse_from(["proxy-agent", "--ca-cert=", "--agent-cert=/x"]).unwrap(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("--ca-cert"), "{err}");
+    }
+
     #[test]
     fn alpn_protos_append_like_pflag() {
         let dir = pki();
-        let alpn = |extra: &[&str]| parse(dir.path(), extra).unwrap().tls.alpn_protocols.clone();
+        let alpn = |extra: &[&str]| {
+            parse(dir.path(), extra)
+                .unwrap()
+                .tls
+                .load()
+                .unwrap()
+                .alpn_protocols
+                .clone()
+        };
         let h2 = b"h2".to_vec();
         assert_eq!(alpn(&[]), std::slice::from_ref(&h2));
         assert_eq!(alpn(&["--alpn-proto=[]"]), std::slice::from_ref(&h2));

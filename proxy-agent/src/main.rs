@@ -24,7 +24,12 @@ async fn serve(args: Args) -> std::process::ExitCode {
     if let Err(e) = ops::telemetry::init(&args.log) {
         Args::command().error(ErrorKind::ValueValidation, e).exit();
     }
-    let config = match Config::try_from(args) {
+    // The flags, then the files they name: either failing is a usage
+    // error (exit 2) before anything is bound.
+    let config = match Config::try_from(args).and_then(|config| {
+        config.tls.load()?;
+        Ok(config)
+    }) {
         Ok(config) => config,
         Err(e) => Args::command()
             .error(

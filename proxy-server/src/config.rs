@@ -22,29 +22,29 @@ use crate::{
 #[command(name = "proxy-server", version, about, args_override_self = true)]
 pub struct Args {
     /// Frontend TLS certificate (TCP frontend only).
-    #[arg(long, default_value = "")]
-    pub server_cert: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub server_cert: Option<PathBuf>,
     /// Frontend TLS private key (TCP frontend only).
-    #[arg(long, default_value = "")]
-    pub server_key: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub server_key: Option<PathBuf>,
     /// CA that frontend client certificates must chain to; required for the TCP frontend.
-    #[arg(long, default_value = "")]
-    pub server_ca_cert: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub server_ca_cert: Option<PathBuf>,
     /// TLS certificate of the agent listener.
-    #[arg(long, default_value = "")]
-    pub cluster_cert: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub cluster_cert: Option<PathBuf>,
     /// TLS private key of the agent listener.
-    #[arg(long, default_value = "")]
-    pub cluster_key: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub cluster_key: Option<PathBuf>,
     /// If set, agents must present a client certificate that chains to this CA (mTLS).
-    #[arg(long, default_value = "")]
-    pub cluster_ca_cert: String,
-    /// Frontend protocol: grpc or http-connect.
-    #[arg(long, default_value = "grpc")]
-    pub mode: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub cluster_ca_cert: Option<PathBuf>,
+    /// Frontend protocol.
+    #[arg(long, value_enum, default_value_t = Mode::Grpc)]
+    pub mode: Mode,
     /// Unix socket path of the frontend; when set, --server-port must be 0.
-    #[arg(long, default_value = "")]
-    pub uds_name: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub uds_name: Option<PathBuf>,
     /// Remove a stale file at --uds-name before listening.
     #[arg(long, go_bool = Some(true))]
     pub delete_existing_uds_file: bool,
@@ -100,8 +100,8 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
     /// Kubeconfig for TokenReview and leases; empty means in-cluster config.
-    #[arg(long, default_value = "")]
-    pub kubeconfig: String,
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub kubeconfig: Option<PathBuf>,
     /// Kube client queries per second (0: client default).
     #[arg(long, default_value_t = 0.0)]
     pub kubeconfig_qps: f32,
@@ -181,8 +181,8 @@ pub struct Args {
     pub runtime: RuntimeArgs,
 }
 
-/// Frontend protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Frontend protocol (`--mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Mode {
     /// `ProxyService/Proxy` gRPC streams.
     Grpc,
@@ -205,8 +205,82 @@ pub enum FrontendListen {
         /// Address to bind.
         addr: SocketAddr,
         /// TLS with client verification against --server-ca-cert.
-        tls: Arc<rustls::ServerConfig>,
+        tls: ListenerTls,
     },
+}
+
+/// A TLS listener's files, named by their flags, and what it offers. The
+/// flags are checked first; the files are read by [`load`](Self::load)
+/// when the server binds.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    /// Certificate chain file, and its flag.
+    pub cert: (&'static str, PathBuf),
+    /// Private key file, and its flag.
+    pub key: (&'static str, PathBuf),
+    /// CA that client certificates must chain to (mTLS), and its flag.
+    pub client_ca: (&'static str, Option<PathBuf>),
+    /// The ALPN protocol offered.
+    pub alpn: &'static [u8],
+    /// `--cipher-suites` and `--tls-min-version`.
+    pub policy: tls::TlsPolicy,
+}
+
+impl ListenerTls {
+    /// The agent listener's files (`--cluster-cert`, `--cluster-key`,
+    /// `--cluster-ca-cert`), default TLS policy.
+    pub fn agent(cert: PathBuf, key: PathBuf, client_ca: Option<PathBuf>) -> Self {
+        Self {
+            cert: ("cluster-cert", cert),
+            key: ("cluster-key", key),
+            client_ca: ("cluster-ca-cert", client_ca),
+            alpn: tls::ALPN_H2,
+            policy: tls::TlsPolicy::default(),
+        }
+    }
+
+    /// The TCP frontend's files (`--server-cert`, `--server-key`,
+    /// `--server-ca-cert`) for `mode`, default TLS policy.
+    pub fn frontend(cert: PathBuf, key: PathBuf, client_ca: PathBuf, mode: Mode) -> Self {
+        Self {
+            cert: ("server-cert", cert),
+            key: ("server-key", key),
+            client_ca: ("server-ca-cert", Some(client_ca)),
+            // CONNECT is HTTP/1.1 only (ANP disables HTTP/2 there); gRPC is
+            // HTTP/2.
+            alpn: match mode {
+                Mode::Grpc => tls::ALPN_H2,
+                Mode::HttpConnect => tls::ALPN_HTTP11,
+            },
+            policy: tls::TlsPolicy::default(),
+        }
+    }
+
+    /// Reads the files into a TLS configuration.
+    ///
+    /// # Errors
+    /// A file cannot be read or parsed, or the key does not match the
+    /// certificate; the error names the flag of the file.
+    pub fn load(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
+        tls::server_config_with_policy(
+            &self.cert.1,
+            &self.key.1,
+            self.client_ca.1.as_deref(),
+            &[self.alpn],
+            &self.policy,
+        )
+        .map_err(|source| {
+            let path = source.path();
+            let flag = if path == self.key.1 {
+                self.key.0
+            } else if self.client_ca.1.as_deref() == Some(path) {
+                self.client_ca.0
+            } else {
+                self.cert.0
+            };
+            ConfigError::Tls { flag, source }
+        })
+    }
 }
 
 /// Validated configuration; tests build it directly.
@@ -219,7 +293,7 @@ pub struct Config {
     /// Agent listener address.
     pub agent_addr: SocketAddr,
     /// TLS of the agent listener (mTLS when --cluster-ca-cert is set).
-    pub agent_tls: Arc<rustls::ServerConfig>,
+    pub agent_tls: ListenerTls,
     /// Health listener address.
     pub health_addr: SocketAddr,
     /// Admin listener address (`/metrics`, pprof).
@@ -259,7 +333,12 @@ pub struct Config {
     pub not_implemented: Vec<&'static str>,
     /// Deprecated flags given, for a start-up warning.
     pub deprecated: Vec<Deprecated>,
+    /// Values accepted with a caveat (`--tls-min-version=VersionTLS10`, CBC
+    /// suites left out), for a start-up warning.
+    pub notices: Vec<Notice>,
 }
+
+pub use ops::flags::Notice;
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
 pub use ops::flags::FlagError as ConfigError;
@@ -282,183 +361,41 @@ fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, Co
     ops::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
 }
 
-/// The flag whose file a TLS error is about (`fallback` if none matches).
-fn flag_of_path(
-    path: &std::path::Path,
-    flags: &[(&'static str, Option<&std::path::Path>)],
-    fallback: &'static str,
-) -> &'static str {
-    flags
-        .iter()
-        .find(|(_, p)| *p == Some(path))
-        .map_or(fallback, |(flag, _)| flag)
+impl Config {
+    /// Reads every certificate and key the flags name, as [`ProxyServer::bind`]
+    /// does: for a start-up that fails before anything is bound.
+    ///
+    /// [`ProxyServer::bind`]: crate::server::ProxyServer::bind
+    ///
+    /// # Errors
+    /// The first file that cannot be used, naming its flag.
+    pub fn load_tls(&self) -> Result<(), ConfigError> {
+        self.agent_tls.load()?;
+        if let FrontendListen::Tcp { tls, .. } = &self.frontend {
+            tls.load()?;
+        }
+        Ok(())
+    }
 }
 
-fn path_flag(value: &str) -> Option<PathBuf> {
-    (!value.is_empty()).then(|| PathBuf::from(value))
+/// A path flag's value; empty counts as not given (ANP's flags are strings).
+fn given(path: Option<&PathBuf>) -> Option<PathBuf> {
+    path.filter(|p| !p.as_os_str().is_empty()).cloned()
 }
 
 impl TryFrom<Args> for Config {
     type Error = ConfigError;
 
+    /// Checks every flag, a group at a time; reads no certificate (see
+    /// [`ListenerTls::load`]).
     fn try_from(args: Args) -> Result<Self, ConfigError> {
-        // Both TLS listeners follow --cipher-suites and --tls-min-version.
-        let (tls13_only, warning) = tls::parse_min_version(&args.tls_min_version)
-            .map_err(|reason| invalid("tls-min-version", reason))?;
-        if let Some(warning) = warning {
-            tracing::warn!(flag = "--tls-min-version", value = %args.tls_min_version, "{warning}");
-        }
-        let cipher_suites =
-            tls::parse_cipher_suites(&ops::flags::string_slice(&args.cipher_suites))
-                .map_err(|reason| invalid("cipher-suites", reason))?;
-        if !cipher_suites.left_out.is_empty() {
-            if cipher_suites.no_tls12_suite_left() && !tls13_only {
-                return Err(invalid(
-                    "cipher-suites",
-                    format!(
-                        "{} are CBC suites, which this build (rustls) does not implement, and no other TLS 1.2 suite is listed",
-                        cipher_suites.left_out.join(", ")
-                    ),
-                ));
-            }
-            tracing::warn!(flag = "--cipher-suites", suites = ?cipher_suites.left_out, "CBC suites left out: this build (rustls) has none");
-        }
-        let policy = tls::TlsPolicy {
-            tls12_suites: cipher_suites.suites,
-            tls13_only,
-        };
-        let mode = match args.mode.as_str() {
-            "grpc" => Mode::Grpc,
-            "http-connect" => Mode::HttpConnect,
-            other => {
-                return Err(invalid(
-                    "mode",
-                    format!("{other:?} is not grpc or http-connect"),
-                ));
-            }
-        };
-        let frontend = if args.uds_name.is_empty() {
-            let port = check_port("server-port", args.server_port)?;
-            let ca = path_flag(&args.server_ca_cert).ok_or_else(|| {
-                invalid(
-                    "server-ca-cert",
-                    "required for the TCP frontend (--uds-name is empty)",
-                )
-            })?;
-            let cert = path_flag(&args.server_cert)
-                .ok_or_else(|| invalid("server-cert", "required for the TCP frontend"))?;
-            let key = path_flag(&args.server_key)
-                .ok_or_else(|| invalid("server-key", "required for the TCP frontend"))?;
-            // CONNECT is HTTP/1.1 only (ANP disables HTTP/2 there); gRPC is HTTP/2.
-            let alpn = match mode {
-                Mode::Grpc => tls::ALPN_H2,
-                Mode::HttpConnect => tls::ALPN_HTTP11,
-            };
-            let tls = tls::server_config_with_policy(&cert, &key, Some(&ca), &[alpn], &policy)
-                .map_err(|source| ConfigError::Tls {
-                    flag: flag_of_path(
-                        source.path(),
-                        &[
-                            ("server-key", Some(key.as_path())),
-                            ("server-ca-cert", Some(ca.as_path())),
-                        ],
-                        "server-cert",
-                    ),
-                    source,
-                })?;
-            FrontendListen::Tcp {
-                addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
-                tls,
-            }
-        } else {
-            if args.server_port != 0 {
-                return Err(invalid("server-port", "must be 0 when --uds-name is set"));
-            }
-            for (flag, value) in [
-                ("server-cert", &args.server_cert),
-                ("server-key", &args.server_key),
-                ("server-ca-cert", &args.server_ca_cert),
-            ] {
-                if !value.is_empty() {
-                    return Err(invalid(flag, "must be empty when --uds-name is set"));
-                }
-            }
-            FrontendListen::Uds {
-                path: PathBuf::from(&args.uds_name),
-                delete_existing: args.delete_existing_uds_file,
-            }
-        };
-        let cluster_cert = path_flag(&args.cluster_cert).ok_or_else(|| {
-            invalid(
-                "cluster-cert",
-                "required: the agent listener always uses TLS",
-            )
-        })?;
-        let cluster_key = path_flag(&args.cluster_key).ok_or_else(|| {
-            invalid(
-                "cluster-key",
-                "required: the agent listener always uses TLS",
-            )
-        })?;
-        let token_auth = [
-            &args.agent_namespace,
-            &args.agent_service_account,
-            &args.authentication_audience,
-        ];
-        if token_auth.iter().any(|v| !v.is_empty()) {
-            if token_auth.iter().any(|v| v.is_empty()) {
-                return Err(invalid(
-                    "agent-namespace",
-                    "--agent-namespace, --agent-service-account and --authentication-audience must be set together",
-                ));
-            }
-            if !args.cluster_ca_cert.is_empty() {
-                return Err(invalid(
-                    "cluster-ca-cert",
-                    "must be empty when service-account token auth (--agent-namespace) is on",
-                ));
-            }
-        }
-        // Checked whenever given, used or not (ANP).
-        if !args.kubeconfig.is_empty() {
-            ops::flags::check_readable_file("kubeconfig", &args.kubeconfig)?;
-        }
-        let cluster_ca = path_flag(&args.cluster_ca_cert);
-        let agent_tls = tls::server_config_with_policy(
-            &cluster_cert,
-            &cluster_key,
-            cluster_ca.as_deref(),
-            &[tls::ALPN_H2],
-            &policy,
-        )
-        .map_err(|source| ConfigError::Tls {
-            flag: flag_of_path(
-                source.path(),
-                &[
-                    ("cluster-key", Some(cluster_key.as_path())),
-                    ("cluster-ca-cert", cluster_ca.as_deref()),
-                ],
-                "cluster-cert",
-            ),
-            source,
-        })?;
-        if args.xfr_channel_size == Some(0) {
-            return Err(invalid("xfr-channel-size", "must be greater than 0"));
-        }
-        for (flag, value) in [
-            ("max-agent-queue-bytes", args.max_agent_queue_bytes),
-            ("max-tls-handshakes", args.max_tls_handshakes),
-            ("max-http-connections", args.max_http_connections),
-        ] {
-            if value == 0 {
-                return Err(invalid(flag, "must be greater than 0"));
-            }
-        }
-        let admin_addr = bind_addr(
-            "admin-bind-address",
-            &args.admin_bind_address,
-            check_port("admin-port", args.admin_port)?,
-        )?;
+        let mut notices = Vec::new();
+        let policy = tls_policy(&args, &mut notices)?;
+        let frontend = frontend(&args, &policy)?;
+        let agent_tls = agent_tls(&args, &policy)?;
+        let token_auth = token_auth(&args)?;
+        limits(&args)?;
+        let (admin_addr, health_addr, agent_addr) = addresses(&args)?;
         if args.enable_contention_profiling && !args.enable_profiling {
             return Err(invalid(
                 "enable-contention-profiling",
@@ -468,12 +405,7 @@ impl TryFrom<Args> for Config {
         if args.server_count == 0 {
             return Err(invalid("server-count", "must be at least 1"));
         }
-        // ANP parses it even with leases off.
-        let lease_labels =
-            parse_labels(&args.lease_label).map_err(|reason| invalid("lease-label", reason))?;
-        if args.enable_lease_controller && args.lease_namespace.is_empty() {
-            return Err(invalid("lease-namespace", "must not be empty"));
-        }
+        let lease = lease(&args)?;
         let strategies = parse_strategies(&args.proxy_strategies)
             .map_err(|reason| invalid("proxy-strategies", reason))?;
         let server_id = if args.server_id.is_empty() {
@@ -481,50 +413,13 @@ impl TryFrom<Args> for Config {
         } else {
             ServerId(args.server_id.clone())
         };
-        let not_implemented = [
-            ("kubeconfig-qps", args.kubeconfig_qps != 0.0),
-            ("kubeconfig-burst", args.kubeconfig_burst != 0),
-            // The kube crate speaks JSON only.
-            (
-                "kube-api-content-type",
-                args.kube_api_content_type
-                    .as_ref()
-                    .is_some_and(|t| t != "application/json"),
-            ),
-            // Rust has no block profiler; CPU profiles are served.
-            (
-                "enable-contention-profiling",
-                args.enable_contention_profiling,
-            ),
-            // Queues are bounded in bytes.
-            ("xfr-channel-size", args.xfr_channel_size.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(flag, given)| given.then_some(flag))
-        .chain(args.log.without_effect())
-        .collect();
-        let deprecated = args
-            .warn_on_channel_limit
-            .map(|_| Deprecated {
-                flag: "warn-on-channel-limit",
-                note: "no effect; channel limits are always handled (ANP)",
-            })
-            .into_iter()
-            .collect();
+        let nonzero = |d: Duration| (!d.is_zero()).then_some(d);
         Ok(Self {
-            mode,
+            mode: args.mode,
             frontend,
-            agent_addr: bind_addr(
-                "agent-bind-address",
-                &args.agent_bind_address,
-                check_port("agent-port", args.agent_port)?,
-            )?,
+            agent_addr,
             agent_tls,
-            health_addr: bind_addr(
-                "health-bind-address",
-                &args.health_bind_address,
-                check_port("health-port", args.health_port)?,
-            )?,
+            health_addr,
             admin_addr,
             profiling: args.enable_profiling,
             server_id,
@@ -533,32 +428,241 @@ impl TryFrom<Args> for Config {
             max_agent_queue_bytes: args.max_agent_queue_bytes,
             max_tls_handshakes: args.max_tls_handshakes,
             max_http_connections: args.max_http_connections,
-            frontend_stall_timeout: (!args.frontend_stall_timeout.is_zero())
-                .then_some(args.frontend_stall_timeout),
+            frontend_stall_timeout: nonzero(args.frontend_stall_timeout),
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
             flow_control: args.flow_control,
-            graceful_shutdown_timeout: (!args.graceful_shutdown_timeout.is_zero())
-                .then_some(args.graceful_shutdown_timeout),
-            token_auth: (!args.agent_namespace.is_empty()).then(|| TokenAuthConfig {
-                namespace: args.agent_namespace.clone(),
-                service_account: args.agent_service_account.clone(),
-                audience: args.authentication_audience.clone(),
-                kubeconfig: path_flag(&args.kubeconfig),
-            }),
-            backend_dial_timeout: (!args.backend_dial_timeout.is_zero())
-                .then_some(args.backend_dial_timeout),
-            lease: args.enable_lease_controller.then(|| {
-                LeaseConfig::new(
-                    args.lease_namespace.clone(),
-                    lease_labels,
-                    path_flag(&args.kubeconfig),
-                )
-            }),
-            not_implemented,
-            deprecated,
+            graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
+            token_auth,
+            backend_dial_timeout: nonzero(args.backend_dial_timeout),
+            lease,
+            not_implemented: not_implemented(&args),
+            deprecated: deprecated(&args),
+            notices,
         })
     }
+}
+
+/// `--tls-min-version` and `--cipher-suites`, which both TLS listeners
+/// follow.
+fn tls_policy(args: &Args, notices: &mut Vec<Notice>) -> Result<tls::TlsPolicy, ConfigError> {
+    let (tls13_only, warning) = tls::parse_min_version(&args.tls_min_version)
+        .map_err(|reason| invalid("tls-min-version", reason))?;
+    if let Some(warning) = warning {
+        notices.push(Notice {
+            flag: "tls-min-version",
+            text: format!("{}: {warning}", args.tls_min_version),
+        });
+    }
+    let cipher_suites = tls::parse_cipher_suites(&ops::flags::string_slice(&args.cipher_suites))
+        .map_err(|reason| invalid("cipher-suites", reason))?;
+    if !cipher_suites.left_out.is_empty() {
+        if cipher_suites.no_tls12_suite_left() && !tls13_only {
+            return Err(invalid(
+                "cipher-suites",
+                format!(
+                    "{} are CBC suites, which this build (rustls) does not implement, and no other TLS 1.2 suite is listed",
+                    cipher_suites.left_out.join(", ")
+                ),
+            ));
+        }
+        notices.push(Notice {
+            flag: "cipher-suites",
+            text: format!(
+                "CBC suites left out, this build (rustls) has none: {}",
+                cipher_suites.left_out.join(", ")
+            ),
+        });
+    }
+    Ok(tls::TlsPolicy {
+        tls12_suites: cipher_suites.suites,
+        tls13_only,
+    })
+}
+
+/// `--uds-name` or `--server-port` with the frontend's TLS files.
+fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, ConfigError> {
+    let Some(path) = given(args.uds_name.as_ref()) else {
+        let port = check_port("server-port", args.server_port)?;
+        let ca = given(args.server_ca_cert.as_ref()).ok_or_else(|| {
+            invalid(
+                "server-ca-cert",
+                "required for the TCP frontend (--uds-name is empty)",
+            )
+        })?;
+        let cert = given(args.server_cert.as_ref())
+            .ok_or_else(|| invalid("server-cert", "required for the TCP frontend"))?;
+        let key = given(args.server_key.as_ref())
+            .ok_or_else(|| invalid("server-key", "required for the TCP frontend"))?;
+        return Ok(FrontendListen::Tcp {
+            addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
+            tls: ListenerTls {
+                policy: policy.clone(),
+                ..ListenerTls::frontend(cert, key, ca, args.mode)
+            },
+        });
+    };
+    if args.server_port != 0 {
+        return Err(invalid("server-port", "must be 0 when --uds-name is set"));
+    }
+    for (flag, value) in [
+        ("server-cert", &args.server_cert),
+        ("server-key", &args.server_key),
+        ("server-ca-cert", &args.server_ca_cert),
+    ] {
+        if given(value.as_ref()).is_some() {
+            return Err(invalid(flag, "must be empty when --uds-name is set"));
+        }
+    }
+    Ok(FrontendListen::Uds {
+        path,
+        delete_existing: args.delete_existing_uds_file,
+    })
+}
+
+/// The agent listener's TLS files (`--cluster-*`).
+fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, ConfigError> {
+    let required = |flag, value: Option<&PathBuf>| {
+        given(value).ok_or_else(|| invalid(flag, "required: the agent listener always uses TLS"))
+    };
+    let cert = required("cluster-cert", args.cluster_cert.as_ref())?;
+    let key = required("cluster-key", args.cluster_key.as_ref())?;
+    Ok(ListenerTls {
+        policy: policy.clone(),
+        ..ListenerTls::agent(cert, key, given(args.cluster_ca_cert.as_ref()))
+    })
+}
+
+/// Service-account token authentication of agents (`--agent-namespace`,
+/// `--agent-service-account`, `--authentication-audience`), and
+/// `--kubeconfig`, checked whenever given, used or not (ANP).
+fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
+    let kubeconfig = given(args.kubeconfig.as_ref());
+    let token_auth = [
+        &args.agent_namespace,
+        &args.agent_service_account,
+        &args.authentication_audience,
+    ];
+    let on = token_auth.iter().any(|v| !v.is_empty());
+    if on {
+        if token_auth.iter().any(|v| v.is_empty()) {
+            return Err(invalid(
+                "agent-namespace",
+                "--agent-namespace, --agent-service-account and --authentication-audience must be set together",
+            ));
+        }
+        if given(args.cluster_ca_cert.as_ref()).is_some() {
+            return Err(invalid(
+                "cluster-ca-cert",
+                "must be empty when service-account token auth (--agent-namespace) is on",
+            ));
+        }
+    }
+    if let Some(path) = &kubeconfig {
+        ops::flags::check_readable_file("kubeconfig", &path.to_string_lossy())?;
+    }
+    if !on {
+        return Ok(None);
+    }
+    Ok(Some(TokenAuthConfig {
+        namespace: args.agent_namespace.clone(),
+        service_account: args.agent_service_account.clone(),
+        audience: args.authentication_audience.clone(),
+        kubeconfig,
+    }))
+}
+
+/// The queue, handshake and connection caps.
+fn limits(args: &Args) -> Result<(), ConfigError> {
+    if args.xfr_channel_size == Some(0) {
+        return Err(invalid("xfr-channel-size", "must be greater than 0"));
+    }
+    for (flag, value) in [
+        ("max-agent-queue-bytes", args.max_agent_queue_bytes),
+        ("max-tls-handshakes", args.max_tls_handshakes),
+        ("max-http-connections", args.max_http_connections),
+    ] {
+        if value == 0 {
+            return Err(invalid(flag, "must be greater than 0"));
+        }
+    }
+    Ok(())
+}
+
+/// The admin, health and agent listeners' addresses.
+fn addresses(args: &Args) -> Result<(SocketAddr, SocketAddr, SocketAddr), ConfigError> {
+    Ok((
+        bind_addr(
+            "admin-bind-address",
+            &args.admin_bind_address,
+            check_port("admin-port", args.admin_port)?,
+        )?,
+        bind_addr(
+            "health-bind-address",
+            &args.health_bind_address,
+            check_port("health-port", args.health_port)?,
+        )?,
+        bind_addr(
+            "agent-bind-address",
+            &args.agent_bind_address,
+            check_port("agent-port", args.agent_port)?,
+        )?,
+    ))
+}
+
+/// This server's Lease; `--lease-label` is parsed even with leases off
+/// (ANP).
+fn lease(args: &Args) -> Result<Option<LeaseConfig>, ConfigError> {
+    let labels =
+        parse_labels(&args.lease_label).map_err(|reason| invalid("lease-label", reason))?;
+    if !args.enable_lease_controller {
+        return Ok(None);
+    }
+    if args.lease_namespace.is_empty() {
+        return Err(invalid("lease-namespace", "must not be empty"));
+    }
+    Ok(Some(LeaseConfig::new(
+        args.lease_namespace.clone(),
+        labels,
+        given(args.kubeconfig.as_ref()),
+    )))
+}
+
+/// Flags given that this build accepts but does not act on.
+fn not_implemented(args: &Args) -> Vec<&'static str> {
+    [
+        ("kubeconfig-qps", args.kubeconfig_qps != 0.0),
+        ("kubeconfig-burst", args.kubeconfig_burst != 0),
+        // The kube crate speaks JSON only.
+        (
+            "kube-api-content-type",
+            args.kube_api_content_type
+                .as_ref()
+                .is_some_and(|t| t != "application/json"),
+        ),
+        // Rust has no block profiler; CPU profiles are served.
+        (
+            "enable-contention-profiling",
+            args.enable_contention_profiling,
+        ),
+        // Queues are bounded in bytes.
+        ("xfr-channel-size", args.xfr_channel_size.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(flag, given)| given.then_some(flag))
+    .chain(args.log.without_effect())
+    .collect()
+}
+
+/// Deprecated flags given.
+fn deprecated(args: &Args) -> Vec<Deprecated> {
+    args.warn_on_channel_limit
+        .map(|_| Deprecated {
+            flag: "warn-on-channel-limit",
+            note: "no effect; channel limits are always handled (ANP)",
+        })
+        .into_iter()
+        .collect()
 }
 
 #[cfg(test)]
@@ -579,10 +683,14 @@ mod tests {
         dir
     }
 
+    /// The flags checked, then the certificates loaded (as the server does
+    /// when it binds): the first error of either.
     fn parse(extra: &[String]) -> Result<Config, ConfigError> {
         let mut argv = vec!["proxy-server".to_owned()];
         argv.extend(extra.iter().cloned());
-        Config::try_from(Args::try_parse_from(argv).unwrap())
+        let config = Config::try_from(Args::try_parse_from(argv).unwrap())?;
+        config.load_tls()?;
+        Ok(config)
     }
 
     fn uds_args(dir: &std::path::Path) -> Vec<String> {
@@ -597,8 +705,8 @@ mod tests {
     #[test]
     fn defaults_are_anps() {
         let a = Args::try_parse_from(["proxy-server"]).unwrap();
-        assert_eq!(a.mode, "grpc");
-        assert_eq!(a.uds_name, "");
+        assert_eq!(a.mode, Mode::Grpc);
+        assert_eq!(a.uds_name, None);
         assert!(a.delete_existing_uds_file);
         assert_eq!(a.server_port, 8090);
         assert_eq!(a.agent_port, 8091);
@@ -672,7 +780,6 @@ mod tests {
             (with(&["--server-port=8090"]), "--server-port"),
             (with(&["--server-cert=/x"]), "--server-cert"),
             (with(&["--server-ca-cert=/x"]), "--server-ca-cert"),
-            (with(&["--mode=socks"]), "--mode"),
             (with(&["--xfr-channel-size=0"]), "--xfr-channel-size"),
             (
                 with(&["--max-agent-queue-bytes=0"]),
@@ -774,6 +881,65 @@ mod tests {
         }
     }
 
+    /// Parsing checks the flags and reads no certificate; loading reads the
+    /// files and names the flag of the one that fails.
+    #[test]
+    fn certificates_are_read_after_the_flags_are_checked() {
+        let args = Args::try_parse_from([
+            "proxy-server",
+            "--uds-name=/tmp/x.sock",
+            "--server-port=0",
+            "--cluster-cert=/nonexistent/cluster.crt",
+            "--cluster-key=/nonexistent/cluster.key",
+        ])
+        .unwrap();
+        let config = Config::try_from(args).unwrap();
+        let err = config.agent_tls.load().unwrap_err().to_string();
+        assert!(err.contains("--cluster-cert"), "{err}");
+    }
+
+    /// ANP's flags are strings: an empty path is the same as none.
+    #[test]
+    fn an_empty_path_is_not_given() {
+        let dir = pki();
+        let mut args = uds_args(dir.path());
+        args.extend([
+            "--server-cert=".to_owned(),
+            "--server-ca-cert=".to_owned(),
+            "--kubeconfig=".to_owned(),
+        ]);
+        let config = parse(&args).unwrap();
+        assert!(config.token_auth.is_none());
+        let mut tcp = uds_args(dir.path());
+        tcp[0] = "--uds-name=".to_owned();
+        tcp[1] = "--server-port=8090".to_owned();
+        let err = parse(&tcp).err().unwrap().to_string();
+        assert!(err.contains("--server-ca-cert"), "{err}");
+    }
+
+    /// A value accepted with a caveat is a notice for the start-up log, not
+    /// logged while parsing.
+    #[test]
+    fn caveats_are_notices() {
+        let dir = pki();
+        let mut args = uds_args(dir.path());
+        args.extend([
+            "--tls-min-version=VersionTLS10".to_owned(),
+            "--cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA,TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256".to_owned(),
+        ]);
+        let config = parse(&args).unwrap();
+        let flags: Vec<_> = config.notices.iter().map(|n| n.flag).collect();
+        assert_eq!(flags, ["tls-min-version", "cipher-suites"]);
+        assert!(
+            config.notices[1]
+                .text
+                .contains("TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA"),
+            "{:?}",
+            config.notices
+        );
+        assert!(parse(&uds_args(dir.path())).unwrap().notices.is_empty());
+    }
+
     #[test]
     fn syntax_errors_name_the_flag() {
         for (arg, needle) in [
@@ -786,6 +952,7 @@ mod tests {
             ("--backend-dial-timeout=-1s", "--backend-dial-timeout"),
             ("--frontend-stall-timeout=-1s", "--frontend-stall-timeout"),
             ("--max-tls-handshakes=many", "--max-tls-handshakes"),
+            ("--mode=socks", "--mode"),
         ] {
             let err = Args::try_parse_from(["proxy-server", arg])
                 .err()
@@ -897,7 +1064,7 @@ mod tests {
         match c.frontend {
             FrontendListen::Tcp { addr, tls } => {
                 assert_eq!(addr.to_string(), "127.0.0.1:8090");
-                assert_eq!(tls.alpn_protocols, [b"h2".to_vec()]);
+                assert_eq!(tls.load().unwrap().alpn_protocols, [b"h2".to_vec()]);
             }
             FrontendListen::Uds { .. } => panic!("expected TCP"),
         }
@@ -914,7 +1081,7 @@ mod tests {
         .unwrap();
         match c.frontend {
             FrontendListen::Tcp { tls, .. } => {
-                assert_eq!(tls.alpn_protocols, [b"http/1.1".to_vec()]);
+                assert_eq!(tls.load().unwrap().alpn_protocols, [b"http/1.1".to_vec()]);
             }
             FrontendListen::Uds { .. } => panic!("expected TCP"),
         }

@@ -74,6 +74,9 @@ pub enum ServerError {
         #[source]
         source: io::Error,
     },
+    /// A certificate or key file cannot be used; the error names its flag.
+    #[error(transparent)]
+    Tls(#[from] crate::config::ConfigError),
     /// Token authentication could not be set up.
     #[error("setting up agent token authentication")]
     Auth(#[from] crate::auth::AuthSetupError),
@@ -156,7 +159,13 @@ impl ProxyServer {
     /// A port is taken, the socket path cannot be used, …; the error names it.
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
         // Before anything can fail, so an operator sees them either way.
-        ops::flags::warn_flags(&config.not_implemented, &config.deprecated);
+        ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &config.notices);
+        // The certificates, before any port is taken.
+        let agent_tls = config.agent_tls.load()?;
+        let frontend_tls = match &config.frontend {
+            FrontendListen::Tcp { tls, .. } => Some(tls.load()?),
+            FrontendListen::Uds { .. } => None,
+        };
         let agent = bind_named(config.agent_addr, "agent").await?;
         let frontend = match &config.frontend {
             FrontendListen::Uds {
@@ -169,9 +178,9 @@ impl ProxyServer {
                 })?,
                 path: path.clone(),
             },
-            FrontendListen::Tcp { addr, tls } => BoundFrontend::Tcp {
+            FrontendListen::Tcp { addr, .. } => BoundFrontend::Tcp {
                 listener: bind_named(*addr, "frontend").await?,
-                tls: tls.clone(),
+                tls: frontend_tls.expect("loaded above for a TCP frontend"),
             },
         };
         let health = bind_named(config.health_addr, "health").await?;
@@ -187,6 +196,7 @@ impl ProxyServer {
         };
         Ok(Bound {
             config,
+            agent_tls,
             agent,
             frontend,
             health,
@@ -241,6 +251,8 @@ pub enum FrontendAddr {
 pub struct Bound {
     /// Validated configuration.
     config: Config,
+    /// The agent listener's TLS, loaded from its files.
+    agent_tls: Arc<rustls::ServerConfig>,
     /// Agent listener.
     agent: TcpListener,
     /// Frontend listener.
@@ -304,6 +316,7 @@ impl Bound {
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let Self {
             config,
+            agent_tls,
             agent,
             frontend,
             health,
@@ -348,7 +361,7 @@ impl Bound {
             .serve_with_incoming_shutdown(
                 tls_incoming(
                     agent,
-                    config.agent_tls.clone(),
+                    agent_tls.clone(),
                     accept_stop.clone(),
                     "agent",
                     config.max_tls_handshakes,

@@ -2,7 +2,6 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use ops::tls;
 use proxy_agent::agent::{Agent, AgentHandle};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -64,15 +63,10 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
     } else {
         Pki::get()
     };
-    let tls = tls::client_config(
-        &Pki::get().path("agent-ca.crt"),
-        (!opts.no_client_cert)
-            .then(|| (pki.path("proxy-agent.crt"), pki.path("proxy-agent.key")))
-            .as_ref()
-            .map(|(c, k)| (c.as_path(), k.as_path())),
-        &[],
-    )
-    .expect("agent TLS");
+    let tls = proxy_agent::config::ClientTls::new(
+        Pki::get().path("agent-ca.crt"),
+        (!opts.no_client_cert).then(|| (pki.path("proxy-agent.crt"), pki.path("proxy-agent.key"))),
+    );
     let servers = std::iter::once(agent_addr)
         .chain(opts.more_servers.iter().copied())
         .map(|addr| proxy_agent::config::ServerAddr {

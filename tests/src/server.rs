@@ -3,9 +3,8 @@
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use client::dial::{TunnelConn, dial, uds_channel};
-use ops::tls;
 use proxy_server::{
-    config::{Config, FrontendListen, Mode},
+    config::{Config, FrontendListen, ListenerTls, Mode},
     server::{ProxyServer, ServerHandle},
     strategy::ProxyStrategy,
 };
@@ -135,16 +134,12 @@ impl TestServer {
         let frontend = if opts.tcp_frontend {
             FrontendListen::Tcp {
                 addr: "127.0.0.1:0".parse().expect("address"),
-                tls: tls::server_config_with_alpn(
-                    &pki.path("proxy-frontend.crt"),
-                    &pki.path("proxy-frontend.key"),
-                    Some(&pki.path("frontend-ca.crt")),
-                    &[match opts.mode {
-                        Mode::Grpc => tls::ALPN_H2,
-                        Mode::HttpConnect => tls::ALPN_HTTP11,
-                    }],
-                )
-                .expect("frontend TLS"),
+                tls: ListenerTls::frontend(
+                    pki.path("proxy-frontend.crt"),
+                    pki.path("proxy-frontend.key"),
+                    pki.path("frontend-ca.crt"),
+                    opts.mode,
+                ),
             }
         } else {
             FrontendListen::Uds {
@@ -156,12 +151,11 @@ impl TestServer {
             mode: opts.mode,
             frontend,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
-            agent_tls: tls::server_config(
-                &pki.path("cluster.crt"),
-                &pki.path("cluster.key"),
-                opts.mtls.then(|| pki.path("agent-ca.crt")).as_deref(),
-            )
-            .expect("agent TLS"),
+            agent_tls: ListenerTls::agent(
+                pki.path("cluster.crt"),
+                pki.path("cluster.key"),
+                opts.mtls.then(|| pki.path("agent-ca.crt")),
+            ),
             health_addr: "127.0.0.1:0".parse().expect("address"),
             admin_addr: "127.0.0.1:0".parse().expect("address"),
             profiling: opts.profiling,
@@ -185,6 +179,7 @@ impl TestServer {
             lease: opts.lease.clone(),
             not_implemented: Vec::new(),
             deprecated: Vec::new(),
+            notices: Vec::new(),
         };
         let bound = ProxyServer::bind(config).await.expect("binding the server");
         let shutdown = CancellationToken::new();

@@ -16,10 +16,7 @@
 //! search per bind that grows with each (half the swarm's CPU at 5,000).
 //! Runs until SIGTERM/SIGINT.
 
-use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr},
-    sync::Arc,
-};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use clap::Parser;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -75,9 +72,11 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let mut tls = (*base.tls).clone();
-    tls.resumption = rustls::client::Resumption::disabled();
-    let tls = Arc::new(tls);
+    // Every agent does a full handshake, as after a restart.
+    let tls = proxy_agent::config::ClientTls {
+        resumption: false,
+        ..base.tls.clone()
+    };
     let stop = CancellationToken::new();
     let agents = TaskTracker::new();
     for n in opt.first..opt.first + opt.agents {

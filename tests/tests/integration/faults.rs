@@ -468,9 +468,10 @@ mod oversize {
         trace_init();
         let server = ServerProcess::start("grpc", &[]).await;
         let config = integration_tests::agent_config(server.agent_addr, &Default::default());
-        let channel = client::dial::tls_channel(server.agent_addr, "127.0.0.1", config.tls.clone())
-            .await
-            .unwrap();
+        let channel =
+            client::dial::tls_channel(server.agent_addr, "127.0.0.1", config.tls.load().unwrap())
+                .await
+                .unwrap();
         let (agent_tx, agent_rx) = mpsc::channel::<Packet>(4);
         let mut request = Request::new(ReceiverStream::new(agent_rx));
         request

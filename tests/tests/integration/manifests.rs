@@ -326,8 +326,8 @@ fn every_manifest_args_list_parses() {
             Binary::Server => {
                 let args = c.server_args();
                 assert!(args.log.logtostderr, "{}", c.file);
-                assert_eq!(args.mode, "grpc", "{}", c.file);
-                assert_eq!(args.uds_name, UDS, "{}", c.file);
+                assert_eq!(args.mode, proxy_server::config::Mode::Grpc, "{}", c.file);
+                assert_eq!(text(&args.uds_name), UDS, "{}", c.file);
                 assert!(args.delete_existing_uds_file, "{}", c.file);
                 assert_eq!(args.server_port, 0, "{}", c.file);
                 assert_eq!(args.agent_port, 8132, "{}", c.file);
@@ -350,57 +350,68 @@ fn every_manifest_args_list_parses() {
     }
 }
 
+/// A path flag as the manifest wrote it ("" when absent).
+fn text(path: &Option<std::path::PathBuf>) -> String {
+    path.as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
 #[test]
 fn server_manifests_carry_their_agent_authentication() {
     let mtls = in_file("konnectivity-server.yaml").server_args();
     assert_eq!(
-        mtls.cluster_cert,
+        text(&mtls.cluster_cert),
         "/etc/kubernetes/pki/konnectivity/cluster.crt"
     );
     assert_eq!(
-        mtls.cluster_key,
+        text(&mtls.cluster_key),
         "/etc/kubernetes/pki/konnectivity/cluster.key"
     );
     assert_eq!(
-        mtls.cluster_ca_cert,
+        text(&mtls.cluster_ca_cert),
         "/etc/kubernetes/pki/konnectivity/agent-ca.crt"
     );
     assert_eq!(mtls.agent_namespace, "");
     assert_eq!(mtls.agent_service_account, "");
     assert_eq!(mtls.authentication_audience, "");
-    assert_eq!(mtls.kubeconfig, "");
+    assert_eq!(text(&mtls.kubeconfig), "");
 
     let token = in_file("konnectivity-server-token-auth.yaml").server_args();
     assert_eq!(
-        token.cluster_ca_cert, "",
+        text(&token.cluster_ca_cert),
+        "",
         "token auth forbids --cluster-ca-cert"
     );
     assert_eq!(token.agent_namespace, "kube-system");
     assert_eq!(token.agent_service_account, "konnectivity-agent");
     assert_eq!(token.authentication_audience, "system:konnectivity-server");
-    assert_eq!(token.kubeconfig, "/etc/kubernetes/konnectivity-server.conf");
-    assert!(!token.cluster_cert.is_empty() && !token.cluster_key.is_empty());
+    assert_eq!(
+        text(&token.kubeconfig),
+        "/etc/kubernetes/konnectivity-server.conf"
+    );
+    assert!(!text(&token.cluster_cert).is_empty() && !text(&token.cluster_key).is_empty());
 }
 
 #[test]
 fn agent_manifests_carry_their_authentication() {
     let mtls = in_file("konnectivity-agent.yaml").agent_args();
-    assert_eq!(mtls.ca_cert, "/etc/konnectivity/agent-ca.crt");
-    assert_eq!(mtls.agent_cert, "/etc/konnectivity/proxy-agent.crt");
-    assert_eq!(mtls.agent_key, "/etc/konnectivity/proxy-agent.key");
-    assert_eq!(mtls.service_account_token_path, "");
+    assert_eq!(text(&mtls.ca_cert), "/etc/konnectivity/agent-ca.crt");
+    assert_eq!(text(&mtls.agent_cert), "/etc/konnectivity/proxy-agent.crt");
+    assert_eq!(text(&mtls.agent_key), "/etc/konnectivity/proxy-agent.key");
+    assert_eq!(text(&mtls.service_account_token_path), "");
 
     let token = in_file("konnectivity-agent-token-auth.yaml").agent_args();
     assert_eq!(
-        token.ca_cert,
+        text(&token.ca_cert),
         "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
     );
     assert_eq!(
-        token.service_account_token_path,
+        text(&token.service_account_token_path),
         "/var/run/secrets/tokens/konnectivity-agent-token"
     );
-    assert_eq!(token.agent_cert, "");
-    assert_eq!(token.agent_key, "");
+    assert_eq!(text(&token.agent_cert), "");
+    assert_eq!(text(&token.agent_key), "");
 }
 
 #[test]
@@ -411,8 +422,11 @@ fn mtls_server_manifest_fails_only_on_missing_cert_files() {
         // A node with real certificates: the validation below covers it.
         return;
     }
-    let err =
-        proxy_server::config::Config::try_from(args).expect_err("no certificates on this machine");
+    let config = proxy_server::config::Config::try_from(args)
+        .expect("the flags are valid; the files are read after them");
+    let err = config
+        .load_tls()
+        .expect_err("no certificates on this machine");
     let text = ops::error::DisplayErrorStack(&err).to_string();
     assert!(
         matches!(err, proxy_server::config::ConfigError::Tls { .. }),
@@ -467,6 +481,9 @@ fn every_manifest_validates_with_real_certificates() {
             Binary::Server => {
                 let config = proxy_server::config::Config::try_from(c.server_args())
                     .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
+                config
+                    .load_tls()
+                    .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
                 assert!(
                     matches!(
                         config.frontend,
@@ -488,6 +505,10 @@ fn every_manifest_validates_with_real_certificates() {
             }
             Binary::Agent => {
                 let config = proxy_agent::config::Config::try_from(c.agent_args())
+                    .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
+                config
+                    .tls
+                    .load()
                     .unwrap_or_else(|e| panic!("deploy/{}: {e}", c.file));
                 assert_eq!(
                     config.servers,
