@@ -12,12 +12,11 @@ use tunnel::{conn::PeerAddr, ids::AgentId, ids::ServerId};
 use crate::{
     frontend::grpc::PacketStream,
     hub::Hub,
-    link::{BACKEND_CONTROL_RESERVE, BackendLink},
+    link::{BACKEND_CONTROL_RESERVE, BackendLink, StreamEnd},
     metrics::CONNECT,
     reader::{self, Side},
     router::{AgentInfo, BackendId},
     strategy::AgentIdentifiers,
-    stream_end::StreamEnd,
 };
 
 /// Serves `AgentService`.

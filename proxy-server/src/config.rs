@@ -362,10 +362,8 @@ fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, Co
 }
 
 impl Config {
-    /// Reads every certificate and key the flags name, as [`ProxyServer::bind`]
-    /// does: for a start-up that fails before anything is bound.
-    ///
-    /// [`ProxyServer::bind`]: crate::server::ProxyServer::bind
+    /// Reads every certificate and key the flags name, as the server does
+    /// when it binds: for a start-up that fails before anything is bound.
     ///
     /// # Errors
     /// The first file that cannot be used, naming its flag.

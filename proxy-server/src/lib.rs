@@ -3,23 +3,24 @@
 //! to an agent.
 //!
 //! # Layout
-//! The routing core, as plain data:
+//! The routing core, as plain data (ids only: no `Arc`, no lock, no clock):
 //! - `router`: every frontend, agent stream, pending dial and connection
-//!   by id; each event in, what to send to whom out. No I/O.
+//!   by id; each event in (with `now`), what to do out (`Out`). No I/O.
 //! - [`strategy`], `manager`: proxy strategies and the agent streams
 //!   indexed by them.
-//! - `conn`: one connection's flow state (window, credit, end), shared
-//!   with the transports that move its bytes.
 //! - `events`: why dials fail and connections end, for the metrics.
 //! - `ids`: the ids of frontend and agent streams.
 //!
-//! Around it:
-//! - `hub`: the router behind one lock with every stream's link; delivers
-//!   what never waits, hands back what does.
-//! - `link`: a stream's outbound queue and end; `stream_end`: ending a
-//!   stream from inside, with a status.
-//! - `frontend`: the `ProxyService` handler, HTTP CONNECT, the
-//!   `:authority` layer; `agent_service`: the `AgentService` handler.
+//! Its driver and the streams:
+//! - `hub`: the router behind one lock with every stream's link and every
+//!   connection's flow state; reads the clock, carries out the router's
+//!   `Out`s that never wait and hands back the one that may (`Work`).
+//! - `flow_state`: one connection's window, credit and stall clock.
+//! - `link`: a stream's outbound queue and its end (`StreamEnd`).
+//! - `reader`: the one reader loop of both gRPC services.
+//! - `frontend`: the `ProxyService` handler and HTTP CONNECT;
+//!   `agent_service`: the `AgentService` handler. The `:authority` layer
+//!   under the Unix socket is the `authority` crate.
 //! - [`auth`]: service-account token authentication (TokenReview).
 //! - [`health`]: `/healthz`, `/readyz`, `/metrics`; `metrics`: the registry.
 //! - [`lease`]: the server's Lease (`--enable-lease-controller`).
@@ -43,7 +44,6 @@ mod reader;
 mod router;
 pub mod server;
 pub mod strategy;
-mod stream_end;
 
 pub use frontend::http_connect::ESTABLISHED;
 pub use router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT, STALLED};

@@ -6,14 +6,14 @@
 use std::future::Future;
 
 use proto::Packet;
-use tonic::Streaming;
+use tonic::{Status, Streaming};
 use tracing::{debug, warn};
 use tunnel::blocked::when_blocked;
 
 use crate::{
     hub::{Hub, Work},
+    link::StreamEnd,
     metrics::{CONNECT, MethodLabel, PROXY},
-    stream_end::{StreamEnd, receive_error},
 };
 
 /// Which service a stream serves: its metric labels and its peer's name.
@@ -94,5 +94,40 @@ pub(crate) async fn read<G: Future<Output = ()>>(
                 return;
             }
         }
+    }
+}
+
+/// A receive error as grpc-go reports it: tonic refuses a message over
+/// the 4 MiB limit with `OUT_OF_RANGE`, grpc-go (and so ANP) with
+/// `RESOURCE_EXHAUSTED`, which is what the peer and the metrics get.
+fn receive_error(status: Status) -> Status {
+    if status.code() == tonic::Code::OutOfRange
+        && status
+            .message()
+            .starts_with("Error, decoded message length too large")
+    {
+        Status::resource_exhausted(format!(
+            "grpc: received message larger than max ({})",
+            status.message()
+        ))
+    } else {
+        status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_oversize_message_is_resource_exhausted_as_in_grpc_go() {
+        let tonic_says = Status::out_of_range(
+            "Error, decoded message length too large: found 4194305 bytes, the limit is: 4194304 bytes",
+        );
+        let status = receive_error(tonic_says);
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(status.message().contains("found 4194305 bytes"), "{status}");
+        let other = receive_error(Status::unavailable("gone"));
+        assert_eq!(other.code(), tonic::Code::Unavailable);
     }
 }

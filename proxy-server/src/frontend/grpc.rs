@@ -13,11 +13,10 @@ use tracing::{Instrument, debug_span};
 use crate::{
     frontend::FrontendGuard,
     hub::Hub,
-    link::{FrontendLink, frontend_queue},
+    link::{FrontendLink, StreamEnd, frontend_queue},
     metrics::PROXY,
     reader::{self, Side},
     router::FrontendKind,
-    stream_end::StreamEnd,
 };
 
 /// The packet stream returned to a peer.

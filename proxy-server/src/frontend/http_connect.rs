@@ -27,10 +27,9 @@ use crate::{
     flow_state::ConnFlow,
     frontend::FrontendGuard,
     hub::{Hub, Work},
-    link::{BackendLink, FrontendItem, FrontendLink, frontend_queue},
+    link::{BackendLink, FrontendItem, FrontendLink, StreamEnd, frontend_queue},
     metrics::PROXY,
     router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, FrontendId, FrontendKind, NO_AGENT},
-    stream_end::StreamEnd,
 };
 
 /// Largest request header accepted (Go's `http.DefaultMaxHeaderBytes`).
