@@ -25,8 +25,7 @@ use tunnel::{
 };
 
 use crate::{
-    flow_state::ConnFlow,
-    link::{BackendLink, DataRefused, FrontendLink},
+    link::{BackendLink, ConnFlow, DataRefused, FrontendLink},
     lock,
     metrics::{Live, ServerMetrics},
     router::{
@@ -166,14 +165,6 @@ impl Hub {
         self.state().backends.remove(&be);
     }
 
-    /// Sends a control packet to an agent stream (a credit grant).
-    pub(crate) fn to_backend(&self, be: BackendId, packet: Packet) {
-        let link = self.state().backends.get(&be).cloned();
-        if let Some(link) = link {
-            link.send_control(packet);
-        }
-    }
-
     /// A connection's route, for a transport that moves its bytes itself:
     /// its flow state and its agent's link.
     pub(crate) fn route(
@@ -306,8 +297,16 @@ impl Hub {
                     conn,
                     flow_control,
                 } => {
-                    let server_conn = ConnFlow::new(conn, backend, flow_control, Instant::now());
-                    state.conns.insert((backend, conn), Arc::new(server_conn));
+                    if let Some(agent) = state.backends.get(&backend) {
+                        let flow = ConnFlow::new(
+                            conn,
+                            backend,
+                            agent.clone(),
+                            flow_control,
+                            Instant::now(),
+                        );
+                        state.conns.insert((backend, conn), Arc::new(flow));
+                    }
                 }
                 Out::Closed { backend, conn } => {
                     if let Some(server_conn) = state.conns.remove(&(backend, conn)) {
@@ -488,8 +487,7 @@ impl Hub {
     /// The live state the gauges show.
     pub(crate) fn live(&self) -> Live {
         let state = self.state();
-        let (max_buffered, buffered) =
-            crate::flow_state::buffered(state.conns.values().map(|c| &**c));
+        let (max_buffered, buffered) = crate::link::buffered(state.conns.values().map(|c| &**c));
         Live {
             ready: state.router.ready_backends(),
             pending: state.router.pending_count(),

@@ -15,8 +15,8 @@
 //! - `hub`: the router behind one lock with every stream's link and every
 //!   connection's flow state; reads the clock, carries out the router's
 //!   `Out`s that never wait and hands back the one that may (`Work`).
-//! - `flow_state`: one connection's window, credit and stall clock.
-//! - `link`: a stream's outbound queue and its end (`StreamEnd`).
+//! - `link`: a stream's outbound queue and its end (`StreamEnd`), and a
+//!   connection's flow state (`ConnFlow`: window, credit, stall clock).
 //! - `reader`: the one reader loop of both gRPC services.
 //! - `frontend`: the `ProxyService` handler and HTTP CONNECT;
 //!   `agent_service`: the `AgentService` handler. The `:authority` layer
@@ -31,7 +31,6 @@ mod agent_service;
 pub mod auth;
 pub mod config;
 mod events;
-mod flow_state;
 mod frontend;
 pub mod health;
 mod hub;

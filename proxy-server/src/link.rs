@@ -3,11 +3,19 @@
 //! of its stream's byte-bounded queue and the stream's [`StreamEnd`]: how
 //! a server-side gRPC stream (an agent's `Connect`, a frontend's `Proxy`)
 //! is ended from inside the server, with an error status for the peer when
-//! it ends on a fault.
+//! it ends on a fault. A [`ConnFlow`] is one established connection's flow
+//! state, kept by the router's driver (`hub`) from the router's `Opened` to
+//! its `Closed` and shared with the transports that move its bytes: its
+//! window towards the frontend, its credit towards the agent (returned on
+//! its agent's link as the frontend takes its DATA), its stall clock.
 
 use std::{
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
 };
 
 use futures_util::{Stream, StreamExt, stream};
@@ -17,14 +25,14 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tracing::warn;
 use tunnel::{
-    flow,
-    ids::AgentId,
+    flow::{self, Budget, Granter, SendCredit},
+    ids::{AgentId, ConnId},
     queue::{self, Closed, QueueRx, QueueTx},
 };
 
 use crate::{
     events::Limit,
-    flow_state::ConnFlow,
+    ids::BackendId,
     lock,
     metrics::ServerMetrics,
     router::{FrontendId, FrontendKind},
@@ -50,13 +58,30 @@ pub(crate) struct FrontendItem {
 }
 
 impl FrontendItem {
-    /// Releases the DATA accounting once the frontend took the packet; the
-    /// credit grant to send the connection's agent, if one is due.
-    pub(crate) fn taken(&self) -> Option<(&ConnFlow, Packet)> {
-        let (conn, cost) = self.data.as_ref()?;
-        conn.drained(*cost, std::time::Instant::now())
-            .map(|credit| (&**conn, credit))
+    /// The frontend took the packet: releases its window and, when enough
+    /// has drained, returns credit to the connection's agent.
+    pub(crate) fn taken(self) -> Packet {
+        if let Some((conn, cost)) = &self.data
+            && let Some(credit) = conn.drained(*cost, Instant::now())
+        {
+            conn.agent.send_control(credit);
+        }
+        self.packet
     }
+}
+
+/// What a gRPC frontend's response stream sends: the items of its queue,
+/// each taken as tonic takes it for the HTTP/2 stream (which has a window
+/// of its own): counted, its window released and, with credit, credit
+/// returned to its agent.
+pub(crate) fn taken_by_frontend(
+    rx: QueueRx<FrontendItem>,
+    metrics: Arc<ServerMetrics>,
+) -> impl Stream<Item = Packet> + Send + 'static {
+    rx.map(move |item| {
+        metrics.packet("to_client", &item.packet);
+        item.taken()
+    })
 }
 
 /// A frontend's outbound queue: nobody waits on it; DATA is admitted by its
@@ -328,6 +353,119 @@ impl StreamEnd {
     }
 }
 
+/// An established connection's flow state in both directions.
+pub(crate) struct ConnFlow {
+    /// The agent-assigned id.
+    pub(crate) id: ConnId,
+    /// The agent stream it runs over.
+    pub(crate) backend: BackendId,
+    /// Where its DATA and its credit go.
+    pub(crate) agent: BackendLink,
+    /// Whether the agent stream negotiated credit (`tunnel::flow`).
+    pub(crate) flow_control: bool,
+    /// Cost of agent DATA queued towards the frontend and not yet taken by it
+    /// (bounded by [`flow::WINDOW`]).
+    pub(crate) budget: Budget,
+    /// Credit to return to the agent as the frontend drains (negotiated only).
+    granter: Mutex<Granter>,
+    /// Credit for DATA to the agent (negotiated only).
+    pub(crate) send_credit: Option<SendCredit>,
+    /// When the dial succeeded.
+    pub(crate) established: Instant,
+    /// When the frontend last took DATA of this connection, or when DATA
+    /// was queued for it while nothing was (milliseconds after
+    /// `established`): how long its frontend has left its bytes unread.
+    progress: AtomicU64,
+    /// Cancelled once the connection leaves the routing core's tables:
+    /// every wait on its behalf (credit, room in the agent queue) ends with
+    /// it.
+    pub(crate) closed: CancellationToken,
+}
+
+impl ConnFlow {
+    pub(crate) fn new(
+        id: ConnId,
+        backend: BackendId,
+        agent: BackendLink,
+        flow_control: bool,
+        now: Instant,
+    ) -> Self {
+        Self {
+            id,
+            backend,
+            agent,
+            flow_control,
+            budget: Budget::default(),
+            granter: Mutex::new(Granter::default()),
+            send_credit: flow_control.then(SendCredit::new),
+            established: now,
+            progress: AtomicU64::new(0),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Ends every wait on this connection's behalf.
+    pub(crate) fn close(&self) {
+        self.closed.cancel();
+        if let Some(credit) = &self.send_credit {
+            credit.close();
+        }
+    }
+
+    /// Records that the frontend took `cost` of this connection's DATA at
+    /// `now`; the credit grant to send the agent when enough has drained.
+    pub(crate) fn drained(&self, cost: usize, now: Instant) -> Option<Packet> {
+        self.budget.release(cost);
+        self.mark_progress(now);
+        if !self.flow_control {
+            return None;
+        }
+        let empty = self.budget.queued() == 0;
+        let credit = lock(&self.granter).drained(cost, empty)?;
+        Some(flow::credit_packet(self.id.0, credit))
+    }
+
+    /// Records progress at `now`: the frontend took DATA, or DATA was
+    /// queued while none was (its wait starts then).
+    pub(crate) fn mark_progress(&self, now: Instant) {
+        let at = now.saturating_duration_since(self.established).as_millis();
+        self.progress
+            .store(u64::try_from(at).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// How long, at `now`, the frontend has left queued DATA unread (zero
+    /// when none is queued).
+    pub(crate) fn stalled_for(&self, now: Instant) -> Duration {
+        if self.budget.queued() == 0 {
+            return Duration::ZERO;
+        }
+        let since = Duration::from_millis(self.progress.load(Ordering::Relaxed));
+        now.saturating_duration_since(self.established)
+            .saturating_sub(since)
+    }
+
+    /// Cost units queued towards the frontend now.
+    pub(crate) fn queued(&self) -> usize {
+        self.budget.queued()
+    }
+}
+
+impl std::fmt::Debug for ConnFlow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnFlow")
+            .field("id", &self.id)
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most and the total cost queued towards frontends over `conns`.
+pub(crate) fn buffered<'a>(conns: impl Iterator<Item = &'a ConnFlow>) -> (usize, usize) {
+    conns
+        .map(ConnFlow::queued)
+        .fold((0, 0), |(max, total), q| (max.max(q), total + q))
+}
+
 #[cfg(test)]
 mod tests {
     use tokio_util::sync::CancellationToken;
@@ -466,5 +604,61 @@ mod tests {
         end.end();
         assert!(out.next().await.is_none());
         assert!(end.is_ended());
+    }
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_connection_is_stalled_from_when_its_data_waited_untaken() {
+        let start = Instant::now();
+        let conn = ConnFlow::new(ConnId(3), BackendId(1), backend(1 << 20).0, true, start);
+        // Nothing queued: never stalled.
+        assert_eq!(conn.stalled_for(start + 3600 * 1000 * MS), Duration::ZERO);
+        assert!(conn.budget.try_reserve(1000));
+        conn.mark_progress(start + 10 * MS);
+        assert_eq!(conn.stalled_for(start + 30 * MS), 20 * MS);
+        // Taking part of it is progress; the wait starts again.
+        let _credit = conn.drained(500, start + 40 * MS);
+        assert_eq!(conn.stalled_for(start + 45 * MS), 5 * MS);
+        // Taking the rest: nothing queued, not stalled.
+        let _credit = conn.drained(500, start + 50 * MS);
+        assert_eq!(conn.stalled_for(start + 3600 * 1000 * MS), Duration::ZERO);
+    }
+
+    /// The frontend taking a connection's DATA returns credit on the
+    /// connection's own agent link (no lock of the hub on the way).
+    #[tokio::test]
+    async fn a_taken_item_returns_credit_to_its_agent() {
+        let (agent, _metrics, mut agent_rx) = backend(1 << 20);
+        let conn = Arc::new(ConnFlow::new(
+            ConnId(3),
+            BackendId(1),
+            agent,
+            true,
+            Instant::now(),
+        ));
+        let data = Packet::data(3, bytes::Bytes::from_static(b"hello"));
+        let cost = flow::cost(5);
+        assert!(conn.budget.try_reserve(cost));
+        let item = FrontendItem {
+            packet: data,
+            data: Some((conn.clone(), cost)),
+        };
+        let packet = item.taken();
+        assert_eq!(packet.r#type, proto::PacketType::Data as i32);
+        assert_eq!(conn.queued(), 0);
+        let credit = agent_rx.recv().await.expect("a credit packet");
+        assert_eq!(flow::parse_credit(&credit).map(|(id, _)| id), Some(3));
+    }
+
+    #[test]
+    fn buffered_bytes_are_summed_over_connections() {
+        let now = Instant::now();
+        let one = ConnFlow::new(ConnId(3), BackendId(1), backend(1 << 20).0, true, now);
+        let two = ConnFlow::new(ConnId(4), BackendId(1), backend(1 << 20).0, true, now);
+        assert!(one.budget.try_reserve(100));
+        assert!(two.budget.try_reserve(300));
+        assert_eq!(buffered([&one, &two].into_iter()), (300, 400));
+        assert_eq!(buffered(std::iter::empty()), (0, 0));
     }
 }

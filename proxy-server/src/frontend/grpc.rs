@@ -4,7 +4,7 @@
 
 use std::{pin::Pin, sync::Arc};
 
-use futures_util::{Stream, StreamExt};
+use futures_util::Stream;
 use proto::{Packet, proxy_service_server::ProxyService};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
@@ -13,7 +13,7 @@ use tracing::{Instrument, debug_span};
 use crate::{
     frontend::FrontendGuard,
     hub::Hub,
-    link::{FrontendLink, StreamEnd, frontend_queue},
+    link::{FrontendLink, StreamEnd, frontend_queue, taken_by_frontend},
     metrics::PROXY,
     reader::{self, Side},
     router::FrontendKind,
@@ -70,17 +70,7 @@ impl ProxyService for ProxyServiceImpl {
             }
             .instrument(span),
         );
-        // Taking an item for the HTTP/2 stream (which has a window of its
-        // own) releases its accounting and, with credit, returns credit.
-        let hub = self.hub.clone();
-        let metrics = self.hub.metrics.clone();
-        let packets = rx.map(move |item| {
-            metrics.packet("to_client", &item.packet);
-            if let Some((conn, credit)) = item.taken() {
-                hub.to_backend(conn.backend, credit);
-            }
-            item.packet
-        });
+        let packets = taken_by_frontend(rx, self.hub.metrics.clone());
         Ok(Response::new(Box::pin(end.outbound(packets))))
     }
 }

@@ -24,10 +24,9 @@ use tunnel::{
 };
 
 use crate::{
-    flow_state::ConnFlow,
     frontend::FrontendGuard,
     hub::{Hub, Work},
-    link::{BackendLink, FrontendItem, FrontendLink, StreamEnd, frontend_queue},
+    link::{BackendLink, ConnFlow, FrontendItem, FrontendLink, StreamEnd, frontend_queue},
     metrics::PROXY,
     router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, FrontendId, FrontendKind, NO_AGENT},
 };
@@ -363,10 +362,7 @@ where
         send(&hub, fe, Packet::close_request(conn.0)).await;
         let _ = tokio::time::timeout(CLOSE_WAIT, async {
             while let Some(item) = rx.recv().await {
-                if let Some((conn, credit)) = item.taken() {
-                    hub.to_backend(conn.backend, credit);
-                }
-                if matches!(item.packet.into_kind(), PacketKind::CloseRsp(_)) {
+                if matches!(item.taken().into_kind(), PacketKind::CloseRsp(_)) {
                     return;
                 }
             }
@@ -426,8 +422,6 @@ impl mover::Upstream for ToAgent<'_> {
 /// The agent's bytes for the client come from the frontend's queue; its
 /// CLOSE_RSP (or DIAL_CLS) is the peer's close.
 struct FromAgent<'a> {
-    /// The hub, for credit.
-    hub: &'a Hub,
     /// The connection.
     conn: ConnId,
     /// The frontend's queue.
@@ -469,10 +463,8 @@ impl mover::Downstream for FromAgent<'_> {
     }
 
     fn written(&mut self) -> bool {
-        if let Some(item) = self.writing.take()
-            && let Some((conn, credit)) = item.taken()
-        {
-            self.hub.to_backend(conn.backend, credit);
+        if let Some(item) = self.writing.take() {
+            item.taken();
         }
         true
     }
@@ -506,7 +498,6 @@ where
 {
     let mut closed = None;
     let down = FromAgent {
-        hub,
         conn: route.0.id,
         rx,
         writing: None,

@@ -962,7 +962,7 @@ fn a_connection_whose_frontend_takes_nothing_is_closed_as_stalled() {
     b.establish(reader, be, 7, 3);
     b.establish(stuck, be, 8, 4);
     // The driver found the stuck connection stalled (its flow state is the
-    // driver's: see `flow_state.rs`); one it no longer has is ignored.
+    // driver's: see `link::ConnFlow`); one it no longer has is ignored.
     assert_eq!(
         b.step(|r, now, out| r.close_stalled(now, &[(be, ConnId(4)), (be, ConnId(9))], out)),
         strings(&[
