@@ -157,16 +157,24 @@ impl ConnDriver {
             () = drain_deadline => ConnEnd::DrainTimedOut,
             end = mover::run(socket, &mut up, down) => ConnEnd::from_mover(end),
         };
-        conns.lock().remove(id);
         if let Some(packet) = &up.undelivered {
             metrics.send_failed(packet);
         }
         metrics.connection_closed(end.reason());
         tracing::debug!(?end, "connection closed");
-        if let Some(error) = end.close_error()
-            && !stream.is_cancelled()
-        {
-            to_server.control(Packet::close_response(id.0, &error));
+        let answer = end
+            .close_error()
+            .filter(|_| !stream.is_cancelled())
+            .map(|error| Packet::close_response(id.0, &error));
+        // Leaving the table and queuing the answer under one lock: a
+        // CLOSE_REQ the reader handles once the connection is gone is
+        // answered "Unknown connectID" behind this answer, never ahead of
+        // it (the server then drops it), so a clean close is never
+        // reported to the frontend as an error.
+        let mut table = conns.lock();
+        table.remove(id);
+        if let Some(answer) = answer {
+            to_server.control(answer);
         }
     }
 }
