@@ -45,6 +45,19 @@ pub fn interpreter() -> PathBuf {
     path
 }
 
+/// A console script installed beside [`interpreter`] (from
+/// `tests/python/requirements.txt`); panics naming how to get it.
+pub fn script(name: &str) -> PathBuf {
+    let path = interpreter().with_file_name(name);
+    assert!(
+        path.exists(),
+        "no {} beside the test interpreter: run scripts/test, which installs \
+         tests/python/requirements.txt into target/interop-venv",
+        path.display()
+    );
+    path
+}
+
 /// What one run reported.
 #[derive(Debug)]
 pub struct Report {

@@ -564,3 +564,78 @@ fn server_and_agent_manifests_agree() {
     );
     assert!(egress.contains("proxyProtocol: GRPC"));
 }
+
+/// The Kubernetes minor versions the manifests must be valid for: the three
+/// upstream supports (1.35–1.37 as this is written) and the two before them,
+/// which providers still run under extended support.
+const KUBERNETES_VERSIONS: [&str; 5] = ["1.33", "1.34", "1.35", "1.36", "1.37"];
+
+/// The files in `deploy/` that hold Kubernetes API objects. The egress
+/// selector configurations are kube-apiserver's own config files, with no
+/// OpenAPI schema; the tests above read them.
+fn api_manifests() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(deploy_dir())
+        .expect("deploy/")
+        .map(|e| e.expect("deploy/ entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .filter(|p| {
+            !p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("egress-selector-"))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// Runs `kubernetes-validate --strict` (Kubernetes' own OpenAPI schemas,
+/// offline, unknown fields refused) on `files` for `version`; its output and
+/// whether every document validated.
+fn validate(version: &str, files: &[PathBuf]) -> (bool, String) {
+    let out = std::process::Command::new(integration_tests::python::script("kubernetes-validate"))
+        .args(["--strict", "--kubernetes-version", version])
+        .args(files)
+        .output()
+        .expect("running kubernetes-validate");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A kind without a schema is only a warning to the tool: not to us.
+    let ok = out.status.success() && !text.contains("Couldn't find schema");
+    (ok, text)
+}
+
+#[test]
+fn every_manifest_is_valid_for_each_supported_kubernetes_version_strictly() {
+    let files = api_manifests();
+    let names: Vec<_> = files
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    for needed in [
+        "konnectivity-agent.yaml",
+        "konnectivity-server.yaml",
+        "rbac.yaml",
+    ] {
+        assert!(names.iter().any(|n| n == needed), "{needed} in {names:?}");
+    }
+    for version in KUBERNETES_VERSIONS {
+        let (ok, text) = validate(version, &files);
+        assert!(ok, "Kubernetes {version}:\n{text}");
+    }
+    // Strict really is strict: a field the schema does not know is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let agent = fs::read_to_string(deploy_dir().join("konnectivity-agent.yaml")).unwrap();
+    let bad = agent.replacen(
+        "\n      containers:",
+        "\n      unknownField: true\n      containers:",
+        1,
+    );
+    assert_ne!(bad, agent, "the agent DaemonSet's pod spec has containers");
+    let bad_file = dir.path().join("bad.yaml");
+    fs::write(&bad_file, bad).unwrap();
+    let (ok, text) = validate("1.36", &[bad_file]);
+    assert!(!ok, "an unknown field passed:\n{text}");
+    assert!(text.contains("unknownField"), "{text}");
+}
