@@ -11,7 +11,7 @@
 //! the server writes, passes as it is. Frame payloads other than HEADERS and
 //! CONTINUATION are not copied: they are read straight into h2's buffer and
 //! only their 9-byte frame headers are looked at. Header blocks are decoded
-//! with the client's compression context ([`hpack::Decoder`]) and handed on
+//! with the client's compression context (`hpack::Decoder`) and handed on
 //! with literal fields only, so h2's own decoding context stays empty and the
 //! two never disagree. A block that cannot be decoded, or a frame sequence h2
 //! would refuse, is passed on as it came and the shim steps aside: h2 then

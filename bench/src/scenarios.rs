@@ -369,7 +369,7 @@ async fn exchange(target: &Target, addr: SocketAddr) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `concurrency` loops of [`exchange`] with the responder for `duration`.
+/// `concurrency` loops of `exchange` with the responder for `duration`.
 ///
 /// # Errors
 /// Never for failed dials (they are counted); only if a worker task panics.

@@ -8,11 +8,11 @@
 //! strings, so here every metric goes through one [`Collector`] that writes
 //! the registered name and HELP verbatim, and [`Counter`] encodes as a
 //! counter without a suffix. Families, gauges and histograms are
-//! prometheus-client's own; [`text`] then rewrites the numbers, order and
+//! prometheus-client's own; `text` then rewrites the numbers, order and
 //! histogram layout the way Go's client writes them.
 //!
 //! # Layout
-//! - [`text`]: Go's text layout and float formatting.
+//! - `text`: Go's text layout and float formatting.
 
 mod text;
 

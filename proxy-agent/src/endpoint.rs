@@ -36,7 +36,7 @@ pub struct EndpointConn {
     /// Credit for DATA to the server, when flow control was negotiated.
     pub send_credit: Option<SendCredit>,
     /// Cancelled when the destination fell a window behind: the connection
-    /// ends at once, with [`ConnEnd::Overflow`].
+    /// ends at once, with `ConnEnd::Overflow`.
     pub overflow: CancellationToken,
     /// Cancelled when the server closed the connection: bounds the drain.
     pub closing: CancellationToken,

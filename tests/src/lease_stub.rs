@@ -3,7 +3,7 @@
 //! streaming lists, 410 Gone once history is gone), get, create, replace,
 //! merge-patch and delete with preconditions, answered as the real
 //! kube-apiserver does, over HTTPS on loopback with the kubeconfig of
-//! [`kube_stub`](crate::kube_stub). Every request is recorded.
+//! [`kube_stub`]. Every request is recorded.
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
