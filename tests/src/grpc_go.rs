@@ -4,25 +4,23 @@
 //! from Debian's packages in GOPATH mode.
 
 use std::{
-    io::{BufRead, BufReader, Read},
-    path::{Path, PathBuf},
+    io::{BufRead, BufReader},
+    path::PathBuf,
     process::{Child, ChildStdin, Command, ExitStatus, Stdio},
     time::Duration,
 };
 
 use serde_json::Value;
 
-use crate::{Pki, TestServer};
+pub use crate::report::Report;
+use crate::{
+    Pki, TestServer,
+    report::{self, Verdict},
+    workspace,
+};
 
 /// How long one run may take in all.
 pub const RUN_LIMIT: Duration = Duration::from_secs(60);
-
-/// The workspace root.
-fn workspace() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the tests crate sits in the workspace")
-}
 
 /// The built frontend; panics naming how to build it.
 pub fn binary() -> PathBuf {
@@ -53,88 +51,18 @@ pub fn transport_args(server: &TestServer, tcp: bool) -> Vec<String> {
     }
 }
 
-/// What one run reported.
-#[derive(Debug)]
-pub struct Report {
-    /// The JSON line, `Null` if none came.
-    pub json: Value,
-    /// The exit status.
-    pub status: ExitStatus,
-    /// Everything written to standard error.
-    pub stderr: String,
-}
-
-impl Report {
-    /// Panics with the whole report unless the run succeeded.
-    pub fn assert_ok(&self) -> &Self {
-        assert!(self.status.success(), "the grpc-go frontend failed: {self}");
-        self
-    }
-
-    /// An integer field.
-    pub fn int(&self, key: &str) -> u64 {
-        self.json[key]
-            .as_u64()
-            .unwrap_or_else(|| panic!("no integer {key:?} in {self}"))
-    }
-
-    /// A string field.
-    pub fn str(&self, key: &str) -> &str {
-        self.json[key]
-            .as_str()
-            .unwrap_or_else(|| panic!("no string {key:?} in {self}"))
-    }
-}
-
-impl std::fmt::Display for Report {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({})", self.json, self.status)?;
-        if !self.stderr.is_empty() {
-            write!(f, "\nstderr:\n{}", self.stderr)?;
-        }
-        Ok(())
-    }
-}
-
-/// Runs the frontend with `args` and returns its report; the blocking
-/// wait runs off the test's runtime thread, which an in-process server
-/// needs.
+/// Runs the frontend with `args` to its end and returns its report.
 ///
 /// # Panics
 /// If the binary is missing or the run exceeds [`RUN_LIMIT`].
 pub async fn run(args: Vec<String>) -> Report {
-    let mut child = command(&args)
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting the grpc-go frontend: {e}"));
-    let id = child.id();
-    let waited = tokio::task::spawn_blocking(move || {
-        let mut out = String::new();
-        let mut err = String::new();
-        if let Some(mut s) = child.stdout.take() {
-            let _ = s.read_to_string(&mut out);
-        }
-        if let Some(mut s) = child.stderr.take() {
-            let _ = s.read_to_string(&mut err);
-        }
-        let status = child.wait().expect("waiting for the grpc-go frontend");
-        (out, err, status)
-    });
-    let Ok(done) = tokio::time::timeout(RUN_LIMIT, waited).await else {
-        crate::signal(id, "KILL");
-        panic!("the grpc-go frontend ({args:?}) ran past {RUN_LIMIT:?}");
-    };
-    let (out, stderr, status) = done.expect("the waiting task");
-    let json = out
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or(Value::Null);
-    Report {
-        json,
-        status,
-        stderr,
-    }
+    report::run(
+        command(&args),
+        "the grpc-go frontend",
+        RUN_LIMIT,
+        Verdict::ExitStatus,
+    )
+    .await
 }
 
 fn command(args: &[String]) -> Command {
@@ -144,9 +72,7 @@ fn command(args: &[String]) -> Command {
         .env_remove("GRPC_PROXY")
         .env_remove("grpc_proxy")
         .env_remove("HTTPS_PROXY")
-        .env_remove("https_proxy")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .env_remove("https_proxy");
     command
 }
 
@@ -165,6 +91,8 @@ impl Running {
     pub async fn start(args: Vec<String>) -> (Self, Value) {
         let mut child = command(&args)
             .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("starting the grpc-go frontend: {e}"));
         let stdin = child.stdin.take();

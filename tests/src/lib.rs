@@ -21,6 +21,8 @@
 //!   frontend.
 //! - [`raw_frontend`]: a frontend that sends packets by hand.
 //! - [`http`]: raw HTTP/1.1 to the health and admin ports.
+//! - [`report`]: a frontend we did not write, run to its end, and the JSON
+//!   line it reports.
 //! - here: [`wait_for`], which polls a condition until a deadline.
 
 pub mod agent;
@@ -35,9 +37,13 @@ pub mod process;
 pub mod proxies;
 pub mod python;
 pub mod raw_frontend;
+pub mod report;
 pub mod server;
 
-use std::time::{Duration, Instant};
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
 
 pub use agent::*;
 pub use binaries::*;
@@ -68,4 +74,11 @@ pub async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
         assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// The workspace root.
+pub fn workspace() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate sits in the workspace")
 }
