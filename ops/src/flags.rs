@@ -3,7 +3,7 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
@@ -19,6 +19,12 @@ pub use proto::header::go_bool;
 /// None.
 pub fn path(text: &str) -> Result<PathBuf, std::convert::Infallible> {
     Ok(PathBuf::from(text))
+}
+
+/// A path flag's value when given: an empty one counts as not given
+/// (ANP's flags are strings, and `--x=` is how a manifest leaves one unset).
+pub fn given_path(path: Option<&PathBuf>) -> Option<PathBuf> {
+    path.filter(|p| !p.as_os_str().is_empty()).cloned()
 }
 
 /// A Go boolean flag as pflag parses one: `--x` alone is true, `--x=false`
@@ -91,11 +97,12 @@ pub fn invalid(flag: &'static str, reason: impl Into<String>) -> FlagError {
 ///
 /// # Errors
 /// [`FlagError::Invalid`] naming the flag and the path.
-pub fn check_readable_file(flag: &'static str, path: &str) -> Result<(), FlagError> {
-    let unreadable = |e: std::io::Error| invalid(flag, format!("cannot read {path}: {e}"));
+pub fn check_readable_file(flag: &'static str, path: &Path) -> Result<(), FlagError> {
+    let shown = path.display();
+    let unreadable = |e: std::io::Error| invalid(flag, format!("cannot read {shown}: {e}"));
     // The type first: opening a FIFO for reading would wait for a writer.
     if !std::fs::metadata(path).map_err(unreadable)?.is_file() {
-        return Err(invalid(flag, format!("{path} is not a file")));
+        return Err(invalid(flag, format!("{shown} is not a file")));
     }
     std::fs::File::open(path).map_err(unreadable)?;
     Ok(())
@@ -432,15 +439,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("kubeconfig");
         std::fs::write(&file, "apiVersion: v1\n").unwrap();
-        assert!(check_readable_file("kubeconfig", file.to_str().unwrap()).is_ok());
-        let err = check_readable_file("kubeconfig", "/nonexistent/kubeconfig")
+        assert!(check_readable_file("kubeconfig", &file).is_ok());
+        let err = check_readable_file("kubeconfig", Path::new("/nonexistent/kubeconfig"))
             .unwrap_err()
             .to_string();
         assert!(
             err.starts_with("invalid value for --kubeconfig: cannot read /nonexistent/kubeconfig"),
             "{err}"
         );
-        let err = check_readable_file("kubeconfig", dir.to_str().unwrap())
+        let err = check_readable_file("kubeconfig", &dir)
             .unwrap_err()
             .to_string();
         assert!(
@@ -453,7 +460,7 @@ mod tests {
             .status()
             .unwrap();
         assert!(made.success());
-        let err = check_readable_file("kubeconfig", fifo.to_str().unwrap())
+        let err = check_readable_file("kubeconfig", &fifo)
             .unwrap_err()
             .to_string();
         assert!(err.contains("is not a file"), "{err}");

@@ -267,7 +267,7 @@ pub struct Config {
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
 pub use ops::flags::FlagError as ConfigError;
-use ops::flags::invalid;
+use ops::flags::{given_path, invalid};
 
 /// Checks `--agent-identifiers` as ANP's agent does: only known keys, valid
 /// addresses and CIDRs, and a boolean `default-route`.
@@ -333,9 +333,9 @@ impl TryFrom<Args> for Config {
             ));
         }
         let leases = leases(&args)?;
-        let token_path = given(args.service_account_token_path.as_ref());
+        let token_path = given_path(args.service_account_token_path.as_ref());
         if let Some(path) = &token_path {
-            ops::flags::check_readable_file("service-account-token-path", &path.to_string_lossy())?;
+            ops::flags::check_readable_file("service-account-token-path", path)?;
         }
         check_identifiers(&args.agent_identifiers)
             .map_err(|reason| invalid("agent-identifiers", reason))?;
@@ -377,22 +377,17 @@ impl TryFrom<Args> for Config {
     }
 }
 
-/// A path flag's value; empty counts as not given (ANP's flags are strings).
-fn given(path: Option<&PathBuf>) -> Option<PathBuf> {
-    path.filter(|p| !p.as_os_str().is_empty()).cloned()
-}
-
 /// `--ca-cert`, `--agent-cert`, `--agent-key`, `--alpn-proto`.
 fn client_tls(args: &Args) -> Result<ClientTls, ConfigError> {
-    let ca = given(args.ca_cert.as_ref()).ok_or_else(|| {
+    let ca = given_path(args.ca_cert.as_ref()).ok_or_else(|| {
         invalid(
             "ca-cert",
             "required: the server's certificate is always verified",
         )
     })?;
     let client = match (
-        given(args.agent_cert.as_ref()),
-        given(args.agent_key.as_ref()),
+        given_path(args.agent_cert.as_ref()),
+        given_path(args.agent_key.as_ref()),
     ) {
         (Some(cert), Some(key)) => Some((cert, key)),
         (None, None) => None,
@@ -480,9 +475,9 @@ fn leases(args: &Args) -> Result<Option<LeaseCountConfig>, ConfigError> {
     if args.count_server_leases && args.lease_namespace.is_empty() {
         return Err(invalid("lease-namespace", "must not be empty"));
     }
-    let kubeconfig = given(args.kubeconfig.as_ref());
+    let kubeconfig = given_path(args.kubeconfig.as_ref());
     if let Some(path) = &kubeconfig {
-        ops::flags::check_readable_file("kubeconfig", &path.to_string_lossy())?;
+        ops::flags::check_readable_file("kubeconfig", path)?;
     }
     let selector = args
         .lease_label

@@ -342,7 +342,7 @@ pub use ops::flags::Notice;
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
 pub use ops::flags::FlagError as ConfigError;
-use ops::flags::invalid;
+use ops::flags::{given_path, invalid};
 
 /// ANP's port rule (1024..=49151), extended so that 0 binds a free port.
 fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
@@ -374,11 +374,6 @@ impl Config {
         }
         Ok(())
     }
-}
-
-/// A path flag's value; empty counts as not given (ANP's flags are strings).
-fn given(path: Option<&PathBuf>) -> Option<PathBuf> {
-    path.filter(|p| !p.as_os_str().is_empty()).cloned()
 }
 
 impl TryFrom<Args> for Config {
@@ -480,17 +475,17 @@ fn tls_policy(args: &Args, notices: &mut Vec<Notice>) -> Result<tls::TlsPolicy, 
 
 /// `--uds-name` or `--server-port` with the frontend's TLS files.
 fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, ConfigError> {
-    let Some(path) = given(args.uds_name.as_ref()) else {
+    let Some(path) = given_path(args.uds_name.as_ref()) else {
         let port = check_port("server-port", args.server_port)?;
-        let ca = given(args.server_ca_cert.as_ref()).ok_or_else(|| {
+        let ca = given_path(args.server_ca_cert.as_ref()).ok_or_else(|| {
             invalid(
                 "server-ca-cert",
                 "required for the TCP frontend (--uds-name is empty)",
             )
         })?;
-        let cert = given(args.server_cert.as_ref())
+        let cert = given_path(args.server_cert.as_ref())
             .ok_or_else(|| invalid("server-cert", "required for the TCP frontend"))?;
-        let key = given(args.server_key.as_ref())
+        let key = given_path(args.server_key.as_ref())
             .ok_or_else(|| invalid("server-key", "required for the TCP frontend"))?;
         return Ok(FrontendListen::Tcp {
             addr: bind_addr("server-bind-address", &args.server_bind_address, port)?,
@@ -508,7 +503,7 @@ fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, Conf
         ("server-key", &args.server_key),
         ("server-ca-cert", &args.server_ca_cert),
     ] {
-        if given(value.as_ref()).is_some() {
+        if given_path(value.as_ref()).is_some() {
             return Err(invalid(flag, "must be empty when --uds-name is set"));
         }
     }
@@ -521,13 +516,14 @@ fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, Conf
 /// The agent listener's TLS files (`--cluster-*`).
 fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, ConfigError> {
     let required = |flag, value: Option<&PathBuf>| {
-        given(value).ok_or_else(|| invalid(flag, "required: the agent listener always uses TLS"))
+        given_path(value)
+            .ok_or_else(|| invalid(flag, "required: the agent listener always uses TLS"))
     };
     let cert = required("cluster-cert", args.cluster_cert.as_ref())?;
     let key = required("cluster-key", args.cluster_key.as_ref())?;
     Ok(ListenerTls {
         policy: policy.clone(),
-        ..ListenerTls::agent(cert, key, given(args.cluster_ca_cert.as_ref()))
+        ..ListenerTls::agent(cert, key, given_path(args.cluster_ca_cert.as_ref()))
     })
 }
 
@@ -535,7 +531,7 @@ fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, Config
 /// `--agent-service-account`, `--authentication-audience`), and
 /// `--kubeconfig`, checked whenever given, used or not (ANP).
 fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
-    let kubeconfig = given(args.kubeconfig.as_ref());
+    let kubeconfig = given_path(args.kubeconfig.as_ref());
     let token_auth = [
         &args.agent_namespace,
         &args.agent_service_account,
@@ -549,7 +545,7 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
                 "--agent-namespace, --agent-service-account and --authentication-audience must be set together",
             ));
         }
-        if given(args.cluster_ca_cert.as_ref()).is_some() {
+        if given_path(args.cluster_ca_cert.as_ref()).is_some() {
             return Err(invalid(
                 "cluster-ca-cert",
                 "must be empty when service-account token auth (--agent-namespace) is on",
@@ -557,7 +553,7 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
         }
     }
     if let Some(path) = &kubeconfig {
-        ops::flags::check_readable_file("kubeconfig", &path.to_string_lossy())?;
+        ops::flags::check_readable_file("kubeconfig", path)?;
     }
     if !on {
         return Ok(None);
@@ -622,7 +618,7 @@ fn lease(args: &Args) -> Result<Option<LeaseConfig>, ConfigError> {
     Ok(Some(LeaseConfig::new(
         args.lease_namespace.clone(),
         labels,
-        given(args.kubeconfig.as_ref()),
+        given_path(args.kubeconfig.as_ref()),
     )))
 }
 
