@@ -78,10 +78,8 @@ pub(crate) enum Work {
     /// Send a frontend's DATA to its agent in window-sized pieces, each
     /// waiting for credit (negotiated) and for room in the agent's queue.
     SendData {
-        /// The connection (credit, end).
+        /// The connection (credit, end, and its agent's link).
         conn: Arc<ConnFlow>,
-        /// Where it goes.
-        backend: BackendLink,
         /// The payload.
         data: Bytes,
     },
@@ -165,18 +163,12 @@ impl Hub {
         self.state().backends.remove(&be);
     }
 
-    /// A connection's route, for a transport that moves its bytes itself:
-    /// its flow state and its agent's link.
-    pub(crate) fn route(
-        &self,
-        fe: FrontendId,
-        conn: ConnId,
-    ) -> Option<(Arc<ConnFlow>, BackendLink)> {
+    /// A connection's flow state (with its agent's link), for a transport
+    /// that moves its bytes itself.
+    pub(crate) fn route(&self, fe: FrontendId, conn: ConnId) -> Option<Arc<ConnFlow>> {
         let state = self.state();
         let backend = state.router.route(fe, conn)?;
-        let server_conn = state.conns.get(&(backend, conn))?.clone();
-        let link = state.backends.get(&backend)?.clone();
-        Some((server_conn, link))
+        state.conns.get(&(backend, conn)).cloned()
     }
 
     /// Runs `decide` on the router and delivers its output.
@@ -233,12 +225,9 @@ impl Hub {
                     conn,
                     data,
                 } => {
-                    if let Some(link) = state.backends.get(&backend)
-                        && let Some(conn) = state.conns.get(&(backend, conn))
-                    {
+                    if let Some(conn) = state.conns.get(&(backend, conn)) {
                         work = Some(Work::SendData {
                             conn: conn.clone(),
-                            backend: link.clone(),
                             data,
                         });
                     }
@@ -397,16 +386,12 @@ impl Hub {
                     }
                 }
             }
-            Work::SendData {
-                conn,
-                backend,
-                data,
-            } => {
+            Work::SendData { conn, data } => {
                 tokio::select! {
                     () = conn.closed.cancelled() => {
                         tracing::debug!(conn.id = %conn.id, "dropping DATA for a connection closed while it waited");
                     }
-                    () = send_data(&conn, &backend, data) => {}
+                    () = send_data(&conn, data) => {}
                 }
             }
             Work::PushData {
@@ -547,7 +532,8 @@ fn data_len(packet: &Packet) -> usize {
 
 /// Sends a frontend's DATA to the agent; with credit, in pieces that fit a
 /// window, each waiting for credit (this holds up only this connection).
-async fn send_data(conn: &ConnFlow, backend: &BackendLink, mut data: Bytes) {
+async fn send_data(conn: &ConnFlow, mut data: Bytes) {
+    let backend = &conn.agent;
     let Some(credit) = &conn.send_credit else {
         // A dead agent stream is reported to the frontend by its teardown.
         let _ = backend.send(Packet::data(conn.id.0, data)).await;

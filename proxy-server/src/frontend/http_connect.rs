@@ -26,7 +26,7 @@ use tunnel::{
 use crate::{
     frontend::FrontendGuard,
     hub::{Hub, Work},
-    link::{BackendLink, ConnFlow, FrontendItem, FrontendLink, StreamEnd, frontend_queue},
+    link::{ConnFlow, FrontendItem, FrontendLink, StreamEnd, frontend_queue},
     metrics::PROXY,
     router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, FrontendId, FrontendKind, NO_AGENT},
 };
@@ -348,14 +348,15 @@ where
     if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
         return;
     }
-    // The connection's route: its bytes go straight to its agent's queue.
-    let Some(route) = hub.route(fe, conn) else {
+    // The connection's flow state: its bytes go straight to its agent's
+    // queue.
+    let Some(flow) = hub.route(fe, conn) else {
         return;
     };
     if !early.is_empty() {
-        upload(&hub, &route, early.freeze()).await;
+        upload(&hub, &flow, early.freeze()).await;
     }
-    let ended = tunnel_bytes(&mut io, &hub, &route, &link, &mut rx).await;
+    let ended = tunnel_bytes(&mut io, &hub, &flow, &link, &mut rx).await;
     if let TunnelEnd::ByClient = ended {
         // Ask the agent to close and wait for its answer, so nothing of this
         // connection stays behind.
@@ -382,12 +383,10 @@ async fn send(hub: &Hub, fe: FrontendId, packet: Packet) {
 
 /// Client bytes to the agent: credit and room on the agent stream, counted
 /// as a gRPC frontend's reader is while it waits.
-async fn upload(hub: &Hub, route: &(Arc<ConnFlow>, BackendLink), data: bytes::Bytes) {
-    let (conn, backend) = route;
+async fn upload(hub: &Hub, conn: &Arc<ConnFlow>, data: bytes::Bytes) {
     hub.metrics.bytes("to_agent", data.len());
     let work = Work::SendData {
         conn: conn.clone(),
-        backend: backend.clone(),
         data,
     };
     when_blocked(hub.run(work), || hub.metrics.blocked(PROXY)).await;
@@ -399,14 +398,14 @@ async fn upload(hub: &Hub, route: &(Arc<ConnFlow>, BackendLink), data: bytes::By
 struct ToAgent<'a> {
     /// The hub.
     hub: &'a Hub,
-    /// The connection's route.
-    route: &'a (Arc<ConnFlow>, BackendLink),
+    /// The connection's flow state (credit, end, its agent's link).
+    conn: &'a Arc<ConnFlow>,
 }
 
 impl mover::Upstream for ToAgent<'_> {
     async fn send(&mut self, data: bytes::Bytes) -> mover::Sent {
-        upload(self.hub, self.route, data).await;
-        if self.route.0.closed.is_cancelled() {
+        upload(self.hub, self.conn, data).await;
+        if self.conn.closed.is_cancelled() {
             // The connection has left the routing core: the agent closed it
             // (CLOSE_RSP, DIAL_CLS) or its stream is gone, and the close is
             // on the frontend's queue behind the agent's last DATA. Reading
@@ -489,7 +488,7 @@ enum TunnelEnd {
 async fn tunnel_bytes<IO>(
     io: &mut IO,
     hub: &Hub,
-    route: &(Arc<ConnFlow>, BackendLink),
+    conn: &Arc<ConnFlow>,
     link: &FrontendLink,
     rx: &mut QueueRx<FrontendItem>,
 ) -> TunnelEnd
@@ -498,13 +497,13 @@ where
 {
     let mut closed = None;
     let down = FromAgent {
-        conn: route.0.id,
+        conn: conn.id,
         rx,
         writing: None,
         closed: &mut closed,
     };
     let end = tokio::select! {
-        end = mover::run(io, ToAgent { hub, route }, down) => end,
+        end = mover::run(io, ToAgent { hub, conn }, down) => end,
         () = link.end.ended() => return TunnelEnd::FromInside,
     };
     match end {
@@ -519,6 +518,7 @@ mod tests {
 
     use super::*;
     use crate::{
+        link::BackendLink,
         metrics::ServerMetrics,
         router::AgentInfo,
         strategy::{AgentIdentifiers, ProxyStrategy},
@@ -563,7 +563,7 @@ mod tests {
         assert!(agent_rx.recv().await.is_some(), "the agent gets the dial");
         let _ = hub.backend_packet(be, Packet::dial_response(7, 1, ""));
         assert!(rx.recv().await.is_some(), "the frontend gets DIAL_RSP");
-        let route = hub.route(link.id, ConnId(1)).expect("established");
+        let flow = hub.route(link.id, ConnId(1)).expect("established");
 
         let answer = vec![5u8; 1024];
         for packet in [
@@ -574,17 +574,14 @@ mod tests {
                 hub.run(work).await;
             }
         }
-        assert!(
-            route.0.closed.is_cancelled(),
-            "the connection left the tables"
-        );
+        assert!(flow.closed.is_cancelled(), "the connection left the tables");
 
         // The client has sent bytes, and its socket takes 64 bytes at a
         // time: the answer cannot be written before the upload is tried.
         let (mut client, mut ours) = tokio::io::duplex(64);
         client.write_all(b"ping").await.unwrap();
         let tunnel = async {
-            let end = tunnel_bytes(&mut ours, &hub, &route, &link, &mut rx).await;
+            let end = tunnel_bytes(&mut ours, &hub, &flow, &link, &mut rx).await;
             let _ = ours.shutdown().await;
             end
         };
