@@ -35,11 +35,12 @@ fn args(server: &TestServer, tcp: bool, mode: &str, more: &[String]) -> Vec<Stri
     args
 }
 
-async fn download_is_byte_exact(tcp: bool) {
-    let (server, _agent) = deployment(tcp).await;
+/// Downloads [`BULK`] bytes through `server` with the grpc-go frontend,
+/// which checks every byte.
+async fn download_bulk(server: &TestServer, tcp: bool) {
     let source = destination::download(BULK).await;
     let report = grpc_go::run(args(
-        &server,
+        server,
         tcp,
         "download",
         &[
@@ -53,6 +54,11 @@ async fn download_is_byte_exact(tcp: bool) {
     .await;
     report.assert_ok();
     assert_eq!(report.int("bytes"), BULK as u64);
+}
+
+async fn download_is_byte_exact(tcp: bool) {
+    let (server, _agent) = deployment(tcp).await;
+    download_bulk(&server, tcp).await;
     server.wait_idle().await;
 }
 
@@ -135,20 +141,7 @@ async fn a_stalled_reader_does_not_hold_up_a_bulk_download(tcp: bool) {
     ))
     .await;
     assert_eq!(said["stalled"], endless.address());
-    let source = destination::download(BULK).await;
-    let report = grpc_go::run(args(
-        &server,
-        tcp,
-        "download",
-        &[
-            format!("-addr={}", source.address()),
-            format!("-bytes={BULK}"),
-            "-seed=7".to_owned(),
-        ],
-    ))
-    .await;
-    report.assert_ok();
-    assert_eq!(report.int("bytes"), BULK as u64);
+    download_bulk(&server, tcp).await;
     assert!(stalled.finish().await.success());
     server.wait_idle().await;
 }
