@@ -1,6 +1,12 @@
 //! PEM loading and rustls configurations, always with the ring provider.
 //!
 //! Every error names the file it is about; callers add the flag.
+//!
+//! # Layout
+//! - [`files`]: configurations that follow their files (reload without a
+//!   restart, certificate expiry metrics).
+
+pub mod files;
 
 use std::{
     path::{Path, PathBuf},
@@ -58,6 +64,14 @@ pub enum TlsError {
         /// Why.
         source: rustls::Error,
     },
+    /// The private key is not the certificate's.
+    #[error("the private key in {key} does not match the certificate in {cert}")]
+    KeyMismatch {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+    },
     /// The client-certificate verifier could not be built.
     #[error("cannot verify client certificates with CA {path}")]
     Verifier {
@@ -78,6 +92,7 @@ impl TlsError {
             | Self::Ca { path, .. }
             | Self::Config { path, .. }
             | Self::Verifier { path, .. } => path,
+            Self::KeyMismatch { key, .. } => key,
         }
     }
 }
@@ -362,12 +377,23 @@ pub fn server_config_with_policy(
     };
     let mut config = builder
         .with_single_cert(load_certs(cert)?, load_key(key)?)
-        .map_err(|source| TlsError::Config {
-            path: cert.to_owned(),
-            source,
-        })?;
+        .map_err(|source| pair_error(cert, key, source))?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
+}
+
+/// What rustls said of a certificate and its key: a mismatch names both.
+fn pair_error(cert: &Path, key: &Path, source: rustls::Error) -> TlsError {
+    match source {
+        rustls::Error::InconsistentKeys(_) => TlsError::KeyMismatch {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+        },
+        source => TlsError::Config {
+            path: cert.to_owned(),
+            source,
+        },
+    }
 }
 
 /// A client configuration trusting only `ca`, presenting `client_cert`
@@ -390,10 +416,7 @@ pub fn client_config(
     let mut config = match client_cert {
         Some((cert, key)) => builder
             .with_client_auth_cert(load_certs(cert)?, load_key(key)?)
-            .map_err(|source| TlsError::Config {
-                path: cert.to_owned(),
-                source,
-            })?,
+            .map_err(|source| pair_error(cert, key, source))?,
         None => builder.with_no_client_auth(),
     };
     config.alpn_protocols = alpn

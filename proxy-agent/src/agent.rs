@@ -12,7 +12,10 @@ use std::{
     time::Duration,
 };
 
-use ops::error::DisplayErrorStack;
+use ops::{
+    error::DisplayErrorStack,
+    tls::files::{CertMetrics, TlsFiles},
+};
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, info, info_span, warn};
@@ -244,9 +247,11 @@ impl Agent {
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
         // Before anything can fail, so an operator sees them either way.
         ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &[]);
-        // The certificates are read for each connection; a start-up with
-        // files that cannot work fails here, naming the flag.
-        config.tls.load()?;
+        // The certificates are read for each connection (the last good ones
+        // are kept when they cannot be); a start-up with files that cannot
+        // work fails here, naming the flag.
+        let certs = CertMetrics::default();
+        let tls = config.tls.follow(certs.clone())?;
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         // The lease watch reports its calls to its own metrics; the state
@@ -268,8 +273,13 @@ impl Agent {
             lost: tokio::sync::Notify::new(),
         });
         let live: Arc<dyn Live> = state.clone();
-        let metrics = Arc::new(AgentMetrics::new(Arc::downgrade(&live), &lease_metrics));
+        let metrics = Arc::new(AgentMetrics::new(
+            Arc::downgrade(&live),
+            &lease_metrics,
+            &certs,
+        ));
         Ok(Bound {
+            tls,
             health,
             admin,
             lease_watch,
@@ -284,6 +294,8 @@ impl Agent {
 pub struct Bound {
     /// Validated configuration.
     config: Config,
+    /// The TLS configuration of new server connections, following its files.
+    tls: TlsFiles<rustls::ClientConfig>,
     /// Health listener.
     health: TcpListener,
     /// Admin listener (`/metrics` redirect, pprof).
@@ -337,6 +349,7 @@ impl Bound {
     ) {
         let Self {
             config,
+            tls,
             health,
             admin,
             lease_watch,
@@ -367,6 +380,7 @@ impl Bound {
         for address in 0..config.servers.len() {
             tasks.spawn(sync_loop(
                 config.clone(),
+                tls.clone(),
                 address,
                 state.clone(),
                 metrics.clone(),
@@ -436,6 +450,7 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 /// connects when [`AgentState::should_dial`] says so, backing off on failures.
 async fn sync_loop(
     config: Arc<Config>,
+    tls: TlsFiles<rustls::ClientConfig>,
     address: usize,
     state: Arc<AgentState>,
     metrics: Arc<AgentMetrics>,
@@ -449,7 +464,7 @@ async fn sync_loop(
             // Draining: no new server connections.
             jitter(config.sync_interval)
         } else if state.should_dial(address, config.servers.len(), config.sync_forever) {
-            match Client::connect(&config, target, metrics.clone()).await {
+            match Client::connect(&config, tls.current(), target, metrics.clone()).await {
                 Ok(client) => {
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()

@@ -75,10 +75,6 @@ pub enum ConnectError {
         #[source]
         source: io::Error,
     },
-    /// A certificate, key or CA file cannot be used (the error names its
-    /// flag).
-    #[error(transparent)]
-    TlsFiles(#[from] crate::config::ConfigError),
     /// `--proxy-server-host` is not a valid TLS server name.
     #[error("--proxy-server-host {0:?} is not a valid TLS server name")]
     ServerName(String),
@@ -294,20 +290,22 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for EndNoted<T> {
 }
 
 impl Client {
-    /// Opens TCP, TLS, HTTP/2 and the `Connect` stream, and reads the
-    /// server's id and count.
+    /// Opens TCP, TLS (with `tls`: the agent passes its files as they are
+    /// now, see [`ClientTls::follow`](crate::config::ClientTls::follow)),
+    /// HTTP/2 and the `Connect` stream, and reads the server's id and count.
     ///
     /// # Errors
     /// Each step's failure, naming the server.
     pub async fn connect(
         config: &Config,
+        tls: Arc<rustls::ClientConfig>,
         target: &ServerAddr,
         metrics: Arc<AgentMetrics>,
     ) -> Result<Self, ConnectError> {
         let server = target.to_string();
         tokio::time::timeout(
             CONNECT_TIMEOUT,
-            Self::connect_inner(config, target, &server, metrics),
+            Self::connect_inner(config, tls, target, &server, metrics),
         )
         .await
         .map_err(|_| ConnectError::Timeout {
@@ -317,6 +315,7 @@ impl Client {
 
     async fn connect_inner(
         config: &Config,
+        tls_config: Arc<rustls::ClientConfig>,
         target: &ServerAddr,
         server: &str,
         metrics: Arc<AgentMetrics>,
@@ -336,9 +335,6 @@ impl Client {
         };
         let name = ServerName::try_from(target.host.clone())
             .map_err(|_| ConnectError::ServerName(target.host.clone()))?;
-        // The files as they are now: a rotated certificate is used from the
-        // next connection on.
-        let tls_config = config.tls.load()?;
         // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
         let tls = TlsConnector::from(tls_config)
             .connect(name, tunnel::read_ahead::ReadAhead::new(tcp))

@@ -10,7 +10,7 @@ use std::{
 use clap::{ArgAction, Parser};
 use ops::{
     flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_bool, go_duration},
-    tls,
+    tls::{self, files},
 };
 use tunnel::{
     ids::AgentId,
@@ -562,28 +562,64 @@ impl ClientTls {
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
     pub fn load(&self) -> Result<Arc<rustls::ClientConfig>, ConfigError> {
-        let loaded = tls::client_config(
-            &self.ca,
-            self.client
-                .as_ref()
-                .map(|(cert, key)| (cert.as_path(), key.as_path())),
-            &self.alpn,
+        self.build()().map_err(|source| ConfigError::Tls {
+            flag: files::flag_of(&self.files(), source.path()),
+            source,
+        })
+    }
+
+    /// The TLS configuration that follows the files: each new connection
+    /// to a server uses them as they are then, or the last good ones (see
+    /// [`ops::tls::files`]); `metrics` shows the certificates' expiry and
+    /// counts failed reloads.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load): at start-up there is nothing to keep.
+    pub fn follow(
+        &self,
+        metrics: files::CertMetrics,
+    ) -> Result<files::TlsFiles<rustls::ClientConfig>, ConfigError> {
+        files::TlsFiles::load("server connections", self.files(), metrics, self.build()).map_err(
+            |e| ConfigError::Tls {
+                flag: e.flag,
+                source: e.source,
+            },
         )
-        .map_err(|source| {
-            let path = source.path();
-            let flag = match &self.client {
-                Some((cert, _)) if path == cert => "agent-cert",
-                Some((_, key)) if path == key => "agent-key",
-                _ => "ca-cert",
-            };
-            ConfigError::Tls { flag, source }
-        })?;
-        if self.resumption {
-            return Ok(loaded);
+    }
+
+    /// The files, named by their flags.
+    fn files(&self) -> Vec<files::TlsFile> {
+        let mut files = vec![files::TlsFile::certs("ca-cert", self.ca.clone())];
+        if let Some((cert, key)) = &self.client {
+            files.push(files::TlsFile::certs("agent-cert", cert.clone()));
+            files.push(files::TlsFile::key("agent-key", key.clone(), "agent-cert"));
         }
-        let mut config = (*loaded).clone();
-        config.resumption = rustls::client::Resumption::disabled();
-        Ok(Arc::new(config))
+        files
+    }
+
+    /// Builds the configuration from the files as they are when called.
+    fn build(&self) -> impl Fn() -> Result<Arc<rustls::ClientConfig>, tls::TlsError> + use<> {
+        let Self {
+            ca,
+            client,
+            alpn,
+            resumption,
+        } = self.clone();
+        move || {
+            let loaded = tls::client_config(
+                &ca,
+                client
+                    .as_ref()
+                    .map(|(cert, key)| (cert.as_path(), key.as_path())),
+                &alpn,
+            )?;
+            if resumption {
+                return Ok(loaded);
+            }
+            let mut config = (*loaded).clone();
+            config.resumption = rustls::client::Resumption::disabled();
+            Ok(Arc::new(config))
+        }
     }
 }
 

@@ -19,6 +19,7 @@ use std::{
 use ops::{
     kube::{Call, CallKind, status_reason},
     metrics::{Counter, Metrics, Observed, StreamCounters},
+    tls::files::CertMetrics,
 };
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -179,11 +180,15 @@ impl AgentMetrics {
     /// Metrics of no agent (its gauges read 0), for a client (one server
     /// connection) used on its own.
     pub fn unattached() -> Self {
-        Self::new(Weak::<Nothing>::new(), &LeaseMetrics::default())
+        Self::new(
+            Weak::<Nothing>::new(),
+            &LeaseMetrics::default(),
+            &CertMetrics::default(),
+        )
     }
 
     /// Registers every metric; the gauges read `state` when scraped.
-    pub(crate) fn new(state: Weak<dyn Live>, leases: &LeaseMetrics) -> Self {
+    pub(crate) fn new(state: Weak<dyn Live>, leases: &LeaseMetrics, certs: &CertMetrics) -> Self {
         let mut m = Metrics::default();
         let name = |n: &str| format!("{PREFIX}{n}");
         let dial_duration = m.register(
@@ -270,6 +275,7 @@ impl AgentMetrics {
             "Times a server stream's outbound queue was past its reserve (the server does not read) and the stream was closed",
             Counter::default(),
         );
+        certs.register(&mut m, "konnectivity_rs_agent_");
         Self {
             exposition: Arc::new(m),
             dial_duration,

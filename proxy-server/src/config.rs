@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use clap::{ArgAction, Parser};
 use ops::{
     flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_duration},
-    tls,
+    tls::{self, files},
 };
 use tunnel::ids::ServerId;
 
@@ -262,24 +262,62 @@ impl ListenerTls {
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
     pub fn load(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
-        tls::server_config_with_policy(
-            &self.cert.1,
-            &self.key.1,
-            self.client_ca.1.as_deref(),
-            &[self.alpn],
-            &self.policy,
-        )
-        .map_err(|source| {
-            let path = source.path();
-            let flag = if path == self.key.1 {
-                self.key.0
-            } else if self.client_ca.1.as_deref() == Some(path) {
-                self.client_ca.0
-            } else {
-                self.cert.0
-            };
-            ConfigError::Tls { flag, source }
+        self.build()().map_err(|source| ConfigError::Tls {
+            flag: files::flag_of(&self.files(), source.path()),
+            source,
         })
+    }
+
+    /// The TLS configuration that follows the files: each new handshake
+    /// uses them as they are then, or the last good ones (see
+    /// [`ops::tls::files`]). `what` names the listener in logs; `metrics`
+    /// shows the certificates' expiry and counts failed reloads.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load): at start-up there is nothing to keep.
+    pub fn follow(
+        &self,
+        what: &'static str,
+        metrics: files::CertMetrics,
+    ) -> Result<files::TlsFiles<rustls::ServerConfig>, ConfigError> {
+        files::TlsFiles::load(what, self.files(), metrics, self.build()).map_err(|e| {
+            ConfigError::Tls {
+                flag: e.flag,
+                source: e.source,
+            }
+        })
+    }
+
+    /// The files, named by their flags.
+    fn files(&self) -> Vec<files::TlsFile> {
+        let mut files = vec![
+            files::TlsFile::certs(self.cert.0, self.cert.1.clone()),
+            files::TlsFile::key(self.key.0, self.key.1.clone(), self.cert.0),
+        ];
+        if let (flag, Some(ca)) = &self.client_ca {
+            files.push(files::TlsFile::certs(flag, ca.clone()));
+        }
+        files
+    }
+
+    /// Builds the configuration from the files as they are when called.
+    fn build(&self) -> impl Fn() -> Result<Arc<rustls::ServerConfig>, tls::TlsError> + use<> {
+        let Self {
+            cert,
+            key,
+            client_ca,
+            alpn,
+            policy,
+        } = self.clone();
+        move || {
+            tls::server_config_with_policy(
+                &cert.1,
+                &key.1,
+                client_ca.1.as_deref(),
+                &[alpn],
+                &policy,
+            )
+        }
     }
 }
 

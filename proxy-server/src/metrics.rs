@@ -125,6 +125,7 @@ pub(crate) struct ServerMetrics {
     max_buffered: Gauge,
     buffered: Gauge,
     limits: Family<LimitLabel, Counter>,
+    certs: ops::tls::files::CertMetrics,
 }
 
 impl ServerMetrics {
@@ -249,8 +250,11 @@ impl ServerMetrics {
             "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused)",
             Family::default(),
         );
+        let certs = ops::tls::files::CertMetrics::default();
+        certs.register(&mut m, "konnectivity_rs_server_");
         Self {
             exposition: Arc::new(m),
+            certs,
             dial_duration,
             frontend_write_duration,
             connection_duration,
@@ -275,6 +279,11 @@ impl ServerMetrics {
             buffered,
             limits,
         }
+    }
+
+    /// The certificate expiry gauges and reload-failure counters.
+    pub(crate) fn certs(&self) -> ops::tls::files::CertMetrics {
+        self.certs.clone()
     }
 
     /// An admission limit was reached.

@@ -12,6 +12,7 @@ use std::{
 
 use authority::AnyAuthority;
 use futures_util::StreamExt as _;
+use ops::tls::files::TlsFiles;
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -160,10 +161,14 @@ impl ProxyServer {
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
         // Before anything can fail, so an operator sees them either way.
         ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &config.notices);
-        // The certificates, before any port is taken.
-        let agent_tls = config.agent_tls.load()?;
+        let metrics = Arc::new(ServerMetrics::new(&config.strategies));
+        // The certificates, before any port is taken; from then on each
+        // handshake uses the files as they are, or the last good ones.
+        let agent_tls = config.agent_tls.follow("agent listener", metrics.certs())?;
         let frontend_tls = match &config.frontend {
-            FrontendListen::Tcp { tls, .. } => Some(tls.load()?),
+            FrontendListen::Tcp { tls, .. } => {
+                Some(tls.follow("frontend listener", metrics.certs())?)
+            }
             FrontendListen::Uds { .. } => None,
         };
         let agent = bind_named(config.agent_addr, "agent").await?;
@@ -188,7 +193,7 @@ impl ProxyServer {
         let hub = Arc::new(Hub::new(
             &config.strategies,
             config.backend_dial_timeout,
-            Arc::new(ServerMetrics::new(&config.strategies)),
+            metrics,
         ));
         let token_auth = match &config.token_auth {
             Some(auth) => Some(Arc::new(crate::auth::TokenAuth::new(auth.clone()).await?)),
@@ -233,8 +238,8 @@ enum BoundFrontend {
     Tcp {
         /// The listener.
         listener: TcpListener,
-        /// Its TLS configuration.
-        tls: Arc<rustls::ServerConfig>,
+        /// Its TLS configuration, following its files.
+        tls: TlsFiles<rustls::ServerConfig>,
     },
 }
 
@@ -251,8 +256,8 @@ pub enum FrontendAddr {
 pub struct Bound {
     /// Validated configuration.
     config: Config,
-    /// The agent listener's TLS, loaded from its files.
-    agent_tls: Arc<rustls::ServerConfig>,
+    /// The agent listener's TLS, following its files.
+    agent_tls: TlsFiles<rustls::ServerConfig>,
     /// Agent listener.
     agent: TcpListener,
     /// Frontend listener.

@@ -5,7 +5,7 @@
 
 use std::{
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
 };
@@ -63,7 +63,13 @@ impl ServerProcess {
     /// TCP port ephemeral on 127.0.0.1, the test PKI, `mode` (`grpc` or
     /// `http-connect`) and `extra` flags; returns once it logged its ports.
     pub async fn start(mode: &str, extra: &[String]) -> Self {
-        let pki = Pki::get();
+        Self::start_in(Pki::get().dir.path(), mode, extra).await
+    }
+
+    /// [`start`](Self::start) with the agent listener's files
+    /// (`cluster.crt`, `cluster.key`, `agent-ca.crt`) in `pki` instead of the
+    /// test PKI's.
+    pub async fn start_in(pki: &Path, mode: &str, extra: &[String]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let uds = dir.path().join("konnectivity-server.socket");
         let mut command = Command::new(binary("proxy-server"));
@@ -73,9 +79,9 @@ impl ServerProcess {
                 format!("--mode={mode}"),
                 format!("--uds-name={}", uds.display()),
                 "--server-port=0".to_owned(),
-                format!("--cluster-cert={}", pki.path("cluster.crt").display()),
-                format!("--cluster-key={}", pki.path("cluster.key").display()),
-                format!("--cluster-ca-cert={}", pki.path("agent-ca.crt").display()),
+                format!("--cluster-cert={}", pki.join("cluster.crt").display()),
+                format!("--cluster-key={}", pki.join("cluster.key").display()),
+                format!("--cluster-ca-cert={}", pki.join("agent-ca.crt").display()),
                 "--agent-bind-address=127.0.0.1".to_owned(),
                 "--agent-port=0".to_owned(),
                 "--health-bind-address=127.0.0.1".to_owned(),

@@ -120,9 +120,23 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// cap.
 pub type OnLimit = Arc<dyn Fn() + Send + Sync>;
 
+/// Where a listener takes the TLS configuration of each handshake from: a
+/// fixed one, or one that follows its files (`ops::tls::files`).
+pub trait ServerTls: Send + Sync + 'static {
+    /// The configuration for the next handshake.
+    fn server_config(&self) -> Arc<rustls::ServerConfig>;
+}
+
+impl ServerTls for Arc<rustls::ServerConfig> {
+    fn server_config(&self) -> Arc<rustls::ServerConfig> {
+        self.clone()
+    }
+}
+
 /// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
-/// own task (bounded by [`TLS_HANDSHAKE_TIMEOUT`] from its `accept`) and
-/// yields the completed ones. Failed handshakes (plain TCP, wrong CA,
+/// own task with the configuration `tls` gives at that moment (bounded by
+/// [`TLS_HANDSHAKE_TIMEOUT`] from its `accept`) and yields the completed
+/// ones. Failed handshakes (plain TCP, wrong CA,
 /// garbage) are logged at debug with the peer address and dropped; they
 /// never reach the gRPC server.
 ///
@@ -135,14 +149,14 @@ pub type OnLimit = Arc<dyn Fn() + Send + Sync>;
 /// cannot keep them out (see [`admission`](crate::admission)).
 pub fn tls_incoming(
     listener: TcpListener,
-    acceptor: Arc<rustls::ServerConfig>,
+    tls: impl ServerTls,
     shutdown: CancellationToken,
     what: &'static str,
     max_pending: usize,
     on_limit: OnLimit,
 ) -> ReceiverStream<Result<TlsConn, io::Error>> {
     let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
-    let acceptor = TlsAcceptor::from(acceptor);
+    let tls = Arc::new(tls);
     let admission = Admission::new(max_pending);
     tokio::spawn(async move {
         let logged = std::sync::atomic::AtomicBool::new(false);
@@ -169,10 +183,12 @@ pub fn tls_incoming(
             let _ = tcp.set_nodelay(true);
             // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
             let io = admission.watch(ReadAhead::new(tcp), &ticket);
-            let acceptor = acceptor.clone();
+            let tls = tls.clone();
             let tx = tx.clone();
             let admission = admission.clone();
             tokio::spawn(async move {
+                // Reads the files when they follow them: off the accept loop.
+                let acceptor = TlsAcceptor::from(tls.server_config());
                 let result = tokio::select! {
                     () = ticket.cancel.cancelled() => None,
                     r = tokio::time::timeout_at(deadline, acceptor.accept(io)) => Some(r),

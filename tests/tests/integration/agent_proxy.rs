@@ -64,6 +64,7 @@ async fn refused(proxy_url: &str, server: &TestServer) -> ConnectError {
     );
     Client::connect(
         &config,
+        config.tls.load().unwrap(),
         &config.servers[0],
         Arc::new(AgentMetrics::unattached()),
     )

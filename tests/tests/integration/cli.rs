@@ -198,6 +198,7 @@ async fn the_server_serves_its_socket_with_mode_0770_and_its_id_from_proxy_serve
     );
     let client = proxy_agent::client::Client::connect(
         &config,
+        config.tls.load().unwrap(),
         &config.servers[0],
         std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
     )

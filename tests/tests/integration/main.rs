@@ -7,6 +7,7 @@
 
 mod agent_protocol;
 mod agent_proxy;
+mod cert_rotation;
 mod cli;
 mod docs_args;
 mod drain;

@@ -48,6 +48,7 @@ async fn refusal(server: &TestServer, token: &str) -> String {
     );
     match Client::connect(
         &config,
+        config.tls.load().unwrap(),
         &config.servers[0],
         std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
     )
@@ -140,6 +141,7 @@ async fn each_failed_check_is_refused_with_its_reason() {
     );
     match Client::connect(
         &config,
+        config.tls.load().unwrap(),
         &config.servers[0],
         std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
     )
