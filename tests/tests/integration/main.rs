@@ -22,6 +22,7 @@ mod lease_stub;
 mod leases;
 mod manifests;
 mod metrics;
+mod monitoring;
 mod proxy_client;
 mod python_interop;
 mod robustness;
