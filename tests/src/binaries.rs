@@ -88,24 +88,12 @@ impl AgentProcess {
     /// Starts `proxy-agent` against the agent port `port` on 127.0.0.1 with
     /// the test PKI and `extra` flags, without waiting for it to connect.
     pub fn spawn(port: u16, extra: &[&str]) -> Self {
-        let pki = Pki::get();
         let child = Command::new(binary("proxy-agent"))
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
             .env_remove("ALL_PROXY")
             .env_remove("all_proxy")
-            .args([
-                format!("--ca-cert={}", pki.path("agent-ca.crt").display()),
-                format!("--agent-cert={}", pki.path("proxy-agent.crt").display()),
-                format!("--agent-key={}", pki.path("proxy-agent.key").display()),
-                "--proxy-server-host=127.0.0.1".to_owned(),
-                format!("--proxy-server-port={port}"),
-                "--health-server-host=127.0.0.1".to_owned(),
-                "--health-server-port=0".to_owned(),
-                "--admin-server-port=0".to_owned(),
-                "--sync-interval=100ms".to_owned(),
-                "--sync-interval-cap=1s".to_owned(),
-            ])
+            .args(agent_args(Pki::get().dir.path(), port))
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -140,6 +128,24 @@ impl Drop for AgentProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The flags of a test `proxy-agent`: mTLS with the `AGENT_FILES` in
+/// `files`, the server at 127.0.0.1:`port`, ephemeral health and admin
+/// ports on loopback, quick reconnects.
+pub fn agent_args(files: &Path, port: u16) -> Vec<String> {
+    vec![
+        format!("--ca-cert={}", files.join("agent-ca.crt").display()),
+        format!("--agent-cert={}", files.join("proxy-agent.crt").display()),
+        format!("--agent-key={}", files.join("proxy-agent.key").display()),
+        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-port={port}"),
+        "--health-server-host=127.0.0.1".to_owned(),
+        "--health-server-port=0".to_owned(),
+        "--admin-server-port=0".to_owned(),
+        "--sync-interval=100ms".to_owned(),
+        "--sync-interval-cap=1s".to_owned(),
+    ]
 }
 
 /// Sends the signal `name` (`TERM`, `KILL`, …) to `pid` with the system's `kill`.

@@ -1,7 +1,7 @@
 //! Certificates for the test process, and TLS for frontend clients.
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, OnceLock},
 };
 
@@ -18,6 +18,11 @@ impl Pki {
     pub fn get() -> &'static Self {
         static PKI: OnceLock<Pki> = OnceLock::new();
         PKI.get_or_init(Self::make)
+    }
+
+    /// A fresh PKI in a new temporary directory, removed on drop.
+    pub fn fresh() -> Self {
+        Self::make()
     }
 
     /// A fresh PKI in a new temporary directory.
@@ -39,6 +44,22 @@ impl Pki {
     pub fn other() -> &'static Self {
         static PKI: OnceLock<Pki> = OnceLock::new();
         PKI.get_or_init(Self::make)
+    }
+}
+
+/// The agent listener's files, as `make-certs` names them.
+pub const SERVER_FILES: [&str; 3] = ["cluster.crt", "cluster.key", "agent-ca.crt"];
+/// An agent's files (mTLS), as `make-certs` names them.
+pub const AGENT_FILES: [&str; 3] = ["agent-ca.crt", "proxy-agent.crt", "proxy-agent.key"];
+
+/// Puts the files `names` of the directory `from` into `to` (created if
+/// missing) as kubelet updates a Secret volume: each file whole, by rename.
+pub fn install(from: &Path, to: &Path, names: &[&str]) {
+    std::fs::create_dir_all(to).expect("creating the directory");
+    for name in names {
+        let staged = to.join(format!(".{name}.new"));
+        std::fs::copy(from.join(name), &staged).expect("copying a PKI file");
+        std::fs::rename(&staged, to.join(name)).expect("renaming a PKI file");
     }
 }
 

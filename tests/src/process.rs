@@ -44,6 +44,40 @@ impl AgentSwarm {
     }
 }
 
+/// A real `proxy-agent` with its TLS files (`AGENT_FILES`) in a directory
+/// of its own, logging at info; killed on drop.
+pub struct AgentWithFiles {
+    /// The process and its log.
+    pub process: LoggedProcess,
+    /// Health listener (`/metrics` too).
+    pub health_addr: SocketAddr,
+}
+
+impl AgentWithFiles {
+    /// Starts it against the agent port `server_port` on 127.0.0.1 with
+    /// the files in `dir`; returns once it logged its health port (it may
+    /// not be connected yet).
+    pub async fn start(dir: &Path, server_port: u16) -> Self {
+        let mut command = Command::new(binary("proxy-agent"));
+        command
+            .env("RUST_LOG", "info")
+            .args(crate::agent_args(dir, server_port));
+        let mut process = LoggedProcess::spawn(command, "proxy-agent");
+        let port = process.logged_port("health.addr=Some(127.0.0.1:").await;
+        Self {
+            process,
+            health_addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        }
+    }
+
+    /// The Prometheus text of `/metrics`.
+    pub async fn metrics(&self) -> String {
+        let (status, text) = http_get(self.health_addr, "/metrics").await;
+        assert_eq!(status, 200, "/metrics answered {status}: {text}");
+        text
+    }
+}
+
 /// A `proxy-server` process on loopback, killed on drop.
 pub struct ServerProcess {
     /// The process and its log.

@@ -3,84 +3,18 @@
 //! files that cannot be used keep the last good ones (logged once, naming
 //! the file, and counted).
 
-use std::{
-    net::SocketAddr,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::path::{Path, PathBuf};
 
 use integration_tests::{
-    DEADLINE, LoggedProcess, binary,
+    AGENT_FILES, DEADLINE, LoggedProcess, Pki, SERVER_FILES,
     destination::{self, pattern},
-    http_get,
-    process::{ServerProcess, metric_value},
+    install,
+    process::{AgentWithFiles as Agent, ServerProcess, metric_value},
 };
 use tokio::{
     io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
     net::{TcpStream, UnixStream},
 };
-
-/// A fresh PKI (both CAs and every leaf, as `make-certs` lays them out).
-fn pki() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    certs::ClusterPki::generate(&[])
-        .unwrap()
-        .write_to(dir.path())
-        .unwrap();
-    dir
-}
-
-/// Puts `names` of `from` into `to` as kubelet updates a Secret volume:
-/// each file whole, by rename.
-fn install(from: &Path, to: &Path, names: &[&str]) {
-    std::fs::create_dir_all(to).unwrap();
-    for name in names {
-        let staged = to.join(format!(".{name}.new"));
-        std::fs::copy(from.join(name), &staged).unwrap();
-        std::fs::rename(&staged, to.join(name)).unwrap();
-    }
-}
-
-/// The agent listener's files.
-const SERVER_FILES: [&str; 3] = ["cluster.crt", "cluster.key", "agent-ca.crt"];
-/// An agent's files.
-const AGENT_FILES: [&str; 3] = ["agent-ca.crt", "proxy-agent.crt", "proxy-agent.key"];
-
-/// A real `proxy-agent` with its files in `dir`, logging at info.
-struct Agent {
-    process: LoggedProcess,
-    health: SocketAddr,
-}
-
-impl Agent {
-    async fn start(dir: &Path, server_port: u16) -> Self {
-        let mut command = Command::new(binary("proxy-agent"));
-        command.env("RUST_LOG", "info").args([
-            format!("--ca-cert={}", dir.join("agent-ca.crt").display()),
-            format!("--agent-cert={}", dir.join("proxy-agent.crt").display()),
-            format!("--agent-key={}", dir.join("proxy-agent.key").display()),
-            "--proxy-server-host=127.0.0.1".to_owned(),
-            format!("--proxy-server-port={server_port}"),
-            "--health-server-host=127.0.0.1".to_owned(),
-            "--health-server-port=0".to_owned(),
-            "--admin-server-port=0".to_owned(),
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=1s".to_owned(),
-        ]);
-        let mut process = LoggedProcess::spawn(command, "proxy-agent");
-        let port = process.logged_port("health.addr=Some(127.0.0.1:").await;
-        Self {
-            process,
-            health: SocketAddr::from(([127, 0, 0, 1], port)),
-        }
-    }
-
-    async fn metrics(&self) -> String {
-        let (status, text) = http_get(self.health, "/metrics").await;
-        assert_eq!(status, 200, "{text}");
-        text
-    }
-}
 
 /// A tunnel through the server's CONNECT frontend (Unix socket).
 async fn tunnel(server: &ServerProcess, target: &str) -> UnixStream {
@@ -119,6 +53,17 @@ async fn echo_round(io: &mut (impl AsyncRead + AsyncWrite + Unpin), seed: u64) {
     assert!(back == sent, "the echo differs (round {seed})");
 }
 
+/// Stops `server` and starts it again on its agent port with the files in
+/// `dir`; returns once `agents` agents are back.
+async fn restart(server: ServerProcess, dir: &Path, agents: usize) -> ServerProcess {
+    let port = server.agent_addr.port();
+    drop(server);
+    let server =
+        ServerProcess::start_in(dir, "http-connect", &[format!("--agent-port={port}")]).await;
+    server.wait_for_agents(agents).await;
+    server
+}
+
 /// The value of one series of `text`, which must be there.
 fn required(text: &str, series: &str) -> f64 {
     assert!(
@@ -142,12 +87,12 @@ fn expiry(prefix: &str, flag: &str, file: &Path) -> String {
 /// reconnects to the server restarted on the new CA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ca_rotation_needs_no_restart_and_keeps_tunnels() {
-    let (old, new) = (pki(), pki());
+    let (old, new) = (Pki::fresh(), Pki::fresh());
     let server_dir = tempfile::tempdir().unwrap();
     let (agent_dir, new_agent_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    install(old.path(), server_dir.path(), &SERVER_FILES);
-    install(old.path(), agent_dir.path(), &AGENT_FILES);
-    install(new.path(), new_agent_dir.path(), &AGENT_FILES);
+    install(old.dir.path(), server_dir.path(), &SERVER_FILES);
+    install(old.dir.path(), agent_dir.path(), &AGENT_FILES);
+    install(new.dir.path(), new_agent_dir.path(), &AGENT_FILES);
 
     let server = ServerProcess::start_in(server_dir.path(), "http-connect", &[]).await;
     let port = server.agent_addr.port();
@@ -178,8 +123,8 @@ async fn a_ca_rotation_needs_no_restart_and_keeps_tunnels() {
 
     // The rotation: the server's and the running agent's files move to the
     // new CA; nothing is restarted.
-    install(new.path(), server_dir.path(), &SERVER_FILES);
-    install(new.path(), agent_dir.path(), &AGENT_FILES);
+    install(new.dir.path(), server_dir.path(), &SERVER_FILES);
+    install(new.dir.path(), agent_dir.path(), &AGENT_FILES);
     echo_round(&mut established, 2).await;
 
     // A new agent with the new CA's certificate is admitted by the running
@@ -199,14 +144,7 @@ async fn a_ca_rotation_needs_no_restart_and_keeps_tunnels() {
 
     // The server restarts on the new files; the first agent, still running
     // with the files it started with on its command line, comes back.
-    drop(server);
-    let server = ServerProcess::start_in(
-        server_dir.path(),
-        "http-connect",
-        &[format!("--agent-port={port}")],
-    )
-    .await;
-    server.wait_for_agents(2).await;
+    let server = restart(server, server_dir.path(), 2).await;
     let mut after = tunnel(&server, &echo.address()).await;
     echo_round(&mut after, 5).await;
     assert!(
@@ -223,11 +161,11 @@ async fn a_ca_rotation_needs_no_restart_and_keeps_tunnels() {
 /// files is picked up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unusable_files_keep_the_last_good_ones() {
-    let (good, other) = (pki(), pki());
+    let (good, other) = (Pki::fresh(), Pki::fresh());
     let server_dir = tempfile::tempdir().unwrap();
     let agent_dir = tempfile::tempdir().unwrap();
-    install(good.path(), server_dir.path(), &SERVER_FILES);
-    install(good.path(), agent_dir.path(), &AGENT_FILES);
+    install(good.dir.path(), server_dir.path(), &SERVER_FILES);
+    install(good.dir.path(), agent_dir.path(), &AGENT_FILES);
     let mut server = ServerProcess::start_in(server_dir.path(), "http-connect", &[]).await;
     let port = server.agent_addr.port();
     let mut agent = Agent::start(agent_dir.path(), port).await;
@@ -235,7 +173,7 @@ async fn unusable_files_keep_the_last_good_ones() {
 
     // The server's key no longer matches its certificate.
     let key = server_dir.path().join("cluster.key");
-    install(other.path(), server_dir.path(), &["cluster.key"]);
+    install(other.dir.path(), server_dir.path(), &["cluster.key"]);
     // The agent's CA bundle is cut in the middle of a certificate.
     let ca = agent_dir.path().join("agent-ca.crt");
     let bundle = std::fs::read(&ca).unwrap();
@@ -244,7 +182,7 @@ async fn unusable_files_keep_the_last_good_ones() {
     // A second agent with good files is still admitted, and the server
     // says once which file it could not use.
     let second_dir = tempfile::tempdir().unwrap();
-    install(good.path(), second_dir.path(), &AGENT_FILES);
+    install(good.dir.path(), second_dir.path(), &AGENT_FILES);
     let _second = Agent::start(second_dir.path(), port).await;
     server.wait_for_agents(2).await;
     let failures =
@@ -268,16 +206,9 @@ async fn unusable_files_keep_the_last_good_ones() {
 
     // The running agent reconnects to a restarted server with its last
     // good CA, and says once that its CA file cannot be used.
-    install(good.path(), server_dir.path(), &["cluster.key"]);
+    install(good.dir.path(), server_dir.path(), &["cluster.key"]);
     drop(io);
-    drop(server);
-    server = ServerProcess::start_in(
-        server_dir.path(),
-        "http-connect",
-        &[format!("--agent-port={port}")],
-    )
-    .await;
-    server.wait_for_agents(2).await;
+    server = restart(server, server_dir.path(), 2).await;
     agent.process.wait_for("cannot be used", 1, DEADLINE).await;
     assert_eq!(
         logged(&agent.process, &ca),
@@ -295,15 +226,8 @@ async fn unusable_files_keep_the_last_good_ones() {
     );
 
     // Whole files again: taken without a complaint.
-    install(good.path(), agent_dir.path(), &["agent-ca.crt"]);
-    drop(server);
-    let server = ServerProcess::start_in(
-        server_dir.path(),
-        "http-connect",
-        &[format!("--agent-port={port}")],
-    )
-    .await;
-    server.wait_for_agents(2).await;
+    install(good.dir.path(), agent_dir.path(), &["agent-ca.crt"]);
+    let _server = restart(server, server_dir.path(), 2).await;
     agent
         .process
         .wait_for("TLS files changed; new handshakes use them", 1, DEADLINE)
@@ -321,10 +245,10 @@ async fn the_mtls_frontend_rotates_without_a_restart() {
         "proxy-frontend.key",
         "frontend-ca.crt",
     ];
-    let (old, new) = (pki(), pki());
+    let (old, new) = (Pki::fresh(), Pki::fresh());
     let dir = tempfile::tempdir().unwrap();
-    install(old.path(), dir.path(), &SERVER_FILES);
-    install(old.path(), dir.path(), &FRONTEND_FILES);
+    install(old.dir.path(), dir.path(), &SERVER_FILES);
+    install(old.dir.path(), dir.path(), &FRONTEND_FILES);
     let file = |name: &str| dir.path().join(name).display().to_string();
     let server = ServerProcess::start_in(
         dir.path(),
@@ -352,7 +276,7 @@ async fn the_mtls_frontend_rotates_without_a_restart() {
         log = server.process.lines().join("\n");
     };
     let agent_dir = tempfile::tempdir().unwrap();
-    install(old.path(), agent_dir.path(), &AGENT_FILES);
+    install(old.dir.path(), agent_dir.path(), &AGENT_FILES);
     let _agent = Agent::start(agent_dir.path(), server.agent_addr.port()).await;
     server.wait_for_agents(1).await;
     let echo = destination::echo().await;
@@ -381,18 +305,18 @@ async fn the_mtls_frontend_rotates_without_a_restart() {
             Ok::<_, std::io::Error>(io)
         }
     };
-    let mut before = open(old.path().to_owned()).await.unwrap();
+    let mut before = open(old.dir.path().to_owned()).await.unwrap();
     echo_round(&mut before, 1).await;
 
-    install(new.path(), dir.path(), &FRONTEND_FILES);
-    let mut after = open(new.path().to_owned())
+    install(new.dir.path(), dir.path(), &FRONTEND_FILES);
+    let mut after = open(new.dir.path().to_owned())
         .await
         .expect("a client of the new PKI");
     echo_round(&mut after, 2).await;
     echo_round(&mut before, 3).await;
     // A client of the old PKI is now refused: the old CA is gone.
     assert!(
-        open(old.path().to_owned()).await.is_err(),
+        open(old.dir.path().to_owned()).await.is_err(),
         "a client of the old CA was served"
     );
     let metrics = server.metrics().await;

@@ -23,8 +23,9 @@ use std::{
 
 use bytes::Bytes;
 use integration_tests::{
-    DEADLINE, LoggedProcess, Pki, binary, destination, http_get, process::ServerProcess, python,
-    trace_init, workspace,
+    AGENT_FILES, DEADLINE, Pki, SERVER_FILES, destination, http_get, install,
+    process::{AgentWithFiles, ServerProcess},
+    python, trace_init, workspace,
 };
 use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
 use serde_json::Value;
@@ -588,46 +589,12 @@ fn exporters(name: &str) -> &'static [&'static str] {
 
 /// The server's agent-port files and the agent's, copied from the test PKI
 /// into a directory of their own, so that the test can spoil them.
-const SERVER_FILES: [&str; 3] = ["cluster.crt", "cluster.key", "agent-ca.crt"];
-const AGENT_FILES: [&str; 3] = ["agent-ca.crt", "proxy-agent.crt", "proxy-agent.key"];
-
-/// Copies `names` of the test PKI into `dir`.
-fn copy_pki(dir: &Path, names: &[&str]) {
-    std::fs::create_dir_all(dir).unwrap();
-    for name in names {
-        std::fs::copy(Pki::get().path(name), dir.join(name)).unwrap();
-    }
-}
-
 /// Replaces `file` whole with `bytes` (by rename, as kubelet updates a
 /// Secret volume).
 fn replace(file: &Path, bytes: &[u8]) {
     let staged = file.with_extension("new");
     std::fs::write(&staged, bytes).unwrap();
     std::fs::rename(&staged, file).unwrap();
-}
-
-/// A real `proxy-agent` with its files in `dir` against `server`, health
-/// port ephemeral; its process and its health address (`/metrics`), once
-/// the server counts it.
-async fn start_agent(server: &ServerProcess, dir: &Path) -> (LoggedProcess, SocketAddr) {
-    let mut command = Command::new(binary("proxy-agent"));
-    command.args([
-        format!("--ca-cert={}", dir.join("agent-ca.crt").display()),
-        format!("--agent-cert={}", dir.join("proxy-agent.crt").display()),
-        format!("--agent-key={}", dir.join("proxy-agent.key").display()),
-        "--proxy-server-host=127.0.0.1".to_owned(),
-        format!("--proxy-server-port={}", server.agent_addr.port()),
-        "--health-server-host=127.0.0.1".to_owned(),
-        "--health-server-port=0".to_owned(),
-        "--admin-server-port=0".to_owned(),
-        "--sync-interval=100ms".to_owned(),
-        "--sync-interval-cap=1s".to_owned(),
-    ]);
-    let mut agent = LoggedProcess::spawn(command, "proxy-agent");
-    let port = agent.logged_port("health.addr=Some(127.0.0.1:").await;
-    server.wait_for_agents(1).await;
-    (agent, SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
 async fn scrape(addr: SocketAddr) -> String {
@@ -721,22 +688,19 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_exported() {
 
     let files = tempfile::tempdir().unwrap();
     let (server_dir, agent_dir) = (files.path().join("server"), files.path().join("agent"));
-    copy_pki(&server_dir, &SERVER_FILES);
-    copy_pki(&agent_dir, &AGENT_FILES);
-    let file = |name: &str| server_dir.join(name).display().to_string();
-    // The files flags come after ServerProcess's own: the last one wins.
-    let server = ServerProcess::start(
+    install(Pki::get().dir.path(), &server_dir, &SERVER_FILES);
+    install(Pki::get().dir.path(), &agent_dir, &AGENT_FILES);
+    let server = ServerProcess::start_in(
+        &server_dir,
         "grpc",
         &[
             "--max-tls-handshakes=1".to_owned(),
             "--server-count=2".to_owned(),
-            format!("--cluster-cert={}", file("cluster.crt")),
-            format!("--cluster-key={}", file("cluster.key")),
-            format!("--cluster-ca-cert={}", file("agent-ca.crt")),
         ],
     )
     .await;
-    let (_agent, agent_health) = start_agent(&server, &agent_dir).await;
+    let agent = AgentWithFiles::start(&agent_dir, server.agent_addr.port()).await;
+    server.wait_for_agents(1).await;
 
     // A good dial: bytes there and back, then closed.
     let echo = destination::echo().await;
@@ -792,7 +756,7 @@ async fn every_metric_the_rules_and_the_dashboard_name_is_exported() {
     loop {
         let texts = [
             ("proxy-server", scrape(server.health_addr).await),
-            ("proxy-agent", scrape(agent_health).await),
+            ("proxy-agent", scrape(agent.health_addr).await),
         ];
         let exposed: BTreeMap<&str, BTreeMap<String, String>> = texts
             .iter()
