@@ -1,9 +1,10 @@
 //! [`RawFrontend`]: a frontend that sends packets by hand.
 
-use proto::{Packet, proxy_service_client::ProxyServiceClient};
+use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::Streaming;
+use tonic::{Streaming, transport::Channel};
+use tunnel::ids::DialId;
 
 use crate::{DEADLINE, TestServer};
 
@@ -29,6 +30,32 @@ impl RawFrontend {
             tx,
             rx: response.into_inner(),
         }
+    }
+
+    /// Opens a `Proxy` stream with `client` and dials `address` (DIAL_REQ
+    /// with a random id, sent before the call), room for 4 packets queued
+    /// towards the server; returns once a successful DIAL_RSP came, with
+    /// its connection id (any other answer fails the test).
+    pub async fn dial(mut client: ProxyServiceClient<Channel>, address: &str) -> (Self, i64) {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(Packet::dial_request("tcp", address, DialId::random().0))
+            .await
+            .expect("queueing the DIAL_REQ");
+        let mut rx = client
+            .proxy(ReceiverStream::new(rx))
+            .await
+            .expect("opening the proxy stream")
+            .into_inner();
+        let answer = rx
+            .message()
+            .await
+            .expect("stream failed")
+            .expect("stream ended");
+        let conn = match answer.into_kind() {
+            PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
+            other => panic!("expected a successful DIAL_RSP, got {other:?}"),
+        };
+        (Self { tx, rx }, conn)
     }
 
     /// Sends a packet.

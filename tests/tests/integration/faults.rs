@@ -17,7 +17,7 @@ use std::{
 use bytes::Bytes;
 use hyper_util::rt::TokioIo;
 use integration_tests::{
-    AgentProcess, DEADLINE,
+    AgentProcess, DEADLINE, RawFrontend,
     destination::{self, Stall},
     process::{AgentSwarm, ServerProcess},
     trace_init,
@@ -132,20 +132,13 @@ async fn grpc_upload(
     address: &str,
     close: impl FnOnce() + Send + 'static,
 ) -> Upload {
-    let (tx, rx) = mpsc::channel(4);
-    let random = DialId::random();
-    tx.send(Packet::dial_request("tcp", address, random.0))
-        .await
-        .unwrap();
-    let mut inbound = ProxyServiceClient::new(channel)
-        .proxy(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    let conn = match inbound.message().await.unwrap().unwrap().into_kind() {
-        PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
-        other => panic!("expected a successful DIAL_RSP, got {other:?}"),
-    };
+    let (
+        RawFrontend {
+            tx,
+            rx: mut inbound,
+        },
+        conn,
+    ) = RawFrontend::dial(ProxyServiceClient::new(channel), address).await;
     let writer = tokio::spawn(async move {
         let chunk = Bytes::from(vec![0x5a; CHUNK]);
         while tx.send(Packet::data(conn, chunk.clone())).await.is_ok() {}
@@ -417,22 +410,15 @@ mod oversize {
         server.wait_for_agents(1).await;
         let echo = destination::echo().await;
 
-        let (tx, rx) = mpsc::channel(4);
-        let random = DialId::random();
-        tx.send(Packet::dial_request("tcp", &echo.address(), random.0))
-            .await
-            .unwrap();
         let channel = client::dial::uds_channel(&server.uds).await.unwrap();
-        let mut inbound = ProxyServiceClient::new(channel)
-            .max_encoding_message_size(16 << 20)
-            .proxy(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let conn = match inbound.message().await.unwrap().unwrap().into_kind() {
-            PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
-            other => panic!("expected a successful DIAL_RSP, got {other:?}"),
-        };
+        let client = ProxyServiceClient::new(channel).max_encoding_message_size(16 << 20);
+        let (
+            RawFrontend {
+                tx,
+                rx: mut inbound,
+            },
+            conn,
+        ) = RawFrontend::dial(client, &echo.address()).await;
         integration_tests::wait_for("the echo connection", || echo.open_connections() == 1).await;
         tx.send(oversize_data(conn)).await.unwrap();
 
@@ -922,21 +908,14 @@ async fn one_of_many(
         }
         _ => {
             let permit = opening.acquire().await.unwrap();
-            let (tx, rx) = mpsc::channel(4);
-            let random = DialId::random();
-            tx.send(Packet::dial_request("tcp", &echo, random.0))
-                .await
-                .unwrap();
             let channel = client::dial::uds_channel(&uds).await.unwrap();
-            let mut inbound = ProxyServiceClient::new(channel)
-                .proxy(ReceiverStream::new(rx))
-                .await
-                .unwrap()
-                .into_inner();
-            let conn = match inbound.message().await.unwrap().unwrap().into_kind() {
-                PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
-                other => panic!("expected a successful DIAL_RSP, got {other:?}"),
-            };
+            let (
+                RawFrontend {
+                    tx,
+                    rx: mut inbound,
+                },
+                conn,
+            ) = RawFrontend::dial(ProxyServiceClient::new(channel), &echo).await;
             tx.send(Packet::data(conn, Bytes::from(sent.clone())))
                 .await
                 .unwrap();

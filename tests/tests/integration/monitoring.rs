@@ -23,18 +23,13 @@ use std::{
 
 use bytes::Bytes;
 use integration_tests::{
-    AGENT_FILES, DEADLINE, Pki, SERVER_FILES, destination, http_get, install,
+    AGENT_FILES, DEADLINE, Pki, RawFrontend, SERVER_FILES, destination, http_get, install,
     process::{AgentWithFiles, ServerProcess},
     python, trace_init, workspace,
 };
-use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
+use proto::{Packet, proxy_service_client::ProxyServiceClient};
 use serde_json::Value;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    sync::mpsc,
-};
-use tokio_stream::wrappers::ReceiverStream;
-use tunnel::ids::DialId;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const RULES: &str = "konnectivity-rules.yaml";
 const RULES_TEST: &str = "konnectivity-rules.test.yaml";
@@ -608,24 +603,9 @@ async fn scrape(addr: SocketAddr) -> String {
 /// waits for room: `full_receive_channels` and `blocked_seconds_total`
 /// get their series. The upload ends when the returned guard drops.
 async fn block_a_reader(server: &ServerProcess, stall: &destination::Stall) -> AbortOnDrop {
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(Packet::dial_request(
-        "tcp",
-        &stall.address(),
-        DialId::random().0,
-    ))
-    .await
-    .unwrap();
     let channel = client::dial::uds_channel(&server.uds).await.unwrap();
-    let mut inbound = ProxyServiceClient::new(channel)
-        .proxy(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    let conn = match inbound.message().await.unwrap().unwrap().into_kind() {
-        PacketKind::DialRsp(rsp) if rsp.error.is_empty() => rsp.connect_id,
-        other => panic!("expected a successful DIAL_RSP, got {other:?}"),
-    };
+    let (RawFrontend { tx, rx: inbound }, conn) =
+        RawFrontend::dial(ProxyServiceClient::new(channel), &stall.address()).await;
     let writer = tokio::spawn(async move {
         let chunk = Bytes::from(vec![0x5a; 64 * 1024]);
         while tx.send(Packet::data(conn, chunk.clone())).await.is_ok() {}
