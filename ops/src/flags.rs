@@ -84,6 +84,15 @@ pub enum FlagError {
     },
 }
 
+impl From<crate::tls::files::StartError> for FlagError {
+    fn from(e: crate::tls::files::StartError) -> Self {
+        Self::Tls {
+            flag: e.flag,
+            source: e.source,
+        }
+    }
+}
+
 /// [`FlagError::Invalid`] for `flag`.
 pub fn invalid(flag: &'static str, reason: impl Into<String>) -> FlagError {
     FlagError::Invalid {

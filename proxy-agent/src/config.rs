@@ -562,10 +562,7 @@ impl ClientTls {
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
     pub fn load(&self) -> Result<Arc<rustls::ClientConfig>, ConfigError> {
-        self.build()().map_err(|source| ConfigError::Tls {
-            flag: files::flag_of(&self.files(), source.path()),
-            source,
-        })
+        Ok(files::load_once(&self.files(), self.build())?)
     }
 
     /// The TLS configuration that follows the files: each new connection
@@ -579,12 +576,12 @@ impl ClientTls {
         &self,
         metrics: files::CertMetrics,
     ) -> Result<files::TlsFiles<rustls::ClientConfig>, ConfigError> {
-        files::TlsFiles::load("server connections", self.files(), metrics, self.build()).map_err(
-            |e| ConfigError::Tls {
-                flag: e.flag,
-                source: e.source,
-            },
-        )
+        Ok(files::TlsFiles::load(
+            "server connections",
+            self.files(),
+            metrics,
+            self.build(),
+        )?)
     }
 
     /// The files, named by their flags.

@@ -262,10 +262,7 @@ impl ListenerTls {
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
     pub fn load(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
-        self.build()().map_err(|source| ConfigError::Tls {
-            flag: files::flag_of(&self.files(), source.path()),
-            source,
-        })
+        Ok(files::load_once(&self.files(), self.build())?)
     }
 
     /// The TLS configuration that follows the files: each new handshake
@@ -280,12 +277,12 @@ impl ListenerTls {
         what: &'static str,
         metrics: files::CertMetrics,
     ) -> Result<files::TlsFiles<rustls::ServerConfig>, ConfigError> {
-        files::TlsFiles::load(what, self.files(), metrics, self.build()).map_err(|e| {
-            ConfigError::Tls {
-                flag: e.flag,
-                source: e.source,
-            }
-        })
+        Ok(files::TlsFiles::load(
+            what,
+            self.files(),
+            metrics,
+            self.build(),
+        )?)
     }
 
     /// The files, named by their flags.

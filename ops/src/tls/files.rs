@@ -193,10 +193,7 @@ impl<C> TlsFiles<C> {
         build: impl Fn() -> Result<Arc<C>, TlsError> + Send + Sync + 'static,
     ) -> Result<Self, StartError> {
         let seen = files.iter().map(|f| read(&f.path)).collect();
-        let current = build().map_err(|source| StartError {
-            flag: flag_of(&files, source.path()),
-            source,
-        })?;
+        let current = load_once(&files, &build)?;
         show_expiries(&files, &metrics);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -271,9 +268,19 @@ fn flags_of(files: &[TlsFile], path: &Path) -> (&'static str, &'static str) {
         .map_or(("", ""), |f| (f.flag, f.counted_as))
 }
 
-/// The flag of the file at `path` among `files`, for errors that name it.
-pub fn flag_of(files: &[TlsFile], path: &Path) -> &'static str {
-    flags_of(files, path).0
+/// Builds a configuration from `files` once (a check, a client of its
+/// own), without following them.
+///
+/// # Errors
+/// The files cannot be used; the error names the flag of the file.
+pub fn load_once<C>(
+    files: &[TlsFile],
+    build: impl Fn() -> Result<Arc<C>, TlsError>,
+) -> Result<Arc<C>, StartError> {
+    build().map_err(|source| StartError {
+        flag: flags_of(files, source.path()).0,
+        source,
+    })
 }
 
 /// Sets the expiry gauge of every certificate file (read again: the build
