@@ -120,23 +120,8 @@ impl TestAgent {
     /// Starts an agent against `agent_addr`; returns once it is bound (it
     /// may not be connected yet).
     pub async fn start_with(agent_addr: SocketAddr, opts: AgentOpts) -> Self {
-        trace_init();
-        let bound = Agent::bind(agent_config(agent_addr, &opts))
-            .await
-            .expect("binding the agent");
-        let shutdown = CancellationToken::new();
-        let handle = bound.handle();
-        let health_addr = bound.health_addr();
-        let admin_addr = bound.admin_addr();
-        let token = shutdown.clone();
-        let task = tokio::spawn(async move { bound.serve(token.cancelled_owned()).await });
-        Self {
-            handle,
-            health_addr,
-            admin_addr,
-            shutdown,
-            task: Some(task),
-        }
+        // A drain signal that never comes: `Bound::serve`.
+        Self::start_drainable_with(agent_addr, opts, CancellationToken::new()).await
     }
 
     /// Starts an agent whose first "signal" is `drain` (DRAIN, keep
