@@ -64,6 +64,35 @@ async fn restart(server: ServerProcess, dir: &Path, agents: usize) -> ServerProc
     server
 }
 
+/// curl through the mTLS CONNECT frontend on `port` with the frontend CA
+/// and client certificate of the PKI in `pki`, fetching `http://<target>/`
+/// into `out`.
+async fn curl_through(port: u16, pki: &Path, target: &str, out: &Path) -> std::process::Output {
+    let mut command = std::process::Command::new("curl");
+    command
+        .args([
+            "--silent",
+            "--show-error",
+            "--max-time",
+            "20",
+            "--proxytunnel",
+        ])
+        .arg("--proxy")
+        .arg(format!("https://localhost:{port}"))
+        .arg("--proxy-cacert")
+        .arg(pki.join("frontend-ca.crt"))
+        .arg("--proxy-cert")
+        .arg(pki.join("proxy-client.crt"))
+        .arg("--proxy-key")
+        .arg(pki.join("proxy-client.key"))
+        .arg("--output")
+        .arg(out)
+        .arg(format!("http://{target}/"));
+    tokio::task::spawn_blocking(move || command.output().expect("running curl"))
+        .await
+        .unwrap()
+}
+
 /// The value of one series of `text`, which must be there.
 fn required(text: &str, series: &str) -> f64 {
     assert!(
@@ -318,6 +347,19 @@ async fn the_mtls_frontend_rotates_without_a_restart() {
     assert!(
         open(old.dir.path().to_owned()).await.is_err(),
         "a client of the old CA was served"
+    );
+    // curl, a client we did not write, with the new PKI's files.
+    let web = destination::http(b"answered after the rotation\n").await;
+    let out = dir.path().join("curl-body");
+    let curl = curl_through(frontend_port, new.dir.path(), &web.address(), &out).await;
+    assert!(
+        curl.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&curl.stderr)
+    );
+    assert_eq!(
+        std::fs::read(&out).unwrap(),
+        b"answered after the rotation\n"
     );
     let metrics = server.metrics().await;
     let series = expiry(
