@@ -286,7 +286,7 @@ async fn drive(
     mut inbound: tonic::Streaming<Packet>,
     out_tx: tunnel::queue::QueueTx<Packet>,
 ) -> Result<(), ClientError> {
-    let (data_tx, data_rx) = tunnel::flow::queue_with_slots(INBOUND_CAPACITY);
+    let (data_tx, data_rx) = tunnel::flow::inbound(None, INBOUND_CAPACITY);
     let reader = async move {
         // `data_tx` lives in here: when this returns, the mover drains and
         // closes the caller's pipe.
@@ -298,8 +298,7 @@ async fn drive(
             match packet.into_kind() {
                 PacketKind::Data(data) if data.connect_id == conn_id.0 => {
                     // The caller may be gone; keep reading until CLOSE_RSP.
-                    let cost = tunnel::flow::cost(data.data.len());
-                    let _ = data_tx.send(data.data, cost).await;
+                    let _ = data_tx.send(data.data).await;
                 }
                 PacketKind::CloseRsp(rsp) if rsp.connect_id == conn_id.0 => {
                     return if rsp.error.is_empty() {

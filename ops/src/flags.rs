@@ -9,7 +9,18 @@ use std::{
 
 use clap::Args;
 
-pub use proto::header::go_bool;
+/// Parses a boolean as Go's `strconv.ParseBool` does: how ANP reads its
+/// boolean flags and the `default-route` agent identifier.
+///
+/// # Errors
+/// Anything but `1 t T TRUE true True 0 f F FALSE false False`.
+pub fn go_bool(text: &str) -> Result<bool, String> {
+    match text {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        _ => Err(format!("invalid boolean {text:?} (want true or false)")),
+    }
+}
 
 /// A path flag's value, taken as written: unlike clap's own parser it
 /// accepts an empty one (ANP's flags are strings, and `--x=` is how a
@@ -197,6 +208,21 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
+}
+
+/// The per-connection flow-control window this side announces to peers
+/// that negotiate credit (both binaries; ours, not ANP's).
+#[derive(Debug, Clone, Args)]
+pub struct FlowArgs {
+    /// Bytes a peer may have in flight per tunneled connection towards
+    /// this process (payload plus 64 per packet; 16 KiB to 64 MiB), which
+    /// is what one stalled connection can make it buffer. Against peers of
+    /// builds before flow control v2, 1 MiB.
+    #[arg(long, default_value_t = 1024 * 1024, value_name = "BYTES")]
+    pub flow_control_window: usize,
+    /// Largest DATA payload a peer may send this process (1 KiB to 1 MiB).
+    #[arg(long, default_value_t = 256 * 1024, value_name = "BYTES")]
+    pub flow_control_max_chunk: usize,
 }
 
 /// The size of the async runtime (both binaries; ours, not ANP's).

@@ -8,7 +8,7 @@
 //! keep-alive connection sits idle between requests, so such a connection is
 //! closed after 60 s where Go would keep it; probes reconnect anyway.
 
-use std::{fmt::Write as _, time::Duration};
+use std::{fmt::Write as _, net::SocketAddr, time::Duration};
 
 use axum::{
     Router,
@@ -16,13 +16,14 @@ use axum::{
     http::{HeaderValue, Method, Response, StatusCode, header},
     response::IntoResponse,
 };
+use futures_util::{Stream, StreamExt};
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
     service::TowerToHyperService,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
-    net::TcpListener,
+    net::TcpStream,
 };
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::debug;
@@ -41,23 +42,29 @@ const HEADER_LIMIT: usize = MAX_HEADER_BYTES + 4096;
 /// Go's `http.NotFound` body.
 pub const NOT_FOUND_BODY: &str = "404 page not found\n";
 
-/// Serves `router` on `listener` until `shutdown`, one task per connection;
-/// then lets open connections finish their request and returns. `what`
-/// names the listener in logs.
+/// Serves `router` on the connections `incoming` yields (a listener's
+/// accepts, with their peers) until `shutdown` or its end, one task per
+/// connection; then lets open connections finish their request and
+/// returns. `what` names the listener in logs.
 ///
 /// Paths `router` does not know get Go's 404 ([`not_found`]).
-pub async fn serve(
-    listener: TcpListener,
+pub async fn serve<S>(
+    mut incoming: S,
     router: Router,
     shutdown: CancellationToken,
     what: &'static str,
-) {
+) where
+    S: Stream<Item = (TcpStream, SocketAddr)> + Unpin,
+{
     let router = router.fallback(not_found);
     let connections = TaskTracker::new();
     loop {
         let (tcp, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = tunnel::conn::accept(&listener, what) => accepted,
+            accepted = incoming.next() => match accepted {
+                Some(accepted) => accepted,
+                None => break,
+            },
         };
         let router = router.clone();
         let shutdown = shutdown.clone();
@@ -67,7 +74,7 @@ pub async fn serve(
             }
         });
     }
-    drop(listener);
+    drop(incoming);
     connections.close();
     connections.wait().await;
 }

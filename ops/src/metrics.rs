@@ -219,46 +219,299 @@ impl Collector for Shared {
     }
 }
 
-/// `packet_type` and `segment`: ANP's `stream_packets_total` labels.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PacketLabels {
-    /// The packet type's enum name (`DIAL_REQ`, …).
-    pub packet_type: &'static str,
-    /// `from_client`, `to_client`, `from_agent` or `to_agent`.
-    pub segment: &'static str,
-}
+/// Histogram buckets of Go's `prometheus.DefBuckets`.
+pub const DEFAULT_BUCKETS: [f64; 11] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
-/// `code`, `packet_type` and `segment`: ANP's `stream_errors_total` labels.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ErrorLabels {
-    /// The gRPC code name (`Unavailable`, …).
-    pub code: String,
-    /// The packet type, `Unknown` for receive errors.
-    pub packet_type: &'static str,
-    /// The stream segment.
-    pub segment: &'static str,
-}
-
-/// ANP's `stream_packets_total` and `stream_errors_total` (same HELP on
-/// the server and the agent).
+/// A histogram with fixed buckets whose observations take no lock (a few
+/// atomic additions), for what is observed on the bytes' path;
+/// prometheus-client's own holds a mutex per observation.
 #[derive(Clone, Debug)]
-pub struct StreamCounters {
-    /// Packets by type and segment.
-    packets: prometheus_client::metrics::family::Family<PacketLabels, Counter>,
-    /// Stream errors by code, type and segment.
-    errors: prometheus_client::metrics::family::Family<ErrorLabels, Counter>,
+pub struct Histogram {
+    /// The shared state.
+    inner: Arc<HistogramInner>,
 }
 
-impl StreamCounters {
-    /// Registers both as `<prefix>stream_packets_total` and
-    /// `<prefix>stream_errors_total`.
-    pub fn register(metrics: &mut Metrics, prefix: &str) -> Self {
+#[derive(Debug)]
+struct HistogramInner {
+    /// Upper bounds, ascending; `+Inf` is implied.
+    bounds: Vec<f64>,
+    /// Observations per bucket (not cumulative), the last one `+Inf`'s.
+    counts: Vec<AtomicU64>,
+    /// The sum's `f64` bits.
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram with upper bounds `bounds` (ascending) and `+Inf`.
+    pub fn new(bounds: impl IntoIterator<Item = f64>) -> Self {
+        let bounds: Vec<f64> = bounds.into_iter().collect();
+        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
         Self {
-            packets: metrics.register(
+            inner: Arc::new(HistogramInner {
+                bounds,
+                counts,
+                sum: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Records `value`.
+    pub fn observe(&self, value: f64) {
+        let inner = &*self.inner;
+        let bucket = inner
+            .bounds
+            .iter()
+            .position(|bound| value <= *bound)
+            .unwrap_or(inner.bounds.len());
+        inner.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        let _ = inner
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + value).to_bits())
+            });
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.inner
+            .counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+impl TypedMetric for Histogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Histogram {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), fmt::Error> {
+        let inner = &*self.inner;
+        let buckets: Vec<(f64, u64)> = inner
+            .bounds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(inner.counts.iter().map(|c| c.load(Ordering::Relaxed)))
+            .collect();
+        let count = buckets.iter().map(|(_, n)| n).sum();
+        let sum = f64::from_bits(inner.sum.load(Ordering::Relaxed));
+        encoder
+            .encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// A label whose values are the variants of an enum (see [`label_enum!`]):
+/// its text, and an index for tables of resolved series.
+pub trait LabelEnum:
+    prometheus_client::encoding::EncodeLabelValue
+    + Copy
+    + std::hash::Hash
+    + Eq
+    + fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+    /// How many values.
+    const COUNT: usize;
+    /// This value's index, below [`LabelEnum::COUNT`].
+    fn index(self) -> usize;
+    /// The label text.
+    fn text(self) -> &'static str;
+}
+
+/// Declares an enum whose variants are a metric label's values: the
+/// enum, `as_str`, prometheus-client's `EncodeLabelValue` and
+/// [`LabelEnum`].
+///
+/// ```
+/// ops::label_enum! {
+///     /// Which way bytes went.
+///     pub enum Direction {
+///         /// Towards the agent.
+///         ToAgent = "to_agent",
+///         /// Back.
+///         ToFrontend = "to_frontend",
+///     }
+/// }
+/// assert_eq!(Direction::ToFrontend.as_str(), "to_frontend");
+/// ```
+#[macro_export]
+macro_rules! label_enum {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident {
+        $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)?
+    }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant),+
+        }
+
+        impl $name {
+            /// The label text.
+            #[allow(dead_code)]
+            $vis fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $text),+
+                }
+            }
+        }
+
+        impl ::prometheus_client::encoding::EncodeLabelValue for $name {
+            fn encode(
+                &self,
+                encoder: &mut ::prometheus_client::encoding::LabelValueEncoder<'_>,
+            ) -> ::std::fmt::Result {
+                ::std::fmt::Write::write_str(encoder, (*self).as_str())
+            }
+        }
+
+        impl $crate::metrics::LabelEnum for $name {
+            const COUNT: usize = [$($text),+].len();
+            fn index(self) -> usize {
+                self as usize
+            }
+            fn text(self) -> &'static str {
+                self.as_str()
+            }
+        }
+    };
+}
+
+/// A one-label family keyed by a [`LabelEnum`] whose series are found in
+/// the family once and kept: after its first use a series is counted
+/// without the family's lock (it appears in the exposition on that first
+/// use, as before).
+#[derive(Debug)]
+pub struct ByLabel<L: LabelEnum, M> {
+    /// The family, as registered.
+    family: prometheus_client::metrics::family::Family<[(&'static str, L); 1], M>,
+    /// The label's name.
+    key: &'static str,
+    /// The series found so far, by the label's index.
+    cells: Vec<std::sync::OnceLock<M>>,
+}
+
+impl<L, M> ByLabel<L, M>
+where
+    L: LabelEnum,
+    M: EncodeMetric + TypedMetric + Send + Sync + fmt::Debug + Default + Clone + 'static,
+{
+    /// Registers `name` with `help`, labelled `key`.
+    pub fn register(
+        metrics: &mut Metrics,
+        name: impl Into<Cow<'static, str>>,
+        help: impl Into<Cow<'static, str>>,
+        key: &'static str,
+    ) -> Self {
+        Self {
+            family: metrics.register(name, help, Default::default()),
+            key,
+            cells: (0..L::COUNT).map(|_| std::sync::OnceLock::new()).collect(),
+        }
+    }
+
+    /// The series of `label`.
+    pub fn get(&self, label: L) -> &M {
+        self.cells[label.index()]
+            .get_or_init(|| self.family.get_or_create(&[(self.key, label)]).clone())
+    }
+}
+
+/// ANP's `stream_packets_total`: packets by type and segment `S`. After the
+/// first packet of a segment and type, counting one takes no lock.
+#[derive(Debug)]
+pub struct PacketCounters<S: LabelEnum> {
+    /// The family, as registered.
+    family: prometheus_client::metrics::family::Family<[(&'static str, &'static str); 2], Counter>,
+    /// The packet types' names, by their number on the wire.
+    types: &'static [&'static str],
+    /// Series found so far, by segment and type.
+    cells: Vec<std::sync::OnceLock<Counter>>,
+    /// The segment type.
+    segment: std::marker::PhantomData<S>,
+}
+
+impl<S: LabelEnum> PacketCounters<S> {
+    /// Registers `<prefix>stream_packets_total`; `types` names the packet
+    /// types counted, by their number on the wire (others are not).
+    pub fn register(metrics: &mut Metrics, prefix: &str, types: &'static [&'static str]) -> Self {
+        Self {
+            family: metrics.register(
                 format!("{prefix}stream_packets_total"),
                 "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
                 Default::default(),
             ),
+            types,
+            cells: (0..S::COUNT * types.len())
+                .map(|_| std::sync::OnceLock::new())
+                .collect(),
+            segment: std::marker::PhantomData,
+        }
+    }
+
+    /// A packet of type `packet_type` (its number on the wire) crossed
+    /// `segment`.
+    pub fn count(&self, segment: S, packet_type: i32) {
+        let Some((index, name)) = usize::try_from(packet_type)
+            .ok()
+            .and_then(|t| self.types.get(t).map(|name| (t, *name)))
+        else {
+            return;
+        };
+        self.cells[segment.index() * self.types.len() + index]
+            .get_or_init(|| {
+                self.family
+                    .get_or_create(&[("packet_type", name), ("segment", segment.text())])
+                    .clone()
+            })
+            .inc();
+    }
+}
+
+/// `code`, `packet_type` and `segment`: ANP's `stream_errors_total` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct ErrorLabels<S> {
+    /// The gRPC code name (`Unavailable`, …).
+    pub code: &'static str,
+    /// The packet type (`DIAL_RSP`, …), `Unknown` for receive errors.
+    pub packet_type: &'static str,
+    /// The stream segment.
+    pub segment: S,
+}
+
+impl<S: prometheus_client::encoding::EncodeLabelValue + Copy> EncodeLabelSet for ErrorLabels<S> {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder<'_>,
+    ) -> Result<(), fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel;
+        ("code", self.code).encode(encoder.encode_label())?;
+        ("packet_type", self.packet_type).encode(encoder.encode_label())?;
+        ("segment", self.segment).encode(encoder.encode_label())
+    }
+}
+
+/// ANP's `stream_errors_total` (same HELP on the server and the agent),
+/// by segment `S`.
+#[derive(Clone, Debug)]
+pub struct StreamErrors<S: LabelEnum> {
+    /// Stream errors by code, type and segment.
+    errors: prometheus_client::metrics::family::Family<ErrorLabels<S>, Counter>,
+}
+
+impl<S: LabelEnum> StreamErrors<S> {
+    /// Registers `<prefix>stream_errors_total`.
+    pub fn register(metrics: &mut Metrics, prefix: &str) -> Self {
+        Self {
             errors: metrics.register(
                 format!("{prefix}stream_errors_total"),
                 "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
@@ -267,59 +520,46 @@ impl StreamCounters {
         }
     }
 
-    /// A packet of ANP's types crossed `segment` (others, such as our
-    /// flow-control credits, are not counted).
-    pub fn packet(&self, segment: &'static str, packet: &proto::Packet) {
-        if let Some(packet_type) = packet_type_name(packet) {
-            self.packets
-                .get_or_create(&PacketLabels {
-                    packet_type,
-                    segment,
-                })
-                .inc();
-        }
+    /// Receiving on `segment` failed with `code`.
+    pub fn receive_error(&self, segment: S, code: tonic::Code) {
+        self.error(segment, code, "Unknown");
     }
 
-    /// Receiving on `segment` failed with `code`.
-    pub fn receive_error(&self, segment: &'static str, code: tonic::Code) {
+    /// Sending a packet of type `packet_type` on `segment` failed with
+    /// `code`.
+    pub fn error(&self, segment: S, code: tonic::Code, packet_type: &'static str) {
         self.errors
             .get_or_create(&ErrorLabels {
                 code: code_name(code),
-                packet_type: "Unknown",
+                packet_type,
                 segment,
             })
             .inc();
     }
-
-    /// Sending `packet` on `segment` failed with `code`.
-    pub fn send_error(&self, segment: &'static str, code: tonic::Code, packet: &proto::Packet) {
-        if let Some(packet_type) = packet_type_name(packet) {
-            self.errors
-                .get_or_create(&ErrorLabels {
-                    code: code_name(code),
-                    packet_type,
-                    segment,
-                })
-                .inc();
-        }
-    }
-}
-
-/// The enum name of a packet's type as ANP labels it, or `None` for types
-/// outside ANP's enum (our flow-control credits), which are not counted.
-pub fn packet_type_name(packet: &proto::Packet) -> Option<&'static str> {
-    proto::PacketType::try_from(packet.r#type)
-        .ok()
-        .map(|t| t.as_str_name())
 }
 
 /// gRPC's name of `code`, as Go's `codes.Code.String()` prints it
 /// (`OK`, `Canceled`: tonic spells these two differently).
-pub fn code_name(code: tonic::Code) -> String {
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
     match code {
-        tonic::Code::Ok => "OK".to_owned(),
-        tonic::Code::Cancelled => "Canceled".to_owned(),
-        other => format!("{other:?}"),
+        Code::Ok => "OK",
+        Code::Cancelled => "Canceled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
     }
 }
 
@@ -397,14 +637,9 @@ pub fn register_process(metrics: &mut Metrics) {
     );
 }
 
-/// Histogram buckets of Go's `prometheus.DefBuckets`.
-pub const DEFAULT_BUCKETS: [f64; 11] = [
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
-
 #[cfg(test)]
 mod tests {
-    use prometheus_client::metrics::{family::Family, gauge::Gauge, histogram::Histogram};
+    use prometheus_client::metrics::{family::Family, gauge::Gauge};
 
     use super::*;
 
@@ -416,7 +651,7 @@ mod tests {
             "Number of dial failures observed. Multiple failures can occur.",
             Family::default(),
         );
-        let packets: Family<PacketLabels, Counter> = m.register(
+        let packets: Family<Vec<(&'static str, &'static str)>, Counter> = m.register(
             "x_stream_packets_total",
             "Count of packets",
             Family::default(),
@@ -439,10 +674,10 @@ mod tests {
             .get_or_create(&vec![("reason".to_owned(), "no_agent".to_owned())])
             .inc();
         packets
-            .get_or_create(&PacketLabels {
-                packet_type: "DIAL_REQ",
-                segment: "from_client",
-            })
+            .get_or_create(&vec![
+                ("packet_type", "DIAL_REQ"),
+                ("segment", "from_client"),
+            ])
             .inc_by(2.0);
         gauge.set(3);
         hist.observe(0.5);
@@ -502,6 +737,44 @@ mod tests {
              # TYPE x_pending gauge\n\
              x_pending 0\n"
         );
+    }
+
+    crate::label_enum! {
+        /// A test label.
+        enum Way {
+            /// One way.
+            Up = "up",
+            /// The other.
+            Down = "down",
+        }
+    }
+
+    #[test]
+    fn a_resolved_series_is_the_familys_and_appears_on_first_use() {
+        let mut m = Metrics::default();
+        let bytes: ByLabel<Way, Counter> =
+            ByLabel::register(&mut m, "x_bytes_total", "Bytes", "direction");
+        let packets: PacketCounters<Way> =
+            PacketCounters::register(&mut m, "x_", &["DIAL_REQ", "DIAL_RSP"]);
+        let m = Arc::new(m);
+        assert_eq!(m.render(), "");
+        bytes.get(Way::Down).inc_by(3.0);
+        bytes.get(Way::Down).inc();
+        packets.count(Way::Up, 1);
+        packets.count(Way::Up, 1);
+        packets.count(Way::Up, 7);
+        packets.count(Way::Up, -1);
+        let text = m.render();
+        assert!(
+            text.contains("x_bytes_total{direction=\"down\"} 4\n"),
+            "{text}"
+        );
+        assert!(!text.contains("direction=\"up\""), "{text}");
+        assert!(
+            text.contains("x_stream_packets_total{packet_type=\"DIAL_RSP\",segment=\"up\"} 2\n"),
+            "{text}"
+        );
+        assert_eq!(text.matches("x_stream_packets_total{").count(), 1, "{text}");
     }
 
     #[test]

@@ -16,16 +16,3 @@ pub const SERVER_ID: &str = "serverid";
 pub const SERVER_COUNT: &str = "servercount";
 /// Prefix of the `authorization` value.
 pub const BEARER_PREFIX: &str = "Bearer ";
-
-/// Parses a boolean as Go's `strconv.ParseBool` does: how ANP reads the
-/// `default-route` identifier and its boolean flags.
-///
-/// # Errors
-/// Anything but `1 t T TRUE true True 0 f F FALSE false False`.
-pub fn go_bool(text: &str) -> Result<bool, String> {
-    match text {
-        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
-        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
-        _ => Err(format!("invalid boolean {text:?} (want true or false)")),
-    }
-}

@@ -362,13 +362,13 @@ impl Bound {
         let tasks = TaskTracker::new();
         let health_port = health.local_addr().map_or(0, |a| a.port());
         tasks.spawn(ops::http::serve(
-            health,
+            tunnel::conn::incoming(health, "health"),
             health::router(metrics.clone(), state.clone()),
             token.clone(),
             "health",
         ));
         tasks.spawn(ops::http::serve(
-            admin,
+            tunnel::conn::incoming(admin, "admin"),
             health::admin_router(health_port, config.profiling),
             token.clone(),
             "admin",
@@ -507,7 +507,7 @@ fn add_client(
 ) {
     let server_id = client.server_id.clone();
     let cancel = token.child_token();
-    let conns = Connections::new(client.flow_control, &cancel);
+    let conns = Connections::new(client.scheme, &cancel);
     let entry = ClientEntry {
         cancel: cancel.clone(),
         conns: conns.clone(),
@@ -518,7 +518,7 @@ fn add_client(
         tracing::debug!(server.id = %server_id, "already connected to this server; closing the duplicate");
         return;
     }
-    info!(server.id = %server_id, server.count = client.server_count, flow_control = client.flow_control, "connected to proxy-server");
+    info!(server.id = %server_id, server.count = client.server_count, credit = client.scheme.is_credit(), "connected to proxy-server");
     let state = state.clone();
     let span = info_span!("client", server.id = %server_id);
     tasks.spawn(
@@ -635,7 +635,13 @@ mod tests {
         let (out_tx, out_rx) = tunnel::queue::queue(1 << 20, 1 << 10);
         let entry = ClientEntry {
             cancel: cancel.clone(),
-            conns: Connections::new(true, cancel),
+            conns: Connections::new(
+                tunnel::flow::Scheme::Credit {
+                    ours: tunnel::flow::Window::V1,
+                    theirs: tunnel::flow::Window::V1,
+                },
+                cancel,
+            ),
             out_tx,
             address: 0,
         };

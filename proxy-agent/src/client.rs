@@ -4,7 +4,7 @@ use std::{
     io,
     pin::Pin,
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicBool, Ordering},
     },
     task::{Context, Poll},
@@ -12,7 +12,6 @@ use std::{
 };
 
 use futures_util::StreamExt;
-use hyper_util::rt::TokioIo;
 use proto::{Packet, agent_service_client::AgentServiceClient, header};
 use rustls_pki_types::ServerName;
 use tokio::{
@@ -23,24 +22,25 @@ use tokio_rustls::TlsConnector;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{
     Request, Streaming,
-    metadata::MetadataValue,
+    metadata::{MetadataMap, MetadataValue},
     transport::{Channel, Endpoint},
 };
 use tracing::{Instrument, debug, debug_span, warn};
 use tunnel::blocked::when_blocked;
 use tunnel::conn::Io;
 use tunnel::{
-    flow::{self, SendCredit},
+    flow::{self, Flow, Refused, Scheme, Window},
     ids::ServerId,
     mover::{QueueUpstream, WindowDownstream},
     proxy_client,
     queue::QueueTx,
+    read_ahead::ReadAhead,
 };
 
 use crate::{
     config::{Config, ServerAddr},
     endpoint::{self, ConnDriver, Connections, EndpointConn},
-    metrics::AgentMetrics,
+    metrics::{AgentMetrics, Direction, Segment},
     outbound::ToServer,
     table::{Dialed, Step, Ticket},
 };
@@ -116,6 +116,15 @@ pub enum ConnectError {
         /// The file.
         path: std::path::PathBuf,
     },
+    /// The server announced flow-control numbers we cannot use.
+    #[error("proxy-server {server} announced an invalid flow-control window")]
+    FlowControl {
+        /// `host:port`.
+        server: String,
+        /// What is wrong.
+        #[source]
+        source: flow::WindowError,
+    },
     /// The response headers lack a valid `serverid`/`servercount`.
     #[error("proxy-server {server} sent an invalid {header} header")]
     Header {
@@ -156,8 +165,8 @@ pub struct Client {
     pub server_id: ServerId,
     /// The replica count the server announced (`servercount`).
     pub server_count: u32,
-    /// Whether both ends use per-connection credits (see `tunnel::flow`).
-    pub flow_control: bool,
+    /// What both ends agreed on flow control (see `tunnel::flow`).
+    pub scheme: Scheme,
     /// Packets from the server.
     inbound: Streaming<Packet>,
     /// Packets to the server, bounded in bytes.
@@ -315,11 +324,75 @@ impl Client {
 
     async fn connect_inner(
         config: &Config,
-        tls_config: Arc<rustls::ClientConfig>,
+        tls: Arc<rustls::ClientConfig>,
         target: &ServerAddr,
         server: &str,
         metrics: Arc<AgentMetrics>,
     ) -> Result<Self, ConnectError> {
+        let transport = TransportEnd::default();
+        let io = transport.watch(Self::tls(tls, target, server).await?);
+        let endpoint = Endpoint::from_shared(format!("http://{server}"))
+            .map_err(|source| ConnectError::Transport {
+                server: server.to_owned(),
+                source,
+            })?
+            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
+            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
+            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
+            .http2_keep_alive_interval(config.keepalive_time)
+            .keep_alive_timeout(flow::keepalive_timeout(config.keepalive_time))
+            .keep_alive_while_idle(true);
+        let channel = tunnel::conn::channel_over(endpoint, io)
+            .await
+            .map_err(|source| ConnectError::Transport {
+                server: server.to_owned(),
+                source,
+            })?;
+        let (out_tx, out_rx) = tunnel::queue::queue(config.max_server_queue_bytes, CONTROL_RESERVE);
+        let counting = metrics.clone();
+        let outbound = out_rx.map(move |packet: Packet| {
+            counting.packets.count(Segment::FromAgent, packet.r#type);
+            // Flow-control credits travel as DATA; they carry no bytes.
+            if let Some(proto::Payload::Data(data)) = &packet.payload
+                && packet.r#type == proto::PacketType::Data as i32
+            {
+                counting
+                    .bytes
+                    .get(Direction::ToServer)
+                    .inc_by(data.data.len() as f64);
+            }
+            packet
+        });
+        let mut request = Request::new(outbound);
+        request_metadata(config, server, request.metadata_mut()).await?;
+        let response = AgentServiceClient::new(channel.clone())
+            .connect(request)
+            .await
+            .map_err(|status| ConnectError::Refused {
+                server: server.to_owned(),
+                status,
+            })?;
+        let (server_id, server_count, scheme) =
+            response_headers(config, server, response.metadata())?;
+        Ok(Self {
+            server_id,
+            server_count,
+            scheme,
+            inbound: response.into_inner(),
+            out_tx,
+            metrics,
+            _channel: channel,
+            transport,
+            probe_interval: config.probe_interval,
+        })
+    }
+
+    /// TCP (through the egress proxy, if any) and TLS to `target`.
+    async fn tls(
+        tls: Arc<rustls::ClientConfig>,
+        target: &ServerAddr,
+        server: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<ReadAhead<Box<dyn Io>>>, ConnectError> {
         let tcp: Box<dyn Io> = match &target.proxy {
             Some(proxy) => proxy_client::connect(proxy, &target.host, target.port).await?,
             None => {
@@ -336,137 +409,13 @@ impl Client {
         let name = ServerName::try_from(target.host.clone())
             .map_err(|_| ConnectError::ServerName(target.host.clone()))?;
         // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
-        let tls = TlsConnector::from(tls_config)
-            .connect(name, tunnel::read_ahead::ReadAhead::new(tcp))
+        TlsConnector::from(tls)
+            .connect(name, ReadAhead::new(tcp))
             .await
             .map_err(|source| ConnectError::Tls {
                 server: server.to_owned(),
                 source,
-            })?;
-        // tonic asks its connector for a connection; hand it this one, once.
-        let transport = TransportEnd::default();
-        let slot = Arc::new(Mutex::new(Some(transport.watch(tls))));
-        let channel = Endpoint::from_shared(format!("http://{server}"))
-            .map_err(|source| ConnectError::Transport {
-                server: server.to_owned(),
-                source,
-            })?
-            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
-            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
-            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
-            .http2_keep_alive_interval(config.keepalive_time)
-            .keep_alive_timeout(flow::keepalive_timeout(config.keepalive_time))
-            .keep_alive_while_idle(true)
-            .connect_with_connector(tower::service_fn(move |_| {
-                let stream = slot.lock().ok().and_then(|mut s| s.take());
-                async move {
-                    stream
-                        .map(TokioIo::new)
-                        .ok_or_else(|| io::Error::other("server connection already used"))
-                }
-            }))
-            .await
-            .map_err(|source| ConnectError::Transport {
-                server: server.to_owned(),
-                source,
-            })?;
-
-        let (out_tx, out_rx) = tunnel::queue::queue(config.max_server_queue_bytes, CONTROL_RESERVE);
-        let counting = metrics.clone();
-        let outbound = out_rx.map(move |packet: Packet| {
-            counting.packet("from_agent", &packet);
-            // Flow-control credits travel as DATA; they carry no bytes.
-            if let Some(proto::Payload::Data(data)) = &packet.payload
-                && tunnel::flow::parse_credit(&packet).is_none()
-            {
-                counting.bytes("to_server", data.data.len());
-            }
-            packet
-        });
-        let mut request = Request::new(outbound);
-        let metadata = request.metadata_mut();
-        metadata.insert(
-            header::AGENT_ID,
-            MetadataValue::try_from(config.agent_id.0.as_str()).map_err(|_| {
-                ConnectError::Header {
-                    server: server.to_owned(),
-                    header: header::AGENT_ID,
-                }
-            })?,
-        );
-        if config.flow_control {
-            metadata.insert(flow::HEADER, MetadataValue::from_static(flow::VERSION));
-        }
-        if let Some(path) = &config.token_path {
-            // Re-read on every connect: projected tokens rotate. The raw file
-            // content is sent, untrimmed, as ANP does.
-            let token = tokio::fs::read(path)
-                .await
-                .map_err(|source| ConnectError::Token {
-                    path: path.clone(),
-                    source,
-                })?;
-            let mut value = header::BEARER_PREFIX.as_bytes().to_vec();
-            value.extend_from_slice(&token);
-            let mut value = MetadataValue::try_from(value.as_slice())
-                .map_err(|_| ConnectError::TokenText { path: path.clone() })?;
-            value.set_sensitive(true);
-            metadata.insert(header::AUTHORIZATION, value);
-        }
-        if !config.agent_identifiers.is_empty() {
-            metadata.insert(
-                header::AGENT_IDENTIFIERS,
-                MetadataValue::try_from(config.agent_identifiers.as_str()).map_err(|_| {
-                    ConnectError::Header {
-                        server: server.to_owned(),
-                        header: header::AGENT_IDENTIFIERS,
-                    }
-                })?,
-            );
-        }
-        let response = AgentServiceClient::new(channel.clone())
-            .connect(request)
-            .await
-            .map_err(|status| ConnectError::Refused {
-                server: server.to_owned(),
-                status,
-            })?;
-        let header_value = |key: &'static str| {
-            response
-                .metadata()
-                .get(key)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-                .ok_or(ConnectError::Header {
-                    server: server.to_owned(),
-                    header: key,
-                })
-        };
-        let server_id = ServerId(header_value(header::SERVER_ID)?);
-        let flow_control = config.flow_control
-            && flow::announced(
-                response
-                    .metadata()
-                    .get(flow::HEADER)
-                    .and_then(|v| v.to_str().ok()),
-            );
-        let server_count = header_value(header::SERVER_COUNT)?
-            .parse::<u32>()
-            .map_err(|_| ConnectError::Header {
-                server: server.to_owned(),
-                header: header::SERVER_COUNT,
-            })?;
-        Ok(Self {
-            server_id,
-            server_count,
-            flow_control,
-            inbound: response.into_inner(),
-            out_tx,
-            metrics,
-            _channel: channel,
-            transport,
-            probe_interval: config.probe_interval,
-        })
+            })
     }
 
     /// What the agent records.
@@ -486,7 +435,7 @@ impl Client {
             mut inbound,
             out_tx,
             server_id,
-            flow_control,
+            scheme,
             _channel,
             transport,
             probe_interval,
@@ -498,7 +447,7 @@ impl Client {
             conns: conns.clone(),
             to_server: ToServer::new(out_tx, cancel.clone(), metrics.clone()),
             tasks: tasks.clone(),
-            flow_control,
+            scheme,
             metrics: metrics.clone(),
         };
         let probe = transport.probe(probe_interval);
@@ -516,7 +465,7 @@ impl Client {
                 // Handling waits only for room on a connection's queue
                 // (without flow control); a cancel must still get through.
                 Ok(Some(packet)) => {
-                    metrics.packet("to_agent", &packet);
+                    metrics.packets.count(Segment::ToAgent, packet.r#type);
                     let handled = when_blocked(dispatcher.handle(packet), || {
                         BlockedTimer(std::time::Instant::now(), &metrics)
                     });
@@ -545,6 +494,84 @@ impl Client {
     }
 }
 
+/// The `Connect` call's metadata: the agent's id, flow control with its
+/// window, its token, its identifiers.
+async fn request_metadata(
+    config: &Config,
+    server: &str,
+    metadata: &mut MetadataMap,
+) -> Result<(), ConnectError> {
+    let invalid = |header| ConnectError::Header {
+        server: server.to_owned(),
+        header,
+    };
+    metadata.insert(
+        header::AGENT_ID,
+        MetadataValue::try_from(config.agent_id.0.as_str())
+            .map_err(|_| invalid(header::AGENT_ID))?,
+    );
+    if config.flow_control {
+        for (key, value) in config.flow_window.headers() {
+            metadata.insert(
+                key,
+                MetadataValue::try_from(value).map_err(|_| invalid(key))?,
+            );
+        }
+    }
+    if let Some(path) = &config.token_path {
+        // Re-read on every connect: projected tokens rotate. The raw file
+        // content is sent, untrimmed, as ANP does.
+        let token = tokio::fs::read(path)
+            .await
+            .map_err(|source| ConnectError::Token {
+                path: path.clone(),
+                source,
+            })?;
+        let mut value = header::BEARER_PREFIX.as_bytes().to_vec();
+        value.extend_from_slice(&token);
+        let mut value = MetadataValue::try_from(value.as_slice())
+            .map_err(|_| ConnectError::TokenText { path: path.clone() })?;
+        value.set_sensitive(true);
+        metadata.insert(header::AUTHORIZATION, value);
+    }
+    if !config.agent_identifiers.is_empty() {
+        metadata.insert(
+            header::AGENT_IDENTIFIERS,
+            MetadataValue::try_from(config.agent_identifiers.as_str())
+                .map_err(|_| invalid(header::AGENT_IDENTIFIERS))?,
+        );
+    }
+    Ok(())
+}
+
+/// The server's id, its replica count and the flow-control scheme, from
+/// its response headers.
+fn response_headers(
+    config: &Config,
+    server: &str,
+    metadata: &MetadataMap,
+) -> Result<(ServerId, u32, Scheme), ConnectError> {
+    let text = |key: &'static str| metadata.get(key).and_then(|v| v.to_str().ok());
+    let invalid = |header| ConnectError::Header {
+        server: server.to_owned(),
+        header,
+    };
+    let server_id = ServerId(
+        text(header::SERVER_ID)
+            .ok_or(invalid(header::SERVER_ID))?
+            .to_owned(),
+    );
+    let server_count = text(header::SERVER_COUNT)
+        .and_then(|count| count.parse::<u32>().ok())
+        .ok_or(invalid(header::SERVER_COUNT))?;
+    let theirs = Window::announced(text).map_err(|source| ConnectError::FlowControl {
+        server: server.to_owned(),
+        source,
+    })?;
+    let scheme = Scheme::negotiate(config.flow_control, config.flow_window, theirs);
+    Ok((server_id, server_count, scheme))
+}
+
 /// Carries out the connection table's steps for one server stream: the
 /// stream reader hands it each packet; dial and connection tasks report to
 /// the table themselves.
@@ -555,8 +582,8 @@ struct Dispatcher {
     to_server: ToServer,
     /// Dial and connection tasks.
     tasks: TaskTracker,
-    /// Whether per-connection credits are in use on this stream.
-    flow_control: bool,
+    /// What the stream agreed on flow control.
+    scheme: Scheme,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
 }
@@ -572,17 +599,17 @@ impl Drop for BlockedTimer<'_> {
 
 impl Dispatcher {
     async fn handle(&self, packet: Packet) {
-        // One lock: the step and the handle it needs.
-        let (step, window, credit) = {
+        // One lock of this stream's table: the step and the handle it needs.
+        let (step, handle) = {
             let mut table = self.conns.lock();
             let step = table.handle(packet);
-            let conn = match step {
-                Step::Deliver { conn, .. } | Step::Grant { conn, .. } => table.conn(conn),
+            let handle = match step {
+                Step::Deliver { conn, .. } | Step::Grant { conn, .. } => table
+                    .conn(conn)
+                    .map(|c| (c.inbound.clone(), c.flow.clone())),
                 _ => None,
             };
-            let window = conn.map(|c| c.inbound.clone());
-            let credit = conn.and_then(|c| c.send_credit.clone());
-            (step, window, credit)
+            (step, handle)
         };
         match step {
             Step::Dial {
@@ -592,30 +619,25 @@ impl Dispatcher {
                 cancel,
             } => self.spawn_dial(ticket, protocol, address, cancel),
             Step::Deliver { conn, data } => {
-                let Some(window) = window else { return };
-                self.metrics.bytes("to_endpoint", data.len());
-                let cost = flow::cost(data.len());
-                let pushed = if self.flow_control {
-                    // The server respects our window: this never waits.
-                    window.push(data, cost)
-                } else {
-                    // An ANP server sends without credit: wait while the
-                    // destination drains, give up if it stalls.
-                    window.push_wait(data, cost, flow::COMPAT_STALL).await
-                };
-                // Closed: the connection is ending; its task answers.
-                if pushed == Err(flow::PushError::Overflow) {
+                let Some((inbound, _)) = handle else { return };
+                self.metrics
+                    .bytes
+                    .get(Direction::ToEndpoint)
+                    .inc_by(data.len() as f64);
+                // With credit the server keeps within our window and this
+                // never waits; an ANP server sends without credit, and this
+                // waits while the destination drains, and gives up if it
+                // stalls. Closed: the connection is ending; its task answers.
+                if inbound.send(data).await == Err(Refused::Overflow) {
                     warn!(conn.id = %conn, "connection closed: its destination reads too slowly");
                     if let Some(handle) = self.conns.lock().remove(conn) {
                         handle.overflow.cancel();
                     }
                 }
             }
-            Step::Grant {
-                credit: granted, ..
-            } => {
-                if let Some(credit) = credit {
-                    credit.grant(granted);
+            Step::Grant { credit, .. } => {
+                if let Some((_, flow)) = handle {
+                    flow.grant(credit);
                 }
             }
             Step::Close { conn, handle } => {
@@ -647,7 +669,7 @@ impl Dispatcher {
     ) {
         let conns = self.conns.clone();
         let to_server = self.to_server.clone();
-        let flow_control = self.flow_control;
+        let scheme = self.scheme;
         let metrics = self.metrics.clone();
         let span =
             debug_span!("conn", dial.id = %ticket.dial, %address, conn.id = tracing::field::Empty);
@@ -666,24 +688,26 @@ impl Dispatcher {
                     }
                     Err(error) => {
                         metrics.dial_failed(&error);
-                        debug!(%error, "dial failed");
+                        debug!(error = %error, "dial failed");
                         if let Dialed::Failed { reply } = conns.lock().dialed(ticket, Err(error)) {
                             to_server.control(reply);
                         }
                         return;
                     }
                 };
-                let (inbound, window) = flow::queue();
-                let send_credit = flow_control.then(SendCredit::new);
+                let flow = Arc::new(Flow::new(scheme));
+                let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
                 let overflow = CancellationToken::new();
                 let closing = CancellationToken::new();
                 let handle = EndpointConn {
                     inbound,
-                    send_credit: send_credit.clone(),
+                    flow: flow.clone(),
                     overflow: overflow.clone(),
                     closing: closing.clone(),
                 };
-                let opened = conns.lock().dialed(ticket, Ok(handle));
+                let opened = conns
+                    .lock()
+                    .dialed(ticket, Ok::<_, endpoint::DialError>(handle));
                 let Dialed::Open { conn: id, reply } = opened else {
                     // Cancelled meanwhile: the socket closes unanswered.
                     return;
@@ -696,11 +720,11 @@ impl Dispatcher {
                 }
                 debug!("connected");
                 let out = to_server.queue().clone();
-                let grants = flow_control.then(|| out.clone());
+                let grants = scheme.is_credit().then(|| out.clone());
                 ConnDriver {
                     id,
                     socket,
-                    up: QueueUpstream::new(id, out, send_credit),
+                    up: QueueUpstream::new(id, out, Some(flow)),
                     down: WindowDownstream::new(id, window, grants),
                     overflow,
                     closing,

@@ -9,10 +9,11 @@ use std::{
 
 use clap::{ArgAction, Parser};
 use ops::{
-    flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_bool, go_duration},
+    flags::{Deprecated, FlowArgs, GoBoolArg, LogArgs, RuntimeArgs, go_bool, go_duration},
     tls::{self, files},
 };
 use tunnel::{
+    flow::Window,
     ids::AgentId,
     proxy_client::{Proxy, ProxyUrl},
 };
@@ -122,6 +123,9 @@ pub struct Args {
     /// (konnectivity-rs); ANP servers never see a difference.
     #[arg(long, go_bool = Some(true))]
     pub flow_control: bool,
+    /// The window announced with it.
+    #[command(flatten)]
+    pub flow: FlowArgs,
     /// After the first SIGTERM/SIGINT, exit once no connection is open
     /// (konnectivity-rs). Without it a draining agent keeps serving until
     /// the second signal or the kubelet's SIGKILL, as ANP's does.
@@ -249,6 +253,9 @@ pub struct Config {
     pub keepalive_time: Duration,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
+    /// The receive window announced with it (`--flow-control-window`,
+    /// `--flow-control-max-chunk`).
+    pub flow_window: Window,
     /// Exit once drained and idle (`--exit-when-drained`).
     pub exit_when_drained: bool,
     /// `--max-server-queue-bytes`.
@@ -366,6 +373,11 @@ impl TryFrom<Args> for Config {
             probe_interval: args.probe_interval,
             keepalive_time: args.keepalive_time,
             flow_control: args.flow_control,
+            flow_window: Window::from_flags(
+                args.flow.flow_control_window,
+                args.flow.flow_control_max_chunk,
+            )
+            .map_err(|(flag, reason)| invalid(flag, reason))?,
             exit_when_drained: args.exit_when_drained,
             max_server_queue_bytes: args.max_server_queue_bytes,
             token_path,

@@ -8,14 +8,14 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
 use proto::Packet;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
-    flow::{self, SendCredit, WindowTx},
+    flow::{self, Flow, InboundTx},
     ids::ConnId,
     mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
+    text::Elided,
 };
 
 use crate::{
@@ -32,9 +32,10 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct EndpointConn {
     /// Bytes from the server for the socket; dropping it closes the
     /// connection after the queued bytes are written.
-    pub inbound: WindowTx<Bytes>,
-    /// Credit for DATA to the server, when flow control was negotiated.
-    pub send_credit: Option<SendCredit>,
+    pub inbound: InboundTx,
+    /// Its flow state: the window of `inbound`, its credit towards the
+    /// server.
+    pub flow: Arc<Flow>,
     /// Cancelled when the destination fell a window behind: the connection
     /// ends at once, with `ConnEnd::Overflow`.
     pub overflow: CancellationToken,
@@ -186,12 +187,12 @@ impl ConnDriver {
 pub struct Connections(Arc<Mutex<ConnTable<CancellationToken, EndpointConn>>>);
 
 impl Connections {
-    /// An empty table; pending dials are cancelled through children of
-    /// `stream` (so they end with it).
-    pub fn new(flow_control: bool, stream: &CancellationToken) -> Self {
+    /// An empty table for a stream that agreed `scheme`; pending dials are
+    /// cancelled through children of `stream` (so they end with it).
+    pub fn new(scheme: flow::Scheme, stream: &CancellationToken) -> Self {
         let stream = stream.clone();
         Self(Arc::new(Mutex::new(ConnTable::new(
-            flow_control,
+            scheme.is_credit(),
             move || stream.child_token(),
         ))))
     }
@@ -217,17 +218,96 @@ impl Connections {
     }
 }
 
+/// Why a destination dial failed. It becomes Go's text (what frontends
+/// that map error strings, as kube-apiserver's HTTP-CONNECT path does,
+/// expect) only in the DIAL_RSP; a destination the server sent is shown as
+/// a bounded prefix ([`Elided`]).
+#[derive(Debug)]
+pub enum DialError {
+    /// A network other than TCP.
+    UnknownNetwork {
+        /// The network asked for.
+        network: String,
+        /// The address.
+        address: String,
+    },
+    /// The address has no port.
+    MissingPort {
+        /// The address.
+        address: String,
+    },
+    /// The name did not resolve.
+    NoSuchHost {
+        /// The address.
+        address: String,
+    },
+    /// Every address of the name refused or failed; the last one's error.
+    Connect {
+        /// The address tried last.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: io::Error,
+    },
+    /// Lookup and connect took longer than [`DIAL_TIMEOUT`].
+    Timeout {
+        /// The address.
+        address: String,
+    },
+}
+
+impl DialError {
+    /// Whether the dial timed out (`endpoint_dial_failure_total`'s
+    /// `timeout`).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            Self::Timeout { .. } => true,
+            Self::Connect { source, .. } => source.kind() == io::ErrorKind::TimedOut,
+            _ => false,
+        }
+    }
+}
+
+impl std::fmt::Display for DialError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::UnknownNetwork { network, address } => write!(
+                f,
+                "dial {} {}: unknown network {}",
+                Elided(network),
+                Elided(address),
+                Elided(network)
+            ),
+            Self::MissingPort { address } => write!(
+                f,
+                "dial tcp {}: address {}: missing port in address",
+                Elided(address),
+                Elided(address)
+            ),
+            Self::NoSuchHost { address } => write!(
+                f,
+                "dial tcp {}: lookup {}: no such host",
+                Elided(address),
+                Elided(host(address))
+            ),
+            Self::Connect { addr, source } => {
+                write!(f, "dial tcp {addr}: connect: {}", io_text(source))
+            }
+            Self::Timeout { address } => write!(f, "dial tcp {}: i/o timeout", Elided(address)),
+        }
+    }
+}
+
 /// Dials a node-side TCP address within [`DIAL_TIMEOUT`].
 ///
 /// # Errors
-/// Go-style text (`dial tcp host:port: connect: connection refused`,
-/// `… i/o timeout`, `lookup host: no such host`) so that frontends that map
-/// error strings, as kube-apiserver's HTTP-CONNECT path does, keep working.
-pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, String> {
+/// Why it failed; its text is Go's (`dial tcp host:port: connect:
+/// connection refused`, `… i/o timeout`, `lookup host: no such host`).
+pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, DialError> {
     if !matches!(protocol, "tcp" | "tcp4" | "tcp6" | "") {
-        return Err(format!(
-            "dial {protocol} {address}: unknown network {protocol}"
-        ));
+        return Err(DialError::UnknownNetwork {
+            network: protocol.to_owned(),
+            address: address.to_owned(),
+        });
     }
     let attempt = async {
         let addrs: Vec<_> = tokio::net::lookup_host(address)
@@ -238,21 +318,22 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, String> {
         for addr in &addrs {
             match TcpStream::connect(addr).await {
                 Ok(stream) => return Ok(stream),
-                Err(e) => last = Some((addr, e)),
+                Err(e) => last = Some((*addr, e)),
             }
         }
         match last {
-            Some((addr, e)) => Err(format!("dial tcp {addr}: connect: {}", io_text(&e))),
-            None => Err(format!(
-                "dial tcp {address}: lookup {}: no such host",
-                host(address)
-            )),
+            Some((addr, source)) => Err(DialError::Connect { addr, source }),
+            None => Err(DialError::NoSuchHost {
+                address: address.to_owned(),
+            }),
         }
     };
     // One limit for lookup and connect together, as Go's DialTimeout.
     let stream = tokio::time::timeout(DIAL_TIMEOUT, attempt)
         .await
-        .map_err(|_| format!("dial tcp {address}: i/o timeout"))??;
+        .map_err(|_| DialError::Timeout {
+            address: address.to_owned(),
+        })??;
     let _ = stream.set_nodelay(true);
     Ok(stream)
 }
@@ -265,11 +346,15 @@ fn host(address: &str) -> &str {
         .trim_end_matches(']')
 }
 
-fn lookup_error(address: &str, e: &io::Error) -> String {
+fn lookup_error(address: &str, e: &io::Error) -> DialError {
     if e.kind() == io::ErrorKind::InvalidInput {
-        return format!("dial tcp {address}: address {address}: missing port in address");
+        return DialError::MissingPort {
+            address: address.to_owned(),
+        };
     }
-    format!("dial tcp {address}: lookup {}: no such host", host(address))
+    DialError::NoSuchHost {
+        address: address.to_owned(),
+    }
 }
 
 /// An io error as Go's syscall text (lower case, no "os error N").
@@ -291,6 +376,7 @@ fn io_text(e: &io::Error) -> String {
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
     use tokio::io::AsyncReadExt;
 
     use super::*;
@@ -320,14 +406,19 @@ mod tests {
         queued: usize,
     }
 
-    fn closed_with_a_full_window(socket: TcpStream) -> Closed {
+    async fn closed_with_a_full_window(socket: TcpStream) -> Closed {
         let stream = CancellationToken::new();
         let (out_tx, out) = tunnel::queue::queue(1 << 20, 1 << 20);
         let metrics = Arc::new(AgentMetrics::unattached());
-        let (inbound, window) = flow::queue();
+        let scheme = flow::Scheme::Credit {
+            ours: flow::Window::V1,
+            theirs: flow::Window::V1,
+        };
+        let flow = Arc::new(Flow::new(scheme));
+        let (inbound, window) = flow::inbound(Some(flow), 0);
         let chunk = Bytes::from(vec![7u8; 64 * 1024]);
         let mut queued = 0;
-        while inbound.push(chunk.clone(), flow::cost(chunk.len())).is_ok() {
+        while inbound.send(chunk.clone()).await.is_ok() {
             queued += chunk.len();
         }
         let closing = CancellationToken::new();
@@ -343,7 +434,7 @@ mod tests {
             overflow: CancellationToken::new(),
             closing,
             stream: stream.clone(),
-            conns: Connections::new(false, &stream),
+            conns: Connections::new(scheme, &stream),
             to_server: ToServer::new(out_tx, stream, metrics.clone()),
             metrics: metrics.clone(),
         };
@@ -365,7 +456,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_destination_that_does_not_take_the_last_bytes_is_closed_after_the_drain() {
         let (ours, _destination_never_reads) = small_pair().await;
-        let mut closed = closed_with_a_full_window(ours);
+        let mut closed = closed_with_a_full_window(ours).await;
         let started = tokio::time::Instant::now();
         closed.driver.run().await;
         assert!(started.elapsed() >= CLOSE_DRAIN);
@@ -384,7 +475,7 @@ mod tests {
     #[tokio::test]
     async fn a_destination_that_reads_gets_every_byte_then_a_clean_close() {
         let (ours, mut destination) = small_pair().await;
-        let mut closed = closed_with_a_full_window(ours);
+        let mut closed = closed_with_a_full_window(ours).await;
         let reader = tokio::spawn(async move {
             let mut all = Vec::new();
             destination.read_to_end(&mut all).await.unwrap();
@@ -410,19 +501,47 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let err = dial("tcp", &addr.to_string()).await.unwrap_err();
-        assert_eq!(err, format!("dial tcp {addr}: connect: connection refused"));
+        assert!(!err.is_timeout());
+        assert_eq!(
+            err.to_string(),
+            format!("dial tcp {addr}: connect: connection refused")
+        );
     }
 
     #[tokio::test]
     async fn unresolvable_names_read_like_go() {
-        let err = dial("tcp", "no-such-host.invalid:80").await.unwrap_err();
-        assert!(err.contains("no such host"), "{err}");
-        assert!(err.contains("no-such-host.invalid"), "{err}");
+        let err = dial("tcp", "no-such-host.invalid:80")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "dial tcp no-such-host.invalid:80: lookup no-such-host.invalid: no such host"
+        );
     }
 
     #[tokio::test]
     async fn other_protocols_are_refused() {
-        let err = dial("udp", "127.0.0.1:53").await.unwrap_err();
+        let err = dial("udp", "127.0.0.1:53").await.unwrap_err().to_string();
         assert!(err.contains("unknown network udp"), "{err}");
+        let err = dial("tcp", "10.0.0.1").await.unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "dial tcp 10.0.0.1: address 10.0.0.1: missing port in address"
+        );
+    }
+
+    #[test]
+    fn a_long_destination_is_repeated_only_as_a_prefix() {
+        let address = format!("{}:80", "h".repeat(100_000));
+        let text = DialError::NoSuchHost { address }.to_string();
+        assert!(text.len() < 1024, "{} bytes", text.len());
+        assert!(text.ends_with(": no such host"), "{text}");
+        assert!(
+            DialError::Timeout {
+                address: "10.0.0.1:1".to_owned()
+            }
+            .is_timeout()
+        );
     }
 }

@@ -18,27 +18,73 @@ use std::{
 
 use ops::{
     kube::{Call, CallKind, status_reason},
-    metrics::{Counter, Metrics, Observed, StreamCounters},
+    metrics::{ByLabel, Counter, Histogram, Metrics, Observed, PacketCounters, StreamErrors},
     tls::files::CertMetrics,
 };
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{MetricType, family::Family, histogram::Histogram},
+    metrics::{MetricType, family::Family},
 };
+
+use crate::endpoint::DialError;
 
 /// Buckets of ANP's agent latency histograms.
 const AGENT_BUCKETS: [f64; 7] = [0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0];
 
 const PREFIX: &str = "konnectivity_network_proxy_agent_";
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DirectionLabel {
-    direction: &'static str,
+/// ANP's packet types by their number on the wire (our credits, type 100,
+/// are not counted).
+const PACKET_TYPES: &[&str] = &[
+    "DIAL_REQ",
+    "DIAL_RSP",
+    "CLOSE_REQ",
+    "CLOSE_RSP",
+    "DATA",
+    "DIAL_CLS",
+    "DRAIN",
+];
+
+ops::label_enum! {
+    /// Which way a packet went on a server stream (`segment`, ANP's
+    /// names: the agent's packets are `from_agent`).
+    pub(crate) enum Segment {
+        /// From the server to the agent.
+        ToAgent = "to_agent",
+        /// From the agent to the server.
+        FromAgent = "from_agent",
+    }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabel {
-    reason: &'static str,
+ops::label_enum! {
+    /// Which way a server stream failed (`direction`).
+    pub(crate) enum ServerDirection {
+        /// Receiving from the server.
+        FromServer = "from_server",
+        /// Sending to the server.
+        ToServer = "to_server",
+    }
+}
+
+ops::label_enum! {
+    /// Which way tunnel bytes went (`direction`).
+    pub(crate) enum Direction {
+        /// Towards destinations.
+        ToEndpoint = "to_endpoint",
+        /// Back to the server.
+        ToServer = "to_server",
+    }
+}
+
+ops::label_enum! {
+    /// Why a destination dial failed (`endpoint_dial_failure_total`'s
+    /// `reason`, ANP's).
+    pub(crate) enum DialFailure {
+        /// It timed out.
+        Timeout = "timeout",
+        /// Anything else.
+        Unknown = "unknown",
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -124,34 +170,22 @@ impl Live for Nothing {
     }
 }
 
-/// Why a node-side connection ended (konnectivity-rs).
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum CloseReason {
-    /// The destination closed it.
-    EndpointClosed,
-    /// Reading or writing the destination failed.
-    EndpointError,
-    /// The server (its frontend) closed it.
-    ServerClosed,
-    /// The destination read too slowly: a window behind.
-    Overflow,
-    /// The destination did not take the last bytes in time after the
-    /// server's close.
-    DrainTimedOut,
-    /// The server stream ended.
-    StreamGone,
-}
-
-impl CloseReason {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::EndpointClosed => "endpoint_closed",
-            Self::EndpointError => "endpoint_error",
-            Self::ServerClosed => "server_closed",
-            Self::Overflow => "overflow",
-            Self::DrainTimedOut => "drain_timeout",
-            Self::StreamGone => "stream_gone",
-        }
+ops::label_enum! {
+    /// Why a node-side connection ended (konnectivity-rs).
+    pub(crate) enum CloseReason {
+        /// The destination closed it.
+        EndpointClosed = "endpoint_closed",
+        /// Reading or writing the destination failed.
+        EndpointError = "endpoint_error",
+        /// The server (its frontend) closed it.
+        ServerClosed = "server_closed",
+        /// The destination read too slowly: a window behind.
+        Overflow = "overflow",
+        /// The destination did not take the last bytes in time after the
+        /// server's close.
+        DrainTimedOut = "drain_timeout",
+        /// The server stream ended.
+        StreamGone = "stream_gone",
     }
 }
 
@@ -161,13 +195,112 @@ pub struct AgentMetrics {
     dial_duration: Observed<Histogram>,
     /// Whether an endpoint connection was ever opened (shows the gauge).
     endpoint_seen: Arc<AtomicBool>,
-    server_failures: Family<DirectionLabel, Counter>,
-    dial_failures: Family<ReasonLabel, Counter>,
-    streams: StreamCounters,
-    tunnel_bytes: Family<DirectionLabel, Counter>,
-    closed: Family<ReasonLabel, Counter>,
+    server_failures: ByLabel<ServerDirection, Counter>,
+    dial_failures: ByLabel<DialFailure, Counter>,
+    /// ANP's `stream_packets_total`.
+    pub(crate) packets: PacketCounters<Segment>,
+    errors: StreamErrors<Segment>,
+    /// `konnectivity_rs_agent_tunnel_bytes_total`.
+    pub(crate) bytes: ByLabel<Direction, Counter>,
+    closed: ByLabel<CloseReason, Counter>,
     blocked: Counter,
     limits: Counter,
+}
+
+/// konnectivity-rs's own series.
+struct Ours {
+    bytes: ByLabel<Direction, Counter>,
+    closed: ByLabel<CloseReason, Counter>,
+    blocked: Counter,
+    limits: Counter,
+}
+
+impl Ours {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
+            bytes: ByLabel::register(
+                m,
+                "konnectivity_rs_agent_tunnel_bytes_total",
+                "Payload bytes carried through the tunnel, by direction (to_endpoint: towards destinations; to_server: back)",
+                "direction",
+            ),
+            closed: ByLabel::register(
+                m,
+                "konnectivity_rs_agent_connections_closed_total",
+                "Node-side connections that ended, by reason (endpoint_closed, endpoint_error, server_closed, overflow, drain_timeout, stream_gone)",
+                "reason",
+            ),
+            blocked: m.register(
+                "konnectivity_rs_agent_blocked_seconds_total",
+                "Seconds server stream readers spent waiting for room in a full per-connection buffer (ANP servers only; with flow control they never wait)",
+                Counter::default(),
+            ),
+            limits: m.register(
+                "konnectivity_rs_agent_limit_reached_total",
+                "Times a server stream's outbound queue was past its reserve (the server does not read) and the stream was closed",
+                Counter::default(),
+            ),
+        }
+    }
+}
+
+fn name(n: &str) -> String {
+    format!("{PREFIX}{n}")
+}
+
+/// Registers the three gauges read from `state` when scraped; the endpoint
+/// one shows once `endpoint_seen` is set.
+fn register_gauges(m: &mut Metrics, state: &Weak<dyn Live>, endpoint_seen: &Arc<AtomicBool>) {
+    // A gauge read from the state, shown once `seen` is set.
+    let gauge = |read: fn(&dyn Live) -> usize, seen: Option<Arc<AtomicBool>>| {
+        let state = state.clone();
+        move || {
+            if seen.as_ref().is_some_and(|s| !s.load(Ordering::Relaxed)) {
+                return None;
+            }
+            Some(state.upgrade().map_or(0.0, |s| read(&*s) as f64))
+        }
+    };
+    m.probe(
+        name("open_server_connections"),
+        "Current number of open server connections.",
+        MetricType::Gauge,
+        // Shown from start-up, at 0 until the first server connection
+        // (ANP shows it only from then on; a scrape right after
+        // `/healthz` answers would find no such metric).
+        gauge(|s| s.server_connections(), None),
+    );
+    m.probe(
+        name("known_server_count"),
+        "Current number of servers agent is trying to connect to.",
+        MetricType::Gauge,
+        gauge(|s| s.target_count(), None),
+    );
+    m.probe(
+        name("open_endpoint_connections"),
+        "Current number of open endpoint connections.",
+        MetricType::Gauge,
+        gauge(|s| s.endpoint_connections(), Some(endpoint_seen.clone())),
+    );
+}
+
+/// Registers the lease watch's metrics.
+fn register_leases(m: &mut Metrics, leases: &LeaseMetrics) {
+    m.register(
+        name("lease_lists_total"),
+        "Count of server lease list calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
+        leases.lists.clone(),
+    );
+    m.register(
+        name("lease_watches_total"),
+        "Count of server lease watch calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
+        leases.watches.clone(),
+    );
+    m.register(
+        name("lease_list_latency_seconds"),
+        "Latency of server lease listing in seconds",
+        leases.list_latency.clone(),
+    );
 }
 
 impl std::fmt::Debug for AgentMetrics {
@@ -190,91 +323,30 @@ impl AgentMetrics {
     /// Registers every metric; the gauges read `state` when scraped.
     pub(crate) fn new(state: Weak<dyn Live>, leases: &LeaseMetrics, certs: &CertMetrics) -> Self {
         let mut m = Metrics::default();
-        let name = |n: &str| format!("{PREFIX}{n}");
         let dial_duration = m.register(
             name("dial_duration_seconds"),
             "Latency of dial to the remote endpoint in seconds",
             Observed::new(Histogram::new(AGENT_BUCKETS)),
         );
-        let server_failures = m.register(
+        let server_failures = ByLabel::register(
+            &mut m,
             name("server_connection_failure_count"),
             "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server). DEPRECATED, please use stream_events_error_total",
-            Family::default(),
+            "direction",
         );
-        let dial_failures = m.register(
+        let dial_failures = ByLabel::register(
+            &mut m,
             name("endpoint_dial_failure_total"),
             "Number of failures dialing the remote endpoint, by reason (example: timeout).",
-            Family::default(),
+            "reason",
         );
         let endpoint_seen = Arc::new(AtomicBool::new(false));
-        // A gauge read from the state, shown once `seen` is set.
-        let gauge = |read: fn(&dyn Live) -> usize, seen: Option<Arc<AtomicBool>>| {
-            let state = state.clone();
-            move || {
-                if seen.as_ref().is_some_and(|s| !s.load(Ordering::Relaxed)) {
-                    return None;
-                }
-                Some(state.upgrade().map_or(0.0, |s| read(&*s) as f64))
-            }
-        };
-        m.probe(
-            name("open_server_connections"),
-            "Current number of open server connections.",
-            MetricType::Gauge,
-            // Shown from start-up, at 0 until the first server connection
-            // (ANP shows it only from then on; a scrape right after
-            // `/healthz` answers would find no such metric).
-            gauge(|s| s.server_connections(), None),
-        );
-        m.probe(
-            name("known_server_count"),
-            "Current number of servers agent is trying to connect to.",
-            MetricType::Gauge,
-            gauge(|s| s.target_count(), None),
-        );
-        m.probe(
-            name("open_endpoint_connections"),
-            "Current number of open endpoint connections.",
-            MetricType::Gauge,
-            gauge(|s| s.endpoint_connections(), Some(endpoint_seen.clone())),
-        );
-        m.register(
-            name("lease_lists_total"),
-            "Count of server lease list calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
-            leases.lists.clone(),
-        );
-        m.register(
-            name("lease_watches_total"),
-            "Count of server lease watch calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
-            leases.watches.clone(),
-        );
-        m.register(
-            name("lease_list_latency_seconds"),
-            "Latency of server lease listing in seconds",
-            leases.list_latency.clone(),
-        );
-        let streams = StreamCounters::register(&mut m, PREFIX);
+        register_gauges(&mut m, &state, &endpoint_seen);
+        register_leases(&mut m, leases);
+        let packets = PacketCounters::register(&mut m, PREFIX, PACKET_TYPES);
+        let errors = StreamErrors::register(&mut m, PREFIX);
         ops::metrics::register_process(&mut m);
-        let tunnel_bytes = m.register(
-            "konnectivity_rs_agent_tunnel_bytes_total",
-            "Payload bytes carried through the tunnel, by direction (to_endpoint: towards destinations; to_server: back)",
-            Family::default(),
-        );
-        let closed = m.register(
-            "konnectivity_rs_agent_connections_closed_total",
-            "Node-side connections that ended, by reason (endpoint_closed, endpoint_error, server_closed, overflow, drain_timeout, stream_gone)",
-            Family::default(),
-        );
-        let blocked = m.register(
-            "konnectivity_rs_agent_blocked_seconds_total",
-            "Seconds server stream readers spent waiting for room in a full per-connection buffer (ANP servers only; with flow control they never wait)",
-            Counter::default(),
-        );
-        let limits = m.register(
-            "konnectivity_rs_agent_limit_reached_total",
-            "Times a server stream's outbound queue was past its reserve (the server does not read) and the stream was closed",
-            Counter::default(),
-        );
+        let ours = Ours::register(&mut m);
         certs.register(&mut m, "konnectivity_rs_agent_");
         Self {
             exposition: Arc::new(m),
@@ -282,11 +354,12 @@ impl AgentMetrics {
             endpoint_seen,
             server_failures,
             dial_failures,
-            streams,
-            tunnel_bytes,
-            closed,
-            blocked,
-            limits,
+            packets,
+            errors,
+            bytes: ours.bytes,
+            closed: ours.closed,
+            blocked: ours.blocked,
+            limits: ours.limits,
         }
     }
 
@@ -306,32 +379,20 @@ impl AgentMetrics {
         self.endpoint_seen.store(true, Ordering::Relaxed);
     }
 
-    /// A destination dial failed with `error` (Go-style text).
-    pub(crate) fn dial_failed(&self, error: &str) {
-        let reason = if error.contains("i/o timeout") || error.contains("timed out") {
-            "timeout"
+    /// A destination dial failed with `error`.
+    pub(crate) fn dial_failed(&self, error: &DialError) {
+        let reason = if error.is_timeout() {
+            DialFailure::Timeout
         } else {
-            "unknown"
+            DialFailure::Unknown
         };
-        self.dial_failures
-            .get_or_create(&ReasonLabel { reason })
-            .inc();
-    }
-
-    /// A packet of ANP's types to (`to_agent`) or from (`from_agent`) the
-    /// server.
-    pub(crate) fn packet(&self, segment: &'static str, packet: &proto::Packet) {
-        self.streams.packet(segment, packet);
+        self.dial_failures.get(reason).inc();
     }
 
     /// Receiving from the server failed.
     pub(crate) fn receive_failed(&self, code: tonic::Code) {
-        self.server_failures
-            .get_or_create(&DirectionLabel {
-                direction: "from_server",
-            })
-            .inc();
-        self.streams.receive_error("to_agent", code);
+        self.server_failures.get(ServerDirection::FromServer).inc();
+        self.errors.receive_error(Segment::ToAgent, code);
     }
 
     /// A server stream's outbound queue was past its reserve.
@@ -341,27 +402,18 @@ impl AgentMetrics {
 
     /// `packet` could not be sent to the server: its stream is gone.
     pub(crate) fn send_failed(&self, packet: &proto::Packet) {
-        self.server_failures
-            .get_or_create(&DirectionLabel {
-                direction: "to_server",
-            })
-            .inc();
-        self.streams
-            .send_error("from_agent", tonic::Code::Unavailable, packet);
-    }
-
-    pub(crate) fn bytes(&self, direction: &'static str, len: usize) {
-        self.tunnel_bytes
-            .get_or_create(&DirectionLabel { direction })
-            .inc_by(len as f64);
+        self.server_failures.get(ServerDirection::ToServer).inc();
+        if let Some(name) = usize::try_from(packet.r#type)
+            .ok()
+            .and_then(|t| PACKET_TYPES.get(t))
+        {
+            self.errors
+                .error(Segment::FromAgent, tonic::Code::Unavailable, name);
+        }
     }
 
     pub(crate) fn connection_closed(&self, reason: CloseReason) {
-        self.closed
-            .get_or_create(&ReasonLabel {
-                reason: reason.as_str(),
-            })
-            .inc();
+        self.closed.get(reason).inc();
     }
 
     /// A stream reader waited `took` for room in a connection's buffer.

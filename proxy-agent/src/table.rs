@@ -216,8 +216,12 @@ impl<D: Clone, C> ConnTable<D, C> {
     }
 
     /// The dial of `ticket` ended with `outcome` (the connection's handle,
-    /// or Go-style error text).
-    pub fn dialed(&mut self, ticket: Ticket, outcome: Result<C, String>) -> Dialed {
+    /// or why it failed, whose text goes to the server).
+    pub fn dialed<E: std::fmt::Display>(
+        &mut self,
+        ticket: Ticket,
+        outcome: Result<C, E>,
+    ) -> Dialed {
         let dial = ticket.dial;
         if self
             .dials
@@ -237,7 +241,7 @@ impl<D: Clone, C> ConnTable<D, C> {
                 }
             }
             Err(error) => Dialed::Failed {
-                reply: Packet::dial_response(dial.0, 0, &error),
+                reply: Packet::dial_response(dial.0, 0, &error.to_string()),
             },
         }
     }

@@ -4,10 +4,10 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{ArgAction, Parser};
 use ops::{
-    flags::{Deprecated, GoBoolArg, LogArgs, RuntimeArgs, go_duration},
+    flags::{Deprecated, FlowArgs, GoBoolArg, LogArgs, RuntimeArgs, go_duration},
     tls::{self, files},
 };
-use tunnel::ids::ServerId;
+use tunnel::{flow::Window, ids::ServerId};
 
 use crate::{
     auth::TokenAuthConfig,
@@ -149,6 +149,9 @@ pub struct Args {
     /// (konnectivity-rs agents); ANP agents never see a difference.
     #[arg(long, go_bool = Some(true))]
     pub flow_control: bool,
+    /// The window offered with it.
+    #[command(flatten)]
+    pub flow: FlowArgs,
     /// Bytes queued towards one agent stream before the frontends sending
     /// to it wait (konnectivity-rs). 1 MiB more is kept for control
     /// packets; an agent that leaves even that unread is taken to have
@@ -357,6 +360,9 @@ pub struct Config {
     pub backend_dial_timeout: Option<Duration>,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
+    /// The receive window announced with it (`--flow-control-window`,
+    /// `--flow-control-max-chunk`).
+    pub flow_window: Window,
     /// `--graceful-shutdown-timeout`: how long open connections may take to
     /// finish after the first signal; `None` closes them at once.
     pub graceful_shutdown_timeout: Option<Duration>,
@@ -460,6 +466,11 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
             flow_control: args.flow_control,
+            flow_window: Window::from_flags(
+                args.flow.flow_control_window,
+                args.flow.flow_control_max_chunk,
+            )
+            .map_err(|(flag, reason)| invalid(flag, reason))?,
             graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
             token_auth,
             backend_dial_timeout: nonzero(args.backend_dial_timeout),

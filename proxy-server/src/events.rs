@@ -1,97 +1,116 @@
-//! What the routing core and the transports report for the metrics:
-//! why a dial failed, why a connection ended, which cap was reached. Plain
-//! data shared by `router` (which decides) and `metrics` (which counts).
+//! What the routing core and the transports report, as enums: why a dial
+//! failed (for the metrics, and for the frontend: [`DialError`] becomes
+//! Go's text only on the wire), why a connection ended, which cap was
+//! reached. Plain data shared by `router` (which decides), the drivers and
+//! `metrics` (which counts).
 
-/// Why a dial failed (`dial_failure_count`'s `reason`).
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub(crate) enum DialFailure {
-    /// No agent could take the dial.
+use std::fmt;
+
+use tunnel::{
+    ids::{AgentId, ConnId},
+    text::Elided,
+};
+
+ops::label_enum! {
+    /// Why a dial failed (`dial_failure_count`'s `reason`).
+    pub(crate) enum DialFailure {
+        /// No agent could take the dial.
+        NoAgent = "no_agent",
+        /// The agent answered with an error.
+        ErrorResponse = "error_response",
+        /// A DIAL_RSP for no pending dial.
+        UnrecognizedResponse = "unrecognized_response",
+        /// The DIAL_RSP could not be sent to the frontend.
+        SendRsp = "send_rsp",
+        /// The agent went away while the dial was pending.
+        BackendClose = "backend_close",
+        /// `--backend-dial-timeout` passed.
+        BackendDialTimeout = "backend_dial_timeout",
+        /// The frontend went away while the dial was pending.
+        FrontendClose = "frontend_close",
+    }
+}
+
+ops::label_enum! {
+    /// Why an established connection ended (konnectivity-rs).
+    pub(crate) enum CloseReason {
+        /// CLOSE_RSP from the agent without an error (either side closed).
+        Closed = "closed",
+        /// CLOSE_RSP from the agent with an error.
+        Error = "error",
+        /// The agent's stream ended.
+        AgentGone = "agent_gone",
+        /// The frontend's stream ended.
+        FrontendGone = "frontend_gone",
+        /// The frontend fell a whole window behind.
+        Overflow = "overflow",
+        /// The frontend took none of the connection's data for
+        /// `--frontend-stall-timeout`.
+        Stalled = "stalled",
+        /// The frontend used another frontend's connection id.
+        Mismatch = "mismatch",
+    }
+}
+
+ops::label_enum! {
+    /// An admission limit of ours (`konnectivity_rs_server_limit_reached_total`).
+    pub(crate) enum Limit {
+        /// An agent stream's outbound queue was past its reserve: the agent
+        /// does not read, and its stream was ended.
+        AgentQueue = "agent_queue",
+        /// A frontend stream's control packets were past their reserve: the
+        /// frontend does not read, and its stream was ended.
+        FrontendQueue = "frontend_queue",
+        /// `--max-tls-handshakes`: a pending handshake whose peer stalled was
+        /// dropped to make room.
+        TlsHandshakes = "tls_handshakes",
+        /// `--max-http-connections`: a CONNECT client was refused with 503.
+        HttpConnections = "http_connections",
+    }
+}
+
+/// Answer to a dial when no agent can take it (ANP's text, matched by clients).
+pub const NO_AGENT: &str = "No agent available";
+/// Answer to a dial whose DIAL_RSP did not come within `--backend-dial-timeout`.
+pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
+/// DIAL_RSP error when the chosen agent's stream closed before the dial went out.
+pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
+
+/// Why a dial failed, as the frontend is told. The server's own reasons
+/// are variants; only [`DialError::Agent`] is text, as it came over the
+/// wire. It becomes Go's text ([`fmt::Display`]) only on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DialError {
+    /// No agent can take it.
     NoAgent,
-    /// The agent answered with an error.
-    ErrorResponse,
-    /// A DIAL_RSP for no pending dial.
-    UnrecognizedResponse,
-    /// The DIAL_RSP could not be sent to the frontend.
-    SendRsp,
-    /// The agent went away while the dial was pending.
-    BackendClose,
-    /// `--backend-dial-timeout` passed.
-    BackendDialTimeout,
-    /// The frontend went away while the dial was pending.
-    FrontendClose,
+    /// No DIAL_RSP within `--backend-dial-timeout`, or no room on the
+    /// agent's stream within it.
+    TimedOut,
+    /// The chosen agent's stream closed before the dial went out.
+    AgentStreamClosed,
+    /// Another pending dial uses the same random.
+    IdPending,
+    /// The agent's stream ended while the dial was pending.
+    AgentGone(AgentId),
+    /// The agent answered with a connection id already in use.
+    ConnIdInUse(ConnId),
+    /// The agent cancelled the dial (DIAL_CLS).
+    ClosedByAgent,
+    /// The agent's own error text (DIAL_RSP).
+    Agent(String),
 }
 
-impl DialFailure {
-    pub(crate) fn as_str(self) -> &'static str {
+impl fmt::Display for DialError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::NoAgent => "no_agent",
-            Self::ErrorResponse => "error_response",
-            Self::UnrecognizedResponse => "unrecognized_response",
-            Self::SendRsp => "send_rsp",
-            Self::BackendClose => "backend_close",
-            Self::BackendDialTimeout => "backend_dial_timeout",
-            Self::FrontendClose => "frontend_close",
-        }
-    }
-}
-
-/// Why an established connection ended (konnectivity-rs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum CloseReason {
-    /// CLOSE_RSP from the agent without an error (either side closed).
-    Closed,
-    /// CLOSE_RSP from the agent with an error.
-    Error,
-    /// The agent's stream ended.
-    AgentGone,
-    /// The frontend's stream ended.
-    FrontendGone,
-    /// The frontend fell a whole window behind.
-    Overflow,
-    /// The frontend took none of the connection's data for
-    /// `--frontend-stall-timeout`.
-    Stalled,
-    /// The frontend used another frontend's connection id.
-    Mismatch,
-}
-
-impl CloseReason {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Self::Closed => "closed",
-            Self::Error => "error",
-            Self::AgentGone => "agent_gone",
-            Self::FrontendGone => "frontend_gone",
-            Self::Overflow => "overflow",
-            Self::Stalled => "stalled",
-            Self::Mismatch => "mismatch",
-        }
-    }
-}
-
-/// An admission limit of ours (`konnectivity_rs_server_limit_reached_total`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Limit {
-    /// An agent stream's outbound queue was past its reserve: the agent
-    /// does not read, and its stream was ended.
-    AgentQueue,
-    /// A frontend stream's control packets were past their reserve: the
-    /// frontend does not read, and its stream was ended.
-    FrontendQueue,
-    /// `--max-tls-handshakes`: a pending handshake whose peer stalled was
-    /// dropped to make room.
-    TlsHandshakes,
-    /// `--max-http-connections`: a CONNECT client was refused with 503.
-    HttpConnections,
-}
-
-impl Limit {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Self::AgentQueue => "agent_queue",
-            Self::FrontendQueue => "frontend_queue",
-            Self::TlsHandshakes => "tls_handshakes",
-            Self::HttpConnections => "http_connections",
+            Self::NoAgent => f.write_str(NO_AGENT),
+            Self::TimedOut => f.write_str(DIAL_TIMED_OUT),
+            Self::AgentStreamClosed => f.write_str(AGENT_STREAM_CLOSED),
+            Self::IdPending => f.write_str("dial id already pending"),
+            Self::AgentGone(agent) => write!(f, "agent {} disconnected", Elided(&agent.0)),
+            Self::ConnIdInUse(conn) => write!(f, "connection id {conn} already in use"),
+            Self::ClosedByAgent => f.write_str("dial closed by the agent"),
+            Self::Agent(text) => f.write_str(text),
         }
     }
 }

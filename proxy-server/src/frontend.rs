@@ -11,21 +11,21 @@ pub(crate) mod http_connect;
 
 use std::sync::Arc;
 
-use crate::{hub::Hub, link::FrontendLink};
+use crate::{conn::FrontendLink, control::Control};
 
-/// Tells the hub that a frontend ended and ends its stream's outbound side
-/// when the frontend's task ends, on error, cancel and panic alike; it
-/// never waits.
+/// Tells the control core that a frontend ended and ends its stream's
+/// outbound side when the frontend's task ends, on error, cancel and panic
+/// alike; it never waits.
 pub(crate) struct FrontendGuard {
-    /// The hub.
-    pub(crate) hub: Arc<Hub>,
+    /// The control core.
+    pub(crate) control: Arc<Control>,
     /// The frontend.
     pub(crate) link: FrontendLink,
 }
 
 impl Drop for FrontendGuard {
     fn drop(&mut self) {
-        self.hub.frontend_closed(self.link.id);
-        self.link.end.end();
+        self.control.frontend_closed(self.link.id());
+        self.link.tx.end.end();
     }
 }

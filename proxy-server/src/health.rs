@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use axum::{Router, extract::State, http::StatusCode, routing::any};
 
-use crate::hub::Hub;
+use crate::control::Control;
 
 /// Body of `/readyz` when no agent is connected.
 pub const NOT_READY: &str = "no connection to any proxy agent";
@@ -13,8 +13,8 @@ pub const NOT_READY: &str = "no connection to any proxy agent";
 /// What the health handlers read.
 #[derive(Clone)]
 pub(crate) struct HealthState {
-    /// The routing core (and the metrics).
-    pub(crate) hub: Arc<Hub>,
+    /// The control core (and the metrics).
+    pub(crate) control: Arc<Control>,
 }
 
 /// Routes of the admin port: `/metrics` (as on the health port) and, with
@@ -45,12 +45,12 @@ pub(crate) async fn metrics(
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     (
         [(axum::http::header::CONTENT_TYPE, ops::metrics::CONTENT_TYPE)],
-        state.hub.metrics.render(&state.hub.live()),
+        state.control.metrics.render(&state.control.live()),
     )
 }
 
 async fn readyz(State(state): State<HealthState>) -> (StatusCode, &'static str) {
-    if state.hub.is_ready() {
+    if state.control.is_ready() {
         (StatusCode::OK, "ok")
     } else {
         (StatusCode::INTERNAL_SERVER_ERROR, NOT_READY)

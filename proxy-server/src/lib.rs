@@ -5,52 +5,79 @@
 //! # Layout
 //! The routing core, as plain data (ids only: no `Arc`, no lock, no clock):
 //! - `router`: every frontend, agent stream, pending dial and connection
-//!   by id; each event in (with `now`), what to do out (`Out`). No I/O.
+//!   by id; each control event in (with `now`), what to do out (`Out`).
+//!   It never sees DATA.
 //! - [`strategy`], `manager`: proxy strategies and the agent streams
 //!   indexed by them.
-//! - `events`: why dials fail and connections end, for the metrics.
+//! - `events`: why dials fail and connections end, as enums.
 //! - `ids`: the ids of frontend and agent streams.
 //!
-//! Its driver and the streams:
-//! - `hub`: the router behind one lock with every stream's link and every
-//!   connection's flow state; reads the clock, carries out the router's
-//!   `Out`s that never wait and hands back the one that may (`Work`).
-//! - `link`: a stream's outbound queue and its end (`StreamEnd`), and a
-//!   connection's flow state (`ConnFlow`: window, credit, stall clock).
-//! - `reader`: the one reader loop of both gRPC services.
-//! - `frontend`: the `ProxyService` handler and HTTP CONNECT;
-//!   `agent_service`: the `AgentService` handler. The `:authority` layer
-//!   under the Unix socket is the `authority` crate.
+//! Its driver, and one driver per stream:
+//! - `control`: the router behind the one lock streams share, taken once
+//!   per control event; carries out the router's `Out`s that never wait
+//!   and hands back the one that may (`Work`).
+//! - `conn`: an established connection (`Conn`: its flow state and both
+//!   streams' queues), which both streams' drivers hold in their own
+//!   tables; a frontend's outbound queue.
+//! - `stream`: what every stream has: its end (`StreamEnd`), and an agent
+//!   stream's outbound queue (`BackendLink`).
+//! - `backend`: the `AgentService` handler and the agent stream's driver.
+//! - `frontend`: the `ProxyService` handler and its driver, and HTTP
+//!   CONNECT. The `:authority` layer under the Unix socket is the
+//!   `authority` crate.
 //! - [`auth`]: service-account token authentication (TokenReview).
 //! - [`health`]: `/healthz`, `/readyz`, `/metrics`; `metrics`: the registry.
 //! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - [`config`]: flags (ANP names and defaults) → validated [`config::Config`].
 //! - [`server`]: [`server::ProxyServer::bind`] → [`server::Bound::serve`].
 
-mod agent_service;
 pub mod auth;
+mod backend;
 pub mod config;
+mod conn;
+mod control;
 mod events;
 mod frontend;
 pub mod health;
-mod hub;
 mod ids;
 pub mod lease;
-mod link;
 mod manager;
 mod metrics;
-mod reader;
 mod router;
 pub mod server;
 pub mod strategy;
+mod stream;
 
+pub use events::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT};
 pub use frontend::http_connect::ESTABLISHED;
-pub use router::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, MISMATCHED, NO_AGENT, STALLED};
+pub use router::{MISMATCHED, STALLED};
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{
+    Mutex, MutexGuard, PoisonError,
+    atomic::{AtomicU64, Ordering},
+};
 
 /// Locks a mutex; a panic elsewhere while holding it leaves data that is
 /// still consistent for our uses (maps of handles), so poisoning is ignored.
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Times a lock that more than one stream takes was taken (debug builds).
+static SHARED_LOCKS: AtomicU64 = AtomicU64::new(0);
+
+/// Locks a mutex that more than one stream takes (the control core's, a
+/// frontend's attachments): counted in debug builds, so that a test can
+/// show that moving DATA never takes one ([`shared_locks_taken`]).
+fn lock_shared<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    if cfg!(debug_assertions) {
+        SHARED_LOCKS.fetch_add(1, Ordering::Relaxed);
+    }
+    lock(mutex)
+}
+
+/// How many times, in this process, a lock that more than one stream
+/// takes was taken; `None` in release builds, which do not count.
+pub fn shared_locks_taken() -> Option<u64> {
+    cfg!(debug_assertions).then(|| SHARED_LOCKS.load(Ordering::Relaxed))
 }

@@ -3,19 +3,27 @@
 //! and konnectivity-rs additions under `konnectivity_rs_server_*`.
 //!
 //! Gauges of live state (pending dials, established connections, ready
-//! backends, buffered bytes) are read from the hub when scraped ([`Live`]); the
-//! rest is recorded where it happens. A labelled series appears once it
-//! has been observed, except `ready_backends`, which ANP presets to 0 for
-//! every strategy; so do the metrics ANP keeps in label-less vectors (dial,
-//! write and connection latencies, pending dials, established connections),
-//! which stay out of the exposition until first touched.
+//! backends, buffered bytes) are read from the control core when scraped
+//! ([`Live`]); the rest is recorded where it happens. A labelled series
+//! appears once it has been observed, except `ready_backends`, which ANP
+//! presets to 0 for every strategy; so do the metrics ANP keeps in
+//! label-less vectors (dial, write and connection latencies, pending dials,
+//! established connections), which stay out of the exposition until first
+//! touched.
+//!
+//! What the bytes' path records (packets, bytes, write latency, blocked
+//! time) takes no lock once a series exists: its fields are used directly
+//! ([`ops::metrics::PacketCounters`], [`ops::metrics::ByLabel`],
+//! [`ops::metrics::Histogram`]).
 
 use std::{sync::Arc, time::Duration};
 
-use ops::metrics::{Counter, DEFAULT_BUCKETS, Metrics, Observed, StreamCounters};
+use ops::metrics::{
+    ByLabel, Counter, DEFAULT_BUCKETS, Histogram, Metrics, Observed, PacketCounters, StreamErrors,
+};
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{family::Family, gauge::Gauge, histogram::Histogram},
+    metrics::{family::Family, gauge::Gauge},
 };
 
 use crate::{
@@ -32,29 +40,69 @@ const CONNECTION_BUCKETS: [f64; 12] = [
 
 const PREFIX: &str = "konnectivity_network_proxy_server_";
 
-/// `service_method`: `Proxy` (frontends) or `Connect` (agents).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(crate) struct MethodLabel {
-    pub(crate) service_method: &'static str,
+/// ANP's packet types by their number on the wire (our credits, type 100,
+/// are not counted).
+pub(crate) const PACKET_TYPES: &[&str] = &[
+    "DIAL_REQ",
+    "DIAL_RSP",
+    "CLOSE_REQ",
+    "CLOSE_RSP",
+    "DATA",
+    "DIAL_CLS",
+    "DRAIN",
+];
+
+ops::label_enum! {
+    /// Which stream a packet crossed, and which way (`segment`).
+    pub(crate) enum Segment {
+        /// From a frontend.
+        FromClient = "from_client",
+        /// To a frontend.
+        ToClient = "to_client",
+        /// From an agent.
+        FromAgent = "from_agent",
+        /// To an agent.
+        ToAgent = "to_agent",
+    }
 }
 
-/// The `Proxy` method label.
-pub(crate) const PROXY: MethodLabel = MethodLabel {
-    service_method: "Proxy",
-};
-/// The `Connect` method label.
-pub(crate) const CONNECT: MethodLabel = MethodLabel {
-    service_method: "Connect",
-};
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct StrategyLabel {
-    proxy_strategy: &'static str,
+ops::label_enum! {
+    /// The gRPC method of a stream (`service_method`).
+    pub(crate) enum Method {
+        /// A frontend's `ProxyService/Proxy`.
+        Proxy = "Proxy",
+        /// An agent's `AgentService/Connect`.
+        Connect = "Connect",
+    }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabel {
-    reason: &'static str,
+ops::label_enum! {
+    /// Which way tunnel bytes went (`direction`).
+    pub(crate) enum Direction {
+        /// From frontends towards destinations.
+        ToAgent = "to_agent",
+        /// Back.
+        ToFrontend = "to_frontend",
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for ProxyStrategy {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>,
+    ) -> std::fmt::Result {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+impl ops::metrics::LabelEnum for ProxyStrategy {
+    const COUNT: usize = 3;
+    fn index(self) -> usize {
+        self as usize
+    }
+    fn text(self) -> &'static str {
+        self.as_str()
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -66,16 +114,6 @@ struct StatusLabel {
 struct StatusReasonLabels {
     http_status_code: String,
     reason: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DirectionLabel {
-    direction: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct LimitLabel {
-    limit: &'static str,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -99,79 +137,194 @@ pub(crate) struct Live {
     pub(crate) buffered: usize,
 }
 
+/// The lease garbage collection's calls.
+struct LeaseCalls {
+    culled: Counter,
+    delete_latency: HistogramFamily<StatusLabel>,
+    delete_total: Family<StatusReasonLabels, Counter>,
+    list_latency: HistogramFamily<StatusLabel>,
+    list_total: Family<StatusReasonLabels, Counter>,
+}
+
 /// Everything the server records.
 pub(crate) struct ServerMetrics {
     exposition: Arc<Metrics>,
     dial_duration: Observed<Histogram>,
-    frontend_write_duration: Observed<Histogram>,
+    /// ANP's `frontend_write_duration_seconds`: each packet queued for a
+    /// frontend.
+    pub(crate) frontend_write: Observed<Histogram>,
     connection_duration: Observed<Histogram>,
-    grpc_connections: Family<MethodLabel, Gauge>,
+    grpc_connections: ByLabel<Method, Gauge>,
     http_connections: Gauge,
     ready_backend_connections: Gauge,
-    ready_backends: Family<StrategyLabel, Gauge>,
+    ready_backends: ByLabel<ProxyStrategy, Gauge>,
     pending_dials: Observed<Gauge>,
     established: Observed<Gauge>,
-    full_receive_channels: Family<MethodLabel, Gauge>,
-    dial_failures: Family<ReasonLabel, Counter>,
-    streams: StreamCounters,
-    culled_leases: Counter,
-    lease_delete_latency: HistogramFamily<StatusLabel>,
-    lease_delete_total: Family<StatusReasonLabels, Counter>,
-    lease_list_latency: HistogramFamily<StatusLabel>,
-    lease_list_total: Family<StatusReasonLabels, Counter>,
-    tunnel_bytes: Family<DirectionLabel, Counter>,
-    closed: Family<ReasonLabel, Counter>,
-    blocked: Family<MethodLabel, Counter>,
+    full_receive_channels: ByLabel<Method, Gauge>,
+    dial_failures: ByLabel<DialFailure, Counter>,
+    /// ANP's `stream_packets_total`.
+    pub(crate) packets: PacketCounters<Segment>,
+    errors: StreamErrors<Segment>,
+    lease: LeaseCalls,
+    /// `konnectivity_rs_server_tunnel_bytes_total`.
+    pub(crate) bytes: ByLabel<Direction, Counter>,
+    closed: ByLabel<CloseReason, Counter>,
+    blocked: ByLabel<Method, Counter>,
     max_buffered: Gauge,
     buffered: Gauge,
-    limits: Family<LimitLabel, Counter>,
+    limits: ByLabel<Limit, Counter>,
     certs: ops::tls::files::CertMetrics,
+}
+
+fn name(n: &str) -> String {
+    format!("{PREFIX}{n}")
+}
+
+impl LeaseCalls {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
+            culled: m.register(
+                name("culled_leases_count"),
+                "Count of expired leases that the lease garbage collection controller has culled.",
+                Counter::default(),
+            ),
+            delete_latency: m.register(
+                name("lease_delete_latency_seconds"),
+                "Latency of lease deletion calls by the garbage collection controller in seconds.",
+                HistogramFamily::new_with_constructor(default_histogram as fn() -> Histogram),
+            ),
+            delete_total: m.register(
+                name("lease_delete_total"),
+                "Count of lease delection calls by the garbage collection controller. Labeled by HTTP status code and reason.",
+                Family::default(),
+            ),
+            list_latency: m.register(
+                name("lease_list_latency_seconds"),
+                "Latency of lease list calls by the garbage collection controller in seconds.",
+                HistogramFamily::new_with_constructor(default_histogram as fn() -> Histogram),
+            ),
+            list_total: m.register(
+                name("lease_list_total"),
+                "Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+/// ANP's latency histograms and stream gauges, in ANP's registration order.
+struct Latencies {
+    dial_duration: Observed<Histogram>,
+    frontend_write: Observed<Histogram>,
+    connection_duration: Observed<Histogram>,
+    grpc_connections: ByLabel<Method, Gauge>,
+    http_connections: Gauge,
+    ready_backend_connections: Gauge,
+    ready_backends: ByLabel<ProxyStrategy, Gauge>,
+}
+
+impl Latencies {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
+            dial_duration: m.register(
+                name("dial_duration_seconds"),
+                "Latency of dial to the remote endpoint in seconds",
+                Observed::new(Histogram::new(SERVER_BUCKETS)),
+            ),
+            frontend_write: m.register(
+                name("frontend_write_duration_seconds"),
+                "Latency of write to the frontend in seconds",
+                Observed::new(Histogram::new(SERVER_BUCKETS)),
+            ),
+            connection_duration: m.register(
+                name("connection_duration_seconds"),
+                "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
+                Observed::new(Histogram::new(CONNECTION_BUCKETS)),
+            ),
+            grpc_connections: ByLabel::register(
+                m,
+                name("grpc_connections"),
+                "Number of current grpc connections, partitioned by service method.",
+                "service_method",
+            ),
+            http_connections: m.register(
+                name("http_connections"),
+                "Number of current HTTP CONNECT connections",
+                Gauge::default(),
+            ),
+            ready_backend_connections: m.register(
+                name("ready_backend_connections"),
+                "Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends",
+                Gauge::default(),
+            ),
+            ready_backends: ByLabel::register(
+                m,
+                name("ready_backends"),
+                "Number of konnectivity agent connected to the proxy server",
+                "proxy_strategy",
+            ),
+        }
+    }
+}
+
+/// konnectivity-rs's own series.
+struct Ours {
+    bytes: ByLabel<Direction, Counter>,
+    closed: ByLabel<CloseReason, Counter>,
+    blocked: ByLabel<Method, Counter>,
+    max_buffered: Gauge,
+    buffered: Gauge,
+    limits: ByLabel<Limit, Counter>,
+}
+
+impl Ours {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
+            bytes: ByLabel::register(
+                m,
+                "konnectivity_rs_server_tunnel_bytes_total",
+                "Payload bytes carried through the tunnel, by direction (to_agent: from frontends towards destinations; to_frontend: back)",
+                "direction",
+            ),
+            closed: ByLabel::register(
+                m,
+                "konnectivity_rs_server_connections_closed_total",
+                "Established connections that ended, by reason (closed, error, agent_gone, frontend_gone, overflow, stalled, mismatch)",
+                "reason",
+            ),
+            blocked: ByLabel::register(
+                m,
+                "konnectivity_rs_server_blocked_seconds_total",
+                "Seconds stream readers spent waiting for room in a full per-connection buffer or agent queue, by service method",
+                "service_method",
+            ),
+            max_buffered: m.register(
+                "konnectivity_rs_server_max_buffered_bytes",
+                "Bytes the fullest connection has queued towards its frontend (bounded by the flow window)",
+                Gauge::default(),
+            ),
+            buffered: m.register(
+                "konnectivity_rs_server_buffered_bytes",
+                "Bytes queued towards frontends over all connections",
+                Gauge::default(),
+            ),
+            limits: ByLabel::register(
+                m,
+                "konnectivity_rs_server_limit_reached_total",
+                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused)",
+                "limit",
+            ),
+        }
+    }
 }
 
 impl ServerMetrics {
     /// Registers every metric; `strategies` get their `ready_backends` 0.
     pub(crate) fn new(strategies: &[ProxyStrategy]) -> Self {
         let mut m = Metrics::default();
-        let name = |n: &str| format!("{PREFIX}{n}");
-        let dial_duration = m.register(
-            name("dial_duration_seconds"),
-            "Latency of dial to the remote endpoint in seconds",
-            Observed::new(Histogram::new(SERVER_BUCKETS)),
-        );
-        let frontend_write_duration = m.register(
-            name("frontend_write_duration_seconds"),
-            "Latency of write to the frontend in seconds",
-            Observed::new(Histogram::new(SERVER_BUCKETS)),
-        );
-        let connection_duration = m.register(
-            name("connection_duration_seconds"),
-            "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
-            Observed::new(Histogram::new(CONNECTION_BUCKETS)),
-        );
-        let grpc_connections = m.register(
-            name("grpc_connections"),
-            "Number of current grpc connections, partitioned by service method.",
-            Family::default(),
-        );
-        let http_connections = m.register(
-            name("http_connections"),
-            "Number of current HTTP CONNECT connections",
-            Gauge::default(),
-        );
-        let ready_backend_connections = m.register(
-            name("ready_backend_connections"),
-            "Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends",
-            Gauge::default(),
-        );
-        let ready_backends: Family<StrategyLabel, Gauge> = m.register(
-            name("ready_backends"),
-            "Number of konnectivity agent connected to the proxy server",
-            Family::default(),
-        );
+        let latencies = Latencies::register(&mut m);
         for strategy in strategies {
-            let _ = ready_backends.get_or_create(&StrategyLabel {
-                proxy_strategy: strategy.as_str(),
-            });
+            let _ = latencies.ready_backends.get(*strategy);
         }
         let pending_dials = m.register(
             name("pending_backend_dials"),
@@ -183,101 +336,48 @@ impl ServerMetrics {
             "Current number of established end-to-end connections (post-dial).",
             Observed::new(Gauge::default()),
         );
-        let full_receive_channels = m.register(
+        let full_receive_channels = ByLabel::register(
+            &mut m,
             name("full_receive_channels"),
             "Number of current connections blocked by a full receive channel, partitioned by service method.",
-            Family::default(),
+            "service_method",
         );
-        let dial_failures = m.register(
+        let dial_failures = ByLabel::register(
+            &mut m,
             name("dial_failure_count"),
             "Number of dial failures observed. Multiple failures can occur for a single dial request.",
-            Family::default(),
+            "reason",
         );
-        let streams = StreamCounters::register(&mut m, PREFIX);
-        let culled_leases = m.register(
-            name("culled_leases_count"),
-            "Count of expired leases that the lease garbage collection controller has culled.",
-            Counter::default(),
-        );
-        let lease_delete_latency = m.register(
-            name("lease_delete_latency_seconds"),
-            "Latency of lease deletion calls by the garbage collection controller in seconds.",
-            HistogramFamily::new_with_constructor(default_histogram as fn() -> Histogram),
-        );
-        let lease_delete_total = m.register(
-            name("lease_delete_total"),
-            "Count of lease delection calls by the garbage collection controller. Labeled by HTTP status code and reason.",
-            Family::default(),
-        );
-        let lease_list_latency = m.register(
-            name("lease_list_latency_seconds"),
-            "Latency of lease list calls by the garbage collection controller in seconds.",
-            HistogramFamily::new_with_constructor(default_histogram as fn() -> Histogram),
-        );
-        let lease_list_total = m.register(
-            name("lease_list_total"),
-            "Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.",
-            Family::default(),
-        );
+        let packets = PacketCounters::register(&mut m, PREFIX, PACKET_TYPES);
+        let errors = StreamErrors::register(&mut m, PREFIX);
+        let lease = LeaseCalls::register(&mut m);
         ops::metrics::register_process(&mut m);
-        let tunnel_bytes = m.register(
-            "konnectivity_rs_server_tunnel_bytes_total",
-            "Payload bytes carried through the tunnel, by direction (to_agent: from frontends towards destinations; to_frontend: back)",
-            Family::default(),
-        );
-        let closed = m.register(
-            "konnectivity_rs_server_connections_closed_total",
-            "Established connections that ended, by reason (closed, error, agent_gone, frontend_gone, overflow, stalled, mismatch)",
-            Family::default(),
-        );
-        let blocked = m.register(
-            "konnectivity_rs_server_blocked_seconds_total",
-            "Seconds stream readers spent waiting for room in a full per-connection buffer or agent queue, by service method",
-            Family::default(),
-        );
-        let max_buffered = m.register(
-            "konnectivity_rs_server_max_buffered_bytes",
-            "Bytes the fullest connection has queued towards its frontend (bounded by the flow window)",
-            Gauge::default(),
-        );
-        let buffered = m.register(
-            "konnectivity_rs_server_buffered_bytes",
-            "Bytes queued towards frontends over all connections",
-            Gauge::default(),
-        );
-        let limits = m.register(
-            "konnectivity_rs_server_limit_reached_total",
-            "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused)",
-            Family::default(),
-        );
+        let ours = Ours::register(&mut m);
         let certs = ops::tls::files::CertMetrics::default();
         certs.register(&mut m, "konnectivity_rs_server_");
         Self {
             exposition: Arc::new(m),
             certs,
-            dial_duration,
-            frontend_write_duration,
-            connection_duration,
-            grpc_connections,
-            http_connections,
-            ready_backend_connections,
-            ready_backends,
+            dial_duration: latencies.dial_duration,
+            frontend_write: latencies.frontend_write,
+            connection_duration: latencies.connection_duration,
+            grpc_connections: latencies.grpc_connections,
+            http_connections: latencies.http_connections,
+            ready_backend_connections: latencies.ready_backend_connections,
+            ready_backends: latencies.ready_backends,
             pending_dials,
             established,
             full_receive_channels,
             dial_failures,
-            streams,
-            culled_leases,
-            lease_delete_latency,
-            lease_delete_total,
-            lease_list_latency,
-            lease_list_total,
-            tunnel_bytes,
-            closed,
-            blocked,
-            max_buffered,
-            buffered,
-            limits,
+            packets,
+            errors,
+            lease,
+            bytes: ours.bytes,
+            closed: ours.closed,
+            blocked: ours.blocked,
+            max_buffered: ours.max_buffered,
+            buffered: ours.buffered,
+            limits: ours.limits,
         }
     }
 
@@ -288,21 +388,13 @@ impl ServerMetrics {
 
     /// An admission limit was reached.
     pub(crate) fn limit_reached(&self, limit: Limit) {
-        self.limits
-            .get_or_create(&LimitLabel {
-                limit: limit.as_str(),
-            })
-            .inc();
+        self.limits.get(limit).inc();
     }
 
     /// The exposition text, with the live-state gauges set from `live`.
     pub(crate) fn render(&self, live: &Live) -> String {
         for (strategy, count) in &live.ready {
-            self.ready_backends
-                .get_or_create(&StrategyLabel {
-                    proxy_strategy: strategy.as_str(),
-                })
-                .set(as_i64(*count));
+            self.ready_backends.get(*strategy).set(as_i64(*count));
         }
         // ANP: every manager writes it, the last one wins.
         if let Some((_, count)) = live.ready.last() {
@@ -322,21 +414,11 @@ impl ServerMetrics {
     }
 
     pub(crate) fn dial_failed(&self, reason: DialFailure) {
-        self.dial_failures
-            .get_or_create(&ReasonLabel {
-                reason: reason.as_str(),
-            })
-            .inc();
+        self.dial_failures.get(reason).inc();
     }
 
     pub(crate) fn dial_succeeded(&self, latency: Duration) {
         self.dial_duration.get().observe(latency.as_secs_f64());
-    }
-
-    pub(crate) fn frontend_write(&self, took: Duration) {
-        self.frontend_write_duration
-            .get()
-            .observe(took.as_secs_f64());
     }
 
     /// A dial became pending (ANP sets the gauge from then on).
@@ -352,32 +434,28 @@ impl ServerMetrics {
     /// An established connection ended after `lived`.
     pub(crate) fn connection_closed(&self, reason: CloseReason, lived: Duration) {
         self.connection_duration.get().observe(lived.as_secs_f64());
-        self.closed
-            .get_or_create(&ReasonLabel {
-                reason: reason.as_str(),
-            })
-            .inc();
-    }
-
-    /// A packet of ANP's types crossed `segment`.
-    pub(crate) fn packet(&self, segment: &'static str, packet: &proto::Packet) {
-        self.streams.packet(segment, packet);
+        self.closed.get(reason).inc();
     }
 
     /// A stream failed on receive.
-    pub(crate) fn stream_error(&self, segment: &'static str, code: tonic::Code) {
-        self.streams.receive_error(segment, code);
+    pub(crate) fn stream_error(&self, segment: Segment, code: tonic::Code) {
+        self.errors.receive_error(segment, code);
     }
 
-    /// `packet` could not be sent on `segment`: its stream is gone.
-    pub(crate) fn send_error(&self, segment: &'static str, packet: &proto::Packet) {
-        self.streams
-            .send_error(segment, tonic::Code::Unavailable, packet);
+    /// A packet of type `packet_type` could not be sent on `segment`: its
+    /// stream is gone.
+    pub(crate) fn send_error(&self, segment: Segment, packet_type: i32) {
+        if let Some(name) = usize::try_from(packet_type)
+            .ok()
+            .and_then(|t| PACKET_TYPES.get(t))
+        {
+            self.errors.error(segment, tonic::Code::Unavailable, name);
+        }
     }
 
     /// A gRPC stream of `method` started; the gauge drops with the guard.
-    pub(crate) fn grpc_stream(self: &Arc<Self>, method: MethodLabel) -> GaugeGuard {
-        GaugeGuard::new(self.grpc_connections.get_or_create(&method).clone())
+    pub(crate) fn grpc_stream(&self, method: Method) -> GaugeGuard {
+        GaugeGuard::new(self.grpc_connections.get(method).clone())
     }
 
     /// An HTTP CONNECT connection started; the gauge drops with the guard.
@@ -388,31 +466,25 @@ impl ServerMetrics {
     /// A reader of `method` found its way blocked; the returned guard
     /// counts it in `full_receive_channels` and adds the wait to the
     /// blocked time when dropped.
-    pub(crate) fn blocked(&self, method: MethodLabel) -> BlockedGuard {
+    pub(crate) fn blocked(&self, method: Method) -> BlockedGuard {
         BlockedGuard {
-            gauge: GaugeGuard::new(self.full_receive_channels.get_or_create(&method).clone()),
-            seconds: self.blocked.get_or_create(&method).clone(),
+            gauge: GaugeGuard::new(self.full_receive_channels.get(method).clone()),
+            seconds: self.blocked.get(method).clone(),
             since: std::time::Instant::now(),
         }
     }
 
-    pub(crate) fn bytes(&self, direction: &'static str, len: usize) {
-        self.tunnel_bytes
-            .get_or_create(&DirectionLabel { direction })
-            .inc_by(len as f64);
-    }
-
     pub(crate) fn lease_culled(&self) {
-        self.culled_leases.inc();
+        self.lease.culled.inc();
     }
 
     /// A lease list (`delete = false`) or delete call of the garbage
     /// collection answered `status` (0: no answer) with `reason`.
     pub(crate) fn lease_call(&self, delete: bool, status: u16, reason: &str, took: Duration) {
         let (latency, total) = if delete {
-            (&self.lease_delete_latency, &self.lease_delete_total)
+            (&self.lease.delete_latency, &self.lease.delete_total)
         } else {
-            (&self.lease_list_latency, &self.lease_list_total)
+            (&self.lease.list_latency, &self.lease.list_total)
         };
         latency
             .get_or_create(&StatusLabel {

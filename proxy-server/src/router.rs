@@ -35,25 +35,17 @@ use tunnel::{
 
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
-    events::{CloseReason, DialFailure},
+    events::{CloseReason, DialError, DialFailure},
     manager::BackendManager,
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
 
-/// Answer to a dial when no agent can take it (ANP's text, matched by clients).
-pub const NO_AGENT: &str = "No agent available";
-/// Answer to a dial whose DIAL_RSP did not come within `--backend-dial-timeout`.
-pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
-/// DIAL_RSP error when the chosen agent's stream closed before the dial went out.
-pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 /// CLOSE_RSP error when a frontend used a connection id it does not own.
 pub const MISMATCHED: &str = "mismatched connection IDs";
 /// CLOSE_RSP error of a connection whose frontend took none of its data
 /// for `--frontend-stall-timeout`.
 pub const STALLED: &str =
     "the frontend took none of this connection's data within --frontend-stall-timeout";
-/// DIAL_RSP error for a dial whose random another dial is using.
-pub(crate) const DIAL_ID_PENDING: &str = "dial id already pending";
 /// CLOSE_RSP error for DATA from a frontend that never dialed.
 pub(crate) const NOT_INITIALIZED: &str = "backend not initialized";
 /// CLOSE_RSP error for CLOSE_REQ from a frontend that never dialed.
@@ -91,8 +83,9 @@ pub(crate) enum Out {
         /// The DIAL_REQ.
         packet: Packet,
     },
-    /// A frontend's DATA for an agent: the sender waits for credit and room,
-    /// raced against the connection's end.
+    /// A frontend's DATA for an agent, on a connection the frontend's
+    /// driver did not have in its table: the sender waits for credit and
+    /// room, raced against the connection's end.
     DataToBackend {
         /// The agent stream.
         backend: BackendId,
@@ -101,35 +94,24 @@ pub(crate) enum Out {
         /// The payload.
         data: Bytes,
     },
-    /// An agent's DATA for a frontend, within the connection's window; a
-    /// connection a window behind is reported with [`Router::overflow`].
-    DataToFrontend {
-        /// Whose connection.
-        frontend: FrontendId,
-        /// The agent stream it came on.
-        backend: BackendId,
-        /// The connection.
-        conn: ConnId,
-        /// The DATA packet.
-        packet: Packet,
-    },
-    /// The agent returned credit for a connection's DATA (negotiated only).
-    Credit {
-        /// The agent stream.
-        backend: BackendId,
-        /// The connection.
-        conn: ConnId,
-        /// Cost units.
-        credit: usize,
-    },
-    /// A connection was established: its flow state starts now.
+    /// A connection was established: its flow state starts now, joining
+    /// the two streams' drivers.
     Opened {
         /// The agent stream it runs over.
         backend: BackendId,
         /// The connection.
         conn: ConnId,
-        /// Whether the agent stream negotiated credit.
-        flow_control: bool,
+        /// Its frontend.
+        frontend: FrontendId,
+    },
+    /// A dial failed: its answer to the frontend (never waits).
+    DialFailed {
+        /// Whose dial.
+        frontend: FrontendId,
+        /// The dial.
+        dial: DialId,
+        /// Why.
+        error: DialError,
     },
     /// A connection left the tables: every wait on its behalf ends.
     Closed {
@@ -172,10 +154,6 @@ pub(crate) enum Event {
     Established,
     /// An established connection ended after the given time.
     Closed(CloseReason, Duration),
-    /// Payload bytes towards the agent.
-    BytesToAgent(usize),
-    /// Payload bytes towards the frontend.
-    BytesToFrontend(usize),
 }
 
 /// Why a dial could not be forwarded to its agent.
@@ -195,8 +173,6 @@ pub(crate) struct AgentInfo {
     pub(crate) agent_id: AgentId,
     /// `agentidentifiers`.
     pub(crate) identifiers: AgentIdentifiers,
-    /// Whether per-connection credit was negotiated.
-    pub(crate) flow_control: bool,
 }
 
 /// A frontend stream's dials and connections.
@@ -368,7 +344,6 @@ impl Router {
                 }
                 match self.owner(fe, id) {
                     Owner::Ours(backend) => {
-                        out.push(Out::Count(Event::BytesToAgent(data.data.len())));
                         out.push(Out::DataToBackend {
                             backend,
                             conn: id,
@@ -427,8 +402,8 @@ impl Router {
         }
     }
 
-    /// The agent stream of a frontend's established connection, for the
-    /// transport that moves its bytes.
+    /// The agent stream of a frontend's established connection.
+    #[cfg(test)]
     pub(crate) fn route(&self, fe: FrontendId, id: ConnId) -> Option<BackendId> {
         let backend = *self.frontends.get(&fe)?.conns.get(&id)?;
         self.conn(backend, id).map(|_| backend)
@@ -469,17 +444,19 @@ impl Router {
             if kind == Some(FrontendKind::Grpc) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
             }
-            out.push(Out::ToFrontend(
-                fe,
-                Packet::dial_response(id.0, 0, NO_AGENT),
-            ));
+            out.push(Out::DialFailed {
+                frontend: fe,
+                dial: id,
+                error: DialError::NoAgent,
+            });
             return;
         };
         if self.pending.contains_key(&id) {
-            out.push(Out::ToFrontend(
-                fe,
-                Packet::dial_response(id.0, 0, DIAL_ID_PENDING),
-            ));
+            out.push(Out::DialFailed {
+                frontend: fe,
+                dial: id,
+                error: DialError::IdPending,
+            });
             return;
         }
         if let Some(entry) = self.frontends.get_mut(&fe) {
@@ -529,8 +506,8 @@ impl Router {
         out: &mut Vec<Out>,
     ) {
         let (failure, error) = match why {
-            ForwardFailure::Closed => (DialFailure::BackendClose, AGENT_STREAM_CLOSED),
-            ForwardFailure::TimedOut => (DialFailure::BackendDialTimeout, DIAL_TIMED_OUT),
+            ForwardFailure::Closed => (DialFailure::BackendClose, DialError::AgentStreamClosed),
+            ForwardFailure::TimedOut => (DialFailure::BackendDialTimeout, DialError::TimedOut),
         };
         let backend = self.pending.get(&dial).map(|d| d.backend);
         if why == ForwardFailure::TimedOut
@@ -541,7 +518,11 @@ impl Router {
         // Counted once: whoever removes the pending dial counts it.
         if self.take_pending_if(dial, |d| d.frontend == fe).is_some() {
             out.push(Out::Count(Event::DialFailed(failure)));
-            out.push(Out::ToFrontend(fe, Packet::dial_response(dial.0, 0, error)));
+            out.push(Out::DialFailed {
+                frontend: fe,
+                dial,
+                error,
+            });
         }
     }
 
@@ -573,7 +554,8 @@ impl Router {
         Some(dial)
     }
 
-    /// A packet from an agent.
+    /// A packet from an agent (its DATA and credit only when the agent
+    /// stream's driver did not know the connection).
     pub(crate) fn backend_packet(
         &mut self,
         now: Instant,
@@ -581,113 +563,16 @@ impl Router {
         packet: Packet,
         out: &mut Vec<Out>,
     ) {
-        if !self.backends.contains_key(&be) {
-            return;
-        }
-        if let Some((id, credit)) = flow::parse_credit(&packet) {
-            if self.conn(be, ConnId(id)).is_some() {
-                out.push(Out::Credit {
-                    backend: be,
-                    conn: ConnId(id),
-                    credit,
-                });
-            }
+        if !self.backends.contains_key(&be) || flow::parse_credit(&packet).is_some() {
+            // Credit for a connection that is gone is moot.
             return;
         }
         match packet.into_kind() {
-            PacketKind::DialRsp(rsp) => {
-                let id = DialId(rsp.random);
-                let conn = ConnId(rsp.connect_id);
-                let Some(dial) = self.take_pending_if(id, |d| d.backend == be) else {
-                    out.push(Out::Count(Event::DialFailed(
-                        DialFailure::UnrecognizedResponse,
-                    )));
-                    if conn.0 != 0 {
-                        out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
-                    }
-                    return;
-                };
-                let fe = dial.frontend;
-                if !rsp.error.is_empty() {
-                    out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
-                    out.push(Out::ToFrontend(
-                        fe,
-                        Packet::dial_response(id.0, 0, &rsp.error),
-                    ));
-                    return;
-                }
-                let Some(entry) = self.frontends.get(&fe).filter(|e| !e.failed) else {
-                    // The frontend is gone or failed.
-                    out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
-                    out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
-                    return;
-                };
-                let reused = self
-                    .backends
-                    .get(&be)
-                    .is_some_and(|b| b.conns.contains_key(&conn));
-                if reused || entry.conns.contains_key(&conn) {
-                    // The agent answered with an id that is already in use,
-                    // by this stream (only a broken agent does that: the
-                    // live connection is left alone) or by another
-                    // connection of the frontend, over another agent.
-                    out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
-                    if !reused {
-                        out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
-                    }
-                    out.push(Out::ToFrontend(
-                        fe,
-                        Packet::dial_response(
-                            id.0,
-                            0,
-                            &format!("connection id {conn} already in use"),
-                        ),
-                    ));
-                    return;
-                }
-                let flow_control = self.backends.get(&be).is_some_and(|b| b.info.flow_control);
-                if let Some(entry) = self.frontends.get_mut(&fe) {
-                    entry.conns.insert(conn, be);
-                }
-                if let Some(backend) = self.backends.get_mut(&be) {
-                    backend.conns.insert(
-                        conn,
-                        ConnEntry {
-                            frontend: fe,
-                            established: now,
-                        },
-                    );
-                }
-                out.push(Out::Opened {
-                    backend: be,
-                    conn,
-                    flow_control,
-                });
-                out.push(Out::Count(Event::Established));
-                out.push(Out::Established {
-                    frontend: fe,
-                    backend: be,
-                    conn,
-                    packet: Packet::dial_response(id.0, conn.0, ""),
-                    latency: now.saturating_duration_since(dial.started),
-                });
-            }
+            PacketKind::DialRsp(rsp) => self.dial_response(now, be, rsp, out),
             PacketKind::Data(data) => {
                 let id = ConnId(data.connect_id);
-                match self.conn(be, id) {
-                    Some(entry) => {
-                        out.push(Out::Count(Event::BytesToFrontend(data.data.len())));
-                        out.push(Out::DataToFrontend {
-                            frontend: entry.frontend,
-                            backend: be,
-                            conn: id,
-                            packet: Packet::data(id.0, data.data),
-                        });
-                    }
-                    None if id.0 != 0 => {
-                        out.push(Out::ToBackend(be, Packet::close_request(id.0)));
-                    }
-                    None => {}
+                if self.conn(be, id).is_none() && id.0 != 0 {
+                    out.push(Out::ToBackend(be, Packet::close_request(id.0)));
                 }
             }
             PacketKind::CloseRsp(rsp) => {
@@ -713,6 +598,100 @@ impl Router {
             PacketKind::Drain => self.manager.set_draining(be),
             _ => {}
         }
+    }
+
+    /// An agent's DIAL_RSP: the dial fails, or its connection opens.
+    fn dial_response(
+        &mut self,
+        now: Instant,
+        be: BackendId,
+        rsp: proto::DialResponse,
+        out: &mut Vec<Out>,
+    ) {
+        let id = DialId(rsp.random);
+        let conn = ConnId(rsp.connect_id);
+        let Some(dial) = self.take_pending_if(id, |d| d.backend == be) else {
+            out.push(Out::Count(Event::DialFailed(
+                DialFailure::UnrecognizedResponse,
+            )));
+            if conn.0 != 0 {
+                out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+            }
+            return;
+        };
+        let fe = dial.frontend;
+        if !rsp.error.is_empty() {
+            out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
+            out.push(Out::DialFailed {
+                frontend: fe,
+                dial: id,
+                error: DialError::Agent(rsp.error),
+            });
+            return;
+        }
+        let Some(entry) = self.frontends.get(&fe).filter(|e| !e.failed) else {
+            // The frontend is gone or failed.
+            out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
+            out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+            return;
+        };
+        let reused = self
+            .backends
+            .get(&be)
+            .is_some_and(|b| b.conns.contains_key(&conn));
+        if reused || entry.conns.contains_key(&conn) {
+            // The agent answered with an id that is already in use, by
+            // this stream (only a broken agent does that: the live
+            // connection is left alone) or by another connection of the
+            // frontend, over another agent.
+            out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
+            if !reused {
+                out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
+            }
+            out.push(Out::DialFailed {
+                frontend: fe,
+                dial: id,
+                error: DialError::ConnIdInUse(conn),
+            });
+            return;
+        }
+        self.open(now, fe, be, conn, out);
+        out.push(Out::Established {
+            frontend: fe,
+            backend: be,
+            conn,
+            packet: Packet::dial_response(id.0, conn.0, ""),
+            latency: now.saturating_duration_since(dial.started),
+        });
+    }
+
+    /// Enters an established connection in both tables.
+    fn open(
+        &mut self,
+        now: Instant,
+        fe: FrontendId,
+        be: BackendId,
+        conn: ConnId,
+        out: &mut Vec<Out>,
+    ) {
+        if let Some(entry) = self.frontends.get_mut(&fe) {
+            entry.conns.insert(conn, be);
+        }
+        if let Some(backend) = self.backends.get_mut(&be) {
+            backend.conns.insert(
+                conn,
+                ConnEntry {
+                    frontend: fe,
+                    established: now,
+                },
+            );
+        }
+        out.push(Out::Opened {
+            backend: be,
+            conn,
+            frontend: fe,
+        });
+        out.push(Out::Count(Event::Established));
     }
 
     /// Removes an established connection from both tables (its waits end)
@@ -863,7 +842,8 @@ impl Router {
             return;
         };
         self.manager.remove(be);
-        let reason = format!("agent {} disconnected", entry.info.agent_id);
+        let agent = entry.info.agent_id.clone();
+        let reason = DialError::AgentGone(agent.clone()).to_string();
         let mut conns: Vec<_> = entry.conns.into_iter().collect();
         conns.sort_unstable_by_key(|(id, _)| *id);
         for (id, conn) in conns {
@@ -893,10 +873,11 @@ impl Router {
         for id in dials {
             if let Some(dial) = self.take_pending_if(id, |_| true) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::BackendClose)));
-                out.push(Out::ToFrontend(
-                    dial.frontend,
-                    Packet::dial_response(id.0, 0, &reason),
-                ));
+                out.push(Out::DialFailed {
+                    frontend: dial.frontend,
+                    dial: id,
+                    error: DialError::AgentGone(agent.clone()),
+                });
             }
         }
     }
@@ -907,7 +888,7 @@ impl Router {
     }
 
     /// Fails the dials whose `--backend-dial-timeout` passed by `now`:
-    /// DIAL_RSP with [`DIAL_TIMED_OUT`] to the frontend, DIAL_CLS to the
+    /// DIAL_RSP with [`DialError::TimedOut`] to the frontend, DIAL_CLS to the
     /// agent.
     pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Out>) {
         while let Some((at, id)) = self.deadlines.first().copied() {
@@ -919,10 +900,11 @@ impl Router {
                 out.push(Out::Count(Event::DialFailed(
                     DialFailure::BackendDialTimeout,
                 )));
-                out.push(Out::ToFrontend(
-                    dial.frontend,
-                    Packet::dial_response(id.0, 0, DIAL_TIMED_OUT),
-                ));
+                out.push(Out::DialFailed {
+                    frontend: dial.frontend,
+                    dial: id,
+                    error: DialError::TimedOut,
+                });
                 out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
             }
         }

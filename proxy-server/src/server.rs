@@ -15,23 +15,24 @@ use futures_util::StreamExt as _;
 use ops::tls::files::TlsFiles;
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
 use tokio::net::{TcpListener, UnixListener};
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::transport::Server;
 use tracing::{info, warn};
 use tunnel::{
-    conn::{bind_named, tls_incoming},
+    conn::{Following, bind_named, tls_incoming},
     flow,
     read_ahead::ReadAhead,
 };
 
 use crate::{
-    agent_service::AgentServiceImpl,
+    backend::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
+    control::Control,
     events::Limit,
     frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
-    hub::Hub,
     metrics::ServerMetrics,
 };
 
@@ -100,7 +101,7 @@ type FrontendFuture =
 /// at most `max_connections` at once (more are answered 503 and closed).
 async fn serve_http_connect<S, IO>(
     mut incoming: S,
-    hub: Arc<Hub>,
+    control: Arc<Control>,
     max_connections: usize,
     tasks: TaskTracker,
     accept_stop: CancellationToken,
@@ -129,15 +130,15 @@ where
                         );
                     }
                     at_cap = true;
-                    hub.metrics.limit_reached(Limit::HttpConnections);
+                    control.metrics.limit_reached(Limit::HttpConnections);
                     tasks.spawn(http_connect::refuse(io));
                     continue;
                 };
                 at_cap = false;
-                let hub = hub.clone();
+                let control = control.clone();
                 let shutdown = shutdown.clone();
                 tasks.spawn(async move {
-                    http_connect::serve_connection(io, hub, shutdown).await;
+                    http_connect::serve_connection(io, control, shutdown).await;
                     drop(permit);
                 });
             }
@@ -190,7 +191,7 @@ impl ProxyServer {
         };
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
-        let hub = Arc::new(Hub::new(
+        let control = Arc::new(Control::new(
             &config.strategies,
             config.backend_dial_timeout,
             metrics,
@@ -206,7 +207,7 @@ impl ProxyServer {
             frontend,
             health,
             admin,
-            hub,
+            control,
             token_auth,
         })
     }
@@ -266,8 +267,8 @@ pub struct Bound {
     health: TcpListener,
     /// Admin listener (`/metrics`, pprof).
     admin: TcpListener,
-    /// The routing core and the streams' links.
-    hub: Arc<Hub>,
+    /// The control core.
+    control: Arc<Control>,
     /// Agent token authentication, if on.
     token_auth: Option<Arc<crate::auth::TokenAuth>>,
 }
@@ -309,16 +310,30 @@ impl Bound {
     /// A handle for observing the running server (tests, tools).
     pub fn handle(&self) -> ServerHandle {
         ServerHandle {
-            hub: self.hub.clone(),
+            control: self.control.clone(),
         }
     }
 
     /// Serves until `shutdown` resolves, then stops every listener and
-    /// closes every agent and frontend stream.
+    /// closes every agent and frontend stream ([`Running::stop`]).
     ///
     /// # Errors
     /// A gRPC server failed.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+        info!(server.id = %self.config.server_id, server.count = self.config.server_count, "proxy-server starting");
+        let running = self.start();
+        shutdown.await;
+        running.stop().await
+    }
+
+    /// Starts every listener, the lease and the timers.
+    fn start(self) -> Running {
+        let ends = Ends::default();
+        let agent_local = self.agent.local_addr().ok();
+        let on_limit: tunnel::conn::OnLimit = {
+            let metrics = self.control.metrics.clone();
+            Arc::new(move || metrics.limit_reached(Limit::TlsHandshakes))
+        };
         let Self {
             config,
             agent_tls,
@@ -326,247 +341,318 @@ impl Bound {
             frontend,
             health,
             admin,
-            hub,
+            control,
             token_auth,
         } = self;
-        // One tree of ends: `token` ends every stream and connection, and
-        // with it its children, `accept_stop` (accepting ends first in a
-        // graceful shutdown) and `lease_stop` (the lease goes before that).
-        // Every task is tracked: `tasks` has the streams' and connections',
-        // `listeners` the servers' and the lease's.
-        let token = CancellationToken::new();
-        let accept_stop = token.child_token();
-        let lease_stop = token.child_token();
-        let tasks = TaskTracker::new();
-        let listeners = TaskTracker::new();
-        let agent_local = agent.local_addr().ok();
-        info!(server.id = %config.server_id, server.count = config.server_count, "proxy-server starting");
-        let on_handshake_limit: tunnel::conn::OnLimit = {
-            let metrics = hub.metrics.clone();
-            Arc::new(move || metrics.limit_reached(Limit::TlsHandshakes))
+        let agent_server = agent_server(
+            &config, &control, &ends, agent, agent_tls, token_auth, &on_limit,
+        );
+        let (frontend_server, uds_path) =
+            frontend_server(&config, &control, &ends, frontend, &on_limit);
+        info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
+        let http = http_servers(&config, &control, &ends, health, admin);
+        let tasks = Tasks {
+            agent: ends.listeners.spawn(agent_server),
+            frontend: ends.listeners.spawn(frontend_server),
+            http: ends.listeners.spawn(http),
+            lease: config.lease.clone().map(|lease| {
+                ends.listeners.spawn(crate::lease::run(
+                    lease,
+                    config.server_id.clone(),
+                    control.metrics.clone(),
+                    ends.lease_stop.clone(),
+                ))
+            }),
         };
+        spawn_timers(&config, &control, &ends);
+        Running {
+            ends,
+            tasks,
+            control,
+            grace: config.graceful_shutdown_timeout,
+            uds_path,
+        }
+    }
+}
 
-        let agent_service = AgentServiceServer::new(AgentServiceImpl {
-            hub: hub.clone(),
-            server_id: config.server_id.clone(),
-            server_count: config.server_count,
-            tasks: tasks.clone(),
-            shutdown: token.clone(),
-            flow_control: config.flow_control,
-            token_auth,
-            queue_bytes: config.max_agent_queue_bytes,
-        });
-        let agent_server = Server::builder()
+/// One tree of ends: `token` ends every stream and connection, and with
+/// it its children, `accept_stop` (accepting ends first in a graceful
+/// shutdown) and `lease_stop` (the lease goes before that). Every task is
+/// tracked: `tasks` has the streams' and connections', `listeners` the
+/// servers' and the lease's.
+struct Ends {
+    /// Ends everything.
+    token: CancellationToken,
+    /// Stops accepting.
+    accept_stop: CancellationToken,
+    /// Stops the lease.
+    lease_stop: CancellationToken,
+    /// Streams, connections, timers.
+    tasks: TaskTracker,
+    /// Servers and the lease.
+    listeners: TaskTracker,
+}
+
+impl Default for Ends {
+    fn default() -> Self {
+        let token = CancellationToken::new();
+        Self {
+            accept_stop: token.child_token(),
+            lease_stop: token.child_token(),
+            token,
+            tasks: TaskTracker::new(),
+            listeners: TaskTracker::new(),
+        }
+    }
+}
+
+/// The agent listener: `AgentService` over TLS.
+fn agent_server(
+    config: &Config,
+    control: &Arc<Control>,
+    ends: &Ends,
+    listener: TcpListener,
+    tls: TlsFiles<rustls::ServerConfig>,
+    token_auth: Option<Arc<crate::auth::TokenAuth>>,
+    on_limit: &tunnel::conn::OnLimit,
+) -> FrontendFuture {
+    let service = AgentServiceServer::new(AgentServiceImpl {
+        control: control.clone(),
+        server_id: config.server_id.clone(),
+        server_count: config.server_count,
+        tasks: ends.tasks.clone(),
+        shutdown: ends.token.clone(),
+        flow_window: config.flow_control.then_some(config.flow_window),
+        token_auth,
+        queue_bytes: config.max_agent_queue_bytes,
+    });
+    let incoming = tls_incoming(
+        listener,
+        Following(move || tls.current()),
+        ends.accept_stop.clone(),
+        "agent",
+        config.max_tls_handshakes,
+        on_limit.clone(),
+    );
+    Box::pin(
+        Server::builder()
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)
             .initial_stream_window_size(flow::H2_STREAM_WINDOW)
             .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
             .http2_keepalive_interval(Some(config.keepalive_time))
-            .http2_keepalive_timeout(Some(tunnel::flow::keepalive_timeout(config.keepalive_time)))
-            .add_service(agent_service)
-            .serve_with_incoming_shutdown(
-                tls_incoming(
-                    agent,
-                    agent_tls.clone(),
-                    accept_stop.clone(),
-                    "agent",
-                    config.max_tls_handshakes,
-                    on_handshake_limit.clone(),
-                ),
-                accept_stop.clone().cancelled_owned(),
-            );
+            .http2_keepalive_timeout(Some(flow::keepalive_timeout(config.keepalive_time)))
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, ends.accept_stop.clone().cancelled_owned()),
+    )
+}
 
-        let proxy_service = ProxyServiceServer::new(ProxyServiceImpl {
-            hub: hub.clone(),
-            tasks: tasks.clone(),
-            shutdown: token.clone(),
-        });
-        let frontend_builder = Server::builder()
-            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
-            .max_concurrent_streams(FRONTEND_MAX_STREAMS)
-            .initial_stream_window_size(FRONTEND_STREAM_WINDOW)
-            .initial_connection_window_size(FRONTEND_CONNECTION_WINDOW)
-            .http2_keepalive_interval(Some(config.frontend_keepalive_time))
-            .http2_keepalive_timeout(Some(tunnel::flow::keepalive_timeout(
-                config.frontend_keepalive_time,
-            )));
-        let (frontend_server, uds_path): (FrontendFuture, _) = match (config.mode, frontend) {
-            (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
-                info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
-                // Any `:authority` is accepted on the socket: kube-apiserver
-                // sends the socket's path, which h2 refuses by itself. Reads
-                // take up to 64 KiB per system call: h2 asks for 8 KiB at a
-                // time, and grpc-go's uploads come in 16 KiB frames.
-                let incoming = UnixListenerStream::new(listener).map(|accepted| {
-                    accepted.map(|socket| AnyAuthority::new(ReadAhead::new(socket)))
-                });
-                let server = frontend_builder
-                    .clone()
-                    .add_service(proxy_service)
-                    .serve_with_incoming_shutdown(incoming, accept_stop.clone().cancelled_owned());
-                (Box::pin(server), Some(path))
-            }
-            (Mode::Grpc, BoundFrontend::Tcp { listener, tls }) => {
-                info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (grpc over mTLS)");
-                let server = frontend_builder
-                    .clone()
-                    .add_service(proxy_service)
-                    .serve_with_incoming_shutdown(
-                        tls_incoming(
-                            listener,
-                            tls,
-                            accept_stop.clone(),
-                            "frontend",
-                            config.max_tls_handshakes,
-                            on_handshake_limit.clone(),
-                        ),
-                        accept_stop.clone().cancelled_owned(),
-                    );
-                (Box::pin(server), None)
-            }
-            (Mode::HttpConnect, BoundFrontend::Uds { listener, path }) => {
-                info!(frontend.path = %path.display(), "frontend listening (http-connect over unix socket)");
-                let incoming = UnixListenerStream::new(listener);
-                let server = serve_http_connect(
-                    incoming,
-                    hub.clone(),
-                    config.max_http_connections,
-                    tasks.clone(),
-                    accept_stop.clone(),
-                    token.clone(),
-                );
-                (Box::pin(server), Some(path))
-            }
-            (Mode::HttpConnect, BoundFrontend::Tcp { listener, tls }) => {
-                info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (http-connect over mTLS)");
-                let incoming = tls_incoming(
-                    listener,
-                    tls,
-                    accept_stop.clone(),
-                    "frontend",
-                    config.max_tls_handshakes,
-                    on_handshake_limit.clone(),
-                );
-                let server = serve_http_connect(
-                    incoming,
-                    hub.clone(),
-                    config.max_http_connections,
-                    tasks.clone(),
-                    accept_stop.clone(),
-                    token.clone(),
-                );
-                (Box::pin(server), None)
-            }
-        };
-        info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
-
-        let health_state = health::HealthState { hub: hub.clone() };
-        let admin_local = admin.local_addr().ok();
-        let admin_server = ops::http::serve(
-            admin,
-            health::admin_router(health_state.clone(), config.profiling),
-            token.clone(),
-            "admin",
-        );
-        let health_server = ops::http::serve(
-            health,
-            health::router(health_state),
-            token.clone(),
-            "health",
-        );
-        info!(admin.addr = ?admin_local, profiling = config.profiling, "admin listening");
-
-        let agent_task = listeners.spawn(agent_server);
-        let frontend_task = listeners.spawn(frontend_server);
-        let health_task = listeners.spawn(async move {
-            let _ = tokio::join!(health_server, admin_server);
-        });
-        let lease_task = config.lease.clone().map(|lease| {
-            listeners.spawn(crate::lease::run(
-                lease,
-                config.server_id.clone(),
-                hub.metrics.clone(),
-                lease_stop.clone(),
-            ))
-        });
-
-        // The dial timers (`--backend-dial-timeout`).
-        tasks.spawn({
-            let hub = hub.clone();
-            let token = token.clone();
-            async move { hub.run_timers(token).await }
-        });
-        if let Some(limit) = config.frontend_stall_timeout {
-            let hub = hub.clone();
-            let token = token.clone();
-            tasks.spawn(async move {
-                let mut ticks = tokio::time::interval(stall_check_interval(limit));
-                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        () = token.cancelled() => return,
-                        _ = ticks.tick() => hub.close_stalled(limit),
-                    }
-                }
-            });
+/// The frontend listener, by mode and transport; the socket path to
+/// remove at the end, for a Unix socket.
+fn frontend_server(
+    config: &Config,
+    control: &Arc<Control>,
+    ends: &Ends,
+    frontend: BoundFrontend,
+    on_limit: &tunnel::conn::OnLimit,
+) -> (FrontendFuture, Option<PathBuf>) {
+    let stop = || ends.accept_stop.clone().cancelled_owned();
+    let tls_incoming = |listener, tls: TlsFiles<rustls::ServerConfig>| {
+        tls_incoming(
+            listener,
+            Following(move || tls.current()),
+            ends.accept_stop.clone(),
+            "frontend",
+            config.max_tls_handshakes,
+            on_limit.clone(),
+        )
+    };
+    let grpc = grpc_frontend(config, control, ends);
+    match (config.mode, frontend) {
+        (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
+            info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
+            // Any `:authority` is accepted on the socket: kube-apiserver
+            // sends the socket's path, which h2 refuses by itself. Reads
+            // take up to 64 KiB per system call: h2 asks for 8 KiB at a
+            // time, and grpc-go's uploads come in 16 KiB frames.
+            let incoming = UnixListenerStream::new(listener)
+                .map(|accepted| accepted.map(|socket| AnyAuthority::new(ReadAhead::new(socket))));
+            (
+                Box::pin(grpc.serve_with_incoming_shutdown(incoming, stop())),
+                Some(path),
+            )
         }
+        (Mode::Grpc, BoundFrontend::Tcp { listener, tls }) => {
+            info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (grpc over mTLS)");
+            let incoming = tls_incoming(listener, tls);
+            (
+                Box::pin(grpc.serve_with_incoming_shutdown(incoming, stop())),
+                None,
+            )
+        }
+        (Mode::HttpConnect, BoundFrontend::Uds { listener, path }) => {
+            info!(frontend.path = %path.display(), "frontend listening (http-connect over unix socket)");
+            let incoming = UnixListenerStream::new(listener);
+            (
+                http_connect_server(incoming, config, control, ends),
+                Some(path),
+            )
+        }
+        (Mode::HttpConnect, BoundFrontend::Tcp { listener, tls }) => {
+            info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (http-connect over mTLS)");
+            let incoming = tls_incoming(listener, tls);
+            (http_connect_server(incoming, config, control, ends), None)
+        }
+    }
+}
 
-        shutdown.await;
-        // The lease goes first: lease-counting agents stop counting us.
-        lease_stop.cancel();
-        accept_stop.cancel();
-        if let Some(grace) = config.graceful_shutdown_timeout {
-            info!(timeout = ?grace, connections = hub.established_count(), "stopped accepting; letting open connections finish");
-            let idle = async {
-                while hub.established_count() > 0 || hub.pending_count() > 0 {
-                    tokio::time::sleep(GRACE_POLL).await;
+/// The HTTP-CONNECT frontend's server on `incoming`.
+fn http_connect_server<S, IO>(
+    incoming: S,
+    config: &Config,
+    control: &Arc<Control>,
+    ends: &Ends,
+) -> FrontendFuture
+where
+    S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin + Send + 'static,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    Box::pin(serve_http_connect(
+        incoming,
+        control.clone(),
+        config.max_http_connections,
+        ends.tasks.clone(),
+        ends.accept_stop.clone(),
+        ends.token.clone(),
+    ))
+}
+
+/// The gRPC frontend's server, ready for its listener.
+fn grpc_frontend(
+    config: &Config,
+    control: &Arc<Control>,
+    ends: &Ends,
+) -> tonic::transport::server::Router {
+    let service = ProxyServiceServer::new(ProxyServiceImpl {
+        control: control.clone(),
+        tasks: ends.tasks.clone(),
+        shutdown: ends.token.clone(),
+    });
+    Server::builder()
+        .max_frame_size(flow::H2_MAX_FRAME_SIZE)
+        .max_concurrent_streams(FRONTEND_MAX_STREAMS)
+        .initial_stream_window_size(FRONTEND_STREAM_WINDOW)
+        .initial_connection_window_size(FRONTEND_CONNECTION_WINDOW)
+        .http2_keepalive_interval(Some(config.frontend_keepalive_time))
+        .http2_keepalive_timeout(Some(flow::keepalive_timeout(
+            config.frontend_keepalive_time,
+        )))
+        .add_service(service)
+}
+
+/// The health and admin listeners.
+fn http_servers(
+    config: &Config,
+    control: &Arc<Control>,
+    ends: &Ends,
+    health: TcpListener,
+    admin: TcpListener,
+) -> impl Future<Output = ()> + Send + 'static {
+    let state = health::HealthState {
+        control: control.clone(),
+    };
+    info!(admin.addr = ?admin.local_addr().ok(), profiling = config.profiling, "admin listening");
+    let admin = ops::http::serve(
+        tunnel::conn::incoming(admin, "admin"),
+        health::admin_router(state.clone(), config.profiling),
+        ends.token.clone(),
+        "admin",
+    );
+    let health = ops::http::serve(
+        tunnel::conn::incoming(health, "health"),
+        health::router(state),
+        ends.token.clone(),
+        "health",
+    );
+    async move {
+        let _ = tokio::join!(health, admin);
+    }
+}
+
+/// The dial timers (`--backend-dial-timeout`) and, with
+/// `--frontend-stall-timeout`, the stall scan.
+fn spawn_timers(config: &Config, control: &Arc<Control>, ends: &Ends) {
+    ends.tasks.spawn({
+        let control = control.clone();
+        let token = ends.token.clone();
+        async move { control.run_timers(token).await }
+    });
+    if let Some(limit) = config.frontend_stall_timeout {
+        let control = control.clone();
+        let token = ends.token.clone();
+        ends.tasks.spawn(async move {
+            let mut ticks = tokio::time::interval(stall_check_interval(limit));
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = token.cancelled() => return,
+                    _ = ticks.tick() => control.close_stalled(limit),
                 }
-            };
-            if tokio::time::timeout(grace, idle).await.is_err() {
-                warn!(
-                    connections = hub.established_count(),
-                    "graceful shutdown timed out; closing the rest"
-                );
             }
+        });
+    }
+}
+
+/// The servers' tasks.
+struct Tasks {
+    /// The agent listener.
+    agent: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The frontend listener.
+    frontend: JoinHandle<Result<(), tonic::transport::Error>>,
+    /// Health and admin.
+    http: JoinHandle<()>,
+    /// The lease, if on.
+    lease: Option<JoinHandle<()>>,
+}
+
+/// A started server, until [`Running::stop`].
+struct Running {
+    /// Its ends.
+    ends: Ends,
+    /// Its servers.
+    tasks: Tasks,
+    /// The control core.
+    control: Arc<Control>,
+    /// `--graceful-shutdown-timeout`.
+    grace: Option<Duration>,
+    /// The Unix socket to remove.
+    uds_path: Option<PathBuf>,
+}
+
+impl Running {
+    /// The shutdown sequence: the lease goes first (lease-counting agents
+    /// stop counting us), then accepting stops; open connections get
+    /// `--graceful-shutdown-timeout` to finish; then everything is ended
+    /// and the servers get [`STOP_GRACE`] to wind down before they are
+    /// aborted.
+    async fn stop(self) -> Result<(), ServerError> {
+        let Self {
+            ends,
+            tasks,
+            control,
+            grace,
+            uds_path,
+        } = self;
+        ends.lease_stop.cancel();
+        ends.accept_stop.cancel();
+        if let Some(grace) = grace {
+            drain(&control, grace).await;
         }
         info!("stopping");
-        token.cancel();
-        tasks.close();
-        listeners.close();
-        let aborts = [
-            agent_task.abort_handle(),
-            frontend_task.abort_handle(),
-            health_task.abort_handle(),
-        ];
-        let stopped = async {
-            let agent = agent_task.await;
-            let frontend = frontend_task.await;
-            let _ = health_task.await;
-            if let Some(lease) = lease_task {
-                let _ = lease.await;
-            }
-            listeners.wait().await;
-            tasks.wait().await;
-            (agent, frontend)
-        };
-        let result = match tokio::time::timeout(STOP_GRACE, stopped).await {
-            Ok((Ok(Err(source)), _)) => Err(ServerError::Serve {
-                what: "agent",
-                source,
-            }),
-            Ok((_, Ok(Err(source)))) => Err(ServerError::Serve {
-                what: "frontend",
-                source,
-            }),
-            Ok(_) => Ok(()),
-            Err(_) => {
-                warn!("listeners did not stop within the grace period; aborting them");
-                for abort in aborts {
-                    abort.abort();
-                }
-                Ok(())
-            }
-        };
-        hub.end_backends();
+        ends.token.cancel();
+        ends.tasks.close();
+        ends.listeners.close();
+        let result = wind_down(tasks, &ends).await;
+        control.end_backends();
         if let Some(path) = uds_path {
             let _ = std::fs::remove_file(path);
         }
@@ -575,38 +661,93 @@ impl Bound {
     }
 }
 
+/// Lets open connections and pending dials finish, for `grace` at most.
+async fn drain(control: &Control, grace: Duration) {
+    info!(timeout = ?grace, connections = control.established_count(), "stopped accepting; letting open connections finish");
+    let idle = async {
+        while control.established_count() > 0 || control.pending_count() > 0 {
+            tokio::time::sleep(GRACE_POLL).await;
+        }
+    };
+    if tokio::time::timeout(grace, idle).await.is_err() {
+        warn!(
+            connections = control.established_count(),
+            "graceful shutdown timed out; closing the rest"
+        );
+    }
+}
+
+/// Waits [`STOP_GRACE`] for the servers and every tracked task, then
+/// aborts the servers; the first server failure, if any.
+async fn wind_down(tasks: Tasks, ends: &Ends) -> Result<(), ServerError> {
+    let aborts = [
+        tasks.agent.abort_handle(),
+        tasks.frontend.abort_handle(),
+        tasks.http.abort_handle(),
+    ];
+    let stopped = async {
+        let agent = tasks.agent.await;
+        let frontend = tasks.frontend.await;
+        let _ = tasks.http.await;
+        if let Some(lease) = tasks.lease {
+            let _ = lease.await;
+        }
+        ends.listeners.wait().await;
+        ends.tasks.wait().await;
+        (agent, frontend)
+    };
+    match tokio::time::timeout(STOP_GRACE, stopped).await {
+        Ok((Ok(Err(source)), _)) => Err(ServerError::Serve {
+            what: "agent",
+            source,
+        }),
+        Ok((_, Ok(Err(source)))) => Err(ServerError::Serve {
+            what: "frontend",
+            source,
+        }),
+        Ok(_) => Ok(()),
+        Err(_) => {
+            warn!("listeners did not stop within the grace period; aborting them");
+            for abort in aborts {
+                abort.abort();
+            }
+            Ok(())
+        }
+    }
+}
+
 /// Observes a running server.
 #[derive(Clone)]
 pub struct ServerHandle {
-    /// The routing core and the streams' links.
-    hub: Arc<Hub>,
+    /// The control core.
+    control: Arc<Control>,
 }
 
 impl ServerHandle {
     /// Connected agent streams.
     pub fn backend_count(&self) -> usize {
-        self.hub.backend_count()
+        self.control.backend_count()
     }
 
     /// Frontend streams (gRPC streams and CONNECT clients past their head).
     pub fn frontend_count(&self) -> usize {
-        self.hub.frontend_count()
+        self.control.frontend_count()
     }
 
     /// Dials waiting for an agent's answer.
     pub fn pending_dials(&self) -> usize {
-        self.hub.pending_count()
+        self.control.pending_count()
     }
 
     /// Established end-to-end connections.
     pub fn established_connections(&self) -> usize {
-        self.hub.established_count()
+        self.control.established_count()
     }
 
     /// The agent id of every connected agent stream, sorted.
     pub fn agent_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self
-            .hub
+            .control
             .agents()
             .into_iter()
             .map(|(agent, _, _)| agent.0)
@@ -618,12 +759,12 @@ impl ServerHandle {
     /// The most bytes (payload plus per-packet overhead) any connection has
     /// queued towards its frontend right now.
     pub fn max_buffered(&self) -> usize {
-        self.hub.live().max_buffered
+        self.control.live().max_buffered
     }
 
     /// Agent streams that announced DRAIN.
     pub fn draining_backends(&self) -> usize {
-        self.hub
+        self.control
             .agents()
             .iter()
             .filter(|(_, draining, _)| *draining)
@@ -632,7 +773,7 @@ impl ServerHandle {
 
     /// The address each connected agent stream comes from.
     pub fn agent_peers(&self) -> Vec<SocketAddr> {
-        self.hub
+        self.control
             .agents()
             .into_iter()
             .filter_map(|(_, _, peer)| peer)
@@ -641,6 +782,6 @@ impl ServerHandle {
 
     /// What `/readyz` says.
     pub fn is_ready(&self) -> bool {
-        self.hub.is_ready()
+        self.control.is_ready()
     }
 }

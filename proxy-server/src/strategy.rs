@@ -84,7 +84,7 @@ impl AgentIdentifiers {
                     .extend(value.parse::<IpNet>().ok().map(|n| n.trunc())),
                 "default-route" if !saw_default_route => {
                     saw_default_route = true;
-                    ids.default_route = proto::header::go_bool(&value).unwrap_or(false);
+                    ids.default_route = ops::flags::go_bool(&value).unwrap_or(false);
                 }
                 _ => {}
             }

@@ -22,6 +22,8 @@ pub struct AgentOpts {
     pub foreign_pki: bool,
     /// Do not offer per-connection flow control (behave like an ANP agent).
     pub no_flow_control: bool,
+    /// `--flow-control-window` and `--flow-control-max-chunk`.
+    pub flow_window: tunnel::flow::Window,
     /// `--service-account-token-path`.
     pub token_path: Option<PathBuf>,
     /// `--proxy-url`.
@@ -92,6 +94,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         probe_interval: Duration::from_millis(100),
         keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
         flow_control: !opts.no_flow_control,
+        flow_window: opts.flow_window,
         exit_when_drained: opts.exit_when_drained,
         max_server_queue_bytes: 4 << 20,
         token_path: opts.token_path.clone(),

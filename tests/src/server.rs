@@ -47,6 +47,8 @@ pub struct ServerOpts {
     pub mode: Mode,
     /// Offer per-connection flow control to agents.
     pub flow_control: bool,
+    /// `--flow-control-window` and `--flow-control-max-chunk`.
+    pub flow_window: tunnel::flow::Window,
     /// Service-account token authentication (turns mTLS off, as ANP).
     pub token_auth: Option<proxy_server::auth::TokenAuthConfig>,
     /// `--graceful-shutdown-timeout`.
@@ -77,6 +79,7 @@ impl Default for ServerOpts {
             tcp_frontend: false,
             mode: Mode::Grpc,
             flow_control: true,
+            flow_window: tunnel::flow::Window::V1,
             graceful_shutdown_timeout: None,
             token_auth: None,
             server_id: None,
@@ -174,6 +177,7 @@ impl TestServer {
             frontend_keepalive_time: Duration::from_secs(3600),
             backend_dial_timeout: opts.backend_dial_timeout,
             flow_control: opts.flow_control,
+            flow_window: opts.flow_window,
             graceful_shutdown_timeout: opts.graceful_shutdown_timeout,
             token_auth: opts.token_auth.clone(),
             lease: opts.lease.clone(),

@@ -113,6 +113,47 @@ pub async fn accept(listener: &TcpListener, what: &'static str) -> (TcpStream, S
     }
 }
 
+/// The connections of `listener`, with their peers, as a stream (see
+/// [`accept`]); it never ends.
+pub fn incoming(
+    listener: TcpListener,
+    what: &'static str,
+) -> impl futures_util::Stream<Item = (TcpStream, SocketAddr)> + Unpin + Send + 'static {
+    Box::pin(futures_util::stream::unfold(
+        listener,
+        move |listener| async move {
+            let accepted = accept(&listener, what).await;
+            Some((accepted, listener))
+        },
+    ))
+}
+
+/// A gRPC channel over `io`, a transport already connected (and its TLS
+/// handshake done): tonic asks its connector for a connection, and this
+/// one hands it `io`, once; a reconnect fails, and the caller makes a new
+/// channel.
+///
+/// # Errors
+/// HTTP/2 could not be set up over `io`.
+pub async fn channel_over<IO>(
+    endpoint: tonic::transport::Endpoint,
+    io: IO,
+) -> Result<tonic::transport::Channel, tonic::transport::Error>
+where
+    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let slot = std::sync::Mutex::new(Some(io));
+    endpoint
+        .connect_with_connector(tower::service_fn(move |_| {
+            let io = slot.lock().ok().and_then(|mut slot| slot.take());
+            async move {
+                io.map(hyper_util::rt::TokioIo::new)
+                    .ok_or_else(|| io::Error::other("connection already used"))
+            }
+        }))
+        .await
+}
+
 /// Pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
@@ -130,6 +171,19 @@ pub trait ServerTls: Send + Sync + 'static {
 impl ServerTls for Arc<rustls::ServerConfig> {
     fn server_config(&self) -> Arc<rustls::ServerConfig> {
         self.clone()
+    }
+}
+
+/// A configuration that follows its files: a closure that gives the
+/// current one.
+pub struct Following<F>(pub F);
+
+impl<F> ServerTls for Following<F>
+where
+    F: Fn() -> Arc<rustls::ServerConfig> + Send + Sync + 'static,
+{
+    fn server_config(&self) -> Arc<rustls::ServerConfig> {
+        (self.0)()
     }
 }
 

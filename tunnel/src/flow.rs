@@ -1,53 +1,81 @@
-//! Per-connection flow control, negotiated between our own agent and server.
+//! Per-connection flow control between our own agent and server, and the
+//! bound on what a connection buffers with anyone else.
 //!
 //! The Konnectivity protocol multiplexes every connection of an agent on one
 //! gRPC stream and has no per-connection window, so one slow reader stalls
 //! everyone (ANP #180, #881). When both ends announce [`HEADER`] =
-//! [`VERSION`] in the `Connect` metadata, each side gives the other a window
-//! of [`WINDOW`] cost units per connection: DATA costs its payload length
-//! plus [`PACKET_OVERHEAD`], a sender never has more than a window in flight,
-//! and the receiver returns credit (a [`CREDIT_TYPE`] packet) as its writer
-//! drains. The receiver therefore never blocks the shared stream, and what it
-//! buffers per connection is bounded by the window.
+//! [`VERSION`] in the `Connect` metadata, each side gives the other a
+//! window per connection: DATA costs its payload length plus
+//! [`PACKET_OVERHEAD`], a sender never has more than the peer's window in
+//! flight, and the receiver returns credit (a [`CREDIT_TYPE`] packet) as
+//! its writer drains. The receiver therefore never blocks the shared
+//! stream, and what it buffers per connection is bounded by its window.
+//!
+//! Each side announces its own receive window and largest chunk
+//! ([`WINDOW_HEADER`], [`CHUNK_HEADER`]; flow control v2) and each sender
+//! honours the peer's numbers. A v1 peer (a build before v2) announces
+//! neither and assumes [`Window::V1`] on both sides, so against it each
+//! side receives within [`Window::V1`] whatever it was configured with.
 //!
 //! Without negotiation (ANP agents, ANP servers) the same per-connection
 //! queues are used with the same bound, and a connection whose reader falls
-//! that far behind is closed with [`OVERFLOW`] on both ends instead of
-//! stalling the stream.
+//! that far behind for [`COMPAT_STALL`] is closed with [`OVERFLOW`] on both
+//! ends instead of stalling the stream.
+//!
+//! # Layout
+//! - [`core`]: the pure per-connection state (events in, what to do out,
+//!   the clock given).
+//! - [`Flow`]: the same behind a lock, with the waits (credit, room) raced
+//!   against the connection's end; shared by the connection's two sides.
+
+pub mod core;
 
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
-    time::Duration,
+    fmt,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use proto::{Data, Packet, Payload};
-use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
 
-/// Metadata key (request from the agent, response header from the server).
+pub use self::core::{Core, Offer, Take};
+
+/// Metadata key (request from the agent, response header from the server):
+/// the scheme, [`VERSION`].
 pub const HEADER: &str = "konnectivity-rs-flow-control";
-/// The one version of the scheme.
+/// The scheme's version (v2 adds the window headers, not a new version, so
+/// that v1 peers still negotiate credit).
 pub const VERSION: &str = "v1";
+/// Metadata key: the sender's receive window per connection, in cost units.
+pub const WINDOW_HEADER: &str = "konnectivity-rs-flow-window";
+/// Metadata key: the largest DATA payload the sender wants to receive.
+pub const CHUNK_HEADER: &str = "konnectivity-rs-flow-max-chunk";
 /// Packet type of a credit grant: `Data{connectID, data: 4-byte big-endian
 /// credit}`. Only ever sent after negotiation, so ANP never sees it.
 pub const CREDIT_TYPE: i32 = 100;
-/// Cost units a sender may have in flight per connection, and the bound of
-/// every per-connection receive queue.
+/// The default receive window per connection, and v1's fixed one.
 pub const WINDOW: usize = 1024 * 1024;
 /// Cost of a packet beyond its payload, so that many tiny packets are bounded
 /// too.
 pub const PACKET_OVERHEAD: usize = 64;
-/// Largest DATA payload sent when credits are in use (a window holds four).
-/// Every packet costs a few task wake-ups on each side, whatever its size:
-/// 256 KiB instead of 64 KiB cut server+agent CPU per GiB by 9–21 % in
-/// bulk (`bench --scenarios bulk,cpu`, each mode and direction). Far below gRPC's 4 MiB message limit,
-/// so ANP peers take it.
+/// The default largest DATA payload, v1's fixed one, and what is sent to
+/// peers without credit. Every packet costs a few task wake-ups on each
+/// side, whatever its size: 256 KiB instead of 64 KiB cut server+agent CPU
+/// per GiB by 9–21 % in bulk (`bench --scenarios bulk,cpu`, each mode and
+/// direction). Far below gRPC's 4 MiB message limit, so ANP peers take it.
 pub const MAX_CHUNK: usize = 256 * 1024;
-/// Credit is returned once this much has drained (fewer packets on the wire).
-pub const GRANT_THRESHOLD: usize = WINDOW / 8;
+/// Smallest window a peer may announce.
+pub const MIN_WINDOW: usize = 16 * 1024;
+/// Largest window a peer may announce.
+pub const MAX_WINDOW: usize = 64 * 1024 * 1024;
+/// Smallest chunk a peer may announce.
+pub const MIN_CHUNK: usize = 1024;
+/// Largest chunk a peer may announce: a DATA message stays far below gRPC's
+/// 4 MiB limit.
+pub const MAX_CHUNK_LIMIT: usize = 1024 * 1024;
 /// Error text of a connection closed because its reader fell a window behind.
 pub const OVERFLOW: &str = "receive buffer overflow: the reader is too slow";
 /// Without negotiation a full queue makes the shared stream wait (as ANP
@@ -94,171 +122,453 @@ pub fn parse_credit(packet: &Packet) -> Option<(i64, usize)> {
     }
 }
 
-/// Whether metadata announces our scheme.
-pub fn announced(value: Option<&str>) -> bool {
-    value == Some(VERSION)
+/// A receive window and the largest chunk, as one side announces them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Cost units the peer may have in flight per connection.
+    pub bytes: usize,
+    /// Largest DATA payload the peer may send.
+    pub max_chunk: usize,
 }
 
-/// Why a chunk could not be queued for a connection.
+/// Announced window numbers out of range.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WindowError {
+    /// Not a whole number.
+    #[error("{key} {value:?} is not a whole number of bytes")]
+    NotANumber {
+        /// The metadata key or flag.
+        key: &'static str,
+        /// What was given (at most 64 characters of it).
+        value: String,
+    },
+    /// Outside the accepted range.
+    #[error("{key} {value} is outside {min}..={max}")]
+    OutOfRange {
+        /// The metadata key or flag.
+        key: &'static str,
+        /// What was given.
+        value: usize,
+        /// Smallest accepted.
+        min: usize,
+        /// Largest accepted.
+        max: usize,
+    },
+    /// One of the two keys without the other.
+    #[error("{present} given without {missing}")]
+    Half {
+        /// The key given.
+        present: &'static str,
+        /// The key missing.
+        missing: &'static str,
+    },
+}
+
+fn in_range(key: &'static str, value: usize, min: usize, max: usize) -> Result<usize, WindowError> {
+    if (min..=max).contains(&value) {
+        Ok(value)
+    } else {
+        Err(WindowError::OutOfRange {
+            key,
+            value,
+            min,
+            max,
+        })
+    }
+}
+
+impl Window {
+    /// What a v1 peer assumes of both sides.
+    pub const V1: Self = Self {
+        bytes: WINDOW,
+        max_chunk: MAX_CHUNK,
+    };
+
+    /// A window of `bytes` with chunks of at most `max_chunk`.
+    ///
+    /// # Errors
+    /// A number outside [`MIN_WINDOW`]..=[`MAX_WINDOW`] or
+    /// [`MIN_CHUNK`]..=[`MAX_CHUNK_LIMIT`].
+    pub fn new(bytes: usize, max_chunk: usize) -> Result<Self, WindowError> {
+        Ok(Self {
+            bytes: in_range(WINDOW_HEADER, bytes, MIN_WINDOW, MAX_WINDOW)?,
+            max_chunk: in_range(CHUNK_HEADER, max_chunk, MIN_CHUNK, MAX_CHUNK_LIMIT)?,
+        })
+    }
+
+    /// A window from the flags `--flow-control-window` and
+    /// `--flow-control-max-chunk`.
+    ///
+    /// # Errors
+    /// The flag out of range, and why.
+    pub fn from_flags(bytes: usize, max_chunk: usize) -> Result<Self, (&'static str, String)> {
+        Self::new(bytes, max_chunk).map_err(|e| {
+            let flag = match &e {
+                WindowError::OutOfRange { key, .. } if *key == CHUNK_HEADER => {
+                    "flow-control-max-chunk"
+                }
+                _ => "flow-control-window",
+            };
+            let reason = match e {
+                WindowError::OutOfRange {
+                    value, min, max, ..
+                } => format!("{value} is outside {min}..={max}"),
+                other => other.to_string(),
+            };
+            (flag, reason)
+        })
+    }
+
+    /// The metadata that announces credit with this window.
+    pub fn headers(&self) -> [(&'static str, String); 3] {
+        [
+            (HEADER, VERSION.to_owned()),
+            (WINDOW_HEADER, self.bytes.to_string()),
+            (CHUNK_HEADER, self.max_chunk.to_string()),
+        ]
+    }
+
+    /// What a peer's metadata (`get` reads one key) announces: `None`
+    /// without credit (an ANP peer), [`Window::V1`] for a v1 peer, else its
+    /// window.
+    ///
+    /// # Errors
+    /// Window numbers that are not numbers, out of range, or one without
+    /// the other.
+    pub fn announced<'a>(
+        get: impl Fn(&'static str) -> Option<&'a str>,
+    ) -> Result<Option<Self>, WindowError> {
+        if get(HEADER) != Some(VERSION) {
+            return Ok(None);
+        }
+        let number = |key: &'static str| -> Result<Option<usize>, WindowError> {
+            get(key)
+                .map(|value| {
+                    value.trim().parse().map_err(|_| WindowError::NotANumber {
+                        key,
+                        value: value.chars().take(64).collect(),
+                    })
+                })
+                .transpose()
+        };
+        match (number(WINDOW_HEADER)?, number(CHUNK_HEADER)?) {
+            (None, None) => Ok(Some(Self::V1)),
+            (Some(bytes), Some(chunk)) => Self::new(bytes, chunk).map(Some),
+            (Some(_), None) => Err(WindowError::Half {
+                present: WINDOW_HEADER,
+                missing: CHUNK_HEADER,
+            }),
+            (None, Some(_)) => Err(WindowError::Half {
+                present: CHUNK_HEADER,
+                missing: WINDOW_HEADER,
+            }),
+        }
+    }
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Self::V1
+    }
+}
+
+/// What one stream agreed on; every connection of the stream uses it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PushError {
-    /// The connection's queue is a window behind: close it with [`OVERFLOW`].
+pub enum Scheme {
+    /// Credit both ways: this side receives within `ours` and sends within
+    /// `theirs`.
+    Credit {
+        /// This side's receive window.
+        ours: Window,
+        /// The peer's receive window.
+        theirs: Window,
+    },
+    /// No credit (an ANP peer, or flow control off): a connection buffers
+    /// at most `ours.bytes` for its writer.
+    Compat {
+        /// This side's receive window.
+        ours: Window,
+    },
+}
+
+impl Scheme {
+    /// The scheme of a stream on which this side offered credit (or not,
+    /// `offered`) with window `ours` and the peer announced `theirs` (see
+    /// [`Window::announced`]). A v1 peer never saw `ours` and assumes
+    /// [`Window::V1`]: this side then receives within that.
+    pub fn negotiate(offered: bool, ours: Window, theirs: Option<Window>) -> Self {
+        match theirs {
+            Some(theirs) if offered => Self::Credit {
+                ours: if theirs == Window::V1 {
+                    Window::V1
+                } else {
+                    ours
+                },
+                theirs,
+            },
+            _ => Self::Compat { ours },
+        }
+    }
+
+    /// This side's receive window.
+    pub fn ours(&self) -> Window {
+        match self {
+            Self::Credit { ours, .. } | Self::Compat { ours } => *ours,
+        }
+    }
+
+    /// Whether credit is in use.
+    pub fn is_credit(&self) -> bool {
+        matches!(self, Self::Credit { .. })
+    }
+}
+
+/// Why a received DATA packet was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The reader fell a window behind: close the connection with
+    /// [`OVERFLOW`].
     Overflow,
-    /// The connection's writer is gone.
+    /// The connection is closed.
     Closed,
 }
 
-/// What both ends of a receive queue share: the cost queued, and a signal
-/// for each drain.
-#[derive(Default)]
-pub struct Budget {
-    /// Cost queued and not yet drained.
-    queued: AtomicUsize,
-    /// Woken whenever something drained.
-    drained: Notify,
+/// The connection is closed; nothing more may be sent on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the connection is closed")]
+pub struct FlowClosed;
+
+/// The clock of the waits: tokio's (paused in tests), as a std instant.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
 }
 
-impl Budget {
-    /// Reserves `cost` if it fits the window (anything fits an empty queue).
-    pub fn try_reserve(&self, cost: usize) -> bool {
-        self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                (q == 0 || q + cost <= WINDOW).then_some(q + cost)
-            })
-            .is_ok()
+/// One connection's flow state ([`Core`]) shared by its two sides, with
+/// the waits: the sender's for credit, and without credit the receiver's
+/// for room. Every wait ends when the connection is closed.
+pub struct Flow {
+    /// The state; held only for one call of the core, never across a wait.
+    core: Mutex<Core>,
+    /// The largest payload to send the peer (fixed by the scheme).
+    chunk: usize,
+    /// Whether credit is in use (fixed by the scheme).
+    credit: bool,
+    /// Wakes the sender waiting for credit (one sender per connection).
+    granted: Notify,
+    /// Wakes the receiver waiting for room (without credit).
+    drained: Notify,
+    /// Cancelled when the connection closes.
+    closed: CancellationToken,
+}
+
+impl fmt::Debug for Flow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Flow").field("core", &*self.core()).finish()
+    }
+}
+
+impl Flow {
+    /// A new connection's flow under `scheme`.
+    pub fn new(scheme: Scheme) -> Self {
+        let core = Core::new(scheme);
+        Self {
+            chunk: core.send_chunk(),
+            credit: scheme.is_credit(),
+            core: Mutex::new(core),
+            granted: Notify::new(),
+            drained: Notify::new(),
+            closed: CancellationToken::new(),
+        }
     }
 
-    /// Reserves `cost`, waiting while the window is full; gives up when
-    /// nothing drained for `stall`.
+    fn core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What the stream agreed.
+    pub fn scheme(&self) -> Scheme {
+        self.core().scheme()
+    }
+
+    /// Offers a received DATA packet of `cost` now, without waiting.
+    pub fn offer(&self, cost: usize) -> Offer {
+        self.core().offer(cost, now())
+    }
+
+    /// Admits a received DATA packet of `cost`: at once with credit (or
+    /// [`Refused::Overflow`] if the peer exceeded the window); without,
+    /// waiting while the writer drains, up to [`COMPAT_STALL`] without
+    /// progress.
     ///
     /// # Errors
-    /// [`PushError::Overflow`] after `stall` without progress.
-    pub async fn reserve(&self, cost: usize, stall: Duration) -> Result<(), PushError> {
+    /// [`Refused::Overflow`]: close the connection; [`Refused::Closed`]: it
+    /// closed meanwhile.
+    ///
+    /// # Cancel safety
+    /// Nothing is admitted if the future is dropped before it completes.
+    pub async fn admit(&self, cost: usize) -> Result<(), Refused> {
         loop {
             let drained = self.drained.notified();
-            tokio::pin!(drained);
-            drained.as_mut().enable();
-            if self.try_reserve(cost) {
-                return Ok(());
-            }
-            if tokio::time::timeout(stall, drained).await.is_err() {
-                return Err(PushError::Overflow);
+            match self.offer(cost) {
+                Offer::Admitted => return Ok(()),
+                Offer::Overflow => return Err(Refused::Overflow),
+                Offer::Closed => return Err(Refused::Closed),
+                Offer::Wait(until) => {
+                    tokio::select! {
+                        () = self.closed.cancelled() => return Err(Refused::Closed),
+                        () = drained => {}
+                        () = tokio::time::sleep_until(until.into()) => {}
+                    }
+                }
             }
         }
     }
 
-    /// Gives back `cost` (drained, or a reservation not used).
-    pub fn release(&self, cost: usize) {
-        self.queued.fetch_sub(cost, Ordering::AcqRel);
-        self.drained.notify_waiters();
+    /// The writer took `cost`: the credit to return to the peer, if it is
+    /// time (credit only).
+    pub fn drained(&self, cost: usize) -> Option<usize> {
+        let credit = self.core().drained(cost, now());
+        if !self.credit {
+            // Only a receiver without credit waits for room; lock-free when
+            // it does not (a stored permit at most).
+            self.drained.notify_one();
+        }
+        credit
     }
 
-    /// Cost queued now.
+    /// Waits until `cost` of the peer's window is free and takes it (at
+    /// once without credit).
+    ///
+    /// # Errors
+    /// [`FlowClosed`] once the connection is closed.
+    ///
+    /// # Cancel safety
+    /// Nothing is taken if the future is dropped before it completes.
+    pub async fn take(&self, cost: usize) -> Result<(), FlowClosed> {
+        loop {
+            let granted = self.granted.notified();
+            match self.core().take(cost) {
+                Take::Taken => return Ok(()),
+                Take::Closed => return Err(FlowClosed),
+                Take::Wait => {}
+            }
+            tokio::select! {
+                () = self.closed.cancelled() => return Err(FlowClosed),
+                () = granted => {}
+            }
+        }
+    }
+
+    /// The peer returned `credit`.
+    pub fn grant(&self, credit: usize) {
+        if self.core().grant(credit) {
+            self.granted.notify_one();
+        }
+    }
+
+    /// The largest DATA payload to send the peer.
+    pub fn send_chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Closes the connection: every wait on its behalf ends with an error.
+    pub fn close(&self) {
+        self.core().close();
+        self.closed.cancel();
+    }
+
+    /// Whether the connection is closed.
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Resolves once the connection is closed.
+    pub async fn closed(&self) {
+        self.closed.cancelled().await;
+    }
+
+    /// Cost received and not yet drained.
     pub fn queued(&self) -> usize {
-        self.queued.load(Ordering::Acquire)
+        self.core().queued()
+    }
+
+    /// How long the writer has left queued data untaken, at `now`.
+    pub fn stalled_for(&self, now: Instant) -> Duration {
+        self.core().stalled_for(now)
+    }
+
+    /// Credit available now (tests).
+    pub fn credit(&self) -> usize {
+        self.core().credit()
     }
 }
 
-/// The sending end of a connection's receive queue (what arrived for the
-/// local socket): counts what is queued and bounds it by the window.
+/// The sending end of a connection's receive queue: bytes for the local
+/// socket, admitted by the connection's [`Flow`] when it has one.
 #[derive(Clone)]
-pub struct WindowTx<T> {
+pub struct InboundTx {
     /// The queue.
-    tx: mpsc::Sender<(T, usize)>,
-    /// Cost queued and not yet drained (shared with the drain end).
-    budget: Arc<Budget>,
+    tx: mpsc::Sender<(Bytes, usize)>,
+    /// The connection's flow; `None`: the queue's slots bound it.
+    flow: Option<Arc<Flow>>,
 }
 
 /// The receiving end of a connection's receive queue: its writer drains it
 /// into the socket.
-pub struct WindowRx<T> {
+pub struct InboundRx {
     /// The queue.
-    rx: mpsc::Receiver<(T, usize)>,
-    /// Cost queued and not yet drained (shared with the enqueue end).
-    budget: Arc<Budget>,
+    rx: mpsc::Receiver<(Bytes, usize)>,
+    /// The connection's flow, told of each drain.
+    flow: Option<Arc<Flow>>,
 }
 
-/// A per-connection receive queue bounded by [`WINDOW`] cost units.
-pub fn queue<T>() -> (WindowTx<T>, WindowRx<T>) {
-    // One slot per smallest possible packet of a window; tokio allocates
-    // slots in small blocks only as they fill.
-    queue_with_slots(WINDOW / PACKET_OVERHEAD)
-}
-
-/// A receive queue of `slots` items, for [`WindowTx::send`] (waiting) users.
-pub fn queue_with_slots<T>(slots: usize) -> (WindowTx<T>, WindowRx<T>) {
-    let (tx, rx) = mpsc::channel(slots.max(1));
-    let budget = Arc::new(Budget::default());
+/// A connection's receive queue. With `flow`, its window bounds it (one
+/// slot per smallest packet of the window; tokio allocates slots in small
+/// blocks only as they fill); without, `slots` items.
+pub fn inbound(flow: Option<Arc<Flow>>, slots: usize) -> (InboundTx, InboundRx) {
+    let slots = match &flow {
+        Some(flow) => flow.scheme().ours().bytes / PACKET_OVERHEAD + 1,
+        None => slots.max(1),
+    };
+    let (tx, rx) = mpsc::channel(slots);
     (
-        WindowTx {
+        InboundTx {
             tx,
-            budget: budget.clone(),
+            flow: flow.clone(),
         },
-        WindowRx { rx, budget },
+        InboundRx { rx, flow },
     )
 }
 
-impl<T> WindowTx<T> {
-    /// Queues `item` of `cost` units, or says why not; never waits (the
-    /// negotiated path, where a sender past the window broke the protocol).
+impl InboundTx {
+    /// Queues `data`: with a flow, admitted by its window (waiting only
+    /// without credit, see [`Flow::admit`]); without, waiting for a slot.
     ///
     /// # Errors
-    /// [`PushError::Overflow`] past the window, [`PushError::Closed`] if the
-    /// drain end is gone.
-    pub fn push(&self, item: T, cost: usize) -> Result<(), PushError> {
-        if !self.budget.try_reserve(cost) {
-            return Err(PushError::Overflow);
-        }
-        self.enqueue(item, cost)
-    }
-
-    /// Queues `item`, waiting while the window is full as long as the queue
-    /// drains at all (the path without negotiation; see [`COMPAT_STALL`]).
-    ///
-    /// # Errors
-    /// [`PushError::Overflow`] after `stall` without progress,
-    /// [`PushError::Closed`] if the drain end is gone.
-    pub async fn push_wait(&self, item: T, cost: usize, stall: Duration) -> Result<(), PushError> {
-        if self.tx.is_closed() {
-            return Err(PushError::Closed);
-        }
-        self.budget.reserve(cost, stall).await?;
-        self.enqueue(item, cost)
-    }
-
-    fn enqueue(&self, item: T, cost: usize) -> Result<(), PushError> {
-        self.tx.try_send((item, cost)).map_err(|e| {
-            self.budget.release(cost);
-            match e {
-                mpsc::error::TrySendError::Full(_) => PushError::Overflow,
-                mpsc::error::TrySendError::Closed(_) => PushError::Closed,
-            }
+    /// [`Refused::Overflow`] when the writer fell a window behind;
+    /// [`Refused::Closed`] when the connection or its writer is gone.
+    pub async fn send(&self, data: Bytes) -> Result<(), Refused> {
+        let cost = cost(data.len());
+        let Some(flow) = &self.flow else {
+            return self
+                .tx
+                .send((data, cost))
+                .await
+                .map_err(|_| Refused::Closed);
+        };
+        flow.admit(cost).await?;
+        self.tx.try_send((data, cost)).map_err(|_| {
+            // The writer is gone: the connection is ending.
+            let _ = flow.drained(cost);
+            Refused::Closed
         })
-    }
-
-    /// Queues `item`, waiting for a free slot (for a queue whose producer
-    /// may block, as on a connection with a stream of its own).
-    ///
-    /// # Errors
-    /// [`PushError::Closed`] if the drain end is gone.
-    pub async fn send(&self, item: T, cost: usize) -> Result<(), PushError> {
-        self.budget.queued.fetch_add(cost, Ordering::AcqRel);
-        self.tx.send((item, cost)).await.map_err(|_| {
-            self.budget.release(cost);
-            PushError::Closed
-        })
-    }
-
-    /// Cost units queued now.
-    pub fn queued(&self) -> usize {
-        self.budget.queued()
     }
 }
 
-impl<T> WindowRx<T> {
-    /// The next item and its cost; the cost stays counted until
-    /// [`WindowRx::drained`] is called for it (after it was written).
-    pub async fn recv(&mut self) -> Option<(T, usize)> {
+impl InboundRx {
+    /// The next bytes and their cost; the cost stays counted until
+    /// [`InboundRx::drained`] is called for it (after it was written).
+    pub async fn recv(&mut self) -> Option<(Bytes, usize)> {
         self.rx.recv().await
     }
 
@@ -267,102 +577,9 @@ impl<T> WindowRx<T> {
         self.rx.is_empty()
     }
 
-    /// Marks `cost` units as written out.
-    pub fn drained(&self, cost: usize) {
-        self.budget.release(cost);
-    }
-}
-
-/// The connection of a [`SendCredit`] is gone.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the connection is closed")]
-pub struct CreditClosed;
-
-/// Credit a sender may spend on one connection (starts at one window).
-#[derive(Clone)]
-pub struct SendCredit {
-    /// Units available.
-    available: Arc<Semaphore>,
-    /// Units spent and not yet returned; `available + spent` is the window.
-    spent: Arc<AtomicUsize>,
-}
-
-impl SendCredit {
-    /// A full window.
-    pub fn new() -> Self {
-        Self {
-            available: Arc::new(Semaphore::new(WINDOW)),
-            spent: Arc::new(AtomicUsize::new(0)),
-        }
-    }
-
-    /// Waits until `cost` units are available and takes them.
-    ///
-    /// # Errors
-    /// [`CreditClosed`] once [`SendCredit::close`] was called: the
-    /// connection is gone and nothing more may be sent on it.
-    ///
-    /// # Cancel safety
-    /// Nothing is taken if the future is dropped before it completes.
-    pub async fn take(&self, cost: usize) -> Result<(), CreditClosed> {
-        let cost = cost.min(WINDOW);
-        let want = u32::try_from(cost).unwrap_or(u32::MAX);
-        let permit = self
-            .available
-            .acquire_many(want)
-            .await
-            .map_err(|_| CreditClosed)?;
-        permit.forget();
-        self.spent.fetch_add(cost, Ordering::AcqRel);
-        Ok(())
-    }
-
-    /// Ends the credit: every waiting and later [`SendCredit::take`] fails.
-    pub fn close(&self) {
-        self.available.close();
-    }
-
-    /// Adds credit the peer returned; a peer cannot return more than was
-    /// spent, so the window never grows.
-    pub fn grant(&self, credit: usize) {
-        let mut returned = 0;
-        let _ = self
-            .spent
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |spent| {
-                returned = credit.min(spent);
-                Some(spent - returned)
-            });
-        self.available.add_permits(returned);
-    }
-
-    /// Units available now.
-    pub fn available(&self) -> usize {
-        self.available.available_permits()
-    }
-}
-
-impl Default for SendCredit {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-/// Accumulates drained cost and says when to send a grant.
-#[derive(Debug, Default)]
-pub struct Granter {
-    /// Drained and not yet returned.
-    pending: usize,
-}
-
-impl Granter {
-    /// Records `cost` drained; returns the credit to send now, if any.
-    pub fn drained(&mut self, cost: usize, queue_empty: bool) -> Option<usize> {
-        self.pending += cost;
-        if self.pending >= GRANT_THRESHOLD || (queue_empty && self.pending > 0) {
-            Some(std::mem::take(&mut self.pending))
-        } else {
-            None
-        }
+    /// Marks `cost` as written out; the credit to return, if it is time.
+    pub fn drained(&self, cost: usize) -> Option<usize> {
+        self.flow.as_ref().and_then(|flow| flow.drained(cost))
     }
 }
 
@@ -379,15 +596,14 @@ pub const H2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
 /// How long an HTTP/2 keepalive ping sent every `interval` waits for its
 /// ack: gRPC's 20 s, or the interval itself when shorter, so that a peer
 /// that vanished is dropped within twice a short `--keepalive-time`.
-pub fn keepalive_timeout(interval: std::time::Duration) -> std::time::Duration {
-    interval.clamp(
-        std::time::Duration::from_millis(100),
-        std::time::Duration::from_secs(20),
-    )
+pub fn keepalive_timeout(interval: Duration) -> Duration {
+    interval.clamp(Duration::from_millis(100), Duration::from_secs(20))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
 
     #[test]
@@ -400,96 +616,168 @@ mod tests {
         );
     }
 
+    fn announced(pairs: &[(&'static str, &'static str)]) -> Result<Option<Window>, WindowError> {
+        let map: HashMap<&str, &str> = pairs.iter().copied().collect();
+        Window::announced(|key| map.get(key).copied())
+    }
+
+    #[test]
+    fn a_window_is_announced_and_read_back() {
+        let window = Window::new(64 * 1024, 16 * 1024).unwrap();
+        let headers = window.headers();
+        let map: HashMap<&str, &str> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(
+            Window::announced(|key| map.get(key).copied()),
+            Ok(Some(window))
+        );
+    }
+
+    #[test]
+    fn peers_are_told_apart_by_what_they_announce() {
+        // ANP (or flow control off): no credit.
+        assert_eq!(announced(&[]), Ok(None));
+        assert_eq!(announced(&[(HEADER, "v9")]), Ok(None));
+        // A v1 build: credit with v1's fixed numbers.
+        assert_eq!(announced(&[(HEADER, VERSION)]), Ok(Some(Window::V1)));
+        // Broken numbers are refused, naming the key.
+        let err = announced(&[
+            (HEADER, VERSION),
+            (WINDOW_HEADER, "lots"),
+            (CHUNK_HEADER, "1"),
+        ])
+        .unwrap_err();
+        assert!(err.to_string().contains(WINDOW_HEADER), "{err}");
+        let err = announced(&[
+            (HEADER, VERSION),
+            (WINDOW_HEADER, "1024"),
+            (CHUNK_HEADER, "1024"),
+        ])
+        .unwrap_err();
+        assert!(matches!(err, WindowError::OutOfRange { .. }), "{err}");
+        let err = announced(&[(HEADER, VERSION), (WINDOW_HEADER, "65536")]).unwrap_err();
+        assert!(matches!(err, WindowError::Half { .. }), "{err}");
+    }
+
+    #[test]
+    fn against_a_v1_peer_each_side_receives_within_v1s_window() {
+        let small = Window::new(64 * 1024, 16 * 1024).unwrap();
+        assert_eq!(
+            Scheme::negotiate(true, small, Some(Window::V1)),
+            Scheme::Credit {
+                ours: Window::V1,
+                theirs: Window::V1
+            }
+        );
+        let big = Window::new(4 << 20, 512 * 1024).unwrap();
+        assert_eq!(
+            Scheme::negotiate(true, small, Some(big)),
+            Scheme::Credit {
+                ours: small,
+                theirs: big
+            }
+        );
+        assert_eq!(
+            Scheme::negotiate(false, small, Some(big)),
+            Scheme::Compat { ours: small }
+        );
+        assert_eq!(
+            Scheme::negotiate(true, small, None),
+            Scheme::Compat { ours: small }
+        );
+    }
+
+    fn credit_flow(theirs: usize) -> Arc<Flow> {
+        Arc::new(Flow::new(Scheme::Credit {
+            ours: Window::V1,
+            theirs: Window::new(theirs, theirs / 4).unwrap(),
+        }))
+    }
+
     #[tokio::test]
-    async fn the_queue_refuses_past_the_window_and_counts_drains() {
-        let (inbound, mut outbound) = queue::<u32>();
-        let big = WINDOW / 2;
-        assert_eq!(inbound.push(1, big), Ok(()));
-        assert_eq!(inbound.push(2, big), Ok(()));
-        assert_eq!(inbound.push(3, 1), Err(PushError::Overflow));
-        // A packet larger than the window fits only an empty queue.
-        assert_eq!(inbound.queued(), WINDOW);
-        let (item, cost) = outbound.recv().await.unwrap();
-        assert_eq!((item, cost), (1, big));
-        outbound.drained(cost);
-        assert_eq!(inbound.queued(), big);
-        assert_eq!(inbound.push(4, 10), Ok(()));
-        drop(outbound);
-        assert_eq!(inbound.push(5, 10), Err(PushError::Closed));
+    async fn a_sender_waits_for_credit_and_a_grant_wakes_it() {
+        let flow = credit_flow(64 * 1024);
+        flow.take(60 * 1024).await.unwrap();
+        let waiting = tokio::spawn({
+            let flow = flow.clone();
+            async move { flow.take(8 * 1024).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
+        flow.grant(8 * 1024);
+        waiting.await.unwrap().unwrap();
+        assert_eq!(flow.credit(), 64 * 1024 - 60 * 1024);
+    }
+
+    #[tokio::test]
+    async fn closing_wakes_a_waiting_sender_with_an_error() {
+        let flow = credit_flow(64 * 1024);
+        flow.take(64 * 1024).await.unwrap();
+        let waiting = tokio::spawn({
+            let flow = flow.clone();
+            async move { flow.take(1).await }
+        });
+        tokio::task::yield_now().await;
+        flow.close();
+        assert_eq!(waiting.await.unwrap(), Err(FlowClosed));
+        assert_eq!(flow.take(1).await, Err(FlowClosed));
     }
 
     #[tokio::test(start_paused = true)]
-    async fn without_negotiation_a_full_queue_waits_while_it_drains_then_gives_up() {
-        let (inbound, mut outbound) = queue::<u32>();
-        inbound.push(1, WINDOW).unwrap();
-        // Room appears: the waiting push goes through.
+    async fn without_credit_a_full_queue_waits_while_it_drains_then_gives_up() {
+        let flow = Arc::new(Flow::new(Scheme::Compat { ours: Window::V1 }));
+        let (tx, mut rx) = inbound(Some(flow.clone()), 0);
+        tx.send(Bytes::from(vec![0u8; WINDOW - PACKET_OVERHEAD]))
+            .await
+            .unwrap();
+        // Room appears: the waiting send goes through.
         let waiting = tokio::spawn({
-            let inbound = inbound.clone();
-            async move { inbound.push_wait(2, 10, COMPAT_STALL).await }
+            let tx = tx.clone();
+            async move { tx.send(Bytes::from_static(b"more")).await }
         });
         tokio::time::sleep(COMPAT_STALL / 2).await;
-        let (_, cost) = outbound.recv().await.unwrap();
-        outbound.drained(cost);
+        assert!(!waiting.is_finished());
+        let (_, cost) = rx.recv().await.unwrap();
+        assert_eq!(rx.drained(cost), None, "no credit without negotiation");
         assert_eq!(waiting.await.unwrap(), Ok(()));
+        let (_, cost) = rx.recv().await.unwrap();
+        let _ = rx.drained(cost);
         // Nothing drains: it gives up after the stall time.
-        inbound.push(3, WINDOW - 10).unwrap();
+        tx.send(Bytes::from(vec![0u8; WINDOW - 200])).await.unwrap();
         let start = tokio::time::Instant::now();
         assert_eq!(
-            inbound.push_wait(4, 100, COMPAT_STALL).await,
-            Err(PushError::Overflow)
+            tx.send(Bytes::from(vec![0u8; 1000])).await,
+            Err(Refused::Overflow)
         );
         assert_eq!(start.elapsed(), COMPAT_STALL);
     }
 
     #[tokio::test]
-    async fn many_tiny_packets_are_bounded_too() {
-        let (inbound, _outbound) = queue::<()>();
+    async fn with_credit_a_queue_past_its_window_overflows_at_once() {
+        let flow = Arc::new(Flow::new(Scheme::Credit {
+            ours: Window::new(64 * 1024, 16 * 1024).unwrap(),
+            theirs: Window::V1,
+        }));
+        let (tx, _rx) = inbound(Some(flow), 0);
         let mut accepted = 0;
-        while inbound.push((), cost(1)).is_ok() {
-            accepted += 1;
-        }
-        assert_eq!(accepted, WINDOW / cost(1));
-    }
-
-    #[tokio::test]
-    async fn credit_is_spent_and_returned_but_never_above_a_window() {
-        let credit = SendCredit::new();
-        credit.take(WINDOW - 10).await.unwrap();
-        assert_eq!(credit.available(), 10);
-        let waiting = tokio::spawn({
-            let credit = credit.clone();
-            async move { credit.take(100).await }
-        });
-        tokio::task::yield_now().await;
-        assert!(!waiting.is_finished());
-        credit.grant(WINDOW * 4);
-        waiting.await.unwrap().unwrap();
-        assert_eq!(credit.available(), WINDOW - 100);
-    }
-
-    #[tokio::test]
-    async fn closing_the_credit_wakes_a_waiting_sender_with_an_error() {
-        let credit = SendCredit::new();
-        credit.take(WINDOW).await.unwrap();
-        let waiting = tokio::spawn({
-            let credit = credit.clone();
-            async move { credit.take(1).await }
-        });
-        tokio::task::yield_now().await;
-        assert!(!waiting.is_finished());
-        credit.close();
-        assert_eq!(waiting.await.unwrap(), Err(CreditClosed));
-        assert_eq!(credit.take(1).await, Err(CreditClosed));
+        let refused = loop {
+            match tx.send(Bytes::from_static(b"x")).await {
+                Ok(()) => accepted += 1,
+                Err(refused) => break refused,
+            }
+        };
+        assert_eq!(refused, Refused::Overflow);
+        assert_eq!(accepted, 64 * 1024 / cost(1));
     }
 
     #[test]
-    fn grants_are_batched() {
-        let mut g = Granter::default();
-        assert_eq!(g.drained(100, false), None);
+    fn keepalive_acks_wait_the_interval_within_bounds() {
         assert_eq!(
-            g.drained(GRANT_THRESHOLD, false),
-            Some(GRANT_THRESHOLD + 100)
+            keepalive_timeout(Duration::from_secs(3600)),
+            Duration::from_secs(20)
         );
-        assert_eq!(g.drained(5, true), Some(5));
+        assert_eq!(
+            keepalive_timeout(Duration::from_millis(500)),
+            Duration::from_millis(500)
+        );
     }
 }

@@ -15,6 +15,7 @@
 //! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
 //!   buffer while idle.
 //! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
+//! - [`text`]: a peer's text in our messages, bounded.
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
 pub mod admission;
@@ -26,6 +27,7 @@ pub mod mover;
 pub mod proxy_client;
 pub mod queue;
 pub mod read_ahead;
+pub mod text;
 
 /// Gives a table's memory back once it is mostly empty: a burst of 10,000
 /// tunnels must not leave tables that size behind for good. Amortised

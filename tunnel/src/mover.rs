@@ -20,7 +20,7 @@
 //! clients, the frontend client; the gRPC frontend's writer shares the
 //! window and credit accounting (its "socket" is the gRPC stream).
 
-use std::{future::Future, io};
+use std::{future::Future, io, sync::Arc};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -28,7 +28,7 @@ use proto::Packet;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::{
-    flow::{self, Granter, SendCredit, WindowRx},
+    flow::{self, Flow, InboundRx},
     ids::ConnId,
     queue::{Closed, QueueTx},
 };
@@ -228,35 +228,35 @@ where
     }
 }
 
-/// DATA packets of connection `conn` on a stream's outbound queue, each
-/// waiting for the connection's credit when it has some.
+/// DATA packets of connection `conn` on a stream's outbound queue, in
+/// pieces of the connection's send chunk, each waiting for the
+/// connection's credit when it has some.
 pub struct QueueUpstream {
     /// The connection.
     pub conn: ConnId,
     /// The stream's outbound queue.
     pub out: QueueTx<Packet>,
-    /// Credit to spend before each payload; `None` without negotiation.
-    pub credit: Option<SendCredit>,
+    /// The connection's flow (credit and chunk); `None`: no credit, and
+    /// payloads go as read.
+    pub flow: Option<Arc<Flow>>,
     /// The DATA packet refused because the stream's queue had closed.
     pub undelivered: Option<Packet>,
 }
 
 impl QueueUpstream {
-    /// An upstream of `conn`'s DATA onto `out`, spending `credit` if given.
-    pub fn new(conn: ConnId, out: QueueTx<Packet>, credit: Option<SendCredit>) -> Self {
+    /// An upstream of `conn`'s DATA onto `out`, within `flow` if given.
+    pub fn new(conn: ConnId, out: QueueTx<Packet>, flow: Option<Arc<Flow>>) -> Self {
         Self {
             conn,
             out,
-            credit,
+            flow,
             undelivered: None,
         }
     }
-}
 
-impl Upstream for QueueUpstream {
-    async fn send(&mut self, data: Bytes) -> Sent {
-        if let Some(credit) = &self.credit
-            && credit.take(flow::cost(data.len())).await.is_err()
+    async fn send_one(&mut self, data: Bytes) -> Sent {
+        if let Some(flow) = &self.flow
+            && flow.take(flow::cost(data.len())).await.is_err()
         {
             // The connection was closed under us: nothing more goes out.
             return Sent::Gone;
@@ -273,6 +273,20 @@ impl Upstream for QueueUpstream {
     }
 }
 
+impl Upstream for QueueUpstream {
+    async fn send(&mut self, mut data: Bytes) -> Sent {
+        let chunk = self.flow.as_ref().map_or(usize::MAX, |f| f.send_chunk());
+        while data.len() > chunk {
+            let piece = data.split_to(chunk);
+            let sent = self.send_one(piece).await;
+            if sent != Sent::Sent {
+                return sent;
+            }
+        }
+        self.send_one(data).await
+    }
+}
+
 impl<U: Upstream> Upstream for &mut U {
     fn send(&mut self, data: Bytes) -> impl Future<Output = Sent> + Send {
         (**self).send(data)
@@ -285,23 +299,20 @@ pub struct WindowDownstream {
     /// The connection.
     pub conn: ConnId,
     /// Its receive queue.
-    pub rx: WindowRx<Bytes>,
+    pub rx: InboundRx,
     /// Where credit goes; `None` without negotiation.
     pub grants: Option<QueueTx<Packet>>,
-    /// Accumulates drained cost into grants.
-    pub granter: Granter,
     /// Cost of the chunk being written.
     pub pending: usize,
 }
 
 impl WindowDownstream {
     /// A downstream of `rx` for `conn`; grants go to `grants` when given.
-    pub fn new(conn: ConnId, rx: WindowRx<Bytes>, grants: Option<QueueTx<Packet>>) -> Self {
+    pub fn new(conn: ConnId, rx: InboundRx, grants: Option<QueueTx<Packet>>) -> Self {
         Self {
             conn,
             rx,
             grants,
-            granter: Granter::default(),
             pending: 0,
         }
     }
@@ -316,20 +327,17 @@ impl Downstream for WindowDownstream {
 
     fn written(&mut self) -> bool {
         let cost = std::mem::take(&mut self.pending);
-        self.rx.drained(cost);
+        let Some(credit) = self.rx.drained(cost) else {
+            return true;
+        };
         let Some(grants) = &self.grants else {
             return true;
         };
-        match self.granter.drained(cost, self.rx.is_empty()) {
-            // A control packet: it never waits. Refused, the stream is gone
-            // or its peer stopped reading it.
-            Some(credit) => {
-                let packet = flow::credit_packet(self.conn.0, credit);
-                let cost = flow::packet_cost(&packet);
-                grants.push(packet, cost).is_ok()
-            }
-            None => true,
-        }
+        // A control packet: it never waits. Refused, the stream is gone or
+        // its peer stopped reading it.
+        let packet = flow::credit_packet(self.conn.0, credit);
+        let cost = flow::packet_cost(&packet);
+        grants.push(packet, cost).is_ok()
     }
 
     fn has_more(&self) -> bool {
@@ -345,14 +353,14 @@ mod tests {
     use super::*;
     use crate::queue;
 
-    fn up(out: QueueTx<Packet>, credit: Option<SendCredit>) -> QueueUpstream {
-        QueueUpstream::new(ConnId(7), out, credit)
+    fn up(out: QueueTx<Packet>, flow: Option<Arc<Flow>>) -> QueueUpstream {
+        QueueUpstream::new(ConnId(7), out, flow)
     }
 
     #[tokio::test]
     async fn socket_bytes_become_data_packets_until_eof() {
         let (mut local, ours) = duplex(1024);
-        let (_window, rx) = flow::queue();
+        let (_window, rx) = flow::inbound(None, 16);
         let (out_tx, mut out_rx) = queue::queue(1 << 20, 1 << 20);
         let down = WindowDownstream::new(ConnId(7), rx, None);
         let task = tokio::spawn(run(ours, up(out_tx, None), down));
@@ -388,7 +396,7 @@ mod tests {
     #[tokio::test]
     async fn a_closing_upstream_stops_reading_and_the_downstream_ends_the_connection() {
         let (mut local, ours) = duplex(1 << 20);
-        let (window, rx) = flow::queue();
+        let (window, rx) = flow::inbound(None, 16);
         let (told, first_sent) = tokio::sync::oneshot::channel();
         let mut up = ClosingAtFirst {
             sends: 0,
@@ -401,7 +409,8 @@ mod tests {
             local.write_all(b"more, never read").await.unwrap();
             // The peer's last bytes, then its close.
             window
-                .push(Bytes::from_static(b"last words"), flow::cost(10))
+                .send(Bytes::from_static(b"last words"))
+                .await
                 .unwrap();
             drop(window);
             let mut got = Vec::new();
@@ -417,12 +426,10 @@ mod tests {
     #[tokio::test]
     async fn queued_bytes_are_written_before_the_close() {
         let (mut local, ours) = duplex(1 << 20);
-        let (window, rx) = flow::queue();
+        let (window, rx) = flow::inbound(None, 16);
         let (out_tx, _out_rx) = queue::queue(1 << 20, 1 << 20);
         for part in [&b"one "[..], b"two ", b"three"] {
-            window
-                .push(Bytes::copy_from_slice(part), flow::cost(part.len()))
-                .unwrap();
+            window.send(Bytes::copy_from_slice(part)).await.unwrap();
         }
         drop(window);
         let down = WindowDownstream::new(ConnId(1), rx, None);
@@ -436,7 +443,7 @@ mod tests {
     #[tokio::test]
     async fn a_dead_tunnel_stops_the_mover() {
         let (mut local, ours) = duplex(1024);
-        let (_window, rx) = flow::queue();
+        let (_window, rx) = flow::inbound(None, 16);
         let (out_tx, out_rx) = queue::queue(1 << 20, 1 << 20);
         drop(out_rx);
         let down = WindowDownstream::new(ConnId(1), rx, None);
@@ -503,34 +510,37 @@ mod tests {
     #[tokio::test]
     async fn credit_limits_what_is_in_flight_and_drains_return_it() {
         let (mut local, ours) = duplex(4 << 20);
-        let (window, rx) = flow::queue();
+        // The peer announced 64 KiB windows and 16 KiB chunks.
+        let peer = flow::Window::new(64 * 1024, 16 * 1024).unwrap();
+        let flow = Arc::new(Flow::new(flow::Scheme::Credit {
+            ours: flow::Window::V1,
+            theirs: peer,
+        }));
+        let (window, rx) = flow::inbound(Some(flow.clone()), 0);
         let (out_tx, mut out_rx) = queue::queue(64 << 20, 1 << 20);
-        let credit = SendCredit::new();
         let down = WindowDownstream::new(ConnId(3), rx, Some(out_tx.clone()));
-        let _task = tokio::spawn(run(ours, up(out_tx, Some(credit.clone())), down));
+        let _task = tokio::spawn(run(ours, up(out_tx, Some(flow.clone())), down));
         local.write_all(&vec![1u8; 3 << 20]).await.unwrap();
-        // Without grants, at most a window's worth of DATA goes out: the
-        // mover spends its credit, then waits for more (a waiting take
-        // holds what is left, so the credit shows none).
+        // Without grants, at most the peer's window goes out, in its
+        // chunks: the mover spends its credit, then waits for more.
         let mut sent = 0;
         for _ in 0..1000 {
             tokio::task::yield_now().await;
             while let Some(Some(packet)) = out_rx.recv().now_or_never() {
                 if let PacketKind::Data(d) = packet.into_kind() {
+                    assert!(d.data.len() <= peer.max_chunk, "{} bytes", d.data.len());
                     sent += flow::cost(d.data.len());
                 }
             }
         }
-        assert!(sent <= flow::WINDOW, "{sent} sent without credit back");
+        assert!(sent <= peer.bytes, "{sent} sent without credit back");
         assert!(
-            sent > flow::WINDOW - flow::cost(READ_CHUNK),
+            sent > peer.bytes - flow::cost(peer.max_chunk),
             "only {sent} sent"
         );
-        assert!(credit.available() < flow::cost(READ_CHUNK));
+        assert!(flow.credit() < flow::cost(peer.max_chunk));
         // Bytes for the socket are written and credited back.
-        window
-            .push(Bytes::from(vec![2u8; 1000]), flow::cost(1000))
-            .unwrap();
+        window.send(Bytes::from(vec![2u8; 1000])).await.unwrap();
         let mut got = vec![0u8; 1000];
         local.read_exact(&mut got).await.unwrap();
         assert_eq!(got, vec![2u8; 1000]);

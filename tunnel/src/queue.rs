@@ -47,6 +47,9 @@ struct State {
     queued: AtomicUsize,
     /// Woken when bytes are taken and when the receiver goes.
     room: Notify,
+    /// Senders waiting for room: taking an item notifies only when there
+    /// are some, so that the bytes' path takes no lock when nobody waits.
+    waiters: AtomicUsize,
     /// Where [`QueueTx::send`] waits.
     limit: usize,
     /// Extra room for [`QueueTx::push`].
@@ -57,16 +60,37 @@ impl State {
     /// Counts `cost` in if the queue holds less than `cap` (so it exceeds
     /// `cap` by at most one item, and no item is too large to pass).
     fn admit(&self, cost: usize, cap: usize) -> bool {
+        // SeqCst pairs with `release`: a waiter counts itself, then looks
+        // at `queued`; a release lowers `queued`, then looks at the count.
+        // One of the two sees the other.
         self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
                 (q < cap).then_some(q.saturating_add(cost))
             })
             .is_ok()
     }
 
     fn release(&self, cost: usize) {
-        self.queued.fetch_sub(cost, Ordering::AcqRel);
-        self.room.notify_waiters();
+        self.queued.fetch_sub(cost, Ordering::SeqCst);
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.room.notify_waiters();
+        }
+    }
+}
+
+/// A sender counted among the waiters while it lives.
+struct Waiting<'a>(&'a State);
+
+impl<'a> Waiting<'a> {
+    fn new(state: &'a State) -> Self {
+        state.waiters.fetch_add(1, Ordering::SeqCst);
+        Self(state)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -102,6 +126,7 @@ pub fn queue<T>(limit: usize, reserve: usize) -> (QueueTx<T>, QueueRx<T>) {
     let state = Arc::new(State {
         queued: AtomicUsize::new(0),
         room: Notify::new(),
+        waiters: AtomicUsize::new(0),
         limit,
         reserve,
     });
@@ -124,17 +149,24 @@ impl<T> QueueTx<T> {
     /// # Cancel safety
     /// Nothing is queued if the future is dropped before it completes.
     pub async fn send(&self, item: T, cost: usize) -> Result<(), Closed<T>> {
-        loop {
-            let room = self.state.room.notified();
-            tokio::pin!(room);
-            room.as_mut().enable();
-            if self.tx.is_closed() {
-                return Err(Closed(item));
+        if self.tx.is_closed() {
+            return Err(Closed(item));
+        }
+        if !self.state.admit(cost, self.state.limit) {
+            // Counted while it waits (also if the future is dropped).
+            let _waiting = Waiting::new(&self.state);
+            loop {
+                let room = self.state.room.notified();
+                tokio::pin!(room);
+                room.as_mut().enable();
+                if self.tx.is_closed() {
+                    return Err(Closed(item));
+                }
+                if self.state.admit(cost, self.state.limit) {
+                    break;
+                }
+                room.await;
             }
-            if self.state.admit(cost, self.state.limit) {
-                break;
-            }
-            room.await;
         }
         self.enqueue(item, cost)
             .map_err(|Closed((item, _))| Closed(item))

@@ -252,12 +252,6 @@ impl<C> TlsFiles<C> {
     }
 }
 
-impl tunnel::conn::ServerTls for TlsFiles<rustls::ServerConfig> {
-    fn server_config(&self) -> Arc<rustls::ServerConfig> {
-        self.current()
-    }
-}
-
 /// The flag of the file at `path` among `files`, and the flag its failures
 /// count as (the first file's when none is at `path`).
 fn flags_of(files: &[TlsFile], path: &Path) -> (&'static str, &'static str) {

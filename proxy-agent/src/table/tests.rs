@@ -62,7 +62,7 @@ fn dial<C: std::fmt::Debug>(t: &mut ConnTable<u32, C>, random: i64) -> Ticket {
 /// Opens a connection through a dial; returns its id.
 fn open(t: &mut ConnTable<u32, &'static str>, random: i64, name: &'static str) -> ConnId {
     let ticket = dial(t, random);
-    match t.dialed(ticket, Ok(name)) {
+    match t.dialed::<String>(ticket, Ok(name)) {
         Dialed::Open { conn, reply } => {
             assert_eq!(dial_rsp(&reply), (random, conn.0, String::new()));
             conn
@@ -98,7 +98,7 @@ fn a_dial_request_starts_a_dial_with_its_address_and_handle() {
 fn a_successful_dial_is_answered_once_with_a_fresh_connection_id() {
     let mut t = table(true);
     let ticket = dial(&mut t, 7);
-    let Dialed::Open { conn: first, .. } = t.dialed(ticket, Ok("a")) else {
+    let Dialed::Open { conn: first, .. } = t.dialed::<String>(ticket, Ok("a")) else {
         panic!("not open");
     };
     let second = open(&mut t, 8, "b");
@@ -107,7 +107,7 @@ fn a_successful_dial_is_answered_once_with_a_fresh_connection_id() {
     assert_eq!(t.dials_in_progress(), 0);
     assert_eq!(t.conn(first), Some(&"a"));
     // A second outcome for the same dial answers nothing.
-    assert_eq!(t.dialed(ticket, Ok("again")), Dialed::Cancelled);
+    assert_eq!(t.dialed::<String>(ticket, Ok("again")), Dialed::Cancelled);
     assert_eq!(t.len(), 2);
 }
 
@@ -116,7 +116,7 @@ fn a_failed_dial_is_answered_with_its_error_and_opens_nothing() {
     let mut t = table(true);
     let ticket = dial(&mut t, 9);
     let error = "dial tcp 10.0.0.1:443: connect: connection refused";
-    match t.dialed(ticket, Err(error.into())) {
+    match t.dialed::<String>(ticket, Err(error.into())) {
         Dialed::Failed { reply } => assert_eq!(dial_rsp(&reply), (9, 0, error.into())),
         other => panic!("unexpected {other:?}"),
     }
@@ -133,7 +133,7 @@ fn dial_cls_cancels_a_pending_dial_and_no_answer_follows() {
     assert_eq!(t.handle(Packet::close_dial(7)), Step::CancelDial(101));
     assert_eq!(t.dials_in_progress(), 0);
     // The dial connected anyway: its socket is dropped, unanswered.
-    assert_eq!(t.dialed(ticket, Ok("late")), Dialed::Cancelled);
+    assert_eq!(t.dialed::<String>(ticket, Ok("late")), Dialed::Cancelled);
     assert!(t.is_empty());
 }
 
@@ -143,9 +143,9 @@ fn a_cancelled_dial_cannot_answer_for_a_new_one_with_its_id() {
     let old = dial(&mut t, 7);
     t.handle(Packet::close_dial(7));
     let new = dial(&mut t, 7);
-    assert_eq!(t.dialed(old, Ok("old socket")), Dialed::Cancelled);
+    assert_eq!(t.dialed::<String>(old, Ok("old socket")), Dialed::Cancelled);
     assert_eq!(t.dials_in_progress(), 1);
-    let Dialed::Open { conn, .. } = t.dialed(new, Ok("new socket")) else {
+    let Dialed::Open { conn, .. } = t.dialed::<String>(new, Ok("new socket")) else {
         panic!("not open");
     };
     assert_eq!(t.conn(conn), Some(&"new socket"));
@@ -174,7 +174,10 @@ fn a_dial_id_already_pending_gets_its_own_error_and_the_first_dial_goes_on() {
         other => panic!("unexpected {other:?}"),
     }
     assert_eq!(t.dials_in_progress(), 1);
-    assert!(matches!(t.dialed(first, Ok("a")), Dialed::Open { .. }));
+    assert!(matches!(
+        t.dialed::<String>(first, Ok("a")),
+        Dialed::Open { .. }
+    ));
 }
 
 #[test]
@@ -319,7 +322,7 @@ fn the_stream_ending_empties_the_table_and_later_dials_are_cancelled() {
     assert_eq!((dials, conns), (vec![102], vec!["a"]));
     assert!(t.is_empty());
     assert_eq!(t.dials_in_progress(), 0);
-    assert_eq!(t.dialed(pending, Ok("late")), Dialed::Cancelled);
+    assert_eq!(t.dialed::<String>(pending, Ok("late")), Dialed::Cancelled);
     assert!(matches!(t.handle(dial_req(3)), Step::Ignore(_)));
     assert_eq!(t.remove(a), None);
     assert!(t.is_empty());
@@ -401,7 +404,7 @@ proptest! {
                     let awaited = live.get(&ticket.dial) == Some(&ticket);
                     handles += 1;
                     let outcome = if ok { Ok(handles) } else { Err("refused".to_owned()) };
-                    match t.dialed(ticket, outcome) {
+                    match t.dialed::<String>(ticket, outcome) {
                         Dialed::Open { conn, reply } => {
                             prop_assert!(awaited && ok);
                             prop_assert!(ids_seen.insert(conn), "id {} reused", conn.0);
@@ -471,7 +474,7 @@ proptest! {
         let (dials, ended) = t.stream_ended();
         prop_assert_eq!((dials.len(), ended.len()), (live.len(), conns.len()));
         for ticket in running {
-            prop_assert_eq!(t.dialed(ticket, Ok(0)), Dialed::Cancelled);
+            prop_assert_eq!(t.dialed::<String>(ticket, Ok(0)), Dialed::Cancelled);
         }
         prop_assert!(t.is_empty());
         prop_assert_eq!(t.dials_in_progress(), 0);

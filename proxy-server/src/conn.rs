@@ -1,0 +1,680 @@
+//! An established connection ([`Conn`]) and the frontend side of the
+//! streams it joins.
+//!
+//! A `Conn` joins one frontend stream to one agent stream: its flow state
+//! (`tunnel::flow::Flow`: the window towards the frontend, the credit
+//! towards the agent, the stall clock), the agent stream's outbound queue
+//! and the frontend's. Both streams' drivers hold it in their own tables,
+//! so DATA moves between them through it without any lock another stream
+//! takes: the frontend's driver uploads through [`Conn::upload`], the
+//! agent stream's driver delivers through [`Conn::deliver`], and the
+//! frontend's writer returns the window and credit with
+//! [`FrontendItem::taken`]. The control core (`control`) makes it when the
+//! router opens the connection and closes it when the router closes it;
+//! every wait on its behalf then ends.
+//!
+//! [`FrontendTx`] is a frontend stream's outbound queue; [`FrontendLink`]
+//! adds the [`Attachments`] through which the agent stream that
+//! established a connection hands it to the frontend's driver.
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use proto::Packet;
+use tonic::Status;
+use tracing::warn;
+use tunnel::{
+    flow::{self, Flow, Offer, Refused},
+    ids::{ConnId, DialId},
+    queue::{self, QueueRx, QueueTx},
+};
+
+use crate::{
+    events::{DialError, Limit},
+    ids::{BackendId, FrontendId},
+    lock_shared,
+    metrics::{Direction, Segment, ServerMetrics},
+    router::FrontendKind,
+    stream::{BackendLink, StreamEnd},
+};
+
+/// Control packets (DIAL_RSP, CLOSE_RSP, DIAL_CLS) a frontend may leave
+/// unread before its stream is ended: a frontend that keeps dialing
+/// without reading its answers is broken, and must not make the server
+/// hold its answers without bound.
+pub(crate) const FRONTEND_CONTROL_RESERVE: usize = 256 * 1024;
+
+/// An established connection; see the module documentation.
+pub(crate) struct Conn {
+    /// The agent-assigned id.
+    pub(crate) id: ConnId,
+    /// The agent stream it runs over.
+    pub(crate) backend: BackendId,
+    /// Its flow state in both directions.
+    pub(crate) flow: Flow,
+    /// Where its DATA and its credit go.
+    agent: BackendLink,
+    /// Where the agent's DATA goes.
+    to_frontend: FrontendTx,
+}
+
+/// Why agent DATA was not queued towards the frontend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Delivery {
+    /// Queued.
+    Queued,
+    /// No room yet: the agent has no credit, wait with [`Conn::deliver_wait`].
+    Wait,
+    /// The frontend fell a window behind: close the connection.
+    Overflow,
+    /// The connection or its frontend is gone.
+    Gone,
+}
+
+impl Conn {
+    /// A connection over `agent` to `frontend`, flowing as `agent`'s stream
+    /// negotiated.
+    pub(crate) fn new(
+        id: ConnId,
+        backend: BackendId,
+        agent: BackendLink,
+        to_frontend: FrontendTx,
+    ) -> Self {
+        Self {
+            id,
+            backend,
+            flow: Flow::new(agent.scheme),
+            agent,
+            to_frontend,
+        }
+    }
+
+    /// Sends frontend DATA to the agent in pieces of the agent's chunk,
+    /// each waiting for credit and for room on the agent's queue; every
+    /// wait ends when the connection closes (this holds up only the
+    /// frontend's own stream). `false` once the connection or the agent's
+    /// stream is gone.
+    pub(crate) async fn upload(&self, mut data: Bytes) -> bool {
+        self.to_frontend
+            .metrics
+            .bytes
+            .get(Direction::ToAgent)
+            .inc_by(data.len() as f64);
+        let chunk = self.flow.send_chunk();
+        while !data.is_empty() {
+            let piece = data.split_to(data.len().min(chunk));
+            let sent = async {
+                self.flow.take(flow::cost(piece.len())).await.is_ok()
+                    && self
+                        .agent
+                        .send(Packet::data(self.id.0, piece))
+                        .await
+                        .is_ok()
+            };
+            let sent = tokio::select! {
+                () = self.flow.closed() => false,
+                sent = sent => sent,
+            };
+            if !sent {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Queues agent DATA for the frontend without waiting: with credit the
+    /// agent stays within the window, so this never waits (past the window
+    /// is [`Delivery::Overflow`]); without, a full window is
+    /// [`Delivery::Wait`].
+    pub(crate) fn deliver(self: &Arc<Self>, data: &Bytes) -> Delivery {
+        let cost = flow::cost(data.len());
+        match self.flow.offer(cost) {
+            Offer::Admitted => self.push(data.clone(), cost),
+            Offer::Wait(_) => Delivery::Wait,
+            Offer::Overflow => Delivery::Overflow,
+            Offer::Closed => Delivery::Gone,
+        }
+    }
+
+    /// Queues agent DATA for the frontend, waiting while the frontend
+    /// drains (an agent without credit), up to `flow::COMPAT_STALL` without
+    /// progress; the wait ends when the connection closes.
+    pub(crate) async fn deliver_wait(self: &Arc<Self>, data: Bytes) -> Delivery {
+        let cost = flow::cost(data.len());
+        match self.flow.admit(cost).await {
+            Ok(()) => self.push(data, cost),
+            Err(Refused::Overflow) => Delivery::Overflow,
+            Err(Refused::Closed) => Delivery::Gone,
+        }
+    }
+
+    /// Pushes DATA the window admitted onto the frontend's queue (the
+    /// window, not the queue's reserve, bounds DATA).
+    fn push(self: &Arc<Self>, data: Bytes, cost: usize) -> Delivery {
+        let metrics = &self.to_frontend.metrics;
+        metrics
+            .bytes
+            .get(Direction::ToFrontend)
+            .inc_by(data.len() as f64);
+        let started = Instant::now();
+        let item = FrontendItem::Data {
+            packet: Packet::data(self.id.0, data),
+            conn: self.clone(),
+            cost,
+        };
+        let pushed = self.to_frontend.push(item, 0);
+        metrics
+            .frontend_write
+            .get()
+            .observe(started.elapsed().as_secs_f64());
+        if pushed {
+            Delivery::Queued
+        } else {
+            // Refused: the window gets its cost back.
+            let _ = self.flow.drained(cost);
+            Delivery::Gone
+        }
+    }
+
+    /// The frontend took `cost` of this connection's DATA: its window is
+    /// released and, when enough has drained, credit goes to the agent.
+    fn taken(&self, cost: usize) {
+        if let Some(credit) = self.flow.drained(cost) {
+            self.agent
+                .send_control(flow::credit_packet(self.id.0, credit));
+        }
+    }
+
+    /// How long the frontend has left this connection's DATA untaken.
+    pub(crate) fn stalled_for(&self, now: Instant) -> Duration {
+        self.flow.stalled_for(now)
+    }
+
+    /// Ends every wait on this connection's behalf.
+    pub(crate) fn close(&self) {
+        self.flow.close();
+    }
+
+    /// Whether the connection was closed.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.flow.is_closed()
+    }
+}
+
+/// An item of a frontend's outbound queue.
+pub(crate) enum FrontendItem {
+    /// A control packet.
+    Packet(Packet),
+    /// A dial failed: the server's own reason or the agent's text.
+    DialFailed {
+        /// The frontend's random.
+        dial: DialId,
+        /// Why.
+        error: DialError,
+    },
+    /// Agent DATA of a connection, whose cost its window admitted.
+    Data {
+        /// The DATA packet.
+        packet: Packet,
+        /// Its connection.
+        conn: Arc<Conn>,
+        /// Its cost.
+        cost: usize,
+    },
+}
+
+impl FrontendItem {
+    /// The frontend took the item: for DATA the window is released and,
+    /// when enough has drained, credit returned to the agent. Its packet,
+    /// as it goes on the wire.
+    pub(crate) fn taken(self) -> Packet {
+        match self {
+            Self::Packet(packet) => packet,
+            Self::DialFailed { dial, error } => {
+                Packet::dial_response(dial.0, 0, &error.to_string())
+            }
+            Self::Data { packet, conn, cost } => {
+                conn.taken(cost);
+                packet
+            }
+        }
+    }
+
+    /// The packet type, for the metrics.
+    fn packet_type(&self) -> i32 {
+        match self {
+            Self::Packet(packet) | Self::Data { packet, .. } => packet.r#type,
+            Self::DialFailed { .. } => proto::PacketType::DialRsp as i32,
+        }
+    }
+}
+
+/// What a gRPC frontend's response stream sends: the items of its queue,
+/// each taken as tonic takes it for the HTTP/2 stream (which has a window
+/// of its own): counted, its window released and, with credit, credit
+/// returned to its agent.
+pub(crate) fn taken_by_frontend(
+    rx: QueueRx<FrontendItem>,
+    metrics: Arc<ServerMetrics>,
+) -> impl Stream<Item = Packet> + Send + 'static {
+    rx.map(move |item| {
+        metrics.packets.count(Segment::ToClient, item.packet_type());
+        item.taken()
+    })
+}
+
+/// A frontend's outbound queue: nobody waits on it; DATA is admitted by its
+/// connection's window and control packets up to the reserve.
+pub(crate) fn frontend_queue() -> (QueueTx<FrontendItem>, QueueRx<FrontendItem>) {
+    queue::queue(0, FRONTEND_CONTROL_RESERVE)
+}
+
+/// Where packets for one frontend stream go.
+#[derive(Clone)]
+pub(crate) struct FrontendTx {
+    /// The frontend.
+    pub(crate) id: FrontendId,
+    /// Its protocol.
+    pub(crate) kind: FrontendKind,
+    /// Its outbound queue; the transport drains the receiver.
+    tx: QueueTx<FrontendItem>,
+    /// Ends its stream (its reader, its outbound packets), with a status.
+    pub(crate) end: Arc<StreamEnd>,
+    /// Where writes to the frontend are timed and lost packets counted.
+    pub(crate) metrics: Arc<ServerMetrics>,
+}
+
+impl FrontendTx {
+    pub(crate) fn new(
+        id: FrontendId,
+        kind: FrontendKind,
+        tx: QueueTx<FrontendItem>,
+        end: Arc<StreamEnd>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self {
+            id,
+            kind,
+            tx,
+            end,
+            metrics,
+        }
+    }
+
+    /// Queues a control packet without waiting; `false` if it could not be
+    /// queued. A frontend that leaves [`FRONTEND_CONTROL_RESERVE`] of them
+    /// unread has its stream ended with an error.
+    pub(crate) fn send_control(&self, packet: Packet) -> bool {
+        let cost = flow::packet_cost(&packet);
+        self.send_item(FrontendItem::Packet(packet), cost)
+    }
+
+    /// Queues the answer to a failed dial (see [`FrontendTx::send_control`]).
+    pub(crate) fn dial_failed(&self, dial: DialId, error: DialError) -> bool {
+        let cost = error.to_string().len() + 2 * flow::PACKET_OVERHEAD;
+        self.send_item(FrontendItem::DialFailed { dial, error }, cost)
+    }
+
+    fn send_item(&self, item: FrontendItem, cost: usize) -> bool {
+        let started = Instant::now();
+        let pushed = self.push(item, cost);
+        self.metrics
+            .frontend_write
+            .get()
+            .observe(started.elapsed().as_secs_f64());
+        pushed
+    }
+
+    /// Pushes `item` of `cost` (0 for DATA, which its window bounds);
+    /// `false` if refused (the item is dropped: for DATA its window is
+    /// released by the caller).
+    fn push(&self, item: FrontendItem, cost: usize) -> bool {
+        match self.tx.push(item, cost) {
+            Ok(()) => true,
+            Err(queue::PushError::Closed(item)) => {
+                self.undelivered(&item);
+                false
+            }
+            Err(queue::PushError::Full(item)) => {
+                self.undelivered(&item);
+                self.fail_unread();
+                false
+            }
+        }
+    }
+
+    /// Counts a packet that could not reach a gRPC frontend (its stream is
+    /// gone) as ANP counts a failed `Send`.
+    fn undelivered(&self, item: &FrontendItem) {
+        if self.kind == FrontendKind::Grpc {
+            self.metrics
+                .send_error(Segment::ToClient, item.packet_type());
+        }
+    }
+
+    /// Ends a frontend that does not read its stream.
+    fn fail_unread(&self) {
+        if !self.end.is_ended() {
+            warn!(frontend = %self.id, "frontend does not read its stream; closing it");
+            self.metrics.limit_reached(Limit::FrontendQueue);
+        }
+        self.end.fail(Status::resource_exhausted(
+            "the frontend does not read its stream: too many answers queued",
+        ));
+    }
+
+    /// Resolves once the stream is over: ended from inside the server, or
+    /// its transport dropped the receiving end.
+    pub(crate) async fn gone(&self) {
+        tokio::select! {
+            () = self.tx.closed() => {}
+            () = self.end.ended() => {}
+        }
+    }
+}
+
+/// Connections established for a frontend, handed over by the agent
+/// stream that established them until the frontend's driver takes them
+/// into its own table. Published before the DIAL_RSP is queued, so the
+/// driver has them before the frontend can send DATA on them; taking them
+/// locks only when there are some (once per connection).
+#[derive(Default)]
+pub(crate) struct Attachments {
+    /// Whether `conns` has any.
+    pending: AtomicBool,
+    /// The connections not yet taken.
+    conns: Mutex<Vec<Arc<Conn>>>,
+}
+
+impl Attachments {
+    /// Hands `conn` over.
+    pub(crate) fn attach(&self, conn: Arc<Conn>) {
+        lock_shared(&self.conns).push(conn);
+        self.pending.store(true, Ordering::Release);
+    }
+
+    /// The connections handed over since the last call.
+    pub(crate) fn take(&self) -> Vec<Arc<Conn>> {
+        if !self.pending.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut conns = lock_shared(&self.conns);
+        self.pending.store(false, Ordering::Release);
+        std::mem::take(&mut *conns)
+    }
+}
+
+/// A frontend stream as the control core knows it: its outbound queue and
+/// where its connections are handed over.
+#[derive(Clone)]
+pub(crate) struct FrontendLink {
+    /// Its outbound queue.
+    pub(crate) tx: FrontendTx,
+    /// Its connections, until its driver takes them.
+    pub(crate) attachments: Arc<Attachments>,
+}
+
+impl FrontendLink {
+    /// The link of a frontend whose outbound queue is `tx`.
+    pub(crate) fn new(tx: FrontendTx) -> Self {
+        Self {
+            tx,
+            attachments: Arc::default(),
+        }
+    }
+
+    /// The frontend's id.
+    pub(crate) fn id(&self) -> FrontendId {
+        self.tx.id
+    }
+}
+
+/// What a driver's table knows of a connection id.
+pub(crate) enum Lookup {
+    /// An open connection of the stream.
+    Open(Arc<Conn>),
+    /// A connection of the stream that was closed (now forgotten): packets
+    /// for it that were on their way are dropped.
+    Closed,
+    /// Not in the table.
+    Unknown,
+}
+
+/// A driver's table of its stream's connections, keyed by connection id.
+/// Connections closed elsewhere are found closed when next used, or swept
+/// out as the table grows (amortised O(1) per insert), so a table holds at
+/// most about twice its live connections.
+#[derive(Default)]
+pub(crate) struct ConnTable {
+    /// The connections.
+    conns: std::collections::HashMap<ConnId, Arc<Conn>>,
+    /// Size after the last sweep.
+    swept: usize,
+}
+
+impl ConnTable {
+    /// Adds a connection (replacing a closed one with the same id).
+    pub(crate) fn insert(&mut self, conn: Arc<Conn>) {
+        self.conns.insert(conn.id, conn);
+        if self.conns.len() > 2 * self.swept + 16 {
+            self.conns.retain(|_, conn| !conn.is_closed());
+            tunnel::compact(&mut self.conns);
+            self.swept = self.conns.len();
+        }
+    }
+
+    /// What the table knows of `id`; a closed connection leaves it.
+    pub(crate) fn lookup(&mut self, id: ConnId) -> Lookup {
+        match self.conns.get(&id) {
+            None => Lookup::Unknown,
+            Some(conn) if conn.is_closed() => {
+                self.conns.remove(&id);
+                Lookup::Closed
+            }
+            Some(conn) => Lookup::Open(conn.clone()),
+        }
+    }
+
+    /// Takes `id` out.
+    pub(crate) fn remove(&mut self, id: ConnId) -> Option<Arc<Conn>> {
+        self.conns.remove(&id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_util::sync::CancellationToken;
+    use tunnel::{flow::Window, ids::AgentId};
+
+    use super::*;
+
+    fn agent(scheme: flow::Scheme) -> (BackendLink, QueueRx<Packet>) {
+        let (tx, rx) = queue::queue(1 << 20, 1 << 20);
+        let link = BackendLink::new(
+            AgentId("a".to_owned()),
+            None,
+            scheme,
+            tx,
+            StreamEnd::new(CancellationToken::new()),
+            Arc::new(ServerMetrics::new(&[])),
+        );
+        (link, rx)
+    }
+
+    fn frontend(kind: FrontendKind) -> (FrontendTx, Arc<ServerMetrics>, QueueRx<FrontendItem>) {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let (tx, rx) = frontend_queue();
+        let end = StreamEnd::new(CancellationToken::new());
+        (
+            FrontendTx::new(FrontendId(1), kind, tx, end, metrics.clone()),
+            metrics,
+            rx,
+        )
+    }
+
+    fn credit() -> flow::Scheme {
+        flow::Scheme::Credit {
+            ours: Window::V1,
+            theirs: Window::V1,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_packet_for_a_gone_grpc_frontend_is_counted_and_timed() {
+        let (fe, metrics, rx) = frontend(FrontendKind::Grpc);
+        drop(rx);
+        assert!(!fe.send_control(Packet::dial_response(1, 0, "x")));
+        fe.send_control(Packet::close_response(2, ""));
+        let text = metrics.text();
+        let series = |kind: &str| {
+            format!(
+                "konnectivity_network_proxy_server_stream_errors_total{{code=\"Unavailable\",packet_type=\"{kind}\",segment=\"to_client\"}} 1\n"
+            )
+        };
+        assert!(text.contains(&series("DIAL_RSP")), "{text}");
+        assert!(text.contains(&series("CLOSE_RSP")), "{text}");
+        // Both writes were timed, as ANP times every frontend send.
+        assert!(
+            text.contains(
+                "konnectivity_network_proxy_server_frontend_write_duration_seconds_count 2\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_http_connect_frontend_has_no_packet_errors() {
+        let (fe, metrics, rx) = frontend(FrontendKind::HttpConnect);
+        drop(rx);
+        fe.send_control(Packet::dial_response(1, 0, "x"));
+        assert!(!metrics.text().contains("stream_errors_total{"));
+    }
+
+    #[tokio::test]
+    async fn a_frontend_that_leaves_its_answers_unread_is_ended_with_an_error() {
+        let (fe, metrics, _rx) = frontend(FrontendKind::Grpc);
+        let answer = Packet::dial_response(1, 0, &"x".repeat(1000));
+        let mut sent = 0;
+        while !fe.end.is_ended() {
+            fe.send_control(answer.clone());
+            sent += 1;
+            assert!(
+                sent <= FRONTEND_CONTROL_RESERVE / 1000 + 1,
+                "{sent} answers queued"
+            );
+        }
+        assert!(sent >= FRONTEND_CONTROL_RESERVE / flow::packet_cost(&answer));
+        assert!(
+            metrics.text().contains(
+                "konnectivity_rs_server_limit_reached_total{limit=\"frontend_queue\"} 1\n"
+            )
+        );
+    }
+
+    /// The frontend taking a connection's DATA returns credit on the
+    /// connection's own agent link.
+    #[tokio::test]
+    async fn a_taken_item_returns_credit_to_its_agent() {
+        let (agent, mut agent_rx) = agent(credit());
+        let (fe, _metrics, mut rx) = frontend(FrontendKind::Grpc);
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        assert_eq!(
+            conn.deliver(&Bytes::from_static(b"hello")),
+            Delivery::Queued
+        );
+        assert_eq!(conn.flow.queued(), flow::cost(5));
+        let packet = rx.recv().await.unwrap().taken();
+        assert_eq!(packet.r#type, proto::PacketType::Data as i32);
+        assert_eq!(conn.flow.queued(), 0);
+        let credit = agent_rx.recv().await.expect("a credit packet");
+        assert_eq!(flow::parse_credit(&credit), Some((3, flow::cost(5))));
+    }
+
+    #[tokio::test]
+    async fn an_agent_past_its_window_is_an_overflow_and_nothing_is_queued() {
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, _metrics, mut rx) = frontend(FrontendKind::Grpc);
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        let chunk = Bytes::from(vec![0u8; 256 * 1024 - flow::PACKET_OVERHEAD]);
+        for _ in 0..4 {
+            assert_eq!(conn.deliver(&chunk), Delivery::Queued);
+        }
+        assert_eq!(conn.deliver(&chunk), Delivery::Overflow);
+        for _ in 0..4 {
+            assert!(rx.recv().await.is_some());
+        }
+    }
+
+    #[tokio::test]
+    async fn an_upload_ends_when_the_connection_closes_while_it_waits_for_credit() {
+        let (agent, mut agent_rx) = agent(flow::Scheme::Credit {
+            ours: Window::V1,
+            theirs: Window::new(64 * 1024, 16 * 1024).unwrap(),
+        });
+        let (fe, _metrics, _rx) = frontend(FrontendKind::Grpc);
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        let upload = tokio::spawn({
+            let conn = conn.clone();
+            async move { conn.upload(Bytes::from(vec![1u8; 1 << 20])).await }
+        });
+        // The agent's window: 64 KiB in 16 KiB pieces, then a wait.
+        let mut got = 0;
+        while got + flow::cost(16 * 1024) <= 64 * 1024 {
+            let packet = agent_rx.recv().await.unwrap();
+            let proto::Payload::Data(data) = packet.payload.unwrap() else {
+                panic!("not DATA");
+            };
+            assert_eq!(data.data.len(), 16 * 1024);
+            got += flow::cost(data.data.len());
+        }
+        assert!(!upload.is_finished());
+        conn.close();
+        assert!(!upload.await.unwrap(), "the upload saw the close");
+    }
+
+    #[test]
+    fn attachments_are_taken_once() {
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, _metrics, _rx) = frontend(FrontendKind::Grpc);
+        let attachments = Attachments::default();
+        assert!(attachments.take().is_empty());
+        attachments.attach(Arc::new(Conn::new(ConnId(1), BackendId(1), agent, fe)));
+        assert_eq!(attachments.take().len(), 1);
+        assert!(attachments.take().is_empty());
+    }
+
+    #[test]
+    fn a_table_forgets_closed_connections() {
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, _metrics, _rx) = frontend(FrontendKind::Grpc);
+        let mut table = ConnTable::default();
+        let conns: Vec<Arc<Conn>> = (1..=1000)
+            .map(|id| {
+                Arc::new(Conn::new(
+                    ConnId(id),
+                    BackendId(1),
+                    agent.clone(),
+                    fe.clone(),
+                ))
+            })
+            .collect();
+        for conn in &conns {
+            conn.close();
+            table.insert(conn.clone());
+        }
+        assert!(table.conns.len() <= 32, "{} kept", table.conns.len());
+        let open = Arc::new(Conn::new(ConnId(5000), BackendId(1), agent, fe));
+        table.insert(open.clone());
+        assert!(matches!(table.lookup(ConnId(5000)), Lookup::Open(_)));
+        open.close();
+        assert!(matches!(table.lookup(ConnId(5000)), Lookup::Closed));
+        assert!(matches!(table.lookup(ConnId(5000)), Lookup::Unknown));
+    }
+}

@@ -1,0 +1,496 @@
+//! [`Control`]: the routing core ([`Router`]) behind the server's one
+//! shared lock, with the link of every stream and every established
+//! connection: the router's driver, for control events only.
+//!
+//! A stream's driver calls it for what needs a decision across streams:
+//! dials and their answers, closes, a stream's start and end, a
+//! connection's overflow, the timers. The lock is taken once per such
+//! event and never per DATA: established connections ([`Conn`]) live in
+//! the two drivers' own tables, which this module fills when the router
+//! opens a connection (the agent stream's driver gets it back from
+//! [`Control::backend_packet`], the frontend's through its
+//! [`Attachments`](crate::conn::Attachments)) and closes when the router
+//! closes one. Each event's output is carried out here when it never waits
+//! (control packets, stream ends, counts); what may wait ([`Work`]) is
+//! returned for the driver to run outside the lock, raced against its own
+//! end.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    net::SocketAddr,
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use proto::Packet;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tunnel::{
+    compact,
+    ids::{AgentId, ConnId, DialId},
+};
+
+use crate::{
+    conn::{Conn, FrontendLink, FrontendTx},
+    lock_shared,
+    metrics::{Live, ServerMetrics},
+    router::{
+        AgentInfo, BackendId, Event, ForwardFailure, FrontendId, FrontendKind, Out, Router, STALLED,
+    },
+    strategy::ProxyStrategy,
+    stream::BackendLink,
+};
+
+/// The router and where each of its streams' packets go.
+struct State {
+    /// The routing core.
+    router: Router,
+    /// Frontend streams' links.
+    frontends: HashMap<FrontendId, FrontendLink>,
+    /// Agent streams' links.
+    backends: HashMap<BackendId, BackendLink>,
+    /// Established connections, from the router's `Opened` to its
+    /// `Closed`: for closing them, the stall scan and the gauges.
+    conns: HashMap<(BackendId, ConnId), Arc<Conn>>,
+}
+
+/// See the module documentation.
+pub(crate) struct Control {
+    /// The router and the links, under the shared lock (held only to
+    /// decide and queue, never across a wait).
+    state: Mutex<State>,
+    /// What the server records.
+    pub(crate) metrics: Arc<ServerMetrics>,
+    /// Woken when a dial deadline is armed, for the timer task.
+    clock: Notify,
+    /// `--backend-dial-timeout`.
+    dial_timeout: Option<Duration>,
+}
+
+/// What a driver runs outside the lock after an event: a wait that belongs
+/// to one frontend or one connection.
+pub(crate) enum Work {
+    /// Forward a dial to its agent, waiting for room in the agent's queue
+    /// within `--backend-dial-timeout`.
+    Forward {
+        /// Whose dial.
+        frontend: FrontendId,
+        /// The dial.
+        dial: DialId,
+        /// Where it goes.
+        backend: BackendLink,
+        /// The DIAL_REQ.
+        packet: Packet,
+    },
+    /// Send a frontend's DATA to its agent, on a connection its driver did
+    /// not have in its table yet.
+    Upload {
+        /// The connection.
+        conn: Arc<Conn>,
+        /// The payload.
+        data: Bytes,
+    },
+}
+
+/// What carrying out an event's output gave the driver.
+#[derive(Default)]
+struct Carried {
+    /// The one wait it needs, if any.
+    work: Option<Work>,
+    /// A connection the event opened on an agent stream.
+    opened: Option<Arc<Conn>>,
+}
+
+impl Control {
+    pub(crate) fn new(
+        strategies: &[ProxyStrategy],
+        dial_timeout: Option<Duration>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self {
+            state: Mutex::new(State {
+                router: Router::new(strategies, dial_timeout, fastrand::Rng::new()),
+                frontends: HashMap::new(),
+                backends: HashMap::new(),
+                conns: HashMap::new(),
+            }),
+            metrics,
+            clock: Notify::new(),
+            dial_timeout,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock_shared(&self.state)
+    }
+
+    /// Registers a frontend stream whose outbound queue `tx` makes for its
+    /// id.
+    pub(crate) fn add_frontend(
+        &self,
+        kind: FrontendKind,
+        tx: impl FnOnce(FrontendId) -> FrontendTx,
+    ) -> FrontendLink {
+        let mut state = self.state();
+        let id = state.router.add_frontend(kind);
+        let link = FrontendLink::new(tx(id));
+        state.frontends.insert(id, link.clone());
+        link
+    }
+
+    /// Registers an agent stream.
+    pub(crate) fn add_backend(&self, info: AgentInfo, link: BackendLink) -> BackendId {
+        let mut state = self.state();
+        let id = state.router.add_backend(info);
+        state.backends.insert(id, link);
+        id
+    }
+
+    /// A control packet from a frontend (or DATA its driver could not
+    /// route); the wait it needs, if any.
+    pub(crate) fn frontend_packet(&self, fe: FrontendId, packet: Packet) -> Option<Work> {
+        self.with_router(|router, out| router.frontend_packet(Instant::now(), fe, packet, out))
+            .work
+    }
+
+    /// A control packet from an agent (or DATA its driver could not
+    /// route); the connection it opened on the agent's stream, if any.
+    pub(crate) fn backend_packet(&self, be: BackendId, packet: Packet) -> Option<Arc<Conn>> {
+        self.with_router(|router, out| router.backend_packet(Instant::now(), be, packet, out))
+            .opened
+    }
+
+    /// A frontend stream ended.
+    pub(crate) fn frontend_closed(&self, fe: FrontendId) {
+        let mut state = self.state();
+        let mut out = Vec::new();
+        state.router.frontend_closed(Instant::now(), fe, &mut out);
+        self.carry(&mut state, out);
+        // Connections handed over and never taken go with it.
+        if let Some(link) = state.frontends.remove(&fe) {
+            drop(link.attachments.take());
+        }
+        compact(&mut state.frontends);
+    }
+
+    /// An agent stream ended.
+    pub(crate) fn backend_closed(&self, be: BackendId) {
+        let mut state = self.state();
+        let mut out = Vec::new();
+        state.router.backend_closed(Instant::now(), be, &mut out);
+        self.carry(&mut state, out);
+        state.backends.remove(&be);
+    }
+
+    /// A connection's frontend fell a window behind (or, without credit,
+    /// took nothing for `COMPAT_STALL`): it is closed on both ends.
+    pub(crate) fn overflow(&self, be: BackendId, conn: ConnId) {
+        tracing::warn!(conn.id = %conn, "connection closed: its frontend reads too slowly");
+        self.with_router(|router, out| router.overflow(Instant::now(), be, conn, out));
+    }
+
+    /// Runs `decide` on the router and carries out its output.
+    fn with_router(&self, decide: impl FnOnce(&mut Router, &mut Vec<Out>)) -> Carried {
+        let mut state = self.state();
+        let mut out = Vec::new();
+        decide(&mut state.router, &mut out);
+        self.carry(&mut state, out)
+    }
+
+    /// Carries out the router's output in order; reports from carrying it
+    /// out (an undelivered DIAL_RSP, a dial whose agent is gone) go back to
+    /// the router and their output is carried out too.
+    fn carry(&self, state: &mut State, out: Vec<Out>) -> Carried {
+        let mut queue: VecDeque<Out> = out.into();
+        let mut carried = Carried::default();
+        while let Some(next) = queue.pop_front() {
+            let mut more = Vec::new();
+            self.carry_one(state, next, &mut carried, &mut more);
+            queue.extend(more);
+        }
+        carried
+    }
+
+    fn carry_one(&self, state: &mut State, out: Out, carried: &mut Carried, more: &mut Vec<Out>) {
+        match out {
+            Out::ToFrontend(fe, packet) => {
+                if let Some(link) = state.frontends.get(&fe) {
+                    link.tx.send_control(packet);
+                }
+            }
+            Out::ToBackend(be, packet) => {
+                if let Some(link) = state.backends.get(&be) {
+                    link.send_control(packet);
+                }
+            }
+            Out::DialFailed {
+                frontend,
+                dial,
+                error,
+            } => {
+                if let Some(link) = state.frontends.get(&frontend) {
+                    link.tx.dial_failed(dial, error);
+                }
+            }
+            Out::Forward {
+                frontend,
+                backend,
+                dial,
+                packet,
+            } => match state.backends.get(&backend) {
+                Some(link) => {
+                    carried.work = Some(Work::Forward {
+                        frontend,
+                        dial,
+                        backend: link.clone(),
+                        packet,
+                    });
+                }
+                None => {
+                    state
+                        .router
+                        .dial_not_forwarded(frontend, dial, ForwardFailure::Closed, more)
+                }
+            },
+            Out::DataToBackend {
+                backend,
+                conn,
+                data,
+            } => {
+                if let Some(conn) = state.conns.get(&(backend, conn)) {
+                    carried.work = Some(Work::Upload {
+                        conn: conn.clone(),
+                        data,
+                    });
+                }
+            }
+            Out::Opened {
+                backend,
+                conn,
+                frontend,
+            } => carried.opened = Self::open(state, backend, conn, frontend),
+            Out::Closed { backend, conn } => {
+                if let Some(conn) = state.conns.remove(&(backend, conn)) {
+                    conn.close();
+                }
+                compact(&mut state.conns);
+            }
+            Out::Established {
+                frontend,
+                backend,
+                conn,
+                packet,
+                latency,
+            } => {
+                let delivered = state
+                    .frontends
+                    .get(&frontend)
+                    .is_some_and(|link| link.tx.send_control(packet));
+                if delivered {
+                    // ANP observes the latency once the DIAL_RSP is delivered.
+                    self.metrics.dial_succeeded(latency);
+                } else {
+                    state
+                        .router
+                        .dial_rsp_undelivered(frontend, backend, conn, more);
+                }
+            }
+            Out::EndFrontend(fe) => {
+                if let Some(link) = state.frontends.get(&fe) {
+                    link.tx.end.fail(tonic::Status::deadline_exceeded(STALLED));
+                }
+            }
+            Out::EndBackend(be) => {
+                if let Some(link) = state.backends.get(&be) {
+                    tracing::warn!(agent.id = %link.agent_id, "agent did not take a dial in time; retiring its stream");
+                    link.end.end();
+                }
+            }
+            Out::Count(event) => self.count(event),
+        }
+    }
+
+    /// A connection the router opened: made, kept, handed to its frontend's
+    /// driver, and returned for its agent stream's driver.
+    fn open(
+        state: &mut State,
+        backend: BackendId,
+        id: ConnId,
+        frontend: FrontendId,
+    ) -> Option<Arc<Conn>> {
+        let agent = state.backends.get(&backend)?;
+        let link = state.frontends.get(&frontend)?;
+        let conn = Arc::new(Conn::new(id, backend, agent.clone(), link.tx.clone()));
+        link.attachments.attach(conn.clone());
+        state.conns.insert((backend, id), conn.clone());
+        Some(conn)
+    }
+
+    fn count(&self, event: Event) {
+        match event {
+            Event::DialFailed(reason) => self.metrics.dial_failed(reason),
+            Event::DialPending => self.metrics.dial_pending(),
+            Event::Established => self.metrics.connection_established(),
+            Event::Closed(reason, lived) => self.metrics.connection_closed(reason, lived),
+        }
+    }
+
+    /// Runs `work`; every wait ends with the connection or dial it serves.
+    /// The caller races it against its stream's end and shutdown.
+    pub(crate) async fn run(&self, work: Work) {
+        match work {
+            Work::Forward {
+                frontend,
+                dial,
+                backend,
+                packet,
+            } => self.forward(frontend, dial, backend, packet).await,
+            Work::Upload { conn, data } => {
+                if !conn.upload(data).await {
+                    tracing::debug!(conn.id = %conn.id, "DATA for a connection closed while it waited");
+                }
+            }
+        }
+    }
+
+    /// Forwards a dial to its agent within `--backend-dial-timeout`.
+    async fn forward(
+        &self,
+        frontend: FrontendId,
+        dial: DialId,
+        backend: BackendLink,
+        packet: Packet,
+    ) {
+        let sent = match self.dial_timeout {
+            None => backend
+                .send(packet)
+                .await
+                .map_err(|_| ForwardFailure::Closed),
+            Some(limit) => match tokio::time::timeout(limit, backend.send(packet)).await {
+                Ok(sent) => sent.map_err(|_| ForwardFailure::Closed),
+                Err(_) => Err(ForwardFailure::TimedOut),
+            },
+        };
+        match sent {
+            Ok(()) => {
+                self.state().router.dial_forwarded(Instant::now(), dial);
+                self.clock.notify_one();
+            }
+            Err(why) => {
+                self.with_router(|router, out| {
+                    router.dial_not_forwarded(frontend, dial, why, out);
+                });
+            }
+        }
+    }
+
+    /// Runs the dial timers until `shutdown`.
+    pub(crate) async fn run_timers(&self, shutdown: CancellationToken) {
+        loop {
+            let next = self.state().router.poll_timeout();
+            let armed = self.clock.notified();
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = armed => continue,
+                () = async {
+                    match next {
+                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    self.with_router(|router, out| router.handle_timeout(Instant::now(), out));
+                }
+            }
+        }
+    }
+
+    /// The established connections now (the lock is held only to copy
+    /// them out, so a scan does not stop control events, and DATA never
+    /// waits for it).
+    fn conns(&self) -> Vec<Arc<Conn>> {
+        self.state().conns.values().cloned().collect()
+    }
+
+    /// Closes the connections whose frontend left their data untaken for
+    /// `limit` (`--frontend-stall-timeout`).
+    pub(crate) fn close_stalled(&self, limit: Duration) {
+        let now = Instant::now();
+        let stalled: Vec<(BackendId, ConnId)> = self
+            .conns()
+            .iter()
+            .filter(|conn| conn.stalled_for(now) >= limit)
+            .map(|conn| (conn.backend, conn.id))
+            .collect();
+        if stalled.is_empty() {
+            return;
+        }
+        self.with_router(|router, out| router.close_stalled(now, &stalled, out));
+    }
+
+    /// Ends every agent stream (shutdown).
+    pub(crate) fn end_backends(&self) {
+        for link in self.state().backends.values() {
+            link.end.end();
+        }
+    }
+
+    /// The live state the gauges show.
+    pub(crate) fn live(&self) -> Live {
+        let (ready, pending, established) = {
+            let state = self.state();
+            (
+                state.router.ready_backends(),
+                state.router.pending_count(),
+                state.router.established_count(),
+            )
+        };
+        let queued: Vec<usize> = self.conns().iter().map(|c| c.flow.queued()).collect();
+        Live {
+            ready,
+            pending,
+            established,
+            max_buffered: queued.iter().copied().max().unwrap_or(0),
+            buffered: queued.iter().sum(),
+        }
+    }
+
+    /// Connected agent streams.
+    pub(crate) fn backend_count(&self) -> usize {
+        self.state().router.backend_count()
+    }
+
+    /// Frontend streams.
+    pub(crate) fn frontend_count(&self) -> usize {
+        self.state().router.frontend_count()
+    }
+
+    /// Dials waiting for a DIAL_RSP.
+    pub(crate) fn pending_count(&self) -> usize {
+        self.state().router.pending_count()
+    }
+
+    /// Established connections.
+    pub(crate) fn established_count(&self) -> usize {
+        self.state().router.established_count()
+    }
+
+    /// Whether `/readyz` says ready.
+    pub(crate) fn is_ready(&self) -> bool {
+        self.state().router.is_ready()
+    }
+
+    /// Each agent stream: its agent id, whether it is draining, its address.
+    pub(crate) fn agents(&self) -> Vec<(AgentId, bool, Option<SocketAddr>)> {
+        let state = self.state();
+        state
+            .router
+            .agents()
+            .into_iter()
+            .map(|(id, agent, draining)| {
+                let peer = state.backends.get(&id).and_then(|l| l.peer);
+                (agent, draining, peer)
+            })
+            .collect()
+    }
+}
