@@ -70,6 +70,19 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// A binary of the last build before flow control v2 (`proxy-server` or
+/// `proxy-agent`), which `scripts/test` builds from git history into
+/// `target/v1`.
+pub fn v1_binary(name: &str) -> PathBuf {
+    let path = crate::workspace().join("target/v1").join(name);
+    assert!(
+        path.exists(),
+        "{} not found: scripts/test builds it (step 3b) from this clone's history",
+        path.display()
+    );
+    path
+}
+
 impl AgentProcess {
     /// Starts `proxy-agent` against `server` with the test PKI and waits until
     /// the server sees it.
@@ -88,7 +101,12 @@ impl AgentProcess {
     /// Starts `proxy-agent` against the agent port `port` on 127.0.0.1 with
     /// the test PKI and `extra` flags, without waiting for it to connect.
     pub fn spawn(port: u16, extra: &[&str]) -> Self {
-        let child = Command::new(binary("proxy-agent"))
+        Self::spawn_binary(&binary("proxy-agent"), port, extra)
+    }
+
+    /// [`AgentProcess::spawn`] with another `proxy-agent` binary.
+    pub fn spawn_binary(binary: &Path, port: u16, extra: &[&str]) -> Self {
+        let child = Command::new(binary)
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
             .env_remove("ALL_PROXY")

@@ -104,9 +104,14 @@ impl ServerProcess {
     /// (`cluster.crt`, `cluster.key`, `agent-ca.crt`) in `pki` instead of the
     /// test PKI's.
     pub async fn start_in(pki: &Path, mode: &str, extra: &[String]) -> Self {
+        Self::start_binary(&binary("proxy-server"), pki, mode, extra).await
+    }
+
+    /// [`start_in`](Self::start_in) with another `proxy-server` binary.
+    pub async fn start_binary(binary: &Path, pki: &Path, mode: &str, extra: &[String]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let uds = dir.path().join("konnectivity-server.socket");
-        let mut command = Command::new(binary("proxy-server"));
+        let mut command = Command::new(binary);
         command
             .env("RUST_LOG", "info")
             .args([

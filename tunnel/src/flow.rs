@@ -228,18 +228,16 @@ impl Window {
         ]
     }
 
-    /// What a peer's metadata (`get` reads one key) announces: `None`
-    /// without credit (an ANP peer), [`Window::V1`] for a v1 peer, else its
-    /// window.
+    /// What a peer's metadata (`get` reads one key) announces.
     ///
     /// # Errors
     /// Window numbers that are not numbers, out of range, or one without
     /// the other.
     pub fn announced<'a>(
         get: impl Fn(&'static str) -> Option<&'a str>,
-    ) -> Result<Option<Self>, WindowError> {
+    ) -> Result<Peer, WindowError> {
         if get(HEADER) != Some(VERSION) {
-            return Ok(None);
+            return Ok(Peer::NoCredit);
         }
         let number = |key: &'static str| -> Result<Option<usize>, WindowError> {
             get(key)
@@ -252,8 +250,8 @@ impl Window {
                 .transpose()
         };
         match (number(WINDOW_HEADER)?, number(CHUNK_HEADER)?) {
-            (None, None) => Ok(Some(Self::V1)),
-            (Some(bytes), Some(chunk)) => Self::new(bytes, chunk).map(Some),
+            (None, None) => Ok(Peer::V1),
+            (Some(bytes), Some(chunk)) => Self::new(bytes, chunk).map(Peer::V2),
             (Some(_), None) => Err(WindowError::Half {
                 present: WINDOW_HEADER,
                 missing: CHUNK_HEADER,
@@ -270,6 +268,18 @@ impl Default for Window {
     fn default() -> Self {
         Self::V1
     }
+}
+
+/// What a peer announced of flow control in its `Connect` metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// No credit: an ANP peer, or flow control off.
+    NoCredit,
+    /// Credit without window numbers: a build before v2, which assumes
+    /// [`Window::V1`] on both sides.
+    V1,
+    /// Credit with this window.
+    V2(Window),
 }
 
 /// What one stream agreed on; every connection of the stream uses it.
@@ -293,20 +303,19 @@ pub enum Scheme {
 
 impl Scheme {
     /// The scheme of a stream on which this side offered credit (or not,
-    /// `offered`) with window `ours` and the peer announced `theirs` (see
+    /// `offered`) with window `ours` and the peer announced `peer` (see
     /// [`Window::announced`]). A v1 peer never saw `ours` and assumes
-    /// [`Window::V1`]: this side then receives within that.
-    pub fn negotiate(offered: bool, ours: Window, theirs: Option<Window>) -> Self {
-        match theirs {
-            Some(theirs) if offered => Self::Credit {
-                ours: if theirs == Window::V1 {
-                    Window::V1
-                } else {
-                    ours
-                },
-                theirs,
+    /// [`Window::V1`] on both sides: this side then receives within that,
+    /// and returns credit as the peer expects.
+    pub fn negotiate(offered: bool, ours: Window, peer: Peer) -> Self {
+        match peer {
+            _ if !offered => Self::Compat { ours },
+            Peer::NoCredit => Self::Compat { ours },
+            Peer::V1 => Self::Credit {
+                ours: Window::V1,
+                theirs: Window::V1,
             },
-            _ => Self::Compat { ours },
+            Peer::V2(theirs) => Self::Credit { ours, theirs },
         }
     }
 
@@ -616,7 +625,7 @@ mod tests {
         );
     }
 
-    fn announced(pairs: &[(&'static str, &'static str)]) -> Result<Option<Window>, WindowError> {
+    fn announced(pairs: &[(&'static str, &'static str)]) -> Result<Peer, WindowError> {
         let map: HashMap<&str, &str> = pairs.iter().copied().collect();
         Window::announced(|key| map.get(key).copied())
     }
@@ -628,17 +637,26 @@ mod tests {
         let map: HashMap<&str, &str> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         assert_eq!(
             Window::announced(|key| map.get(key).copied()),
-            Ok(Some(window))
+            Ok(Peer::V2(window))
         );
     }
 
     #[test]
     fn peers_are_told_apart_by_what_they_announce() {
         // ANP (or flow control off): no credit.
-        assert_eq!(announced(&[]), Ok(None));
-        assert_eq!(announced(&[(HEADER, "v9")]), Ok(None));
+        assert_eq!(announced(&[]), Ok(Peer::NoCredit));
+        assert_eq!(announced(&[(HEADER, "v9")]), Ok(Peer::NoCredit));
         // A v1 build: credit with v1's fixed numbers.
-        assert_eq!(announced(&[(HEADER, VERSION)]), Ok(Some(Window::V1)));
+        assert_eq!(announced(&[(HEADER, VERSION)]), Ok(Peer::V1));
+        // A v2 peer that announces v1's numbers is still a v2 peer.
+        assert_eq!(
+            announced(&[
+                (HEADER, VERSION),
+                (WINDOW_HEADER, "1048576"),
+                (CHUNK_HEADER, "262144")
+            ]),
+            Ok(Peer::V2(Window::V1))
+        );
         // Broken numbers are refused, naming the key.
         let err = announced(&[
             (HEADER, VERSION),
@@ -662,7 +680,7 @@ mod tests {
     fn against_a_v1_peer_each_side_receives_within_v1s_window() {
         let small = Window::new(64 * 1024, 16 * 1024).unwrap();
         assert_eq!(
-            Scheme::negotiate(true, small, Some(Window::V1)),
+            Scheme::negotiate(true, small, Peer::V1),
             Scheme::Credit {
                 ours: Window::V1,
                 theirs: Window::V1
@@ -670,18 +688,26 @@ mod tests {
         );
         let big = Window::new(4 << 20, 512 * 1024).unwrap();
         assert_eq!(
-            Scheme::negotiate(true, small, Some(big)),
+            Scheme::negotiate(true, small, Peer::V2(big)),
             Scheme::Credit {
                 ours: small,
                 theirs: big
             }
         );
+        // Announcing v1's numbers does not make a v2 peer a v1 one.
         assert_eq!(
-            Scheme::negotiate(false, small, Some(big)),
+            Scheme::negotiate(true, small, Peer::V2(Window::V1)),
+            Scheme::Credit {
+                ours: small,
+                theirs: Window::V1
+            }
+        );
+        assert_eq!(
+            Scheme::negotiate(false, small, Peer::V2(big)),
             Scheme::Compat { ours: small }
         );
         assert_eq!(
-            Scheme::negotiate(true, small, None),
+            Scheme::negotiate(true, small, Peer::NoCredit),
             Scheme::Compat { ours: small }
         );
     }
