@@ -37,20 +37,20 @@ fn small() -> Window {
 /// The server of a pairing.
 enum Server {
     /// This build, in process.
-    V2(TestServer),
+    V2(Box<TestServer>),
     /// The v1 binary.
     V1(ServerProcess),
 }
 
 impl Server {
     async fn v2(window: Window) -> Self {
-        Self::V2(
+        Self::V2(Box::new(
             TestServer::start_with(ServerOpts {
                 flow_window: window,
                 ..Default::default()
             })
             .await,
-        )
+        ))
     }
 
     async fn v1() -> Self {
