@@ -6,15 +6,13 @@
 use std::{
     io,
     path::{Path, PathBuf},
-    pin::Pin,
-    task::{Context, Poll},
     time::Duration,
 };
 
 use hyper_util::rt::TokioIo;
 use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
 use tokio::{
-    io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf},
+    io::{AsyncRead, AsyncWrite, DuplexStream},
     net::UnixStream,
     sync::oneshot,
 };
@@ -173,18 +171,9 @@ pub async fn tls_channel(
         .connect(name, tcp)
         .await
         .map_err(connect)?;
-    let slot = std::sync::Mutex::new(Some(stream));
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|source| ClientError::Transport { addr, source })?;
-    tuned(endpoint)
-        .connect_with_connector(tower::service_fn(move |_| {
-            let stream = slot.lock().ok().and_then(|mut s| s.take());
-            async move {
-                stream
-                    .map(TokioIo::new)
-                    .ok_or_else(|| io::Error::other("frontend connection already used"))
-            }
-        }))
+    tunnel::conn::channel_over(tuned(endpoint), stream)
         .await
         .map_err(|source| ClientError::Transport { addr, source })
 }
@@ -341,31 +330,7 @@ async fn drive(
     }
 }
 
-impl AsyncRead for TunnelConn {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for TunnelConn {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-}
+tunnel::forward_io!([] TunnelConn, io);
 
 /// Largest HTTP-CONNECT answer head and error body read.
 const MAX_ANSWER: usize = 64 * 1024;

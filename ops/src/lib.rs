@@ -3,6 +3,7 @@
 //! and kube client.
 //!
 //! # Layout
+//! - [`cli`]: the start and end of both binaries' `main`.
 //! - [`duration`]: Go duration syntax for flags (`1h0m0s`, `100ms`).
 //! - [`error`]: printing error chains.
 //! - [`flags`]: Go booleans, Go durations and klog flags for clap.
@@ -14,6 +15,7 @@
 //! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
 //! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
 
+pub mod cli;
 pub mod duration;
 pub mod error;
 pub mod flags;

@@ -12,6 +12,18 @@ use crate::{
     PacketType, Payload,
 };
 
+/// The names of ANP's packet types (`PacketType`'s enum names) by their
+/// number on the wire: the `packet_type` label of ANP's stream metrics.
+pub const TYPE_NAMES: [&str; 7] = [
+    "DIAL_REQ",
+    "DIAL_RSP",
+    "CLOSE_REQ",
+    "CLOSE_RSP",
+    "DATA",
+    "DIAL_CLS",
+    "DRAIN",
+];
+
 impl Packet {
     /// `DIAL_REQ{protocol, address, random}`.
     pub fn dial_request(protocol: &str, address: &str, random: i64) -> Self {
@@ -330,18 +342,11 @@ mod tests {
         .iter()
         .map(Packet::type_name)
         .collect();
-        assert_eq!(
-            names,
-            [
-                "DIAL_REQ",
-                "DIAL_RSP",
-                "CLOSE_REQ",
-                "CLOSE_RSP",
-                "DATA",
-                "DIAL_CLS",
-                "DRAIN"
-            ]
-        );
+        assert_eq!(names, TYPE_NAMES);
+        for (number, name) in TYPE_NAMES.iter().enumerate() {
+            let number = i32::try_from(number).unwrap();
+            assert_eq!(PacketType::try_from(number).unwrap().as_str_name(), *name);
+        }
     }
 
     #[test]

@@ -394,34 +394,7 @@ impl Bound {
             () = &mut stop => false,
         };
         if draining {
-            info!(
-                connections = state.endpoint_connections(),
-                exit_when_drained = config.exit_when_drained,
-                "draining: telling servers, still serving until the second signal"
-            );
-            state.start_draining();
-            if config.exit_when_drained {
-                // Open connections finish on their own; the second signal
-                // ends it sooner.
-                loop {
-                    if state.endpoint_connections() == 0 && state.dials_in_progress() == 0 {
-                        info!("drained: no open connections left");
-                        break;
-                    }
-                    tokio::select! {
-                        () = &mut stop => break,
-                        () = tokio::time::sleep(DRAIN_POLL) => {}
-                    }
-                }
-            } else {
-                stop.await;
-            }
-            if state.endpoint_connections() > 0 {
-                warn!(
-                    connections = state.endpoint_connections(),
-                    "second signal: closing open connections"
-                );
-            }
+            drained(&state, config.exit_when_drained, stop).await;
         }
         info!("stopping");
         token.cancel();
@@ -436,6 +409,40 @@ impl Bound {
             );
         }
         info!("stopped");
+    }
+}
+
+/// The first signal came: servers are told, and the agent serves on until
+/// `stop` (the second signal) or, with `--exit-when-drained`, until no
+/// connection is open.
+async fn drained(state: &AgentState, exit_when_drained: bool, stop: impl Future<Output = ()>) {
+    info!(
+        connections = state.endpoint_connections(),
+        exit_when_drained, "draining: telling servers, still serving until the second signal"
+    );
+    state.start_draining();
+    tokio::pin!(stop);
+    if exit_when_drained {
+        // Open connections finish on their own; the second signal ends it
+        // sooner.
+        loop {
+            if state.endpoint_connections() == 0 && state.dials_in_progress() == 0 {
+                info!("drained: no open connections left");
+                break;
+            }
+            tokio::select! {
+                () = &mut stop => break,
+                () = tokio::time::sleep(DRAIN_POLL) => {}
+            }
+        }
+    } else {
+        stop.await;
+    }
+    if state.endpoint_connections() > 0 {
+        warn!(
+            connections = state.endpoint_connections(),
+            "second signal: closing open connections"
+        );
     }
 }
 

@@ -219,14 +219,6 @@ struct EndNoted<T> {
     closed: Arc<AtomicBool>,
 }
 
-impl<T> EndNoted<T> {
-    fn note<R>(&self, result: &io::Result<R>) {
-        if result.is_err() {
-            self.closed.store(true, Ordering::Relaxed);
-        }
-    }
-}
-
 impl<T> Drop for EndNoted<T> {
     fn drop(&mut self) {
         self.closed.store(true, Ordering::Relaxed);
@@ -241,62 +233,19 @@ impl<T: AsyncRead + Unpin> AsyncRead for EndNoted<T> {
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.io).poll_read(cx, buf);
-        if let Poll::Ready(result) = &polled {
-            self.note(result);
-            if result.is_ok() && buf.filled().len() == before && buf.remaining() > 0 {
-                // EOF.
-                self.closed.store(true, Ordering::Relaxed);
-            }
-        }
-        polled
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for EndNoted<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
-        if let Poll::Ready(result) = &polled {
-            self.note(result);
-        }
-        polled
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        if let Poll::Ready(result) = &polled {
-            self.note(result);
-        }
-        polled
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let polled = Pin::new(&mut self.io).poll_flush(cx);
-        if let Poll::Ready(result) = &polled {
-            self.note(result);
-        }
-        polled
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let polled = Pin::new(&mut self.io).poll_shutdown(cx);
-        if polled.is_ready() {
+        if let Poll::Ready(result) = &polled
+            && (result.is_err() || (buf.filled().len() == before && buf.remaining() > 0))
+        {
+            // Failed, or EOF.
             self.closed.store(true, Ordering::Relaxed);
         }
         polled
     }
 }
+
+// A failed write fails the reads too (hyper reads the connection all the
+// time), and hyper drops the transport once it is done with it.
+tunnel::forward_write!([T: AsyncWrite + Unpin] EndNoted<T>, io);
 
 impl Client {
     /// Opens TCP, TLS (with `tls`: the agent passes its files as they are
@@ -687,7 +636,7 @@ impl Dispatcher {
                         socket
                     }
                     Err(error) => {
-                        metrics.dial_failed(&error);
+                        metrics.dial_failed(error.failure());
                         debug!(error = %error, "dial failed");
                         if let Dialed::Failed { reply } = conns.lock().dialed(ticket, Err(error)) {
                             to_server.control(reply);
@@ -810,12 +759,13 @@ mod tests {
             .await
             .expect("the probe missed EOF");
 
-        // A failed write.
+        // A failed write: the reads (hyper's, all the time) see it too.
         let transport = TransportEnd::default();
         let (ours, theirs) = tokio::io::duplex(64);
         let mut ours = transport.watch(ours);
         drop(theirs);
         assert!(ours.write_all(b"x").await.is_err());
+        assert_eq!(ours.read(&mut buf).await.unwrap(), 0);
         assert!(!transport.is_open());
 
         // The transport dropped (hyper gave up on the connection).

@@ -411,10 +411,8 @@ fn client_tls(args: &Args) -> Result<ClientTls, ConfigError> {
         }
     };
     Ok(ClientTls {
-        ca,
-        client,
         alpn: ops::flags::string_slice(&args.alpn_proto),
-        resumption: true,
+        ..ClientTls::new(ca, client)
     })
 }
 
@@ -546,10 +544,9 @@ fn deprecated(args: &Args) -> Vec<Deprecated> {
 /// connection on).
 #[derive(Debug, Clone)]
 pub struct ClientTls {
-    /// `--ca-cert`: the CA the server's certificate must chain to.
-    pub ca: PathBuf,
-    /// `--agent-cert` and `--agent-key`, for mTLS.
-    pub client: Option<(PathBuf, PathBuf)>,
+    /// `--ca-cert`: the CA the server's certificate must chain to; and for
+    /// mTLS `--agent-cert` and `--agent-key`.
+    pub files: files::CertFiles,
     /// `--alpn-proto`: protocols offered before h2.
     pub alpn: Vec<String>,
     /// Offer TLS session resumption (the bench's swarm turns it off, so
@@ -561,8 +558,10 @@ impl ClientTls {
     /// The files of `ca` and, for mTLS, `client` (certificate, key).
     pub fn new(ca: PathBuf, client: Option<(PathBuf, PathBuf)>) -> Self {
         Self {
-            ca,
-            client,
+            files: files::CertFiles {
+                identity: client.map(|(cert, key)| (("agent-cert", cert), ("agent-key", key))),
+                ca: Some(("ca-cert", ca)),
+            },
             alpn: Vec::new(),
             resumption: true,
         }
@@ -574,7 +573,7 @@ impl ClientTls {
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
     pub fn load(&self) -> Result<Arc<rustls::ClientConfig>, ConfigError> {
-        Ok(files::load_once(&self.files(), self.build())?)
+        Ok(self.files.load(self.build())?)
     }
 
     /// The TLS configuration that follows the files: each new connection
@@ -588,38 +587,26 @@ impl ClientTls {
         &self,
         metrics: files::CertMetrics,
     ) -> Result<files::TlsFiles<rustls::ClientConfig>, ConfigError> {
-        Ok(files::TlsFiles::load(
-            "server connections",
-            self.files(),
-            metrics,
-            self.build(),
-        )?)
-    }
-
-    /// The files, named by their flags.
-    fn files(&self) -> Vec<files::TlsFile> {
-        let mut files = vec![files::TlsFile::certs("ca-cert", self.ca.clone())];
-        if let Some((cert, key)) = &self.client {
-            files.push(files::TlsFile::certs("agent-cert", cert.clone()));
-            files.push(files::TlsFile::key("agent-key", key.clone(), "agent-cert"));
-        }
-        files
+        Ok(self
+            .files
+            .follow("server connections", metrics, self.build())?)
     }
 
     /// Builds the configuration from the files as they are when called.
     fn build(&self) -> impl Fn() -> Result<Arc<rustls::ClientConfig>, tls::TlsError> + use<> {
         let Self {
-            ca,
-            client,
+            files,
             alpn,
             resumption,
         } = self.clone();
         move || {
+            let ca = files.ca.as_ref().map(|(_, ca)| ca.as_path());
             let loaded = tls::client_config(
-                &ca,
-                client
+                ca.expect("an agent has a CA"),
+                files
+                    .identity
                     .as_ref()
-                    .map(|(cert, key)| (cert.as_path(), key.as_path())),
+                    .map(|((_, cert), (_, key))| (cert.as_path(), key.as_path())),
                 &alpn,
             )?;
             if resumption {

@@ -19,7 +19,7 @@ use tunnel::{
 };
 
 use crate::{
-    metrics::{AgentMetrics, CloseReason},
+    metrics::{AgentMetrics, CloseReason, DialFailure},
     outbound::ToServer,
     table::ConnTable,
 };
@@ -256,13 +256,21 @@ pub enum DialError {
 }
 
 impl DialError {
-    /// Whether the dial timed out (`endpoint_dial_failure_total`'s
-    /// `timeout`).
+    /// Whether the dial timed out.
     pub fn is_timeout(&self) -> bool {
         match self {
             Self::Timeout { .. } => true,
             Self::Connect { source, .. } => source.kind() == io::ErrorKind::TimedOut,
             _ => false,
+        }
+    }
+
+    /// How `endpoint_dial_failure_total` counts it.
+    pub(crate) fn failure(&self) -> DialFailure {
+        if self.is_timeout() {
+            DialFailure::Timeout
+        } else {
+            DialFailure::Unknown
         }
     }
 }

@@ -26,24 +26,10 @@ use prometheus_client::{
     metrics::{MetricType, family::Family},
 };
 
-use crate::endpoint::DialError;
-
 /// Buckets of ANP's agent latency histograms.
 const AGENT_BUCKETS: [f64; 7] = [0.005, 0.025, 0.1, 0.5, 2.5, 10.0, 30.0];
 
 const PREFIX: &str = "konnectivity_network_proxy_agent_";
-
-/// ANP's packet types by their number on the wire (our credits, type 100,
-/// are not counted).
-const PACKET_TYPES: &[&str] = &[
-    "DIAL_REQ",
-    "DIAL_RSP",
-    "CLOSE_REQ",
-    "CLOSE_RSP",
-    "DATA",
-    "DIAL_CLS",
-    "DRAIN",
-];
 
 ops::label_enum! {
     /// Which way a packet went on a server stream (`segment`, ANP's
@@ -343,7 +329,7 @@ impl AgentMetrics {
         let endpoint_seen = Arc::new(AtomicBool::new(false));
         register_gauges(&mut m, &state, &endpoint_seen);
         register_leases(&mut m, leases);
-        let packets = PacketCounters::register(&mut m, PREFIX, PACKET_TYPES);
+        let packets = PacketCounters::register(&mut m, PREFIX, &proto::packet::TYPE_NAMES);
         let errors = StreamErrors::register(&mut m, PREFIX);
         ops::metrics::register_process(&mut m);
         let ours = Ours::register(&mut m);
@@ -379,13 +365,8 @@ impl AgentMetrics {
         self.endpoint_seen.store(true, Ordering::Relaxed);
     }
 
-    /// A destination dial failed with `error`.
-    pub(crate) fn dial_failed(&self, error: &DialError) {
-        let reason = if error.is_timeout() {
-            DialFailure::Timeout
-        } else {
-            DialFailure::Unknown
-        };
+    /// A destination dial failed.
+    pub(crate) fn dial_failed(&self, reason: DialFailure) {
         self.dial_failures.get(reason).inc();
     }
 
@@ -405,7 +386,7 @@ impl AgentMetrics {
         self.server_failures.get(ServerDirection::ToServer).inc();
         if let Some(name) = usize::try_from(packet.r#type)
             .ok()
-            .and_then(|t| PACKET_TYPES.get(t))
+            .and_then(|t| proto::packet::TYPE_NAMES.get(t))
         {
             self.errors
                 .error(Segment::FromAgent, tonic::Code::Unavailable, name);

@@ -18,7 +18,6 @@ use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
 use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{
     blocked::when_blocked,
-    conn::PeerAddr,
     flow::{self, Scheme, Window},
     ids::{AgentId, ConnId, ServerId},
 };
@@ -30,7 +29,7 @@ use crate::{
     metrics::{Method, Segment},
     router::{AgentInfo, BackendId},
     strategy::AgentIdentifiers,
-    stream::{BACKEND_CONTROL_RESERVE, BackendLink, StreamEnd, receive_failed},
+    stream::{BACKEND_CONTROL_RESERVE, BackendLink, StreamEnd, next_packet},
 };
 
 /// Serves `AgentService`.
@@ -163,7 +162,7 @@ impl AgentService for AgentServiceImpl {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
-        let peer = request.extensions().get::<PeerAddr>().map(|p| p.0);
+        let peer = request.remote_addr();
         let metrics = self.control.metrics.clone();
         // Counted from the start of the call, refused ones too (ANP).
         let live = metrics.grpc_stream(Method::Connect);
@@ -242,18 +241,15 @@ impl BackendDriver {
         let ended = end.ended();
         tokio::pin!(ended);
         let metrics = self.control.metrics.clone();
-        loop {
-            let packet = tokio::select! {
-                biased;
-                () = &mut ended => return,
-                packet = inbound.message() => packet,
-            };
-            let packet = match packet {
-                Ok(Some(packet)) => packet,
-                Ok(None) => return,
-                Err(status) => return receive_failed(status, Segment::FromAgent, &end, &metrics),
-            };
-            metrics.packets.count(Segment::FromAgent, packet.r#type);
+        while let Some(packet) = next_packet(
+            &mut inbound,
+            ended.as_mut(),
+            Segment::FromAgent,
+            &end,
+            &metrics,
+        )
+        .await
+        {
             let Some(wait) = self.handle(packet) else {
                 continue;
             };

@@ -217,12 +217,9 @@ pub enum FrontendListen {
 /// when the server binds.
 #[derive(Debug, Clone)]
 pub struct ListenerTls {
-    /// Certificate chain file, and its flag.
-    pub cert: (&'static str, PathBuf),
-    /// Private key file, and its flag.
-    pub key: (&'static str, PathBuf),
-    /// CA that client certificates must chain to (mTLS), and its flag.
-    pub client_ca: (&'static str, Option<PathBuf>),
+    /// The certificate chain, its key and the CA that client certificates
+    /// must chain to (mTLS), named by their flags.
+    pub files: files::CertFiles,
     /// The ALPN protocol offered.
     pub alpn: &'static [u8],
     /// `--cipher-suites` and `--tls-min-version`.
@@ -234,9 +231,10 @@ impl ListenerTls {
     /// `--cluster-ca-cert`), default TLS policy.
     pub fn agent(cert: PathBuf, key: PathBuf, client_ca: Option<PathBuf>) -> Self {
         Self {
-            cert: ("cluster-cert", cert),
-            key: ("cluster-key", key),
-            client_ca: ("cluster-ca-cert", client_ca),
+            files: files::CertFiles {
+                identity: Some((("cluster-cert", cert), ("cluster-key", key))),
+                ca: client_ca.map(|ca| ("cluster-ca-cert", ca)),
+            },
             alpn: tls::ALPN_H2,
             policy: tls::TlsPolicy::default(),
         }
@@ -246,9 +244,10 @@ impl ListenerTls {
     /// `--server-ca-cert`) for `mode`, default TLS policy.
     pub fn frontend(cert: PathBuf, key: PathBuf, client_ca: PathBuf, mode: Mode) -> Self {
         Self {
-            cert: ("server-cert", cert),
-            key: ("server-key", key),
-            client_ca: ("server-ca-cert", Some(client_ca)),
+            files: files::CertFiles {
+                identity: Some((("server-cert", cert), ("server-key", key))),
+                ca: Some(("server-ca-cert", client_ca)),
+            },
             // CONNECT is HTTP/1.1 only (ANP disables HTTP/2 there); gRPC is
             // HTTP/2.
             alpn: match mode {
@@ -265,7 +264,7 @@ impl ListenerTls {
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
     pub fn load(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
-        Ok(files::load_once(&self.files(), self.build())?)
+        Ok(self.files.load(self.build())?)
     }
 
     /// The TLS configuration that follows the files: each new handshake
@@ -280,40 +279,25 @@ impl ListenerTls {
         what: &'static str,
         metrics: files::CertMetrics,
     ) -> Result<files::TlsFiles<rustls::ServerConfig>, ConfigError> {
-        Ok(files::TlsFiles::load(
-            what,
-            self.files(),
-            metrics,
-            self.build(),
-        )?)
-    }
-
-    /// The files, named by their flags.
-    fn files(&self) -> Vec<files::TlsFile> {
-        let mut files = vec![
-            files::TlsFile::certs(self.cert.0, self.cert.1.clone()),
-            files::TlsFile::key(self.key.0, self.key.1.clone(), self.cert.0),
-        ];
-        if let (flag, Some(ca)) = &self.client_ca {
-            files.push(files::TlsFile::certs(flag, ca.clone()));
-        }
-        files
+        Ok(self.files.follow(what, metrics, self.build())?)
     }
 
     /// Builds the configuration from the files as they are when called.
     fn build(&self) -> impl Fn() -> Result<Arc<rustls::ServerConfig>, tls::TlsError> + use<> {
         let Self {
-            cert,
-            key,
-            client_ca,
+            files,
             alpn,
             policy,
         } = self.clone();
         move || {
+            let ((_, cert), (_, key)) = files
+                .identity
+                .as_ref()
+                .expect("a listener has a certificate");
             tls::server_config_with_policy(
-                &cert.1,
-                &key.1,
-                client_ca.1.as_deref(),
+                cert,
+                key,
+                files.ca.as_ref().map(|(_, ca)| ca.as_path()),
                 &[alpn],
                 &policy,
             )

@@ -214,25 +214,6 @@ impl Control {
 
     fn carry_one(&self, state: &mut State, out: Out, carried: &mut Carried, more: &mut Vec<Out>) {
         match out {
-            Out::ToFrontend(fe, packet) => {
-                if let Some(link) = state.frontends.get(&fe) {
-                    link.tx.send_control(packet);
-                }
-            }
-            Out::ToBackend(be, packet) => {
-                if let Some(link) = state.backends.get(&be) {
-                    link.send_control(packet);
-                }
-            }
-            Out::DialFailed {
-                frontend,
-                dial,
-                error,
-            } => {
-                if let Some(link) = state.frontends.get(&frontend) {
-                    link.tx.dial_failed(dial, error);
-                }
-            }
             Out::Forward {
                 frontend,
                 backend,
@@ -258,12 +239,10 @@ impl Control {
                 conn,
                 data,
             } => {
-                if let Some(conn) = state.conns.get(&(backend, conn)) {
-                    carried.work = Some(Work::Upload {
-                        conn: conn.clone(),
-                        data,
-                    });
-                }
+                carried.work = state.conns.get(&(backend, conn)).map(|conn| Work::Upload {
+                    conn: conn.clone(),
+                    data,
+                });
             }
             Out::Opened {
                 backend,
@@ -282,18 +261,33 @@ impl Control {
                 conn,
                 packet,
                 latency,
+            } => self.established(state, (frontend, backend, conn), packet, latency, more),
+            Out::Count(event) => self.count(event),
+            out => Self::send(state, out),
+        }
+    }
+
+    /// Carries out what goes to one stream and never waits: a control
+    /// packet, a dial's failure, the stream's end.
+    fn send(state: &State, out: Out) {
+        match out {
+            Out::ToFrontend(fe, packet) => {
+                if let Some(link) = state.frontends.get(&fe) {
+                    link.tx.send_control(packet);
+                }
+            }
+            Out::ToBackend(be, packet) => {
+                if let Some(link) = state.backends.get(&be) {
+                    link.send_control(packet);
+                }
+            }
+            Out::DialFailed {
+                frontend,
+                dial,
+                error,
             } => {
-                let delivered = state
-                    .frontends
-                    .get(&frontend)
-                    .is_some_and(|link| link.tx.send_control(packet));
-                if delivered {
-                    // ANP observes the latency once the DIAL_RSP is delivered.
-                    self.metrics.dial_succeeded(latency);
-                } else {
-                    state
-                        .router
-                        .dial_rsp_undelivered(frontend, backend, conn, more);
+                if let Some(link) = state.frontends.get(&frontend) {
+                    link.tx.dial_failed(dial, error);
                 }
             }
             Out::EndFrontend(fe) => {
@@ -307,7 +301,31 @@ impl Control {
                     link.end.end();
                 }
             }
-            Out::Count(event) => self.count(event),
+            other => debug_assert!(false, "not a send: {other:?}"),
+        }
+    }
+
+    /// A dial succeeded: its DIAL_RSP goes to the frontend, and the latency
+    /// is observed once it is delivered (as ANP does); if it cannot be
+    /// delivered, the router closes the connection.
+    fn established(
+        &self,
+        state: &mut State,
+        (frontend, backend, conn): (FrontendId, BackendId, ConnId),
+        packet: Packet,
+        latency: Duration,
+        more: &mut Vec<Out>,
+    ) {
+        let delivered = state
+            .frontends
+            .get(&frontend)
+            .is_some_and(|link| link.tx.send_control(packet));
+        if delivered {
+            self.metrics.dial_succeeded(latency);
+        } else {
+            state
+                .router
+                .dial_rsp_undelivered(frontend, backend, conn, more);
         }
     }
 

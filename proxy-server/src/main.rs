@@ -1,12 +1,11 @@
 //! proxy-server binary: parse flags, set up logging, bind, serve until a signal.
 
 use anyhow::Context;
-use clap::{CommandFactory, Parser, error::ErrorKind};
+use clap::Parser;
 use proxy_server::{
     config::{Args, Config},
     server::ProxyServer,
 };
-use tracing::error;
 
 /// jemalloc, configured in `.cargo/config.toml` to give freed memory back
 /// to the system within a second (glibc keeps what bursts of connections
@@ -21,31 +20,15 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(args: Args) -> std::process::ExitCode {
-    if let Err(e) = ops::telemetry::init(&args.log) {
-        Args::command().error(ErrorKind::ValueValidation, e).exit();
-    }
     // The flags, then the files they name: either failing is a usage
     // error (exit 2) before anything is bound.
-    let config = match Config::try_from(args).and_then(|config| {
+    let log = args.log.clone();
+    let config = ops::cli::start::<Args, _, _>(&log, || {
+        let config = Config::try_from(args)?;
         config.load_tls()?;
-        Ok(config)
-    }) {
-        Ok(config) => config,
-        Err(e) => Args::command()
-            .error(
-                ErrorKind::ValueValidation,
-                ops::error::DisplayErrorStack(&e),
-            )
-            .exit(),
-    };
-    match run(config).await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            error!(error = format!("{e:#}"), "proxy-server failed");
-            eprintln!("proxy-server: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+        Ok::<_, proxy_server::config::ConfigError>(config)
+    });
+    ops::cli::finish("proxy-server", run(config).await)
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {

@@ -40,18 +40,6 @@ const CONNECTION_BUCKETS: [f64; 12] = [
 
 const PREFIX: &str = "konnectivity_network_proxy_server_";
 
-/// ANP's packet types by their number on the wire (our credits, type 100,
-/// are not counted).
-pub(crate) const PACKET_TYPES: &[&str] = &[
-    "DIAL_REQ",
-    "DIAL_RSP",
-    "CLOSE_REQ",
-    "CLOSE_RSP",
-    "DATA",
-    "DIAL_CLS",
-    "DRAIN",
-];
-
 ops::label_enum! {
     /// Which stream a packet crossed, and which way (`segment`).
     pub(crate) enum Segment {
@@ -348,7 +336,7 @@ impl ServerMetrics {
             "Number of dial failures observed. Multiple failures can occur for a single dial request.",
             "reason",
         );
-        let packets = PacketCounters::register(&mut m, PREFIX, PACKET_TYPES);
+        let packets = PacketCounters::register(&mut m, PREFIX, &proto::packet::TYPE_NAMES);
         let errors = StreamErrors::register(&mut m, PREFIX);
         let lease = LeaseCalls::register(&mut m);
         ops::metrics::register_process(&mut m);
@@ -447,7 +435,7 @@ impl ServerMetrics {
     pub(crate) fn send_error(&self, segment: Segment, packet_type: i32) {
         if let Some(name) = usize::try_from(packet_type)
             .ok()
-            .and_then(|t| PACKET_TYPES.get(t))
+            .and_then(|t| proto::packet::TYPE_NAMES.get(t))
         {
             self.errors.error(segment, tonic::Code::Unavailable, name);
         }

@@ -87,6 +87,37 @@ impl StreamEnd {
     }
 }
 
+/// The next packet from a stream's peer, counted on `segment`; `None` once
+/// the peer ended the stream, the stream failed (see [`receive_failed`]), or
+/// `gone` resolved (the stream was ended inside the server).
+///
+/// # Cancel safety
+/// Cancel safe: `Streaming::message` is.
+pub(crate) async fn next_packet(
+    inbound: &mut tonic::Streaming<Packet>,
+    gone: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+    segment: Segment,
+    end: &StreamEnd,
+    metrics: &ServerMetrics,
+) -> Option<Packet> {
+    let received = tokio::select! {
+        biased;
+        () = gone => return None,
+        received = inbound.message() => received,
+    };
+    match received {
+        Ok(Some(packet)) => {
+            metrics.packets.count(segment, packet.r#type);
+            Some(packet)
+        }
+        Ok(None) => None,
+        Err(status) => {
+            receive_failed(status, segment, end, metrics);
+            None
+        }
+    }
+}
+
 /// A receive error as grpc-go reports it: tonic refuses a message over
 /// the 4 MiB limit with `OUT_OF_RANGE`, grpc-go (and so ANP) with
 /// `RESOURCE_EXHAUSTED`, which is what the peer and the metrics get. Over

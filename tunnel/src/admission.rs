@@ -304,6 +304,14 @@ impl Wake for WakeNote {
     }
 }
 
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Watched<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
 impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     fn poll_read(
         mut self: Pin<&mut Self>,

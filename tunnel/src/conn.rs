@@ -1,24 +1,16 @@
 //! Accepting TLS connections for tonic without letting one slow or broken
 //! handshake hold up the accept loop.
 
-use std::{
-    io,
-    net::SocketAddr,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
-    time::Duration,
-};
+use std::{io, net::SocketAddr, sync::Arc, time::Duration};
 
 use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
+    io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
     sync::mpsc,
 };
 use tokio_rustls::{TlsAcceptor, server::TlsStream};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::Connected;
 use tracing::debug;
 
 use crate::{
@@ -36,67 +28,10 @@ const ACCEPT_BACKLOG: usize = 64;
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 
-/// The peer's address, available in request extensions of TLS connections.
-#[derive(Debug, Clone, Copy)]
-pub struct PeerAddr(pub SocketAddr);
-
-/// A server-side TLS connection that tonic can serve.
-pub struct TlsConn {
-    /// The stream, reading ahead under TLS.
-    inner: TlsStream<Watched<ReadAhead<TcpStream>>>,
-    /// Who is on the other end.
-    peer: SocketAddr,
-}
-
-impl TlsConn {
-    /// The peer's certificate chain, if it presented one.
-    pub fn peer_certificates(&self) -> Option<&[rustls_pki_types::CertificateDer<'static>]> {
-        self.inner.get_ref().1.peer_certificates()
-    }
-}
-
-impl Connected for TlsConn {
-    type ConnectInfo = PeerAddr;
-    fn connect_info(&self) -> PeerAddr {
-        PeerAddr(self.peer)
-    }
-}
-
-impl AsyncRead for TlsConn {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for TlsConn {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-}
+/// A server-side TLS connection that tonic can serve: its connect info
+/// (tonic's `TlsConnectInfo`) carries the peer's address, which a handler
+/// reads with `Request::remote_addr`, and its certificates.
+pub type TlsConn = TlsStream<Watched<ReadAhead<TcpStream>>>;
 
 /// The next connection on `listener`. A failed accept (EMFILE and
 /// friends) is logged, naming the listener `what`, and retried after a
@@ -256,7 +191,7 @@ pub fn tls_incoming(
                         // connection, so a slow taker bounds them too.
                         tokio::select! {
                             () = ticket.cancel.cancelled() => {}
-                            _ = tx.send(Ok(TlsConn { inner, peer })) => {}
+                            _ = tx.send(Ok(inner)) => {}
                         }
                     }
                     Some(Ok(Err(error))) => {

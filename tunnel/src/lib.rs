@@ -12,6 +12,7 @@
 //!   their handshakes end, and which it drops at the cap.
 //! - [`conn`]: accepting TLS and TCP for tonic without letting one peer
 //!   hold up the others; binding listeners.
+//! - [`io`]: forwarding the I/O of wrappers (macros).
 //! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
 //!   buffer while idle.
 //! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
@@ -23,6 +24,7 @@ pub mod blocked;
 pub mod conn;
 pub mod flow;
 pub mod ids;
+pub mod io;
 pub mod mover;
 pub mod proxy_client;
 pub mod queue;

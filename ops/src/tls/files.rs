@@ -64,6 +64,65 @@ impl TlsFile {
     }
 }
 
+/// A file and the flag that names it.
+pub type Named = (&'static str, PathBuf);
+
+/// The files of one TLS side, each named by its flag: a certificate chain
+/// and its key (a server's; a client's for mTLS) and the CA bundle the
+/// peer's certificate must chain to. Both binaries read them the same way:
+/// once ([`CertFiles::load`]) or following them ([`CertFiles::follow`]);
+/// what configuration they make (server or client, ALPN, policy) is the
+/// binary's `build`.
+#[derive(Debug, Clone)]
+pub struct CertFiles {
+    /// The certificate chain and its private key.
+    pub identity: Option<(Named, Named)>,
+    /// The CA bundle peers must chain to.
+    pub ca: Option<Named>,
+}
+
+impl CertFiles {
+    /// The files, certificate chain first.
+    fn files(&self) -> Vec<TlsFile> {
+        let mut files = Vec::new();
+        if let Some(((cert_flag, cert), (key_flag, key))) = &self.identity {
+            files.push(TlsFile::certs(cert_flag, cert.clone()));
+            files.push(TlsFile::key(key_flag, key.clone(), cert_flag));
+        }
+        if let Some((flag, ca)) = &self.ca {
+            files.push(TlsFile::certs(flag, ca.clone()));
+        }
+        files
+    }
+
+    /// Reads the files once into the configuration `build` makes of them.
+    ///
+    /// # Errors
+    /// A file cannot be read or parsed, or the key does not match the
+    /// certificate; the error names the flag of the file.
+    pub fn load<C>(
+        &self,
+        build: impl Fn() -> Result<Arc<C>, TlsError>,
+    ) -> Result<Arc<C>, StartError> {
+        load_once(&self.files(), build)
+    }
+
+    /// The configuration that follows the files (see [`TlsFiles`]); `what`
+    /// names its user in logs, `metrics` shows the certificates' expiry
+    /// and counts failed reloads.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load): at start-up there is nothing to keep.
+    pub fn follow<C>(
+        &self,
+        what: &'static str,
+        metrics: CertMetrics,
+        build: impl Fn() -> Result<Arc<C>, TlsError> + Send + Sync + 'static,
+    ) -> Result<TlsFiles<C>, StartError> {
+        TlsFiles::load(what, self.files(), metrics, build)
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CertLabels {
     certificate: &'static str,

@@ -25,7 +25,7 @@ use crate::{
     frontend::FrontendGuard,
     metrics::{Method, Segment},
     router::FrontendKind,
-    stream::{StreamEnd, receive_failed},
+    stream::{StreamEnd, next_packet},
 };
 
 /// The packet stream returned to a peer.
@@ -99,20 +99,15 @@ impl FrontendDriver {
         let gone = tx.gone();
         tokio::pin!(gone);
         let metrics = self.control.metrics.clone();
-        loop {
-            let packet = tokio::select! {
-                biased;
-                () = &mut gone => return,
-                packet = inbound.message() => packet,
-            };
-            let packet = match packet {
-                Ok(Some(packet)) => packet,
-                Ok(None) => return,
-                Err(status) => {
-                    return receive_failed(status, Segment::FromClient, &tx.end, &metrics);
-                }
-            };
-            metrics.packets.count(Segment::FromClient, packet.r#type);
+        while let Some(packet) = next_packet(
+            &mut inbound,
+            gone.as_mut(),
+            Segment::FromClient,
+            &tx.end,
+            &metrics,
+        )
+        .await
+        {
             let Some(work) = self.handle(packet) else {
                 continue;
             };

@@ -148,6 +148,25 @@ async fn an_unresolvable_name_gets_502_no_such_host() {
     assert!(answer.contains("no such host"), "{answer}");
 }
 
+/// A 100 KB `Host` (and target) is repeated only as a bounded prefix in
+/// the error page: the answer is a few hundred bytes, not the 200 KB of
+/// an agent that echoes the destination twice.
+#[tokio::test]
+async fn an_error_answer_repeats_no_more_than_a_prefix_of_a_huge_host() {
+    let server = server(false).await;
+    let _agent = TestAgent::start(&server).await;
+    let host = format!("{}.invalid", "h".repeat(100_000));
+    let request = format!("CONNECT {host}:80 HTTP/1.1\r\nHost: {host}:80\r\n\r\n");
+    let answer = raw(&server, request.as_bytes()).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 502 Bad Gateway\r\n"),
+        "{}",
+        &answer[..answer.len().min(512)]
+    );
+    assert!(answer.len() < 2048, "a {}-byte answer", answer.len());
+    assert!(answer.ends_with(": no such host"), "{answer}");
+}
+
 #[tokio::test]
 async fn a_dial_past_backend_dial_timeout_gets_504() {
     let server = TestServer::start_with(ServerOpts {

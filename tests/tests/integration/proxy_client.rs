@@ -5,8 +5,8 @@
 
 use std::process::Command;
 
-use client::tool;
 use integration_tests::{Pki, ServerOpts, TestAgent, TestServer, binary, destination};
+use proxy_client as tool;
 use proxy_server::config::Mode;
 use tokio::net::TcpListener;
 

@@ -11,9 +11,9 @@
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
-use crate::dial::{ClientError, Dialer, Mode, Transport};
 use bytes::Bytes;
 use clap::{Args as ClapArgs, Parser, Subcommand};
+use client::dial::{ClientError, Dialer, Mode, Transport};
 use fast_socks5::{
     ReplyError, Socks5Command, server::Socks5ServerProtocol, util::target_addr::TargetAddr,
 };
@@ -250,7 +250,7 @@ pub async fn request(
             address: address.clone(),
             source,
         })?;
-    let io: Box<dyn crate::dial::Io> = if https {
+    let io: Box<dyn client::dial::Io> = if https {
         if ca.is_empty() {
             return Err(RequestError::NoCa);
         }

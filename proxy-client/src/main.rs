@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use clap::{CommandFactory, Parser, error::ErrorKind};
-use client::tool::{self, Args, Command};
+use proxy_client::{self as tool, Args, Command};
 use tokio::net::TcpListener;
 
 #[tokio::main]
