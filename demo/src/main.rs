@@ -83,6 +83,7 @@ async fn main() -> Result<()> {
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             keepalive_time: Duration::from_secs(3600),
             frontend_keepalive_time: Duration::from_secs(3600),
+            frontend_max_concurrent_streams: 100_000,
             backend_dial_timeout: None,
             flow_control: true,
             flow_window: tunnel::flow::Window::V1,

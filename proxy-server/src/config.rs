@@ -78,6 +78,12 @@ pub struct Args {
     /// Interval of HTTP/2 keepalive pings on gRPC frontend connections (Go duration).
     #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
     pub frontend_keepalive_time: Duration,
+    /// Tunnels (gRPC streams) one frontend connection may have open at once
+    /// (konnectivity-rs; its SETTINGS_MAX_CONCURRENT_STREAMS): kube-apiserver's
+    /// reusable tunnel carries every tunnel on one connection. More wait for
+    /// a free one, as HTTP/2 clients do.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub frontend_max_concurrent_streams: u32,
     /// Serve pprof-format profiles on the admin port.
     #[arg(long, go_bool = Some(false))]
     pub enable_profiling: bool,
@@ -340,6 +346,8 @@ pub struct Config {
     pub keepalive_time: Duration,
     /// Frontend keepalive ping interval.
     pub frontend_keepalive_time: Duration,
+    /// `--frontend-max-concurrent-streams`.
+    pub frontend_max_concurrent_streams: u32,
     /// Bound on dial forwarding and waiting; `None` disables it.
     pub backend_dial_timeout: Option<Duration>,
     /// Offer per-connection flow control (`tunnel::flow`).
@@ -449,6 +457,7 @@ impl TryFrom<Args> for Config {
             frontend_stall_timeout: nonzero(args.frontend_stall_timeout),
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
+            frontend_max_concurrent_streams: args.frontend_max_concurrent_streams,
             flow_control: args.flow_control,
             flow_window: Window::from_flags(
                 args.flow.flow_control_window,

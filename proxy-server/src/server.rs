@@ -36,19 +36,16 @@ use crate::{
     metrics::ServerMetrics,
 };
 
-/// Streams one frontend connection may have open at once (more wait for
-/// a free one, as HTTP/2 clients do). kube-apiserver opens one per
-/// connection (single-use hub) or few (reusable hub).
-const FRONTEND_MAX_STREAMS: u32 = 128;
 /// What a frontend may send on one stream ahead of the server's reader:
 /// one flow-control window, as much as the reader can forward at once.
 const FRONTEND_STREAM_WINDOW: u32 = flow::WINDOW as u32;
-/// Room for every stream's window at once: h2 gives connection window back
-/// only as a stream's reader takes its data, so a smaller one would let
-/// streams whose readers wait (a destination that stopped reading) starve
-/// the connection's other streams. This is the most a frontend connection
-/// makes the server buffer.
-const FRONTEND_CONNECTION_WINDOW: u32 = FRONTEND_MAX_STREAMS * FRONTEND_STREAM_WINDOW;
+/// What a frontend may send on all its streams ahead of the server's
+/// readers: the most upload bytes one frontend connection makes the server
+/// buffer, whatever its number of streams. h2 gives connection window back
+/// only as a stream's reader takes its data, so it takes 128 streams whose
+/// readers all wait (destinations that stopped reading), each holding its
+/// stream window, to hold up the connection's other uploads.
+const FRONTEND_CONNECTION_WINDOW: u32 = 128 * FRONTEND_STREAM_WINDOW;
 
 /// How often stalled connections are looked for: a tenth of the timeout,
 /// between 10 ms and 1 s.
@@ -539,7 +536,7 @@ fn grpc_frontend(
     });
     Server::builder()
         .max_frame_size(flow::H2_MAX_FRAME_SIZE)
-        .max_concurrent_streams(FRONTEND_MAX_STREAMS)
+        .max_concurrent_streams(config.frontend_max_concurrent_streams)
         .initial_stream_window_size(FRONTEND_STREAM_WINDOW)
         .initial_connection_window_size(FRONTEND_CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(config.frontend_keepalive_time))

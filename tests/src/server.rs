@@ -175,6 +175,7 @@ impl TestServer {
             frontend_stall_timeout: opts.frontend_stall_timeout,
             keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
             frontend_keepalive_time: Duration::from_secs(3600),
+            frontend_max_concurrent_streams: 100_000,
             backend_dial_timeout: opts.backend_dial_timeout,
             flow_control: opts.flow_control,
             flow_window: opts.flow_window,

@@ -3,15 +3,17 @@
 // dialer does. Each tunnel is a new gRPC connection (grpc.Dial with the
 // socket path as the target and a context dialer to the Unix socket, so
 // grpc-go picks its own :authority; or TCP with mTLS), DIAL_REQ with a
-// random id, DATA both ways, CLOSE_REQ. No HTTP/2 or window settings of its
-// own: grpc-go's defaults (16 KiB frames, 64 KiB initial windows grown by BDP
-// pings).
+// random id, DATA both ways, CLOSE_REQ. With -reuse, every tunnel is a
+// Proxy stream on one gRPC connection, as konnectivity-client's
+// CreateGRPCTunnel (the reusable tunnel) does. No HTTP/2 or window settings
+// of its own: grpc-go's defaults (16 KiB frames, 64 KiB initial windows
+// grown by BDP pings).
 //
 // Built from Debian's grpc-go in GOPATH mode (no module download):
 //
 //	GOPATH=/usr/share/gocode GO111MODULE=off go build -o frontend ./tests/go/frontend
 //
-// Usage: frontend (-uds PATH | -tcp HOST:PORT -ca F -cert F -key F) MODE -addr HOST:PORT ...
+// Usage: frontend (-uds PATH | -tcp HOST:PORT -ca F -cert F -key F) [-reuse] MODE -addr HOST:PORT ...
 //
 // Modes (each prints one JSON line on stdout and exits 0 when it did what
 // was asked, else prints the error on stderr and exits 1):
@@ -27,6 +29,19 @@
 //	                              single-use tunnels, each sending B bytes and reading B back
 //	dial-error                    expect the dial to fail; print the error
 //	stall                         open a tunnel and read nothing until stdin closes
+//	stall-bulk -stall A -bytes N -seed S
+//	                              open a tunnel to A and read nothing; beside it, read
+//	                              N bytes from -addr, checked against pattern(N, S)
+//	many -count N [-stall A]      hold N tunnels to -addr (an echo server) open at
+//	                              once, each echoing 1 KiB when opened; with -stall,
+//	                              one more to A that is never read. Prints {"open": N}
+//	                              and, once stdin closes, echoes 1 KiB on each again
+//	                              and closes them all (exit 0: all did)
+//	cut -count N                  open N tunnels to -addr (an echo server), echo on
+//	                              each, close the gRPC connection under them, and
+//	                              check that every stream fails
+//
+// Every report has "connections": the gRPC connections dialed.
 //
 // The messages are encoded with protowire (the wire format of client.proto,
 // written down here) through a codec registered as "proto", grpc-go's
@@ -230,11 +245,21 @@ type transport struct {
 	uds  string
 	tcp  string
 	cred credentials.TransportCredentials
+	// reuse: one gRPC connection for every tunnel (shared, made once).
+	reuse  bool
+	once   sync.Once
+	shared *grpc.ClientConn
+	err    error
+	// dialed counts the gRPC connections dialed.
+	dialed int64
 }
 
-// conn is one tunneled connection: its own gRPC connection and stream.
+// conn is one tunneled connection: a Proxy stream, on a gRPC connection of
+// its own or on the shared one.
 type conn struct {
 	cc     *grpc.ClientConn
+	own    bool
+	cancel context.CancelFunc
 	stream grpc.ClientStream
 	id     int64
 	// pending holds bytes of a DATA packet not yet read.
@@ -242,48 +267,76 @@ type conn struct {
 	eof     bool
 }
 
-// dial opens a gRPC connection as kube-apiserver does and dials address
-// through it.
-func (t *transport) dial(ctx context.Context, address string) (*conn, error) {
-	var cc *grpc.ClientConn
-	var err error
+// connect dials a gRPC connection as kube-apiserver does.
+func (t *transport) connect(ctx context.Context) (*grpc.ClientConn, error) {
+	dialer := func(ctx context.Context, target string) (net.Conn, error) {
+		atomic.AddInt64(&t.dialed, 1)
+		var d net.Dialer
+		if t.uds != "" {
+			return d.DialContext(ctx, "unix", t.uds)
+		}
+		return d.DialContext(ctx, "tcp", target)
+	}
 	if t.uds != "" {
-		path := t.uds
-		cc, err = grpc.DialContext(ctx, path, grpc.WithInsecure(),
-			grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {
-				var d net.Dialer
-				return d.DialContext(ctx, "unix", path)
-			}))
+		return grpc.DialContext(ctx, t.uds, grpc.WithInsecure(), grpc.WithContextDialer(dialer))
+	}
+	return grpc.DialContext(ctx, t.tcp, grpc.WithTransportCredentials(t.cred), grpc.WithContextDialer(dialer))
+}
+
+// dial opens a Proxy stream (on a new gRPC connection, or with -reuse on
+// the shared one) and dials address through it.
+func (t *transport) dial(ctx context.Context, address string) (*conn, error) {
+	c := &conn{own: !t.reuse}
+	if t.reuse {
+		t.once.Do(func() { t.shared, t.err = t.connect(context.Background()) })
+		if t.err != nil {
+			return nil, t.err
+		}
+		c.cc = t.shared
 	} else {
-		cc, err = grpc.DialContext(ctx, t.tcp, grpc.WithTransportCredentials(t.cred))
+		cc, err := t.connect(ctx)
+		if err != nil {
+			return nil, err
+		}
+		c.cc = cc
 	}
+	streamCtx, cancel := context.WithCancel(context.Background())
+	c.cancel = cancel
+	stream, err := c.cc.NewStream(streamCtx, proxyStream, "/ProxyService/Proxy")
 	if err != nil {
+		c.drop()
 		return nil, err
 	}
-	stream, err := cc.NewStream(context.Background(), proxyStream, "/ProxyService/Proxy")
-	if err != nil {
-		cc.Close()
-		return nil, err
-	}
+	c.stream = stream
 	random := rand.Int63()
 	if err := stream.SendMsg(&packet{typ: dialReq, protocol: "tcp", address: address, random: random}); err != nil {
-		cc.Close()
+		c.drop()
 		return nil, err
 	}
 	var rsp packet
 	if err := stream.RecvMsg(&rsp); err != nil {
-		cc.Close()
+		c.drop()
 		return nil, err
 	}
 	if rsp.typ != dialRsp || rsp.random != random {
-		cc.Close()
+		c.drop()
 		return nil, fmt.Errorf("expected DIAL_RSP for %d, got type %d for %d", random, rsp.typ, rsp.random)
 	}
 	if rsp.errText != "" {
-		cc.Close()
+		c.drop()
 		return nil, dialError(rsp.errText)
 	}
-	return &conn{cc: cc, stream: stream, id: rsp.connID}, nil
+	c.id = rsp.connID
+	return c, nil
+}
+
+// drop ends the tunnel without CLOSE_REQ: its stream is cancelled, and its
+// gRPC connection closed if it has one of its own.
+func (c *conn) drop() {
+	c.cancel()
+	if c.own {
+		c.cc.Close()
+	}
 }
 
 // dialError is the agent's dial error, from DIAL_RSP.
@@ -347,10 +400,10 @@ func (c *conn) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// Close sends CLOSE_REQ, waits for CLOSE_RSP (discarding DATA) and closes
-// the gRPC connection.
+// Close sends CLOSE_REQ, waits for CLOSE_RSP (discarding DATA) and ends
+// the stream (and its gRPC connection, when it has one of its own).
 func (c *conn) Close() error {
-	defer c.cc.Close()
+	defer c.drop()
 	if c.eof {
 		return nil
 	}
@@ -399,8 +452,24 @@ func fail(format string, args ...interface{}) {
 	os.Exit(1)
 }
 
+// the transport of this run, for the reports.
+var current *transport
+
+// report prints v, a map, as one JSON line, with "connections": the gRPC
+// connections dialed so far.
 func report(v interface{}) {
-	if err := json.NewEncoder(os.Stdout).Encode(v); err != nil {
+	b, err := json.Marshal(v)
+	if err != nil {
+		fail("encoding the result: %v", err)
+	}
+	fields := map[string]interface{}{}
+	if err := json.Unmarshal(b, &fields); err != nil {
+		fail("decoding the result: %v", err)
+	}
+	if current != nil {
+		fields["connections"] = atomic.LoadInt64(&current.dialed)
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(fields); err != nil {
 		fail("writing the result: %v", err)
 	}
 }
@@ -412,11 +481,13 @@ func main() {
 	cert := flag.String("cert", "", "client certificate (TCP)")
 	key := flag.String("key", "", "client key (TCP)")
 	serverName := flag.String("server-name", "localhost", "name the server certificate must carry (TCP)")
+	reuse := flag.Bool("reuse", false, "one gRPC connection for every tunnel (the reusable tunnel)")
 	flag.Parse()
 	if flag.NArg() < 1 {
 		fail("no mode (download, upload, echo, dials, dial-error, stall)")
 	}
-	t := &transport{uds: *uds, tcp: *tcp}
+	t := &transport{uds: *uds, tcp: *tcp, reuse: *reuse}
+	current = t
 	if *tcp != "" {
 		pair, err := tls.LoadX509KeyPair(*cert, *key)
 		if err != nil {
@@ -444,6 +515,7 @@ func main() {
 	count := args.Int("count", 0, "dials: tunnels in all (0: for -duration)")
 	duration := args.Duration("duration", 0, "dials: how long")
 	exchange := args.Int("exchange", 1024, "dials: bytes each way per tunnel")
+	stall := args.String("stall", "", "stall-bulk, many: HOST:PORT of a tunnel never read")
 	if err := args.Parse(flag.Args()[1:]); err != nil {
 		fail("%v", err)
 	}
@@ -476,7 +548,13 @@ func main() {
 		}
 		report(map[string]string{"stalled": *addr})
 		io.Copy(ioutil.Discard, os.Stdin)
-		c.cc.Close()
+		c.drop()
+	case "stall-bulk":
+		stallBulk(ctx, t, *stall, *addr, *size, *seed)
+	case "many":
+		many(ctx, t, *addr, *stall, *count)
+	case "cut":
+		cut(ctx, t, *addr, *count)
 	default:
 		fail("unknown mode %q", mode)
 	}
@@ -506,7 +584,7 @@ func endless(c *conn, move func([]byte) (int, error)) {
 	for {
 		select {
 		case <-done:
-			c.cc.Close()
+			c.drop()
 			return
 		case <-tick.C:
 			report(map[string]int64{"bytes": atomic.LoadInt64(&moved)})
@@ -532,7 +610,7 @@ func download(ctx context.Context, t *transport, addr string, n int, seed int64)
 	if seed >= 0 && string(got) != string(pattern(n, uint64(seed))) {
 		fail("the %d bytes read are not pattern(%d, %d)", n, n, seed)
 	}
-	c.cc.Close()
+	c.drop()
 	report(map[string]interface{}{"bytes": n, "seconds": seconds, "fnv": fnv(got)})
 }
 
@@ -637,15 +715,15 @@ func dials(t *transport, addr string, concurrency, count int, duration time.Dura
 						return err
 					}
 					if _, err := c.Write(sent); err != nil {
-						c.cc.Close()
+						c.drop()
 						return err
 					}
 					if _, err := io.ReadFull(c, got); err != nil {
-						c.cc.Close()
+						c.drop()
 						return err
 					}
 					if string(got) != string(sent) {
-						c.cc.Close()
+						c.drop()
 						return errors.New("the exchange differs")
 					}
 					return c.Close()
@@ -678,4 +756,125 @@ func dials(t *transport, addr string, concurrency, count int, duration time.Dura
 		"dials": len(latencies), "errors": failures, "first_error": firstError,
 		"seconds": seconds, "p50_us": quantile(0.5), "p99_us": quantile(0.99),
 	})
+}
+
+// stallBulk opens a tunnel to stall and never reads it, then beside it
+// reads n bytes from addr, checked against pattern(n, seed).
+func stallBulk(ctx context.Context, t *transport, stall, addr string, n int, seed int64) {
+	stalled, err := t.dial(ctx, stall)
+	if err != nil {
+		fail("dial %s: %v", stall, err)
+	}
+	defer stalled.drop()
+	download(ctx, t, addr, n, seed)
+}
+
+// echoOnce writes 1 KiB on c and reads it back.
+func echoOnce(c *conn, seed uint64) error {
+	sent := pattern(1024, seed)
+	if _, err := c.Write(sent); err != nil {
+		return err
+	}
+	got := make([]byte, len(sent))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return err
+	}
+	if string(got) != string(sent) {
+		return errors.New("the echo differs")
+	}
+	return nil
+}
+
+// openEchoed opens n tunnels to addr, 64 at a time, each echoing 1 KiB.
+func openEchoed(ctx context.Context, t *transport, addr string, n int) []*conn {
+	conns := make([]*conn, n)
+	var wg sync.WaitGroup
+	work := make(chan int)
+	var failed int64
+	var first atomic.Value
+	for w := 0; w < 64; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range work {
+				c, err := t.dial(ctx, addr)
+				if err == nil {
+					err = echoOnce(c, uint64(i))
+				}
+				if err != nil {
+					if atomic.AddInt64(&failed, 1) == 1 {
+						first.Store(err.Error())
+					}
+					continue
+				}
+				conns[i] = c
+			}
+		}()
+	}
+	for i := 0; i < n; i++ {
+		work <- i
+	}
+	close(work)
+	wg.Wait()
+	if failed > 0 {
+		fail("%d of %d tunnels failed; the first: %v", failed, n, first.Load())
+	}
+	return conns
+}
+
+// many holds n echoed tunnels (and one stalled one) open until stdin
+// closes, then echoes on each again and closes them.
+func many(ctx context.Context, t *transport, addr, stall string, n int) {
+	if stall != "" {
+		stalled, err := t.dial(ctx, stall)
+		if err != nil {
+			fail("dial %s: %v", stall, err)
+		}
+		defer stalled.drop()
+	}
+	conns := openEchoed(ctx, t, addr, n)
+	report(map[string]int{"open": n})
+	io.Copy(ioutil.Discard, os.Stdin)
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i, c := range conns {
+		wg.Add(1)
+		go func(i int, c *conn) {
+			defer wg.Done()
+			if err := echoOnce(c, uint64(n+i)); err != nil {
+				errs <- fmt.Errorf("tunnel %d: %v", i, err)
+				return
+			}
+			if err := c.Close(); err != nil {
+				errs <- fmt.Errorf("closing tunnel %d: %v", i, err)
+			}
+		}(i, c)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		fail("%v", err)
+	}
+	// Exit 0 says it: stdout was read up to the first line only.
+}
+
+// cut opens n echoed tunnels on the shared connection, closes the gRPC
+// connection under them, and checks that every stream fails.
+func cut(ctx context.Context, t *transport, addr string, n int) {
+	if !t.reuse {
+		fail("cut needs -reuse")
+	}
+	conns := openEchoed(ctx, t, addr, n)
+	t.shared.Close()
+	failed := 0
+	for _, c := range conns {
+		var pkt packet
+		if err := c.stream.RecvMsg(&pkt); err != nil {
+			failed++
+		}
+	}
+	if failed != n {
+		fail("%d of %d streams failed when their connection closed", failed, n)
+	}
+	report(map[string]int{"streams": n, "failed": failed})
 }

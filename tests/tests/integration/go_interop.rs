@@ -146,6 +146,122 @@ async fn a_stalled_reader_does_not_hold_up_a_bulk_download(tcp: bool) {
     server.wait_idle().await;
 }
 
+// --- The reusable tunnel: every tunnel a Proxy stream on one connection, as
+// konnectivity-client's CreateGRPCTunnel does (`-reuse`). ---------------------
+
+/// `mode` on one shared gRPC connection.
+fn reused(server: &TestServer, tcp: bool, mode: &str, more: &[String]) -> Vec<String> {
+    let mut args = grpc_go::transport_args(server, tcp);
+    args.push("-reuse".to_owned());
+    args.push(mode.to_owned());
+    args.extend(more.iter().cloned());
+    args
+}
+
+async fn reusable_tunnels_are_byte_exact_both_ways(tcp: bool) {
+    let (server, _agent) = deployment(tcp).await;
+    let source = destination::download(BULK).await;
+    let sink = destination::upload_hash().await;
+    let down = grpc_go::run(reused(
+        &server,
+        tcp,
+        "download",
+        &[
+            format!("-addr={}", source.address()),
+            format!("-bytes={BULK}"),
+            "-seed=7".to_owned(),
+        ],
+    ))
+    .await;
+    down.assert_ok();
+    assert_eq!(down.int("connections"), 1, "{down}");
+    let up = grpc_go::run(reused(
+        &server,
+        tcp,
+        "upload",
+        &[
+            format!("-addr={}", sink.address()),
+            format!("-bytes={BULK}"),
+            "-hash".to_owned(),
+        ],
+    ))
+    .await;
+    up.assert_ok();
+    assert_eq!(up.int("answer"), up.int("fnv"), "{up}");
+    server.wait_idle().await;
+}
+
+async fn two_hundred_reusable_tunnels_eight_at_a_time_on_one_connection(tcp: bool) {
+    let (server, _agent) = deployment(tcp).await;
+    let echo = destination::echo().await;
+    let report = grpc_go::run(reused(
+        &server,
+        tcp,
+        "dials",
+        &[
+            format!("-addr={}", echo.address()),
+            "-count=200".to_owned(),
+            "-concurrency=8".to_owned(),
+            "-exchange=1024".to_owned(),
+        ],
+    ))
+    .await;
+    report.assert_ok();
+    assert_eq!(report.int("errors"), 0, "{report}");
+    assert_eq!(report.int("dials"), 200, "{report}");
+    assert_eq!(report.int("connections"), 1, "{report}");
+    server.wait_idle().await;
+}
+
+/// A stream that reads nothing beside a 16 MiB download on the same
+/// connection: HTTP/2's per-stream windows keep them apart.
+async fn a_stalled_stream_beside_a_bulk_one_on_the_same_connection(tcp: bool) {
+    let (server, _agent) = deployment(tcp).await;
+    let endless = destination::source().await;
+    let source = destination::download(BULK).await;
+    let report = grpc_go::run(reused(
+        &server,
+        tcp,
+        "stall-bulk",
+        &[
+            format!("-stall={}", endless.address()),
+            format!("-addr={}", source.address()),
+            format!("-bytes={BULK}"),
+            "-seed=7".to_owned(),
+        ],
+    ))
+    .await;
+    report.assert_ok();
+    assert_eq!(report.int("bytes"), BULK as u64, "{report}");
+    assert_eq!(report.int("connections"), 1, "{report}");
+    server.wait_idle().await;
+}
+
+/// The frontend's connection closes under 16 live tunnels: every stream
+/// fails on the frontend, and the server and the agent close them all.
+async fn a_connection_closed_under_live_streams_ends_them_all(tcp: bool) {
+    let (server, agent) = deployment(tcp).await;
+    let echo = destination::echo().await;
+    let report = grpc_go::run(reused(
+        &server,
+        tcp,
+        "cut",
+        &[format!("-addr={}", echo.address()), "-count=16".to_owned()],
+    ))
+    .await;
+    report.assert_ok();
+    assert_eq!(report.int("failed"), 16, "{report}");
+    server.wait_idle().await;
+    integration_tests::wait_for("the agent to close the destinations", || {
+        agent.handle.endpoint_connections() == 0
+    })
+    .await;
+    integration_tests::wait_for("the echo server to see them closed", || {
+        echo.open_connections() == 0
+    })
+    .await;
+}
+
 /// Each case over the Unix socket (kube-apiserver's usual way) and over TCP
 /// with mTLS.
 macro_rules! both_transports {
@@ -175,4 +291,36 @@ both_transports!(
     the_agents_dial_error_comes_back_in_dial_rsp,
     two_hundred_single_use_tunnels_eight_at_a_time,
     a_stalled_reader_does_not_hold_up_a_bulk_download,
+    reusable_tunnels_are_byte_exact_both_ways,
+    two_hundred_reusable_tunnels_eight_at_a_time_on_one_connection,
+    a_stalled_stream_beside_a_bulk_one_on_the_same_connection,
+    a_connection_closed_under_live_streams_ends_them_all,
 );
+
+/// kube-apiserver with the reusable tunnel carries every tunnel on one
+/// connection: 1,000 long-lived ones (and a stalled one) at once, far past
+/// the 128 streams a connection was limited to, each echoing when opened
+/// and again at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_long_lived_tunnels_on_one_connection_with_a_stalled_one() {
+    let (server, agent) = deployment(false).await;
+    let echo = destination::echo().await;
+    let endless = destination::source().await;
+    let (many, said) = Running::start(reused(
+        &server,
+        false,
+        "many",
+        &[
+            format!("-addr={}", echo.address()),
+            format!("-stall={}", endless.address()),
+            "-count=1000".to_owned(),
+        ],
+    ))
+    .await;
+    assert_eq!(said["open"], 1000, "{said}");
+    assert_eq!(said["connections"], 1, "{said}");
+    assert_eq!(server.handle.established_connections(), 1001);
+    assert_eq!(agent.handle.endpoint_connections(), 1001);
+    assert!(many.finish().await.success(), "a tunnel failed at the end");
+    server.wait_idle().await;
+}
