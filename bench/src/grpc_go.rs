@@ -25,6 +25,7 @@ use tokio::{
 use crate::{
     backends::{Backends, EXCHANGE_BYTES},
     scenarios::{self, Target, Timing, Window},
+    system::CpuSpan,
 };
 
 /// The built frontend.
@@ -65,11 +66,24 @@ impl GoFrontend {
     /// `mode` against `target` (its Unix socket) with `args`; stdin and
     /// stdout piped, killed when dropped.
     fn spawn(&self, target: &Target, mode: &str, args: &[String]) -> anyhow::Result<Child> {
+        self.spawn_with(target, false, mode, args)
+    }
+
+    /// [`spawn`](Self::spawn), every tunnel on one gRPC connection when
+    /// `reuse` (konnectivity-client's reusable tunnel).
+    fn spawn_with(
+        &self,
+        target: &Target,
+        reuse: bool,
+        mode: &str,
+        args: &[String],
+    ) -> anyhow::Result<Child> {
         let Some(Transport::Uds(uds)) = target.dialer.as_ref().map(|d| &d.transport) else {
             bail!("the grpc-go rows need a target on a Unix socket");
         };
         Command::new(&self.path)
             .arg(format!("-uds={}", uds.display()))
+            .args(reuse.then_some("-reuse"))
             .arg(mode)
             .args(args)
             .stdin(Stdio::piped())
@@ -128,8 +142,9 @@ impl GoFrontend {
         .await
     }
 
-    /// Single-use tunnels at `concurrency` for `duration`, each a new gRPC
-    /// connection exchanging 1 KiB each way with the responder.
+    /// Tunnels at `concurrency` for `duration`, each exchanging 1 KiB each
+    /// way with the responder: single-use (a new gRPC connection each), or
+    /// with `reuse` a Proxy stream each on one connection.
     ///
     /// # Errors
     /// The frontend cannot start, fails, or reports nothing.
@@ -139,10 +154,13 @@ impl GoFrontend {
         backends: &Backends,
         concurrency: usize,
         duration: Duration,
+        reuse: bool,
     ) -> anyhow::Result<GoDials> {
         scenarios::quiesce(backends).await;
-        let child = self.spawn(
+        let cpu = target.pids.map(CpuSpan::start).transpose()?;
+        let child = self.spawn_with(
             target,
+            reuse,
             "dials",
             &[
                 format!("-addr={}", backends.responder.addr),
@@ -166,7 +184,12 @@ impl GoFrontend {
             .and_then(|l| serde_json::from_str(l).ok())
             .with_context(|| format!("the grpc-go frontend printed {text:?}"))?;
         let num = |key: &str| json[key].as_f64().unwrap_or(f64::NAN);
+        let cpu_us = match cpu {
+            Some(cpu) => cpu.per(num("dials"))?,
+            None => None,
+        };
         Ok(GoDials {
+            cpu_us,
             rate: num("dials") / num("seconds"),
             p50_us: num("p50_us"),
             p99_us: num("p99_us"),
@@ -192,4 +215,71 @@ pub struct GoDials {
     pub errors: u64,
     /// The first failure.
     pub first_error: Option<String>,
+    /// CPU per tunnel, (server, agent), µs.
+    pub cpu_us: Option<(f64, f64)>,
+}
+
+/// What holding many tunnels on one gRPC connection cost.
+#[derive(Debug, Clone, Copy)]
+pub struct GoStreams {
+    /// How long opening them took, in seconds.
+    pub open_s: f64,
+    /// RSS per open tunnel, (server, agent), bytes.
+    pub per_stream: (f64, f64),
+}
+
+impl GoFrontend {
+    /// `n` long-lived tunnels on one gRPC connection (the reusable tunnel),
+    /// each echoing 1 KiB when opened: the time to open them and what each
+    /// costs in RSS, settled, on both sides.
+    ///
+    /// # Errors
+    /// The frontend cannot start or fails, or a process is gone.
+    pub async fn streams(
+        &self,
+        target: &Target,
+        backends: &Backends,
+        n: usize,
+    ) -> anyhow::Result<GoStreams> {
+        let pids = target
+            .pids
+            .context("the streams scenario needs a tunneled target")?;
+        scenarios::quiesce(backends).await;
+        let before = scenarios::settled_rss(pids).await?;
+        let started = std::time::Instant::now();
+        let mut child = self.spawn_with(
+            target,
+            true,
+            "many",
+            &[
+                format!("-addr={}", backends.echo.addr),
+                format!("-count={n}"),
+            ],
+        )?;
+        let stdout = child.stdout.take().context("the frontend's stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let first = tokio::time::timeout(Duration::from_secs(300), lines.next_line())
+            .await
+            .context("the grpc-go frontend did not open its tunnels within 300 s")??
+            .context("the grpc-go frontend exited before opening its tunnels")?;
+        let open_s = started.elapsed().as_secs_f64();
+        let json: serde_json::Value = serde_json::from_str(&first)
+            .with_context(|| format!("the grpc-go frontend printed {first:?}"))?;
+        if json["open"].as_u64() != Some(n as u64) || json["connections"].as_u64() != Some(1) {
+            bail!("the grpc-go frontend printed {first:?}");
+        }
+        let during = scenarios::settled_rss(pids).await?;
+        drop(child.stdin.take());
+        let status = tokio::time::timeout(Duration::from_secs(300), child.wait())
+            .await
+            .context("the grpc-go frontend did not close its tunnels within 300 s")??;
+        if !status.success() {
+            bail!("the grpc-go frontend's tunnels failed at the end ({status})");
+        }
+        let per = |during: u64, before: u64| (during as f64 - before as f64) / n as f64;
+        Ok(GoStreams {
+            open_s,
+            per_stream: (per(during.0, before.0), per(during.1, before.1)),
+        })
+    }
 }

@@ -70,6 +70,9 @@ pub enum Scenario {
     /// Rounds of --conns tunnels open at once, each echoing 1 KiB: RSS
     /// after round 2 and after the last.
     Churn,
+    /// --conns long-lived tunnels on one grpc-go connection (the reusable
+    /// tunnel): time to open them, RSS per tunnel on both sides.
+    Streams,
     /// --agents agents against one server: connected after a cold start and
     /// after a server restart, RSS and CPU per agent, health latency, dial
     /// rate with 1 and N agents, ANP-style agents.
@@ -119,7 +122,7 @@ pub struct Opt {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "bulk,parallel,hol,pingpong,dial,memory,churn,cpu,agents"
+        default_value = "bulk,parallel,hol,pingpong,dial,memory,churn,streams,cpu,agents"
     )]
     pub scenarios: Vec<Scenario>,
     /// Where to write the JSON results.
@@ -280,7 +283,11 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
         },
     ];
 
-    let go = if opt.has(Scenario::Bulk) || opt.has(Scenario::Cpu) || opt.has(Scenario::Dial) {
+    let go = if opt.has(Scenario::Bulk)
+        || opt.has(Scenario::Cpu)
+        || opt.has(Scenario::Dial)
+        || opt.has(Scenario::Streams)
+    {
         let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
         println!("grpc-go frontend: {}", go.path.display());
         Some(go)
@@ -305,6 +312,15 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
              tunnels open at once, each echoing 1 KiB, RSS settled after each",
             opt.churn_rounds.max(2),
             opt.conns
+        ));
+    }
+    if let (true, Some(go)) = (opt.has(Scenario::Streams), go.as_ref()) {
+        streams_scenario(&opt, go, &targets, &backends, &mut rec).await?;
+        notes.push(format!(
+            "streams runs once, after churn: {} tunnels held open on one grpc-go connection \
+             (-reuse many), 64 opened at a time, each echoing 1 KiB; RSS per tunnel = (settled \
+             RSS with them open - settled RSS before) / {}",
+            opt.conns, opt.conns
         ));
     }
     for rep in 0..opt.reps {
@@ -522,14 +538,14 @@ async fn run_rep(
             .as_ref()
             .is_some_and(|d| d.mode == client::dial::Mode::Grpc);
         let mut runs = vec![
-            (&report::BULK_DOWN, &report::CPU_DOWN, false, None),
-            (&report::BULK_UP, &report::CPU_UP, true, None),
+            (&report::BULK_DOWN, CPU_DOWN_ROWS, false, None),
+            (&report::BULK_UP, CPU_UP_ROWS, true, None),
         ];
         if let (true, Some(go)) = (grpc, go) {
-            runs.push((&report::BULK_DOWN_GO, &report::CPU_DOWN_GO, false, Some(go)));
-            runs.push((&report::BULK_UP_GO, &report::CPU_UP_GO, true, Some(go)));
+            runs.push((&report::BULK_DOWN_GO, CPU_DOWN_GO_ROWS, false, Some(go)));
+            runs.push((&report::BULK_UP_GO, CPU_UP_GO_ROWS, true, Some(go)));
         }
-        for (rate, cpu, up, go) in runs {
+        for (rate, [cpu, server, agent], up, go) in runs {
             let window = match (go, up) {
                 (Some(go), up) => go.bulk(target, backends, timing, up).await,
                 (None, true) => scenarios::upload(target, backends, timing).await,
@@ -568,6 +584,10 @@ async fn run_rep(
                     }
                     if opt.has(Scenario::Cpu) && tunneled {
                         rec.push(cpu, route, rep, w.cpu_s_per_gib());
+                        let server_cpu = w.server_cpu_s_per_gib();
+                        rec.push(server, route, rep, server_cpu);
+                        let agent_cpu = w.cpu_s_per_gib().zip(server_cpu).map(|(c, s)| c - s);
+                        rec.push(agent, route, rep, agent_cpu);
                     }
                 }
                 Err(e) => {
@@ -662,6 +682,9 @@ async fn run_rep(
                     rec.push(defs[0], route, rep, Some(d.rate));
                     rec.push(defs[1], route, rep, some.then_some(p50));
                     rec.push(defs[2], route, rep, some.then_some(p99));
+                    if concurrency == 8 {
+                        push_cpu(rec, DIAL8_CPU_ROWS, route, rep, d.cpu_us);
+                    }
                     errors += d.errors;
                 }
                 Err(e) => {
@@ -688,7 +711,7 @@ async fn run_rep(
                 ],
             ]) {
                 match go
-                    .dials(target, backends, concurrency, timing.duration)
+                    .dials(target, backends, concurrency, timing.duration, false)
                     .await
                 {
                     Ok(d) => {
@@ -707,6 +730,9 @@ async fn run_rep(
                         rec.push(defs[0], route, rep, Some(d.rate));
                         rec.push(defs[1], route, rep, Some(d.p50_us));
                         rec.push(defs[2], route, rep, Some(d.p99_us));
+                        if concurrency == 8 {
+                            push_cpu(rec, DIAL8_CPU_GO_ROWS, route, rep, d.cpu_us);
+                        }
                         errors += d.errors;
                     }
                     Err(e) => {
@@ -715,12 +741,15 @@ async fn run_rep(
                     }
                 }
             }
+            errors += reused_dials(go, target, backends, timing, &ctx, rep, rec).await;
         }
         if route == Route::Direct {
             // The grpc-go rows' ratios are to the same direct run.
             for (ours, go) in [
                 (&report::DIAL1_RATE, &report::DIAL1_RATE_GO),
                 (&report::DIAL8_RATE, &report::DIAL8_RATE_GO),
+                (&report::DIAL1_RATE, &report::DIAL1_RATE_REUSE),
+                (&report::DIAL8_RATE, &report::DIAL8_RATE_REUSE),
             ] {
                 let direct = rec.get(ours, route, rep);
                 rec.push(go, route, rep, direct);
@@ -728,4 +757,145 @@ async fn run_rep(
         }
         rec.push(&report::DIAL_ERRORS, route, rep, Some(errors as f64));
     }
+}
+
+/// CPU rows of a bulk run: server+agent, server, agent.
+type CpuRows = [&'static report::Def; 3];
+/// Bulk down, our client.
+const CPU_DOWN_ROWS: CpuRows = [
+    &report::CPU_DOWN,
+    &report::CPU_DOWN_SERVER,
+    &report::CPU_DOWN_AGENT,
+];
+/// Bulk up, our client.
+const CPU_UP_ROWS: CpuRows = [
+    &report::CPU_UP,
+    &report::CPU_UP_SERVER,
+    &report::CPU_UP_AGENT,
+];
+/// Bulk down, grpc-go.
+const CPU_DOWN_GO_ROWS: CpuRows = [
+    &report::CPU_DOWN_GO,
+    &report::CPU_DOWN_SERVER_GO,
+    &report::CPU_DOWN_AGENT_GO,
+];
+/// Bulk up, grpc-go.
+const CPU_UP_GO_ROWS: CpuRows = [
+    &report::CPU_UP_GO,
+    &report::CPU_UP_SERVER_GO,
+    &report::CPU_UP_AGENT_GO,
+];
+/// CPU per tunnel rows, (server, agent).
+type TunnelCpuRows = [&'static report::Def; 2];
+/// Single-use tunnels at 8 clients, our client.
+const DIAL8_CPU_ROWS: TunnelCpuRows = [&report::DIAL8_SERVER_US, &report::DIAL8_AGENT_US];
+/// Single-use tunnels at 8 clients, grpc-go.
+const DIAL8_CPU_GO_ROWS: TunnelCpuRows = [&report::DIAL8_SERVER_US_GO, &report::DIAL8_AGENT_US_GO];
+/// Dials on one reused connection at 8 clients, grpc-go.
+const DIAL8_CPU_REUSE_ROWS: TunnelCpuRows = [
+    &report::DIAL8_SERVER_US_REUSE,
+    &report::DIAL8_AGENT_US_REUSE,
+];
+
+/// Records CPU per tunnel, (server, agent) in µs.
+fn push_cpu(
+    rec: &mut Recorder,
+    rows: TunnelCpuRows,
+    route: Route,
+    rep: usize,
+    cpu_us: Option<(f64, f64)>,
+) {
+    if let Some((server, agent)) = cpu_us {
+        rec.push(rows[0], route, rep, Some(server));
+        rec.push(rows[1], route, rep, Some(agent));
+    }
+}
+
+/// Dials on grpc-go's reusable tunnel (one connection, a Proxy stream
+/// each), one and eight at a time; the errors.
+async fn reused_dials(
+    go: &grpc_go::GoFrontend,
+    target: &Target,
+    backends: &Backends,
+    timing: Timing,
+    ctx: &str,
+    rep: usize,
+    rec: &mut Recorder,
+) -> u64 {
+    let route = target.route;
+    let mut errors = 0;
+    for concurrency in DIAL_CONCURRENCY {
+        match go
+            .dials(target, backends, concurrency, timing.duration, true)
+            .await
+        {
+            Ok(d) => {
+                eprintln!(
+                    "{ctx} dial c={concurrency} {} (grpc-go, reused conn): {:.0} dials/s, p50 {:.0} us, \
+                     p99 {:.0} us, {} errors{}",
+                    route.name(),
+                    d.rate,
+                    d.p50_us,
+                    d.p99_us,
+                    d.errors,
+                    d.cpu_us
+                        .map(|(s, a)| format!(", CPU per dial server {s:.0} us, agent {a:.0} us"))
+                        .unwrap_or_default()
+                );
+                if concurrency == 1 {
+                    rec.push(&report::DIAL1_RATE_REUSE, route, rep, Some(d.rate));
+                } else {
+                    rec.push(&report::DIAL8_RATE_REUSE, route, rep, Some(d.rate));
+                    rec.push(&report::DIAL8_P50_REUSE, route, rep, Some(d.p50_us));
+                    rec.push(&report::DIAL8_P99_REUSE, route, rep, Some(d.p99_us));
+                    push_cpu(rec, DIAL8_CPU_REUSE_ROWS, route, rep, d.cpu_us);
+                }
+                errors += d.errors;
+            }
+            Err(e) => {
+                eprintln!(
+                    "{ctx} dial (grpc-go, reused conn) {}: FAILED: {e:#}",
+                    route.name()
+                );
+            }
+        }
+    }
+    errors
+}
+
+/// N long-lived tunnels on one grpc-go connection (the reusable tunnel):
+/// the time to open them and RSS per tunnel on both sides.
+async fn streams_scenario(
+    opt: &Opt,
+    go: &grpc_go::GoFrontend,
+    targets: &[Target],
+    backends: &Backends,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    let Some(target) = targets.iter().find(|t| t.route == Route::Grpc) else {
+        return Ok(());
+    };
+    eprintln!(
+        "streams: {} tunnels on one grpc-go connection ...",
+        opt.conns
+    );
+    let s = go
+        .streams(target, backends, opt.conns)
+        .await
+        .context("streams scenario")?;
+    eprintln!(
+        "streams: opened in {:.1} s; {:.1} KiB server, {:.1} KiB agent per tunnel",
+        s.open_s,
+        s.per_stream.0 / 1024.0,
+        s.per_stream.1 / 1024.0
+    );
+    for (def, value) in [
+        (&report::STREAMS_OPEN, opt.conns as f64),
+        (&report::STREAMS_OPEN_TIME, s.open_s),
+        (&report::STREAMS_SERVER_KIB, s.per_stream.0 / 1024.0),
+        (&report::STREAMS_AGENT_KIB, s.per_stream.1 / 1024.0),
+    ] {
+        rec.push(def, Route::Grpc, 0, Some(value));
+    }
+    Ok(())
 }

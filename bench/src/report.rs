@@ -77,6 +77,22 @@ pub const BULK_UP_GO: Def = def("bulk", "1 stream up, grpc-go", "MB/s", true);
 pub const CPU_DOWN_GO: Def = def("cpu", "server+agent, down, grpc-go", "s/GiB", false);
 /// CPU per GiB during bulk up with the grpc-go client.
 pub const CPU_UP_GO: Def = def("cpu", "server+agent, up, grpc-go", "s/GiB", false);
+/// The server's share of [`CPU_DOWN`].
+pub const CPU_DOWN_SERVER: Def = def("cpu", "server, bulk down", "s/GiB", false);
+/// The agent's share of [`CPU_DOWN`].
+pub const CPU_DOWN_AGENT: Def = def("cpu", "agent, bulk down", "s/GiB", false);
+/// The server's share of [`CPU_UP`].
+pub const CPU_UP_SERVER: Def = def("cpu", "server, bulk up", "s/GiB", false);
+/// The agent's share of [`CPU_UP`].
+pub const CPU_UP_AGENT: Def = def("cpu", "agent, bulk up", "s/GiB", false);
+/// The server's share of [`CPU_DOWN_GO`].
+pub const CPU_DOWN_SERVER_GO: Def = def("cpu", "server, down, grpc-go", "s/GiB", false);
+/// The agent's share of [`CPU_DOWN_GO`].
+pub const CPU_DOWN_AGENT_GO: Def = def("cpu", "agent, down, grpc-go", "s/GiB", false);
+/// The server's share of [`CPU_UP_GO`].
+pub const CPU_UP_SERVER_GO: Def = def("cpu", "server, up, grpc-go", "s/GiB", false);
+/// The agent's share of [`CPU_UP_GO`].
+pub const CPU_UP_AGENT_GO: Def = def("cpu", "agent, up, grpc-go", "s/GiB", false);
 /// Aggregate of the parallel streams.
 pub const PARALLEL_RATE: Def = def("parallel", "16 streams down, total", "MB/s", true);
 /// Jain's index over the parallel streams.
@@ -121,8 +137,43 @@ pub const DIAL8_RATE_GO: Def = def("dial", "c=8 rate, grpc-go", "dials/s", true)
 pub const DIAL8_P50_GO: Def = def("dial", "c=8 p50, grpc-go", "us", false);
 /// Dial + exchange latency p99, eight at a time, grpc-go client.
 pub const DIAL8_P99_GO: Def = def("dial", "c=8 p99, grpc-go", "us", false);
+/// Server CPU per single-use tunnel, eight at a time, our client.
+pub const DIAL8_SERVER_US: Def = def("dial", "c=8 server CPU per tunnel", "us", false);
+/// Agent CPU per single-use tunnel, eight at a time, our client.
+pub const DIAL8_AGENT_US: Def = def("dial", "c=8 agent CPU per tunnel", "us", false);
+/// Server CPU per single-use tunnel, eight at a time, grpc-go client.
+pub const DIAL8_SERVER_US_GO: Def = def("dial", "c=8 server CPU per tunnel, grpc-go", "us", false);
+/// Agent CPU per single-use tunnel, eight at a time, grpc-go client.
+pub const DIAL8_AGENT_US_GO: Def = def("dial", "c=8 agent CPU per tunnel, grpc-go", "us", false);
+/// Dial rate, one at a time, grpc-go's reusable tunnel (one connection).
+pub const DIAL1_RATE_REUSE: Def = def("dial", "c=1 rate, grpc-go reused conn", "dials/s", true);
+/// Dial rate, eight at a time, grpc-go's reusable tunnel.
+pub const DIAL8_RATE_REUSE: Def = def("dial", "c=8 rate, grpc-go reused conn", "dials/s", true);
+/// Dial + exchange latency median, eight at a time, reusable tunnel.
+pub const DIAL8_P50_REUSE: Def = def("dial", "c=8 p50, grpc-go reused conn", "us", false);
+/// Dial + exchange latency p99, eight at a time, reusable tunnel.
+pub const DIAL8_P99_REUSE: Def = def("dial", "c=8 p99, grpc-go reused conn", "us", false);
+/// Server CPU per dial on the reusable tunnel, eight at a time.
+pub const DIAL8_SERVER_US_REUSE: Def =
+    def("dial", "c=8 server CPU per dial, reused conn", "us", false);
+/// Agent CPU per dial on the reusable tunnel, eight at a time.
+pub const DIAL8_AGENT_US_REUSE: Def =
+    def("dial", "c=8 agent CPU per dial, reused conn", "us", false);
 /// Failed dials or exchanges (both concurrencies).
 pub const DIAL_ERRORS: Def = def("dial", "errors", "count", false);
+/// Tunnels held open on one grpc-go connection (streams scenario).
+pub const STREAMS_OPEN: Def = def(
+    "streams",
+    "tunnels open on one grpc-go conn",
+    "count",
+    false,
+);
+/// Time to open them (each echoing 1 KiB), 64 at a time.
+pub const STREAMS_OPEN_TIME: Def = def("streams", "time to open them", "s", false);
+/// Server RSS per open stream of that connection.
+pub const STREAMS_SERVER_KIB: Def = def("streams", "server RSS per open stream", "KiB", false);
+/// Agent RSS per open tunnel of that connection.
+pub const STREAMS_AGENT_KIB: Def = def("streams", "agent RSS per open tunnel", "KiB", false);
 /// Server RSS after its agent connected, before any traffic.
 pub const MEM_IDLE_SERVER: Def = def("memory", "server idle RSS", "MiB", false);
 /// Agent RSS after it connected, before any traffic.
@@ -198,11 +249,19 @@ const ALL: &[&Def] = &[
     &BULK_DOWN,
     &BULK_UP,
     &CPU_DOWN,
+    &CPU_DOWN_SERVER,
+    &CPU_DOWN_AGENT,
     &CPU_UP,
+    &CPU_UP_SERVER,
+    &CPU_UP_AGENT,
     &BULK_DOWN_GO,
     &BULK_UP_GO,
     &CPU_DOWN_GO,
+    &CPU_DOWN_SERVER_GO,
+    &CPU_DOWN_AGENT_GO,
     &CPU_UP_GO,
+    &CPU_UP_SERVER_GO,
+    &CPU_UP_AGENT_GO,
     &PARALLEL_RATE,
     &PARALLEL_FAIRNESS,
     &HOL_SOLO,
@@ -225,7 +284,21 @@ const ALL: &[&Def] = &[
     &DIAL8_RATE_GO,
     &DIAL8_P50_GO,
     &DIAL8_P99_GO,
+    &DIAL8_SERVER_US,
+    &DIAL8_AGENT_US,
+    &DIAL8_SERVER_US_GO,
+    &DIAL8_AGENT_US_GO,
+    &DIAL1_RATE_REUSE,
+    &DIAL8_RATE_REUSE,
+    &DIAL8_P50_REUSE,
+    &DIAL8_P99_REUSE,
+    &DIAL8_SERVER_US_REUSE,
+    &DIAL8_AGENT_US_REUSE,
     &DIAL_ERRORS,
+    &STREAMS_OPEN,
+    &STREAMS_OPEN_TIME,
+    &STREAMS_SERVER_KIB,
+    &STREAMS_AGENT_KIB,
     &MEM_IDLE_SERVER,
     &MEM_IDLE_AGENT,
     &MEM_CONN_SERVER,

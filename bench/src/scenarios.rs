@@ -26,7 +26,7 @@ use crate::{
     probe,
     report::Route,
     stats,
-    system::Pids,
+    system::{CpuSpan, Pids},
 };
 
 /// Longest wait for one connection to be established.
@@ -353,6 +353,8 @@ pub struct DialRate {
     pub errors: u64,
     /// The first failure.
     pub first_error: Option<String>,
+    /// CPU per completed tunnel, (server, agent), µs (tunneled only).
+    pub cpu_us: Option<(f64, f64)>,
 }
 
 /// One single-use connection: dial, send 1 KiB, read 1 KiB back, close.
@@ -380,6 +382,7 @@ pub async fn dial_rate(
     duration: Duration,
 ) -> anyhow::Result<DialRate> {
     quiesce(backends).await;
+    let cpu = target.pids.map(CpuSpan::start).transpose()?;
     let start = Instant::now();
     let deadline = start + duration;
     let mut workers = JoinSet::new();
@@ -410,6 +413,7 @@ pub async fn dial_rate(
         latency: stats::latency_histogram(),
         errors: 0,
         first_error: None,
+        cpu_us: None,
     };
     while let Some(worker) = workers.join_next().await {
         let (latency, errors, first_error) = worker.context("a dial worker failed")?;
@@ -421,6 +425,9 @@ pub async fn dial_rate(
         total.first_error = total.first_error.or(first_error);
     }
     total.rate = total.latency.len() as f64 / start.elapsed().as_secs_f64();
+    if let Some(cpu) = cpu {
+        total.cpu_us = cpu.per(total.latency.len() as f64)?;
+    }
     Ok(total)
 }
 

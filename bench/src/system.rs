@@ -256,6 +256,56 @@ impl Pids {
     pub fn cpu_ticks(&self) -> anyhow::Result<u64> {
         Ok(probe::cpu_ticks(self.server)? + probe::cpu_ticks(self.agent)?)
     }
+
+    /// CPU clock ticks of (server, agent).
+    ///
+    /// # Errors
+    /// A process is gone.
+    pub fn each_cpu_ticks(&self) -> anyhow::Result<(u64, u64)> {
+        Ok((
+            probe::cpu_ticks(self.server)?,
+            probe::cpu_ticks(self.agent)?,
+        ))
+    }
+}
+
+/// The CPU server and agent spend between [`CpuSpan::start`] and
+/// [`CpuSpan::per`].
+#[derive(Debug, Clone, Copy)]
+pub struct CpuSpan {
+    /// The processes.
+    pids: Pids,
+    /// Their ticks at the start.
+    start: (u64, u64),
+}
+
+impl CpuSpan {
+    /// Starts counting the CPU of `pids`.
+    ///
+    /// # Errors
+    /// A process is gone.
+    pub fn start(pids: Pids) -> anyhow::Result<Self> {
+        Ok(Self {
+            pids,
+            start: pids.each_cpu_ticks()?,
+        })
+    }
+
+    /// CPU per event since the start, in microseconds, for (server, agent);
+    /// `None` without events.
+    ///
+    /// # Errors
+    /// A process is gone.
+    pub fn per(&self, events: f64) -> anyhow::Result<Option<(f64, f64)>> {
+        let now = self.pids.each_cpu_ticks()?;
+        let us = |ticks: u64| ticks as f64 / probe::CLOCK_TICKS_PER_SEC * 1e6 / events;
+        Ok((events > 0.0).then(|| {
+            (
+                us(now.0.saturating_sub(self.start.0)),
+                us(now.1.saturating_sub(self.start.1)),
+            )
+        }))
+    }
 }
 
 /// proxy-server's flags in `mode` (`grpc`, `http-connect`) with the
