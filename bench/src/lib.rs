@@ -209,7 +209,11 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
     }
     let machine = Machine::read();
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    let mut bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone())?;
+    let mut bins = Binaries::locate(
+        opt.server_bin.clone(),
+        opt.agent_bin.clone(),
+        opt.has(Scenario::Agents),
+    )?;
     if opt.worker_threads > 0 {
         bins.extra
             .push(format!("--worker-threads={}", opt.worker_threads));
@@ -345,12 +349,6 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
         }
     }
     if opt.has(Scenario::Agents) {
-        if !bins.swarm.is_file() {
-            anyhow::bail!(
-                "{} not found; run `cargo build --release --workspace --bins`",
-                bins.swarm.display()
-            );
-        }
         agents::run(
             &bins,
             dir.path(),

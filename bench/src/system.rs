@@ -32,11 +32,16 @@ pub struct Binaries {
 
 impl Binaries {
     /// The given paths, else `proxy-server` and `proxy-agent` next to this
-    /// executable.
+    /// executable; `agent-swarm` beside it too when `swarm` is asked for,
+    /// checked now rather than when the agents scenario comes, last.
     ///
     /// # Errors
     /// A binary does not exist; the message says how to build it.
-    pub fn locate(server: Option<PathBuf>, agent: Option<PathBuf>) -> anyhow::Result<Self> {
+    pub fn locate(
+        server: Option<PathBuf>,
+        agent: Option<PathBuf>,
+        swarm: bool,
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("finding the bench executable")?;
         let dir = exe
             .parent()
@@ -46,7 +51,7 @@ impl Binaries {
             if !path.is_file() {
                 bail!(
                     "{} not found; run `cargo build --release --workspace --bins` \
-                     (or pass --server-bin/--agent-bin)",
+                     (or pass --server-bin/--agent-bin; agent-swarm must be next to bench)",
                     path.display()
                 );
             }
@@ -55,7 +60,11 @@ impl Binaries {
         Ok(Self {
             server: found(server, "proxy-server")?,
             agent: found(agent, "proxy-agent")?,
-            swarm: dir.join("agent-swarm"),
+            swarm: if swarm {
+                found(None, "agent-swarm")?
+            } else {
+                dir.join("agent-swarm")
+            },
             extra: Vec::new(),
         })
     }
