@@ -2,7 +2,8 @@
 //!
 //! The frontend PKI secures kube-apiserver → proxy-server (the mTLS frontend),
 //! the agent PKI secures proxy-agent → proxy-server (the agent port). Keys are
-//! ECDSA P-256; certificates use rcgen's default validity (1975 to 4096).
+//! ECDSA P-256, or RSA-2048 as kubeadm makes them ([`KeyAlgorithm`]);
+//! certificates use rcgen's default validity (1975 to 4096).
 //!
 //! # Layout
 //!
@@ -52,12 +53,47 @@ impl std::fmt::Debug for CertKey {
     }
 }
 
+/// The keys a PKI is made of.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyAlgorithm {
+    /// ECDSA on P-256, signed with SHA-256: small and cheap to sign with.
+    #[default]
+    EcdsaP256,
+    /// RSA-2048 (PKCS#1 v1.5 with SHA-256), kubeadm's default: every full
+    /// TLS handshake costs the server a signature of about a millisecond.
+    Rsa2048,
+}
+
+impl KeyAlgorithm {
+    /// A fresh key. ring, rcgen's signer here, cannot make RSA keys: the
+    /// `rsa` crate makes them, ring signs with them.
+    fn generate(self) -> Result<KeyPair, rcgen::Error> {
+        match self {
+            Self::EcdsaP256 => KeyPair::generate(),
+            Self::Rsa2048 => {
+                use rsa::pkcs8::EncodePrivateKey as _;
+                let key = rsa::RsaPrivateKey::new(&mut rsa::rand_core::OsRng, 2048)
+                    .map_err(|_| rcgen::Error::KeyGenerationUnavailable)?;
+                let der = key
+                    .to_pkcs8_der()
+                    .map_err(|_| rcgen::Error::KeyGenerationUnavailable)?;
+                KeyPair::from_pkcs8_der_and_sign_algo(
+                    &rustls_pki_types::PrivatePkcs8KeyDer::from(der.as_bytes()),
+                    &rcgen::PKCS_RSA_SHA256,
+                )
+            }
+        }
+    }
+}
+
 /// A certificate authority that can sign leaf certificates.
 pub struct Ca {
     /// The self-signed CA certificate, PEM.
     cert_pem: String,
     /// The CA's subject and signing key, used to sign leaves.
     issuer: Issuer<'static, KeyPair>,
+    /// The keys of its leaves.
+    algorithm: KeyAlgorithm,
 }
 
 impl std::fmt::Debug for Ca {
@@ -75,6 +111,16 @@ impl Ca {
     ///
     /// Fails if key generation or signing fails.
     pub fn new(common_name: &str) -> Result<Self, rcgen::Error> {
+        Self::with_keys(common_name, KeyAlgorithm::default())
+    }
+
+    /// [`new`](Self::new) with keys of `algorithm`, its own and its
+    /// leaves'.
+    ///
+    /// # Errors
+    ///
+    /// Fails if key generation or signing fails.
+    pub fn with_keys(common_name: &str, algorithm: KeyAlgorithm) -> Result<Self, rcgen::Error> {
         let mut params = CertificateParams::default();
         params.distinguished_name = subject(common_name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -83,11 +129,12 @@ impl Ca {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        let key = KeyPair::generate()?;
+        let key = algorithm.generate()?;
         let cert = params.self_signed(&key)?;
         Ok(Self {
             cert_pem: cert.pem(),
             issuer: Issuer::new(params, key),
+            algorithm,
         })
     }
 
@@ -133,7 +180,7 @@ impl Ca {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![usage];
         params.use_authority_key_identifier_extension = true;
-        let key = KeyPair::generate()?;
+        let key = self.algorithm.generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok(CertKey {
             cert_pem: cert.pem(),
@@ -177,9 +224,18 @@ impl ClusterPki {
     /// Fails if a SAN is not a valid DNS name (not IA5), or if key generation
     /// or signing fails.
     pub fn generate(sans: &[String]) -> Result<Self, rcgen::Error> {
+        Self::generate_with(sans, KeyAlgorithm::default())
+    }
+
+    /// [`generate`](Self::generate) with keys of `algorithm`.
+    ///
+    /// # Errors
+    ///
+    /// As [`generate`](Self::generate).
+    pub fn generate_with(sans: &[String], algorithm: KeyAlgorithm) -> Result<Self, rcgen::Error> {
         let all_sans = server_sans(sans);
-        let frontend_ca = Ca::new("konnectivity-frontend-ca")?;
-        let agent_ca = Ca::new("konnectivity-agent-ca")?;
+        let frontend_ca = Ca::with_keys("konnectivity-frontend-ca", algorithm)?;
+        let agent_ca = Ca::with_keys("konnectivity-agent-ca", algorithm)?;
         Ok(Self {
             frontend_server: frontend_ca.server_cert("konnectivity-server", &all_sans)?,
             frontend_client: frontend_ca.client_cert("kube-apiserver")?,

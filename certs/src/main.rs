@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 
-use certs::ClusterPki;
+use certs::{ClusterPki, KeyAlgorithm};
 
 /// Makes the CAs, server and client certificates for proxy-server, proxy-agent
 /// and kube-apiserver's egress selector.
@@ -21,6 +21,22 @@ struct Args {
     /// always included.
     #[arg(long = "san", value_name = "NAME")]
     sans: Vec<String>,
+    /// Keys of every CA and certificate: ecdsa-p256, or rsa-2048 as kubeadm
+    /// makes them (each full TLS handshake then costs the server an RSA
+    /// signature).
+    #[arg(long, value_enum, default_value_t = Algorithm::EcdsaP256)]
+    key_algorithm: Algorithm,
+}
+
+/// `--key-algorithm`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Algorithm {
+    /// ECDSA on P-256.
+    #[value(name = "ecdsa-p256")]
+    EcdsaP256,
+    /// RSA-2048.
+    #[value(name = "rsa-2048")]
+    Rsa2048,
 }
 
 fn main() -> ExitCode {
@@ -34,7 +50,11 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
-    let pki = ClusterPki::generate(&args.sans)
+    let algorithm = match args.key_algorithm {
+        Algorithm::EcdsaP256 => KeyAlgorithm::EcdsaP256,
+        Algorithm::Rsa2048 => KeyAlgorithm::Rsa2048,
+    };
+    let pki = ClusterPki::generate_with(&args.sans, algorithm)
         .with_context(|| format!("generating certificates for --san {:?}", args.sans))?;
     let written = pki
         .write_to(&args.out_dir)

@@ -5,8 +5,10 @@
 //! # Layout
 //! - [`files`]: configurations that follow their files (reload without a
 //!   restart, certificate expiry metrics).
+//! - [`tickets`]: session tickets every replica and restart can open.
 
 pub mod files;
+pub mod tickets;
 
 use std::{
     path::{Path, PathBuf},
@@ -80,6 +82,25 @@ pub enum TlsError {
         /// Why.
         source: rustls::server::VerifierBuilderError,
     },
+    /// The session-ticket secret could not be read.
+    #[error("cannot read the session-ticket secret {path}")]
+    Secret {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The session-ticket secret is too short to derive keys from.
+    #[error(
+        "the session-ticket secret {path} holds {len} bytes; at least {} are needed",
+        tickets::MIN_SECRET_LEN
+    )]
+    ShortSecret {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        len: usize,
+    },
 }
 
 impl TlsError {
@@ -91,7 +112,9 @@ impl TlsError {
             | Self::Key { path, .. }
             | Self::Ca { path, .. }
             | Self::Config { path, .. }
-            | Self::Verifier { path, .. } => path,
+            | Self::Verifier { path, .. }
+            | Self::Secret { path, .. }
+            | Self::ShortSecret { path, .. } => path,
             Self::KeyMismatch { key, .. } => key,
         }
     }
@@ -396,6 +419,38 @@ fn pair_error(cert: &Path, key: &Path, source: rustls::Error) -> TlsError {
     }
 }
 
+/// `config` issuing and resuming TLS session tickets sealed with keys
+/// derived from the file `secret` and bound to the bytes of `client_ca`
+/// (see [`tickets`]), a key every `rotation`.
+///
+/// # Errors
+/// A file cannot be read, or the secret is shorter than
+/// [`tickets::MIN_SECRET_LEN`].
+pub fn with_tickets(
+    config: Arc<ServerConfig>,
+    secret: &Path,
+    client_ca: Option<&Path>,
+    rotation: std::time::Duration,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let read = |path: &Path| {
+        std::fs::read(path).map_err(|source| TlsError::Secret {
+            path: path.to_owned(),
+            source,
+        })
+    };
+    let key = read(secret)?;
+    if key.len() < tickets::MIN_SECRET_LEN {
+        return Err(TlsError::ShortSecret {
+            path: secret.to_owned(),
+            len: key.len(),
+        });
+    }
+    let binding = client_ca.map(read).transpose()?.unwrap_or_default();
+    let mut config = Arc::unwrap_or_clone(config);
+    config.ticketer = Arc::new(tickets::TicketKeys::new(&key, &binding, rotation));
+    Ok(Arc::new(config))
+}
+
 /// A client configuration trusting only `ca`, presenting `client_cert`
 /// (cert, key) if given, and offering `alpn` followed by `h2`.
 ///
@@ -592,6 +647,136 @@ mod tests {
         assert!(handshake(&only_256, S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384, true).await);
         // TLS 1.3 suites are not restricted (Go).
         assert!(handshake(&only_256, S::TLS13_CHACHA20_POLY1305_SHA256, false).await);
+    }
+
+    /// One connection of `client` to `server`: a byte from the server
+    /// (the session tickets come before it), then a close. How the
+    /// server's handshake went, or why either side failed.
+    async fn exchange(
+        server: Arc<ServerConfig>,
+        client: Arc<ClientConfig>,
+    ) -> Result<rustls::HandshakeKind, String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let accept = async move {
+            let mut tls = tokio_rustls::TlsAcceptor::from(server)
+                .accept(a)
+                .await
+                .map_err(|e| format!("server: {e}"))?;
+            tls.write_all(b"x").await.map_err(|e| e.to_string())?;
+            tls.flush().await.map_err(|e| e.to_string())?;
+            let mut end = [0u8; 1];
+            let _ = tls.read(&mut end).await;
+            Ok::<_, String>(tls.get_ref().1.handshake_kind())
+        };
+        let connect = async move {
+            let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+            let mut tls = tokio_rustls::TlsConnector::from(client)
+                .connect(name, b)
+                .await
+                .map_err(|e| format!("client: {e}"))?;
+            let mut byte = [0u8; 1];
+            tls.read_exact(&mut byte)
+                .await
+                .map_err(|e| format!("client: {e}"))?;
+            let _ = tls.shutdown().await;
+            Ok::<_, String>(())
+        };
+        let (accepted, connected) = tokio::join!(accept, connect);
+        let kind = accepted?;
+        connected?;
+        kind.ok_or_else(|| "no handshake kind".to_owned())
+    }
+
+    /// An agent's session resumes on a new configuration from the same
+    /// files (a restart, another replica), without a signature; never past
+    /// its ticket's window, nor after the client CA changed under it.
+    #[tokio::test]
+    async fn tickets_resume_across_a_restart_within_their_window_and_ca() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+
+        use rustls::HandshakeKind::{Full, Resumed};
+        let dir = tempfile_dir();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&dir)
+            .unwrap();
+        let (cert, key) = (dir.join("cluster.crt"), dir.join("cluster.key"));
+        let client_ca = dir.join("client-ca.crt");
+        std::fs::copy(dir.join("agent-ca.crt"), &client_ca).unwrap();
+        let hour = std::time::Duration::from_secs(3600);
+        let server = || {
+            let config = server_config(&cert, &key, Some(&client_ca)).unwrap();
+            with_tickets(config, &key, Some(&client_ca), hour).unwrap()
+        };
+        let agent = || {
+            client_config(
+                &dir.join("agent-ca.crt"),
+                Some((&dir.join("proxy-agent.crt"), &dir.join("proxy-agent.key"))),
+                &[],
+            )
+            .unwrap()
+        };
+        let client = agent();
+        assert_eq!(exchange(server(), client.clone()).await, Ok(Full));
+        assert_eq!(exchange(server(), client.clone()).await, Ok(Resumed));
+        assert_eq!(exchange(server(), client.clone()).await, Ok(Resumed));
+        // rustls's own keys are drawn at random: a restart cannot resume.
+        let random = server_config(&cert, &key, Some(&client_ca)).unwrap();
+        assert_eq!(exchange(random.clone(), client.clone()).await, Ok(Full));
+
+        // Two rotations on, the ticket's key is gone.
+        let now = Arc::new(AtomicU64::new(100 * 3600));
+        let clocked = || {
+            let now = now.clone();
+            let mut config = Arc::unwrap_or_clone(server());
+            config.ticketer = Arc::new(tickets::TicketKeys::with_clock(
+                &std::fs::read(&key).unwrap(),
+                &std::fs::read(&client_ca).unwrap(),
+                hour,
+                Arc::new(move || now.load(Ordering::Relaxed)),
+            ));
+            Arc::new(config)
+        };
+        let client = agent();
+        assert_eq!(exchange(clocked(), client.clone()).await, Ok(Full));
+        now.fetch_add(3600, Ordering::Relaxed);
+        assert_eq!(exchange(clocked(), client.clone()).await, Ok(Resumed));
+        now.fetch_add(2 * 3600, Ordering::Relaxed);
+        assert_eq!(exchange(clocked(), client.clone()).await, Ok(Full));
+
+        // The client CA rotates to one that does not admit the agent's
+        // certificate: its ticket does not bring it back unchecked.
+        let client = agent();
+        assert_eq!(exchange(server(), client.clone()).await, Ok(Full));
+        let other = certs::ClusterPki::generate(&[]).unwrap();
+        std::fs::write(&client_ca, &other.agent_ca).unwrap();
+        let refused = exchange(server(), client.clone()).await.unwrap_err();
+        assert!(refused.contains("server:"), "{refused}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_short_or_missing_secret_is_named() {
+        let dir = tempfile_dir();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&dir)
+            .unwrap();
+        let config = || server_config(&dir.join("cluster.crt"), &dir.join("cluster.key"), None);
+        let hour = std::time::Duration::from_secs(3600);
+        let short = dir.join("short");
+        std::fs::write(&short, [7u8; 31]).unwrap();
+        let err = with_tickets(config().unwrap(), &short, None, hour).unwrap_err();
+        assert!(
+            matches!(err, TlsError::ShortSecret { len: 31, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("short"), "{err}");
+        let missing = dir.join("missing");
+        let err = with_tickets(config().unwrap(), &missing, None, hour).unwrap_err();
+        assert!(err.to_string().contains("missing"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn tempfile_dir() -> PathBuf {

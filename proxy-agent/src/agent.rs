@@ -180,10 +180,10 @@ impl Live for AgentState {
 /// Jittered exponential backoff: factor 1.5 up to the cap, as ANP's, but
 /// each wait drawn from the upper half of the current step rather than
 /// ANP's +10 %, so agents that failed together do not retry together.
-/// A refused connection (see [`ConnectError::is_refused`]) is retried
-/// within one `--sync-interval` and does not grow the step.
+/// A refused or unreachable server (see [`ConnectError::is_transient`]) is
+/// retried within one `--sync-interval` and does not grow the step.
 ///
-/// [`ConnectError::is_refused`]: crate::client::ConnectError::is_refused
+/// [`ConnectError::is_transient`]: crate::client::ConnectError::is_transient
 struct Backoff {
     /// First and steady interval.
     initial: Duration,
@@ -476,8 +476,8 @@ async fn sync_loop(
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()
                 }
-                Err(error) if error.is_refused() => {
-                    warn!(error = %DisplayErrorStack(&error), "proxy-server refused the connection; will retry soon");
+                Err(error) if error.is_transient() => {
+                    warn!(error = %DisplayErrorStack(&error), "proxy-server refused or unreachable; will retry soon");
                     backoff.refused()
                 }
                 Err(error) => {

@@ -136,12 +136,14 @@ pub enum ConnectError {
 }
 
 impl ConnectError {
-    /// Whether the server's side turned the connection away before TLS
-    /// said anything: nothing listening (a restarting server) or the
-    /// socket closed during the handshake (a server shedding load). Such a
-    /// failure says nothing against the next try, so it is retried soon
-    /// rather than after a growing backoff.
-    pub fn is_refused(&self) -> bool {
+    /// Whether the connection failed before the server said anything of
+    /// it: nothing listening (a restarting server), the socket closed
+    /// during the handshake (a server shedding load), no route or no
+    /// answer (a network partition). Such a failure says nothing against
+    /// the next try, so it is retried within one `--sync-interval` rather
+    /// than after a growing backoff: the agent is back as soon as the
+    /// server or the link is.
+    pub fn is_transient(&self) -> bool {
         let cut = |e: &io::Error| {
             matches!(
                 e.kind(),
@@ -150,10 +152,15 @@ impl ConnectError {
                     | io::ErrorKind::ConnectionAborted
                     | io::ErrorKind::UnexpectedEof
                     | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::HostUnreachable
+                    | io::ErrorKind::NetworkUnreachable
+                    | io::ErrorKind::NetworkDown
+                    | io::ErrorKind::TimedOut
             )
         };
         match self {
             Self::Tcp { source, .. } | Self::Tls { source, .. } => cut(source),
+            Self::Timeout { .. } => true,
             _ => false,
         }
     }
@@ -279,7 +286,10 @@ impl Client {
         metrics: Arc<AgentMetrics>,
     ) -> Result<Self, ConnectError> {
         let transport = TransportEnd::default();
-        let io = transport.watch(Self::tls(tls, target, server).await?);
+        // A connect lost in a partition is given up after one interval (at
+        // least a second), so a new one goes out soon after the link is back.
+        let tcp_timeout = config.sync_interval.max(Duration::from_secs(1));
+        let io = transport.watch(Self::tls(tls, target, server, tcp_timeout).await?);
         let endpoint = Endpoint::from_shared(format!("http://{server}"))
             .map_err(|source| ConnectError::Transport {
                 server: server.to_owned(),
@@ -336,17 +346,26 @@ impl Client {
         })
     }
 
-    /// TCP (through the egress proxy, if any) and TLS to `target`.
+    /// TCP (through the egress proxy, if any; a direct connect within
+    /// `tcp_timeout`) and TLS to `target`.
     async fn tls(
         tls: Arc<rustls::ClientConfig>,
         target: &ServerAddr,
         server: &str,
+        tcp_timeout: Duration,
     ) -> Result<tokio_rustls::client::TlsStream<ReadAhead<Box<dyn Io>>>, ConnectError> {
         let tcp: Box<dyn Io> = match &target.proxy {
             Some(proxy) => proxy_client::connect(proxy, &target.host, target.port).await?,
             None => {
-                let tcp = TcpStream::connect((target.host.as_str(), target.port))
+                let connect = TcpStream::connect((target.host.as_str(), target.port));
+                let tcp = tokio::time::timeout(tcp_timeout, connect)
                     .await
+                    .unwrap_or_else(|_| {
+                        Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("no answer to the TCP connect within {tcp_timeout:?}"),
+                        ))
+                    })
                     .map_err(|source| ConnectError::Tcp {
                         server: server.to_owned(),
                         source,
@@ -699,7 +718,7 @@ mod tests {
     const TICK: Duration = Duration::from_millis(10);
 
     #[test]
-    fn a_server_that_turns_the_socket_away_is_refused_and_a_tls_verdict_is_not() {
+    fn a_refused_or_unreachable_server_is_transient_and_a_tls_verdict_is_not() {
         let server = || "proxy:8091".to_owned();
         let io = |kind| io::Error::new(kind, "test");
         let cases = [
@@ -724,10 +743,33 @@ mod tests {
                 },
                 true,
             ),
+            // A partition: no route, or no answer.
             (
                 ConnectError::Tcp {
                     server: server(),
                     source: io(io::ErrorKind::HostUnreachable),
+                },
+                true,
+            ),
+            (
+                ConnectError::Tcp {
+                    server: server(),
+                    source: io(io::ErrorKind::NetworkUnreachable),
+                },
+                true,
+            ),
+            (
+                ConnectError::Tcp {
+                    server: server(),
+                    source: io(io::ErrorKind::TimedOut),
+                },
+                true,
+            ),
+            // A proxy's verdict is not.
+            (
+                ConnectError::Tcp {
+                    server: server(),
+                    source: io(io::ErrorKind::PermissionDenied),
                 },
                 false,
             ),
@@ -739,10 +781,10 @@ mod tests {
                 },
                 false,
             ),
-            (ConnectError::Timeout { server: server() }, false),
+            (ConnectError::Timeout { server: server() }, true),
         ];
-        for (error, refused) in cases {
-            assert_eq!(error.is_refused(), refused, "{error:?}");
+        for (error, transient) in cases {
+            assert_eq!(error.is_transient(), transient, "{error:?}");
         }
     }
 

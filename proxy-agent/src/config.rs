@@ -561,6 +561,7 @@ impl ClientTls {
             files: files::CertFiles {
                 identity: client.map(|(cert, key)| (("agent-cert", cert), ("agent-key", key))),
                 ca: Some(("ca-cert", ca)),
+                secret: None,
             },
             alpn: Vec::new(),
             resumption: true,

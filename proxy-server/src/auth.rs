@@ -2,8 +2,13 @@
 //! `authorization: Bearer <token>`, checked with a TokenReview against the
 //! kube API (`--agent-namespace`, `--agent-service-account`,
 //! `--authentication-audience`, `--kubeconfig`). Tokens are never logged.
+//! Answers are cached, and concurrent reviews of one token coalesced and
+//! bounded ([`reviews`]: `--token-review-cache-ttl`,
+//! `--token-review-max-inflight`).
 
-use std::path::PathBuf;
+pub mod reviews;
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use http_body_util::BodyExt;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -25,14 +30,25 @@ pub struct TokenAuthConfig {
     pub audience: String,
     /// Kubeconfig; `None` means in-cluster configuration.
     pub kubeconfig: Option<PathBuf>,
+    /// `--token-review-cache-ttl`: how long an accepted token's review is
+    /// reused (never past the token's own expiry).
+    pub cache_ttl: Duration,
+    /// `--token-review-max-inflight`: TokenReview calls in flight at once.
+    pub max_in_flight: usize,
 }
+
+/// `--token-review-cache-ttl`'s default (kube-apiserver's own webhook token
+/// cache keeps an answer as long).
+pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(120);
+/// `--token-review-max-inflight`'s default.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
 
 /// The kube client could not be set up.
 pub use ops::kube::KubeSetupError as AuthSetupError;
 
 /// Why an agent was refused; the text goes back to the agent (gRPC
 /// `Unauthenticated`) and to the log, and never contains the token.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// No `authorization` metadata.
     #[error("Authentication context was not found in metadata")]
@@ -81,12 +97,19 @@ pub enum AuthError {
     },
 }
 
+/// Says what answered each check (the server's metrics).
+pub(crate) type OnReview = Arc<dyn Fn(reviews::Source) + Send + Sync>;
+
 /// Checks agent tokens with TokenReview.
 pub struct TokenAuth {
     /// The checks.
     config: TokenAuthConfig,
     /// The kube client.
     client: Client,
+    /// Cached, coalesced and bounded reviews.
+    reviews: reviews::Reviews,
+    /// Told what answered each check.
+    on_review: OnReview,
 }
 
 impl TokenAuth {
@@ -94,11 +117,20 @@ impl TokenAuth {
     ///
     /// # Errors
     /// See [`AuthSetupError`].
-    pub async fn new(config: TokenAuthConfig) -> Result<Self, AuthSetupError> {
+    pub(crate) async fn new(
+        config: TokenAuthConfig,
+        on_review: OnReview,
+    ) -> Result<Self, AuthSetupError> {
         // The agent retries with its own backoff; kube's default retries
         // (up to 15, for minutes) would hold its Connect open instead.
         let client = ops::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
-        Ok(Self { config, client })
+        let reviews = reviews::Reviews::new(config.cache_ttl, config.max_in_flight);
+        Ok(Self {
+            config,
+            client,
+            reviews,
+            on_review,
+        })
     }
 
     /// Authenticates one `Connect` by its metadata.
@@ -117,6 +149,16 @@ impl TokenAuth {
             .ok()
             .and_then(|v| v.strip_prefix(header::BEARER_PREFIX))
             .ok_or(AuthError::NoBearer)?;
+        let (verdict, source) = self
+            .reviews
+            .check(token, async || self.review_token(token).await)
+            .await;
+        (self.on_review)(source);
+        verdict
+    }
+
+    /// One TokenReview of `token`, and what its answer says of it.
+    async fn review_token(&self, token: &str) -> Result<(), AuthError> {
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_owned()),

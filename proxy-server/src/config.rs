@@ -172,6 +172,31 @@ pub struct Args {
     /// 10 s from its accept.
     #[arg(long, default_value_t = 8192)]
     pub max_tls_handshakes: usize,
+    /// Issue TLS session tickets on the agent listener, so that an agent
+    /// reconnecting to any replica, or to this server after a restart,
+    /// resumes without a certificate signature (konnectivity-rs).
+    #[arg(long, go_bool = Some(true))]
+    pub tls_session_tickets: bool,
+    /// File of at least 32 secret bytes the session-ticket keys are derived
+    /// from, the same on every replica; empty: the agent listener's own
+    /// --cluster-key (konnectivity-rs).
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub tls_session_ticket_key: Option<PathBuf>,
+    /// How long each session-ticket key is used; a ticket is offered for
+    /// one rotation and accepted for at most two (konnectivity-rs, Go
+    /// duration).
+    #[arg(long, default_value = "24h0m0s", value_parser = go_duration)]
+    pub tls_session_ticket_rotation: Duration,
+    /// How long an agent token the TokenReview API accepted is admitted
+    /// without another review (never past the token's own expiry): a
+    /// revoked service account keeps its agents at most this long; 0s
+    /// reviews every connection (konnectivity-rs, Go duration).
+    #[arg(long, default_value = "2m0s", value_parser = go_duration)]
+    pub token_review_cache_ttl: Duration,
+    /// TokenReview calls in flight at once; concurrent reviews of one
+    /// token are always one call (konnectivity-rs).
+    #[arg(long, default_value_t = 32)]
+    pub token_review_max_inflight: usize,
     /// HTTP-CONNECT client connections open at once (konnectivity-rs);
     /// more are answered 503 and closed.
     #[arg(long, default_value_t = 65_536)]
@@ -200,6 +225,8 @@ pub enum Mode {
 }
 
 /// Where frontends connect.
+// Built once at start-up: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum FrontendListen {
     /// A Unix socket (no TLS; access by file mode 0770).
@@ -230,6 +257,9 @@ pub struct ListenerTls {
     pub alpn: &'static [u8],
     /// `--cipher-suites` and `--tls-min-version`.
     pub policy: tls::TlsPolicy,
+    /// Session tickets (`--tls-session-tickets`), how often their key
+    /// changes (`--tls-session-ticket-rotation`).
+    pub tickets: Option<Duration>,
 }
 
 impl ListenerTls {
@@ -240,9 +270,11 @@ impl ListenerTls {
             files: files::CertFiles {
                 identity: Some((("cluster-cert", cert), ("cluster-key", key))),
                 ca: client_ca.map(|ca| ("cluster-ca-cert", ca)),
+                secret: None,
             },
             alpn: tls::ALPN_H2,
             policy: tls::TlsPolicy::default(),
+            tickets: Some(DEFAULT_TICKET_ROTATION),
         }
     }
 
@@ -253,6 +285,7 @@ impl ListenerTls {
             files: files::CertFiles {
                 identity: Some((("server-cert", cert), ("server-key", key))),
                 ca: Some(("server-ca-cert", client_ca)),
+                secret: None,
             },
             // CONNECT is HTTP/1.1 only (ANP disables HTTP/2 there); gRPC is
             // HTTP/2.
@@ -261,6 +294,7 @@ impl ListenerTls {
                 Mode::HttpConnect => tls::ALPN_HTTP11,
             },
             policy: tls::TlsPolicy::default(),
+            tickets: None,
         }
     }
 
@@ -294,19 +328,23 @@ impl ListenerTls {
             files,
             alpn,
             policy,
+            tickets,
         } = self.clone();
         move || {
             let ((_, cert), (_, key)) = files
                 .identity
                 .as_ref()
                 .expect("a listener has a certificate");
-            tls::server_config_with_policy(
-                cert,
-                key,
-                files.ca.as_ref().map(|(_, ca)| ca.as_path()),
-                &[alpn],
-                &policy,
-            )
+            let client_ca = files.ca.as_ref().map(|(_, ca)| ca.as_path());
+            let config = tls::server_config_with_policy(cert, key, client_ca, &[alpn], &policy)?;
+            match tickets {
+                // The secret: the ticket key file, else the serving key.
+                Some(rotation) => {
+                    let secret = files.secret.as_ref().map_or(key, |(_, path)| path);
+                    tls::with_tickets(config, secret, client_ca, rotation)
+                }
+                None => Ok(config),
+            }
         }
     }
 }
@@ -552,7 +590,12 @@ fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, Conf
     })
 }
 
-/// The agent listener's TLS files (`--cluster-*`).
+/// How long a session-ticket key is used by default
+/// (`--tls-session-ticket-rotation`).
+pub const DEFAULT_TICKET_ROTATION: Duration = Duration::from_secs(24 * 3600);
+
+/// The agent listener's TLS files (`--cluster-*`) and session tickets
+/// (`--tls-session-ticket*`).
 fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, ConfigError> {
     let required = |flag, value: Option<&PathBuf>| {
         given_path(value)
@@ -560,10 +603,23 @@ fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, Config
     };
     let cert = required("cluster-cert", args.cluster_cert.as_ref())?;
     let key = required("cluster-key", args.cluster_key.as_ref())?;
-    Ok(ListenerTls {
+    if args.tls_session_ticket_rotation < Duration::from_secs(1) {
+        return Err(invalid(
+            "tls-session-ticket-rotation",
+            "must be at least 1s",
+        ));
+    }
+    let mut tls = ListenerTls {
         policy: policy.clone(),
+        tickets: args
+            .tls_session_tickets
+            .then_some(args.tls_session_ticket_rotation),
         ..ListenerTls::agent(cert, key, given_path(args.cluster_ca_cert.as_ref()))
-    })
+    };
+    tls.files.secret = given_path(args.tls_session_ticket_key.as_ref())
+        .filter(|_| args.tls_session_tickets)
+        .map(|path| ("tls-session-ticket-key", path));
+    Ok(tls)
 }
 
 /// Service-account token authentication of agents (`--agent-namespace`,
@@ -597,11 +653,16 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
     if !on {
         return Ok(None);
     }
+    if args.token_review_max_inflight == 0 {
+        return Err(invalid("token-review-max-inflight", "must be at least 1"));
+    }
     Ok(Some(TokenAuthConfig {
         namespace: args.agent_namespace.clone(),
         service_account: args.agent_service_account.clone(),
         audience: args.authentication_audience.clone(),
         kubeconfig,
+        cache_ttl: args.token_review_cache_ttl,
+        max_in_flight: args.token_review_max_inflight,
     }))
 }
 

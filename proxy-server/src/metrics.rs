@@ -55,6 +55,28 @@ ops::label_enum! {
 }
 
 ops::label_enum! {
+    /// How an agent's TLS handshake went (`kind`).
+    pub(crate) enum Handshake {
+        /// A full handshake: the server signed with its key.
+        Full = "full",
+        /// A session resumed from a ticket: no signature.
+        Resumed = "resumed",
+    }
+}
+
+ops::label_enum! {
+    /// What answered an agent's token (`source`).
+    pub(crate) enum Review {
+        /// A TokenReview call to the kube API.
+        Api = "api",
+        /// A review of the same token another agent stream was waiting for.
+        Coalesced = "coalesced",
+        /// A cached review.
+        Cache = "cache",
+    }
+}
+
+ops::label_enum! {
     /// The gRPC method of a stream (`service_method`).
     pub(crate) enum Method {
         /// A frontend's `ProxyService/Proxy`.
@@ -161,6 +183,8 @@ pub(crate) struct ServerMetrics {
     max_buffered: Gauge,
     buffered: Gauge,
     limits: ByLabel<Limit, Counter>,
+    handshakes: ByLabel<Handshake, Counter>,
+    reviews: ByLabel<Review, Counter>,
     certs: ops::tls::files::CertMetrics,
 }
 
@@ -263,6 +287,8 @@ struct Ours {
     max_buffered: Gauge,
     buffered: Gauge,
     limits: ByLabel<Limit, Counter>,
+    handshakes: ByLabel<Handshake, Counter>,
+    reviews: ByLabel<Review, Counter>,
 }
 
 impl Ours {
@@ -301,6 +327,18 @@ impl Ours {
                 "konnectivity_rs_server_limit_reached_total",
                 "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused)",
                 "limit",
+            ),
+            handshakes: ByLabel::register(
+                m,
+                "konnectivity_rs_server_agent_tls_handshakes_total",
+                "TLS handshakes completed on the agent listener, by kind (full: the server signed with its key; resumed: from a session ticket, no signature)",
+                "kind",
+            ),
+            reviews: ByLabel::register(
+                m,
+                "konnectivity_rs_server_token_reviews_total",
+                "Agent tokens checked, by what answered (api: a TokenReview call; coalesced: the answer to a call already in flight for the same token; cache: a cached review)",
+                "source",
             ),
         }
     }
@@ -366,6 +404,8 @@ impl ServerMetrics {
             max_buffered: ours.max_buffered,
             buffered: ours.buffered,
             limits: ours.limits,
+            handshakes: ours.handshakes,
+            reviews: ours.reviews,
         }
     }
 
@@ -377,6 +417,16 @@ impl ServerMetrics {
     /// An admission limit was reached.
     pub(crate) fn limit_reached(&self, limit: Limit) {
         self.limits.get(limit).inc();
+    }
+
+    /// An agent's TLS handshake completed.
+    pub(crate) fn handshake(&self, kind: Handshake) {
+        self.handshakes.get(kind).inc();
+    }
+
+    /// An agent's token was checked.
+    pub(crate) fn reviewed(&self, source: Review) {
+        self.reviews.get(source).inc();
     }
 
     /// The exposition text, with the live-state gauges set from `live`.

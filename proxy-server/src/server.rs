@@ -27,13 +27,14 @@ use tunnel::{
 };
 
 use crate::{
+    auth::reviews::Source,
     backend::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
     control::Control,
     events::Limit,
     frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
-    metrics::ServerMetrics,
+    metrics::{Handshake, Review, ServerMetrics},
 };
 
 /// What a frontend may send on one stream ahead of the server's reader:
@@ -194,7 +195,19 @@ impl ProxyServer {
             metrics,
         ));
         let token_auth = match &config.token_auth {
-            Some(auth) => Some(Arc::new(crate::auth::TokenAuth::new(auth.clone()).await?)),
+            Some(auth) => {
+                let metrics = control.metrics.clone();
+                let on_review: crate::auth::OnReview = Arc::new(move |source| {
+                    metrics.reviewed(match source {
+                        Source::Api => Review::Api,
+                        Source::Coalesced => Review::Coalesced,
+                        Source::Cache => Review::Cache,
+                    });
+                });
+                Some(Arc::new(
+                    crate::auth::TokenAuth::new(auth.clone(), on_review).await?,
+                ))
+            }
             None => None,
         };
         Ok(Bound {
@@ -423,6 +436,7 @@ fn agent_server(
         token_auth,
         queue_bytes: config.max_agent_queue_bytes,
     });
+    let metrics = control.metrics.clone();
     let incoming = tls_incoming(
         listener,
         Following(move || tls.current()),
@@ -430,7 +444,15 @@ fn agent_server(
         "agent",
         config.max_tls_handshakes,
         on_limit.clone(),
-    );
+    )
+    .inspect(move |conn| {
+        if let Ok(conn) = conn {
+            metrics.handshake(match conn.get_ref().1.handshake_kind() {
+                Some(rustls::HandshakeKind::Resumed) => Handshake::Resumed,
+                _ => Handshake::Full,
+            });
+        }
+    });
     Box::pin(
         Server::builder()
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)

@@ -42,6 +42,34 @@ pub enum Echo {
     PlainError,
 }
 
+/// How slowly the stub answers, and the most reviews it had at once.
+#[derive(Default)]
+struct Load {
+    /// Each review waits this long before its answer.
+    delay: Mutex<std::time::Duration>,
+    /// Reviews being answered now.
+    in_flight: std::sync::atomic::AtomicUsize,
+    /// The most at once so far.
+    most: std::sync::atomic::AtomicUsize,
+}
+
+/// One review being answered: counted in [`Load`] while it lives.
+struct Answering<'a>(&'a Load);
+
+impl<'a> Answering<'a> {
+    fn new(load: &'a Load) -> Self {
+        let now = load.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        load.most.fetch_max(now, Ordering::SeqCst);
+        Self(load)
+    }
+}
+
+impl Drop for Answering<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// The running stub.
 pub struct TokenReviewStub {
     /// Where it listens.
@@ -56,6 +84,8 @@ pub struct TokenReviewStub {
     down: Arc<AtomicBool>,
     /// Reviews answered so far.
     pub reviews: Arc<std::sync::atomic::AtomicUsize>,
+    /// How slowly it answers, and how many reviews it has had at once.
+    load: Arc<Load>,
     /// Stops it.
     stop: CancellationToken,
     /// Holds the kubeconfig.
@@ -88,6 +118,7 @@ impl TokenReviewStub {
         let echoes: Arc<Mutex<HashMap<String, Echo>>> = Arc::default();
         let down = Arc::new(AtomicBool::new(false));
         let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let load = Arc::new(Load::default());
         let mut incoming = tunnel::conn::tls_incoming(
             listener,
             tls,
@@ -97,11 +128,12 @@ impl TokenReviewStub {
             std::sync::Arc::new(|| {}),
         );
         {
-            let (tokens, echoes, down, reviews, stop) = (
+            let (tokens, echoes, down, reviews, load, stop) = (
                 tokens.clone(),
                 echoes.clone(),
                 down.clone(),
                 reviews.clone(),
+                load.clone(),
                 stop.clone(),
             );
             tokio::spawn(async move {
@@ -115,11 +147,12 @@ impl TokenReviewStub {
                             None => return,
                         },
                     };
-                    let (tokens, echoes, down, reviews) = (
+                    let (tokens, echoes, down, reviews, load) = (
                         tokens.clone(),
                         echoes.clone(),
                         down.clone(),
                         reviews.clone(),
+                        load.clone(),
                     );
                     tokio::spawn(async move {
                         let service = hyper::service::service_fn(move |req| {
@@ -129,6 +162,7 @@ impl TokenReviewStub {
                                 echoes.clone(),
                                 down.clone(),
                                 reviews.clone(),
+                                load.clone(),
                             )
                         });
                         let _ = hyper::server::conn::http1::Builder::new()
@@ -147,6 +181,7 @@ impl TokenReviewStub {
             echoes,
             down,
             reviews,
+            load,
             stop,
             _dir: dir,
         }
@@ -171,6 +206,21 @@ impl TokenReviewStub {
     /// Makes `token` unknown again.
     pub fn revoke(&self, token: &str) {
         self.tokens.lock().expect("lock").remove(token);
+    }
+
+    /// Makes each review wait `delay` before its answer.
+    pub fn set_delay(&self, delay: std::time::Duration) {
+        *self.load.delay.lock().expect("lock") = delay;
+    }
+
+    /// Reviews answered so far.
+    pub fn review_count(&self) -> usize {
+        self.reviews.load(Ordering::SeqCst)
+    }
+
+    /// The most reviews it was answering at once so far.
+    pub fn most_in_flight(&self) -> usize {
+        self.load.most.load(Ordering::SeqCst)
     }
 
     /// Takes the API down (503) or brings it back.
@@ -221,6 +271,7 @@ async fn answer(
     echoes: Arc<Mutex<HashMap<String, Echo>>>,
     down: Arc<AtomicBool>,
     reviews: Arc<std::sync::atomic::AtomicUsize>,
+    load: Arc<Load>,
 ) -> Result<Response<Full<Bytes>>, hyper::Error> {
     if down.load(Ordering::SeqCst) {
         return Ok(api_status(
@@ -259,6 +310,9 @@ async fn answer(
         ));
     };
     reviews.fetch_add(1, Ordering::SeqCst);
+    let _answering = Answering::new(&load);
+    let delay = *load.delay.lock().expect("lock");
+    tokio::time::sleep(delay).await;
     let token = review["spec"]["token"]
         .as_str()
         .unwrap_or_default()

@@ -67,6 +67,8 @@ pub struct ServerOpts {
     pub max_tls_handshakes: usize,
     /// `--frontend-stall-timeout`.
     pub frontend_stall_timeout: Option<Duration>,
+    /// `--tls-session-tickets` on the agent listener.
+    pub session_tickets: bool,
 }
 
 impl Default for ServerOpts {
@@ -89,6 +91,7 @@ impl Default for ServerOpts {
             profiling: false,
             max_tls_handshakes: 8192,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
+            session_tickets: true,
         }
     }
 }
@@ -154,11 +157,16 @@ impl TestServer {
             mode: opts.mode,
             frontend,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
-            agent_tls: ListenerTls::agent(
-                pki.path("cluster.crt"),
-                pki.path("cluster.key"),
-                opts.mtls.then(|| pki.path("agent-ca.crt")),
-            ),
+            agent_tls: ListenerTls {
+                tickets: opts
+                    .session_tickets
+                    .then_some(proxy_server::config::DEFAULT_TICKET_ROTATION),
+                ..ListenerTls::agent(
+                    pki.path("cluster.crt"),
+                    pki.path("cluster.key"),
+                    opts.mtls.then(|| pki.path("agent-ca.crt")),
+                )
+            },
             health_addr: "127.0.0.1:0".parse().expect("address"),
             admin_addr: "127.0.0.1:0".parse().expect("address"),
             profiling: opts.profiling,

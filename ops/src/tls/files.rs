@@ -79,6 +79,9 @@ pub struct CertFiles {
     pub identity: Option<(Named, Named)>,
     /// The CA bundle peers must chain to.
     pub ca: Option<Named>,
+    /// A secret file read with them (`--tls-session-ticket-key`), so that a
+    /// change of it is followed too.
+    pub secret: Option<Named>,
 }
 
 impl CertFiles {
@@ -91,6 +94,14 @@ impl CertFiles {
         }
         if let Some((flag, ca)) = &self.ca {
             files.push(TlsFile::certs(flag, ca.clone()));
+        }
+        if let Some((flag, secret)) = &self.secret {
+            files.push(TlsFile {
+                flag,
+                path: secret.clone(),
+                certificates: false,
+                counted_as: flag,
+            });
         }
         files
     }

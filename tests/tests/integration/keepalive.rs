@@ -80,6 +80,93 @@ fn start_in(namespace: &str, name: &str, args: &[String]) -> LoggedProcess {
     LoggedProcess::spawn(command, name)
 }
 
+/// The server in `ns`'s server namespace and an agent in its agent
+/// namespace with `agent_flags`, both pinging every second; returns once
+/// the agent is connected.
+async fn server_and_agent(
+    ns: &Namespaces,
+    dir: &std::path::Path,
+    agent_flags: &[&str],
+) -> (LoggedProcess, LoggedProcess) {
+    certs::ClusterPki::generate(&[SERVER_IP.to_owned()])
+        .unwrap()
+        .write_to(dir)
+        .unwrap();
+    let file = |name: &str| dir.join(name).display().to_string();
+    let mut server = start_in(
+        &ns.server,
+        "proxy-server",
+        &[
+            format!("--uds-name={}", file("frontend.sock")),
+            "--server-port=0".to_owned(),
+            format!("--agent-bind-address={SERVER_IP}"),
+            "--agent-port=0".to_owned(),
+            "--health-port=0".to_owned(),
+            "--admin-port=0".to_owned(),
+            format!("--cluster-cert={}", file("cluster.crt")),
+            format!("--cluster-key={}", file("cluster.key")),
+            format!("--cluster-ca-cert={}", file("agent-ca.crt")),
+            "--keepalive-time=1s".to_owned(),
+        ],
+    );
+    let port = server
+        .logged_port(&format!("agent.addr=Some({SERVER_IP}:"))
+        .await;
+    let mut args = vec![
+        format!("--ca-cert={}", file("agent-ca.crt")),
+        format!("--agent-cert={}", file("proxy-agent.crt")),
+        format!("--agent-key={}", file("proxy-agent.key")),
+        format!("--proxy-server-host={SERVER_IP}"),
+        format!("--proxy-server-port={port}"),
+        "--health-server-port=0".to_owned(),
+        "--admin-server-port=0".to_owned(),
+        "--keepalive-time=1s".to_owned(),
+    ];
+    args.extend(agent_flags.iter().map(|f| (*f).to_owned()));
+    let mut agent = start_in(&ns.agent, "proxy-agent", &args);
+    agent
+        .wait_for("connected to proxy-server", 1, Duration::from_secs(30))
+        .await;
+    server
+        .wait_for("agent connected", 1, Duration::from_secs(10))
+        .await;
+    (server, agent)
+}
+
+/// A partition long enough for a growing backoff to reach its cap
+/// (`--sync-interval-cap`, 10 s by default): the agent, retrying an
+/// unreachable server as it retries a refusing one, is back within about
+/// one `--sync-interval` (1 s by default) of the link's return, not after
+/// a backoff step of up to 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_is_back_soon_after_a_partition_ends() {
+    let ns = Namespaces::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, mut agent) = server_and_agent(&ns, dir.path(), &[]).await;
+    ns.server_link("down");
+    agent
+        .wait_for("disconnected from proxy-server", 1, Duration::from_secs(10))
+        .await;
+    // Failed attempts while the link is down: "no route", or no answer.
+    agent
+        .wait_for("will retry", 6, Duration::from_secs(30))
+        .await;
+    ns.server_link("up");
+    let back = agent
+        .wait_for("connected to proxy-server", 2, Duration::from_secs(30))
+        .await;
+    println!("agent back {back:?} after the link");
+    // One interval for the next try, one for a connect sent into the dark
+    // just before the link returned, and room for a slow machine.
+    assert!(
+        back < Duration::from_millis(3500),
+        "the agent took {back:?} to come back"
+    );
+    server
+        .wait_for("agent connected", 2, Duration::from_secs(10))
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_detects_a_silently_vanished_server_and_reconnects() {
     let ns = Namespaces::new();

@@ -27,6 +27,7 @@ mod metrics;
 mod monitoring;
 mod proxy_client;
 mod python_interop;
+mod resumption;
 mod robustness;
 mod secrets;
 mod servers;

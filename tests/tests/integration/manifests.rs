@@ -639,3 +639,117 @@ fn every_manifest_is_valid_for_each_supported_kubernetes_version_strictly() {
     assert!(!ok, "an unknown field passed:\n{text}");
     assert!(text.contains("unknownField"), "{text}");
 }
+
+/// The rollout the agent DaemonSets promise (README "Deploy"): a surge, no
+/// unavailable node, and agents that leave once drained.
+#[test]
+fn agent_daemonsets_roll_over_without_a_gap() {
+    for file in [
+        "konnectivity-agent.yaml",
+        "konnectivity-agent-token-auth.yaml",
+    ] {
+        let text = fs::read_to_string(deploy_dir().join(file)).unwrap();
+        for line in ["maxSurge: 10%", "maxUnavailable: 0", "type: RollingUpdate"] {
+            assert!(text.contains(line), "deploy/{file}: no {line:?}");
+        }
+        assert!(
+            !text.contains("hostPort:"),
+            "deploy/{file}: a hostPort forbids the surge"
+        );
+        assert!(
+            in_file(file).agent_args().exit_when_drained,
+            "deploy/{file}"
+        );
+    }
+}
+
+/// The mTLS agent manifest's own arguments, run by the real binary against
+/// a test server: its files, server address and ports replaced by the test's,
+/// everything else as the manifest has it.
+fn manifest_agent(server: &integration_tests::TestServer) -> integration_tests::LoggedProcess {
+    let pki = integration_tests::Pki::get();
+    let local = [
+        ("--ca-cert", pki.path("agent-ca.crt").display().to_string()),
+        (
+            "--agent-cert",
+            pki.path("proxy-agent.crt").display().to_string(),
+        ),
+        (
+            "--agent-key",
+            pki.path("proxy-agent.key").display().to_string(),
+        ),
+        ("--proxy-server-host", "127.0.0.1".to_owned()),
+        ("--proxy-server-port", server.agent_addr.port().to_string()),
+        ("--admin-server-port", "0".to_owned()),
+        ("--health-server-port", "0".to_owned()),
+    ];
+    let mut args: Vec<String> = in_file("konnectivity-agent.yaml")
+        .args
+        .into_iter()
+        .filter(|arg| {
+            !local
+                .iter()
+                .any(|(flag, _)| arg.starts_with(&format!("{flag}=")))
+        })
+        .collect();
+    args.extend(local.iter().map(|(flag, value)| format!("{flag}={value}")));
+    args.push("--health-server-host=127.0.0.1".to_owned());
+    let mut command = std::process::Command::new(integration_tests::binary("proxy-agent"));
+    command.env("RUST_LOG", "info").args(args);
+    integration_tests::LoggedProcess::spawn(command, "proxy-agent")
+}
+
+/// SIGTERM to an idle agent run with the manifest's arguments: it exits at
+/// once, not at the end of its grace period.
+#[tokio::test]
+async fn the_manifest_agent_exits_at_once_when_idle() {
+    let server = integration_tests::TestServer::start().await;
+    let mut agent = manifest_agent(&server);
+    server.wait_for_backends(1).await;
+    agent.signal("TERM");
+    agent
+        .wait_for(
+            "drained: no open connections left",
+            1,
+            std::time::Duration::from_secs(5),
+        )
+        .await;
+    integration_tests::wait_for("the agent to exit", || agent.has_exited()).await;
+}
+
+/// SIGTERM to an agent with an open tunnel: it keeps carrying it, and exits
+/// once it ends.
+#[tokio::test]
+async fn the_manifest_agent_exits_when_its_last_tunnel_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = integration_tests::TestServer::start().await;
+    let mut agent = manifest_agent(&server);
+    server.wait_for_backends(1).await;
+    let echo = integration_tests::destination::echo().await;
+    let mut conn = server.dial(&echo.address()).await.unwrap();
+    agent.signal("TERM");
+    agent
+        .wait_for(
+            "draining: telling servers",
+            1,
+            std::time::Duration::from_secs(5),
+        )
+        .await;
+    // Still served after the signal, byte for byte.
+    let mut back = [0u8; 6];
+    for round in 0..3 {
+        conn.write_all(b"after!").await.unwrap();
+        conn.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"after!", "round {round}");
+    }
+    assert!(!agent.has_exited(), "exited with a tunnel open");
+    drop(conn);
+    agent
+        .wait_for(
+            "drained: no open connections left",
+            1,
+            std::time::Duration::from_secs(10),
+        )
+        .await;
+    integration_tests::wait_for("the agent to exit", || agent.has_exited()).await;
+}

@@ -3,9 +3,12 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
+use std::time::{Duration, Instant};
+
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, destination,
+    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, destination, http_get,
     kube_stub::{Identity, TokenReviewStub},
+    process::metric_value,
     wait_for,
 };
 use proxy_agent::client::{Client, ConnectError};
@@ -16,6 +19,21 @@ const AUDIENCE: &str = "system:konnectivity-server";
 const AGENT_SA: &str = "system:serviceaccount:kube-system:konnectivity-agent";
 
 async fn server(stub: &TokenReviewStub) -> TestServer {
+    server_with(
+        stub,
+        proxy_server::auth::DEFAULT_CACHE_TTL,
+        proxy_server::auth::DEFAULT_MAX_IN_FLIGHT,
+    )
+    .await
+}
+
+/// A server whose reviews are cached for `cache_ttl`, at most
+/// `max_in_flight` at once.
+async fn server_with(
+    stub: &TokenReviewStub,
+    cache_ttl: Duration,
+    max_in_flight: usize,
+) -> TestServer {
     TestServer::start_with(ServerOpts {
         mtls: false,
         token_auth: Some(TokenAuthConfig {
@@ -23,10 +41,52 @@ async fn server(stub: &TokenReviewStub) -> TestServer {
             service_account: "konnectivity-agent".to_owned(),
             audience: AUDIENCE.to_owned(),
             kubeconfig: Some(stub.kubeconfig.clone()),
+            cache_ttl,
+            max_in_flight,
         }),
         ..Default::default()
     })
     .await
+}
+
+/// `konnectivity_rs_server_token_reviews_total{source}` of `server`.
+async fn reviews(server: &TestServer, source: &str) -> f64 {
+    let (status, text) = http_get(server.admin_addr, "/metrics").await;
+    assert_eq!(status, 200, "{text}");
+    metric_value(
+        &text,
+        &format!("konnectivity_rs_server_token_reviews_total{{source=\"{source}\"}}"),
+    )
+}
+
+/// Options of an agent presenting `token` (its file in `dir`).
+fn with_token(dir: &tempfile::TempDir, token: &str) -> AgentOpts {
+    AgentOpts {
+        token_path: Some(token_file(dir, token)),
+        no_client_cert: true,
+        ..Default::default()
+    }
+}
+
+/// Whether one connect with `token` is admitted.
+async fn admitted(server: &TestServer, token: &str) -> bool {
+    let dir = tempfile::tempdir().unwrap();
+    let config = agent_config(server.agent_addr, &with_token(&dir, token));
+    match Client::connect(
+        &config,
+        config.tls.load().unwrap(),
+        &config.servers[0],
+        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
+    )
+    .await
+    {
+        Ok(_) => true,
+        Err(ConnectError::Refused { status, .. }) => {
+            assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+            false
+        }
+        Err(other) => panic!("unexpected {other}"),
+    }
 }
 
 fn token_file(dir: &tempfile::TempDir, token: &str) -> std::path::PathBuf {
@@ -173,10 +233,14 @@ async fn an_api_outage_refuses_new_agents_but_keeps_serving_and_recovers() {
     server.wait_for_backends(1).await;
 
     stub.set_down(true);
-    let text = refusal(&server, "good-token").await;
+    // A token reviewed before the outage is still admitted from the cache;
+    // one never reviewed is refused.
+    assert!(admitted(&server, "good-token").await);
+    stub.allow("new-token", identity(AGENT_SA, AUDIENCE));
+    let text = refusal(&server, "new-token").await;
     assert!(text.contains("TokenReview failed"), "{text}");
     // A second agent keeps retrying; the first keeps serving.
-    let second = TestAgent::start_with(server.agent_addr, opts).await;
+    let second = TestAgent::start_with(server.agent_addr, with_token(&dir, "new-token")).await;
     let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"x").await.unwrap();
@@ -233,4 +297,115 @@ async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
     })
     .await;
     assert!(stub.reviews.load(std::sync::atomic::Ordering::SeqCst) > reviews);
+}
+
+/// An agent that reconnects with the token it was admitted with is
+/// admitted from the cache: no second TokenReview.
+#[tokio::test]
+async fn a_reconnect_reuses_the_cached_review() {
+    let stub = TokenReviewStub::start().await;
+    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    let server = server(&stub).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = TestAgent::start_with(server.agent_addr, with_token(&dir, "good-token")).await;
+    server.wait_for_backends(1).await;
+    let handle = agent.handle.clone();
+    wait_for("the agent to record its stream", || {
+        handle.server_connections() == 1
+    })
+    .await;
+    assert_eq!(stub.review_count(), 1);
+    let before = server.handle.agent_peers();
+    agent.handle.disconnect_all();
+    let server_handle = server.handle.clone();
+    wait_for("the agent to come back", || {
+        let peers = server_handle.agent_peers();
+        peers.len() == 1 && peers != before
+    })
+    .await;
+    assert_eq!(stub.review_count(), 1, "the reconnect was reviewed again");
+    assert_eq!(reviews(&server, "cache").await, 1.0);
+    assert_eq!(reviews(&server, "api").await, 1.0);
+}
+
+/// Agents that present one token at once wait for one review.
+#[tokio::test]
+async fn concurrent_connects_with_one_token_make_one_review() {
+    let stub = TokenReviewStub::start().await;
+    stub.allow("shared-token", identity(AGENT_SA, AUDIENCE));
+    // Long enough that every agent asks while the first review is out.
+    stub.set_delay(Duration::from_secs(2));
+    let server = server(&stub).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agents = futures_util::future::join_all(
+        (0..8).map(|_| TestAgent::start_with(server.agent_addr, with_token(&dir, "shared-token"))),
+    )
+    .await;
+    server.wait_for_backends(8).await;
+    assert_eq!(stub.review_count(), 1);
+    assert_eq!(reviews(&server, "api").await, 1.0);
+    let coalesced = reviews(&server, "coalesced").await;
+    assert!(coalesced >= 1.0, "no review was coalesced");
+    assert_eq!(coalesced + reviews(&server, "cache").await, 7.0);
+    drop(agents);
+}
+
+/// Many agents with tokens of their own: never more reviews in flight
+/// than the bound, and every agent admitted.
+#[tokio::test]
+async fn reviews_in_flight_stay_within_the_bound() {
+    let stub = TokenReviewStub::start().await;
+    stub.set_delay(Duration::from_millis(200));
+    let server = server_with(&stub, Duration::from_secs(60), 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut agents = Vec::new();
+    for n in 0..8 {
+        let token = format!("token-{n}");
+        stub.allow(&token, identity(AGENT_SA, AUDIENCE));
+        let path = dir.path().join(&token);
+        std::fs::write(&path, &token).unwrap();
+        let opts = AgentOpts {
+            token_path: Some(path),
+            no_client_cert: true,
+            ..Default::default()
+        };
+        agents.push(TestAgent::start_with(server.agent_addr, opts));
+    }
+    let agents = futures_util::future::join_all(agents).await;
+    server.wait_for_backends(8).await;
+    assert_eq!(stub.review_count(), 8);
+    assert_eq!(
+        stub.most_in_flight(),
+        2,
+        "the bound was not reached or was passed"
+    );
+    drop(agents);
+}
+
+/// A revoked token is admitted from the cache for at most the cache's
+/// time-to-live after its review, then refused.
+#[tokio::test]
+async fn a_revoked_token_is_refused_within_the_cache_ttl() {
+    const TTL: Duration = Duration::from_secs(2);
+    let stub = TokenReviewStub::start().await;
+    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    let server = server_with(&stub, TTL, 4).await;
+    let reviewed = Instant::now();
+    assert!(admitted(&server, "good-token").await);
+    stub.revoke("good-token");
+    assert!(admitted(&server, "good-token").await, "not cached");
+    assert_eq!(stub.review_count(), 1);
+    let refused = loop {
+        if !admitted(&server, "good-token").await {
+            break reviewed.elapsed();
+        }
+        assert!(
+            reviewed.elapsed() < TTL + Duration::from_secs(5),
+            "still admitted {:?} after its review",
+            reviewed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(refused >= TTL, "refused after {refused:?}, before the ttl");
+    assert_eq!(stub.review_count(), 2);
 }

@@ -1,0 +1,248 @@
+//! TLS session tickets that every replica and every restart can open.
+//!
+//! rustls's own ticketer draws its keys at random, so a restarted server
+//! cannot open the tickets it issued before, and every agent of a reconnect
+//! storm costs it a full handshake: a private-key signature (about a
+//! millisecond of CPU for RSA-2048). [`TicketKeys`] derives its keys instead,
+//! with HKDF-SHA256, from
+//! - a secret every replica holds (`--tls-session-ticket-key`, or the serving
+//!   key itself),
+//! - what the ticket is bound to: the CA bundle client certificates must
+//!   chain to, so that a session is never resumed past a CA rotation (a
+//!   certificate the new bundle would not admit would otherwise come back
+//!   without being checked),
+//! - and the rotation period the ticket was issued in.
+//!
+//! A ticket is opened in the period it was issued in and the next one, never
+//! later: its lifetime is kept by the keys, not by a date inside it (as
+//! [`rustls::server::ProducesTickets`] asks). Each is sealed with
+//! AES-256-GCM under a fresh random nonce. A resumed TLS 1.3 handshake still
+//! does an (EC)DHE key exchange (rustls resumes only in `psk_dhe_ke` mode),
+//! so traffic keeps forward secrecy; what the secret protects is the
+//! resumption itself: whoever holds it and has seen a ticket can resume that
+//! session as its client until the ticket's window closes.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use ring::{aead, digest, hkdf, rand::SecureRandom};
+
+/// What the key derivation says it is for (HKDF salt, with the binding).
+const LABEL: &[u8] = b"konnectivity-rs TLS session tickets v1";
+/// Bytes of the period number at the start of a ticket.
+const PERIOD_LEN: usize = 8;
+/// The shortest secret accepted: one AES-256 key's worth.
+pub const MIN_SECRET_LEN: usize = 32;
+
+/// Seconds since the Unix epoch; tests give their own.
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+/// Session tickets sealed with keys derived from a shared secret; see the
+/// module documentation.
+pub struct TicketKeys {
+    /// HKDF's pseudo-random key, from the secret and the binding.
+    prk: hkdf::Prk,
+    /// Seconds per key; a ticket is opened for at most two of them.
+    rotation: u64,
+    /// Now, in seconds.
+    clock: Clock,
+}
+
+impl std::fmt::Debug for TicketKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TicketKeys")
+            .field("rotation", &self.rotation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TicketKeys {
+    /// Keys from `secret`, bound to `binding` (the client CA bundle's bytes,
+    /// or nothing), rotated every `rotation` (at least a second).
+    pub fn new(secret: &[u8], binding: &[u8], rotation: Duration) -> Self {
+        Self::with_clock(secret, binding, rotation, Arc::new(unix_now))
+    }
+
+    /// [`new`](Self::new) reading the time from `clock`.
+    pub fn with_clock(secret: &[u8], binding: &[u8], rotation: Duration, clock: Clock) -> Self {
+        let mut salt = digest::Context::new(&digest::SHA256);
+        salt.update(LABEL);
+        salt.update(digest::digest(&digest::SHA256, binding).as_ref());
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, salt.finish().as_ref()).extract(secret);
+        Self {
+            prk,
+            rotation: rotation.as_secs().max(1),
+            clock,
+        }
+    }
+
+    /// The rotation period `now` falls in.
+    fn period(&self) -> u64 {
+        (self.clock)() / self.rotation
+    }
+
+    /// The key of `period`.
+    fn key(&self, period: u64) -> aead::LessSafeKey {
+        let info = period.to_be_bytes();
+        let info = [info.as_slice()];
+        let okm = self
+            .prk
+            .expand(&info, &aead::AES_256_GCM)
+            .expect("32 bytes is within HKDF-SHA256's output limit");
+        aead::LessSafeKey::new(aead::UnboundKey::from(okm))
+    }
+}
+
+impl rustls::server::ProducesTickets for TicketKeys {
+    fn enabled(&self) -> bool {
+        true
+    }
+
+    /// A ticket is offered for one rotation after it is issued (clients
+    /// drop it then), and opened for at most two.
+    fn lifetime(&self) -> u32 {
+        u32::try_from(self.rotation).unwrap_or(u32::MAX)
+    }
+
+    /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated.
+    fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
+        let period = self.period().to_be_bytes();
+        let mut nonce = [0u8; aead::NONCE_LEN];
+        ring::rand::SystemRandom::new().fill(&mut nonce).ok()?;
+        let mut out =
+            Vec::with_capacity(PERIOD_LEN + nonce.len() + plain.len() + aead::MAX_TAG_LEN);
+        out.extend_from_slice(&period);
+        out.extend_from_slice(&nonce);
+        let mut sealed = plain.to_vec();
+        self.key(self.period())
+            .seal_in_place_append_tag(
+                aead::Nonce::assume_unique_for_key(nonce),
+                aead::Aad::from(period),
+                &mut sealed,
+            )
+            .ok()?;
+        out.extend_from_slice(&sealed);
+        Some(out)
+    }
+
+    /// Opens a ticket of this period or the one before; anything else,
+    /// whatever its bytes, is `None` (a full handshake).
+    fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
+        let (period, rest) = cipher.split_first_chunk::<PERIOD_LEN>()?;
+        let (nonce, sealed) = rest.split_first_chunk::<{ aead::NONCE_LEN }>()?;
+        let issued = u64::from_be_bytes(*period);
+        let now = self.period();
+        // The period before is still open; the next one too, for a replica
+        // whose clock is a little ahead at a boundary.
+        if issued.saturating_add(1) < now || issued > now.saturating_add(1) {
+            return None;
+        }
+        let mut plain = sealed.to_vec();
+        let opened = self
+            .key(issued)
+            .open_in_place(
+                aead::Nonce::assume_unique_for_key(*nonce),
+                aead::Aad::from(*period),
+                &mut plain,
+            )
+            .ok()?
+            .len();
+        plain.truncate(opened);
+        Some(plain)
+    }
+}
+
+/// Seconds since the Unix epoch (0 for a clock before it).
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use rustls::server::ProducesTickets;
+
+    use super::*;
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    /// Keys whose clock the test moves.
+    fn keys(secret: &[u8], binding: &[u8], now: &Arc<AtomicU64>) -> TicketKeys {
+        let now = now.clone();
+        TicketKeys::with_clock(
+            secret,
+            binding,
+            HOUR,
+            Arc::new(move || now.load(Ordering::Relaxed)),
+        )
+    }
+
+    #[test]
+    fn another_instance_with_the_secret_opens_a_ticket() {
+        let now = Arc::new(AtomicU64::new(10 * 3600 + 5));
+        let ticket = keys(SECRET, b"ca", &now).encrypt(b"session").unwrap();
+        // A restart, or another replica.
+        let again = keys(SECRET, b"ca", &now);
+        assert_eq!(again.decrypt(&ticket).as_deref(), Some(&b"session"[..]));
+        assert_eq!(again.lifetime(), 3600);
+    }
+
+    #[test]
+    fn a_ticket_is_opened_in_its_period_and_the_next_only() {
+        let now = Arc::new(AtomicU64::new(10 * 3600 + 3599));
+        let keys = keys(SECRET, b"ca", &now);
+        let ticket = keys.encrypt(b"session").unwrap();
+        now.store(11 * 3600, Ordering::Relaxed);
+        assert!(keys.decrypt(&ticket).is_some(), "the next period");
+        now.store(11 * 3600 + 3599, Ordering::Relaxed);
+        assert!(
+            keys.decrypt(&ticket).is_some(),
+            "the end of the next period"
+        );
+        now.store(12 * 3600, Ordering::Relaxed);
+        assert_eq!(keys.decrypt(&ticket), None, "two periods on");
+        now.store(9 * 3600, Ordering::Relaxed);
+        assert!(keys.decrypt(&ticket).is_some(), "a clock one period behind");
+        now.store(8 * 3600, Ordering::Relaxed);
+        assert_eq!(keys.decrypt(&ticket), None, "two periods behind");
+    }
+
+    #[test]
+    fn another_binding_or_secret_does_not_open_it() {
+        let now = Arc::new(AtomicU64::new(3600 * 5));
+        let ticket = keys(SECRET, b"old ca", &now).encrypt(b"session").unwrap();
+        assert_eq!(keys(SECRET, b"new ca", &now).decrypt(&ticket), None);
+        let other = b"another secret of thirty-two byte";
+        assert_eq!(keys(other, b"old ca", &now).decrypt(&ticket), None);
+    }
+
+    #[test]
+    fn a_changed_byte_or_a_moved_period_is_refused() {
+        let now = Arc::new(AtomicU64::new(3600 * 5));
+        let keys = keys(SECRET, b"ca", &now);
+        let ticket = keys.encrypt(b"session").unwrap();
+        for at in [0, 7, 8, 19, 20, ticket.len() - 1] {
+            let mut bad = ticket.clone();
+            bad[at] ^= 1;
+            // Period bytes moved by one stay in the window: the AEAD refuses.
+            assert_eq!(keys.decrypt(&bad), None, "byte {at} changed");
+        }
+        for len in 0..ticket.len() {
+            assert_eq!(keys.decrypt(&ticket[..len]), None, "cut to {len}");
+        }
+        assert_eq!(keys.decrypt(&[0xff; 64]), None);
+    }
+
+    #[test]
+    fn two_tickets_of_one_session_differ() {
+        let now = Arc::new(AtomicU64::new(3600 * 5));
+        let keys = keys(SECRET, b"ca", &now);
+        assert_ne!(keys.encrypt(b"session"), keys.encrypt(b"session"));
+    }
+}

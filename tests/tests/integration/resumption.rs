@@ -1,0 +1,60 @@
+//! TLS session resumption on the agent listener: a restarted server opens
+//! the session tickets it issued before (their keys are derived from its
+//! key), so a reconnect storm costs it no signature per agent.
+
+use integration_tests::{
+    ServerOpts, TestAgent, TestServer, destination, http_get, process::metric_value,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `konnectivity_rs_server_agent_tls_handshakes_total{kind}` of `server`.
+async fn handshakes(server: &TestServer, kind: &str) -> f64 {
+    let (status, text) = http_get(server.admin_addr, "/metrics").await;
+    assert_eq!(status, 200, "{text}");
+    metric_value(
+        &text,
+        &format!("konnectivity_rs_server_agent_tls_handshakes_total{{kind=\"{kind}\"}}"),
+    )
+}
+
+/// A byte each way through `server` to an echo destination.
+async fn tunnel_works(server: &TestServer) {
+    let echo = destination::echo().await;
+    let mut conn = server.dial(&echo.address()).await.unwrap();
+    conn.write_all(b"r").await.unwrap();
+    let mut byte = [0u8; 1];
+    conn.read_exact(&mut byte).await.unwrap();
+    assert_eq!(&byte, b"r");
+}
+
+#[tokio::test]
+async fn agents_resume_their_sessions_after_a_server_restart() {
+    let server = TestServer::start().await;
+    let _agents = [
+        TestAgent::start(&server).await,
+        TestAgent::start(&server).await,
+    ];
+    assert_eq!(handshakes(&server, "full").await, 2.0);
+    assert_eq!(handshakes(&server, "resumed").await, 0.0);
+
+    let server = server.restart().await;
+    server.wait_for_backends(2).await;
+    assert_eq!(handshakes(&server, "resumed").await, 2.0);
+    assert_eq!(handshakes(&server, "full").await, 0.0);
+    tunnel_works(&server).await;
+}
+
+#[tokio::test]
+async fn without_session_tickets_a_restart_costs_full_handshakes() {
+    let server = TestServer::start_with(ServerOpts {
+        session_tickets: false,
+        ..Default::default()
+    })
+    .await;
+    let _agent = TestAgent::start(&server).await;
+    let server = server.restart().await;
+    server.wait_for_backends(1).await;
+    assert_eq!(handshakes(&server, "full").await, 1.0);
+    assert_eq!(handshakes(&server, "resumed").await, 0.0);
+    tunnel_works(&server).await;
+}
