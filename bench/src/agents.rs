@@ -8,8 +8,16 @@
 //! - the server's RSS per connected idle agent, and the swarm's;
 //! - `/readyz` and `/metrics` latency with N agents;
 //! - the single-use dial rate and p99 at 8 clients with 1 agent and with N;
-//! - the same cold start and dial rate with ANP-style agents (no
-//!   flow-control negotiation).
+//! - the time until all are back after every agent's link is cut (the
+//!   swarm drops its connections on SIGUSR1) with the server kept, and the
+//!   server's CPU per reconnect;
+//! - how many of the reconnects resumed their TLS session (no signature);
+//! - the same cold start, restart and dial rate with ANP-style agents (no
+//!   flow-control negotiation, no TLS session cache, as grpc-go's).
+//!
+//! The PKI is its own, with keys of `--agents-key-algorithm` (RSA-2048 by
+//! default, as kubeadm's: a full handshake then costs the server an RSA
+//! signature).
 
 use std::{
     net::SocketAddr,
@@ -44,7 +52,17 @@ const HEALTH_SAMPLES: usize = 20;
 const DIAL_CLIENTS: usize = 8;
 /// The server's count of connected agent streams.
 const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+/// The server's count of agent TLS handshakes, by kind.
+const HANDSHAKES: &str = "konnectivity_rs_server_agent_tls_handshakes_total";
 
+/// Which agents a swarm runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Style {
+    /// Ours: flow-control negotiation, a TLS session cache per agent.
+    Ours,
+    /// As ANP's grpc-go agents: neither.
+    Anp,
+}
 /// The server under test, restartable on the same ports.
 struct Server {
     /// The running process, if any.
@@ -66,12 +84,12 @@ struct Server {
 }
 
 impl Server {
-    fn new(bins: &Binaries, dir: &Path) -> anyhow::Result<Self> {
+    fn new(bins: &Binaries, dir: &Path, pki: &Path) -> anyhow::Result<Self> {
         let (agent_port, health_port) = system::free_ports()?;
         let uds = dir.join("agents.sock");
         let args = [
             &bins.extra[..],
-            &system::server_args(dir, "grpc", &uds, agent_port, health_port),
+            &system::server_args(pki, "grpc", &uds, agent_port, health_port),
         ]
         .concat();
         Ok(Self {
@@ -131,6 +149,36 @@ impl Server {
         Ok(probe::prometheus_value(&text, CONNECTED).unwrap_or(0.0) as usize)
     }
 
+    /// Agent TLS handshakes of `kind` (`full`, `resumed`) so far.
+    async fn handshakes(&self, kind: &str) -> anyhow::Result<f64> {
+        let (_, text) = probe::http_get(self.health, "/metrics").await?;
+        Ok(
+            probe::prometheus_value(&text, &format!("{HANDSHAKES}{{kind=\"{kind}\"}}"))
+                .unwrap_or(0.0),
+        )
+    }
+
+    /// Waits until `n` agents are connected and `handshakes` more TLS
+    /// handshakes than `before` are done; how long that took from `since`.
+    async fn wait_reconnected(
+        &mut self,
+        n: usize,
+        before: f64,
+        since: Instant,
+    ) -> anyhow::Result<Duration> {
+        loop {
+            self.check_alive()?;
+            let done = self.handshakes("full").await? + self.handshakes("resumed").await? - before;
+            if done >= n as f64 && self.connected().await? == n {
+                return Ok(since.elapsed());
+            }
+            if since.elapsed() > CONNECT_LIMIT {
+                bail!("{done} of {n} agents reconnected after {CONNECT_LIMIT:?}");
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
     /// Waits until exactly `n` agents are connected; how long that took
     /// from `since`.
     async fn wait_connected(&mut self, n: usize, since: Instant) -> anyhow::Result<Duration> {
@@ -170,16 +218,16 @@ struct Swarm {
 }
 
 impl Swarm {
-    /// Starts `n` agents of `server`, as few processes as the open-file
-    /// limit allows; `flow_control` off makes them ANP-style.
+    /// Starts `n` agents of `style` with the certificates in `pki` against
+    /// `server`, as few processes as the open-file limit allows.
     fn start(
         bins: &Binaries,
-        dir: &Path,
+        (dir, pki): (&Path, &Path),
         server: &Server,
-        n: usize,
-        flow_control: bool,
+        (n, style): (usize, Style),
         nofile: u64,
     ) -> anyhow::Result<Self> {
+        let ours = style == Style::Ours;
         let per = usize::try_from(nofile.saturating_sub(SWARM_SPARE_FDS) / FDS_PER_AGENT)
             .unwrap_or(usize::MAX)
             .max(1);
@@ -191,10 +239,11 @@ impl Swarm {
                 vec![
                     format!("--agents={agents}"),
                     format!("--first={first}"),
+                    format!("--resumption={ours}"),
                     "--".to_owned(),
                 ],
-                system::agent_args(dir, server.agent_port),
-                vec![format!("--flow-control={flow_control}")],
+                system::agent_args(pki, server.agent_port),
+                vec![format!("--flow-control={ours}")],
             ]
             .concat();
             processes.push(Process::spawn(
@@ -210,6 +259,21 @@ impl Swarm {
 
     fn check_alive(&mut self) -> anyhow::Result<()> {
         self.processes.iter_mut().try_for_each(Process::check_alive)
+    }
+
+    /// Cuts every agent's server connection (SIGUSR1): each reconnects as
+    /// after a lost link.
+    fn cut(&self) -> anyhow::Result<()> {
+        for process in &self.processes {
+            let status = std::process::Command::new("kill")
+                .args(["-USR1", &process.pid().to_string()])
+                .status()
+                .context("running kill")?;
+            if !status.success() {
+                bail!("kill -USR1 {} failed: {status}", process.pid());
+            }
+        }
+        Ok(())
     }
 
     /// RSS of all swarm processes, bytes.
@@ -287,6 +351,7 @@ async fn dial_row(
 /// # Errors
 /// A process does not start or dies, or the agents do not all connect
 /// within two minutes.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     bins: &Binaries,
     dir: &Path,
@@ -294,19 +359,23 @@ pub async fn run(
     n: usize,
     duration: Duration,
     nofile: u64,
+    algorithm: certs::KeyAlgorithm,
     rec: &mut Recorder,
 ) -> anyhow::Result<()> {
-    let push = |rec: &mut Recorder, def: &report::Def, value: f64| {
-        rec.push(def, Route::Grpc, 0, Some(value));
-    };
-    let mut server = Server::new(bins, dir)?;
+    let pki = dir.join("agents-pki");
+    certs::ClusterPki::generate_with(&[], algorithm)
+        .context("generating the agents scenario's certificates")?
+        .write_to(&pki)
+        .context("writing the agents scenario's certificates")?;
+    let paths = (dir, pki.as_path());
+    let mut server = Server::new(bins, dir, &pki)?;
     server.start().await?;
     let server_idle = settled(|| probe::rss(server.pid()?)).await?;
 
     // One agent: the dial row to compare with, and the swarm's own size.
-    let mut swarm = Swarm::start(bins, dir, &server, 1, true, nofile)?;
+    let mut swarm = Swarm::start(bins, paths, &server, (1, Style::Ours), nofile)?;
     server.wait_connected(1, Instant::now()).await?;
-    let (rate1, p99_1, errors1) = dial_row(
+    let one = dial_row(
         &server.target(swarm.first_pid())?,
         backends,
         duration,
@@ -321,7 +390,7 @@ pub async fn run(
     // Cold start: N agents at once.
     let cpu = probe::cpu_ticks(server.pid()?)?;
     let began = Instant::now();
-    let mut swarm = Swarm::start(bins, dir, &server, n, true, nofile)?;
+    let mut swarm = Swarm::start(bins, paths, &server, (n, Style::Ours), nofile)?;
     let cold = server.wait_connected(n, began).await?;
     let cold_cpu = probe::cpu_ticks(server.pid()?)? - cpu;
     swarm.check_alive()?;
@@ -330,69 +399,33 @@ pub async fn run(
         cold.as_secs_f64(),
         ticks_ms(cold_cpu) / n as f64
     );
-    push(rec, &report::AGENTS_COLD, cold.as_secs_f64());
-    push(rec, &report::AGENTS_CPU_COLD, ticks_ms(cold_cpu) / n as f64);
-
-    let server_rss = settled(|| probe::rss(server.pid()?)).await?;
-    let swarm_rss = settled(|| swarm.rss()).await?;
-    let per_server = server_rss.saturating_sub(server_idle) as f64 / n as f64 / 1024.0;
-    let per_swarm = swarm_rss.saturating_sub(swarm_one) as f64 / (n.max(2) - 1) as f64 / 1024.0;
-    eprintln!(
-        "agents: server RSS {:.1} MiB idle, {:.1} MiB with {n}: {per_server:.1} KiB per agent; \
-         swarm {per_swarm:.1} KiB per agent",
-        mib(server_idle),
-        mib(server_rss)
+    rec.push(
+        &report::AGENTS_COLD,
+        Route::Grpc,
+        0,
+        Some(cold.as_secs_f64()),
     );
-    push(rec, &report::AGENTS_RSS_SERVER, per_server);
-    push(rec, &report::AGENTS_RSS_SWARM, per_swarm);
+    let per_agent = ticks_ms(cold_cpu) / n as f64;
+    rec.push(&report::AGENTS_CPU_COLD, Route::Grpc, 0, Some(per_agent));
 
-    let readyz = slowest_get(server.health, "/readyz").await?;
-    let metrics = slowest_get(server.health, "/metrics").await?;
-    eprintln!(
-        "agents: slowest of {HEALTH_SAMPLES}: /readyz {readyz:.1} ms, /metrics {metrics:.1} ms"
-    );
-    push(rec, &report::AGENTS_READYZ, readyz);
-    push(rec, &report::AGENTS_METRICS, metrics);
-
-    let (rate_n, p99_n, errors_n) = dial_row(
+    memory_rows(&server, &swarm, (server_idle, swarm_one), n, rec).await?;
+    let many = dial_row(
         &server.target(swarm.first_pid())?,
         backends,
         duration,
         &format!("{n} agents"),
     )
     .await?;
-    push(rec, &report::AGENTS_DIAL1_RATE, rate1);
-    push(rec, &report::AGENTS_DIAL1_P99, p99_1);
-    push(rec, &report::AGENTS_DIALN_RATE, rate_n);
-    push(rec, &report::AGENTS_DIALN_P99, p99_n);
-    push(rec, &report::AGENTS_DIAL_RATIO, rate_n / rate1);
-    push(rec, &report::AGENTS_DIAL_P99_RATIO, p99_n / p99_1);
+    dial_rows(one, many, rec);
 
-    // Restart storm: SIGKILL, then the same ports again.
-    server.kill();
-    let began = Instant::now();
-    server.start().await?;
-    let restart = server.wait_connected(n, began).await?;
-    // A fresh process: all its CPU is the storm's.
-    let restart_cpu = probe::cpu_ticks(server.pid()?)?;
-    swarm.check_alive()?;
-    eprintln!(
-        "agents: {n} connected {:.2} s after a server restart; server CPU {:.2} ms per agent",
-        restart.as_secs_f64(),
-        ticks_ms(restart_cpu) / n as f64
-    );
-    push(rec, &report::AGENTS_RESTART, restart.as_secs_f64());
-    push(
-        rec,
-        &report::AGENTS_CPU_RESTART,
-        ticks_ms(restart_cpu) / n as f64,
-    );
+    restart_storm(&mut server, &mut swarm, n, Style::Ours, rec).await?;
+    cut_storm(&mut server, &mut swarm, n, rec).await?;
     drop(swarm);
     server.wait_connected(0, Instant::now()).await?;
 
-    // ANP-style agents: no flow-control negotiation.
+    // ANP-style agents: no flow-control negotiation, no session cache.
     let began = Instant::now();
-    let swarm = Swarm::start(bins, dir, &server, n, false, nofile)?;
+    let mut swarm = Swarm::start(bins, paths, &server, (n, Style::Anp), nofile)?;
     let anp_cold = server.wait_connected(n, began).await?;
     eprintln!(
         "agents: {n} ANP-style agents connected {:.2} s after a cold start",
@@ -405,13 +438,135 @@ pub async fn run(
         &format!("{n} ANP-style agents"),
     )
     .await?;
+    let push = |rec: &mut Recorder, def: &report::Def, value: f64| {
+        rec.push(def, Route::Grpc, 0, Some(value));
+    };
     push(rec, &report::AGENTS_ANP_COLD, anp_cold.as_secs_f64());
     push(rec, &report::AGENTS_ANP_DIAL_RATE, rate_anp);
     push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
+    restart_storm(&mut server, &mut swarm, n, Style::Anp, rec).await?;
     push(
         rec,
         &report::AGENTS_DIAL_ERRORS,
-        (errors1 + errors_n + errors_anp) as f64,
+        (one.2 + many.2 + errors_anp) as f64,
+    );
+    Ok(())
+}
+
+/// The server's and the swarm's RSS per connected idle agent, and the
+/// health endpoints' latency with N agents.
+async fn memory_rows(
+    server: &Server,
+    swarm: &Swarm,
+    (server_idle, swarm_one): (u64, u64),
+    n: usize,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    let server_rss = settled(|| probe::rss(server.pid()?)).await?;
+    let swarm_rss = settled(|| swarm.rss()).await?;
+    let per_server = server_rss.saturating_sub(server_idle) as f64 / n as f64 / 1024.0;
+    let per_swarm = swarm_rss.saturating_sub(swarm_one) as f64 / (n.max(2) - 1) as f64 / 1024.0;
+    eprintln!(
+        "agents: server RSS {:.1} MiB idle, {:.1} MiB with {n}: {per_server:.1} KiB per agent; \
+         swarm {per_swarm:.1} KiB per agent",
+        mib(server_idle),
+        mib(server_rss)
+    );
+    rec.push(&report::AGENTS_RSS_SERVER, Route::Grpc, 0, Some(per_server));
+    rec.push(&report::AGENTS_RSS_SWARM, Route::Grpc, 0, Some(per_swarm));
+    let readyz = slowest_get(server.health, "/readyz").await?;
+    let metrics = slowest_get(server.health, "/metrics").await?;
+    eprintln!(
+        "agents: slowest of {HEALTH_SAMPLES}: /readyz {readyz:.1} ms, /metrics {metrics:.1} ms"
+    );
+    rec.push(&report::AGENTS_READYZ, Route::Grpc, 0, Some(readyz));
+    rec.push(&report::AGENTS_METRICS, Route::Grpc, 0, Some(metrics));
+    Ok(())
+}
+
+/// The dial rows with 1 agent and with N, and their ratios.
+fn dial_rows(one: (f64, f64, u64), many: (f64, f64, u64), rec: &mut Recorder) {
+    for (def, value) in [
+        (&report::AGENTS_DIAL1_RATE, one.0),
+        (&report::AGENTS_DIAL1_P99, one.1),
+        (&report::AGENTS_DIALN_RATE, many.0),
+        (&report::AGENTS_DIALN_P99, many.1),
+        (&report::AGENTS_DIAL_RATIO, many.0 / one.0),
+        (&report::AGENTS_DIAL_P99_RATIO, many.1 / one.1),
+    ] {
+        rec.push(def, Route::Grpc, 0, Some(value));
+    }
+}
+
+/// SIGKILL, then the same ports again: the time until all `n` agents of
+/// `style` are back, the fresh process's CPU per agent, and (ours) how many
+/// resumed their TLS session.
+async fn restart_storm(
+    server: &mut Server,
+    swarm: &mut Swarm,
+    n: usize,
+    style: Style,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    server.kill();
+    let began = Instant::now();
+    server.start().await?;
+    let restart = server.wait_connected(n, began).await?;
+    // A fresh process: all its CPU is the storm's.
+    let per_agent = ticks_ms(probe::cpu_ticks(server.pid()?)?) / n as f64;
+    let resumed = server.handshakes("resumed").await?;
+    swarm.check_alive()?;
+    eprintln!(
+        "agents: {n} {style:?}-style connected {:.2} s after a server restart; server CPU {per_agent:.2} \
+         ms per agent; {resumed} resumed",
+        restart.as_secs_f64(),
+    );
+    let (time, cpu) = match style {
+        Style::Ours => {
+            rec.push(&report::AGENTS_RESUMED, Route::Grpc, 0, Some(resumed));
+            (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART)
+        }
+        Style::Anp => (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART),
+    };
+    rec.push(time, Route::Grpc, 0, Some(restart.as_secs_f64()));
+    rec.push(cpu, Route::Grpc, 0, Some(per_agent));
+    Ok(())
+}
+
+/// Every agent's link cut, the server kept: the time until all `n` are
+/// back, the server's CPU per reconnect, how many resumed.
+async fn cut_storm(
+    server: &mut Server,
+    swarm: &mut Swarm,
+    n: usize,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    let resumed = server.handshakes("resumed").await?;
+    let before = server.handshakes("full").await? + resumed;
+    let cpu = probe::cpu_ticks(server.pid()?)?;
+    let began = Instant::now();
+    swarm.cut()?;
+    let back = server.wait_reconnected(n, before, began).await?;
+    let per_agent = ticks_ms(probe::cpu_ticks(server.pid()?)? - cpu) / n as f64;
+    let cut_resumed = server.handshakes("resumed").await? - resumed;
+    swarm.check_alive()?;
+    eprintln!(
+        "agents: {n} back {:.2} s after their links were cut; server CPU {per_agent:.2} ms per \
+         agent; {cut_resumed} resumed",
+        back.as_secs_f64()
+    );
+    rec.push(
+        &report::AGENTS_CUT,
+        Route::Grpc,
+        0,
+        Some(back.as_secs_f64()),
+    );
+    rec.push(&report::AGENTS_CPU_CUT, Route::Grpc, 0, Some(per_agent));
+    rec.push(
+        &report::AGENTS_CUT_RESUMED,
+        Route::Grpc,
+        0,
+        Some(cut_resumed),
     );
     Ok(())
 }

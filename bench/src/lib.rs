@@ -50,6 +50,17 @@ const DIAL_CONCURRENCY: [usize; 2] = [1, 8];
 /// Longest warm-up before a time-boxed measurement.
 const MAX_WARMUP: Duration = Duration::from_millis(500);
 
+/// `--agents-key-algorithm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KeyAlgorithm {
+    /// RSA-2048.
+    #[value(name = "rsa-2048")]
+    Rsa2048,
+    /// ECDSA P-256.
+    #[value(name = "ecdsa-p256")]
+    EcdsaP256,
+}
+
 /// A scenario.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Scenario {
@@ -114,6 +125,10 @@ pub struct Opt {
     /// Streams of the parallel scenario.
     #[arg(long, default_value_t = 16)]
     pub streams: usize,
+    /// Keys of the agents scenario's PKI: rsa-2048 (kubeadm's default: a
+    /// full handshake costs the server an RSA signature) or ecdsa-p256.
+    #[arg(long, value_enum, default_value_t = KeyAlgorithm::Rsa2048)]
+    pub agents_key_algorithm: KeyAlgorithm,
     /// Smoke run: --duration=1s, --reps=1, --conns=1000, --agents at most 1000.
     #[arg(long)]
     pub quick: bool,
@@ -356,17 +371,23 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
             opt.agents,
             timing.duration,
             nofile,
+            match opt.agents_key_algorithm {
+                KeyAlgorithm::Rsa2048 => certs::KeyAlgorithm::Rsa2048,
+                KeyAlgorithm::EcdsaP256 => certs::KeyAlgorithm::EcdsaP256,
+            },
             &mut rec,
         )
         .await
         .context("agents scenario")?;
         notes.push(format!(
-            "agents runs once, last, against a server of its own (gRPC mode, default flags): N = {} \
-             real agents in agent-swarm processes (each agent its own TLS connection, Connect \
-             stream, health and admin listeners; default --sync-interval); RSS per agent = \
-             (RSS with N - RSS before) / N, the swarm's beyond its first agent; CPU = utime+stime \
-             of proxy-server while they connect",
-            opt.agents
+            "agents runs once, last, against a server of its own (gRPC mode, default flags, {:?} \
+             keys): N = {} real agents in agent-swarm processes (each agent its own TLS \
+             connection, session cache, Connect stream, health and admin listeners; default \
+             --sync-interval); links cut = SIGUSR1 to the swarm, which drops every agent's \
+             connection; ANP-style = no flow control, no session cache; RSS per agent = (RSS \
+             with N - RSS before) / N, the swarm's beyond its first agent; CPU = utime+stime of \
+             proxy-server while they connect",
+            opt.agents_key_algorithm, opt.agents
         ));
     }
     notes.push(

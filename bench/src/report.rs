@@ -207,6 +207,20 @@ pub const CHURN_LAST_AGENT: Def = def("churn", "agent RSS after last round", "Mi
 /// Agent RSS growth from churn round 2 to the last, in percent.
 pub const CHURN_GROWTH_AGENT: Def = def("churn", "agent growth round 2->last", "%", false);
 
+/// Agents whose TLS session resumed after the server restart.
+pub const AGENTS_RESUMED: Def = def("agents", "agents resumed after the restart", "count", false);
+/// All agents back after their links were cut, the server kept.
+pub const AGENTS_CUT: Def = def("agents", "N agents back after links cut", "s", false);
+/// Server CPU per agent reconnecting after its link was cut.
+pub const AGENTS_CPU_CUT: Def = def("agents", "server CPU per agent, links cut", "ms", false);
+/// Agents whose TLS session resumed after their links were cut.
+pub const AGENTS_CUT_RESUMED: Def = def("agents", "agents resumed after links cut", "count", false);
+/// All ANP-style agents connected after a server restart.
+pub const AGENTS_ANP_RESTART: Def = def("agents", "N ANP-style connected, restart", "s", false);
+/// Server CPU per ANP-style agent after a restart.
+pub const AGENTS_ANP_CPU_RESTART: Def =
+    def("agents", "server CPU per ANP-style, restart", "ms", false);
+
 /// All agents connected after a cold start (agents scenario).
 pub const AGENTS_COLD: Def = def("agents", "N agents connected, cold start", "s", false);
 /// All agents connected after the server was killed and started again.
@@ -319,6 +333,10 @@ const ALL: &[&Def] = &[
     &AGENTS_RESTART,
     &AGENTS_CPU_COLD,
     &AGENTS_CPU_RESTART,
+    &AGENTS_RESUMED,
+    &AGENTS_CUT,
+    &AGENTS_CPU_CUT,
+    &AGENTS_CUT_RESUMED,
     &AGENTS_RSS_SERVER,
     &AGENTS_RSS_SWARM,
     &AGENTS_READYZ,
@@ -330,6 +348,8 @@ const ALL: &[&Def] = &[
     &AGENTS_DIAL_RATIO,
     &AGENTS_DIAL_P99_RATIO,
     &AGENTS_ANP_COLD,
+    &AGENTS_ANP_RESTART,
+    &AGENTS_ANP_CPU_RESTART,
     &AGENTS_ANP_DIAL_RATE,
     &AGENTS_ANP_DIAL_P99,
     &AGENTS_DIAL_ERRORS,

@@ -480,7 +480,31 @@ mod tests {
 
     #[test]
     fn mtls_handshake_succeeds_with_agent_pki() {
-        let pki = ClusterPki::generate(&[]).unwrap();
+        mtls_handshake(KeyAlgorithm::EcdsaP256);
+    }
+
+    #[test]
+    fn mtls_handshake_succeeds_with_rsa_keys() {
+        let pki = mtls_handshake(KeyAlgorithm::Rsa2048);
+        for pem in [&pki.cluster_server.key_pem, &pki.agent_client.key_pem] {
+            let key = PrivateKeyDer::from_pem_slice(pem.as_bytes()).unwrap();
+            // PKCS#8 of rsaEncryption, as kubeadm's keys load.
+            let pkcs8 = match key {
+                PrivateKeyDer::Pkcs8(der) => der,
+                other => panic!("not PKCS#8: {other:?}"),
+            };
+            assert!(
+                provider()
+                    .key_provider
+                    .load_private_key(pkcs8.into())
+                    .is_ok()
+            );
+        }
+    }
+
+    /// A full mTLS handshake with a PKI of `algorithm` keys.
+    fn mtls_handshake(algorithm: KeyAlgorithm) -> ClusterPki {
+        let pki = ClusterPki::generate_with(&[], algorithm).unwrap();
         let key = |pem: &str| PrivateKeyDer::from_pem_slice(pem.as_bytes()).unwrap();
 
         let client_verifier =
@@ -525,6 +549,7 @@ mod tests {
         assert!(!client.is_handshaking() && !server.is_handshaking());
         let presented = server.peer_certificates().unwrap();
         assert_eq!(presented, [der(&pki.agent_client.cert_pem)]);
+        pki
     }
 
     #[cfg(unix)]

@@ -2,12 +2,12 @@
 //! scenario (a cluster has one agent per node, thousands of them). Each is
 //! the real agent (`proxy_agent::Agent`) with its own id, its own TLS
 //! connection and `Connect` stream, its own health and admin listeners;
-//! they share one process, one runtime and one TLS configuration with
-//! session resumption off (every handshake is a full one, as after a
-//! server restart).
+//! they share one process and one runtime, each with its TLS session cache
+//! (`--resumption=false`: none, as ANP's grpc-go agents). SIGUSR1 cuts
+//! every agent's server connection, as a network fault would.
 //!
 //! ```text
-//! agent-swarm --agents 5000 --first 0 -- <proxy-agent flags>
+//! agent-swarm --agents 5000 --first 0 [--resumption=false] -- <proxy-agent flags>
 //! ```
 //! Agent ids are `swarm-<first>`, `swarm-<first+1>`, …. Agent `n` listens
 //! for health and admin on ANP's ports 8093 and 8094 of a loopback address
@@ -34,6 +34,10 @@ struct Opt {
     /// Number of the first agent (ids are `swarm-<n>`).
     #[arg(long, default_value_t = 0)]
     first: usize,
+    /// Keep a TLS session cache per agent (ours) or none (as ANP's grpc-go
+    /// agents, every handshake a full one).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    resumption: bool,
     /// proxy-agent flags, shared by every agent.
     #[arg(last = true)]
     agent_args: Vec<String>,
@@ -72,13 +76,15 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    // Every agent does a full handshake, as after a restart.
+    // Each agent loads its own TLS configuration, and with it a session
+    // cache of its own, as on its own node.
     let tls = proxy_agent::config::ClientTls {
-        resumption: false,
+        resumption: opt.resumption,
         ..base.tls.clone()
     };
     let stop = CancellationToken::new();
     let agents = TaskTracker::new();
+    let mut handles = Vec::with_capacity(opt.agents);
     for n in opt.first..opt.first + opt.agents {
         let mut config = base.clone();
         config.agent_id = tunnel::ids::AgentId(format!("swarm-{n}"));
@@ -100,11 +106,28 @@ async fn main() -> std::process::ExitCode {
                 return std::process::ExitCode::FAILURE;
             }
         };
+        handles.push(bound.handle());
         agents.spawn(bound.serve(stop.clone().cancelled_owned()));
     }
     agents.close();
     eprintln!("agent-swarm: {} agents started", opt.agents);
-    ops::signal::shutdown().await;
+    // SIGUSR1: every agent's link is cut, as by a network fault.
+    let mut cut = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+    {
+        Ok(signal) => signal,
+        Err(e) => {
+            eprintln!("agent-swarm: cannot handle SIGUSR1: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let shutdown = ops::signal::shutdown();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            _ = cut.recv() => handles.iter().for_each(proxy_agent::agent::AgentHandle::disconnect_all),
+        }
+    }
     stop.cancel();
     agents.wait().await;
     std::process::ExitCode::SUCCESS
