@@ -55,6 +55,9 @@ const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connect
 /// The server's count of agent TLS handshakes, by kind.
 const HANDSHAKES: &str = "konnectivity_rs_server_agent_tls_handshakes_total";
 
+/// The audience of the agents' tokens.
+const AUDIENCE: &str = "system:konnectivity-server";
+
 /// Which agents a swarm runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Style {
@@ -62,6 +65,9 @@ enum Style {
     Ours,
     /// As ANP's grpc-go agents: neither.
     Anp,
+    /// Ours, each with a service-account token of its own in this
+    /// directory instead of a client certificate.
+    Tokens(&'static str),
 }
 /// The server under test, restartable on the same ports.
 struct Server {
@@ -85,13 +91,33 @@ struct Server {
 
 impl Server {
     fn new(bins: &Binaries, dir: &Path, pki: &Path) -> anyhow::Result<Self> {
+        Self::with_auth(bins, dir, pki, None)
+    }
+
+    /// A server authenticating agents with client certificates, or with
+    /// service-account tokens reviewed by the API of `kubeconfig`.
+    fn with_auth(
+        bins: &Binaries,
+        dir: &Path,
+        pki: &Path,
+        kubeconfig: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let (agent_port, health_port) = system::free_ports()?;
-        let uds = dir.join("agents.sock");
-        let args = [
+        let uds = dir.join(format!("agents-{agent_port}.sock"));
+        let mut args = [
             &bins.extra[..],
             &system::server_args(pki, "grpc", &uds, agent_port, health_port),
         ]
         .concat();
+        if let Some(kubeconfig) = kubeconfig {
+            args.retain(|arg| !arg.starts_with("--cluster-ca-cert="));
+            args.extend([
+                "--agent-namespace=kube-system".to_owned(),
+                "--agent-service-account=konnectivity-agent".to_owned(),
+                format!("--authentication-audience={AUDIENCE}"),
+                format!("--kubeconfig={}", kubeconfig.display()),
+            ]);
+        }
         Ok(Self {
             process: None,
             args,
@@ -111,7 +137,10 @@ impl Server {
             "proxy-server (agents scenario)".to_owned(),
             &self.bin,
             &self.args,
-            self.dir.join(format!("agents-server-{}.log", self.starts)),
+            self.dir.join(format!(
+                "agents-server-{}-{}.log",
+                self.agent_port, self.starts
+            )),
         )?);
         let started = Instant::now();
         while probe::http_get(self.health, "/metrics").await.is_err() {
@@ -227,7 +256,7 @@ impl Swarm {
         (n, style): (usize, Style),
         nofile: u64,
     ) -> anyhow::Result<Self> {
-        let ours = style == Style::Ours;
+        let ours = style != Style::Anp;
         let per = usize::try_from(nofile.saturating_sub(SWARM_SPARE_FDS) / FDS_PER_AGENT)
             .unwrap_or(usize::MAX)
             .max(1);
@@ -240,12 +269,26 @@ impl Swarm {
                     format!("--agents={agents}"),
                     format!("--first={first}"),
                     format!("--resumption={ours}"),
-                    "--".to_owned(),
                 ],
+                match style {
+                    Style::Tokens(tokens) => {
+                        vec![format!("--token-dir={}", dir.join(tokens).display())]
+                    }
+                    _ => Vec::new(),
+                },
+                vec!["--".to_owned()],
                 system::agent_args(pki, server.agent_port),
                 vec![format!("--flow-control={ours}")],
             ]
             .concat();
+            let args: Vec<String> = match style {
+                // No client certificate: the token authenticates.
+                Style::Tokens(_) => args
+                    .into_iter()
+                    .filter(|a| !a.starts_with("--agent-cert=") && !a.starts_with("--agent-key="))
+                    .collect(),
+                _ => args,
+            };
             processes.push(Process::spawn(
                 format!("agent-swarm --first={first}"),
                 &bins.swarm,
@@ -359,7 +402,7 @@ pub async fn run(
     n: usize,
     duration: Duration,
     nofile: u64,
-    algorithm: certs::KeyAlgorithm,
+    (algorithm, review_latency): (certs::KeyAlgorithm, Duration),
     rec: &mut Recorder,
 ) -> anyhow::Result<()> {
     let pki = dir.join("agents-pki");
@@ -445,6 +488,9 @@ pub async fn run(
     push(rec, &report::AGENTS_ANP_DIAL_RATE, rate_anp);
     push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
     restart_storm(&mut server, &mut swarm, n, Style::Anp, rec).await?;
+    drop(swarm);
+    drop(server);
+    token_storms(bins, paths, n, nofile, review_latency, rec).await?;
     push(
         rec,
         &report::AGENTS_DIAL_ERRORS,
@@ -526,7 +572,9 @@ async fn restart_storm(
             rec.push(&report::AGENTS_RESUMED, Route::Grpc, 0, Some(resumed));
             (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART)
         }
-        Style::Anp => (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART),
+        Style::Anp | Style::Tokens(_) => {
+            (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART)
+        }
     };
     rec.push(time, Route::Grpc, 0, Some(restart.as_secs_f64()));
     rec.push(cpu, Route::Grpc, 0, Some(per_agent));
@@ -567,6 +615,91 @@ async fn cut_storm(
         Route::Grpc,
         0,
         Some(cut_resumed),
+    );
+    Ok(())
+}
+
+/// Service-account token auth against a TokenReview stand-in that answers
+/// after `latency` (each agent its own token): TokenReviews and time for a
+/// cold start, for every link cut with the server kept (answered from the
+/// cache), and for a server restart (the cache is gone: one review per
+/// agent, at most `--token-review-max-inflight` at once).
+async fn token_storms(
+    bins: &Binaries,
+    (dir, pki): (&Path, &Path),
+    n: usize,
+    nofile: u64,
+    latency: Duration,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    const TOKENS: &str = "agent-tokens";
+    let stub = integration_tests::kube_stub::TokenReviewStub::start().await;
+    stub.set_delay(latency);
+    let tokens = dir.join(TOKENS);
+    std::fs::create_dir_all(&tokens).context("creating the token directory")?;
+    for k in 0..n {
+        let token = format!("bench-agent-token-{k}");
+        std::fs::write(tokens.join(format!("token-{k}")), &token).context("writing a token")?;
+        stub.allow(
+            &token,
+            integration_tests::kube_stub::Identity {
+                username: "system:serviceaccount:kube-system:konnectivity-agent".to_owned(),
+                audiences: vec![AUDIENCE.to_owned()],
+            },
+        );
+    }
+    let mut server = Server::with_auth(bins, dir, pki, Some(&stub.kubeconfig))?;
+    server.start().await?;
+    let push = |rec: &mut Recorder, def: &report::Def, value: f64| {
+        rec.push(def, Route::Grpc, 0, Some(value));
+    };
+
+    let began = Instant::now();
+    let mut swarm = Swarm::start(
+        bins,
+        (dir, pki),
+        &server,
+        (n, Style::Tokens(TOKENS)),
+        nofile,
+    )?;
+    let cold = server.wait_connected(n, began).await?;
+    let cold_reviews = stub.review_count();
+    push(rec, &report::AGENTS_TOKEN_COLD, cold.as_secs_f64());
+    push(rec, &report::AGENTS_TOKEN_COLD_REVIEWS, cold_reviews as f64);
+
+    let before = server.handshakes("full").await? + server.handshakes("resumed").await?;
+    let began = Instant::now();
+    swarm.cut()?;
+    let cut = server.wait_reconnected(n, before, began).await?;
+    let cut_reviews = stub.review_count() - cold_reviews;
+    push(rec, &report::AGENTS_TOKEN_CUT, cut.as_secs_f64());
+    push(rec, &report::AGENTS_TOKEN_CUT_REVIEWS, cut_reviews as f64);
+
+    server.kill();
+    let began = Instant::now();
+    server.start().await?;
+    let restart = server.wait_connected(n, began).await?;
+    let restart_reviews = stub.review_count() - cold_reviews - cut_reviews;
+    swarm.check_alive()?;
+    push(rec, &report::AGENTS_TOKEN_RESTART, restart.as_secs_f64());
+    push(
+        rec,
+        &report::AGENTS_TOKEN_RESTART_REVIEWS,
+        restart_reviews as f64,
+    );
+    push(
+        rec,
+        &report::AGENTS_TOKEN_IN_FLIGHT,
+        stub.most_in_flight() as f64,
+    );
+    eprintln!(
+        "agents: tokens ({latency:?} per review): {n} connected {:.2} s cold ({cold_reviews} \
+         reviews), back {:.2} s after links cut ({cut_reviews} reviews), {:.2} s after a restart \
+         ({restart_reviews} reviews); at most {} reviews in flight",
+        cold.as_secs_f64(),
+        cut.as_secs_f64(),
+        restart.as_secs_f64(),
+        stub.most_in_flight()
     );
     Ok(())
 }

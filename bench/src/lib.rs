@@ -129,6 +129,10 @@ pub struct Opt {
     /// full handshake costs the server an RSA signature) or ecdsa-p256.
     #[arg(long, value_enum, default_value_t = KeyAlgorithm::Rsa2048)]
     pub agents_key_algorithm: KeyAlgorithm,
+    /// How long the agents scenario's TokenReview stand-in takes to answer
+    /// each review (Go duration).
+    #[arg(long, default_value = "20ms", value_parser = ops::duration::parse)]
+    pub agents_review_latency: Duration,
     /// Smoke run: --duration=1s, --reps=1, --conns=1000, --agents at most 1000.
     #[arg(long)]
     pub quick: bool,
@@ -371,10 +375,13 @@ async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
             opt.agents,
             timing.duration,
             nofile,
-            match opt.agents_key_algorithm {
-                KeyAlgorithm::Rsa2048 => certs::KeyAlgorithm::Rsa2048,
-                KeyAlgorithm::EcdsaP256 => certs::KeyAlgorithm::EcdsaP256,
-            },
+            (
+                match opt.agents_key_algorithm {
+                    KeyAlgorithm::Rsa2048 => certs::KeyAlgorithm::Rsa2048,
+                    KeyAlgorithm::EcdsaP256 => certs::KeyAlgorithm::EcdsaP256,
+                },
+                opt.agents_review_latency,
+            ),
             &mut rec,
         )
         .await

@@ -221,6 +221,25 @@ pub const AGENTS_ANP_RESTART: Def = def("agents", "N ANP-style connected, restar
 pub const AGENTS_ANP_CPU_RESTART: Def =
     def("agents", "server CPU per ANP-style, restart", "ms", false);
 
+/// Token auth: all agents connected after a cold start.
+pub const AGENTS_TOKEN_COLD: Def = def("agents", "tokens: N connected, cold start", "s", false);
+/// Token auth: TokenReviews during the cold start.
+pub const AGENTS_TOKEN_COLD_REVIEWS: Def =
+    def("agents", "tokens: reviews, cold start", "count", false);
+/// Token auth: all agents back after their links were cut.
+pub const AGENTS_TOKEN_CUT: Def = def("agents", "tokens: N back after links cut", "s", false);
+/// Token auth: TokenReviews while the links came back.
+pub const AGENTS_TOKEN_CUT_REVIEWS: Def =
+    def("agents", "tokens: reviews, links cut", "count", false);
+/// Token auth: all agents back after a server restart.
+pub const AGENTS_TOKEN_RESTART: Def = def("agents", "tokens: N back after restart", "s", false);
+/// Token auth: TokenReviews after the restart.
+pub const AGENTS_TOKEN_RESTART_REVIEWS: Def =
+    def("agents", "tokens: reviews, restart", "count", false);
+/// Token auth: the most TokenReviews the API had at once.
+pub const AGENTS_TOKEN_IN_FLIGHT: Def =
+    def("agents", "tokens: most reviews in flight", "count", false);
+
 /// All agents connected after a cold start (agents scenario).
 pub const AGENTS_COLD: Def = def("agents", "N agents connected, cold start", "s", false);
 /// All agents connected after the server was killed and started again.
@@ -350,6 +369,13 @@ const ALL: &[&Def] = &[
     &AGENTS_ANP_COLD,
     &AGENTS_ANP_RESTART,
     &AGENTS_ANP_CPU_RESTART,
+    &AGENTS_TOKEN_COLD,
+    &AGENTS_TOKEN_COLD_REVIEWS,
+    &AGENTS_TOKEN_CUT,
+    &AGENTS_TOKEN_CUT_REVIEWS,
+    &AGENTS_TOKEN_RESTART,
+    &AGENTS_TOKEN_RESTART_REVIEWS,
+    &AGENTS_TOKEN_IN_FLIGHT,
     &AGENTS_ANP_DIAL_RATE,
     &AGENTS_ANP_DIAL_P99,
     &AGENTS_DIAL_ERRORS,

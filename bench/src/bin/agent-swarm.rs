@@ -38,6 +38,10 @@ struct Opt {
     /// agents, every handshake a full one).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     resumption: bool,
+    /// A directory of service-account tokens: agent n presents the one in
+    /// `token-<n>`.
+    #[arg(long, value_name = "DIR")]
+    token_dir: Option<std::path::PathBuf>,
     /// proxy-agent flags, shared by every agent.
     #[arg(last = true)]
     agent_args: Vec<String>,
@@ -92,6 +96,9 @@ async fn main() -> std::process::ExitCode {
         config.health_addr = SocketAddr::new(ip, HEALTH_PORT);
         config.admin_addr = SocketAddr::new(ip, ADMIN_PORT);
         config.tls = tls.clone();
+        if let Some(dir) = &opt.token_dir {
+            config.token_path = Some(dir.join(format!("token-{n}")));
+        }
         let bound = match proxy_agent::agent::Agent::bind(config).await {
             Ok(bound) => bound,
             Err(e) => {
