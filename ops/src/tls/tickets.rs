@@ -108,7 +108,10 @@ impl rustls::server::ProducesTickets for TicketKeys {
 
     /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated.
     fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
-        let period = self.period().to_be_bytes();
+        // One reading of the clock: the period named and the key used
+        // must be the same at a boundary.
+        let now = self.period();
+        let period = now.to_be_bytes();
         let mut nonce = [0u8; aead::NONCE_LEN];
         ring::rand::SystemRandom::new().fill(&mut nonce).ok()?;
         let mut out =
@@ -116,7 +119,7 @@ impl rustls::server::ProducesTickets for TicketKeys {
         out.extend_from_slice(&period);
         out.extend_from_slice(&nonce);
         let mut sealed = plain.to_vec();
-        self.key(self.period())
+        self.key(now)
             .seal_in_place_append_tag(
                 aead::Nonce::assume_unique_for_key(nonce),
                 aead::Aad::from(period),
