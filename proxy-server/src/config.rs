@@ -911,6 +911,23 @@ mod tests {
                 "--agent-bind-address",
             ),
             (
+                with(&["--tls-session-ticket-rotation=500ms"]),
+                "--tls-session-ticket-rotation",
+            ),
+            (
+                with(&["--tls-session-ticket-key=/nonexistent/ticket.key"]),
+                "--tls-session-ticket-key: cannot read the session-ticket secret /nonexistent/ticket.key",
+            ),
+            (
+                with(&[
+                    "--token-review-max-inflight=0",
+                    "--agent-namespace=a",
+                    "--agent-service-account=b",
+                    "--authentication-audience=c",
+                ]),
+                "--token-review-max-inflight",
+            ),
+            (
                 with(&["--agent-namespace=kube-system"]),
                 "--agent-namespace",
             ),
