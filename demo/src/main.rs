@@ -120,6 +120,7 @@ async fn main() -> Result<()> {
             profiling: false,
             sync_interval: Duration::from_millis(100),
             sync_interval_cap: Duration::from_secs(1),
+            session_refresh: None,
             sync_forever: false,
             probe_interval: Duration::from_secs(1),
             keepalive_time: Duration::from_secs(3600),

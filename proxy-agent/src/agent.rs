@@ -18,7 +18,7 @@ use ops::{
 };
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{conn::bind_named, ids::ServerId};
 
 use crate::{
@@ -388,6 +388,17 @@ impl Bound {
                 tasks.clone(),
             ));
         }
+        if let Some(every) = config.session_refresh {
+            for address in 0..config.servers.len() {
+                tasks.spawn(refresh_sessions(
+                    config.clone(),
+                    tls.clone(),
+                    address,
+                    every,
+                    token.clone(),
+                ));
+            }
+        }
         tokio::pin!(stop);
         let draining = tokio::select! {
             () = drain => true,
@@ -452,6 +463,37 @@ const DRAIN_POLL: Duration = Duration::from_millis(100);
 /// HTTP request still being answered, a CPU profile) before `serve` returns
 /// without them, as the server's listeners get.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Renews the TLS session tickets for `--proxy-server-host` entry
+/// `address` every `every` (`--tls-session-refresh-interval`): a server's
+/// ticket is good for one key rotation (a day by default), and an agent
+/// connected for longer would otherwise do a full handshake, with a
+/// signature, when that server restarts.
+async fn refresh_sessions(
+    config: Arc<Config>,
+    tls: TlsFiles<rustls::ClientConfig>,
+    address: usize,
+    every: Duration,
+    token: CancellationToken,
+) {
+    let target = &config.servers[address];
+    loop {
+        tokio::select! {
+            () = token.cancelled() => return,
+            () = tokio::time::sleep(jitter(every)) => {}
+        }
+        let refreshed = tokio::select! {
+            () = token.cancelled() => return,
+            r = Client::refresh_session(&config, tls.current(), target) => r,
+        };
+        match refreshed {
+            Ok(()) => debug!(server = %target, "TLS session tickets renewed"),
+            Err(error) => {
+                debug!(server = %target, error = %DisplayErrorStack(&error), "cannot renew TLS session tickets; the next reconnect may need a full handshake")
+            }
+        }
+    }
+}
 
 /// Keeps one client per server for `--proxy-server-host` entry `address`:
 /// connects when [`AgentState::should_dial`] says so, backing off on failures.

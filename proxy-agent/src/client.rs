@@ -346,6 +346,42 @@ impl Client {
         })
     }
 
+    /// Renews the TLS session tickets `tls` keeps for `target`: a resumed
+    /// handshake on a connection of its own, which brings fresh tickets
+    /// before the server's first bytes, then a close. The server sees a
+    /// connection that ends before its HTTP/2 preface.
+    ///
+    /// # Errors
+    /// The connection or the handshake failed, or the server said nothing
+    /// within [`CONNECT_TIMEOUT`].
+    pub async fn refresh_session(
+        config: &Config,
+        tls: Arc<rustls::ClientConfig>,
+        target: &ServerAddr,
+    ) -> Result<(), ConnectError> {
+        use tokio::io::AsyncReadExt as _;
+        let server = target.to_string();
+        let tcp_timeout = config.sync_interval.max(Duration::from_secs(1));
+        let refresh = async {
+            let mut conn = Self::tls(tls, target, &server, tcp_timeout).await?;
+            // The tickets come after the handshake, before the server's
+            // HTTP/2 SETTINGS: reading those reads them.
+            let mut first = [0u8; 1];
+            conn.read(&mut first)
+                .await
+                .map_err(|source| ConnectError::Tls {
+                    server: server.clone(),
+                    source,
+                })?;
+            Ok(())
+        };
+        tokio::time::timeout(CONNECT_TIMEOUT, refresh)
+            .await
+            .map_err(|_| ConnectError::Timeout {
+                server: server.clone(),
+            })?
+    }
+
     /// TCP (through the egress proxy, if any; a direct connect within
     /// `tcp_timeout`) and TLS to `target`.
     async fn tls(

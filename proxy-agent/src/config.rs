@@ -79,6 +79,12 @@ pub struct Args {
     /// Maximum backoff of the connect loop (Go duration).
     #[arg(long, default_value = "10s", value_parser = go_duration)]
     pub sync_interval_cap: Duration,
+    /// How often the agent renews its TLS session tickets with a short
+    /// extra connection to each server address, so that a long-connected
+    /// agent still resumes without a signature after a server restart;
+    /// 0s: never (konnectivity-rs, Go duration).
+    #[arg(long, default_value = "12h0m0s", value_parser = go_duration)]
+    pub tls_session_refresh_interval: Duration,
     /// Interval of HTTP/2 keepalive pings to the server (Go duration).
     #[arg(long, default_value = "1h0m0s", value_parser = go_duration)]
     pub keepalive_time: Duration,
@@ -243,6 +249,8 @@ pub struct Config {
     pub profiling: bool,
     /// Connect loop interval.
     pub sync_interval: Duration,
+    /// `--tls-session-refresh-interval`; `None` for never.
+    pub session_refresh: Option<Duration>,
     /// Connect loop backoff cap.
     pub sync_interval_cap: Duration,
     /// Keep connecting forever.
@@ -369,6 +377,8 @@ impl TryFrom<Args> for Config {
             profiling: args.enable_profiling,
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
+            session_refresh: (!args.tls_session_refresh_interval.is_zero())
+                .then_some(args.tls_session_refresh_interval),
             sync_forever: args.sync_forever,
             probe_interval: args.probe_interval,
             keepalive_time: args.keepalive_time,

@@ -36,6 +36,8 @@ pub struct AgentOpts {
     pub leases: Option<proxy_agent::config::LeaseCountConfig>,
     /// `--server-count-source`.
     pub server_count_source: proxy_agent::config::ServerCountSource,
+    /// `--tls-session-refresh-interval` (default: never).
+    pub session_refresh: Option<Duration>,
     /// `--sync-forever`.
     pub sync_forever: bool,
     /// `--enable-profiling`.
@@ -90,6 +92,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         profiling: opts.profiling,
         sync_interval: Duration::from_millis(100),
         sync_interval_cap: Duration::from_secs(1),
+        session_refresh: opts.session_refresh,
         sync_forever: opts.sync_forever,
         probe_interval: Duration::from_millis(100),
         keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),

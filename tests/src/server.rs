@@ -69,6 +69,8 @@ pub struct ServerOpts {
     pub frontend_stall_timeout: Option<Duration>,
     /// `--tls-session-tickets` on the agent listener.
     pub session_tickets: bool,
+    /// `--tls-session-ticket-rotation`.
+    pub ticket_rotation: Duration,
 }
 
 impl Default for ServerOpts {
@@ -92,6 +94,7 @@ impl Default for ServerOpts {
             max_tls_handshakes: 8192,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             session_tickets: true,
+            ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
         }
     }
 }
@@ -158,9 +161,7 @@ impl TestServer {
             frontend,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
             agent_tls: ListenerTls {
-                tickets: opts
-                    .session_tickets
-                    .then_some(proxy_server::config::DEFAULT_TICKET_ROTATION),
+                tickets: opts.session_tickets.then_some(opts.ticket_rotation),
                 ..ListenerTls::agent(
                     pki.path("cluster.crt"),
                     pki.path("cluster.key"),

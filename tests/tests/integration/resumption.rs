@@ -2,6 +2,8 @@
 //! the session tickets it issued before (their keys are derived from its
 //! key), so a reconnect storm costs it no signature per agent.
 
+use std::time::Duration;
+
 use integration_tests::{
     ServerOpts, TestAgent, TestServer, destination, http_get, process::metric_value,
 };
@@ -56,5 +58,46 @@ async fn without_session_tickets_a_restart_costs_full_handshakes() {
     server.wait_for_backends(1).await;
     assert_eq!(handshakes(&server, "full").await, 1.0);
     assert_eq!(handshakes(&server, "resumed").await, 0.0);
+    tunnel_works(&server).await;
+}
+
+/// Tickets last one key rotation. An agent that renews its tickets
+/// (`--tls-session-refresh-interval`) resumes after a restart long after it
+/// connected; one that does not needs a full handshake.
+#[tokio::test]
+async fn an_agent_that_renews_its_tickets_resumes_after_they_would_have_expired() {
+    const ROTATION: Duration = Duration::from_secs(1);
+    let opts = ServerOpts {
+        ticket_rotation: ROTATION,
+        ..Default::default()
+    };
+    let server = TestServer::start_with(opts).await;
+    let _renewing = integration_tests::TestAgent::start_with(
+        server.agent_addr,
+        integration_tests::AgentOpts {
+            session_refresh: Some(Duration::from_millis(200)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let _plain = TestAgent::start_with(server.agent_addr, Default::default()).await;
+    server.wait_for_backends(2).await;
+    // Renewals are resumed handshakes: 15 of them, 200 ms apart, outlast
+    // the plain agent's ticket (offered for one rotation, opened for two).
+    let started = std::time::Instant::now();
+    while handshakes(&server, "resumed").await < 15.0 {
+        assert!(started.elapsed() < Duration::from_secs(20), "no renewals");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(started.elapsed() >= 2 * ROTATION);
+
+    let server = server.restart().await;
+    server.wait_for_backends(2).await;
+    assert_eq!(
+        handshakes(&server, "full").await,
+        1.0,
+        "only the plain agent"
+    );
+    assert!(handshakes(&server, "resumed").await >= 1.0);
     tunnel_works(&server).await;
 }
