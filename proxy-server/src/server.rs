@@ -445,13 +445,11 @@ fn agent_server(
         config.max_tls_handshakes,
         on_limit.clone(),
     )
-    .inspect(move |conn| {
-        if let Ok(conn) = conn {
-            metrics.handshake(match conn.get_ref().1.handshake_kind() {
-                Some(rustls::HandshakeKind::Resumed) => Handshake::Resumed,
-                _ => Handshake::Full,
-            });
-        }
+    .filter(move |conn| {
+        std::future::ready(match conn {
+            Ok(conn) => admit_handshake(conn.get_ref().1, &metrics),
+            Err(_) => true,
+        })
     });
     Box::pin(
         Server::builder()
@@ -463,6 +461,28 @@ fn agent_server(
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, ends.accept_stop.clone().cancelled_owned()),
     )
+}
+
+/// Counts an agent's completed TLS handshake, and whether to serve it: a
+/// resumed session whose client certificate chain has expired since its
+/// first handshake (which a full handshake would now refuse) is dropped,
+/// and the agent falls back to a full handshake.
+fn admit_handshake(tls: &rustls::ServerConnection, metrics: &ServerMetrics) -> bool {
+    if tls.handshake_kind() != Some(rustls::HandshakeKind::Resumed) {
+        metrics.handshake(Handshake::Full);
+        return true;
+    }
+    metrics.handshake(Handshake::Resumed);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let current = tls
+        .peer_certificates()
+        .is_none_or(|chain| ops::tls::files::chain_is_current(chain, now));
+    if !current {
+        warn!("a resumed agent session's client certificate has expired; dropped");
+    }
+    current
 }
 
 /// The frontend listener, by mode and transport; the socket path to

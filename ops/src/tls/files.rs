@@ -371,6 +371,22 @@ pub fn earliest_expiry(certs: &[CertificateDer<'_>]) -> Option<i64> {
         .min()
 }
 
+/// Whether every certificate of `chain` is valid at `now` (seconds since
+/// the epoch): not before its notBefore, not after its notAfter. A chain
+/// whose certificates cannot all be read is not.
+///
+/// A resumed TLS session brings back the peer's chain as it was checked
+/// at the first handshake; this is the check time would have failed since.
+pub fn chain_is_current(chain: &[CertificateDer<'_>], now: i64) -> bool {
+    !chain.is_empty()
+        && chain.iter().all(|der| {
+            x509_parser::parse_x509_certificate(der).is_ok_and(|(_, cert)| {
+                let validity = cert.validity();
+                validity.not_before.timestamp() <= now && now <= validity.not_after.timestamp()
+            })
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -483,6 +499,37 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.flag, "cluster-cert");
+    }
+
+    #[test]
+    fn a_chain_is_current_only_within_every_certificate_s_validity() {
+        let cert = |from: (i32, u8, u8), to: (i32, u8, u8)| {
+            let mut params = rcgen::CertificateParams::new(Vec::new()).unwrap();
+            params.not_before = rcgen::date_time_ymd(from.0, from.1, from.2);
+            params.not_after = rcgen::date_time_ymd(to.0, to.1, to.2);
+            let key = rcgen::KeyPair::generate().unwrap();
+            params.self_signed(&key).unwrap().der().clone()
+        };
+        // 2030-01-01 and 2031-01-01, in seconds since the epoch.
+        let (y2030, y2031) = (1_893_456_000, 1_924_992_000);
+        let leaf = cert((2029, 1, 1), (2031, 1, 1));
+        let ca = cert((2000, 1, 1), (2040, 1, 1));
+        assert!(chain_is_current(&[leaf.clone(), ca.clone()], y2030));
+        assert!(
+            !chain_is_current(&[leaf.clone(), ca.clone()], y2031 + 1),
+            "expired leaf"
+        );
+        assert!(
+            !chain_is_current(std::slice::from_ref(&leaf), 1_800_000_000),
+            "not yet valid"
+        );
+        let old_ca = cert((2000, 1, 1), (2029, 6, 1));
+        assert!(!chain_is_current(&[leaf, old_ca], y2030), "expired CA");
+        assert!(!chain_is_current(&[], y2030));
+        assert!(!chain_is_current(
+            &[CertificateDer::from(vec![1, 2, 3])],
+            y2030
+        ));
     }
 
     /// Each certificate file's expiry is exported under its flag and path;

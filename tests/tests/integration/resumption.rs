@@ -101,3 +101,90 @@ async fn an_agent_that_renews_its_tickets_resumes_after_they_would_have_expired(
     assert!(handshakes(&server, "resumed").await >= 1.0);
     tunnel_works(&server).await;
 }
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate that
+/// stops being valid at `client_until`, written as the agent and server
+/// files of `dir`.
+fn pki_with_client_until(dir: &std::path::Path, client_until: time::OffsetDateTime) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let leaf = |sans: Vec<String>, usage, until: Option<time::OffsetDateTime>| {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(sans).unwrap();
+        params.extended_key_usages = vec![usage];
+        if let Some(until) = until {
+            params.not_before = until - time::Duration::hours(1);
+            params.not_after = until;
+        }
+        (
+            params.signed_by(&key, &issuer).unwrap().pem(),
+            key.serialize_pem(),
+        )
+    };
+    let (server_crt, server_key) = leaf(
+        vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        None,
+    );
+    let (agent_crt, agent_key) = leaf(
+        Vec::new(),
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        Some(client_until),
+    );
+    for (name, text) in [
+        ("agent-ca.crt", ca_cert.pem()),
+        ("cluster.crt", server_crt),
+        ("cluster.key", server_key),
+        ("proxy-agent.crt", agent_crt),
+        ("proxy-agent.key", agent_key),
+    ] {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+}
+
+/// A resumed session brings back the client certificate of its first
+/// handshake. Once that certificate has expired, the server drops the
+/// resumed connection, and the agent's full handshake is refused: renewing
+/// tickets never outlives the certificate.
+#[tokio::test]
+async fn a_resumed_session_whose_client_certificate_expired_is_dropped() {
+    use integration_tests::process::{AgentWithFiles, ServerProcess};
+    let dir = tempfile::tempdir().unwrap();
+    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(3);
+    pki_with_client_until(dir.path(), until);
+    let server = ServerProcess::start_in(dir.path(), "grpc", &[]).await;
+    let _agent = AgentWithFiles::start(dir.path(), server.agent_addr.port()).await;
+    server.wait_for_agents(1).await;
+    // The certificate's validity is in seconds: wait until it is over.
+    while time::OffsetDateTime::now_utc() <= until + time::Duration::seconds(1) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let port = server.agent_addr.port();
+    drop(server);
+    let server =
+        ServerProcess::start_in(dir.path(), "grpc", &[format!("--agent-port={port}")]).await;
+    // Each of the agent's tickets is tried and dropped: without the check
+    // the first one would connect and no second would come.
+    server
+        .wait_for_metric_at_least(
+            "konnectivity_rs_server_agent_tls_handshakes_total{kind=\"resumed\"}",
+            2.0,
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(
+        server
+            .metric(
+                "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}"
+            )
+            .await,
+        0.0
+    );
+}
