@@ -166,6 +166,13 @@ impl ConnectError {
     }
 }
 
+/// How long a direct TCP connect to a server may take: one
+/// `--sync-interval`, at least a second. A connect lost in a partition is
+/// given up then, so a new one goes out soon after the link is back.
+fn tcp_timeout(config: &Config) -> Duration {
+    config.sync_interval.max(Duration::from_secs(1))
+}
+
 /// A freshly opened stream, not yet serving.
 pub struct Client {
     /// The server's id (`serverid`).
@@ -286,10 +293,7 @@ impl Client {
         metrics: Arc<AgentMetrics>,
     ) -> Result<Self, ConnectError> {
         let transport = TransportEnd::default();
-        // A connect lost in a partition is given up after one interval (at
-        // least a second), so a new one goes out soon after the link is back.
-        let tcp_timeout = config.sync_interval.max(Duration::from_secs(1));
-        let io = transport.watch(Self::tls(tls, target, server, tcp_timeout).await?);
+        let io = transport.watch(Self::tls(tls, target, server, tcp_timeout(config)).await?);
         let endpoint = Endpoint::from_shared(format!("http://{server}"))
             .map_err(|source| ConnectError::Transport {
                 server: server.to_owned(),
@@ -361,9 +365,8 @@ impl Client {
     ) -> Result<(), ConnectError> {
         use tokio::io::AsyncReadExt as _;
         let server = target.to_string();
-        let tcp_timeout = config.sync_interval.max(Duration::from_secs(1));
         let refresh = async {
-            let mut conn = Self::tls(tls, target, &server, tcp_timeout).await?;
+            let mut conn = Self::tls(tls, target, &server, tcp_timeout(config)).await?;
             // The tickets come after the handshake, before the server's
             // HTTP/2 SETTINGS: reading those reads them.
             let mut first = [0u8; 1];

@@ -27,6 +27,7 @@ use prometheus_client::{
 };
 
 use crate::{
+    auth::reviews::Source as Review,
     events::{CloseReason, DialFailure, Limit},
     strategy::ProxyStrategy,
 };
@@ -61,18 +62,6 @@ ops::label_enum! {
         Full = "full",
         /// A session resumed from a ticket: no signature.
         Resumed = "resumed",
-    }
-}
-
-ops::label_enum! {
-    /// What answered an agent's token (`source`).
-    pub(crate) enum Review {
-        /// A TokenReview call to the kube API.
-        Api = "api",
-        /// A review of the same token another agent stream was waiting for.
-        Coalesced = "coalesced",
-        /// A cached review.
-        Cache = "cache",
     }
 }
 

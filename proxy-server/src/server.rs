@@ -27,14 +27,13 @@ use tunnel::{
 };
 
 use crate::{
-    auth::reviews::Source,
     backend::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
     control::Control,
     events::Limit,
     frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
-    metrics::{Handshake, Review, ServerMetrics},
+    metrics::{Handshake, ServerMetrics},
 };
 
 /// What a frontend may send on one stream ahead of the server's reader:
@@ -197,13 +196,8 @@ impl ProxyServer {
         let token_auth = match &config.token_auth {
             Some(auth) => {
                 let metrics = control.metrics.clone();
-                let on_review: crate::auth::OnReview = Arc::new(move |source| {
-                    metrics.reviewed(match source {
-                        Source::Api => Review::Api,
-                        Source::Coalesced => Review::Coalesced,
-                        Source::Cache => Review::Cache,
-                    });
-                });
+                let on_review: crate::auth::OnReview =
+                    Arc::new(move |source| metrics.reviewed(source));
                 Some(Arc::new(
                     crate::auth::TokenAuth::new(auth.clone(), on_review).await?,
                 ))
@@ -473,9 +467,7 @@ fn admit_handshake(tls: &rustls::ServerConnection, metrics: &ServerMetrics) -> b
         return true;
     }
     metrics.handshake(Handshake::Resumed);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let now = std::time::SystemTime::now();
     let current = tls
         .peer_certificates()
         .is_none_or(|chain| ops::tls::files::chain_is_current(chain, now));

@@ -371,13 +371,16 @@ pub fn earliest_expiry(certs: &[CertificateDer<'_>]) -> Option<i64> {
         .min()
 }
 
-/// Whether every certificate of `chain` is valid at `now` (seconds since
-/// the epoch): not before its notBefore, not after its notAfter. A chain
-/// whose certificates cannot all be read is not.
+/// Whether every certificate of `chain` is valid at `now`: not before its
+/// notBefore, not after its notAfter. A chain whose certificates cannot
+/// all be read is not.
 ///
 /// A resumed TLS session brings back the peer's chain as it was checked
 /// at the first handshake; this is the check time would have failed since.
-pub fn chain_is_current(chain: &[CertificateDer<'_>], now: i64) -> bool {
+pub fn chain_is_current(chain: &[CertificateDer<'_>], now: std::time::SystemTime) -> bool {
+    let now = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(i64::MIN, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     !chain.is_empty()
         && chain.iter().all(|der| {
             x509_parser::parse_x509_certificate(der).is_ok_and(|(_, cert)| {
@@ -510,17 +513,21 @@ mod tests {
             let key = rcgen::KeyPair::generate().unwrap();
             params.self_signed(&key).unwrap().der().clone()
         };
-        // 2030-01-01 and 2031-01-01, in seconds since the epoch.
-        let (y2030, y2031) = (1_893_456_000, 1_924_992_000);
+        let at = |secs| std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+        // 2030-01-01 and 2031-01-01.
+        let (y2030, y2031) = (at(1_893_456_000), at(1_924_992_000));
         let leaf = cert((2029, 1, 1), (2031, 1, 1));
         let ca = cert((2000, 1, 1), (2040, 1, 1));
         assert!(chain_is_current(&[leaf.clone(), ca.clone()], y2030));
         assert!(
-            !chain_is_current(&[leaf.clone(), ca.clone()], y2031 + 1),
+            !chain_is_current(
+                &[leaf.clone(), ca.clone()],
+                y2031 + std::time::Duration::from_secs(1)
+            ),
             "expired leaf"
         );
         assert!(
-            !chain_is_current(std::slice::from_ref(&leaf), 1_800_000_000),
+            !chain_is_current(std::slice::from_ref(&leaf), at(1_800_000_000)),
             "not yet valid"
         );
         let old_ca = cert((2000, 1, 1), (2029, 6, 1));

@@ -45,15 +45,17 @@ pub(crate) type Verdict = Result<(), AuthError>;
 /// A SHA-256 of a token.
 type Key = [u8; 32];
 
-/// What answered a check.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Source {
-    /// This check's own call.
-    Api,
-    /// A call another check made at the same time.
-    Coalesced,
-    /// The cache.
-    Cache,
+ops::label_enum! {
+    /// What answered a check (`source` of
+    /// `konnectivity_rs_server_token_reviews_total`).
+    pub(crate) enum Source {
+        /// This check's own call to the TokenReview API.
+        Api = "api",
+        /// A call another check of the same token was making.
+        Coalesced = "coalesced",
+        /// The cache.
+        Cache = "cache",
+    }
 }
 
 /// One token's review.
@@ -78,15 +80,23 @@ pub(crate) struct Reviews {
     entries: Mutex<HashMap<Key, Entry>>,
     permits: Semaphore,
     ttl: Duration,
+    /// Most entries kept, answered or in flight ([`MAX_CACHED`]).
+    capacity: usize,
 }
 
 impl Reviews {
     /// Answers kept for at most `ttl`, at most `max_in_flight` calls.
     pub(crate) fn new(ttl: Duration, max_in_flight: usize) -> Self {
+        Self::with_capacity(ttl, max_in_flight, MAX_CACHED)
+    }
+
+    /// [`new`](Self::new) keeping at most `capacity` entries.
+    fn with_capacity(ttl: Duration, max_in_flight: usize, capacity: usize) -> Self {
         Self {
             entries: Mutex::new(HashMap::new()),
             permits: Semaphore::new(max_in_flight.max(1)),
             ttl,
+            capacity,
         }
     }
 
@@ -149,13 +159,16 @@ impl Reviews {
             return;
         };
         let now = Instant::now();
-        if entries.len() >= MAX_CACHED {
+        // `key` is in the map (pending since its lookup): over the cap it
+        // would take room no expired entry left.
+        if entries.len() > self.capacity {
             entries.retain(|_, entry| match entry {
                 Entry::Done { until, .. } => now < *until,
                 Entry::Pending(answer) => answer.has_changed().is_ok(),
             });
         }
-        if entries.len() >= MAX_CACHED && !entries.contains_key(&key) {
+        if entries.len() > self.capacity {
+            entries.remove(&key);
             return;
         }
         entries.insert(
@@ -361,6 +374,33 @@ mod tests {
         assert_eq!(source, Source::Cache);
         tokio::time::advance(REFUSAL_TTL).await;
         assert_eq!(reviews.check("bad", refuse).await.1, Source::Api);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_past_the_capacity_are_not_kept_until_expired_ones_make_room() {
+        let reviews = Reviews::with_capacity(TTL, 4, 3);
+        let api = Api::default();
+        let ask = |t: &'static str| {
+            let (reviews, api) = (&reviews, &api);
+            async move {
+                reviews
+                    .check(t, async || api.review(Duration::ZERO, Ok(())).await)
+                    .await
+                    .1
+            }
+        };
+        for t in ["a", "b", "c"] {
+            assert_eq!(ask(t).await, Source::Api);
+        }
+        assert_eq!(ask("d").await, Source::Api);
+        assert_eq!(reviews.lock().len(), 3, "the fourth answer was kept");
+        assert_eq!(ask("d").await, Source::Api, "not cached");
+        assert_eq!(ask("a").await, Source::Cache);
+        // Expired answers make room.
+        tokio::time::advance(TTL).await;
+        assert_eq!(ask("d").await, Source::Api);
+        assert_eq!(ask("d").await, Source::Cache);
+        assert!(reviews.lock().len() <= 3);
     }
 
     #[tokio::test(start_paused = true)]
