@@ -83,7 +83,7 @@ pub struct TokenReviewStub {
     /// Answer 503 to everything while set.
     down: Arc<AtomicBool>,
     /// Reviews answered so far.
-    pub reviews: Arc<std::sync::atomic::AtomicUsize>,
+    reviews: Arc<std::sync::atomic::AtomicUsize>,
     /// How slowly it answers, and how many reviews it has had at once.
     load: Arc<Load>,
     /// Stops it.

@@ -306,6 +306,28 @@ impl TestServer {
         dial(self.channel().await, address).await
     }
 
+    /// Proves the server serves: a fresh dial through the tunnel to an echo
+    /// destination carries bytes both ways and closes cleanly. Panics
+    /// otherwise.
+    pub async fn assert_serves(&self) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let echo = crate::destination::echo().await;
+        let mut conn = self.dial(&echo.address()).await.expect("dial");
+        conn.write_all(b"still here").await.expect("write");
+        let mut got = [0u8; 10];
+        conn.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"still here");
+        conn.finish().await.expect("finish");
+    }
+
+    /// The value of one series of the server's `/metrics` (`name{labels}`
+    /// exactly as exposed), 0 when it is not exposed.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let (status, text) = crate::http_get(self.admin_addr, "/metrics").await;
+        assert_eq!(status, 200, "/metrics answered {status}: {text}");
+        crate::process::metric_value(&text, series)
+    }
+
     /// Waits until `n` agent streams are connected.
     pub async fn wait_for_backends(&self, n: usize) {
         let handle = self.handle.clone();

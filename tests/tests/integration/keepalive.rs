@@ -171,56 +171,16 @@ async fn an_agent_is_back_soon_after_a_partition_ends() {
 async fn an_agent_detects_a_silently_vanished_server_and_reconnects() {
     let ns = Namespaces::new();
     let dir = tempfile::tempdir().unwrap();
-    certs::ClusterPki::generate(&[SERVER_IP.to_owned()])
-        .unwrap()
-        .write_to(dir.path())
-        .unwrap();
-    let file = |name: &str| dir.path().join(name).display().to_string();
-
-    let mut server = start_in(
-        &ns.server,
-        "proxy-server",
+    let (mut server, mut agent) = server_and_agent(
+        &ns,
+        dir.path(),
         &[
-            format!("--uds-name={}", file("frontend.sock")),
-            "--server-port=0".to_owned(),
-            format!("--agent-bind-address={SERVER_IP}"),
-            "--agent-port=0".to_owned(),
-            "--health-port=0".to_owned(),
-            "--admin-port=0".to_owned(),
-            format!("--cluster-cert={}", file("cluster.crt")),
-            format!("--cluster-key={}", file("cluster.key")),
-            format!("--cluster-ca-cert={}", file("agent-ca.crt")),
-            "--keepalive-time=1s".to_owned(),
+            "--probe-interval=100ms",
+            "--sync-interval=100ms",
+            "--sync-interval-cap=1s",
         ],
-    );
-    // The agent port was picked by the kernel; the server logs it.
-    let port = server
-        .logged_port(&format!("agent.addr=Some({SERVER_IP}:"))
-        .await;
-
-    let mut agent = start_in(
-        &ns.agent,
-        "proxy-agent",
-        &[
-            format!("--ca-cert={}", file("agent-ca.crt")),
-            format!("--agent-cert={}", file("proxy-agent.crt")),
-            format!("--agent-key={}", file("proxy-agent.key")),
-            format!("--proxy-server-host={SERVER_IP}"),
-            format!("--proxy-server-port={port}"),
-            "--health-server-port=0".to_owned(),
-            "--admin-server-port=0".to_owned(),
-            "--keepalive-time=1s".to_owned(),
-            "--probe-interval=100ms".to_owned(),
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=1s".to_owned(),
-        ],
-    );
-    agent
-        .wait_for("connected to proxy-server", 1, Duration::from_secs(30))
-        .await;
-    server
-        .wait_for("agent connected", 1, Duration::from_secs(10))
-        .await;
+    )
+    .await;
 
     // The server's end goes dark: no RST, no FIN, nothing.
     ns.server_link("down");

@@ -4,29 +4,15 @@
 
 use std::time::Duration;
 
-use integration_tests::{
-    ServerOpts, TestAgent, TestServer, destination, http_get, process::metric_value,
-};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use integration_tests::{ServerOpts, TestAgent, TestServer};
 
 /// `konnectivity_rs_server_agent_tls_handshakes_total{kind}` of `server`.
 async fn handshakes(server: &TestServer, kind: &str) -> f64 {
-    let (status, text) = http_get(server.admin_addr, "/metrics").await;
-    assert_eq!(status, 200, "{text}");
-    metric_value(
-        &text,
-        &format!("konnectivity_rs_server_agent_tls_handshakes_total{{kind=\"{kind}\"}}"),
-    )
-}
-
-/// A byte each way through `server` to an echo destination.
-async fn tunnel_works(server: &TestServer) {
-    let echo = destination::echo().await;
-    let mut conn = server.dial(&echo.address()).await.unwrap();
-    conn.write_all(b"r").await.unwrap();
-    let mut byte = [0u8; 1];
-    conn.read_exact(&mut byte).await.unwrap();
-    assert_eq!(&byte, b"r");
+    server
+        .metric(&format!(
+            "konnectivity_rs_server_agent_tls_handshakes_total{{kind=\"{kind}\"}}"
+        ))
+        .await
 }
 
 #[tokio::test]
@@ -43,7 +29,7 @@ async fn agents_resume_their_sessions_after_a_server_restart() {
     server.wait_for_backends(2).await;
     assert_eq!(handshakes(&server, "resumed").await, 2.0);
     assert_eq!(handshakes(&server, "full").await, 0.0);
-    tunnel_works(&server).await;
+    server.assert_serves().await;
 }
 
 #[tokio::test]
@@ -58,7 +44,7 @@ async fn without_session_tickets_a_restart_costs_full_handshakes() {
     server.wait_for_backends(1).await;
     assert_eq!(handshakes(&server, "full").await, 1.0);
     assert_eq!(handshakes(&server, "resumed").await, 0.0);
-    tunnel_works(&server).await;
+    server.assert_serves().await;
 }
 
 /// Tickets last one key rotation. An agent that renews its tickets
@@ -99,7 +85,7 @@ async fn an_agent_that_renews_its_tickets_resumes_after_they_would_have_expired(
         "only the plain agent"
     );
     assert!(handshakes(&server, "resumed").await >= 1.0);
-    tunnel_works(&server).await;
+    server.assert_serves().await;
 }
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate that

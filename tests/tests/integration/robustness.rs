@@ -37,17 +37,6 @@ async fn expect_closed(stream: &mut (impl AsyncRead + Unpin)) {
     assert!(closed.is_ok(), "the server kept a bad connection open");
 }
 
-/// Proves the server still serves: a fresh dial through the tunnel echoes.
-async fn still_serves(server: &TestServer) {
-    let echo = destination::echo().await;
-    let mut conn = server.dial(&echo.address()).await.unwrap();
-    conn.write_all(b"still here").await.unwrap();
-    let mut got = [0u8; 10];
-    conn.read_exact(&mut got).await.unwrap();
-    assert_eq!(&got, b"still here");
-    conn.finish().await.unwrap();
-}
-
 async fn agent_tls(
     server: &TestServer,
     pki: &Pki,
@@ -95,7 +84,7 @@ async fn agents_with_a_foreign_or_no_certificate_are_refused() {
     })
     .await;
     assert_eq!(foreign.handle.server_connections(), 0);
-    still_serves(&server).await;
+    server.assert_serves().await;
 }
 
 #[tokio::test]
@@ -132,7 +121,7 @@ async fn plain_tcp_and_garbage_on_the_agent_port_are_dropped() {
         .unwrap();
     drop(truncated);
 
-    still_serves(&server).await;
+    server.assert_serves().await;
     let second = TestAgent::start(&server).await;
     wait_for("the second agent", || {
         second.handle.server_connections() == 1
@@ -177,7 +166,7 @@ async fn garbage_and_truncated_http2_on_the_frontend_socket_are_dropped() {
     // Someone who connects and stays silent.
     let _idle = UnixStream::connect(&server.uds).await.unwrap();
 
-    still_serves(&server).await;
+    server.assert_serves().await;
 }
 
 #[tokio::test]

@@ -6,9 +6,8 @@
 use std::time::{Duration, Instant};
 
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, destination, http_get,
+    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, destination,
     kube_stub::{Identity, TokenReviewStub},
-    process::metric_value,
     wait_for,
 };
 use proxy_agent::client::{Client, ConnectError};
@@ -51,12 +50,11 @@ async fn server_with(
 
 /// `konnectivity_rs_server_token_reviews_total{source}` of `server`.
 async fn reviews(server: &TestServer, source: &str) -> f64 {
-    let (status, text) = http_get(server.admin_addr, "/metrics").await;
-    assert_eq!(status, 200, "{text}");
-    metric_value(
-        &text,
-        &format!("konnectivity_rs_server_token_reviews_total{{source=\"{source}\"}}"),
-    )
+    server
+        .metric(&format!(
+            "konnectivity_rs_server_token_reviews_total{{source=\"{source}\"}}"
+        ))
+        .await
 }
 
 /// Options of an agent presenting `token` (its file in `dir`).
@@ -68,18 +66,22 @@ fn with_token(dir: &tempfile::TempDir, token: &str) -> AgentOpts {
     }
 }
 
-/// Whether one connect with `token` is admitted.
-async fn admitted(server: &TestServer, token: &str) -> bool {
+/// One connect of an agent presenting `token`.
+async fn connect_with(server: &TestServer, token: &str) -> Result<Client, ConnectError> {
     let dir = tempfile::tempdir().unwrap();
     let config = agent_config(server.agent_addr, &with_token(&dir, token));
-    match Client::connect(
+    Client::connect(
         &config,
         config.tls.load().unwrap(),
         &config.servers[0],
         std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
     )
     .await
-    {
+}
+
+/// Whether one connect with `token` is admitted.
+async fn admitted(server: &TestServer, token: &str) -> bool {
+    match connect_with(server, token).await {
         Ok(_) => true,
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
@@ -97,23 +99,7 @@ fn token_file(dir: &tempfile::TempDir, token: &str) -> std::path::PathBuf {
 
 /// The error a single connect with `token` gets.
 async fn refusal(server: &TestServer, token: &str) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    let config = agent_config(
-        server.agent_addr,
-        &AgentOpts {
-            token_path: Some(token_file(&dir, token)),
-            no_client_cert: true,
-            ..Default::default()
-        },
-    );
-    match Client::connect(
-        &config,
-        config.tls.load().unwrap(),
-        &config.servers[0],
-        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
-    )
-    .await
-    {
+    match connect_with(server, token).await {
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
             assert!(
@@ -126,6 +112,33 @@ async fn refusal(server: &TestServer, token: &str) -> String {
         Err(other) => panic!("unexpected {other}"),
         Ok(_) => panic!("token {token} was accepted"),
     }
+}
+
+/// Waits until `agent`, the only agent of `server`, has its stream
+/// recorded on both sides.
+async fn wait_connected(server: &TestServer, agent: &TestAgent) {
+    server.wait_for_backends(1).await;
+    // The server may see the stream before the agent has recorded it: wait
+    // for both, or there is nothing yet to disconnect.
+    let handle = agent.handle.clone();
+    wait_for("the agent to record its stream", || {
+        handle.server_connections() == 1
+    })
+    .await;
+}
+
+/// Cuts `agent`'s server connection and waits until it is back: one
+/// stream from another peer port (the new stream may be accepted before
+/// the old one is seen gone).
+async fn reconnect(server: &TestServer, agent: &TestAgent) {
+    let before = server.handle.agent_peers();
+    agent.handle.disconnect_all();
+    let handle = server.handle.clone();
+    wait_for("the agent to come back", || {
+        let peers = handle.agent_peers();
+        peers.len() == 1 && peers != before
+    })
+    .await;
 }
 
 fn identity(username: &str, audience: &str) -> Identity {
@@ -272,31 +285,16 @@ async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
         },
     )
     .await;
-    server.wait_for_backends(1).await;
-    // The server may see the stream before the agent has recorded it: wait
-    // for both, or there is nothing yet to disconnect.
-    let agent_handle = agent.handle.clone();
-    wait_for("the agent to record its stream", || {
-        agent_handle.server_connections() == 1
-    })
-    .await;
+    wait_connected(&server, &agent).await;
 
     // The kubelet rotates the token: the old one stops working, the file changes.
     stub.revoke("token-one");
     stub.allow("token-two", identity(AGENT_SA, AUDIENCE));
     std::fs::write(&path, "token-two").unwrap();
-    let reviews = stub.reviews.load(std::sync::atomic::Ordering::SeqCst);
-    let before = server.handle.agent_peers();
-    agent.handle.disconnect_all();
-    // The new stream may be accepted before the old one is seen gone: wait
-    // for one stream from another peer port, which only token-two can open.
-    let handle = server.handle.clone();
-    wait_for("the agent to come back with the rotated token", || {
-        let peers = handle.agent_peers();
-        peers.len() == 1 && peers != before
-    })
-    .await;
-    assert!(stub.reviews.load(std::sync::atomic::Ordering::SeqCst) > reviews);
+    let reviews = stub.review_count();
+    // Only token-two can open the new stream.
+    reconnect(&server, &agent).await;
+    assert!(stub.review_count() > reviews);
 }
 
 /// An agent that reconnects with the token it was admitted with is
@@ -308,21 +306,9 @@ async fn a_reconnect_reuses_the_cached_review() {
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = TestAgent::start_with(server.agent_addr, with_token(&dir, "good-token")).await;
-    server.wait_for_backends(1).await;
-    let handle = agent.handle.clone();
-    wait_for("the agent to record its stream", || {
-        handle.server_connections() == 1
-    })
-    .await;
+    wait_connected(&server, &agent).await;
     assert_eq!(stub.review_count(), 1);
-    let before = server.handle.agent_peers();
-    agent.handle.disconnect_all();
-    let server_handle = server.handle.clone();
-    wait_for("the agent to come back", || {
-        let peers = server_handle.agent_peers();
-        peers.len() == 1 && peers != before
-    })
-    .await;
+    reconnect(&server, &agent).await;
     assert_eq!(stub.review_count(), 1, "the reconnect was reviewed again");
     assert_eq!(reviews(&server, "cache").await, 1.0);
     assert_eq!(reviews(&server, "api").await, 1.0);
