@@ -461,8 +461,16 @@ pub async fn run(
     .await?;
     dial_rows(one, many, rec);
 
-    restart_storm(&mut server, &mut swarm, n, Style::Ours, rec).await?;
-    cut_storm(&mut server, &mut swarm, n, rec).await?;
+    restart_storm(&mut server, &mut swarm, n).await?.push(
+        rec,
+        (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART),
+        Some(&report::AGENTS_RESUMED),
+    );
+    cut_storm(&mut server, &mut swarm, n).await?.push(
+        rec,
+        (&report::AGENTS_CUT, &report::AGENTS_CPU_CUT),
+        Some(&report::AGENTS_CUT_RESUMED),
+    );
     drop(swarm);
     server.wait_connected(0, Instant::now()).await?;
 
@@ -487,7 +495,11 @@ pub async fn run(
     push(rec, &report::AGENTS_ANP_COLD, anp_cold.as_secs_f64());
     push(rec, &report::AGENTS_ANP_DIAL_RATE, rate_anp);
     push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
-    restart_storm(&mut server, &mut swarm, n, Style::Anp, rec).await?;
+    restart_storm(&mut server, &mut swarm, n).await?.push(
+        rec,
+        (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART),
+        None,
+    );
     drop(swarm);
     drop(server);
     token_storms(bins, paths, n, nofile, review_latency, rec).await?;
@@ -544,79 +556,76 @@ fn dial_rows(one: (f64, f64, u64), many: (f64, f64, u64), rec: &mut Recorder) {
     }
 }
 
-/// SIGKILL, then the same ports again: the time until all `n` agents of
-/// `style` are back, the fresh process's CPU per agent, and (ours) how many
-/// resumed their TLS session.
-async fn restart_storm(
-    server: &mut Server,
-    swarm: &mut Swarm,
-    n: usize,
-    style: Style,
-    rec: &mut Recorder,
-) -> anyhow::Result<()> {
+/// What one storm of `n` reconnects took.
+struct Storm {
+    /// Until all were connected again.
+    took: Duration,
+    /// The server's CPU per agent meanwhile, ms.
+    cpu_ms: f64,
+    /// Handshakes that resumed a TLS session.
+    resumed: f64,
+}
+
+impl Storm {
+    /// Records the storm's time, CPU per agent and, when given, its
+    /// resumed handshakes.
+    fn push(
+        &self,
+        rec: &mut Recorder,
+        (took, cpu): (&report::Def, &report::Def),
+        resumed: Option<&report::Def>,
+    ) {
+        rec.push(took, Route::Grpc, 0, Some(self.took.as_secs_f64()));
+        rec.push(cpu, Route::Grpc, 0, Some(self.cpu_ms));
+        if let Some(def) = resumed {
+            rec.push(def, Route::Grpc, 0, Some(self.resumed));
+        }
+    }
+}
+
+/// SIGKILL, then the same ports again: until all `n` agents are back.
+async fn restart_storm(server: &mut Server, swarm: &mut Swarm, n: usize) -> anyhow::Result<Storm> {
     server.kill();
     let began = Instant::now();
     server.start().await?;
-    let restart = server.wait_connected(n, began).await?;
+    let took = server.wait_connected(n, began).await?;
     // A fresh process: all its CPU is the storm's.
-    let per_agent = ticks_ms(probe::cpu_ticks(server.pid()?)?) / n as f64;
+    let cpu_ms = ticks_ms(probe::cpu_ticks(server.pid()?)?) / n as f64;
     let resumed = server.handshakes("resumed").await?;
     swarm.check_alive()?;
     eprintln!(
-        "agents: {n} {style:?}-style connected {:.2} s after a server restart; server CPU {per_agent:.2} \
-         ms per agent; {resumed} resumed",
-        restart.as_secs_f64(),
+        "agents: {n} connected {:.2} s after a server restart; server CPU {cpu_ms:.2} ms per \
+         agent; {resumed} resumed",
+        took.as_secs_f64(),
     );
-    let (time, cpu) = match style {
-        Style::Ours => {
-            rec.push(&report::AGENTS_RESUMED, Route::Grpc, 0, Some(resumed));
-            (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART)
-        }
-        Style::Anp | Style::Tokens(_) => {
-            (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART)
-        }
-    };
-    rec.push(time, Route::Grpc, 0, Some(restart.as_secs_f64()));
-    rec.push(cpu, Route::Grpc, 0, Some(per_agent));
-    Ok(())
+    Ok(Storm {
+        took,
+        cpu_ms,
+        resumed,
+    })
 }
 
-/// Every agent's link cut, the server kept: the time until all `n` are
-/// back, the server's CPU per reconnect, how many resumed.
-async fn cut_storm(
-    server: &mut Server,
-    swarm: &mut Swarm,
-    n: usize,
-    rec: &mut Recorder,
-) -> anyhow::Result<()> {
+/// Every agent's link cut, the server kept: until all `n` are back.
+async fn cut_storm(server: &mut Server, swarm: &mut Swarm, n: usize) -> anyhow::Result<Storm> {
     let resumed = server.handshakes("resumed").await?;
     let before = server.handshakes("full").await? + resumed;
     let cpu = probe::cpu_ticks(server.pid()?)?;
     let began = Instant::now();
     swarm.cut()?;
-    let back = server.wait_reconnected(n, before, began).await?;
-    let per_agent = ticks_ms(probe::cpu_ticks(server.pid()?)? - cpu) / n as f64;
-    let cut_resumed = server.handshakes("resumed").await? - resumed;
+    let took = server.wait_reconnected(n, before, began).await?;
+    let cpu_ms = ticks_ms(probe::cpu_ticks(server.pid()?)? - cpu) / n as f64;
+    let resumed = server.handshakes("resumed").await? - resumed;
     swarm.check_alive()?;
     eprintln!(
-        "agents: {n} back {:.2} s after their links were cut; server CPU {per_agent:.2} ms per \
-         agent; {cut_resumed} resumed",
-        back.as_secs_f64()
+        "agents: {n} back {:.2} s after their links were cut; server CPU {cpu_ms:.2} ms per \
+         agent; {resumed} resumed",
+        took.as_secs_f64()
     );
-    rec.push(
-        &report::AGENTS_CUT,
-        Route::Grpc,
-        0,
-        Some(back.as_secs_f64()),
-    );
-    rec.push(&report::AGENTS_CPU_CUT, Route::Grpc, 0, Some(per_agent));
-    rec.push(
-        &report::AGENTS_CUT_RESUMED,
-        Route::Grpc,
-        0,
-        Some(cut_resumed),
-    );
-    Ok(())
+    Ok(Storm {
+        took,
+        cpu_ms,
+        resumed,
+    })
 }
 
 /// Service-account token auth against a TokenReview stand-in that answers
@@ -667,20 +676,13 @@ async fn token_storms(
     push(rec, &report::AGENTS_TOKEN_COLD, cold.as_secs_f64());
     push(rec, &report::AGENTS_TOKEN_COLD_REVIEWS, cold_reviews as f64);
 
-    let before = server.handshakes("full").await? + server.handshakes("resumed").await?;
-    let began = Instant::now();
-    swarm.cut()?;
-    let cut = server.wait_reconnected(n, before, began).await?;
+    let cut = cut_storm(&mut server, &mut swarm, n).await?.took;
     let cut_reviews = stub.review_count() - cold_reviews;
     push(rec, &report::AGENTS_TOKEN_CUT, cut.as_secs_f64());
     push(rec, &report::AGENTS_TOKEN_CUT_REVIEWS, cut_reviews as f64);
 
-    server.kill();
-    let began = Instant::now();
-    server.start().await?;
-    let restart = server.wait_connected(n, began).await?;
+    let restart = restart_storm(&mut server, &mut swarm, n).await?.took;
     let restart_reviews = stub.review_count() - cold_reviews - cut_reviews;
-    swarm.check_alive()?;
     push(rec, &report::AGENTS_TOKEN_RESTART, restart.as_secs_f64());
     push(
         rec,
