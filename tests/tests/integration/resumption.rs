@@ -174,3 +174,49 @@ async fn a_resumed_session_whose_client_certificate_expired_is_dropped() {
         0.0
     );
 }
+
+/// Whether OpenSSL (Python's `ssl`, `tests/python/resume.py`), offering a
+/// session it got from `server`, resumes it with the server restarted.
+async fn openssl_resumes_after_a_restart(server: TestServer) -> bool {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let pki = integration_tests::Pki::get();
+    let mut child = tokio::process::Command::new(integration_tests::python::interpreter())
+        .arg(integration_tests::workspace().join("tests/python/resume.py"))
+        .arg(format!("--port={}", server.agent_addr.port()))
+        .arg(format!("--ca={}", pki.path("agent-ca.crt").display()))
+        .arg(format!("--cert={}", pki.path("proxy-agent.crt").display()))
+        .arg(format!("--key={}", pki.path("proxy-agent.key").display()))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let next = async |lines: &mut tokio::io::Lines<_>| {
+        tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .expect("resume.py said nothing")
+            .unwrap()
+            .expect("resume.py ended early")
+    };
+    assert_eq!(next(&mut lines).await, "ready");
+    let _server = server.restart().await;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"go\n").await.unwrap();
+    let report: serde_json::Value = serde_json::from_str(&next(&mut lines).await).unwrap();
+    assert_eq!(report["had_ticket"], true, "{report}");
+    report["reused"].as_bool().unwrap()
+}
+
+/// A client we did not write, OpenSSL, resumes a session of a server that
+/// has since restarted; with tickets off it cannot.
+#[tokio::test]
+async fn openssl_resumes_with_a_ticket_after_a_server_restart() {
+    assert!(openssl_resumes_after_a_restart(TestServer::start().await).await);
+    let without = TestServer::start_with(ServerOpts {
+        session_tickets: false,
+        ..Default::default()
+    })
+    .await;
+    assert!(!openssl_resumes_after_a_restart(without).await);
+}
