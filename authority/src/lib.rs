@@ -17,6 +17,9 @@
 //! would refuse, is passed on as it came and the shim steps aside: h2 then
 //! answers the fault itself (GOAWAY) exactly as without the shim.
 
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 mod hpack;
 
 use std::{

@@ -14,11 +14,16 @@
 //! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
 //! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
 //! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
+//! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
+//!   feature only; `docs/fuzzing.md`).
 
 pub mod cli;
 pub mod duration;
 pub mod error;
 pub mod flags;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod kube;
 pub mod metrics;

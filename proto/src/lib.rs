@@ -10,6 +10,8 @@
 //! - [`codec`]: the prost codec with small per-stream buffers.
 //! - [`header`]: metadata keys exchanged on `Connect`.
 //! - [`packet`]: constructors and [`packet::PacketKind`].
+//! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
+//!   feature only; see `docs/fuzzing.md`).
 
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
 mod generated {
@@ -17,6 +19,9 @@ mod generated {
 }
 
 pub mod codec;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod header;
 pub mod packet;
 

@@ -31,7 +31,7 @@ use tunnel::conn::Io;
 use tunnel::{
     flow::{self, Flow, Refused, Scheme, Window},
     ids::ServerId,
-    mover::{QueueUpstream, WindowDownstream},
+    mover::{ControlSink, QueueUpstream, WindowDownstream},
     proxy_client,
     queue::QueueTx,
     read_ahead::ReadAhead,
@@ -727,7 +727,9 @@ impl Dispatcher {
                 }
                 debug!("connected");
                 let out = to_server.queue().clone();
-                let grants = scheme.is_credit().then(|| out.clone());
+                let grants = scheme
+                    .is_credit()
+                    .then(|| Arc::new(to_server.clone()) as Arc<dyn ControlSink>);
                 ConnDriver {
                     id,
                     socket,

@@ -83,6 +83,16 @@ impl ConnEnd {
         }
     }
 
+    /// Whether the connection failed rather than closed: the tunnel is
+    /// gone, the destination fell behind or did not take the last bytes.
+    /// The destination is then reset, not sent a FIN.
+    pub(crate) fn is_failure(&self) -> bool {
+        matches!(
+            self,
+            Self::StreamGone | Self::Overflow | Self::DrainTimedOut
+        )
+    }
+
     /// The error of the CLOSE_RSP to send (empty: a clean close), or `None`
     /// when there is nobody to answer.
     pub(crate) fn close_error(&self) -> Option<String> {
@@ -136,7 +146,7 @@ impl ConnDriver {
     pub(crate) async fn run(self) {
         let Self {
             id,
-            socket,
+            mut socket,
             mut up,
             down,
             overflow,
@@ -152,12 +162,23 @@ impl ConnDriver {
             closing.cancelled().await;
             tokio::time::sleep(CLOSE_DRAIN).await;
         };
+        // Biased, the stream's end first: when the stream ends, its token
+        // is cancelled before the table drops this connection's queue, and
+        // the mover would take the closed queue for the server's close and
+        // send the destination a FIN, a clean end with bytes missing.
         let end = tokio::select! {
+            biased;
             () = stream.cancelled() => ConnEnd::StreamGone,
             () = overflow.cancelled() => ConnEnd::Overflow,
             () = drain_deadline => ConnEnd::DrainTimedOut,
-            end = mover::run(socket, &mut up, down) => ConnEnd::from_mover(end),
+            end = mover::run(&mut socket, &mut up, down) => ConnEnd::from_mover(end),
         };
+        if end.is_failure() {
+            // A FIN would read as a clean end at the destination, with
+            // bytes missing: a connection that failed ends with a reset.
+            let _ = socket.set_zero_linger();
+        }
+        drop(socket);
         if let Some(packet) = &up.undelivered {
             metrics.send_failed(packet);
         }
@@ -499,6 +520,59 @@ mod tests {
             text.contains(
                 "konnectivity_rs_agent_connections_closed_total{reason=\"server_closed\"} 1\n"
             ),
+            "{text}"
+        );
+    }
+
+    /// Issue 37, item 1: the credit for bytes written to the destination
+    /// cannot be queued because the server stopped reading the stream. The
+    /// stream is ended, so that the server ends every connection on it
+    /// with an error; before, the connection ended alone, unanswered, and
+    /// the server's side of it hung while the stream stayed up.
+    #[tokio::test]
+    async fn a_credit_that_cannot_be_queued_ends_the_stream() {
+        let (ours, mut destination) = small_pair().await;
+        let stream = CancellationToken::new();
+        let (out_tx, _unread) = tunnel::queue::queue(256, 256);
+        // The server has stopped reading: the queue is past its reserve.
+        while out_tx.push(Packet::close_request(1), 100).is_ok() {}
+        let metrics = Arc::new(AgentMetrics::unattached());
+        let to_server = ToServer::new(out_tx.clone(), stream.clone(), metrics.clone());
+        let scheme = flow::Scheme::Credit {
+            ours: flow::Window::V1,
+            theirs: flow::Window::V1,
+        };
+        let flow = Arc::new(Flow::new(scheme));
+        let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
+        inbound.send(Bytes::from_static(b"hello")).await.unwrap();
+        let id = ConnId(1);
+        let driver = ConnDriver {
+            id,
+            socket: ours,
+            up: QueueUpstream::new(id, out_tx, Some(flow)),
+            down: WindowDownstream::new(id, window, Some(Arc::new(to_server.clone()))),
+            overflow: CancellationToken::new(),
+            closing: CancellationToken::new(),
+            stream: stream.child_token(),
+            conns: Connections::new(scheme, &stream),
+            to_server,
+            metrics: metrics.clone(),
+        };
+        let run = tokio::spawn(driver.run());
+        let mut hello = [0u8; 5];
+        destination.read_exact(&mut hello).await.unwrap();
+        assert_eq!(&hello, b"hello");
+        tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .expect("the connection ended")
+            .unwrap();
+        assert!(
+            stream.is_cancelled(),
+            "the stream stayed up with a connection lost"
+        );
+        let text = metrics.render();
+        assert!(
+            text.contains("konnectivity_rs_agent_limit_reached_total 1\n"),
             "{text}"
         );
     }

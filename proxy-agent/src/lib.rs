@@ -11,11 +11,16 @@
 //! - `health`: `/healthz`, `/readyz`.
 //! - [`lease`]: counting servers by their Leases.
 //! - [`metrics`]: ANP's agent metrics and ours.
+//! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
+//!   feature only; `docs/fuzzing.md`).
 
 pub mod agent;
 pub mod client;
 pub mod config;
 pub mod endpoint;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 mod health;
 pub mod lease;
 pub mod metrics;

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 use tunnel::{
     flow,
+    mover::ControlSink,
     queue::{PushError, QueueTx},
 };
 
@@ -68,5 +69,11 @@ impl ToServer {
                 false
             }
         }
+    }
+}
+
+impl ControlSink for ToServer {
+    fn send_control(&self, packet: Packet) -> bool {
+        self.control(packet)
     }
 }

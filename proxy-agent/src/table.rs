@@ -283,6 +283,37 @@ impl<D: Clone, C> ConnTable<D, C> {
         self.conns.is_empty()
     }
 
+    /// Checks that the table is consistent; panics naming what is not. The
+    /// fuzz target (`fuzz/fuzz_targets/agent_table.rs`) and the property
+    /// tests call it after every event:
+    /// - every connection id, of a pending dial or an established
+    ///   connection, was handed out (1 ≤ id < the next one) and names one
+    ///   of them only: no two dials share an id, and no dial shares one
+    ///   with a connection;
+    /// - once the stream ended, nothing is left.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn check(&self) {
+        let handed_out = |id: ConnId| (1..self.next_conn).contains(&id.0);
+        let mut ids = std::collections::HashSet::new();
+        for (dial, (conn, _)) in &self.dials {
+            assert!(
+                handed_out(*conn),
+                "dial {dial:?} holds id {conn:?}, never handed out"
+            );
+            assert!(ids.insert(*conn), "id {conn:?} held by two dials");
+        }
+        for conn in self.conns.keys() {
+            assert!(handed_out(*conn), "connection {conn:?} never handed out");
+            assert!(!ids.contains(conn), "id {conn:?} both dialing and open");
+        }
+        assert!(
+            !self.ended || (self.dials.is_empty() && self.conns.is_empty()),
+            "the stream ended with {} dials and {} connections left",
+            self.dials.len(),
+            self.conns.len()
+        );
+    }
+
     /// Dials in progress.
     pub fn dials_in_progress(&self) -> usize {
         self.dials.len()

@@ -170,41 +170,12 @@ impl TokenAuth {
             .await
             .map_err(|_| AuthError::Review(format!("no answer within {REVIEW_TIMEOUT:?}")))?
             .map_err(|reason| AuthError::Review(reason.replace(token, "MASKED")))?;
-        let status = reviewed.status.unwrap_or_default();
-        if let Some(error) = status.error.filter(|e| !e.is_empty()) {
-            return Err(AuthError::StatusError(error));
-        }
-        if status.authenticated != Some(true) {
-            return Err(AuthError::NotAuthenticated);
-        }
-        let audiences = status.audiences.unwrap_or_default();
-        if !audiences.contains(&self.config.audience) {
-            return Err(AuthError::Audience {
-                want: self.config.audience.clone(),
-                got: audiences,
-            });
-        }
-        let username = status.user.and_then(|u| u.username).unwrap_or_default();
-        let parts: Vec<&str> = username.split(':').collect();
-        let [system, serviceaccount, namespace, name] = parts.as_slice() else {
-            return Err(AuthError::NotServiceAccount(username));
+        let expected = Expected {
+            namespace: &self.config.namespace,
+            service_account: &self.config.service_account,
+            audience: &self.config.audience,
         };
-        if *system != "system" || *serviceaccount != "serviceaccount" {
-            return Err(AuthError::NotServiceAccount(username));
-        }
-        if *namespace != self.config.namespace {
-            return Err(AuthError::Namespace {
-                want: self.config.namespace.clone(),
-                got: (*namespace).to_owned(),
-            });
-        }
-        if *name != self.config.service_account {
-            return Err(AuthError::ServiceAccount {
-                want: self.config.service_account.clone(),
-                got: (*name).to_owned(),
-            });
-        }
-        Ok(())
+        verdict(&expected, reviewed)
     }
 
     /// POSTs `review` and reads the answer. Not `Api::create`: kube's
@@ -228,21 +199,78 @@ impl TokenAuth {
             .await
             .map_err(|e| format!("reading the answer: {e}"))?
             .to_bytes();
-        if !code.is_success() {
-            // An API Status says why; its message never holds the token.
-            let why = serde_json::from_slice::<kube::core::Status>(&body)
-                .map(|s| format!(": {} ({})", s.message, s.reason))
-                .unwrap_or_default();
-            return Err(format!("the API answered {code}{why}"));
-        }
-        serde_json::from_slice(&body).map_err(|e| {
-            // serde's message may quote a value from the body: only its place.
-            format!(
-                "unreadable TokenReview answer ({:?} error at line {} column {})",
-                e.classify(),
-                e.line(),
-                e.column()
-            )
-        })
+        read_answer(code, &body)
     }
+}
+
+/// What [`verdict`] admits: the flags' namespace, service account and
+/// audience.
+pub(crate) struct Expected<'a> {
+    /// `--agent-namespace`.
+    pub(crate) namespace: &'a str,
+    /// `--agent-service-account`.
+    pub(crate) service_account: &'a str,
+    /// `--authentication-audience`.
+    pub(crate) audience: &'a str,
+}
+
+/// The API's answer to a TokenReview, from its status code and body; the
+/// error text never quotes the body.
+pub(crate) fn read_answer(code: http::StatusCode, body: &[u8]) -> Result<TokenReview, String> {
+    if !code.is_success() {
+        // An API Status says why; its message never holds the token.
+        let why = serde_json::from_slice::<kube::core::Status>(body)
+            .map(|s| format!(": {} ({})", s.message, s.reason))
+            .unwrap_or_default();
+        return Err(format!("the API answered {code}{why}"));
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        // serde's message may quote a value from the body: only its place.
+        format!(
+            "unreadable TokenReview answer ({:?} error at line {} column {})",
+            e.classify(),
+            e.line(),
+            e.column()
+        )
+    })
+}
+
+/// What a TokenReview's answer says of its token: admitted only if it is
+/// authenticated, for `config`'s audience, as its service account.
+pub(crate) fn verdict(config: &Expected<'_>, reviewed: TokenReview) -> Result<(), AuthError> {
+    let status = reviewed.status.unwrap_or_default();
+    if let Some(error) = status.error.filter(|e| !e.is_empty()) {
+        return Err(AuthError::StatusError(error));
+    }
+    if status.authenticated != Some(true) {
+        return Err(AuthError::NotAuthenticated);
+    }
+    let audiences = status.audiences.unwrap_or_default();
+    if !audiences.iter().any(|a| a == config.audience) {
+        return Err(AuthError::Audience {
+            want: config.audience.to_owned(),
+            got: audiences,
+        });
+    }
+    let username = status.user.and_then(|u| u.username).unwrap_or_default();
+    let parts: Vec<&str> = username.split(':').collect();
+    let [system, serviceaccount, namespace, name] = parts.as_slice() else {
+        return Err(AuthError::NotServiceAccount(username));
+    };
+    if *system != "system" || *serviceaccount != "serviceaccount" {
+        return Err(AuthError::NotServiceAccount(username));
+    }
+    if *namespace != config.namespace {
+        return Err(AuthError::Namespace {
+            want: config.namespace.to_owned(),
+            got: (*namespace).to_owned(),
+        });
+    }
+    if *name != config.service_account {
+        return Err(AuthError::ServiceAccount {
+            want: config.service_account.to_owned(),
+            got: (*name).to_owned(),
+        });
+    }
+    Ok(())
 }

@@ -19,7 +19,7 @@
 
 use std::{
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
@@ -39,7 +39,6 @@ use tunnel::{
 use crate::{
     events::{DialError, Limit},
     ids::{BackendId, FrontendId},
-    lock_shared,
     metrics::{Direction, Segment, ServerMetrics},
     router::FrontendKind,
     stream::{BackendLink, StreamEnd},
@@ -102,31 +101,48 @@ impl Conn {
     /// frontend's own stream). `false` once the connection or the agent's
     /// stream is gone.
     pub(crate) async fn upload(&self, mut data: Bytes) -> bool {
-        self.to_frontend
-            .metrics
-            .bytes
-            .get(Direction::ToAgent)
-            .inc_by(data.len() as f64);
+        self.count_upload(data.len());
         let chunk = self.flow.send_chunk();
         while !data.is_empty() {
             let piece = data.split_to(data.len().min(chunk));
-            let sent = async {
-                self.flow.take(flow::cost(piece.len())).await.is_ok()
-                    && self
-                        .agent
-                        .send(Packet::data(self.id.0, piece))
-                        .await
-                        .is_ok()
-            };
-            let sent = tokio::select! {
-                () = self.flow.closed() => false,
-                sent = sent => sent,
-            };
-            if !sent {
+            if !self.upload_chunk(piece).await {
                 return false;
             }
         }
         true
+    }
+
+    /// Counts `len` bytes of frontend DATA on their way to the agent.
+    pub(crate) fn count_upload(&self, len: usize) {
+        self.to_frontend
+            .metrics
+            .bytes
+            .get(Direction::ToAgent)
+            .inc_by(len as f64);
+    }
+
+    /// Sends one piece of frontend DATA (at most the agent's chunk) to the
+    /// agent, waiting for credit and for room on the agent's queue; the
+    /// wait ends when the connection closes. `false` once the connection
+    /// or the agent's stream is gone.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: credit taken for a piece dropped while it waits
+    /// for room is lost. Run it to completion (it ends with the
+    /// connection).
+    pub(crate) async fn upload_chunk(&self, piece: Bytes) -> bool {
+        let sent = async {
+            self.flow.take(flow::cost(piece.len())).await.is_ok()
+                && self
+                    .agent
+                    .send(Packet::data(self.id.0, piece))
+                    .await
+                    .is_ok()
+        };
+        tokio::select! {
+            () = self.flow.closed() => false,
+            sent = sent => sent,
+        }
     }
 
     /// Queues agent DATA for the frontend without waiting: with credit the
@@ -390,13 +406,13 @@ pub(crate) struct Attachments {
     /// Whether `conns` has any.
     pending: AtomicBool,
     /// The connections not yet taken.
-    conns: Mutex<Vec<Arc<Conn>>>,
+    conns: tunnel::sync::Mutex<Vec<Arc<Conn>>>,
 }
 
 impl Attachments {
     /// Hands `conn` over.
     pub(crate) fn attach(&self, conn: Arc<Conn>) {
-        lock_shared(&self.conns).push(conn);
+        self.conns.lock().push(conn);
         self.pending.store(true, Ordering::Release);
     }
 
@@ -405,7 +421,7 @@ impl Attachments {
         if !self.pending.load(Ordering::Acquire) {
             return Vec::new();
         }
-        let mut conns = lock_shared(&self.conns);
+        let mut conns = self.conns.lock();
         self.pending.store(false, Ordering::Release);
         std::mem::take(&mut *conns)
     }
@@ -482,10 +498,44 @@ impl ConnTable {
         }
     }
 
+    /// Connections in the table that are open.
+    pub(crate) fn open_count(&self) -> usize {
+        self.conns.values().filter(|conn| !conn.is_closed()).count()
+    }
+
     /// Takes `id` out.
     pub(crate) fn remove(&mut self, id: ConnId) -> Option<Arc<Conn>> {
         self.conns.remove(&id)
     }
+}
+
+/// A connection over a fresh agent stream to a fresh frontend (tests),
+/// with the receivers of both queues.
+#[cfg(test)]
+pub(crate) fn test_conn(
+    id: i64,
+    scheme: flow::Scheme,
+) -> (Arc<Conn>, QueueRx<Packet>, QueueRx<FrontendItem>) {
+    let metrics = Arc::new(ServerMetrics::new(&[]));
+    let (agent_tx, agent_rx) = queue::queue(1 << 20, 1 << 20);
+    let agent = BackendLink::new(
+        tunnel::ids::AgentId("a".to_owned()),
+        None,
+        scheme,
+        agent_tx,
+        StreamEnd::new(tokio_util::sync::CancellationToken::new()),
+        metrics.clone(),
+    );
+    let (fe_tx, fe_rx) = frontend_queue();
+    let frontend = FrontendTx::new(
+        FrontendId(1),
+        FrontendKind::Grpc,
+        fe_tx,
+        StreamEnd::new(tokio_util::sync::CancellationToken::new()),
+        metrics,
+    );
+    let conn = Arc::new(Conn::new(ConnId(id), BackendId(1), agent, frontend));
+    (conn, agent_rx, fe_rx)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@
 use std::{
     collections::{HashMap, VecDeque},
     net::SocketAddr,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -29,11 +29,11 @@ use tokio_util::sync::CancellationToken;
 use tunnel::{
     compact,
     ids::{AgentId, ConnId, DialId},
+    sync::{Mutex, MutexGuard, audit::LockAudit},
 };
 
 use crate::{
     conn::{Conn, FrontendLink, FrontendTx},
-    lock_shared,
     metrics::{Live, ServerMetrics},
     router::{
         AgentInfo, BackendId, Event, ForwardFailure, FrontendId, FrontendKind, Out, Router, STALLED,
@@ -64,6 +64,9 @@ pub(crate) struct Control {
     pub(crate) metrics: Arc<ServerMetrics>,
     /// Woken when a dial deadline is armed, for the timer task.
     clock: Notify,
+    /// Which streams take which lock (debug builds, when started): the
+    /// drivers of this server's streams run in its scope.
+    pub(crate) audit: Arc<LockAudit>,
     /// `--backend-dial-timeout`.
     dial_timeout: Option<Duration>,
 }
@@ -109,7 +112,7 @@ impl Control {
         metrics: Arc<ServerMetrics>,
     ) -> Self {
         Self {
-            state: Mutex::new(State {
+            state: Mutex::shared(State {
                 router: Router::new(strategies, dial_timeout, fastrand::Rng::new()),
                 frontends: HashMap::new(),
                 backends: HashMap::new(),
@@ -117,12 +120,13 @@ impl Control {
             }),
             metrics,
             clock: Notify::new(),
+            audit: LockAudit::new(),
             dial_timeout,
         }
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        lock_shared(&self.state)
+        self.state.lock()
     }
 
     /// Registers a frontend stream whose outbound queue `tx` makes for its
@@ -188,6 +192,14 @@ impl Control {
     pub(crate) fn overflow(&self, be: BackendId, conn: ConnId) {
         tracing::warn!(conn.id = %conn, "connection closed: its frontend reads too slowly");
         self.with_router(|router, out| router.overflow(Instant::now(), be, conn, out));
+    }
+
+    /// A connection's upload stalled while it held up the other
+    /// connections of its frontend's stream: it is closed on both ends.
+    pub(crate) fn upload_stalled(&self, conn: &Conn) {
+        self.with_router(|router, out| {
+            router.upload_stalled(Instant::now(), conn.backend, conn.id, out);
+        });
     }
 
     /// Runs `decide` on the router and carries out its output.

@@ -49,6 +49,10 @@ ops::label_enum! {
         Stalled = "stalled",
         /// The frontend used another frontend's connection id.
         Mismatch = "mismatch",
+        /// Its destination took none of its upload for
+        /// `frontend::read_ahead::UPLOAD_GRACE` while it held up the other
+        /// connections of its `Proxy` stream, or its frontend's close.
+        UploadStalled = "upload_stalled",
     }
 }
 
@@ -66,6 +70,11 @@ ops::label_enum! {
         TlsHandshakes = "tls_handshakes",
         /// `--max-http-connections`: a CONNECT client was refused with 503.
         HttpConnections = "http_connections",
+        /// An agent connect refused with `Unavailable`:
+        /// `--token-review-max-pending` connects were waiting for a token
+        /// review, or its review waited too long for one of
+        /// `--token-review-max-inflight`.
+        TokenReviews = "token_reviews",
     }
 }
 

@@ -1,6 +1,7 @@
 //! The frontend transports: kube-apiserver's side of the server.
 //!
-//! - [`grpc`]: `ProxyService/Proxy` streams (konnectivity-client).
+//! - [`grpc`]: `ProxyService/Proxy` streams (konnectivity-client), and
+//!   [`read_ahead`]: what a stream reads ahead of its waiting uploads.
 //! - [`http_connect`]: `CONNECT host:port HTTP/1.1` (`--mode=http-connect`).
 //!
 //! The layer that lets any `:authority` through to h2 on the Unix socket is
@@ -8,6 +9,7 @@
 
 pub(crate) mod grpc;
 pub(crate) mod http_connect;
+pub(crate) mod read_ahead;
 
 use std::sync::Arc;
 

@@ -21,3 +21,23 @@ impl std::fmt::Display for BackendId {
         self.0.fmt(f)
     }
 }
+
+impl FrontendId {
+    /// This stream, as the lock audit names it.
+    pub(crate) fn taker(self) -> tunnel::sync::audit::Taker {
+        tunnel::sync::audit::Taker {
+            kind: "frontend",
+            id: self.0,
+        }
+    }
+}
+
+impl BackendId {
+    /// This stream, as the lock audit names it.
+    pub(crate) fn taker(self) -> tunnel::sync::audit::Taker {
+        tunnel::sync::audit::Taker {
+            kind: "backend",
+            id: self.0,
+        }
+    }
+}

@@ -30,6 +30,8 @@
 //! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - [`config`]: flags (ANP names and defaults) → validated [`config::Config`].
 //! - [`server`]: [`server::ProxyServer::bind`] → [`server::Bound::serve`].
+//! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
+//!   feature only; `docs/fuzzing.md`).
 
 pub mod auth;
 mod backend;
@@ -38,6 +40,9 @@ mod conn;
 mod control;
 mod events;
 mod frontend;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod health;
 mod ids;
 pub mod lease;

@@ -182,6 +182,20 @@ impl BackendManager {
         })
     }
 
+    /// Every backend indexed under a strategy or marked draining, for
+    /// [`crate::router::Router::check`].
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn indexed(&self) -> impl Iterator<Item = BackendId> + '_ {
+        self.stores
+            .iter()
+            .flat_map(|(_, store)| {
+                let keys = store.entries.iter().map(|(_, list)| list);
+                let nets = store.nets.iter().map(|(_, list)| list);
+                keys.chain(nets).flatten().copied()
+            })
+            .chain(self.draining.iter().copied())
+    }
+
     /// Ready when the first strategy has at least one backend (ANP).
     pub(crate) fn is_ready(&self) -> bool {
         self.stores

@@ -910,6 +910,85 @@ impl Router {
         }
     }
 
+    /// Checks that the tables agree with each other; panics naming the
+    /// first that does not. The fuzz target (`fuzz/fuzz_targets/router.rs`)
+    /// and the property tests call it after every event:
+    /// - an established connection is in both its backend's and its
+    ///   frontend's table, pointing at each other, and a failed frontend
+    ///   has none;
+    /// - a pending dial is in its frontend's pending set and its backend
+    ///   is connected; a frontend's pending set names only its own dials;
+    /// - the deadlines are exactly the pending dials' deadlines;
+    /// - the strategies index connected backends only;
+    /// - a frontend remembers at most [`RECENTLY_CLOSED`] closed ids.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn check(&self) {
+        for (be, backend) in &self.backends {
+            for (id, conn) in &backend.conns {
+                let frontend = self.frontends.get(&conn.frontend).unwrap_or_else(|| {
+                    panic!("conn {id} of be{be}: frontend fe{} gone", conn.frontend)
+                });
+                assert_eq!(
+                    frontend.conns.get(id),
+                    Some(be),
+                    "conn {id} of be{be} missing from fe{}",
+                    conn.frontend
+                );
+            }
+        }
+        for (fe, frontend) in &self.frontends {
+            assert!(
+                !frontend.failed || frontend.conns.is_empty(),
+                "failed fe{fe} keeps connections"
+            );
+            assert!(frontend.recently_closed.len() <= RECENTLY_CLOSED);
+            for (id, be) in &frontend.conns {
+                assert_eq!(
+                    self.conn(*be, *id).map(|c| c.frontend),
+                    Some(*fe),
+                    "conn {id} of fe{fe} missing from be{be}"
+                );
+            }
+            for dial in &frontend.pending {
+                assert_eq!(
+                    self.pending.get(dial).map(|d| d.frontend),
+                    Some(*fe),
+                    "dial {dial} of fe{fe} is not pending for it"
+                );
+            }
+        }
+        let mut deadlines = 0;
+        for (id, dial) in &self.pending {
+            assert!(
+                self.frontends
+                    .get(&dial.frontend)
+                    .is_some_and(|f| f.pending.contains(id)),
+                "dial {id} missing from fe{}",
+                dial.frontend
+            );
+            assert!(
+                self.backends.contains_key(&dial.backend),
+                "dial {id} pending on a gone be{}",
+                dial.backend
+            );
+            if let Some(at) = dial.deadline {
+                assert!(
+                    self.deadlines.contains(&(at, *id)),
+                    "dial {id}: deadline not kept"
+                );
+                deadlines += 1;
+            }
+        }
+        assert_eq!(
+            deadlines,
+            self.deadlines.len(),
+            "deadlines of no pending dial"
+        );
+        for be in self.manager.indexed() {
+            assert!(self.backends.contains_key(&be), "be{be} indexed but gone");
+        }
+    }
+
     /// Connected agent streams.
     pub(crate) fn backend_count(&self) -> usize {
         self.backends.len()

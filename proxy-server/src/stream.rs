@@ -4,10 +4,7 @@
 //! fault), and for an agent stream the sending side of its outbound queue
 //! ([`BackendLink`]).
 
-use std::{
-    net::SocketAddr,
-    sync::{Arc, Mutex},
-};
+use std::{net::SocketAddr, sync::Arc};
 
 use futures_util::{Stream, StreamExt, stream};
 use proto::Packet;
@@ -18,11 +15,14 @@ use tunnel::{
     flow::{self, Scheme},
     ids::AgentId,
     queue::{self, Closed, QueueTx},
+    sync::{
+        Mutex,
+        audit::{self, LockAudit, Taker},
+    },
 };
 
 use crate::{
     events::Limit,
-    lock,
     metrics::{Segment, ServerMetrics},
 };
 
@@ -56,7 +56,7 @@ impl StreamEnd {
 
     /// Ends the stream with `status`; the first failure wins.
     pub(crate) fn fail(&self, status: Status) {
-        lock(&self.status).get_or_insert(status);
+        self.status.lock().get_or_insert(status);
         self.cancel.cancel();
     }
 
@@ -81,10 +81,24 @@ impl StreamEnd {
     {
         let cancel = self.cancel.clone();
         packets.map(Ok).take_until(cancel.cancelled_owned()).chain(
-            stream::once(async move { lock(&self.status).take() })
+            stream::once(async move { self.status.lock().take() })
                 .filter_map(|status| std::future::ready(status.map(Err))),
         )
     }
+}
+
+/// A stream a library's task polls (tonic's response stream), audited as
+/// `taker`'s: its locks count as that stream's.
+pub(crate) fn audited<S>(
+    audit: Arc<LockAudit>,
+    taker: Taker,
+    stream: S,
+) -> impl Stream<Item = S::Item> + Send + 'static
+where
+    S: Stream + Send + 'static,
+{
+    let mut stream = Box::pin(stream);
+    stream::poll_fn(move |cx| audit::sync_scope(&audit, taker, || stream.as_mut().poll_next(cx)))
 }
 
 /// The next packet from a stream's peer, counted on `segment`; `None` once

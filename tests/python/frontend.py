@@ -16,6 +16,11 @@ Cases:
   concurrent    --tunnels single-use tunnels at once, each on its own channel
   multi-stream  --streams Proxy streams on one channel, sequential then
                 concurrent, one dial each
+  shared-stream two connections on ONE Proxy stream: one to
+                --stalled-address (a destination that never reads) uploads
+                --bytes, then sends CLOSE_REQ; meanwhile the other, to the
+                echo --address, makes --round-trips round trips. Reports
+                the round trips made and the stalled one's CLOSE_RSP error
   authority     the :authority grpcio sends for --target/--authority, read
                 off a socket this script listens on (no proxy involved)
   connect-echo  HTTP CONNECT over --socket to an echo backend, byte-exact
@@ -424,6 +429,103 @@ FLAG_PADDED = 0x8
 FLAG_PRIORITY = 0x20
 
 
+def case_shared_stream(args):
+    """See the module docstring (shared-stream)."""
+    pb_frontend = Frontend(args)
+    pb = pb_frontend.pb
+    channel = pb_frontend.channel()
+    tunnel = pb_frontend.tunnel(channel)
+    try:
+        response = tunnel.dial(args.stalled_address)
+        if response.error:
+            raise Failure(f"dial {args.stalled_address} failed: {response.error}")
+        stalled = tunnel.connect_id
+        response = tunnel.dial(args.address)
+        if response.error:
+            raise Failure(f"dial {args.address} failed: {response.error}")
+        echo = tunnel.connect_id
+        # One reader for the stream: DATA and CLOSE_RSP by connection.
+        inboxes = {stalled: queue.Queue(), echo: queue.Queue()}
+
+        def demux():
+            while True:
+                item = tunnel.inbox.get()
+                if item[0] == "end":
+                    for box in inboxes.values():
+                        box.put(("end", item[1], item[2]))
+                    return
+                packet = item[1]
+                if packet.type == pb.DATA:
+                    box = inboxes.get(packet.data.connectID)
+                elif packet.type == pb.CLOSE_RSP:
+                    box = inboxes.get(packet.closeResponse.connectID)
+                else:
+                    box = None
+                if box is not None:
+                    box.put(("packet", packet))
+
+        threading.Thread(target=demux, daemon=True).start()
+        sent = {"bytes": 0, "close_at": None}
+        half = threading.Event()
+
+        def upload():
+            block = payload(CHUNK, 7)
+            while sent["bytes"] < args.bytes:
+                tunnel.send(pb.Packet(type=pb.DATA, data=pb.Data(connectID=stalled, data=block)))
+                sent["bytes"] += len(block)
+                if sent["bytes"] >= args.bytes // 2:
+                    half.set()
+            half.set()
+            tunnel.send(pb.Packet(type=pb.CLOSE_REQ, closeRequest=pb.CloseRequest(connectID=stalled)))
+            sent["close_at"] = time.monotonic()
+
+        writer = threading.Thread(target=upload, daemon=True)
+        writer.start()
+        if not half.wait(args.timeout):
+            raise Failure(f"the stalled connection's upload did not get to {args.bytes // 2} bytes")
+
+        def take(box, what):
+            try:
+                item = box.get(timeout=args.timeout)
+            except queue.Empty:
+                raise Failure(f"timed out after {args.timeout}s waiting for {what}") from None
+            if item[0] == "end":
+                raise Failure(f"stream ended ({item[1]}: {item[2]}) while waiting for {what}")
+            return item[1]
+
+        trips = []
+        for i in range(args.round_trips):
+            message = payload(100, 1000 + i)
+            started = time.monotonic()
+            tunnel.send(pb.Packet(type=pb.DATA, data=pb.Data(connectID=echo, data=message)))
+            got = b""
+            while len(got) < len(message):
+                packet = take(inboxes[echo], f"echo of round trip {i}")
+                if packet.type != pb.DATA:
+                    raise Failure(f"the echo connection got {pb.PacketType.Name(packet.type)} in round trip {i}")
+                got += packet.data.data
+            if got != message:
+                raise Failure(f"round trip {i} echoed other bytes")
+            trips.append(time.monotonic() - started)
+        packet = take(inboxes[stalled], "the stalled connection's CLOSE_RSP")
+        while packet.type == pb.DATA:
+            packet = take(inboxes[stalled], "the stalled connection's CLOSE_RSP")
+        if packet.type != pb.CLOSE_RSP:
+            raise Failure(f"the stalled connection got {pb.PacketType.Name(packet.type)}")
+        closed_at = time.monotonic()
+        writer.join(args.timeout)
+        return {
+            "round_trips": len(trips),
+            "slowest_round_trip": round(max(trips), 3) if trips else None,
+            "stalled_sent": sent["bytes"],
+            "close_req_sent": sent["close_at"] is not None,
+            "close_error": packet.closeResponse.error,
+        }
+    finally:
+        tunnel.call.cancel()
+        channel.close()
+
+
 def read_exact(conn, n):
     buf = bytearray()
     while len(buf) < n:
@@ -653,6 +755,7 @@ CASES = {
     "concurrent": case_concurrent,
     "multi-stream": case_multi_stream,
     "authority": case_authority,
+    "shared-stream": case_shared_stream,
     "connect-echo": case_connect_echo,
     "connect-error": case_connect_error,
 }
@@ -672,6 +775,8 @@ def parse_args(argv):
     p.add_argument("--bytes", type=int, default=1 << 20, help="bytes to echo per tunnel")
     p.add_argument("--tunnels", type=int, default=50, help="concurrent: how many tunnels")
     p.add_argument("--streams", type=int, default=8, help="multi-stream: streams per phase")
+    p.add_argument("--stalled-address", help="shared-stream: a destination that never reads")
+    p.add_argument("--round-trips", type=int, default=20, help="shared-stream: echo round trips")
     p.add_argument(
         "--timeout", type=float, default=30.0, help="seconds any one wait, or one stream in all, may take"
     )

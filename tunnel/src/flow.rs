@@ -32,14 +32,15 @@ pub mod core;
 
 use std::{
     fmt,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use proto::{Data, Packet, Payload};
-use tokio::sync::{Notify, mpsc};
-use tokio_util::sync::CancellationToken;
+use tokio::sync::mpsc;
+
+use crate::sync::{Event, Mutex, MutexGuard, Signal};
 
 pub use self::core::{Core, Offer, Take};
 
@@ -355,6 +356,10 @@ fn now() -> Instant {
 /// One connection's flow state ([`Core`]) shared by its two sides, with
 /// the waits: the sender's for credit, and without credit the receiver's
 /// for room. Every wait ends when the connection is closed.
+///
+/// Its lock and its waits belong to this connection alone: its two
+/// streams take them, no third one does. Checking whether it is closed
+/// takes no lock.
 pub struct Flow {
     /// The state; held only for one call of the core, never across a wait.
     core: Mutex<Core>,
@@ -363,11 +368,11 @@ pub struct Flow {
     /// Whether credit is in use (fixed by the scheme).
     credit: bool,
     /// Wakes the sender waiting for credit (one sender per connection).
-    granted: Notify,
-    /// Wakes the receiver waiting for room (without credit).
-    drained: Notify,
-    /// Cancelled when the connection closes.
-    closed: CancellationToken,
+    granted: Signal,
+    /// Wakes the receiver waiting for room (without credit; one receiver).
+    drained: Signal,
+    /// Set when the connection closes.
+    closed: Event,
 }
 
 impl fmt::Debug for Flow {
@@ -384,14 +389,14 @@ impl Flow {
             chunk: core.send_chunk(),
             credit: scheme.is_credit(),
             core: Mutex::new(core),
-            granted: Notify::new(),
-            drained: Notify::new(),
-            closed: CancellationToken::new(),
+            granted: Signal::new(),
+            drained: Signal::new(),
+            closed: Event::new(),
         }
     }
 
     fn core(&self) -> MutexGuard<'_, Core> {
-        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+        self.core.lock()
     }
 
     /// What the stream agreed.
@@ -417,15 +422,15 @@ impl Flow {
     /// Nothing is admitted if the future is dropped before it completes.
     pub async fn admit(&self, cost: usize) -> Result<(), Refused> {
         loop {
-            let drained = self.drained.notified();
+            // A drain between this offer and the wait leaves a permit.
             match self.offer(cost) {
                 Offer::Admitted => return Ok(()),
                 Offer::Overflow => return Err(Refused::Overflow),
                 Offer::Closed => return Err(Refused::Closed),
                 Offer::Wait(until) => {
                     tokio::select! {
-                        () = self.closed.cancelled() => return Err(Refused::Closed),
-                        () = drained => {}
+                        () = self.closed.wait() => return Err(Refused::Closed),
+                        () = self.drained.wait() => {}
                         () = tokio::time::sleep_until(until.into()) => {}
                     }
                 }
@@ -438,9 +443,8 @@ impl Flow {
     pub fn drained(&self, cost: usize) -> Option<usize> {
         let credit = self.core().drained(cost, now());
         if !self.credit {
-            // Only a receiver without credit waits for room; lock-free when
-            // it does not (a stored permit at most).
-            self.drained.notify_one();
+            // Only a receiver without credit waits for room (lock-free).
+            self.drained.notify();
         }
         credit
     }
@@ -455,15 +459,15 @@ impl Flow {
     /// Nothing is taken if the future is dropped before it completes.
     pub async fn take(&self, cost: usize) -> Result<(), FlowClosed> {
         loop {
-            let granted = self.granted.notified();
+            // A grant between this take and the wait leaves a permit.
             match self.core().take(cost) {
                 Take::Taken => return Ok(()),
                 Take::Closed => return Err(FlowClosed),
                 Take::Wait => {}
             }
             tokio::select! {
-                () = self.closed.cancelled() => return Err(FlowClosed),
-                () = granted => {}
+                () = self.closed.wait() => return Err(FlowClosed),
+                () = self.granted.wait() => {}
             }
         }
     }
@@ -471,7 +475,7 @@ impl Flow {
     /// The peer returned `credit`.
     pub fn grant(&self, credit: usize) {
         if self.core().grant(credit) {
-            self.granted.notify_one();
+            self.granted.notify();
         }
     }
 
@@ -483,17 +487,20 @@ impl Flow {
     /// Closes the connection: every wait on its behalf ends with an error.
     pub fn close(&self) {
         self.core().close();
-        self.closed.cancel();
+        self.closed.set();
     }
 
-    /// Whether the connection is closed.
+    /// Whether the connection is closed (an atomic load).
     pub fn is_closed(&self) -> bool {
-        self.closed.is_cancelled()
+        self.closed.is_set()
     }
 
     /// Resolves once the connection is closed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
     pub async fn closed(&self) {
-        self.closed.cancelled().await;
+        self.closed.wait().await;
     }
 
     /// Cost received and not yet drained.

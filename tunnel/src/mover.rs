@@ -293,6 +293,18 @@ impl<U: Upstream> Upstream for &mut U {
     }
 }
 
+/// Where a stream's control packets go (a connection's credit among
+/// them): queued without waiting, ahead of waiting DATA. One rule on both
+/// sides: a control packet that cannot be queued because the peer has
+/// stopped reading the stream ends the stream, with an error, so that
+/// every connection on it ends visibly at both ends (a connection whose
+/// credit was lost would otherwise hang on the peer).
+pub trait ControlSink: Send + Sync {
+    /// Queues `packet`; `false` if it was not queued (the stream is gone,
+    /// or was ended because its peer does not read it).
+    fn send_control(&self, packet: Packet) -> bool;
+}
+
 /// A connection's receive queue drained into its socket; credit goes back
 /// on the stream's outbound queue as the window empties (negotiated only).
 pub struct WindowDownstream {
@@ -301,14 +313,14 @@ pub struct WindowDownstream {
     /// Its receive queue.
     pub rx: InboundRx,
     /// Where credit goes; `None` without negotiation.
-    pub grants: Option<QueueTx<Packet>>,
+    pub grants: Option<Arc<dyn ControlSink>>,
     /// Cost of the chunk being written.
     pub pending: usize,
 }
 
 impl WindowDownstream {
     /// A downstream of `rx` for `conn`; grants go to `grants` when given.
-    pub fn new(conn: ConnId, rx: InboundRx, grants: Option<QueueTx<Packet>>) -> Self {
+    pub fn new(conn: ConnId, rx: InboundRx, grants: Option<Arc<dyn ControlSink>>) -> Self {
         Self {
             conn,
             rx,
@@ -334,10 +346,8 @@ impl Downstream for WindowDownstream {
             return true;
         };
         // A control packet: it never waits. Refused, the stream is gone or
-        // its peer stopped reading it.
-        let packet = flow::credit_packet(self.conn.0, credit);
-        let cost = flow::packet_cost(&packet);
-        grants.push(packet, cost).is_ok()
+        // was ended because its peer stopped reading it.
+        grants.send_control(flow::credit_packet(self.conn.0, credit))
     }
 
     fn has_more(&self) -> bool {
@@ -352,6 +362,17 @@ mod tests {
 
     use super::*;
     use crate::queue;
+
+    /// Control packets pushed onto a queue (the stream's end is not tested
+    /// here).
+    struct Pushes(QueueTx<Packet>);
+
+    impl ControlSink for Pushes {
+        fn send_control(&self, packet: Packet) -> bool {
+            let cost = flow::packet_cost(&packet);
+            self.0.push(packet, cost).is_ok()
+        }
+    }
 
     fn up(out: QueueTx<Packet>, flow: Option<Arc<Flow>>) -> QueueUpstream {
         QueueUpstream::new(ConnId(7), out, flow)
@@ -518,7 +539,7 @@ mod tests {
         }));
         let (window, rx) = flow::inbound(Some(flow.clone()), 0);
         let (out_tx, mut out_rx) = queue::queue(64 << 20, 1 << 20);
-        let down = WindowDownstream::new(ConnId(3), rx, Some(out_tx.clone()));
+        let down = WindowDownstream::new(ConnId(3), rx, Some(Arc::new(Pushes(out_tx.clone()))));
         let _task = tokio::spawn(run(ours, up(out_tx, Some(flow.clone())), down));
         local.write_all(&vec![1u8; 3 << 20]).await.unwrap();
         // Without grants, at most the peer's window goes out, in its

@@ -275,20 +275,34 @@ pub enum ProxyError {
 /// # Errors
 /// See [`ProxyError`]; every variant names the proxy (masked) and target.
 pub async fn connect(proxy: &Proxy, host: &str, port: u16) -> Result<Box<dyn Io>, ProxyError> {
+    let tcp = TcpStream::connect((proxy.host.as_str(), proxy.port))
+        .await
+        .map_err(|source| ProxyError::Unreachable {
+            proxy: proxy.to_string(),
+            source,
+        })?;
+    let _ = tcp.set_nodelay(true);
+    handshake(tcp, proxy, host, port).await
+}
+
+/// The proxy protocol of [`connect`] over `io`, a connection to the proxy
+/// already open: asks it for `host:port` and reads its reply (separate so
+/// that the replies can be fuzzed over an in-memory pipe).
+///
+/// # Errors
+/// See [`ProxyError`]; every variant names the proxy (masked) and target.
+pub async fn handshake<S: Io + 'static>(
+    io: S,
+    proxy: &Proxy,
+    host: &str,
+    port: u16,
+) -> Result<Box<dyn Io>, ProxyError> {
     let name = proxy.to_string();
     let target = if host.contains(':') {
         format!("[{host}]:{port}")
     } else {
         format!("{host}:{port}")
     };
-    let unreachable = |source| ProxyError::Unreachable {
-        proxy: name.clone(),
-        source,
-    };
-    let tcp = TcpStream::connect((proxy.host.as_str(), proxy.port))
-        .await
-        .map_err(unreachable)?;
-    let _ = tcp.set_nodelay(true);
     match proxy.kind {
         ProxyKind::Socks5 { remote_dns } => {
             use tokio_socks::{Error as SocksError, TargetAddr, tcp::Socks5Stream};
@@ -310,9 +324,9 @@ pub async fn connect(proxy: &Proxy, host: &str, port: u16) -> Result<Box<dyn Io>
             };
             let result = match &proxy.auth {
                 Some((user, pass)) => {
-                    Socks5Stream::connect_with_password_and_socket(tcp, addr, user, pass).await
+                    Socks5Stream::connect_with_password_and_socket(io, addr, user, pass).await
                 }
-                None => Socks5Stream::connect_with_socket(tcp, addr).await,
+                None => Socks5Stream::connect_with_socket(io, addr).await,
             };
             match result {
                 Ok(stream) => Ok(Box::new(stream)),
@@ -333,12 +347,12 @@ pub async fn connect(proxy: &Proxy, host: &str, port: u16) -> Result<Box<dyn Io>
                 }),
             }
         }
-        ProxyKind::Http => http_connect(tcp, proxy, &name, &target).await,
+        ProxyKind::Http => http_connect(io, proxy, &name, &target).await,
     }
 }
 
-async fn http_connect(
-    tcp: TcpStream,
+async fn http_connect<S: Io + 'static>(
+    io: S,
     proxy: &Proxy,
     name: &str,
     target: &str,
@@ -348,7 +362,7 @@ async fn http_connect(
         target: target.to_owned(),
         reason,
     };
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
         .await
         .map_err(|e| failed(e.to_string()))?;
     tokio::spawn(conn.with_upgrades());

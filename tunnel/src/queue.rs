@@ -13,20 +13,23 @@
 //!
 //! An item's cost is released when the receiver takes it. An item is
 //! admitted while the queue holds less than its cap, so the cap is exceeded
-//! by one item at most and no item is too large to pass. The receiver ends ([`QueueRx::recv`] returns `None`) once every
-//! sender is gone; dropping the receiver wakes waiting senders with an
-//! error.
+//! by one item at most and no item is too large to pass. Waiting senders
+//! get room in order of arrival, and each release wakes only the senders
+//! it admits ([`Gate`]): a thousand connections blocked on one agent
+//! stream cost one wake-up per packet the stream sends, not a thousand.
+//! The receiver ends ([`QueueRx::recv`] returns `None`) once every sender
+//! is gone; dropping the receiver wakes waiting senders with an error.
 
 use std::{
+    collections::VecDeque,
+    future::Future,
     pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
     task::{Context, Poll},
 };
 
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
+
+use crate::sync::{Arc, AtomicBool, AtomicU8, AtomicUsize, AtomicWaker, Mutex, Ordering};
 
 /// The receiver is gone; the item comes back.
 #[derive(Debug, PartialEq, Eq)]
@@ -41,28 +44,68 @@ pub enum PushError<T> {
     Closed(T),
 }
 
-/// What both ends share.
-struct State {
-    /// Bytes queued and not yet taken.
+/// The byte accounting of a queue: what is queued, and the senders waiting
+/// for room, served in order of arrival (a byte semaphore's fairness, as
+/// tokio's `Semaphore::acquire_many`): each release of room wakes the
+/// waiters it admits, one wake each, never all of them.
+///
+/// While no sender waits, admitting and releasing are atomic operations
+/// and take no lock. The wait list's lock is taken only by a sender that
+/// must wait (and then by the releases and drops that serve it), so it is
+/// shared only under backpressure.
+pub(crate) struct Gate {
+    /// Bytes admitted and not yet released.
     queued: AtomicUsize,
-    /// Woken when bytes are taken and when the receiver goes.
-    room: Notify,
-    /// Senders waiting for room: taking an item notifies only when there
-    /// are some, so that the bytes' path takes no lock when nobody waits.
-    waiters: AtomicUsize,
-    /// Where [`QueueTx::send`] waits.
+    /// Senders in the wait list: while there are some, new senders queue
+    /// behind them, and releases serve them.
+    waiting: AtomicUsize,
+    /// The receiver is gone: every wait fails.
+    closed: AtomicBool,
+    /// The waiting senders, in order of arrival.
+    list: Mutex<VecDeque<Arc<Waiter>>>,
+    /// Where senders wait.
     limit: usize,
-    /// Extra room for [`QueueTx::push`].
+    /// Extra room for [`Gate::push`].
     reserve: usize,
 }
 
-impl State {
-    /// Counts `cost` in if the queue holds less than `cap` (so it exceeds
-    /// `cap` by at most one item, and no item is too large to pass).
+/// A waiting sender, as the wait list and its future share it.
+struct Waiter {
+    /// Its cost.
+    cost: usize,
+    /// [`WAITING`], [`GRANTED`] (its cost is admitted) or [`REFUSED`].
+    state: AtomicU8,
+    /// Its task.
+    waker: AtomicWaker,
+}
+
+/// In the list.
+const WAITING: u8 = 0;
+/// Out of the list, its cost counted in: it may go.
+const GRANTED: u8 = 1;
+/// Out of the list: the receiver is gone.
+const REFUSED: u8 = 2;
+
+impl Gate {
+    /// A gate where senders wait at `limit` bytes and pushes fail past
+    /// `limit + reserve`.
+    pub(crate) fn new(limit: usize, reserve: usize) -> Self {
+        Self {
+            queued: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            list: Mutex::wait_list(VecDeque::new()),
+            limit,
+            reserve,
+        }
+    }
+
+    /// Counts `cost` in if less than `cap` is queued (so `cap` is exceeded
+    /// by one item at most, and no item is too large to pass).
     fn admit(&self, cost: usize, cap: usize) -> bool {
-        // SeqCst pairs with `release`: a waiter counts itself, then looks
-        // at `queued`; a release lowers `queued`, then looks at the count.
-        // One of the two sees the other.
+        // SeqCst pairs with `waiting`: a waiter counts itself, then tries
+        // to admit itself; a release lowers `queued`, then looks at
+        // `waiting`. One of the two sees the other.
         self.queued
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
                 (q < cap).then_some(q.saturating_add(cost))
@@ -70,27 +113,174 @@ impl State {
             .is_ok()
     }
 
-    fn release(&self, cost: usize) {
-        self.queued.fetch_sub(cost, Ordering::SeqCst);
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            self.room.notify_waiters();
+    /// Admits `cost` without waiting, up to `limit + reserve` (control
+    /// packets, which go ahead of waiting senders).
+    pub(crate) fn push(&self, cost: usize) -> bool {
+        self.admit(cost, self.limit.saturating_add(self.reserve))
+    }
+
+    /// Waits until `cost` is admitted, behind the senders already waiting.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dropped wait holds no room (room granted to it
+    /// passes to the next waiter).
+    pub(crate) fn acquire(&self, cost: usize) -> Acquire<'_> {
+        Acquire {
+            gate: self,
+            cost,
+            waiter: None,
+            done: false,
         }
     }
-}
 
-/// A sender counted among the waiters while it lives.
-struct Waiting<'a>(&'a State);
+    /// Releases `cost`, and admits waiting senders while there is room.
+    pub(crate) fn release(&self, cost: usize) {
+        self.queued.fetch_sub(cost, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.serve(&mut self.list.lock());
+        }
+    }
 
-impl<'a> Waiting<'a> {
-    fn new(state: &'a State) -> Self {
-        state.waiters.fetch_add(1, Ordering::SeqCst);
-        Self(state)
+    /// Admits waiting senders, first come first, while there is room; one
+    /// wake each.
+    fn serve(&self, list: &mut VecDeque<Arc<Waiter>>) {
+        while let Some(head) = list.front() {
+            if !self.admit(head.cost, self.limit) {
+                break;
+            }
+            let head = list.pop_front().expect("a head was seen");
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            head.state.store(GRANTED, Ordering::Release);
+            head.waker.wake();
+        }
+    }
+
+    /// The receiver is gone: every waiting sender fails, and every later one.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let mut list = self.list.lock();
+        for waiter in list.drain(..) {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            waiter.state.store(REFUSED, Ordering::Release);
+            waiter.waker.wake();
+        }
+    }
+
+    /// Whether the receiver is gone.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Bytes admitted and not yet released.
+    pub(crate) fn queued(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// Senders waiting now.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
     }
 }
 
-impl Drop for Waiting<'_> {
+/// The future of [`Gate::acquire`]: `Ok` once admitted, `Err` if the
+/// receiver went first.
+pub(crate) struct Acquire<'a> {
+    /// The gate.
+    gate: &'a Gate,
+    /// What it waits to admit.
+    cost: usize,
+    /// Its place in the wait list, once it waits.
+    waiter: Option<Arc<Waiter>>,
+    /// It returned (its room, if any, is the caller's).
+    done: bool,
+}
+
+impl Acquire<'_> {
+    /// First poll: admitted at once when nobody waits and there is room,
+    /// else in the wait list.
+    fn first(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ()>> {
+        let gate = self.gate;
+        if gate.is_closed() {
+            return Poll::Ready(Err(()));
+        }
+        if gate.waiting.load(Ordering::SeqCst) == 0 && gate.admit(self.cost, gate.limit) {
+            return Poll::Ready(Ok(()));
+        }
+        let mut list = gate.list.lock();
+        if gate.is_closed() {
+            return Poll::Ready(Err(()));
+        }
+        gate.waiting.fetch_add(1, Ordering::SeqCst);
+        // Nobody ahead: room released since the first look is this one's.
+        if list.is_empty() && gate.admit(self.cost, gate.limit) {
+            gate.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Poll::Ready(Ok(()));
+        }
+        let waiter = Arc::new(Waiter {
+            cost: self.cost,
+            state: AtomicU8::new(WAITING),
+            waker: AtomicWaker::new(),
+        });
+        waiter.waker.register(cx.waker());
+        list.push_back(waiter.clone());
+        self.waiter = Some(waiter);
+        Poll::Pending
+    }
+}
+
+impl Future for Acquire<'_> {
+    type Output = Result<(), ()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let result = match &this.waiter {
+            None => this.first(cx),
+            Some(waiter) => {
+                let mut state = waiter.state.load(Ordering::Acquire);
+                if state == WAITING {
+                    waiter.waker.register(cx.waker());
+                    state = waiter.state.load(Ordering::Acquire);
+                }
+                match state {
+                    GRANTED => Poll::Ready(Ok(())),
+                    REFUSED => Poll::Ready(Err(())),
+                    _ => Poll::Pending,
+                }
+            }
+        };
+        if result.is_ready() {
+            this.done = true;
+        }
+        result
+    }
+}
+
+impl Drop for Acquire<'_> {
     fn drop(&mut self) {
-        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+        let Some(waiter) = self.waiter.take() else {
+            return;
+        };
+        if self.done {
+            return;
+        }
+        let gate = self.gate;
+        let mut list = gate.list.lock();
+        match waiter.state.load(Ordering::Acquire) {
+            WAITING => {
+                if let Some(at) = list.iter().position(|w| Arc::ptr_eq(w, &waiter)) {
+                    list.remove(at);
+                    gate.waiting.fetch_sub(1, Ordering::SeqCst);
+                }
+                // Whoever was behind it may fit now.
+                gate.serve(&mut list);
+            }
+            GRANTED => {
+                // Room given and never used: the next waiter's.
+                gate.queued.fetch_sub(waiter.cost, Ordering::SeqCst);
+                gate.serve(&mut list);
+            }
+            _ => {}
+        }
     }
 }
 
@@ -99,14 +289,14 @@ pub struct QueueTx<T> {
     /// The items. Unbounded as a channel: the byte count bounds it.
     tx: mpsc::UnboundedSender<(T, usize)>,
     /// Shared accounting.
-    state: Arc<State>,
+    gate: Arc<Gate>,
 }
 
 impl<T> Clone for QueueTx<T> {
     fn clone(&self) -> Self {
         Self {
             tx: self.tx.clone(),
-            state: self.state.clone(),
+            gate: self.gate.clone(),
         }
     }
 }
@@ -116,32 +306,26 @@ pub struct QueueRx<T> {
     /// The items.
     rx: mpsc::UnboundedReceiver<(T, usize)>,
     /// Shared accounting.
-    state: Arc<State>,
+    gate: Arc<Gate>,
 }
 
 /// A queue: [`QueueTx::send`] waits at `limit` bytes, [`QueueTx::push`]
 /// fails past `limit + reserve`.
 pub fn queue<T>(limit: usize, reserve: usize) -> (QueueTx<T>, QueueRx<T>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let state = Arc::new(State {
-        queued: AtomicUsize::new(0),
-        room: Notify::new(),
-        waiters: AtomicUsize::new(0),
-        limit,
-        reserve,
-    });
+    let gate = Arc::new(Gate::new(limit, reserve));
     (
         QueueTx {
             tx,
-            state: state.clone(),
+            gate: gate.clone(),
         },
-        QueueRx { rx, state },
+        QueueRx { rx, gate },
     )
 }
 
 impl<T> QueueTx<T> {
     /// Queues `item` of `cost` bytes, waiting while the queue holds
-    /// `limit` bytes or more.
+    /// `limit` bytes or more, behind the senders already waiting.
     ///
     /// # Errors
     /// [`Closed`] if the receiver is gone (also while waiting).
@@ -149,43 +333,24 @@ impl<T> QueueTx<T> {
     /// # Cancel safety
     /// Nothing is queued if the future is dropped before it completes.
     pub async fn send(&self, item: T, cost: usize) -> Result<(), Closed<T>> {
-        if self.tx.is_closed() {
+        if self.gate.acquire(cost).await.is_err() {
             return Err(Closed(item));
-        }
-        if !self.state.admit(cost, self.state.limit) {
-            // Counted while it waits (also if the future is dropped).
-            let _waiting = Waiting::new(&self.state);
-            loop {
-                let room = self.state.room.notified();
-                tokio::pin!(room);
-                room.as_mut().enable();
-                if self.tx.is_closed() {
-                    return Err(Closed(item));
-                }
-                if self.state.admit(cost, self.state.limit) {
-                    break;
-                }
-                room.await;
-            }
         }
         self.enqueue(item, cost)
             .map_err(|Closed((item, _))| Closed(item))
     }
 
     /// Queues `item` of `cost` bytes without waiting, while the queue holds
-    /// less than `limit + reserve` bytes.
+    /// less than `limit + reserve` bytes (ahead of waiting senders).
     ///
     /// # Errors
     /// [`PushError::Full`] past the reserve, [`PushError::Closed`] if the
     /// receiver is gone.
     pub fn push(&self, item: T, cost: usize) -> Result<(), PushError<T>> {
-        if self.tx.is_closed() {
+        if self.gate.is_closed() {
             return Err(PushError::Closed(item));
         }
-        if !self
-            .state
-            .admit(cost, self.state.limit.saturating_add(self.state.reserve))
-        {
+        if !self.gate.push(cost) {
             return Err(PushError::Full(item));
         }
         self.enqueue(item, cost)
@@ -196,14 +361,14 @@ impl<T> QueueTx<T> {
         self.tx
             .send((item, cost))
             .map_err(|mpsc::error::SendError(back)| {
-                self.state.release(cost);
+                self.gate.release(cost);
                 Closed(back)
             })
     }
 
     /// Whether the receiver is gone.
     pub fn is_closed(&self) -> bool {
-        self.tx.is_closed()
+        self.gate.is_closed()
     }
 
     /// Resolves once the receiver is gone.
@@ -213,7 +378,12 @@ impl<T> QueueTx<T> {
 
     /// Bytes queued and not yet taken.
     pub fn queued(&self) -> usize {
-        self.state.queued.load(Ordering::Acquire)
+        self.gate.queued()
+    }
+
+    /// Senders waiting for room now.
+    pub fn waiting(&self) -> usize {
+        self.gate.waiting()
     }
 }
 
@@ -228,7 +398,7 @@ impl<T> QueueRx<T> {
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         self.rx.poll_recv(cx).map(|next| {
             next.map(|(item, cost)| {
-                self.state.release(cost);
+                self.gate.release(cost);
                 item
             })
         })
@@ -244,7 +414,7 @@ impl<T> Drop for QueueRx<T> {
     fn drop(&mut self) {
         self.rx.close();
         // Senders waiting for room see the close.
-        self.state.room.notify_waiters();
+        self.gate.close();
     }
 }
 
@@ -324,5 +494,113 @@ mod tests {
         drop(tx);
         assert_eq!(rx.recv().await, Some(1));
         assert_eq!(rx.recv().await, None);
+    }
+
+    /// A waker that counts its wakes.
+    struct Counting(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Counting {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn wakes(counts: &[std::sync::Arc<Counting>]) -> usize {
+        counts
+            .iter()
+            .map(|c| c.0.load(std::sync::atomic::Ordering::SeqCst))
+            .sum()
+    }
+
+    /// The goal of issue 37: with 1,000 senders waiting on a full queue,
+    /// each item taken wakes about one of them, and they get room in order
+    /// of arrival.
+    #[tokio::test]
+    async fn a_thousand_waiting_senders_get_room_in_order_one_wake_each() {
+        const WAITING: usize = 1000;
+        let (tx, mut rx) = queue::<usize>(100, 0);
+        tx.send(usize::MAX, 100).await.unwrap();
+        let counts: Vec<_> = (0..WAITING)
+            .map(|_| std::sync::Arc::new(Counting(Default::default())))
+            .collect();
+        let mut sends: Vec<_> = (0..WAITING)
+            .map(|i| Some(Box::pin(tx.send(i, 100))))
+            .collect();
+        for (send, count) in sends.iter_mut().zip(&counts) {
+            let waker = std::task::Waker::from(count.clone());
+            let mut cx = Context::from_waker(&waker);
+            assert!(send.as_mut().unwrap().as_mut().poll(&mut cx).is_pending());
+        }
+        assert_eq!(tx.waiting(), WAITING);
+        let mut order = Vec::new();
+        for taken in 0..WAITING {
+            let before = wakes(&counts);
+            assert!(rx.recv().await.is_some());
+            assert_eq!(wakes(&counts) - before, 1, "wakes for item {taken}");
+            // Poll only the woken sender: it is the next in arrival order.
+            let woken = counts
+                .iter()
+                .position(|c| c.0.load(std::sync::atomic::Ordering::SeqCst) == 1)
+                .expect("one was woken");
+            counts[woken]
+                .0
+                .store(2, std::sync::atomic::Ordering::SeqCst);
+            let waker = std::task::Waker::from(counts[woken].clone());
+            let mut cx = Context::from_waker(&waker);
+            let send = sends[woken].as_mut().unwrap().as_mut();
+            assert_eq!(send.poll(&mut cx), Poll::Ready(Ok(())));
+            sends[woken] = None;
+            order.push(woken);
+        }
+        assert_eq!(
+            order,
+            (0..WAITING).collect::<Vec<_>>(),
+            "first come, first served"
+        );
+        assert_eq!(tx.waiting(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_that_gives_up_passes_its_room_on() {
+        let (tx, mut rx) = queue::<u32>(10, 0);
+        tx.send(1, 10).await.unwrap();
+        let noop = std::task::Waker::noop();
+        let mut cx = Context::from_waker(noop);
+        let mut first = Box::pin(tx.send(2, 10));
+        let mut second = Box::pin(tx.send(3, 10));
+        assert!(first.as_mut().poll(&mut cx).is_pending());
+        assert!(second.as_mut().poll(&mut cx).is_pending());
+        // Room goes to the first, which is dropped before it runs.
+        assert_eq!(rx.recv().await, Some(1));
+        assert_eq!(tx.waiting(), 1);
+        drop(first);
+        assert_eq!(second.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        assert_eq!(tx.queued(), 10);
+        // A waiter dropped while still waiting leaves the list.
+        let mut third = Box::pin(tx.send(4, 10));
+        assert!(third.as_mut().poll(&mut cx).is_pending());
+        drop(third);
+        assert_eq!(tx.waiting(), 0);
+        assert_eq!(rx.recv().await, Some(3));
+        assert_eq!(tx.queued(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_new_sender_queues_behind_waiting_ones() {
+        let (tx, mut rx) = queue::<u32>(10, 100);
+        tx.send(1, 10).await.unwrap();
+        let noop = std::task::Waker::noop();
+        let mut cx = Context::from_waker(noop);
+        let mut big = Box::pin(tx.send(2, 10));
+        assert!(big.as_mut().poll(&mut cx).is_pending());
+        // Control packets go ahead; senders do not.
+        tx.push(9, 5).unwrap();
+        assert_eq!(rx.recv().await, Some(1));
+        let mut late = Box::pin(tx.send(3, 1));
+        assert!(late.as_mut().poll(&mut cx).is_pending(), "jumped the line");
+        assert_eq!(rx.recv().await, Some(9));
+        assert_eq!(big.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
+        assert_eq!(rx.recv().await, Some(2));
+        assert_eq!(late.as_mut().poll(&mut cx), Poll::Ready(Ok(())));
     }
 }

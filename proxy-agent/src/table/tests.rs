@@ -464,6 +464,7 @@ proptest! {
                     prop_assert_eq!(t.remove(ConnId(c)), conns.remove(&ConnId(c)));
                 }
             }
+            t.check();
             prop_assert_eq!(t.dials_in_progress(), live.len());
             prop_assert_eq!(t.len(), conns.len());
         }
@@ -476,6 +477,7 @@ proptest! {
         for ticket in running {
             prop_assert_eq!(t.dialed::<String>(ticket, Ok(0)), Dialed::Cancelled);
         }
+        t.check();
         prop_assert!(t.is_empty());
         prop_assert_eq!(t.dials_in_progress(), 0);
     }

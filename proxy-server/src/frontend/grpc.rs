@@ -7,25 +7,37 @@
 //! ([`Attachments`](crate::conn::Attachments)). DATA goes to its
 //! connection's agent without any lock another stream takes, waiting only
 //! for that connection's credit and its agent's queue; everything else
-//! goes to the control core. tonic drains the stream's outbound queue,
-//! each item taken releasing its window ([`taken_by_frontend`]).
+//! goes to the control core. While uploads wait, the driver reads on into
+//! a bounded read-ahead ([`read_ahead`](super::read_ahead)), so that one
+//! connection whose destination stopped reading does not stop the others
+//! on the stream. tonic drains the stream's outbound queue, each item taken
+//! releasing its window ([`taken_by_frontend`]).
 
-use std::{pin::Pin, sync::Arc};
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-use futures_util::Stream;
+use bytes::Bytes;
+use futures_util::{FutureExt, Stream, StreamExt, stream::FuturesUnordered};
 use proto::{Packet, proxy_service_server::ProxyService};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug_span};
-use tunnel::{blocked::when_blocked, ids::ConnId};
+use tunnel::{ids::ConnId, sync::audit};
 
 use crate::{
-    conn::{ConnTable, FrontendLink, FrontendTx, Lookup, frontend_queue, taken_by_frontend},
+    conn::{Conn, ConnTable, FrontendLink, FrontendTx, Lookup, frontend_queue, taken_by_frontend},
     control::{Control, Work},
-    frontend::FrontendGuard,
-    metrics::{Method, Segment},
+    frontend::{
+        FrontendGuard,
+        read_ahead::{Next, ReadAhead, UPLOAD_GRACE},
+    },
+    metrics::{BlockedGuard, Method, Segment},
     router::FrontendKind,
-    stream::{StreamEnd, next_packet},
+    stream::{StreamEnd, audited, next_packet},
 };
 
 /// The packet stream returned to a peer.
@@ -58,26 +70,41 @@ impl ProxyService for ProxyServiceImpl {
         });
         let live = metrics.grpc_stream(Method::Proxy);
         let span = debug_span!("frontend", frontend = %link.id());
-        let driver = FrontendDriver {
-            link: link.clone(),
-            control: self.control.clone(),
-            conns: ConnTable::default(),
-        };
+        let taker = link.id().taker();
+        let driver = FrontendDriver::new(link.clone(), self.control.clone());
         let guard = FrontendGuard {
             control: self.control.clone(),
             link,
         };
+        let audit = self.control.audit.clone();
         self.tasks.spawn(
-            async move {
+            audit::scope(audit.clone(), taker, async move {
                 let _live = live;
                 let _guard = guard;
                 driver.run(inbound).await;
-            }
+            })
             .instrument(span),
         );
         let packets = taken_by_frontend(rx, metrics);
-        Ok(Response::new(Box::pin(end.outbound(packets))))
+        let stream = audited(audit, taker, end.outbound(packets));
+        Ok(Response::new(Box::pin(stream)))
     }
+}
+
+/// How often a stream stopped for its read-ahead, carrying one connection,
+/// looks again at whether it carries others (a dial may have completed).
+const STOPPED_RECHECK: Duration = Duration::from_secs(1);
+
+/// A wait the driver runs beside reading its stream.
+type Wait = Pin<Box<dyn Future<Output = Waited> + Send>>;
+
+/// What a wait ended with.
+enum Waited {
+    /// A chunk of `conn`'s DATA went to its agent (`true`) or the
+    /// connection is gone (`false`).
+    Uploaded(ConnId, bool),
+    /// A dial went to its agent (or failed).
+    Forwarded,
 }
 
 /// One frontend stream's driver; see the module documentation.
@@ -88,71 +115,228 @@ struct FrontendDriver {
     control: Arc<Control>,
     /// The stream's established connections.
     conns: ConnTable,
+    /// DATA read and not yet uploaded, by connection.
+    ahead: ReadAhead,
+    /// Uploads and dials waiting for their agent.
+    waits: FuturesUnordered<Wait>,
+    /// Counts the stream as blocked while the read-ahead is full.
+    blocked: Option<BlockedGuard>,
 }
 
 impl FrontendDriver {
+    fn new(link: FrontendLink, control: Arc<Control>) -> Self {
+        Self {
+            link,
+            control,
+            conns: ConnTable::default(),
+            ahead: ReadAhead::default(),
+            waits: FuturesUnordered::new(),
+            blocked: None,
+        }
+    }
+
     /// Reads the frontend's packets until it ends the stream, the stream
     /// fails, is ended inside the server (shutdown included) or its
-    /// response is dropped; every wait is raced against that end.
+    /// response is dropped; every wait is raced against that end. Reading
+    /// stops while the read-ahead is full. After the frontend ends its
+    /// side, what it sent before is still uploaded.
     async fn run(mut self, mut inbound: Streaming<Packet>) {
         let tx = self.link.tx.clone();
         let gone = tx.gone();
         tokio::pin!(gone);
         let metrics = self.control.metrics.clone();
-        while let Some(packet) = next_packet(
-            &mut inbound,
-            gone.as_mut(),
-            Segment::FromClient,
-            &tx.end,
-            &metrics,
-        )
-        .await
-        {
-            let Some(work) = self.handle(packet) else {
-                continue;
-            };
-            let waited = when_blocked(self.wait(work), || metrics.blocked(Method::Proxy));
+        let mut reading = true;
+        // The select below races `gone` itself.
+        let mut never = std::pin::pin!(std::future::pending::<()>());
+        loop {
+            let full = !self.ahead.has_room();
+            if full != self.blocked.is_some() {
+                self.blocked = full.then(|| metrics.blocked(Method::Proxy));
+            }
+            if !reading && self.waits.is_empty() {
+                return;
+            }
+            let cut_check = self.cut_check(full);
             tokio::select! {
+                biased;
                 () = &mut gone => return,
-                () = waited => {}
+                Some(waited) = self.waits.next(), if !self.waits.is_empty() => {
+                    self.waited(waited);
+                }
+                packet = next_packet(
+                    &mut inbound,
+                    never.as_mut(),
+                    Segment::FromClient,
+                    &tx.end,
+                    &metrics,
+                ), if reading && !full => match packet {
+                    Some(packet) => self.handle(packet),
+                    None => reading = false,
+                },
+                () = sleep_until(cut_check), if cut_check.is_some() => self.cut_stalled(full),
             }
         }
     }
 
-    /// Handles one packet; the wait it needs, if any.
-    fn handle(&mut self, packet: Packet) -> Option<Work> {
+    /// When a lane may have to be cut: with the read-ahead full, the end
+    /// of its most stalled lane's grace (once that has passed, now if the
+    /// stream carries other connections, else at the next recheck); the end
+    /// of the grace of the most stalled lane holding a CLOSE_REQ.
+    fn cut_check(&mut self, full: bool) -> Option<Instant> {
+        let now = Instant::now();
+        let when_full = full.then(|| match self.ahead.most_stalled() {
+            Some((_, since)) if since + UPLOAD_GRACE > now => since + UPLOAD_GRACE,
+            Some(_) if self.carries_others() => now,
+            _ => now + STOPPED_RECHECK,
+        });
+        let closing = self
+            .ahead
+            .most_stalled_closing()
+            .map(|(_, since)| since + UPLOAD_GRACE);
+        when_full.into_iter().chain(closing).min()
+    }
+
+    /// Whether the stream carries more than one open connection.
+    fn carries_others(&mut self) -> bool {
+        self.take_attachments();
+        self.conns.open_count() > 1
+    }
+
+    /// Handles one packet: DATA into its connection's lane (or straight to
+    /// its agent), a CLOSE_REQ behind its connection's DATA, the rest to
+    /// the control core.
+    fn handle(&mut self, packet: Packet) {
         // Connections established since the last packet: the frontend may
         // use them from now on.
+        self.take_attachments();
+        match &packet.payload {
+            Some(proto::Payload::Data(data)) if packet.r#type == proto::PacketType::Data as i32 => {
+                let id = ConnId(data.connect_id);
+                match self.conns.lookup(id) {
+                    Lookup::Open(conn) => return self.data(packet, conn),
+                    // Sent before the frontend learnt of the close, or after
+                    // the connection was cut: dropped.
+                    Lookup::Closed => return,
+                    Lookup::Unknown if id.0 == 0 => return,
+                    Lookup::Unknown => {}
+                }
+            }
+            Some(proto::Payload::CloseRequest(close))
+                if packet.r#type == proto::PacketType::CloseReq as i32 =>
+            {
+                let Some(packet) = self.ahead.close(ConnId(close.connect_id), packet) else {
+                    // Behind the connection's DATA.
+                    return;
+                };
+                return self.control_packet(packet);
+            }
+            _ => {}
+        }
+        self.control_packet(packet);
+    }
+
+    fn take_attachments(&mut self) {
         for conn in self.link.attachments.take() {
             self.conns.insert(conn);
         }
-        if packet.r#type == proto::PacketType::Data as i32 {
-            let Some(proto::Payload::Data(data)) = &packet.payload else {
-                return None;
-            };
-            match self.conns.lookup(ConnId(data.connect_id)) {
-                Lookup::Open(conn) => {
-                    return Some(Work::Upload {
-                        conn,
-                        data: data.data.clone(),
-                    });
-                }
-                // Sent before the frontend learnt of the close.
-                Lookup::Closed => return None,
-                Lookup::Unknown if data.connect_id == 0 => return None,
-                Lookup::Unknown => {}
-            }
-        }
-        self.control.frontend_packet(self.link.id(), packet)
     }
 
-    /// Runs a wait: DATA to its agent, or a dial waiting for room.
-    async fn wait(&self, work: Work) {
-        match work {
-            Work::Upload { conn, data } => {
-                conn.upload(data).await;
+    /// A packet for the control core, and the wait it needs, if any.
+    fn control_packet(&mut self, packet: Packet) {
+        match self.control.frontend_packet(self.link.id(), packet) {
+            None => {}
+            // DATA for a connection this driver did not have yet.
+            Some(Work::Upload { conn, data }) => {
+                self.conns.insert(conn.clone());
+                self.data(Packet::data(conn.id.0, data), conn);
             }
-            work => self.control.run(work).await,
+            Some(work) => {
+                let control = self.control.clone();
+                self.waits.push(Box::pin(async move {
+                    control.run(work).await;
+                    Waited::Forwarded
+                }));
+            }
         }
     }
+
+    /// DATA of `conn`: behind its lane if it has one, else straight to its
+    /// agent, chunk by chunk while nothing waits; what must wait opens its
+    /// lane.
+    fn data(&mut self, packet: Packet, conn: Arc<Conn>) {
+        let Some(proto::Payload::Data(data)) = packet.payload else {
+            return;
+        };
+        let mut data = data.data;
+        conn.count_upload(data.len());
+        if self.ahead.has_lane(conn.id) {
+            self.ahead.queue(conn.id, data);
+            return;
+        }
+        let chunk = conn.flow.send_chunk();
+        while !data.is_empty() {
+            let piece = data.split_to(data.len().min(chunk));
+            let len = piece.len();
+            let mut upload = upload(conn.clone(), piece);
+            match upload.as_mut().now_or_never() {
+                Some(Waited::Uploaded(_, true)) => {}
+                // The connection is gone: the rest is dropped.
+                Some(_) => return,
+                None => {
+                    self.ahead.open(conn, len, data, Instant::now());
+                    self.waits.push(upload);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A wait ended: a lane's next chunk or CLOSE_REQ.
+    fn waited(&mut self, waited: Waited) {
+        let Waited::Uploaded(id, ok) = waited else {
+            return;
+        };
+        match self.ahead.uploaded(id, ok, Instant::now()) {
+            None => {}
+            Some(Next::Upload(conn, chunk)) => self.waits.push(upload(conn, chunk)),
+            Some(Next::Close(packet)) => self.control_packet(packet),
+        }
+    }
+
+    /// Cuts a lane that made no progress for [`UPLOAD_GRACE`] and holds
+    /// the frontend's CLOSE_REQ, or, with the read-ahead full on a stream
+    /// that carries other connections, the one stalled longest, so that
+    /// the stream reads on.
+    fn cut_stalled(&mut self, full: bool) {
+        let now = Instant::now();
+        let past_grace = |(id, since): (ConnId, Instant)| (since + UPLOAD_GRACE <= now).then_some(id);
+        let mut stalled = self.ahead.most_stalled_closing().and_then(past_grace);
+        if stalled.is_none() && full && self.carries_others() {
+            stalled = self.ahead.most_stalled().and_then(past_grace);
+        }
+        let Some((conn, close)) = stalled.and_then(|id| self.ahead.cut(id)) else {
+            return;
+        };
+        tracing::warn!(conn.id = %conn.id, "connection closed: its destination took none of its upload for {UPLOAD_GRACE:?} while it held up its stream or its close");
+        self.control.upload_stalled(&conn);
+        if let Some(close) = close {
+            self.control_packet(close);
+        }
+    }
+}
+
+/// Sleeps until `at` (never, for `None`).
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Uploads one chunk of `conn`'s DATA; ends with the connection.
+fn upload(conn: Arc<Conn>, chunk: Bytes) -> Wait {
+    Box::pin(async move {
+        let ok = conn.upload_chunk(chunk).await;
+        Waited::Uploaded(conn.id, ok)
+    })
 }

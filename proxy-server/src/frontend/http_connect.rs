@@ -129,7 +129,10 @@ where
     if !early.is_empty() {
         upload(&conn, &control, early.freeze()).await;
     }
-    if let TunnelEnd::ByClient = tunnel_bytes(&mut io, &control, &conn, &link, &mut rx).await {
+    let tunnel = tunnel_bytes(&mut io, &control, &conn, &link, &mut rx);
+    let audit = control.audit.clone();
+    if let TunnelEnd::ByClient = tunnel::sync::audit::scope(audit, link.id().taker(), tunnel).await
+    {
         close(&control, &link, &mut rx, id).await;
     }
     let _ = tokio::time::timeout(FINAL_WRITE_TIMEOUT, io.shutdown()).await;

@@ -1162,6 +1162,7 @@ proptest! {
                 }
             }
             watch.see(&out)?;
+            b.router.check();
             // The driver holds flow state for exactly the established ones.
             prop_assert_eq!(watch.open.len(), b.router.established_count());
             // Connections closed by this step are no longer owned.
@@ -1187,6 +1188,7 @@ proptest! {
             b.router.backend_closed(b.now, x, &mut out);
         }
         watch.see(&out)?;
+        b.router.check();
         prop_assert!(watch.open.is_empty(), "flow state left for {:?}", watch.open);
         prop_assert_eq!(b.router.frontend_count(), 0);
         prop_assert_eq!(b.router.backend_count(), 0);

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Writes the hand-made seed inputs of every fuzz target into
+fuzz/corpus/<target>/seed-*: valid and nearly valid inputs that take each
+target past its first checks (docs/fuzzing.md). The fuzzer grows the corpus
+from them; `cargo fuzz cmin` keeps it small. Needs only Python 3 and, for
+the TLS seeds, the openssl command.
+
+    fuzz/seeds.py        # (re)writes the seeds; other corpus files stay
+"""
+
+import os
+import struct
+import subprocess
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(target, name, data):
+    d = os.path.join(HERE, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "seed-" + name), "wb") as f:
+        f.write(bytes(data))
+
+
+# --- protobuf, by hand (proto/*.proto field numbers) ------------------------
+
+
+def varint(n):
+    n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def field_varint(num, n):
+    return varint(num << 3) + varint(n)
+
+
+def field_bytes(num, b):
+    return varint(num << 3 | 2) + varint(len(b)) + b
+
+
+def packet(kind, payload_field, payload):
+    return (field_varint(1, kind) if kind else b"") + field_bytes(payload_field, payload)
+
+
+def dial_req(random, address=b"10.0.0.1:443"):
+    return packet(0, 2, field_bytes(1, b"tcp") + field_bytes(2, address) + field_varint(3, random))
+
+
+def dial_rsp(random, conn, error=b""):
+    return packet(1, 3, (field_bytes(1, error) if error else b"") + field_varint(2, conn) + field_varint(3, random))
+
+
+def close_req(conn):
+    return packet(2, 5, field_varint(1, conn))
+
+
+def close_rsp(conn, error=b""):
+    return packet(3, 6, (field_bytes(1, error) if error else b"") + field_varint(2, conn))
+
+
+def data(conn, payload):
+    return packet(4, 4, field_varint(1, conn) + field_bytes(3, payload))
+
+
+def close_dial(random):
+    return packet(5, 7, field_varint(1, random))
+
+
+def drain():
+    return packet(6, 8, b"")
+
+
+def credit(conn, amount):
+    return packet(100, 4, field_varint(1, conn) + field_bytes(3, struct.pack(">I", amount)))
+
+
+def grpc_frame(message, flag=0):
+    return bytes([flag]) + struct.pack(">I", len(message)) + message
+
+
+def grpc_packets():
+    every = [dial_req(5), dial_rsp(5, 7), close_req(7), close_rsp(7, b"x"), data(7, b"hi"),
+             close_dial(5), drain(), credit(7, 4096), close_req(-1)]
+    for i, p in enumerate(every):
+        write("grpc_packets", f"one-{i}", grpc_frame(p))
+    write("grpc_packets", "all", b"".join(grpc_frame(p) for p in every))
+    write("grpc_packets", "empty-message", grpc_frame(b""))
+    write("grpc_packets", "cut", grpc_frame(data(7, b"hello"))[:-2])
+    write("grpc_packets", "compressed-flag", grpc_frame(drain(), flag=1))
+    write("grpc_packets", "huge-length", b"\x00\xff\xff\xff\xff")
+    write("grpc_packets", "unknown-field", grpc_frame(drain() + field_varint(15, 1)))
+    write("grpc_packets", "type-payload-mismatch", grpc_frame(packet(2, 4, field_varint(1, 9))))
+
+
+# --- router: [strategy, timeout, seed] then ops -----------------------------
+# Each op: [op, fe index if any frontend, be index if any backend, args...].
+# ops: 0 add frontend [kind]; 1 add backend [agent, len, identifiers...];
+# 2-5 frontend packet; 6-9 backend packet; 10 dial forwarded [id];
+# 11 not forwarded [why, id]; 12 [id, 0 undelivered|1 overflow|2 stalled];
+# 13 frontend ends; 14 backend ends; 15 tick [secs].
+# A packet: [id, kind, args]: 0 DIAL_REQ [addr]; 1 DIAL_RSP [conn, err];
+# 2 DATA [len, bytes]; 3 CLOSE_REQ; 4 CLOSE_RSP; 5 DIAL_CLS; 6 DRAIN;
+# 7 credit [amount]; 8 raw [len, protobuf].
+
+
+def router():
+    head = [0, 0, 0]
+    fe = [0, 0]  # the first frontend, gRPC
+    be = [1, 0, 0, 0]  # then the first backend ("a", no identifiers)
+    establish = [2, 0, 0, 1, 0, 0, 10, 0, 0, 1, 6, 0, 0, 1, 1, 3, 1]
+    write("router", "establish", head + fe + be + establish)
+    write("router", "data-both-ways", head + fe + be + establish
+          + [2, 0, 0, 3, 2, 2, ord("h"), ord("i"), 6, 0, 0, 3, 2, 1, ord("x"), 6, 0, 0, 3, 7, 1])
+    write("router", "close-from-frontend", head + fe + be + establish
+          + [2, 0, 0, 3, 3, 6, 0, 0, 3, 4])
+    write("router", "dial-times-out", head + fe + be + [2, 0, 0, 1, 0, 0, 10, 0, 0, 1, 15, 0, 0, 7, 15, 0, 0, 7])
+    write("router", "agent-gone", head + fe + be + establish + [14, 0, 0])
+    write("router", "frontend-gone", head + fe + be + establish + [13, 0, 0])
+    write("router", "agent-cancels", head + fe + be + [2, 0, 0, 1, 0, 0, 6, 0, 0, 1, 5])
+    write("router", "frontend-cancels", head + fe + be + [2, 0, 0, 1, 0, 0, 2, 0, 0, 1, 5])
+    second_fe = [0, 0, 0, 0]
+    write("router", "mismatch", head + fe + be + establish + second_fe
+          + [2, 1, 0, 2, 0, 0, 2, 1, 0, 3, 2, 1, ord("x")])
+    write("router", "drain-then-dial", head + fe + be + [6, 0, 0, 0, 6] + [2, 0, 0, 1, 0, 0])
+    write("router", "overflow-stall", head + fe + be + establish + [12, 0, 0, 3, 1] + establish[:3] + [2, 0, 0, 2, 0, 0])
+    connect_fe = [0, 1]
+    write("router", "http-connect-stalled", head + connect_fe + be + establish + [12, 0, 0, 3, 2])
+    write("router", "not-forwarded", head + fe + be + [2, 0, 0, 1, 0, 0, 11, 0, 0, 1, 1])
+    ids = b"host=node-a&ipv4=10.0.0.1&cidr=10.0.0.0/8&default-route=true"[:40]
+    write("router", "dest-host", [1, 0, 0] + fe + [1, 0, 0, len(ids)] + list(ids)
+          + [2, 0, 0, 1, 0, 1, 2, 0, 0, 2, 0, 0])
+    raw = dial_req(4)
+    write("router", "raw-packet", head + fe + be + [2, 0, 0, 0, 8, len(raw)] + list(raw))
+
+
+# --- connect_head: [cuts, cut..., err len, err..., repeat] then the stream ---
+
+
+def connect_head():
+    def seed(name, stream, cuts=(), error=b"dial tcp: connection refused"):
+        write("connect_head", name,
+              [len(cuts)] + list(cuts) + [len(error)] + list(error) + [0] + list(stream))
+    seed("connect", b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 10.0.0.1:443\r\n\r\n")
+    seed("connect-cut", b"CONNECT node-a:10250 HTTP/1.1\r\nHost: node-a:10250\r\nUser-Agent: kube\r\n\r\nearly", cuts=[1, 7, 13, 30])
+    seed("connect-v6", b"CONNECT [::1]:8080 HTTP/1.0\r\n\r\n")
+    seed("get", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    seed("garbage", b"\x16\x03\x01\x02\x00\x01\x00")
+    seed("no-blank-line", b"CONNECT a:1 HTTP/1.1\r\nHost: a:1\r\n")
+    seed("bad-version", b"CONNECT a:1 HTTP/2.0\r\n\r\n")
+    seed("timeout-error", b"CONNECT a:1 HTTP/1.1\r\n\r\n", error=b"dial tcp a:1: i/o timeout")
+    seed("many-headers", b"CONNECT a:1 HTTP/1.1\r\n" + b"X: y\r\n" * 70 + b"\r\n")
+
+
+# --- token_review: [code hi, code lo] then the body --------------------------
+
+
+def token_review():
+    ok = [0, 100]  # 100 + 100 = 200
+    unauthorized = [1, 45]  # 100 + 301 = 401
+    def body(status):
+        import json
+        return json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                           "status": status}).encode()
+    user = {"username": "system:serviceaccount:kube-system:konnectivity-agent"}
+    aud = ["system:konnectivity-server"]
+    write("token_review", "admitted", ok + list(body({"authenticated": True, "audiences": aud, "user": user})))
+    write("token_review", "other-audience", ok + list(body({"authenticated": True, "audiences": ["api"], "user": user})))
+    write("token_review", "not-authenticated", ok + list(body({"authenticated": False})))
+    write("token_review", "error", ok + list(body({"error": "token expired", "authenticated": True, "audiences": aud, "user": user})))
+    write("token_review", "other-namespace", ok + list(body({"authenticated": True, "audiences": aud,
+          "user": {"username": "system:serviceaccount:default:konnectivity-agent"}})))
+    write("token_review", "not-a-service-account", ok + list(body({"authenticated": True, "audiences": aud,
+          "user": {"username": "admin"}})))
+    write("token_review", "status-401", unauthorized + list(b'{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Unauthorized","reason":"Unauthorized","code":401}'))
+    write("token_review", "not-json", ok + list(b"<html>s3cr3t-fuzz-token</html>"))
+
+
+# --- agent_table: [flow control] then ops -----------------------------------
+# ops: 0-3 a server packet [id, kind, args] (0-1 DIAL_REQ, 2 DATA [len, bytes],
+# 3 CLOSE_REQ, 4 DIAL_CLS, 5 credit [amount], 6 agent-only [which], 8 raw);
+# 4-5 a dial ends [0 live|1 stale, index, ok]; 6 remove [id]; 7 [0: stream ends].
+
+
+def agent_table():
+    dial_open = [0, 1, 0, 4, 0, 0, 1]
+    write("agent_table", "open-data-close", [0] + dial_open + [0, 1, 2, 2, ord("h"), ord("i"), 0, 1, 5, 1, 0, 1, 3])
+    write("agent_table", "no-flow-control", [1] + dial_open + [0, 1, 5, 1])
+    write("agent_table", "dial-fails", [0, 0, 2, 0, 4, 0, 0, 0])
+    write("agent_table", "cancelled", [0, 0, 2, 0, 0, 2, 4, 4, 0, 0, 1, 4, 1, 0, 1])
+    write("agent_table", "duplicate-dial", [0, 0, 3, 0, 0, 3, 1])
+    write("agent_table", "stream-ends", [0] + dial_open + [0, 2, 0, 7, 0, 0, 5, 0, 4, 1, 0, 1])
+    write("agent_table", "remove", [0] + dial_open + [6, 1, 0, 1, 3])
+    raw = data(1, b"x")
+    write("agent_table", "raw", [0] + dial_open + [0, 0, 8, len(raw)] + list(raw))
+    write("agent_table", "agent-only", [0, 0, 1, 6, 0, 0, 1, 6, 1, 0, 1, 6, 2])
+
+
+# --- flow_control: three header values, ours, offered, then ops -------------
+# A value: [0 absent | 1 expected | 2 [len, u64 le] | 3 [n] | 4 [len, text]].
+# An op: [cost kind, cost args, op, op args]: 0 offer, 1 drained, 2 take,
+# 3-4 credit [0 built [id] | 1 raw [len, bytes]], 5 time [n], 6 close [0].
+
+
+def flow_control():
+    v2 = [1, 1, 1]
+    ops = [1, 64, 2, 1, 64, 0, 1, 64, 1, 1, 64, 3, 0, 1]
+    write("flow_control", "credit-v2", v2 + [0, 1] + ops)
+    write("flow_control", "v1", [1, 0, 0, 0, 1] + ops)
+    write("flow_control", "no-credit", [0, 0, 0, 0, 0] + [3, 200, 0, 3, 200, 0, 0, 5, 60, 3, 200, 0])
+    write("flow_control", "half", [1, 1, 0, 0, 1])
+    write("flow_control", "not-a-number", [1, 4, 5] + list(b"12abc") + [1, 0, 1])
+    write("flow_control", "out-of-range", [1, 3, 0, 1, 0, 1])
+    write("flow_control", "overflow", v2 + [1, 1] + [3, 255, 0, 3, 255, 0, 3, 255, 0])
+    write("flow_control", "closed", v2 + [0, 1] + [0, 6, 0, 0, 0, 0, 0, 2])
+    raw = credit(1, 4096)
+    write("flow_control", "raw-credit", v2 + [0, 1] + [1, 1, 2, 1, 1, 3, 1, len(raw)] + list(raw))
+
+
+# --- proxy_reply: [kind: bit 0 credentials, then http|socks5h|socks5] + reply
+
+
+def proxy_reply():
+    http, socks5h, socks5 = 0, 2, 4
+    write("proxy_reply", "http-200", [http] + list(b"HTTP/1.1 200 Connection established\r\n\r\n"))
+    write("proxy_reply", "http-200-auth", [http | 1] + list(b"HTTP/1.1 200 OK\r\nProxy-Agent: x\r\n\r\n"))
+    write("proxy_reply", "http-407", [http | 1] + list(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n"))
+    write("proxy_reply", "http-502", [http] + list(b"HTTP/1.0 502 Bad Gateway\r\nContent-Length: 5\r\n\r\nnope!"))
+    write("proxy_reply", "http-100-then-200", [http] + list(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\n"))
+    write("proxy_reply", "http-garbage", [http] + list(b"SSH-2.0-OpenSSH\r\n"))
+    ok_v4 = [5, 0, 0, 1, 10, 0, 0, 2, 0x1F, 0x90]
+    write("proxy_reply", "socks5h-ok", [socks5h] + [5, 0] + ok_v4)
+    write("proxy_reply", "socks5-ok", [socks5] + [5, 0] + ok_v4)
+    write("proxy_reply", "socks5-auth-ok", [socks5h | 1] + [5, 2, 1, 0] + ok_v4)
+    write("proxy_reply", "socks5-auth-refused", [socks5h | 1] + [5, 2, 1, 1])
+    write("proxy_reply", "socks5-no-method", [socks5h] + [5, 0xFF])
+    write("proxy_reply", "socks5-refused", [socks5h] + [5, 0, 5, 5, 0, 1, 0, 0, 0, 0, 0, 0])
+    write("proxy_reply", "socks5-domain", [socks5h] + [5, 0, 5, 0, 0, 3, 4] + list(b"host") + [0, 80])
+    write("proxy_reply", "socks5-v6", [socks5] + [5, 0, 5, 0, 0, 4] + [0] * 15 + [1, 0, 80])
+
+
+# --- hpack: [limits] then [len, block]... ------------------------------------
+
+
+def hpack():
+    c3 = ["828684410f7777772e6578616d706c652e636f6d",
+          "828684be58086e6f2d6361636865",
+          "828785bf400a637573746f6d2d6b65790c637573746f6d2d76616c7565"]
+    c4 = ["828684418cf1e3c2e5f23a6ba0ab90f4ff",
+          "828684be5886a8eb10649cbf",
+          "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf"]
+    def blocks(hexes):
+        out = []
+        for h in hexes:
+            b = bytes.fromhex(h)
+            out += [len(b)] + list(b)
+        return out
+    write("hpack", "rfc7541-c3", [13] + blocks(c3))
+    write("hpack", "rfc7541-c4-huffman", [13] + blocks(c4))
+    write("hpack", "size-update", [3] + blocks(["3f1182"]))
+    write("hpack", "small-table", [1] + blocks(c3))
+    write("hpack", "never-indexed", [18] + blocks(["1008706173737764" + "06736563726574"]))
+    socket = b"%2Fetc%2Fkubernetes%2Fkonnectivity-server%2Fkonnectivity-server.socket"
+    block = bytes.fromhex("8386") + b"\x41" + bytes([len(socket)]) + socket + bytes.fromhex("448a2f50726f78795365727669636550")
+    write("hpack", "grpc-authority", [13] + [len(block)] + list(block))
+    write("hpack", "bad-index", [3] + blocks(["ff7f"]))
+
+
+# --- tls_files: [choice, split hi, split lo] then cert file + key file -------
+
+
+def tls_files():
+    with tempfile.TemporaryDirectory() as d:
+        def run(*args):
+            subprocess.run(args, cwd=d, check=True, capture_output=True)
+        run("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+            "-nodes", "-keyout", "ec.key", "-out", "ec.pem", "-days", "365", "-subj", "/CN=fuzz")
+        run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "rsa.key",
+            "-out", "rsa.pem", "-days", "365", "-subj", "/CN=fuzz")
+        run("openssl", "ec", "-in", "ec.key", "-out", "ec-sec1.key")
+        run("openssl", "pkey", "-in", "rsa.key", "-traditional", "-out", "rsa-pkcs1.key")
+        read = lambda n: open(os.path.join(d, n), "rb").read()
+        ec, ec_key, rsa, rsa_key = read("ec.pem"), read("ec.key"), read("rsa.pem"), read("rsa.key")
+        ec_sec1, rsa_pkcs1 = read("ec-sec1.key"), read("rsa-pkcs1.key")
+
+    def seed(name, cert, key, choice=0):
+        write("tls_files", name, [choice] + list(struct.pack(">H", len(cert))) + list(cert) + list(key))
+    seed("ec-pair", ec, ec_key)
+    seed("ec-pair-mtls", ec, ec_key, choice=0x80)
+    seed("ec-sec1", ec, ec_sec1, choice=0x81)
+    seed("rsa-pkcs1", rsa, rsa_pkcs1)
+    seed("mismatch", ec, rsa_key, choice=2)
+    seed("chain", ec + rsa, ec_key, choice=0x80)
+    seed("cut", ec[: len(ec) // 2], ec_key[:40])
+    seed("bad-base64", ec.replace(b"M", b"!", 3), ec_key)
+    seed("empty", b"", b"")
+    seed("key-as-cert", ec_key, ec, choice=1)
+
+
+# --- session_ticket: secret, binding, rotation, clock, session, presented ---
+
+
+def session_ticket():
+    secret = list(range(32))
+    def seed(name, session, presented=b"", rotation=2, clock=(0, 0, 0x66, 0, 0, 0), binding=b"ca"):
+        write("session_ticket", name, [len(secret)] + secret + [len(binding)] + list(binding)
+              + [rotation] + list(clock) + [len(session)] + list(session) + list(presented))
+    tls13 = bytes([0, 3, 4, 0x13, 1]) + bytes(40)
+    named = bytes([1, 4]) + b"host" + bytes([3, 4, 0x13, 2]) + bytes(20)
+    seed("tls13", tls13)
+    seed("tls13-named", named, presented=b"\x05\x01")
+    seed("tls12", bytes([0, 3, 3, 0xC0, 0x2F]) + bytes(40))
+    seed("forged", tls13, presented=bytes(8) + bytes(12) + bytes(32))
+    seed("short-rotation", tls13, rotation=0, clock=(0xFF,) * 6)
+    seed("clock-zero", tls13, clock=(0,) * 6, presented=b"\x00")
+
+
+if __name__ == "__main__":
+    grpc_packets()
+    router()
+    connect_head()
+    token_review()
+    agent_table()
+    flow_control()
+    proxy_reply()
+    hpack()
+    tls_files()
+    session_ticket()

@@ -1,0 +1,635 @@
+//! Fuzzing entry points (cargo-fuzz targets in `fuzz/`, and their corpora
+//! replayed by the tests below). Not an API: compiled for tests and under
+//! the `fuzzing` feature only, which no binary enables.
+//!
+//! Each function takes bytes a peer controls and panics when an invariant
+//! the code promises does not hold (see `docs/fuzzing.md`).
+
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use prost::Message;
+use proto::Packet;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tunnel::{
+    flow::{self, Core, Offer, Peer, Scheme, Take, Window},
+    ids::{ConnId, DialId},
+    proxy_client::{self, Proxy, ProxyError},
+};
+
+use crate::table::{ConnTable, Dialed, Step, Ticket};
+
+/// Reads fuzz bytes as choices; past the end every choice is 0.
+struct Input<'a>(&'a [u8]);
+
+impl<'a> Input<'a> {
+    fn byte(&mut self) -> u8 {
+        match self.0.split_first() {
+            Some((first, rest)) => {
+                self.0 = rest;
+                *first
+            }
+            None => 0,
+        }
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        usize::from(self.byte()) % n.max(1)
+    }
+
+    fn bytes(&mut self, max: usize) -> &'a [u8] {
+        let len = self.below(max + 1).min(self.0.len());
+        let (taken, rest) = self.0.split_at(len);
+        self.0 = rest;
+        taken
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// A protocol id: mostly small (so that ids meet), sometimes extreme.
+    fn id(&mut self) -> i64 {
+        match self.byte() {
+            250 => i64::MAX,
+            251 => i64::MIN,
+            252 => -1,
+            b => i64::from(b % 8),
+        }
+    }
+}
+
+/// The heap an [`agent_table`] run may use at its peak for `len` bytes.
+pub fn agent_table_alloc_bound(len: usize) -> usize {
+    1024 * len + 256 * 1024
+}
+
+/// A packet from the server: built from a few choices, or decoded from
+/// raw protobuf bytes.
+fn server_packet(input: &mut Input<'_>) -> Option<Packet> {
+    let id = input.id();
+    Some(match input.below(9) {
+        0 | 1 => Packet::dial_request("tcp", "10.0.0.1:443", id),
+        2 => Packet::data(id, Bytes::copy_from_slice(input.bytes(8))),
+        3 => Packet::close_request(id),
+        4 => Packet::close_dial(id),
+        5 => flow::credit_packet(id, input.below(256) * 4096),
+        6 => match input.below(3) {
+            0 => Packet::dial_response(id, id, ""),
+            1 => Packet::close_response(id, ""),
+            _ => Packet::drain(),
+        },
+        _ => Packet::decode(input.bytes(48)).ok()?,
+    })
+}
+
+/// The agent's connection table of one server stream fed a sequence of
+/// events chosen by `data`: packets from the server (built, or decoded
+/// from raw bytes), dials ending (with a live ticket or a stale one, in
+/// success or failure), connections ending on their own, the stream's
+/// end. After every event the table's own invariants hold
+/// ([`ConnTable::check`]) and each step is what the protocol says: a dial
+/// starts only for a free id and is answered at most once, with a
+/// connection id never used before on the stream; DATA, CLOSE_REQ and
+/// credit reach only open connections and the rest is answered or
+/// ignored; a cancelled dial answers nothing. Once the stream ends,
+/// everything is handed back and nothing new enters.
+pub fn agent_table(data: &[u8]) {
+    let mut input = Input(data);
+    let flow_control = input.byte().is_multiple_of(2);
+    let mut next_handle = 0u32;
+    let mut t: ConnTable<u32, u32> = ConnTable::new(flow_control, move || {
+        next_handle += 1;
+        next_handle
+    });
+    // The model: dials in progress, tickets that ended, open connections.
+    let mut live: HashMap<DialId, Ticket> = HashMap::new();
+    let mut stale: Vec<Ticket> = Vec::new();
+    let mut conns: HashSet<ConnId> = HashSet::new();
+    let mut ids_seen: HashSet<ConnId> = HashSet::new();
+    let mut ended = false;
+    while !input.is_empty() {
+        match input.below(8) {
+            0..=3 => {
+                let Some(packet) = server_packet(&mut input) else {
+                    continue;
+                };
+                let credit = flow::parse_credit(&packet);
+                let kind = packet.clone().into_kind();
+                let step = t.handle(packet);
+                if let Some((conn, amount)) = credit {
+                    match step {
+                        Step::Grant { conn: c, credit } => {
+                            assert!(flow_control && conns.contains(&c));
+                            assert_eq!((c.0, credit), (conn, amount));
+                        }
+                        Step::Ignore(_) => {
+                            assert!(!flow_control || !conns.contains(&ConnId(conn)));
+                        }
+                        other => panic!("credit gave {other:?}"),
+                    }
+                    t.check();
+                    continue;
+                }
+                check_step(&kind, step, ended, &mut live, &mut stale, &mut conns);
+            }
+            4 | 5 => {
+                let ticket = if input.byte().is_multiple_of(2) {
+                    let mut tickets: Vec<Ticket> = live.values().copied().collect();
+                    tickets.sort_by_key(|t| t.dial);
+                    (!tickets.is_empty()).then(|| tickets[input.below(tickets.len())])
+                } else {
+                    (!stale.is_empty()).then(|| stale[input.below(stale.len())])
+                };
+                let Some(ticket) = ticket else { continue };
+                let ok = !input.byte().is_multiple_of(3);
+                let was_live = live.get(&ticket.dial) == Some(&ticket);
+                let outcome = if ok { Ok(7u32) } else { Err("refused") };
+                match t.dialed(ticket, outcome) {
+                    Dialed::Open { conn, reply } => {
+                        assert!(was_live && ok, "a dial not in progress opened");
+                        assert!(ids_seen.insert(conn), "connection id {conn:?} reused");
+                        assert!(conns.insert(conn));
+                        assert_eq!(
+                            reply,
+                            Packet::dial_response(ticket.dial.0, conn.0, ""),
+                            "the DIAL_RSP"
+                        );
+                        live.remove(&ticket.dial);
+                        stale.push(ticket);
+                    }
+                    Dialed::Failed { reply } => {
+                        assert!(was_live && !ok, "a dial not in progress failed");
+                        assert_eq!(reply, Packet::dial_response(ticket.dial.0, 0, "refused"));
+                        live.remove(&ticket.dial);
+                        stale.push(ticket);
+                    }
+                    Dialed::Cancelled => assert!(!was_live, "a dial in progress was cancelled"),
+                }
+            }
+            6 => {
+                let conn = ConnId(input.id());
+                let removed = t.remove(conn);
+                assert_eq!(removed.is_some(), conns.remove(&conn));
+            }
+            _ => {
+                if input.byte().is_multiple_of(4) {
+                    let (dials, open) = t.stream_ended();
+                    assert_eq!((dials.len(), open.len()), (live.len(), conns.len()));
+                    stale.extend(live.drain().map(|(_, t)| t));
+                    conns.clear();
+                    ended = true;
+                }
+            }
+        }
+        t.check();
+        assert_eq!(t.len(), conns.len());
+        assert_eq!(t.dials_in_progress(), live.len());
+    }
+    let (dials, open) = t.stream_ended();
+    assert_eq!((dials.len(), open.len()), (live.len(), conns.len()));
+    stale.extend(live.drain().map(|(_, t)| t));
+    for ticket in stale {
+        assert_eq!(t.dialed::<String>(ticket, Ok(0)), Dialed::Cancelled);
+    }
+    t.check();
+    assert!(t.is_empty());
+    assert_eq!(t.dials_in_progress(), 0);
+}
+
+/// What a packet other than credit must have done to the table.
+fn check_step(
+    kind: &proto::packet::PacketKind,
+    step: Step<u32, u32>,
+    ended: bool,
+    live: &mut HashMap<DialId, Ticket>,
+    stale: &mut Vec<Ticket>,
+    conns: &mut HashSet<ConnId>,
+) {
+    use proto::packet::PacketKind as K;
+    match (kind, step) {
+        (K::DialReq(req), Step::Dial { ticket, .. }) => {
+            assert!(!ended, "a dial after the stream ended");
+            assert_eq!(ticket.dial, DialId(req.random));
+            assert!(
+                live.insert(ticket.dial, ticket).is_none(),
+                "a dial id dialed twice"
+            );
+        }
+        (K::DialReq(req), Step::Reply(reply)) => {
+            assert!(
+                live.contains_key(&DialId(req.random)),
+                "a free dial id refused"
+            );
+            match reply.into_kind() {
+                K::DialRsp(rsp) => assert_eq!((rsp.random, rsp.connect_id), (req.random, 0)),
+                other => panic!("DIAL_REQ answered with {other:?}"),
+            }
+        }
+        (K::DialReq(_), Step::Ignore(_)) => assert!(ended),
+        (K::Data(d), Step::Deliver { conn, data }) => {
+            assert_eq!(conn, ConnId(d.connect_id));
+            assert_eq!(data, d.data);
+            assert!(
+                conns.contains(&conn),
+                "DATA delivered to a closed connection"
+            );
+        }
+        (K::Data(d), Step::Reply(reply)) => refused(d.connect_id, reply, conns),
+        (K::CloseReq(r), Step::Reply(reply)) => refused(r.connect_id, reply, conns),
+        (K::CloseReq(r), Step::Close { conn, .. }) => {
+            assert_eq!(conn, ConnId(r.connect_id));
+            assert!(conns.remove(&conn), "a connection closed twice");
+        }
+        (K::DialCls(c), Step::CancelDial(_)) => {
+            let ticket = live.remove(&DialId(c.random)).expect("cancelled no dial");
+            stale.push(ticket);
+        }
+        (K::DialCls(c), Step::Ignore(_)) => {
+            assert!(
+                !live.contains_key(&DialId(c.random)),
+                "a pending dial not cancelled"
+            );
+        }
+        (K::DialRsp(_) | K::CloseRsp(_) | K::Drain | K::Unknown(_), Step::Ignore(_)) => {}
+        (kind, step) => panic!("{kind:?} gave {step:?}"),
+    }
+}
+
+/// A DATA or CLOSE_REQ for connection `id` was answered with `reply`: it
+/// must be a CLOSE_RSP for a connection that is not open.
+fn refused(id: i64, reply: Packet, conns: &HashSet<ConnId>) {
+    assert!(!conns.contains(&ConnId(id)), "an open connection refused");
+    match reply.into_kind() {
+        proto::packet::PacketKind::CloseRsp(rsp) => assert_eq!(rsp.connect_id, id),
+        other => panic!("answered with {other:?}"),
+    }
+}
+
+/// The heap a [`flow_control`] run may use at its peak for `len` bytes.
+pub fn flow_control_alloc_bound(len: usize) -> usize {
+    64 * len + 64 * 1024
+}
+
+/// A metadata value from `input`: absent, the expected text, digits, or
+/// any bytes.
+fn header_value(input: &mut Input<'_>, expected: &'static str) -> Option<String> {
+    match input.below(5) {
+        0 => None,
+        1 => Some(expected.to_owned()),
+        2 => Some(format!("{}", u64::from_le_bytes(pad(input.bytes(8))))),
+        3 => Some(format!(" {} ", input.below(64) * 16 * 1024)),
+        _ => Some(String::from_utf8_lossy(input.bytes(80)).into_owned()),
+    }
+}
+
+fn pad(bytes: &[u8]) -> [u8; 8] {
+    let mut out = [0u8; 8];
+    out[..bytes.len().min(8)].copy_from_slice(&bytes[..bytes.len().min(8)]);
+    out
+}
+
+/// The flow-control metadata a peer announces on `Connect` (the three
+/// headers, any text), read by [`Window::announced`] and negotiated, then
+/// one connection's flow state ([`Core`]) driven by DATA offered and
+/// drained, credit taken, and credit packets (built, or decoded from raw
+/// bytes) read by [`flow::parse_credit`] and granted. Checks: an
+/// announcement is a window in range or an error naming its key, with at
+/// most a bounded prefix of the value; a credit packet is recognised by
+/// its type only and round-trips; a peer's credit never grows the window
+/// (credit plus what is in flight is always the peer's window); a DATA
+/// packet is admitted only within the window (or into an empty queue),
+/// and past it is an overflow with credit, a wait without.
+pub fn flow_control(data: &[u8]) {
+    let mut input = Input(data);
+    let headers = [
+        (flow::HEADER, header_value(&mut input, flow::VERSION)),
+        (flow::WINDOW_HEADER, header_value(&mut input, "1048576")),
+        (flow::CHUNK_HEADER, header_value(&mut input, "262144")),
+    ];
+    let get = |key: &'static str| {
+        headers
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, v)| v.as_deref())
+    };
+    let peer = match Window::announced(get) {
+        Ok(peer) => {
+            match peer {
+                Peer::NoCredit => assert_ne!(get(flow::HEADER), Some(flow::VERSION)),
+                Peer::V1 => assert!(get(flow::WINDOW_HEADER).is_none()),
+                Peer::V2(w) => assert_eq!(Window::new(w.bytes, w.max_chunk), Ok(w)),
+            }
+            peer
+        }
+        Err(error) => {
+            assert_eq!(get(flow::HEADER), Some(flow::VERSION));
+            let text = error.to_string();
+            assert!(text.len() <= 512, "an error of {} bytes", text.len());
+            Peer::NoCredit
+        }
+    };
+    let ours = match input.below(3) {
+        0 => Window::V1,
+        1 => Window::new(flow::MIN_WINDOW, flow::MIN_CHUNK).expect("in range"),
+        _ => Window::new(flow::MAX_WINDOW, flow::MAX_CHUNK_LIMIT).expect("in range"),
+    };
+    let scheme = Scheme::negotiate(!input.byte().is_multiple_of(4), ours, peer);
+    let mut core = Core::new(scheme);
+    let start = Instant::now();
+    let mut now = start;
+    // The model: cost queued, credit in flight, whether closed.
+    let mut queued = 0usize;
+    let mut spent = 0usize;
+    let mut closed = false;
+    while !input.is_empty() {
+        let cost = match input.below(4) {
+            0 => flow::PACKET_OVERHEAD,
+            1 => input.below(256) * 1024,
+            2 => flow::cost(usize::from(input.byte()) << 12),
+            _ => usize::from(input.byte()) << 20,
+        };
+        match input.below(7) {
+            0 => {
+                let before = queued;
+                let offer = core.offer(cost, now);
+                let window = scheme.ours().bytes;
+                let fits = before == 0 || before.saturating_add(cost) <= window;
+                match offer {
+                    Offer::Admitted => {
+                        assert!(!closed && fits, "admitted past the window");
+                        queued += cost;
+                    }
+                    Offer::Overflow => assert!(!closed && !fits),
+                    Offer::Wait(until) => {
+                        assert!(!closed && !fits && !scheme.is_credit());
+                        assert!(until > now && until <= now + flow::COMPAT_STALL);
+                    }
+                    Offer::Closed => assert!(closed),
+                }
+            }
+            1 => {
+                let grant = core.drained(cost, now);
+                queued = queued.saturating_sub(cost);
+                if let Some(grant) = grant {
+                    assert!(scheme.is_credit() && !closed && grant > 0);
+                }
+            }
+            2 => {
+                let taken = core.take(cost);
+                match (scheme, taken) {
+                    (_, Take::Closed) => assert!(closed),
+                    (Scheme::Compat { .. }, t) => assert!(t == Take::Taken && !closed),
+                    (Scheme::Credit { theirs, .. }, Take::Taken) => {
+                        assert!(!closed);
+                        spent += cost.min(theirs.bytes);
+                    }
+                    (Scheme::Credit { theirs, .. }, Take::Wait) => {
+                        assert!(core.credit() < cost.min(theirs.bytes));
+                    }
+                }
+            }
+            3 | 4 => {
+                let packet = if input.byte().is_multiple_of(2) {
+                    let id = input.id();
+                    let packet = flow::credit_packet(id, cost);
+                    let want = (id, cost.min(u32::MAX as usize));
+                    assert_eq!(flow::parse_credit(&packet), Some(want));
+                    packet
+                } else {
+                    match Packet::decode(input.bytes(24)) {
+                        Ok(packet) => packet,
+                        Err(_) => continue,
+                    }
+                };
+                if let Some((_, credit)) = flow::parse_credit(&packet) {
+                    assert_eq!(packet.r#type, flow::CREDIT_TYPE);
+                    let returned = credit.min(spent);
+                    assert_eq!(core.grant(credit), returned > 0);
+                    spent -= returned;
+                } else {
+                    assert!(packet.r#type != flow::CREDIT_TYPE || !is_credit_shaped(&packet));
+                }
+            }
+            5 => {
+                now += Duration::from_millis(u64::from(input.byte()) * 100);
+            }
+            _ => {
+                if input.byte().is_multiple_of(8) {
+                    core.close();
+                    closed = true;
+                }
+            }
+        }
+        assert_eq!(core.queued(), queued, "queued cost");
+        assert_eq!(core.is_closed(), closed);
+        match scheme {
+            Scheme::Credit { theirs, .. } => {
+                assert_eq!(
+                    core.credit() + spent,
+                    theirs.bytes,
+                    "the window grew or shrank"
+                );
+                let chunk = core.send_chunk();
+                assert!(chunk >= 1 && chunk <= theirs.max_chunk);
+            }
+            Scheme::Compat { .. } => assert_eq!(core.send_chunk(), flow::MAX_CHUNK),
+        }
+    }
+}
+
+/// Whether a packet is a DATA payload of exactly four bytes.
+fn is_credit_shaped(packet: &Packet) -> bool {
+    matches!(&packet.payload, Some(proto::Payload::Data(d)) if d.data.len() == 4)
+}
+
+/// The heap a [`proxy_reply`] run may use at its peak for `len` bytes:
+/// hyper's and tokio-socks's buffers and a runtime.
+pub fn proxy_reply_alloc_bound(len: usize) -> usize {
+    64 * len + 2 * 1024 * 1024
+}
+
+/// The password of the fuzzed proxies: no error may show it.
+const PASSWORD: &str = "pr0xy-s3cr3t";
+
+/// A SOCKS5 or HTTP CONNECT proxy (which, with or without credentials,
+/// chosen by the first byte) answering the agent's request with the rest
+/// of the bytes, then closing: the agent's proxy client
+/// ([`proxy_client::handshake`], tokio-socks and hyper underneath) runs
+/// against it over an in-memory pipe. Checks: it ends (a reply cut short
+/// is an error, not a wait); an error names the proxy and never shows the
+/// password; success only on a reply that grants it (a SOCKS5 success
+/// code, an HTTP 2xx status line). Whether a tunnel opened.
+pub fn proxy_reply(data: &[u8]) -> bool {
+    let mut input = Input(data);
+    let choice = input.byte();
+    let auth = (choice & 1 == 1).then(|| ("ops".to_owned(), PASSWORD.to_owned()));
+    let (kind, host) = match (choice >> 1) % 3 {
+        0 => (proxy_client::ProxyKind::Http, "proxy-server.example"),
+        1 => (
+            proxy_client::ProxyKind::Socks5 { remote_dns: true },
+            "proxy-server.example",
+        ),
+        _ => (
+            proxy_client::ProxyKind::Socks5 { remote_dns: false },
+            "10.0.0.1",
+        ),
+    };
+    let proxy = Proxy {
+        kind,
+        host: "proxy.corp".to_owned(),
+        port: 3128,
+        auth,
+    };
+    let reply = input.0.to_vec();
+    // A paused clock moves only when every task waits: the proxy closes
+    // its side once the client can make no progress with what it has (a
+    // real proxy would keep a granted tunnel open; one that closes at
+    // once makes hyper cancel the upgrade).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    let result = runtime.block_on(async {
+        let (client, mut server) = tokio::io::duplex(64 * 1024);
+        let is_http = kind == proxy_client::ProxyKind::Http;
+        let peer = tokio::spawn(async move {
+            // An HTTP proxy answers the request (hyper refuses a reply
+            // before it); a SOCKS5 client reads each reply in turn.
+            let mut request = Vec::new();
+            let mut chunk = [0u8; 1024];
+            while is_http && !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match server.read(&mut chunk).await {
+                    Ok(n) if n > 0 => request.extend_from_slice(&chunk[..n]),
+                    _ => break,
+                }
+            }
+            let _ = server.write_all(&reply).await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = server.shutdown().await;
+            let mut sink = [0u8; 1024];
+            while matches!(server.read(&mut sink).await, Ok(n) if n > 0) {}
+        });
+        let result = proxy_client::handshake(client, &proxy, host, 8132)
+            .await
+            .map(drop);
+        drop(peer);
+        result
+    });
+    drop(runtime);
+    let opened = result.is_ok();
+    if std::env::var_os("FUZZ_DEBUG").is_some() {
+        eprintln!("{result:?}");
+    }
+    match result {
+        Ok(()) => match kind {
+            proxy_client::ProxyKind::Http => assert!(
+                input
+                    .0
+                    .windows(10)
+                    .any(|w| w.starts_with(b"HTTP/1.") && w[8] == b' ' && w[9] == b'2'),
+                "a tunnel without a 2xx status line"
+            ),
+            proxy_client::ProxyKind::Socks5 { .. } => assert!(
+                input.0.windows(3).any(|w| w == [5, 0, 0]),
+                "a tunnel without a SOCKS5 success reply"
+            ),
+        },
+        Err(error) => {
+            let shown = format!("{error} {error:?}");
+            assert!(!shown.contains(PASSWORD), "the password shown: {shown}");
+            assert!(
+                shown.contains("proxy.corp:3128"),
+                "the proxy not named: {shown}"
+            );
+            if let ProxyError::TargetRefused { reason, .. } = &error {
+                assert!(reason.len() <= 4096, "a reason of {} bytes", reason.len());
+            }
+        }
+    }
+    opened
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    /// The committed inputs of `target`: its corpus
+    /// (`fuzz/corpus/<target>/`) and the inputs of the crashes it found
+    /// (`fuzz/regressions/<target>/`, kept whatever their coverage).
+    fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
+        let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
+        let dir = fuzz.join("corpus").join(target);
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|entry| entry.unwrap().path())
+            .collect();
+        assert!(
+            files.len() >= 4,
+            "{}: only {} inputs",
+            dir.display(),
+            files.len()
+        );
+        if let Ok(found) = std::fs::read_dir(fuzz.join("regressions").join(target)) {
+            files.extend(found.map(|entry| entry.unwrap().path()));
+        }
+        files.sort();
+        files
+            .into_iter()
+            .map(|path| {
+                let bytes = std::fs::read(&path).unwrap();
+                (path, bytes)
+            })
+            .collect()
+    }
+
+    /// Every input of the `agent_table` corpus, replayed.
+    #[test]
+    fn fuzz_corpus_agent_table() {
+        for (path, input) in corpus("agent_table") {
+            eprintln!("{}", path.display());
+            agent_table(&input);
+        }
+    }
+
+    /// Every input of the `flow_control` corpus, replayed.
+    #[test]
+    fn fuzz_corpus_flow_control() {
+        for (path, input) in corpus("flow_control") {
+            eprintln!("{}", path.display());
+            flow_control(&input);
+        }
+    }
+
+    /// Every input of the `proxy_reply` corpus, replayed.
+    #[test]
+    fn fuzz_corpus_proxy_reply() {
+        for (path, input) in corpus("proxy_reply") {
+            eprintln!("{}", path.display());
+            proxy_reply(&input);
+        }
+    }
+
+    /// The harness reaches success: a proxy that grants the tunnel.
+    #[test]
+    fn proxy_reply_reaches_a_tunnel() {
+        let mut http = vec![0u8];
+        http.extend_from_slice(b"HTTP/1.1 200 Connection established\r\n\r\n");
+        assert!(proxy_reply(&http));
+        http[0] = 1;
+        assert!(proxy_reply(&http), "with credentials");
+        http[10] = b'4';
+        assert!(!proxy_reply(&http), "HTTP 400");
+        // SOCKS5 (socks5h, no auth): method "none", then success with a
+        // bound IPv4 address.
+        let socks = [2u8, 5, 0, 5, 0, 0, 1, 127, 0, 0, 1, 0x1f, 0x90];
+        assert!(proxy_reply(&socks));
+        assert!(!proxy_reply(&socks[..8]), "cut short");
+    }
+}

@@ -1,0 +1,384 @@
+//! [`ReadAhead`]: what a `Proxy` stream's driver has read and not yet
+//! uploaded, so that one connection waiting for its agent does not stop
+//! the stream for the others.
+//!
+//! The protocol lets a frontend carry several connections on one stream,
+//! and frontends get no credit (kube-apiserver's client speaks the plain
+//! protocol). So while a connection's upload waits (for credit, or for
+//! room on its agent's queue), the driver keeps reading the stream: that
+//! connection's DATA (and a CLOSE_REQ behind it, kept in order) goes into
+//! its lane, while packets for other connections and other control packets
+//! act at once. The lanes hold at most [`READ_AHEAD`] bytes in all (a
+//! packet is admitted while less is held, so one packet more at most);
+//! past that the driver stops reading the stream:
+//! - on a stream that carries only one connection, until the upload goes
+//!   on: plain backpressure (a slow `kubectl cp` is slowed, never cut);
+//! - on a stream that carries others, a lane whose upload made no progress
+//!   for [`UPLOAD_GRACE`] is cut: its connection is closed with an error at
+//!   both ends, its queued bytes and later DATA are dropped, and the
+//!   stream reads on.
+//!
+//! A lane that holds the frontend's CLOSE_REQ and makes no progress for
+//! [`UPLOAD_GRACE`] is cut too, full or not: the frontend is closing, and a
+//! destination that stopped reading must not keep its close unanswered.
+//!
+//! Plain data with the clock given; the driver (`grpc.rs`) runs the
+//! uploads and the waits.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use proto::Packet;
+use tunnel::{flow, ids::ConnId};
+
+use crate::conn::Conn;
+
+/// Bytes a stream's lanes hold at most (one connection window): what a
+/// stream may have read ahead of its waiting uploads.
+pub(crate) const READ_AHEAD: usize = flow::WINDOW;
+/// How long a lane may make no progress, on a stream stopped for it that
+/// carries other connections, before its connection is cut. ANP's agents
+/// and ours give a destination that stopped reading as long
+/// (`flow::COMPAT_STALL`), so a connection that is merely slow is not cut.
+pub const UPLOAD_GRACE: Duration = flow::COMPAT_STALL;
+
+/// What waits in a lane, in the order the frontend sent it.
+#[derive(Debug)]
+enum Item {
+    /// DATA not yet uploaded.
+    Data(Bytes),
+    /// The frontend's CLOSE_REQ, after the DATA it sent before.
+    Close(Packet),
+}
+
+/// One connection's uploads in progress.
+struct Lane {
+    /// The connection.
+    conn: Arc<Conn>,
+    /// What waits behind the chunk being uploaded.
+    items: VecDeque<Item>,
+    /// The chunk being uploaded, if any.
+    in_flight: usize,
+    /// Since when the lane has made no progress.
+    since: Instant,
+}
+
+impl Lane {
+    /// Whether it holds the frontend's CLOSE_REQ.
+    fn has_close(&self) -> bool {
+        self.items.iter().any(|item| matches!(item, Item::Close(_)))
+    }
+}
+
+/// What the driver does next for a lane.
+pub(crate) enum Next {
+    /// Upload this chunk of the connection's DATA.
+    Upload(Arc<Conn>, Bytes),
+    /// Hand this CLOSE_REQ to the control core: the DATA before it is
+    /// uploaded.
+    Close(Packet),
+}
+
+impl std::fmt::Debug for Next {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Upload(conn, chunk) => write!(f, "Upload({}, {} bytes)", conn.id, chunk.len()),
+            Self::Close(packet) => write!(f, "Close({packet:?})"),
+        }
+    }
+}
+
+/// A stream's lanes; see the module documentation.
+#[derive(Default)]
+pub(crate) struct ReadAhead {
+    /// Lanes by connection.
+    lanes: HashMap<ConnId, Lane>,
+    /// Bytes the lanes hold (queued and in flight).
+    bytes: usize,
+    /// Lanes that hold a CLOSE_REQ.
+    closing: usize,
+}
+
+impl ReadAhead {
+    /// Whether `conn` has uploads in progress (its DATA must queue behind).
+    pub(crate) fn has_lane(&self, conn: ConnId) -> bool {
+        self.lanes.contains_key(&conn)
+    }
+
+    /// Whether a packet may be read into the lanes now.
+    pub(crate) fn has_room(&self) -> bool {
+        self.bytes < READ_AHEAD
+    }
+
+    /// Bytes held.
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Opens `conn`'s lane with a chunk whose upload is waiting and `rest`
+    /// of its packet behind it.
+    pub(crate) fn open(&mut self, conn: Arc<Conn>, in_flight: usize, rest: Bytes, now: Instant) {
+        let mut items = VecDeque::new();
+        let queued = rest.len();
+        if !rest.is_empty() {
+            items.push_back(Item::Data(rest));
+        }
+        self.bytes += in_flight + queued;
+        self.lanes.insert(
+            conn.id,
+            Lane {
+                conn,
+                items,
+                in_flight,
+                since: now,
+            },
+        );
+    }
+
+    /// Queues DATA behind `conn`'s uploads (its lane exists: see
+    /// [`ReadAhead::has_lane`]; the caller checked [`ReadAhead::has_room`]).
+    pub(crate) fn queue(&mut self, conn: ConnId, data: Bytes) {
+        if let Some(lane) = self.lanes.get_mut(&conn) {
+            self.bytes += data.len();
+            lane.items.push_back(Item::Data(data));
+        }
+    }
+
+    /// Queues the frontend's CLOSE_REQ for `conn` behind its DATA; gives it
+    /// back if `conn` has no lane (it acts at once).
+    pub(crate) fn close(&mut self, conn: ConnId, packet: Packet) -> Option<Packet> {
+        match self.lanes.get_mut(&conn) {
+            Some(lane) => {
+                if !lane.has_close() {
+                    self.closing += 1;
+                }
+                lane.items.push_back(Item::Close(packet));
+                None
+            }
+            None => Some(packet),
+        }
+    }
+
+    /// The chunk in flight on `conn` was uploaded (`ok`) or its connection
+    /// is gone; what to do next for it. When the lane is done (or its
+    /// connection gone) it is removed; a CLOSE_REQ it held is still
+    /// returned, so the frontend's close reaches the control core.
+    pub(crate) fn uploaded(&mut self, conn: ConnId, ok: bool, now: Instant) -> Option<Next> {
+        let lane = self.lanes.get_mut(&conn)?;
+        self.bytes -= std::mem::take(&mut lane.in_flight);
+        lane.since = now;
+        if !ok {
+            let lane = self.lanes.remove(&conn).expect("looked up above");
+            return self.drop_lane(lane);
+        }
+        let next = match lane.items.pop_front() {
+            None => None,
+            Some(Item::Close(packet)) => {
+                self.closing -= 1;
+                Some(Next::Close(packet))
+            }
+            Some(Item::Data(mut data)) => {
+                let chunk = data.split_to(data.len().min(lane.conn.flow.send_chunk()));
+                if !data.is_empty() {
+                    lane.items.push_front(Item::Data(data));
+                }
+                lane.in_flight = chunk.len();
+                Some(Next::Upload(lane.conn.clone(), chunk))
+            }
+        };
+        // A lane with nothing in flight is done: a CLOSE_REQ is its last
+        // item (DATA a frontend sent after its CLOSE_REQ is dropped).
+        if lane.in_flight == 0 {
+            let lane = self.lanes.remove(&conn).expect("looked up above");
+            self.bytes -= queued_bytes(&lane.items);
+        }
+        next
+    }
+
+    /// The lane that has made no progress for longest, and since when.
+    pub(crate) fn most_stalled(&self) -> Option<(ConnId, Instant)> {
+        self.lanes
+            .values()
+            .map(|lane| (lane.conn.id, lane.since))
+            .min_by_key(|(_, since)| *since)
+    }
+
+    /// Of the lanes that hold a CLOSE_REQ, the one that has made no
+    /// progress for longest, and since when.
+    pub(crate) fn most_stalled_closing(&self) -> Option<(ConnId, Instant)> {
+        if self.closing == 0 {
+            return None;
+        }
+        self.lanes
+            .values()
+            .filter(|lane| lane.has_close())
+            .map(|lane| (lane.conn.id, lane.since))
+            .min_by_key(|(_, since)| *since)
+    }
+
+    /// Takes `conn`'s lane out (its connection is being cut): its
+    /// connection, and a CLOSE_REQ it held.
+    pub(crate) fn cut(&mut self, conn: ConnId) -> Option<(Arc<Conn>, Option<Packet>)> {
+        let lane = self.lanes.remove(&conn)?;
+        let conn = lane.conn.clone();
+        let close = match self.drop_lane(lane) {
+            Some(Next::Close(packet)) => Some(packet),
+            _ => None,
+        };
+        Some((conn, close))
+    }
+
+    /// Forgets a removed lane's bytes; its CLOSE_REQ, if it held one.
+    fn drop_lane(&mut self, lane: Lane) -> Option<Next> {
+        self.bytes -= lane.in_flight + queued_bytes(&lane.items);
+        if lane.has_close() {
+            self.closing -= 1;
+        }
+        lane.items.into_iter().find_map(|item| match item {
+            Item::Close(packet) => Some(Next::Close(packet)),
+            Item::Data(_) => None,
+        })
+    }
+}
+
+/// Bytes of DATA in `items`.
+fn queued_bytes(items: &VecDeque<Item>) -> usize {
+    items
+        .iter()
+        .map(|item| match item {
+            Item::Data(data) => data.len(),
+            Item::Close(_) => 0,
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conn::test_conn;
+
+    fn compat() -> flow::Scheme {
+        flow::Scheme::Compat {
+            ours: flow::Window::V1,
+        }
+    }
+
+    fn bytes(len: usize, fill: u8) -> Bytes {
+        Bytes::from(vec![fill; len])
+    }
+
+    /// Drives one lane to its end: every chunk in order, then the CLOSE_REQ.
+    #[test]
+    fn a_lane_uploads_in_order_then_hands_over_its_close() {
+        let (conn, _agent, _fe) = test_conn(7, compat());
+        let chunk = conn.flow.send_chunk();
+        let now = Instant::now();
+        let mut ahead = ReadAhead::default();
+        ahead.open(conn.clone(), 10, bytes(chunk + 5, 1), now);
+        ahead.queue(conn.id, bytes(3, 2));
+        assert!(ahead.close(conn.id, Packet::close_request(7)).is_none());
+        assert_eq!(ahead.bytes(), 10 + chunk + 5 + 3);
+        let mut got = Vec::new();
+        let mut next = ahead.uploaded(conn.id, true, now);
+        while let Some(step) = next {
+            match step {
+                Next::Upload(c, data) => {
+                    assert_eq!(c.id, conn.id);
+                    got.push(data.len());
+                }
+                Next::Close(packet) => {
+                    assert!(matches!(
+                        packet.into_kind(),
+                        proto::packet::PacketKind::CloseReq(_)
+                    ));
+                    got.push(0);
+                }
+            }
+            next = ahead.uploaded(conn.id, true, now);
+        }
+        assert_eq!(got, [chunk, 5, 3, 0]);
+        assert!(!ahead.has_lane(conn.id));
+        assert_eq!(ahead.bytes(), 0);
+    }
+
+    #[test]
+    fn a_full_read_ahead_has_no_room_until_a_lane_is_cut() {
+        let (a, _agent_a, _fe_a) = test_conn(1, compat());
+        let (b, _agent_b, _fe_b) = test_conn(2, compat());
+        let t0 = Instant::now();
+        let mut ahead = ReadAhead::default();
+        ahead.open(a.clone(), 100, bytes(READ_AHEAD - 200, 1), t0);
+        assert!(ahead.has_room());
+        ahead.open(b.clone(), 100, Bytes::new(), t0 + Duration::from_secs(1));
+        // Admitted while less than READ_AHEAD was held: one packet over.
+        ahead.queue(a.id, bytes(5000, 1));
+        assert!(!ahead.has_room());
+        assert_eq!(ahead.most_stalled(), Some((a.id, t0)));
+        ahead.close(a.id, Packet::close_request(1));
+        let (cut, close) = ahead.cut(a.id).expect("a's lane");
+        assert_eq!(cut.id, a.id);
+        assert!(close.is_some(), "its CLOSE_REQ comes back");
+        assert!(ahead.has_room());
+        assert_eq!(ahead.bytes(), 100);
+        assert_eq!(
+            ahead.most_stalled(),
+            Some((b.id, t0 + Duration::from_secs(1)))
+        );
+    }
+
+    #[test]
+    fn a_gone_connection_drops_its_lane_but_not_its_close() {
+        let (conn, _agent, _fe) = test_conn(3, compat());
+        let now = Instant::now();
+        let mut ahead = ReadAhead::default();
+        ahead.open(conn.clone(), 10, bytes(10, 1), now);
+        ahead.close(conn.id, Packet::close_request(3));
+        let next = ahead.uploaded(conn.id, false, now);
+        assert!(matches!(next, Some(Next::Close(_))), "{next:?}");
+        assert!(!ahead.has_lane(conn.id));
+        assert_eq!(ahead.bytes(), 0);
+        // A connection without a lane: its CLOSE_REQ acts at once.
+        assert!(ahead.close(conn.id, Packet::close_request(3)).is_some());
+    }
+
+    #[test]
+    fn only_lanes_holding_a_close_are_closing() {
+        let (a, _agent_a, _fe_a) = test_conn(1, compat());
+        let (b, _agent_b, _fe_b) = test_conn(2, compat());
+        let t0 = Instant::now();
+        let mut ahead = ReadAhead::default();
+        ahead.open(a.clone(), 10, Bytes::new(), t0);
+        ahead.open(b.clone(), 10, Bytes::new(), t0 + Duration::from_secs(1));
+        assert_eq!(ahead.most_stalled_closing(), None);
+        ahead.close(b.id, Packet::close_request(2));
+        assert_eq!(
+            ahead.most_stalled_closing(),
+            Some((b.id, t0 + Duration::from_secs(1)))
+        );
+        assert!(matches!(
+            ahead.uploaded(b.id, true, t0),
+            Some(Next::Close(_))
+        ));
+        assert_eq!(ahead.most_stalled_closing(), None);
+        ahead.close(a.id, Packet::close_request(1));
+        ahead.cut(a.id);
+        assert_eq!(ahead.most_stalled_closing(), None);
+        assert_eq!(ahead.closing, 0);
+    }
+
+    #[test]
+    fn progress_restarts_a_lanes_stall_clock() {
+        let (conn, _agent, _fe) = test_conn(4, compat());
+        let t0 = Instant::now();
+        let mut ahead = ReadAhead::default();
+        ahead.open(conn.clone(), 10, bytes(10, 1), t0);
+        let later = t0 + UPLOAD_GRACE;
+        assert!(ahead.uploaded(conn.id, true, later).is_some());
+        assert_eq!(ahead.most_stalled(), Some((conn.id, later)));
+    }
+}

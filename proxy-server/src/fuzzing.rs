@@ -1,0 +1,587 @@
+//! Fuzzing entry points (cargo-fuzz targets in `fuzz/`, and their corpora
+//! replayed by the tests below). Not an API: compiled for tests and under
+//! the `fuzzing` feature only, which no binary enables.
+//!
+//! Each function takes bytes a peer controls and panics when an invariant
+//! the code promises does not hold (see `docs/fuzzing.md`).
+
+use std::{
+    collections::{HashMap, HashSet},
+    future::Future,
+    pin::{Pin, pin},
+    task::{Context, Poll, Waker},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http::StatusCode;
+use prost::Message;
+use proto::Packet;
+use tokio::io::{AsyncRead, ReadBuf};
+use tunnel::{
+    flow,
+    ids::{AgentId, ConnId, DialId},
+};
+
+use crate::{
+    auth::{self, AuthError},
+    events::DialError,
+    frontend::http_connect::head::{self, HeadError},
+    router::{AgentInfo, BackendId, ForwardFailure, FrontendId, FrontendKind, Out, Router},
+    strategy::{AgentIdentifiers, ProxyStrategy},
+};
+
+/// Reads fuzz bytes as choices; past the end every choice is 0.
+struct Input<'a>(&'a [u8]);
+
+impl<'a> Input<'a> {
+    fn byte(&mut self) -> u8 {
+        match self.0.split_first() {
+            Some((first, rest)) => {
+                self.0 = rest;
+                *first
+            }
+            None => 0,
+        }
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        usize::from(self.byte()) % n.max(1)
+    }
+
+    fn bytes(&mut self, max: usize) -> &'a [u8] {
+        let len = self.below(max + 1).min(self.0.len());
+        let (taken, rest) = self.0.split_at(len);
+        self.0 = rest;
+        taken
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// A protocol id: mostly small (so that ids meet), sometimes extreme.
+    fn id(&mut self) -> i64 {
+        match self.byte() {
+            250 => i64::MAX,
+            251 => i64::MIN,
+            252 => -1,
+            b => i64::from(b % 8),
+        }
+    }
+}
+
+/// The heap a [`router`] run may use at its peak for `len` input bytes: a
+/// few hundred bytes of tables and outputs per step, each step at least a
+/// byte.
+pub fn router_alloc_bound(len: usize) -> usize {
+    1024 * len + 256 * 1024
+}
+
+/// What the harness follows of a router's outputs, to check what the
+/// router promises its transports.
+#[derive(Default)]
+struct Watch {
+    /// Connections whose flow state the driver holds, and their frontend.
+    open: HashMap<(BackendId, ConnId), FrontendId>,
+    /// DIAL_REQs sent per (frontend, random).
+    requests: HashMap<(FrontendId, i64), usize>,
+    /// Answers (DIAL_RSP, DIAL_CLS) per (frontend, random).
+    answers: HashMap<(FrontendId, i64), usize>,
+    /// Backends connected and neither ended nor retired.
+    live: HashSet<BackendId>,
+}
+
+impl Watch {
+    fn see(&mut self, sender: Option<FrontendId>, out: &[Out]) {
+        for o in out {
+            match o {
+                Out::Opened {
+                    backend,
+                    conn,
+                    frontend,
+                } => assert!(
+                    self.open.insert((*backend, *conn), *frontend).is_none(),
+                    "conn {conn} of be{backend} opened twice"
+                ),
+                Out::Closed { backend, conn } => assert!(
+                    self.open.remove(&(*backend, *conn)).is_some(),
+                    "conn {conn} of be{backend} closed but not open"
+                ),
+                Out::DataToBackend { backend, conn, .. } => {
+                    let owner = self.open.get(&(*backend, *conn));
+                    assert!(
+                        owner.is_some() && owner.copied() == sender,
+                        "DATA of {sender:?} sent on conn {conn} of be{backend}, owned by {owner:?}"
+                    );
+                }
+                Out::Forward { backend, .. } => assert!(
+                    self.live.contains(backend),
+                    "a dial forwarded to be{backend}, which is gone or retired"
+                ),
+                Out::EndBackend(backend) => {
+                    self.live.remove(backend);
+                }
+                Out::ToFrontend(fe, packet) => match packet.clone().into_kind() {
+                    proto::packet::PacketKind::DialRsp(r) => self.answer(*fe, r.random),
+                    proto::packet::PacketKind::DialCls(c) => self.answer(*fe, c.random),
+                    _ => {}
+                },
+                Out::Established {
+                    frontend, packet, ..
+                } => {
+                    if let proto::packet::PacketKind::DialRsp(r) = packet.clone().into_kind() {
+                        self.answer(*frontend, r.random);
+                    }
+                }
+                Out::DialFailed { frontend, dial, .. } => self.answer(*frontend, dial.0),
+                _ => {}
+            }
+        }
+        for (dial, answers) in &self.answers {
+            let made = self.requests.get(dial).copied().unwrap_or(0);
+            assert!(
+                *answers <= made,
+                "dial {dial:?} answered {answers} times, made {made}"
+            );
+        }
+    }
+
+    fn answer(&mut self, fe: FrontendId, random: i64) {
+        *self.answers.entry((fe, random)).or_default() += 1;
+    }
+}
+
+/// A packet from `input`: built from a few choices, or decoded from raw
+/// protobuf bytes (anything a peer can send).
+fn packet(input: &mut Input<'_>) -> Option<Packet> {
+    let id = input.id();
+    Some(match input.below(9) {
+        0 => {
+            let address = ["10.0.0.1:443", "node-a:10250", "[::1]:80", "x"][input.below(4)];
+            Packet::dial_request("tcp", address, id)
+        }
+        1 => {
+            let conn = input.id();
+            let error = if input.byte().is_multiple_of(4) {
+                "refused"
+            } else {
+                ""
+            };
+            Packet::dial_response(id, conn, error)
+        }
+        2 => Packet::data(id, Bytes::copy_from_slice(input.bytes(8))),
+        3 => Packet::close_request(id),
+        4 => Packet::close_response(id, ""),
+        5 => Packet::close_dial(id),
+        6 => Packet::drain(),
+        7 => flow::credit_packet(id, input.below(256) * 4096),
+        _ => Packet::decode(input.bytes(48)).ok()?,
+    })
+}
+
+/// The server's routing core fed a sequence of events chosen by `data`:
+/// frontends and agent streams coming and going (an agent's identifiers
+/// parsed from the bytes, as its metadata is), packets from either side
+/// (built or decoded from raw bytes), dials forwarded or not, overflows,
+/// stalls, DIAL_RSPs that cannot be delivered, and the clock. After every
+/// event the router's own invariants hold ([`Router::check`]) and its
+/// outputs keep their promises: a connection is opened once and closed
+/// once, a frontend's DATA goes only to its own connections, a dial goes
+/// only to a connected agent stream, no dial is answered more often than
+/// it was made. Once every stream has ended, every table is empty.
+pub fn router(data: &[u8]) {
+    let mut input = Input(data);
+    let strategies: &[ProxyStrategy] = match input.below(4) {
+        0 => &[ProxyStrategy::Default],
+        1 => &[ProxyStrategy::DestHost, ProxyStrategy::Default],
+        2 => &[ProxyStrategy::DefaultRoute],
+        _ => &[ProxyStrategy::DestHost, ProxyStrategy::DefaultRoute],
+    };
+    let timeout = input
+        .byte()
+        .is_multiple_of(2)
+        .then_some(Duration::from_secs(5));
+    let seed = u64::from(input.byte());
+    let mut router = Router::new(strategies, timeout, fastrand::Rng::with_seed(seed));
+    let mut now = Instant::now();
+    let mut frontends: Vec<FrontendId> = Vec::new();
+    let mut backends: Vec<BackendId> = Vec::new();
+    let mut watch = Watch::default();
+    let mut out = Vec::new();
+    while !input.is_empty() {
+        out.clear();
+        let op = input.below(16);
+        let fe = (!frontends.is_empty()).then(|| frontends[input.below(frontends.len())]);
+        let be = (!backends.is_empty()).then(|| backends[input.below(backends.len())]);
+        let mut sender = None;
+        match op {
+            0 => {
+                let kind = if input.byte().is_multiple_of(2) {
+                    FrontendKind::Grpc
+                } else {
+                    FrontendKind::HttpConnect
+                };
+                frontends.push(router.add_frontend(kind));
+            }
+            1 => {
+                let agent = ["a", "b", "c"][input.below(3)];
+                let query = String::from_utf8_lossy(input.bytes(40)).into_owned();
+                let id = router.add_backend(AgentInfo {
+                    agent_id: AgentId(agent.to_owned()),
+                    identifiers: AgentIdentifiers::parse(&query),
+                });
+                watch.live.insert(id);
+                backends.push(id);
+            }
+            2..=5 => {
+                if let (Some(fe), Some(packet)) = (fe, packet(&mut input)) {
+                    if let proto::packet::PacketKind::DialReq(r) = packet.clone().into_kind() {
+                        *watch.requests.entry((fe, r.random)).or_default() += 1;
+                    }
+                    sender = Some(fe);
+                    router.frontend_packet(now, fe, packet, &mut out);
+                }
+            }
+            6..=9 => {
+                if let (Some(be), Some(packet)) = (be, packet(&mut input)) {
+                    router.backend_packet(now, be, packet, &mut out);
+                }
+            }
+            10 => router.dial_forwarded(now, DialId(input.id())),
+            11 => {
+                if let Some(fe) = fe {
+                    let why = if input.byte().is_multiple_of(2) {
+                        ForwardFailure::Closed
+                    } else {
+                        ForwardFailure::TimedOut
+                    };
+                    router.dial_not_forwarded(fe, DialId(input.id()), why, &mut out);
+                }
+            }
+            12 => {
+                if let (Some(fe), Some(be)) = (fe, be) {
+                    let conn = ConnId(input.id());
+                    match input.below(3) {
+                        0 => router.dial_rsp_undelivered(fe, be, conn, &mut out),
+                        1 => router.overflow(now, be, conn, &mut out),
+                        _ => router.close_stalled(now, &[(be, conn)], &mut out),
+                    }
+                }
+            }
+            13 => {
+                if let Some(fe) = fe {
+                    router.frontend_closed(now, fe, &mut out);
+                    frontends.retain(|f| *f != fe);
+                }
+            }
+            14 => {
+                if let Some(be) = be {
+                    router.backend_closed(now, be, &mut out);
+                    backends.retain(|b| *b != be);
+                    watch.live.remove(&be);
+                }
+            }
+            _ => {
+                now += Duration::from_secs(u64::from(input.byte() % 8));
+                router.handle_timeout(now, &mut out);
+            }
+        }
+        watch.see(sender, &out);
+        router.check();
+        assert_eq!(watch.open.len(), router.established_count());
+        if let Some(at) = router.poll_timeout() {
+            assert!(
+                at > now || op != 15,
+                "a deadline at or before now survived handle_timeout"
+            );
+        }
+    }
+    out.clear();
+    for fe in frontends {
+        router.frontend_closed(now, fe, &mut out);
+    }
+    for be in backends {
+        router.backend_closed(now, be, &mut out);
+    }
+    watch.see(None, &out);
+    router.check();
+    assert!(
+        watch.open.is_empty(),
+        "flow state left for {:?}",
+        watch.open
+    );
+    assert_eq!(
+        (
+            router.frontend_count(),
+            router.backend_count(),
+            router.pending_count(),
+            router.established_count()
+        ),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(router.poll_timeout(), None);
+    assert!(!router.is_ready());
+}
+
+/// A reader that hands over `pieces` one per read, then the end.
+struct Pieces<'a> {
+    pieces: Vec<&'a [u8]>,
+}
+
+impl AsyncRead for Pieces<'_> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if let Some(first) = self.pieces.first_mut() {
+            let n = first.len().min(buf.remaining());
+            buf.put_slice(&first[..n]);
+            *first = &first[n..];
+            if first.is_empty() {
+                self.pieces.remove(0);
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Polls a future that never waits (every byte is in memory) to its end.
+fn ready<F: Future>(future: F) -> F::Output {
+    let mut future = pin!(future);
+    let mut cx = Context::from_waker(Waker::noop());
+    match future.as_mut().poll(&mut cx) {
+        Poll::Ready(output) => output,
+        Poll::Pending => panic!("an in-memory read made the parser wait"),
+    }
+}
+
+/// The heap a [`connect_head`] run may use at its peak for `len` bytes.
+pub fn connect_head_alloc_bound(len: usize) -> usize {
+    16 * len + 256 * 1024
+}
+
+/// Reads a CONNECT request head from the bytes after a few choices, as
+/// they would arrive cut into pieces (the cuts chosen too), then answers a
+/// failed dial with an agent's error text (also from the bytes). Checks:
+/// the head parses the same however it is cut (a head accepted whole is
+/// accepted in pieces, with the same method and target); the target is
+/// the request line's or the `Host`; what followed the head is kept as it
+/// came, in a buffer of its own size; an error is an error; the error page
+/// repeats at most a bounded prefix of the target and the agent's text.
+pub fn connect_head(data: &[u8]) {
+    let mut input = Input(data);
+    let cuts: Vec<usize> = (0..input.below(8)).map(|_| input.below(64) + 1).collect();
+    let error_text = String::from_utf8_lossy(input.bytes(64)).repeat(input.below(4) * 64 + 1);
+    let stream = input.0;
+    let whole = read(vec![stream]);
+    let mut pieces = Vec::new();
+    let mut rest = stream;
+    for cut in cuts {
+        let (piece, tail) = rest.split_at(cut.min(rest.len()));
+        pieces.push(piece);
+        rest = tail;
+    }
+    pieces.push(rest);
+    let cut = read(pieces);
+    match (&whole, &cut) {
+        (Ok(a), Ok(b)) => assert_eq!(
+            (&a.0, &a.1),
+            (&b.0, &b.1),
+            "cut differently, parsed differently"
+        ),
+        (Ok(_), Err(e)) => panic!("a head accepted whole is refused in pieces ({e})"),
+        (Err(_), Ok(_)) => panic!("a head refused whole is accepted in pieces"),
+        (Err(_), Err(_)) => {}
+    }
+    if let Ok((_, target, _)) = &whole {
+        let page = head::dial_error_response(&DialError::Agent(error_text.clone()), target);
+        let bound = 6 * tunnel::text::ECHO_LIMIT + 256;
+        assert!(page.len() <= bound, "an error page of {} bytes", page.len());
+        assert!(page.starts_with(b"HTTP/1.1 50"));
+    }
+}
+
+/// `read_head` over `pieces`: the method, target and what followed.
+fn read(pieces: Vec<&[u8]>) -> Result<(String, String, Vec<u8>), &'static str> {
+    let stream: Vec<u8> = pieces.concat();
+    let mut reader = Pieces { pieces };
+    match ready(head::read_head(&mut reader)) {
+        Ok(head) => {
+            let end = stream
+                .windows(4)
+                .position(|w| w == b"\r\n\r\n")
+                .expect("a head without its blank line")
+                + 4;
+            let after = &stream[end..];
+            assert!(
+                after.starts_with(&head.rest),
+                "the bytes after the head were changed"
+            );
+            assert!(
+                head.rest.capacity() <= head.rest.len().max(64),
+                "{} bytes kept in a buffer of {}",
+                head.rest.len(),
+                head.rest.capacity()
+            );
+            // httparse skips blank lines before the request line (RFC 9112
+            // §2.2 allows it).
+            let start = stream
+                .iter()
+                .position(|b| *b != b'\r' && *b != b'\n')
+                .unwrap_or(0);
+            assert!(!head.method.is_empty());
+            assert!(head.target.len() <= end);
+            assert!(
+                stream[start..].starts_with(head.method.as_bytes()),
+                "the method is not the request line's"
+            );
+            Ok((head.method, head.target, head.rest.to_vec()))
+        }
+        Err(HeadError::Gone) => Err("gone"),
+        Err(HeadError::Malformed) => Err("malformed"),
+        Err(HeadError::TooLarge) => Err("too large"),
+    }
+}
+
+/// The heap a [`token_review`] run may use at its peak for `len` bytes.
+pub fn token_review_alloc_bound(len: usize) -> usize {
+    32 * len + 256 * 1024
+}
+
+/// Whom the fuzzed reviews must name to admit an agent.
+const EXPECTED: auth::Expected<'static> = auth::Expected {
+    namespace: "kube-system",
+    service_account: "konnectivity-agent",
+    audience: "system:konnectivity-server",
+};
+
+/// The token the fuzzed reviews are about; an error must never show it.
+const TOKEN: &str = "s3cr3t-fuzz-token";
+
+/// A TokenReview answer (the status code from the first two bytes, the
+/// body after them) read and judged as the agent authentication does.
+/// Checks: a bad answer is an error, never a panic; the error never
+/// quotes the body of a 2xx answer, nor the token; an agent is admitted
+/// only if the answer, read independently as plain JSON, says the token
+/// is authenticated, for our audience, as our service account.
+pub fn token_review(data: &[u8]) {
+    let mut input = Input(data);
+    let code = 100 + (usize::from(input.byte()) << 8 | usize::from(input.byte())) % 500;
+    let code = StatusCode::from_u16(u16::try_from(code).unwrap_or(200)).unwrap_or(StatusCode::OK);
+    let body = input.0;
+    let config = EXPECTED;
+    let verdict = match auth::read_answer(code, body) {
+        Err(reason) => {
+            assert!(!reason.is_empty());
+            if code.is_success() {
+                assert!(
+                    !reason.contains(TOKEN),
+                    "a 2xx answer's body quoted: {reason}"
+                );
+            }
+            let error = AuthError::Review(reason.replace(TOKEN, "MASKED"));
+            assert!(!error.to_string().contains(TOKEN));
+            return;
+        }
+        Ok(review) => auth::verdict(&config, review),
+    };
+    assert!(code.is_success(), "a review read from a {code} answer");
+    if verdict.is_ok() {
+        // serde_json skips an unknown field's string without checking
+        // its UTF-8, where a `Value` would refuse it: read it lossily.
+        let text = String::from_utf8_lossy(body);
+        let json: serde_json::Value =
+            serde_json::from_str(&text).expect("an admitted answer is JSON");
+        let status = &json["status"];
+        assert_eq!(status["authenticated"], serde_json::Value::Bool(true));
+        assert!(
+            status["error"].is_null() || status["error"] == "",
+            "admitted with an error"
+        );
+        assert_eq!(
+            status["user"]["username"],
+            "system:serviceaccount:kube-system:konnectivity-agent"
+        );
+        let audiences = status["audiences"].as_array().expect("audiences");
+        assert!(audiences.iter().any(|a| a == "system:konnectivity-server"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    /// The committed inputs of `target`: its corpus
+    /// (`fuzz/corpus/<target>/`) and the inputs of the crashes it found
+    /// (`fuzz/regressions/<target>/`, kept whatever their coverage).
+    fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
+        let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
+        let dir = fuzz.join("corpus").join(target);
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|entry| entry.unwrap().path())
+            .collect();
+        assert!(
+            files.len() >= 4,
+            "{}: only {} inputs",
+            dir.display(),
+            files.len()
+        );
+        if let Ok(found) = std::fs::read_dir(fuzz.join("regressions").join(target)) {
+            files.extend(found.map(|entry| entry.unwrap().path()));
+        }
+        files.sort();
+        files
+            .into_iter()
+            .map(|path| {
+                let bytes = std::fs::read(&path).unwrap();
+                (path, bytes)
+            })
+            .collect()
+    }
+
+    /// Every input of the `router` corpus, replayed.
+    #[test]
+    fn fuzz_corpus_router() {
+        for (path, input) in corpus("router") {
+            eprintln!("{}", path.display());
+            router(&input);
+        }
+    }
+
+    /// Every input of the `connect_head` corpus, replayed.
+    #[test]
+    fn fuzz_corpus_connect_head() {
+        for (path, input) in corpus("connect_head") {
+            eprintln!("{}", path.display());
+            connect_head(&input);
+        }
+    }
+
+    /// Every input of the `token_review` corpus, replayed.
+    #[test]
+    fn fuzz_corpus_token_review() {
+        for (path, input) in corpus("token_review") {
+            eprintln!("{}", path.display());
+            token_review(&input);
+        }
+    }
+
+    /// The harnesses see what they claim: a valid CONNECT head in pieces,
+    /// an admitting TokenReview answer, a dial through the router.
+    #[test]
+    fn the_harnesses_reach_their_success_paths() {
+        let ok = read(vec![b"CONNECT a:1 HTTP/1.1\r\n", b"\r\nrest"]).unwrap();
+        assert_eq!(ok, ("CONNECT".into(), "a:1".into(), b"rest".to_vec()));
+        let body = br#"{"status":{"authenticated":true,"audiences":["system:konnectivity-server"],"user":{"username":"system:serviceaccount:kube-system:konnectivity-agent"}}}"#;
+        let review = auth::read_answer(StatusCode::OK, body).unwrap();
+        assert_eq!(auth::verdict(&EXPECTED, review), Ok(()));
+        let mut input = vec![0u8, 100];
+        input.extend_from_slice(body);
+        token_review(&input);
+    }
+}
