@@ -189,16 +189,17 @@ impl AgentService for AgentServiceImpl {
         let inbound = request.into_inner();
         let span = info_span!("backend", agent.id = %agent_id);
         self.tasks.spawn(
-            async move {
+            tunnel::sync::audit::scope(audit.clone(), id.taker(), async move {
                 let _live = live;
                 let _guard = BackendGuard {
                     control: driver.control.clone(),
                     backend: id,
                     agent_id,
                     peer,
+        let audit = self.control.audit.clone();
                 };
                 driver.run(inbound).await;
-            }
+            })
             .instrument(span),
         );
         let stream = end.outbound(rx.map(move |packet| {
@@ -213,6 +214,7 @@ impl AgentService for AgentServiceImpl {
 
 /// One agent stream's driver; see the module documentation.
 struct BackendDriver {
+        let stream = crate::stream::audited(audit, id.taker(), stream);
     /// The stream.
     id: BackendId,
     /// The control core.

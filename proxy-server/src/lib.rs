@@ -54,35 +54,9 @@ pub mod strategy;
 mod stream;
 
 pub use events::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT};
-pub use frontend::http_connect::ESTABLISHED;
-pub use router::{MISMATCHED, STALLED};
+pub use frontend::{http_connect::ESTABLISHED, read_ahead::UPLOAD_GRACE};
+pub use router::{MISMATCHED, STALLED, UPLOAD_STALLED};
 
-use std::sync::{
-    Mutex, MutexGuard, PoisonError,
-    atomic::{AtomicU64, Ordering},
-};
-
-/// Locks a mutex; a panic elsewhere while holding it leaves data that is
-/// still consistent for our uses (maps of handles), so poisoning is ignored.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Times a lock that more than one stream takes was taken (debug builds).
-static SHARED_LOCKS: AtomicU64 = AtomicU64::new(0);
-
-/// Locks a mutex that more than one stream takes (the control core's, a
-/// frontend's attachments): counted in debug builds, so that a test can
-/// show that moving DATA never takes one ([`shared_locks_taken`]).
-fn lock_shared<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    if cfg!(debug_assertions) {
-        SHARED_LOCKS.fetch_add(1, Ordering::Relaxed);
-    }
-    lock(mutex)
-}
-
-/// How many times, in this process, a lock that more than one stream
-/// takes was taken; `None` in release builds, which do not count.
-pub fn shared_locks_taken() -> Option<u64> {
-    cfg!(debug_assertions).then(|| SHARED_LOCKS.load(Ordering::Relaxed))
-}
+/// The lock audit of a server instance: which streams took which lock
+/// (see `tunnel::sync::audit`).
+pub use tunnel::sync::audit;

@@ -46,6 +46,11 @@ pub const MISMATCHED: &str = "mismatched connection IDs";
 /// for `--frontend-stall-timeout`.
 pub const STALLED: &str =
     "the frontend took none of this connection's data within --frontend-stall-timeout";
+/// CLOSE_RSP error of a connection whose destination took none of its
+/// upload for `frontend::read_ahead::UPLOAD_GRACE` while it held up the
+/// other connections of its `Proxy` stream, or its frontend's close.
+pub const UPLOAD_STALLED: &str =
+    "closed with its upload undelivered: the destination took none of it for 5s";
 /// CLOSE_RSP error for DATA from a frontend that never dialed.
 pub(crate) const NOT_INITIALIZED: &str = "backend not initialized";
 /// CLOSE_RSP error for CLOSE_REQ from a frontend that never dialed.
@@ -770,6 +775,21 @@ impl Router {
                 Packet::close_response(id.0, error),
             ));
         }
+    }
+
+    /// Closes a connection whose upload stalled while it held up the other
+    /// connections of its frontend's stream, or the frontend's close, with
+    /// an error at both ends:
+    /// CLOSE_REQ to the agent, CLOSE_RSP with [`UPLOAD_STALLED`] to the
+    /// frontend.
+    pub(crate) fn upload_stalled(
+        &mut self,
+        now: Instant,
+        be: BackendId,
+        id: ConnId,
+        out: &mut Vec<Out>,
+    ) {
+        self.close_on_both_ends(now, be, id, CloseReason::UploadStalled, UPLOAD_STALLED, out);
     }
 
     /// Closes the connections whose frontend left their queued DATA untaken

@@ -770,6 +770,12 @@ impl ServerHandle {
         self.control.pending_count()
     }
 
+    /// The lock audit of this server's streams (debug builds record; see
+    /// `tunnel::sync::audit`).
+    pub fn lock_audit(&self) -> Arc<crate::audit::LockAudit> {
+        self.control.audit.clone()
+    }
+
     /// Established end-to-end connections.
     pub fn established_connections(&self) -> usize {
         self.control.established_count()

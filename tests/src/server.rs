@@ -71,6 +71,8 @@ pub struct ServerOpts {
     pub session_tickets: bool,
     /// `--tls-session-ticket-rotation`.
     pub ticket_rotation: Duration,
+    /// `--max-agent-queue-bytes`.
+    pub max_agent_queue_bytes: usize,
 }
 
 impl Default for ServerOpts {
@@ -95,6 +97,7 @@ impl Default for ServerOpts {
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             session_tickets: true,
             ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
+            max_agent_queue_bytes: 4 << 20,
         }
     }
 }
@@ -178,7 +181,7 @@ impl TestServer {
             ),
             server_count: opts.server_count,
             strategies: opts.strategies.clone(),
-            max_agent_queue_bytes: 4 << 20,
+            max_agent_queue_bytes: opts.max_agent_queue_bytes,
             max_tls_handshakes: opts.max_tls_handshakes,
             max_http_connections: 65_536,
             frontend_stall_timeout: opts.frontend_stall_timeout,

@@ -5,7 +5,11 @@
 //! # Layout
 //! - [`ids`]: newtypes for connection, dial, agent and server ids.
 //! - [`flow`]: per-connection windows, credit and bounded receive queues.
-//! - [`queue`]: byte-bounded outbound queues of shared streams.
+//! - [`queue`]: byte-bounded outbound queues of shared streams; waiting
+//!   senders get room in order of arrival.
+//! - [`sync`]: the primitives under the queues and flow waits (std's, or
+//!   loom's with the `loom` feature), and the audit of which streams take
+//!   which lock.
 //! - [`mover`]: one connection's bytes between its socket and its DATA
 //!   packets, both ways.
 //! - [`admission`]: how many connections a TLS listener holds before
@@ -30,6 +34,7 @@ pub mod proxy_client;
 pub mod queue;
 pub mod read_ahead;
 pub mod text;
+pub mod sync;
 
 /// Gives a table's memory back once it is mostly empty: a burst of 10,000
 /// tunnels must not leave tables that size behind for good. Amortised

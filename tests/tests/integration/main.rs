@@ -32,4 +32,5 @@ mod robustness;
 mod secrets;
 mod servers;
 mod tcp_frontend;
+mod shared_stream;
 mod token_auth;
