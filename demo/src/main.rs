@@ -84,6 +84,8 @@ async fn main() -> Result<()> {
             keepalive_time: Duration::from_secs(3600),
             frontend_keepalive_time: Duration::from_secs(3600),
             frontend_max_concurrent_streams: 100_000,
+            agent_max_concurrent_streams:
+                proxy_server::config::DEFAULT_AGENT_MAX_CONCURRENT_STREAMS,
             backend_dial_timeout: None,
             flow_control: true,
             flow_window: tunnel::flow::Window::V1,

@@ -4,7 +4,7 @@
 //! `--authentication-audience`, `--kubeconfig`). Tokens are never logged.
 //! Answers are cached, and concurrent reviews of one token coalesced and
 //! bounded ([`reviews`]: `--token-review-cache-ttl`,
-//! `--token-review-max-inflight`).
+//! `--token-review-max-inflight`, `--token-review-max-pending`).
 
 pub mod reviews;
 
@@ -35,6 +35,8 @@ pub struct TokenAuthConfig {
     pub cache_ttl: Duration,
     /// `--token-review-max-inflight`: TokenReview calls in flight at once.
     pub max_in_flight: usize,
+    /// `--token-review-max-pending`: connects waiting for a review at once.
+    pub max_pending: usize,
 }
 
 /// `--token-review-cache-ttl`'s default (kube-apiserver's own webhook token
@@ -42,12 +44,16 @@ pub struct TokenAuthConfig {
 pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(120);
 /// `--token-review-max-inflight`'s default.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
+/// `--token-review-max-pending`'s default: a restart of a server under
+/// 10,000 agents with tokens of their own has them all waiting at once.
+pub const DEFAULT_MAX_PENDING: usize = 16_384;
 
 /// The kube client could not be set up.
 pub use ops::kube::KubeSetupError as AuthSetupError;
 
 /// Why an agent was refused; the text goes back to the agent (gRPC
-/// `Unauthenticated`) and to the log, and never contains the token.
+/// `Unauthenticated`, or `Unavailable` for [`is_load`](Self::is_load)) and
+/// to the log, and never contains the token.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// No `authorization` metadata.
@@ -95,10 +101,45 @@ pub enum AuthError {
         /// Seen.
         got: String,
     },
+    /// `--token-review-max-pending` connects are waiting for a review.
+    #[error("{limit} agent token reviews are pending (--token-review-max-pending); retry later")]
+    TooManyPending {
+        /// The limit.
+        limit: usize,
+    },
+    /// No TokenReview call could start in time: `--token-review-max-inflight`
+    /// calls were in flight all along.
+    #[error(
+        "no TokenReview call could start within {waited:?} (--token-review-max-inflight); retry later"
+    )]
+    NoPermit {
+        /// How long the call waited.
+        waited: Duration,
+    },
 }
 
-/// Says what answered each check (the server's metrics).
-pub(crate) type OnReview = Arc<dyn Fn(reviews::Source) + Send + Sync>;
+impl AuthError {
+    /// Whether the agent was refused because the server was busy with
+    /// other reviews, not for anything about its token: it is to retry.
+    pub fn is_load(&self) -> bool {
+        matches!(self, Self::TooManyPending { .. } | Self::NoPermit { .. })
+    }
+
+    /// The gRPC status of the refusal: `Unavailable` under load (clients
+    /// retry it), `Unauthenticated` otherwise.
+    pub fn status(&self) -> tonic::Status {
+        let code = if self.is_load() {
+            tonic::Code::Unavailable
+        } else {
+            tonic::Code::Unauthenticated
+        };
+        tonic::Status::new(code, self.to_string())
+    }
+}
+
+/// Says what answered each check (the server's metrics); `None` for a
+/// check refused under load ([`AuthError::is_load`]).
+pub(crate) type OnReview = Arc<dyn Fn(Option<reviews::Source>) + Send + Sync>;
 
 /// Checks agent tokens with TokenReview.
 pub struct TokenAuth {
@@ -124,7 +165,8 @@ impl TokenAuth {
         // The agent retries with its own backoff; kube's default retries
         // (up to 15, for minutes) would hold its Connect open instead.
         let client = ops::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
-        let reviews = reviews::Reviews::new(config.cache_ttl, config.max_in_flight);
+        let reviews =
+            reviews::Reviews::new(config.cache_ttl, config.max_in_flight, config.max_pending);
         Ok(Self {
             config,
             client,
@@ -133,10 +175,19 @@ impl TokenAuth {
         })
     }
 
+    /// Connects waiting for a review now.
+    pub fn pending_reviews(&self) -> usize {
+        self.reviews.pending()
+    }
+
     /// Authenticates one `Connect` by its metadata.
     ///
     /// # Errors
     /// See [`AuthError`].
+    ///
+    /// # Cancel safety
+    /// Dropping the future (the stream or its connection ended, shutdown)
+    /// ends its wait and gives back what it held ([`reviews`]).
     pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<(), AuthError> {
         let values: Vec<_> = metadata.get_all(header::AUTHORIZATION).iter().collect();
         let value = match values.as_slice() {

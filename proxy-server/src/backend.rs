@@ -113,11 +113,24 @@ impl AgentServiceImpl {
         peer: Option<SocketAddr>,
     ) -> Result<(AgentInfo, Scheme), Status> {
         // Authenticate first, as ANP does; the token itself is never logged.
-        if let Some(auth) = &self.token_auth
-            && let Err(error) = auth.authenticate(request.metadata()).await
-        {
-            warn!(peer.addr = ?peer, %error, "agent refused");
-            return Err(Status::unauthenticated(error.to_string()));
+        // The wait ends with the stream (tonic drops this future when the
+        // stream is reset or its connection ends) or at shutdown.
+        if let Some(auth) = &self.token_auth {
+            let verdict = tokio::select! {
+                verdict = auth.authenticate(request.metadata()) => verdict,
+                () = self.shutdown.cancelled() => {
+                    return Err(Status::unavailable("proxy-server is shutting down"));
+                }
+            };
+            if let Err(error) = verdict {
+                // Refusals under load are logged once where the limit is.
+                if error.is_load() {
+                    debug!(peer.addr = ?peer, %error, "agent refused");
+                } else {
+                    warn!(peer.addr = ?peer, %error, "agent refused");
+                }
+                return Err(error.status());
+            }
         }
         let checked = exactly_one(request, header::AGENT_ID).and_then(|id| {
             Ok((

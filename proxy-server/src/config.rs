@@ -84,6 +84,12 @@ pub struct Args {
     /// a free one, as HTTP/2 clients do.
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..))]
     pub frontend_max_concurrent_streams: u32,
+    /// Streams one agent connection may have open at once (konnectivity-rs;
+    /// its SETTINGS_MAX_CONCURRENT_STREAMS). An agent opens one `Connect`
+    /// stream per connection; the bound keeps one connection from opening
+    /// streams without end, each waiting for a token review.
+    #[arg(long, default_value_t = DEFAULT_AGENT_MAX_CONCURRENT_STREAMS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub agent_max_concurrent_streams: u32,
     /// Serve pprof-format profiles on the admin port.
     #[arg(long, go_bool = Some(false))]
     pub enable_profiling: bool,
@@ -197,6 +203,12 @@ pub struct Args {
     /// token are always one call (konnectivity-rs).
     #[arg(long, default_value_t = 32)]
     pub token_review_max_inflight: usize,
+    /// Agent connects waiting for a token review at once (for a call, or
+    /// for another connect's call of the same token); more are refused with
+    /// `Unavailable` and retry (konnectivity-rs). A call waits at most 15 s
+    /// for one of --token-review-max-inflight.
+    #[arg(long, default_value_t = crate::auth::DEFAULT_MAX_PENDING)]
+    pub token_review_max_pending: usize,
     /// HTTP-CONNECT client connections open at once (konnectivity-rs);
     /// more are answered 503 and closed.
     #[arg(long, default_value_t = 65_536)]
@@ -386,6 +398,8 @@ pub struct Config {
     pub frontend_keepalive_time: Duration,
     /// `--frontend-max-concurrent-streams`.
     pub frontend_max_concurrent_streams: u32,
+    /// `--agent-max-concurrent-streams`.
+    pub agent_max_concurrent_streams: u32,
     /// Bound on dial forwarding and waiting; `None` disables it.
     pub backend_dial_timeout: Option<Duration>,
     /// Offer per-connection flow control (`tunnel::flow`).
@@ -496,6 +510,7 @@ impl TryFrom<Args> for Config {
             keepalive_time: args.keepalive_time,
             frontend_keepalive_time: args.frontend_keepalive_time,
             frontend_max_concurrent_streams: args.frontend_max_concurrent_streams,
+            agent_max_concurrent_streams: args.agent_max_concurrent_streams,
             flow_control: args.flow_control,
             flow_window: Window::from_flags(
                 args.flow.flow_control_window,
@@ -594,6 +609,11 @@ fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, Conf
 /// (`--tls-session-ticket-rotation`).
 pub const DEFAULT_TICKET_ROTATION: Duration = Duration::from_secs(24 * 3600);
 
+/// `--agent-max-concurrent-streams`'s default: an agent needs one stream per
+/// connection; a few more let a new `Connect` start while an ended one is
+/// still being closed.
+pub const DEFAULT_AGENT_MAX_CONCURRENT_STREAMS: u32 = 16;
+
 /// The agent listener's TLS files (`--cluster-*`) and session tickets
 /// (`--tls-session-ticket*`).
 fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, ConfigError> {
@@ -656,6 +676,9 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
     if args.token_review_max_inflight == 0 {
         return Err(invalid("token-review-max-inflight", "must be at least 1"));
     }
+    if args.token_review_max_pending == 0 {
+        return Err(invalid("token-review-max-pending", "must be at least 1"));
+    }
     Ok(Some(TokenAuthConfig {
         namespace: args.agent_namespace.clone(),
         service_account: args.agent_service_account.clone(),
@@ -663,6 +686,7 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
         kubeconfig,
         cache_ttl: args.token_review_cache_ttl,
         max_in_flight: args.token_review_max_inflight,
+        max_pending: args.token_review_max_pending,
     }))
 }
 
@@ -815,6 +839,12 @@ mod tests {
         assert_eq!(a.max_agent_queue_bytes, 4 << 20);
         assert_eq!(a.max_tls_handshakes, 8192);
         assert_eq!(a.max_http_connections, 65_536);
+        assert_eq!(a.agent_max_concurrent_streams, 16);
+        assert_eq!(a.token_review_max_pending, 16_384);
+        assert_eq!(
+            a.tls_session_ticket_rotation,
+            Duration::from_secs(24 * 3600)
+        );
         assert_eq!(a.frontend_stall_timeout, Duration::from_secs(300));
         assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
         assert_eq!(a.cipher_suites, ["[]"]);
@@ -913,6 +943,15 @@ mod tests {
             (
                 with(&["--tls-session-ticket-rotation=500ms"]),
                 "--tls-session-ticket-rotation",
+            ),
+            (
+                with(&[
+                    "--token-review-max-pending=0",
+                    "--agent-namespace=a",
+                    "--agent-service-account=b",
+                    "--authentication-audience=c",
+                ]),
+                "--token-review-max-pending",
             ),
             (
                 with(&["--tls-session-ticket-key=/nonexistent/ticket.key"]),

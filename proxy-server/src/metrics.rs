@@ -314,7 +314,7 @@ impl Ours {
             limits: ByLabel::register(
                 m,
                 "konnectivity_rs_server_limit_reached_total",
-                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused)",
+                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused; token_reviews: an agent was refused Unavailable, too many connects waiting for a token review or none started in time)",
                 "limit",
             ),
             handshakes: ByLabel::register(

@@ -196,8 +196,10 @@ impl ProxyServer {
         let token_auth = match &config.token_auth {
             Some(auth) => {
                 let metrics = control.metrics.clone();
-                let on_review: crate::auth::OnReview =
-                    Arc::new(move |source| metrics.reviewed(source));
+                let on_review: crate::auth::OnReview = Arc::new(move |source| match source {
+                    Some(source) => metrics.reviewed(source),
+                    None => metrics.limit_reached(Limit::TokenReviews),
+                });
                 Some(Arc::new(
                     crate::auth::TokenAuth::new(auth.clone(), on_review).await?,
                 ))
@@ -315,6 +317,7 @@ impl Bound {
     pub fn handle(&self) -> ServerHandle {
         ServerHandle {
             control: self.control.clone(),
+            token_auth: self.token_auth.clone(),
         }
     }
 
@@ -450,6 +453,7 @@ fn agent_server(
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)
             .initial_stream_window_size(flow::H2_STREAM_WINDOW)
             .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
+            .max_concurrent_streams(config.agent_max_concurrent_streams)
             .http2_keepalive_interval(Some(config.keepalive_time))
             .http2_keepalive_timeout(Some(flow::keepalive_timeout(config.keepalive_time)))
             .add_service(service)
@@ -752,6 +756,8 @@ async fn wind_down(tasks: Tasks, ends: &Ends) -> Result<(), ServerError> {
 pub struct ServerHandle {
     /// The control core.
     control: Arc<Control>,
+    /// Agent token authentication, if on.
+    token_auth: Option<Arc<crate::auth::TokenAuth>>,
 }
 
 impl ServerHandle {
@@ -820,5 +826,12 @@ impl ServerHandle {
     /// What `/readyz` says.
     pub fn is_ready(&self) -> bool {
         self.control.is_ready()
+    }
+
+    /// Agent connects waiting for a token review (0 without token auth).
+    pub fn pending_reviews(&self) -> usize {
+        self.token_auth
+            .as_ref()
+            .map_or(0, |auth| auth.pending_reviews())
     }
 }

@@ -188,6 +188,8 @@ impl TestServer {
             keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
             frontend_keepalive_time: Duration::from_secs(3600),
             frontend_max_concurrent_streams: 100_000,
+            agent_max_concurrent_streams:
+                proxy_server::config::DEFAULT_AGENT_MAX_CONCURRENT_STREAMS,
             backend_dial_timeout: opts.backend_dial_timeout,
             flow_control: opts.flow_control,
             flow_window: opts.flow_window,

@@ -1,6 +1,6 @@
 //! Reviews of agent tokens without a flood: each answer is cached by a
-//! hash of the token, concurrent reviews of one token are one call, and at
-//! most a bounded number of calls are in flight.
+//! hash of the token, concurrent reviews of one token are one call, and
+//! both the calls in flight and the checks waiting are bounded.
 //!
 //! - A token the API accepted is not reviewed again until its own expiry
 //!   (the `exp` of a bound service-account token) or `ttl`
@@ -8,19 +8,28 @@
 //!   account keeps its agents admitted for at most `ttl` after its last
 //!   review.
 //! - A token the API refused is refused from the cache for at most
-//!   [`REFUSAL_TTL`]; a call that failed (API unreachable, timed out) is
-//!   not cached at all.
+//!   [`REFUSAL_TTL`]. A call that failed (API unreachable, timed out) or an
+//!   answer with `status.error` set (which the API also uses for its own
+//!   transient failures) is not cached at all.
 //! - While a review of a token is in flight, every other stream with the
 //!   same token waits for its answer. If the stream that made the call ends
 //!   first, the next waiter calls again.
 //! - Calls wait for one of `max_in_flight` permits
-//!   (`--token-review-max-inflight`).
+//!   (`--token-review-max-inflight`), for at most [`PERMIT_TIMEOUT`].
+//! - At most `max_pending` checks (`--token-review-max-pending`) wait at
+//!   once, for a permit, a call or another stream's call; more are refused
+//!   at once. Both refusals tell the agent to retry ([`AuthError::is_load`]).
+//! - A check is a future its stream owns: when the stream or its connection
+//!   ends (or the server shuts down), the check is dropped, and with it its
+//!   place among the waiting, its permit and its call.
 //!
 //! The cache holds at most [`MAX_CACHED`] answers; past that, answers are
-//! not kept until expired ones make room. The token itself is never kept.
+//! not kept until expired ones make room. Answers are indexed by expiry, and
+//! each answer kept drops at most [`SWEEP`] expired ones: no operation
+//! scans the cache. The token itself is never kept.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap, hash_map},
     sync::Mutex,
     time::{Duration, SystemTime},
 };
@@ -31,13 +40,22 @@ use tokio::{
     sync::{Semaphore, watch},
     time::Instant,
 };
+use tracing::warn;
 
 use super::AuthError;
 
 /// How long a refusal from the API is reused.
 pub const REFUSAL_TTL: Duration = Duration::from_secs(5);
-/// Most answers kept (about 100 bytes each).
+/// Most answers kept (about 150 bytes each, with their index).
 pub const MAX_CACHED: usize = 100_000;
+/// How long a call waits for a permit: with the review's own 10 s, an
+/// agent is answered within 25 s, before its 30 s wait for the server's
+/// answer ends (`proxy_agent::client::CONNECT_TIMEOUT`).
+pub const PERMIT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Most expired answers dropped per answer kept: more than one, so that
+/// they go faster than answers come, and few, so that no answer waits on
+/// a sweep of the cache.
+const SWEEP: usize = 4;
 
 /// What a review said.
 pub(crate) type Verdict = Result<(), AuthError>;
@@ -58,51 +76,144 @@ ops::label_enum! {
     }
 }
 
-/// One token's review.
-enum Entry {
-    /// In flight: its answer comes on the channel; a closed channel means
-    /// the check that made the call ended before it.
-    Pending(watch::Receiver<Option<Verdict>>),
-    /// Answered, reused until `until`.
-    Done { verdict: Verdict, until: Instant },
+/// A cached answer.
+struct Answer {
+    /// What the API said.
+    verdict: Verdict,
+    /// Reused until then.
+    until: Instant,
 }
 
-/// What a lookup found.
-enum Lookup {
+/// A call in flight.
+struct Call {
+    /// Tells this call from a later one of the same token.
+    id: u64,
+    /// Its answer comes here; closed if its check ended before it.
+    answer: watch::Receiver<Option<Verdict>>,
+}
+
+/// The cache, the calls in flight and the checks waiting.
+#[derive(Default)]
+struct State {
+    /// Answers by token hash.
+    answers: HashMap<Key, Answer>,
+    /// The keys of `answers` by expiry, earliest first.
+    expiries: BTreeSet<(Instant, Key)>,
+    /// Calls in flight by token hash; each is removed by its check when it
+    /// is answered or dropped.
+    calls: HashMap<Key, Call>,
+    /// The id of the next call.
+    next_call: u64,
+    /// Checks not answered from the cache yet: callers and waiters.
+    waiting: usize,
+    /// Whether a check was refused at `max_pending` since the count was
+    /// last below it (the limit is logged once).
+    at_cap: bool,
+    /// Whether a call waited out [`PERMIT_TIMEOUT`] since one last got a
+    /// permit in time (logged once).
+    starved: bool,
+}
+
+impl State {
+    /// The answer kept for `key`, if still good at `now`; an expired one is
+    /// dropped.
+    fn cached(&mut self, key: Key, now: Instant) -> Option<Verdict> {
+        let hash_map::Entry::Occupied(entry) = self.answers.entry(key) else {
+            return None;
+        };
+        if now < entry.get().until {
+            return Some(entry.get().verdict.clone());
+        }
+        self.expiries.remove(&(entry.get().until, key));
+        entry.remove();
+        None
+    }
+
+    /// Drops at most `most` expired answers, the earliest first.
+    fn sweep(&mut self, now: Instant, most: usize) {
+        for _ in 0..most {
+            match self.expiries.first() {
+                Some(&(until, key)) if until <= now => {
+                    self.expiries.pop_first();
+                    self.answers.remove(&key);
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
+/// What a check found on entering.
+enum Enter {
+    /// A cached answer.
     Cached(Verdict),
-    Wait(watch::Receiver<Option<Verdict>>),
-    Call(watch::Sender<Option<Verdict>>),
+    /// `max_pending` checks are waiting.
+    Refused,
+    /// Counted among the waiting until the guard drops.
+    Waiting,
 }
 
-/// The cache, the calls in flight and their bound; see the module
+/// What a waiting check is to do.
+enum Join {
+    /// Another check's answer was kept meanwhile.
+    Cached(Verdict),
+    /// Wait for the call in flight.
+    Wait(watch::Receiver<Option<Verdict>>),
+    /// Make the call, with this id, and answer on the channel.
+    Call(u64, watch::Sender<Option<Verdict>>),
+}
+
+/// The cache, the calls in flight and their bounds; see the module
 /// documentation.
 pub(crate) struct Reviews {
-    entries: Mutex<HashMap<Key, Entry>>,
+    /// Everything the checks share, locked only between awaits.
+    state: Mutex<State>,
+    /// The calls in flight (`max_in_flight`).
     permits: Semaphore,
+    /// `--token-review-cache-ttl`.
     ttl: Duration,
-    /// Most entries kept, answered or in flight ([`MAX_CACHED`]).
+    /// Most checks waiting at once (`--token-review-max-pending`).
+    max_pending: usize,
+    /// Most answers kept ([`MAX_CACHED`]).
     capacity: usize,
 }
 
 impl Reviews {
-    /// Answers kept for at most `ttl`, at most `max_in_flight` calls.
-    pub(crate) fn new(ttl: Duration, max_in_flight: usize) -> Self {
-        Self::with_capacity(ttl, max_in_flight, MAX_CACHED)
+    /// Answers kept for at most `ttl`, at most `max_in_flight` calls, at
+    /// most `max_pending` checks waiting.
+    pub(crate) fn new(ttl: Duration, max_in_flight: usize, max_pending: usize) -> Self {
+        Self::with_capacity(ttl, max_in_flight, max_pending, MAX_CACHED)
     }
 
-    /// [`new`](Self::new) keeping at most `capacity` entries.
-    fn with_capacity(ttl: Duration, max_in_flight: usize, capacity: usize) -> Self {
+    /// [`new`](Self::new) keeping at most `capacity` answers.
+    fn with_capacity(
+        ttl: Duration,
+        max_in_flight: usize,
+        max_pending: usize,
+        capacity: usize,
+    ) -> Self {
         Self {
-            entries: Mutex::new(HashMap::new()),
+            state: Mutex::new(State::default()),
             permits: Semaphore::new(max_in_flight.max(1)),
             ttl,
+            max_pending: max_pending.max(1),
             capacity,
         }
     }
 
+    /// Checks waiting now, for a permit, a call or another check's call.
+    pub(crate) fn pending(&self) -> usize {
+        self.lock().waiting
+    }
+
     /// The verdict on `token`: cached, from a call in flight, or from
-    /// `review`, called at most once and only with a permit.
-    pub(crate) async fn check<R>(&self, token: &str, review: R) -> (Verdict, Source)
+    /// `review`, called at most once and only with a permit; and what
+    /// answered, `None` for a refusal under load ([`AuthError::is_load`]).
+    ///
+    /// # Cancel safety
+    /// Dropping the future gives back everything it held: its place among
+    /// the waiting, its permit, its call (the next waiter calls again).
+    pub(crate) async fn check<R>(&self, token: &str, review: R) -> (Verdict, Option<Source>)
     where
         R: AsyncFnOnce() -> Verdict,
     {
@@ -110,72 +221,132 @@ impl Reviews {
             .as_ref()
             .try_into()
             .expect("SHA-256 is 32 bytes");
+        match self.enter(key) {
+            Enter::Cached(verdict) => return (verdict, Some(Source::Cache)),
+            Enter::Refused => {
+                let limit = self.max_pending;
+                return (Err(AuthError::TooManyPending { limit }), None);
+            }
+            Enter::Waiting => {}
+        }
+        let _waiting = Waiting(self);
         loop {
-            match self.lookup(key) {
-                Lookup::Cached(verdict) => return (verdict, Source::Cache),
-                Lookup::Call(answer) => {
-                    let verdict = {
-                        let _permit = self.permits.acquire().await;
-                        review().await
-                    };
-                    self.settle(key, &verdict, token);
-                    let _ = answer.send(Some(verdict.clone()));
-                    return (verdict, Source::Api);
-                }
-                Lookup::Wait(mut answer) => {
+            match self.join(key) {
+                Join::Cached(verdict) => return (verdict, Some(Source::Cache)),
+                Join::Wait(mut answer) => {
                     if let Ok(verdict) = answer.wait_for(Option::is_some).await {
                         let verdict = verdict.clone().expect("waited for an answer");
-                        return (verdict, Source::Coalesced);
+                        let source = (!is_load(&verdict)).then_some(Source::Coalesced);
+                        return (verdict, source);
                     }
                     // The caller ended before its answer: call again.
                 }
+                Join::Call(id, answer) => {
+                    let _call = Calling {
+                        reviews: self,
+                        key,
+                        id,
+                    };
+                    let verdict = self.call(review).await;
+                    self.settle(key, id, &verdict, token);
+                    let _ = answer.send(Some(verdict.clone()));
+                    let source = (!is_load(&verdict)).then_some(Source::Api);
+                    return (verdict, source);
+                }
             }
         }
     }
 
-    /// The entry of `key`, or a new pending one this check is to answer.
-    fn lookup(&self, key: Key) -> Lookup {
-        let mut entries = self.lock();
-        match entries.get(&key) {
-            Some(Entry::Done { verdict, until }) if Instant::now() < *until => {
-                return Lookup::Cached(verdict.clone());
+    /// `review`, once a permit is had within [`PERMIT_TIMEOUT`].
+    async fn call<R>(&self, review: R) -> Verdict
+    where
+        R: AsyncFnOnce() -> Verdict,
+    {
+        let Ok(Ok(_permit)) = tokio::time::timeout(PERMIT_TIMEOUT, self.permits.acquire()).await
+        else {
+            let mut state = self.lock();
+            if !state.starved {
+                warn!(
+                    waited = ?PERMIT_TIMEOUT,
+                    "no --token-review-max-inflight permit in time; refusing agents with Unavailable"
+                );
             }
-            Some(Entry::Pending(answer)) if answer.has_changed().is_ok() => {
-                return Lookup::Wait(answer.clone());
-            }
-            _ => {}
+            state.starved = true;
+            return Err(AuthError::NoPermit {
+                waited: PERMIT_TIMEOUT,
+            });
+        };
+        self.lock().starved = false;
+        review().await
+    }
+
+    /// A cached answer, a refusal at the cap, or a place among the waiting.
+    fn enter(&self, key: Key) -> Enter {
+        let mut state = self.lock();
+        if let Some(verdict) = state.cached(key, Instant::now()) {
+            return Enter::Cached(verdict);
         }
+        if state.waiting >= self.max_pending {
+            if !state.at_cap {
+                warn!(
+                    limit = self.max_pending,
+                    "--token-review-max-pending reached; refusing agents with Unavailable"
+                );
+            }
+            state.at_cap = true;
+            return Enter::Refused;
+        }
+        state.waiting += 1;
+        Enter::Waiting
+    }
+
+    /// What a waiting check of `key` is to do now.
+    fn join(&self, key: Key) -> Join {
+        let mut state = self.lock();
+        if let Some(verdict) = state.cached(key, Instant::now()) {
+            return Join::Cached(verdict);
+        }
+        if let Some(call) = state.calls.get(&key)
+            && call.answer.has_changed().is_ok()
+        {
+            return Join::Wait(call.answer.clone());
+        }
+        let id = state.next_call;
+        state.next_call = state.next_call.wrapping_add(1);
         let (answer, waiting) = watch::channel(None);
-        entries.insert(key, Entry::Pending(waiting));
-        Lookup::Call(answer)
+        state.calls.insert(
+            key,
+            Call {
+                id,
+                answer: waiting,
+            },
+        );
+        Join::Call(id, answer)
     }
 
-    /// Keeps `verdict` on `token` for as long as it may be reused, or
-    /// forgets the review.
-    fn settle(&self, key: Key, verdict: &Verdict, token: &str) {
-        let mut entries = self.lock();
+    /// Ends call `id` of `key`, keeping `verdict` on `token` for as long as
+    /// it may be reused; drops up to [`SWEEP`] expired answers.
+    fn settle(&self, key: Key, id: u64, verdict: &Verdict, token: &str) {
+        let mut state = self.lock();
+        end_call(&mut state, key, id);
         let Some(keep) = self.keep_for(verdict, token) else {
-            entries.remove(&key);
             return;
         };
         let now = Instant::now();
-        // `key` is in the map (pending since its lookup): over the cap it
-        // would take room no expired entry left.
-        if entries.len() > self.capacity {
-            entries.retain(|_, entry| match entry {
-                Entry::Done { until, .. } => now < *until,
-                Entry::Pending(answer) => answer.has_changed().is_ok(),
-            });
+        state.sweep(now, SWEEP);
+        if let Some(old) = state.answers.remove(&key) {
+            state.expiries.remove(&(old.until, key));
         }
-        if entries.len() > self.capacity {
-            entries.remove(&key);
+        if state.answers.len() >= self.capacity {
             return;
         }
-        entries.insert(
+        let until = now + keep;
+        state.expiries.insert((until, key));
+        state.answers.insert(
             key,
-            Entry::Done {
+            Answer {
                 verdict: verdict.clone(),
-                until: now + keep,
+                until,
             },
         );
     }
@@ -190,17 +361,63 @@ impl Reviews {
                 };
                 (!keep.is_zero()).then_some(keep)
             }
-            // The call failed: nothing was said about the token.
-            Err(AuthError::Review(_)) => None,
+            // The call failed, or the API reported an error (possibly its
+            // own, transient): nothing certain was said about the token.
+            Err(AuthError::Review(_) | AuthError::StatusError(_)) => None,
+            Err(error) if error.is_load() => None,
             Err(_) => Some(REFUSAL_TTL.min(self.ttl)).filter(|keep| !keep.is_zero()),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Entry>> {
-        // A panic elsewhere while holding the lock leaves the map whole.
-        self.entries
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic elsewhere while holding the lock leaves the state whole.
+        self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Whether `verdict` is a refusal under load.
+fn is_load(verdict: &Verdict) -> bool {
+    verdict.as_ref().is_err_and(AuthError::is_load)
+}
+
+/// Removes call `id` of `key`, if it is still the one in flight.
+fn end_call(state: &mut State, key: Key, id: u64) {
+    if let hash_map::Entry::Occupied(call) = state.calls.entry(key)
+        && call.get().id == id
+    {
+        call.remove();
+    }
+}
+
+/// A check counted among the waiting, until dropped.
+struct Waiting<'a>(&'a Reviews);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.waiting -= 1;
+        if state.waiting < self.0.max_pending {
+            state.at_cap = false;
+        }
+    }
+}
+
+/// A call in flight, removed from the calls when dropped: answered, or
+/// abandoned by its check.
+struct Calling<'a> {
+    /// Whose call.
+    reviews: &'a Reviews,
+    /// Its token's hash.
+    key: Key,
+    /// Its id.
+    id: u64,
+}
+
+impl Drop for Calling<'_> {
+    fn drop(&mut self) {
+        end_call(&mut self.reviews.lock(), self.key, self.id);
     }
 }
 
@@ -267,17 +484,17 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_accepted_token_is_answered_from_the_cache_until_the_ttl() {
-        let reviews = Reviews::new(TTL, 4);
+        let reviews = Reviews::new(TTL, 4, 1000);
         let api = Api::default();
         let ask = || reviews.check("t", async || api.review(Duration::ZERO, Ok(())).await);
-        assert_eq!(ask().await, (Ok(()), Source::Api));
-        assert_eq!(ask().await, (Ok(()), Source::Cache));
+        assert_eq!(ask().await, (Ok(()), Some(Source::Api)));
+        assert_eq!(ask().await, (Ok(()), Some(Source::Cache)));
         tokio::time::advance(TTL - Duration::from_millis(1)).await;
-        assert_eq!(ask().await, (Ok(()), Source::Cache));
+        assert_eq!(ask().await, (Ok(()), Some(Source::Cache)));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(
             ask().await,
-            (Ok(()), Source::Api),
+            (Ok(()), Some(Source::Api)),
             "reviewed again at the ttl"
         );
         assert_eq!(api.calls(), 2);
@@ -285,7 +502,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_token_is_not_cached_past_its_own_expiry() {
-        let reviews = Reviews::new(TTL, 4);
+        let reviews = Reviews::new(TTL, 4, 1000);
         let api = Api::default();
         // The test's paused clock does not move SystemTime: expiry 3 s
         // after now, against a 120 s ttl, caches for under 3 s.
@@ -299,24 +516,24 @@ mod tests {
                     .1
             }
         };
-        assert_eq!(ask(soon.clone()).await, Source::Api);
-        assert_eq!(ask(soon.clone()).await, Source::Cache);
+        assert_eq!(ask(soon.clone()).await, Some(Source::Api));
+        assert_eq!(ask(soon.clone()).await, Some(Source::Cache));
         tokio::time::advance(Duration::from_secs(3)).await;
-        assert_eq!(ask(soon).await, Source::Api);
+        assert_eq!(ask(soon).await, Some(Source::Api));
         // Expired already: never cached.
         let past = jwt(unix_now() - 1, 2);
-        assert_eq!(ask(past.clone()).await, Source::Api);
-        assert_eq!(ask(past).await, Source::Api);
+        assert_eq!(ask(past.clone()).await, Some(Source::Api));
+        assert_eq!(ask(past).await, Some(Source::Api));
         // A long-lived token: the ttl bounds it.
         let late = jwt(unix_now() + 3600, 3);
-        assert_eq!(ask(late.clone()).await, Source::Api);
+        assert_eq!(ask(late.clone()).await, Some(Source::Api));
         tokio::time::advance(TTL).await;
-        assert_eq!(ask(late).await, Source::Api);
+        assert_eq!(ask(late).await, Some(Source::Api));
     }
 
     #[tokio::test(start_paused = true)]
     async fn concurrent_checks_of_one_token_make_one_call() {
-        let reviews = Reviews::new(TTL, 4);
+        let reviews = Reviews::new(TTL, 4, 1000);
         let api = Api::default();
         let checks = (0..50).map(|_| {
             reviews.check("same", async || {
@@ -328,14 +545,14 @@ mod tests {
         assert!(answers.iter().all(|(v, _)| v.is_ok()));
         let coalesced = answers
             .iter()
-            .filter(|(_, s)| *s == Source::Coalesced)
+            .filter(|(_, s)| *s == Some(Source::Coalesced))
             .count();
         assert_eq!(coalesced, 49);
     }
 
     #[tokio::test(start_paused = true)]
     async fn calls_in_flight_stay_within_the_bound() {
-        let reviews = Reviews::new(TTL, 3);
+        let reviews = Reviews::new(TTL, 3, 1000);
         let api = Api::default();
         let tokens: Vec<String> = (0..20).map(|n| format!("token-{n}")).collect();
         let checks = tokens.iter().map(|t| {
@@ -350,7 +567,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_failed_call_is_not_cached_and_a_refusal_only_briefly() {
-        let reviews = Reviews::new(TTL, 4);
+        let reviews = Reviews::new(TTL, 4, 1000);
         let api = Api::default();
         let failed = || AuthError::Review("the API answered 503".to_owned());
         let (verdict, _) = reviews
@@ -362,23 +579,23 @@ mod tests {
         let (verdict, source) = reviews
             .check("t", async || api.review(Duration::ZERO, Ok(())).await)
             .await;
-        assert_eq!((verdict.is_ok(), source), (true, Source::Api));
+        assert_eq!((verdict.is_ok(), source), (true, Some(Source::Api)));
 
         let refuse = async || {
             api.review(Duration::ZERO, Err(AuthError::NotAuthenticated))
                 .await
         };
-        assert_eq!(reviews.check("bad", refuse).await.1, Source::Api);
+        assert_eq!(reviews.check("bad", refuse).await.1, Some(Source::Api));
         let (verdict, source) = reviews.check("bad", refuse).await;
         assert!(matches!(verdict, Err(AuthError::NotAuthenticated)));
-        assert_eq!(source, Source::Cache);
+        assert_eq!(source, Some(Source::Cache));
         tokio::time::advance(REFUSAL_TTL).await;
-        assert_eq!(reviews.check("bad", refuse).await.1, Source::Api);
+        assert_eq!(reviews.check("bad", refuse).await.1, Some(Source::Api));
     }
 
     #[tokio::test(start_paused = true)]
     async fn answers_past_the_capacity_are_not_kept_until_expired_ones_make_room() {
-        let reviews = Reviews::with_capacity(TTL, 4, 3);
+        let reviews = Reviews::with_capacity(TTL, 4, 1000, 3);
         let api = Api::default();
         let ask = |t: &'static str| {
             let (reviews, api) = (&reviews, &api);
@@ -390,22 +607,26 @@ mod tests {
             }
         };
         for t in ["a", "b", "c"] {
-            assert_eq!(ask(t).await, Source::Api);
+            assert_eq!(ask(t).await, Some(Source::Api));
         }
-        assert_eq!(ask("d").await, Source::Api);
-        assert_eq!(reviews.lock().len(), 3, "the fourth answer was kept");
-        assert_eq!(ask("d").await, Source::Api, "not cached");
-        assert_eq!(ask("a").await, Source::Cache);
+        assert_eq!(ask("d").await, Some(Source::Api));
+        assert_eq!(
+            reviews.lock().answers.len(),
+            3,
+            "the fourth answer was kept"
+        );
+        assert_eq!(ask("d").await, Some(Source::Api), "not cached");
+        assert_eq!(ask("a").await, Some(Source::Cache));
         // Expired answers make room.
         tokio::time::advance(TTL).await;
-        assert_eq!(ask("d").await, Source::Api);
-        assert_eq!(ask("d").await, Source::Cache);
-        assert!(reviews.lock().len() <= 3);
+        assert_eq!(ask("d").await, Some(Source::Api));
+        assert_eq!(ask("d").await, Some(Source::Cache));
+        assert!(reviews.lock().answers.len() <= 3);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_waiter_calls_again_when_the_caller_ends_first() {
-        let reviews = Arc::new(Reviews::new(TTL, 4));
+        let reviews = Arc::new(Reviews::new(TTL, 4, 1000));
         let api = Arc::new(Api::default());
         let first = {
             let (reviews, api) = (reviews.clone(), api.clone());
@@ -431,7 +652,184 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1)).await;
         first.abort();
         let (verdict, source) = second.await.unwrap();
-        assert_eq!((verdict.is_ok(), source), (true, Source::Api));
+        assert_eq!((verdict.is_ok(), source), (true, Some(Source::Api)));
         assert_eq!(api.calls(), 2);
+    }
+
+    /// An answer whose `status.error` is set may be the API's own transient
+    /// failure: the next check asks again.
+    #[tokio::test(start_paused = true)]
+    async fn an_error_the_api_reports_in_its_answer_is_not_cached() {
+        let reviews = Reviews::new(TTL, 4, 1000);
+        let api = Api::default();
+        let error = || AuthError::StatusError("[etcd unavailable]".to_owned());
+        let (verdict, source) = reviews
+            .check("t", async || api.review(Duration::ZERO, Err(error())).await)
+            .await;
+        assert_eq!((verdict, source), (Err(error()), Some(Source::Api)));
+        let (verdict, source) = reviews
+            .check("t", async || api.review(Duration::ZERO, Ok(())).await)
+            .await;
+        assert_eq!((verdict, source), (Ok(()), Some(Source::Api)));
+        assert_eq!(api.calls(), 2);
+    }
+
+    /// Past `max_pending` checks waiting (a TokenReview outage, a flood of
+    /// distinct tokens), more are refused at once, with no call and no
+    /// entry; cached answers are still given; room comes back as checks end.
+    #[tokio::test(start_paused = true)]
+    async fn checks_past_the_pending_bound_are_refused_at_once() {
+        let reviews = Arc::new(Reviews::new(TTL, 1, 3));
+        let api = Arc::new(Api::default());
+        let ask = |token: String, delay: Duration| {
+            let (reviews, api) = (reviews.clone(), api.clone());
+            tokio::spawn(async move {
+                reviews
+                    .check(&token, async || api.review(delay, Ok(())).await)
+                    .await
+            })
+        };
+        assert_eq!(
+            ask("cached".to_owned(), Duration::ZERO).await.unwrap(),
+            (Ok(()), Some(Source::Api))
+        );
+        let slow: Vec<_> = (0..3)
+            .map(|n| ask(format!("slow-{n}"), Duration::from_secs(5)))
+            .collect();
+        while reviews.pending() < 3 {
+            tokio::task::yield_now().await;
+        }
+        let (verdict, source) = ask("one-more".to_owned(), Duration::ZERO).await.unwrap();
+        assert_eq!(verdict, Err(AuthError::TooManyPending { limit: 3 }));
+        assert_eq!(source, None);
+        assert!(verdict.unwrap_err().status().code() == tonic::Code::Unavailable);
+        assert_eq!(
+            ask("cached".to_owned(), Duration::ZERO).await.unwrap(),
+            (Ok(()), Some(Source::Cache))
+        );
+        assert_eq!(reviews.lock().calls.len(), 3, "one per token");
+        assert_eq!(api.calls(), 2, "one in flight, two waiting for a permit");
+        for check in slow {
+            assert!(check.await.unwrap().0.is_ok());
+        }
+        assert_eq!(reviews.pending(), 0);
+        assert_eq!(
+            ask("one-more".to_owned(), Duration::ZERO).await.unwrap(),
+            (Ok(()), Some(Source::Api))
+        );
+        assert_eq!(api.calls(), 5);
+    }
+
+    /// A call waits for a permit for at most [`PERMIT_TIMEOUT`], then is
+    /// refused (not cached): a flood cannot hold it forever.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_waits_for_a_permit_at_most_the_timeout() {
+        let reviews = Arc::new(Reviews::new(TTL, 1, 1000));
+        let api = Arc::new(Api::default());
+        let hold = {
+            let (reviews, api) = (reviews.clone(), api.clone());
+            tokio::spawn(async move {
+                reviews
+                    .check("holder", async || {
+                        api.review(Duration::from_secs(3600), Ok(())).await
+                    })
+                    .await
+            })
+        };
+        while api.calls() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let started = Instant::now();
+        let waited = tokio::time::timeout(
+            2 * PERMIT_TIMEOUT,
+            reviews.check("t", async || api.review(Duration::ZERO, Ok(())).await),
+        )
+        .await
+        .expect("still waiting for a permit");
+        assert_eq!(
+            waited,
+            (
+                Err(AuthError::NoPermit {
+                    waited: PERMIT_TIMEOUT
+                }),
+                None
+            )
+        );
+        assert_eq!(started.elapsed(), PERMIT_TIMEOUT);
+        assert!(!reviews.lock().answers.contains_key(&key_of("t")));
+        assert_eq!(reviews.pending(), 1, "the holder");
+        hold.abort();
+        let _ = hold.await;
+        assert_eq!(reviews.pending(), 0);
+        let (verdict, source) = reviews
+            .check("t", async || api.review(Duration::ZERO, Ok(())).await)
+            .await;
+        assert_eq!((verdict, source), (Ok(()), Some(Source::Api)));
+    }
+
+    fn key_of(token: &str) -> Key {
+        digest::digest(&digest::SHA256, token.as_bytes())
+            .as_ref()
+            .try_into()
+            .unwrap()
+    }
+
+    /// Checks whose streams end (the future is dropped) leave nothing: no
+    /// call, no place among the waiting, whatever they were waiting for.
+    #[tokio::test(start_paused = true)]
+    async fn checks_that_end_early_leave_nothing_behind() {
+        let reviews = Arc::new(Reviews::new(TTL, 1, 1000));
+        let api = Arc::new(Api::default());
+        let checks: Vec<_> = ["a", "a", "b", "c"]
+            .into_iter()
+            .map(|token| {
+                let (reviews, api) = (reviews.clone(), api.clone());
+                tokio::spawn(async move {
+                    reviews
+                        .check(token, async || {
+                            api.review(Duration::from_secs(3600), Ok(())).await
+                        })
+                        .await
+                })
+            })
+            .collect();
+        // "a" calls, its twin waits on it, "b" and "c" wait for the permit.
+        while reviews.pending() < 4 || api.calls() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(reviews.lock().calls.len(), 3);
+        for check in checks {
+            check.abort();
+            let _ = check.await;
+        }
+        assert_eq!(reviews.pending(), 0);
+        assert!(reviews.lock().calls.is_empty());
+        assert!(reviews.lock().answers.is_empty());
+    }
+
+    /// Expired answers are dropped a few per answer kept, so the cache
+    /// empties of them without a scan; before, they stayed until the cache
+    /// was full.
+    #[tokio::test(start_paused = true)]
+    async fn expired_answers_go_a_few_at_a_time_as_answers_come() {
+        let reviews = Reviews::new(TTL, 4, 1000);
+        let ok = async || Ok(());
+        for n in 0..40 {
+            let _ = reviews.check(&format!("old-{n}"), ok).await;
+        }
+        assert_eq!(reviews.lock().answers.len(), 40);
+        tokio::time::advance(TTL).await;
+        let _ = reviews.check("new-0", ok).await;
+        {
+            let state = reviews.lock();
+            assert_eq!(state.answers.len(), 40 - SWEEP + 1);
+            assert_eq!(state.expiries.len(), state.answers.len());
+        }
+        for n in 1..10 {
+            let _ = reviews.check(&format!("new-{n}"), ok).await;
+        }
+        let state = reviews.lock();
+        assert_eq!(state.answers.len(), 10, "only the new answers are left");
+        assert_eq!(state.expiries.len(), 10);
     }
 }

@@ -59,6 +59,10 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
             ],
             "/nonexistent/cluster.crt",
         ),
+        (
+            vec!["--agent-max-concurrent-streams=0".to_owned()],
+            "--agent-max-concurrent-streams",
+        ),
     ];
     for (args, needle) in cases {
         let (code, stderr) = run("proxy-server", &args);

@@ -33,6 +33,22 @@ async fn server_with(
     cache_ttl: Duration,
     max_in_flight: usize,
 ) -> TestServer {
+    server_bounded(
+        stub,
+        cache_ttl,
+        max_in_flight,
+        proxy_server::auth::DEFAULT_MAX_PENDING,
+    )
+    .await
+}
+
+/// [`server_with`], at most `max_pending` connects waiting for a review.
+async fn server_bounded(
+    stub: &TokenReviewStub,
+    cache_ttl: Duration,
+    max_in_flight: usize,
+    max_pending: usize,
+) -> TestServer {
     TestServer::start_with(ServerOpts {
         mtls: false,
         token_auth: Some(TokenAuthConfig {
@@ -42,6 +58,7 @@ async fn server_with(
             kubeconfig: Some(stub.kubeconfig.clone()),
             cache_ttl,
             max_in_flight,
+            max_pending,
         }),
         ..Default::default()
     })
@@ -394,4 +411,211 @@ async fn a_revoked_token_is_refused_within_the_cache_ttl() {
     };
     assert!(refused >= TTL, "refused after {refused:?}, before the ttl");
     assert_eq!(stub.review_count(), 2);
+}
+
+/// A connect that is waiting for its review, in a task the test can end.
+fn connect_in_background(server: &TestServer, token: &str) -> tokio::task::JoinHandle<()> {
+    let (addr, token) = (server.agent_addr, token.to_owned());
+    tokio::spawn(async move {
+        let dir = tempfile::tempdir().unwrap();
+        let config = agent_config(addr, &with_token(&dir, &token));
+        let _ = Client::connect(
+            &config,
+            config.tls.load().unwrap(),
+            &config.servers[0],
+            std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
+        )
+        .await;
+    })
+}
+
+/// Waits until `server` has `n` connects waiting for a review.
+async fn wait_pending(server: &TestServer, n: usize) {
+    let handle = server.handle.clone();
+    wait_for(&format!("{n} pending reviews"), || {
+        handle.pending_reviews() == n
+    })
+    .await;
+}
+
+/// During a TokenReview outage that hangs, connects with tokens never seen
+/// (anyone who can reach the agent port) wait up to
+/// `--token-review-max-pending`; past it they are refused at once with
+/// `Unavailable`, which agents retry. A connect that ends gives its place
+/// back, and the API's return admits agents again.
+#[tokio::test]
+async fn connects_past_the_pending_bound_are_refused_unavailable() {
+    let stub = TokenReviewStub::start().await;
+    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    stub.set_delay(Duration::from_secs(3600));
+    let server = server_bounded(&stub, Duration::from_secs(60), 1, 3).await;
+    let waiting: Vec<_> = (0..3)
+        .map(|n| connect_in_background(&server, &format!("bogus-{n}")))
+        .collect();
+    wait_pending(&server, 3).await;
+    let refused = tokio::time::timeout(Duration::from_secs(20), connect_with(&server, "bogus-x"))
+        .await
+        .expect("the connect past the bound waited");
+    match refused {
+        Err(ConnectError::Refused { status, .. }) => {
+            assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+            assert!(
+                status.message().contains("--token-review-max-pending"),
+                "{status:?}"
+            );
+        }
+        Err(other) => panic!("unexpected {other}"),
+        Ok(_) => panic!("admitted"),
+    }
+    assert_eq!(
+        server
+            .metric("konnectivity_rs_server_limit_reached_total{limit=\"token_reviews\"}")
+            .await,
+        1.0
+    );
+    // The waiting connects hang up: their places come back.
+    for task in waiting {
+        task.abort();
+    }
+    wait_pending(&server, 0).await;
+    stub.set_delay(Duration::ZERO);
+    assert!(admitted(&server, "good-token").await);
+}
+
+/// A TLS connection to the agent port that the test can cut under its
+/// streams, with a gRPC channel over it.
+struct AgentConnection {
+    /// The channel (one HTTP/2 connection).
+    channel: tonic::transport::Channel,
+    /// A second handle on the socket, to cut it.
+    socket: std::net::TcpStream,
+}
+
+impl AgentConnection {
+    /// Connects without a client certificate (token mode).
+    async fn open(server: &TestServer) -> Self {
+        let config = agent_config(
+            server.agent_addr,
+            &AgentOpts {
+                no_client_cert: true,
+                ..Default::default()
+            },
+        );
+        let std = std::net::TcpStream::connect(server.agent_addr).unwrap();
+        let socket = std.try_clone().unwrap();
+        std.set_nonblocking(true).unwrap();
+        let tcp = tokio::net::TcpStream::from_std(std).unwrap();
+        let tls = tokio_rustls::TlsConnector::from(config.tls.load().unwrap())
+            .connect(
+                rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap(),
+                tcp,
+            )
+            .await
+            .unwrap();
+        let endpoint = tonic::transport::Endpoint::from_static("http://agent-port.invalid");
+        let channel = tunnel::conn::channel_over(endpoint, tls).await.unwrap();
+        Self { channel, socket }
+    }
+
+    /// A `Connect` stream with `token`, waiting for the server's answer.
+    fn connect(&self, token: &str) -> tokio::task::JoinHandle<Result<(), tonic::Status>> {
+        use proto::agent_service_client::AgentServiceClient;
+        let channel = self.channel.clone();
+        let token = format!("Bearer {token}");
+        tokio::spawn(async move {
+            let (_tx, rx) = tokio::sync::mpsc::channel::<proto::Packet>(1);
+            let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            let metadata = request.metadata_mut();
+            metadata.insert("agentid", "flooding-agent".parse().unwrap());
+            metadata.insert("authorization", token.parse().unwrap());
+            AgentServiceClient::new(channel)
+                .connect(request)
+                .await
+                .map(|_| ())
+        })
+    }
+
+    /// Cuts the connection under every stream on it.
+    fn cut(&self) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// A review's wait ends with what it serves: a stream reset by its client,
+/// a connection cut under its streams, a server shutting down.
+#[tokio::test]
+async fn a_review_wait_ends_with_its_stream_its_connection_and_shutdown() {
+    let stub = TokenReviewStub::start().await;
+    stub.set_delay(Duration::from_secs(3600));
+    let server = server_bounded(&stub, Duration::from_secs(60), 1, 100).await;
+    let conn = AgentConnection::open(&server).await;
+    let streams: Vec<_> = (0..4)
+        .map(|n| conn.connect(&format!("bogus-{n}")))
+        .collect();
+    wait_pending(&server, 4).await;
+    // Two streams are cancelled (RST_STREAM); the connection stays.
+    for stream in &streams[..2] {
+        stream.abort();
+    }
+    wait_pending(&server, 2).await;
+    conn.cut();
+    wait_pending(&server, 0).await;
+
+    let conn = AgentConnection::open(&server).await;
+    let stream = conn.connect("bogus-late");
+    wait_pending(&server, 1).await;
+    server.begin_shutdown();
+    let status = tokio::time::timeout(Duration::from_secs(20), stream)
+        .await
+        .expect("the review outlived the server's shutdown")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("shutting down"), "{status:?}");
+}
+
+/// One agent connection carries at most `--agent-max-concurrent-streams`
+/// streams (an agent needs one): the server's first SETTINGS say so, and a
+/// client may not open more, each waiting for a review.
+#[tokio::test]
+async fn the_agent_port_bounds_streams_per_connection() {
+    use tokio::io::AsyncReadExt;
+    let stub = TokenReviewStub::start().await;
+    let server = server(&stub).await;
+    let config = agent_config(
+        server.agent_addr,
+        &AgentOpts {
+            no_client_cert: true,
+            ..Default::default()
+        },
+    );
+    let tcp = tokio::net::TcpStream::connect(server.agent_addr)
+        .await
+        .unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(config.tls.load().unwrap())
+        .connect(
+            rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    // The server's preface: a SETTINGS frame (type 4) on stream 0, sent
+    // before it reads anything.
+    let mut head = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(20), tls.read_exact(&mut head))
+        .await
+        .expect("no SETTINGS from the server")
+        .unwrap();
+    assert_eq!(head[3], 4, "not a SETTINGS frame: {head:?}");
+    let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+    let mut payload = vec![0u8; len];
+    tls.read_exact(&mut payload).await.unwrap();
+    let max_streams = payload.chunks_exact(6).find_map(|setting| {
+        (u16::from_be_bytes([setting[0], setting[1]]) == 3)
+            .then(|| u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]))
+    });
+    assert_eq!(
+        max_streams,
+        Some(proxy_server::config::DEFAULT_AGENT_MAX_CONCURRENT_STREAMS)
+    );
 }
