@@ -18,7 +18,7 @@ use std::{
 use rustls::{
     ClientConfig, RootCertStore, ServerConfig,
     crypto::{CryptoProvider, ring},
-    server::WebPkiClientVerifier,
+    server::{WebPkiClientVerifier, danger::ClientCertVerifier},
 };
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 
@@ -293,8 +293,21 @@ fn provider_for(policy: &TlsPolicy) -> Arc<CryptoProvider> {
 /// # Errors
 /// [`TlsError::Certs`] or [`TlsError::NoCerts`].
 pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+    parse_certs(path, &read_pem(path)?)
+}
+
+/// The bytes of the PEM file `path`.
+fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Certs {
+        path: path.to_owned(),
+        source: rustls_pki_types::pem::Error::Io(source),
+    })
+}
+
+/// Every certificate of `pem`, the bytes of the file `path`.
+fn parse_certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
         .map_err(|source| TlsError::Certs {
             path: path.to_owned(),
             source,
@@ -323,8 +336,14 @@ pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 /// # Errors
 /// Unreadable file or a certificate the store rejects.
 pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    roots_of(path, &read_pem(path)?)
+}
+
+/// A trust store with every certificate of `pem`, the bytes of the CA
+/// bundle `path`.
+fn roots_of(path: &Path, pem: &[u8]) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
-    for cert in load_certs(path)? {
+    for cert in parse_certs(path, pem)? {
         roots.add(cert).map_err(|source| TlsError::Ca {
             path: path.to_owned(),
             source,
@@ -374,6 +393,49 @@ pub fn server_config_with_policy(
     alpn: &[&[u8]],
     policy: &TlsPolicy,
 ) -> Result<Arc<ServerConfig>, TlsError> {
+    Ok(listener_config(cert, key, client_ca, alpn, policy, None)?.server)
+}
+
+/// Session tickets of a listener (see [`tickets`]).
+#[derive(Debug, Clone, Copy)]
+pub struct TicketSettings<'a> {
+    /// The file the ticket keys are derived from.
+    pub secret: &'a Path,
+    /// How long each key is used.
+    pub rotation: std::time::Duration,
+}
+
+/// What a TLS listener hands each handshake, and what it checks after one:
+/// built from one reading of each file, so that the client CA that verifies
+/// full handshakes, the one that verifies resumed ones and the one session
+/// tickets are bound to are the same bytes.
+#[derive(Debug)]
+pub struct ListenerConfig {
+    /// The configuration of its handshakes.
+    pub server: Arc<ServerConfig>,
+    /// With client certificates (mTLS), their verifier: the one `server`
+    /// uses, for the chains resumed sessions bring back
+    /// ([`tickets::verify_resumed`]).
+    pub client_verifier: Option<Arc<dyn ClientCertVerifier>>,
+}
+
+/// A listener presenting `cert`/`key`, offering `alpn`, restricted by
+/// `policy`; with `client_ca`, clients must present a certificate that
+/// chains to it (mTLS); with `tickets`, it issues and resumes TLS 1.3
+/// session tickets sealed with keys derived from their secret and bound
+/// to the bytes of `client_ca`. Each file is read once.
+///
+/// # Errors
+/// Any file problem, a key that does not match the certificate, or a ticket
+/// secret shorter than [`tickets::MIN_SECRET_LEN`].
+pub fn listener_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&Path>,
+    alpn: &[&[u8]],
+    policy: &TlsPolicy,
+    tickets: Option<TicketSettings<'_>>,
+) -> Result<ListenerConfig, TlsError> {
     let versions: &[&rustls::SupportedProtocolVersion] = if policy.tls13_only {
         &[&rustls::version::TLS13]
     } else {
@@ -385,24 +447,38 @@ pub fn server_config_with_policy(
             path: cert.to_owned(),
             source,
         })?;
-    let builder = match client_ca {
-        Some(ca) => {
-            let verifier =
-                WebPkiClientVerifier::builder_with_provider(Arc::new(load_roots(ca)?), provider())
-                    .build()
-                    .map_err(|source| TlsError::Verifier {
-                        path: ca.to_owned(),
-                        source,
-                    })?;
-            builder.with_client_cert_verifier(verifier)
-        }
+    let client_ca = client_ca
+        .map(|ca| read_pem(ca).map(|pem| (ca, pem)))
+        .transpose()?;
+    let client_verifier = match &client_ca {
+        Some((ca, pem)) => Some(
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots_of(ca, pem)?), provider())
+                .build()
+                .map_err(|source| TlsError::Verifier {
+                    path: (*ca).to_owned(),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
+    let builder = match &client_verifier {
+        Some(verifier) => builder.with_client_cert_verifier(verifier.clone()),
         None => builder.with_no_client_auth(),
     };
     let mut config = builder
         .with_single_cert(load_certs(cert)?, load_key(key)?)
         .map_err(|source| pair_error(cert, key, source))?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    Ok(Arc::new(config))
+    if let Some(tickets) = tickets {
+        let binding = client_ca
+            .as_ref()
+            .map_or(&[][..], |(_, pem)| pem.as_slice());
+        config.ticketer = ticket_keys(tickets, binding)?;
+    }
+    Ok(ListenerConfig {
+        server: Arc::new(config),
+        client_verifier,
+    })
 }
 
 /// What rustls said of a certificate and its key: a mismatch names both.
@@ -419,36 +495,32 @@ fn pair_error(cert: &Path, key: &Path, source: rustls::Error) -> TlsError {
     }
 }
 
-/// `config` issuing and resuming TLS session tickets sealed with keys
-/// derived from the file `secret` and bound to the bytes of `client_ca`
-/// (see [`tickets`]), a key every `rotation`.
+/// Ticket keys from the secret of `tickets`, bound to `binding` (the
+/// client CA bundle's bytes, or nothing), rotated every `tickets.rotation`.
 ///
 /// # Errors
-/// A file cannot be read, or the secret is shorter than
+/// The secret cannot be read, or is shorter than
 /// [`tickets::MIN_SECRET_LEN`].
-pub fn with_tickets(
-    config: Arc<ServerConfig>,
-    secret: &Path,
-    client_ca: Option<&Path>,
-    rotation: std::time::Duration,
-) -> Result<Arc<ServerConfig>, TlsError> {
-    let read = |path: &Path| {
-        std::fs::read(path).map_err(|source| TlsError::Secret {
-            path: path.to_owned(),
-            source,
-        })
-    };
-    let key = read(secret)?;
+fn ticket_keys(
+    tickets: TicketSettings<'_>,
+    binding: &[u8],
+) -> Result<Arc<tickets::TicketKeys>, TlsError> {
+    let secret = tickets.secret;
+    let key = std::fs::read(secret).map_err(|source| TlsError::Secret {
+        path: secret.to_owned(),
+        source,
+    })?;
     if key.len() < tickets::MIN_SECRET_LEN {
         return Err(TlsError::ShortSecret {
             path: secret.to_owned(),
             len: key.len(),
         });
     }
-    let binding = client_ca.map(read).transpose()?.unwrap_or_default();
-    let mut config = Arc::unwrap_or_clone(config);
-    config.ticketer = Arc::new(tickets::TicketKeys::new(&key, &binding, rotation));
-    Ok(Arc::new(config))
+    Ok(Arc::new(tickets::TicketKeys::new(
+        &key,
+        binding,
+        tickets.rotation,
+    )))
 }
 
 /// A client configuration trusting only `ca`, presenting `client_cert`
@@ -706,8 +778,21 @@ mod tests {
         std::fs::copy(dir.join("agent-ca.crt"), &client_ca).unwrap();
         let hour = std::time::Duration::from_secs(3600);
         let server = || {
-            let config = server_config(&cert, &key, Some(&client_ca)).unwrap();
-            with_tickets(config, &key, Some(&client_ca), hour).unwrap()
+            let tickets = TicketSettings {
+                secret: &key,
+                rotation: hour,
+            };
+            let policy = TlsPolicy::default();
+            listener_config(
+                &cert,
+                &key,
+                Some(&client_ca),
+                &[ALPN_H2],
+                &policy,
+                Some(tickets),
+            )
+            .unwrap()
+            .server
         };
         let agent = || {
             client_config(
@@ -756,6 +841,181 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A client limited to TLS 1.2 gets no ticket (it would carry the
+    /// master secret): a restarted server cannot resume its session, while
+    /// a TLS 1.3 client's resumes.
+    #[tokio::test]
+    async fn tickets_are_issued_for_tls13_sessions_only() {
+        use rustls::HandshakeKind::{Full, Resumed};
+        let dir = tempfile_dir();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&dir)
+            .unwrap();
+        let (cert, key) = (dir.join("cluster.crt"), dir.join("cluster.key"));
+        // A new configuration each time: a restart, so that only a ticket
+        // (never rustls's in-memory session cache) can resume.
+        let server = || {
+            let tickets = TicketSettings {
+                secret: &key,
+                rotation: std::time::Duration::from_secs(3600),
+            };
+            listener_config(
+                &cert,
+                &key,
+                None,
+                &[ALPN_H2],
+                &TlsPolicy::default(),
+                Some(tickets),
+            )
+            .unwrap()
+            .server
+        };
+        let client = |versions: &[&'static rustls::SupportedProtocolVersion]| {
+            let config = ClientConfig::builder_with_provider(provider())
+                .with_protocol_versions(versions)
+                .unwrap()
+                .with_root_certificates(load_roots(&dir.join("agent-ca.crt")).unwrap())
+                .with_no_client_auth();
+            Arc::new(config)
+        };
+        let tls12 = client(&[&rustls::version::TLS12]);
+        assert_eq!(exchange(server(), tls12.clone()).await, Ok(Full));
+        assert_eq!(exchange(server(), tls12.clone()).await, Ok(Full));
+        let tls13 = client(&[&rustls::version::TLS13]);
+        assert_eq!(exchange(server(), tls13.clone()).await, Ok(Full));
+        assert_eq!(exchange(server(), tls13).await, Ok(Resumed));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// One connection of `client` to `server` as [`exchange`] makes it;
+    /// what [`tickets::verify_resumed`] says of it with `verifier` at `now`.
+    async fn resumed_verdict(
+        server: Arc<ServerConfig>,
+        client: Arc<ClientConfig>,
+        verifier: Arc<dyn ClientCertVerifier>,
+        now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::HandshakeKind, String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let accept = async move {
+            let mut tls = tokio_rustls::TlsAcceptor::from(server)
+                .accept(a)
+                .await
+                .map_err(|e| format!("server: {e}"))?;
+            tickets::verify_resumed(tls.get_ref().1, Some(&*verifier), now)
+                .map_err(|e| format!("refused: {e}"))?;
+            tls.write_all(b"x").await.map_err(|e| e.to_string())?;
+            tls.flush().await.map_err(|e| e.to_string())?;
+            let mut end = [0u8; 1];
+            let _ = tls.read(&mut end).await;
+            Ok::<_, String>(tls.get_ref().1.handshake_kind())
+        };
+        let connect = async move {
+            let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+            let mut tls = tokio_rustls::TlsConnector::from(client)
+                .connect(name, b)
+                .await?;
+            let mut byte = [0u8; 1];
+            let read = tls.read_exact(&mut byte).await;
+            let _ = tls.shutdown().await;
+            read.map(|_| ())
+        };
+        let (accepted, _) = tokio::join!(accept, connect);
+        accepted?.ok_or_else(|| "no handshake kind".to_owned())
+    }
+
+    /// Whoever holds the ticket secret (by default the serving key) can
+    /// seal a session of their own, with any client chain or none, bound to
+    /// the CA bundle (which is no secret). The chain a resumed session
+    /// brings back is verified again, as a full handshake would: without
+    /// one, or with one the CA did not sign, or past its dates, it is
+    /// refused; a real agent's session resumes.
+    #[tokio::test]
+    async fn a_ticket_made_with_the_secret_admits_no_one_without_a_valid_chain() {
+        use rustls::HandshakeKind::{Full, Resumed};
+        let dir = tempfile_dir();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&dir)
+            .unwrap();
+        let other = dir.join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&other)
+            .unwrap();
+        let (cert, key, ca) = (
+            dir.join("cluster.crt"),
+            dir.join("cluster.key"),
+            dir.join("agent-ca.crt"),
+        );
+        let hour = std::time::Duration::from_secs(3600);
+        let tickets = TicketSettings {
+            secret: &key,
+            rotation: hour,
+        };
+        let policy = TlsPolicy::default();
+        let listener =
+            listener_config(&cert, &key, Some(&ca), &[ALPN_H2], &policy, Some(tickets)).unwrap();
+        let verifier = listener.client_verifier.clone().unwrap();
+        let now = rustls_pki_types::UnixTime::now();
+        // The forger's server: the secret, the CA's bytes, and a client CA
+        // of its choosing (none, or another PKI's).
+        let forger = |client_ca: Option<&Path>| {
+            let mut config = Arc::unwrap_or_clone(server_config(&cert, &key, client_ca).unwrap());
+            config.ticketer = Arc::new(tickets::TicketKeys::new(
+                &std::fs::read(&key).unwrap(),
+                &std::fs::read(&ca).unwrap(),
+                hour,
+            ));
+            Arc::new(config)
+        };
+        let agent = |pki: &Path, with_cert: bool| {
+            let cert =
+                with_cert.then(|| (pki.join("proxy-agent.crt"), pki.join("proxy-agent.key")));
+            let cert = cert.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+            client_config(&ca, cert, &[]).unwrap()
+        };
+        let real = || listener.server.clone();
+
+        // No chain.
+        let client = agent(&dir, false);
+        assert_eq!(exchange(forger(None), client.clone()).await, Ok(Full));
+        let refused = resumed_verdict(real(), client, verifier.clone(), now).await;
+        assert_eq!(
+            refused,
+            Err("refused: the resumed session carries no client certificate".to_owned())
+        );
+        // Another CA's chain.
+        let client = agent(&other, true);
+        let forged = forger(Some(&other.join("agent-ca.crt")));
+        assert_eq!(exchange(forged, client.clone()).await, Ok(Full));
+        let refused = resumed_verdict(real(), client, verifier.clone(), now).await;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("does not verify")),
+            "{refused:?}"
+        );
+        // A real agent: resumed; past its certificate's dates, refused.
+        let client = agent(&dir, true);
+        assert_eq!(exchange(real(), client.clone()).await, Ok(Full));
+        let resumed = resumed_verdict(real(), client.clone(), verifier.clone(), now).await;
+        assert_eq!(resumed, Ok(Resumed));
+        let late = rustls_pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+            u64::from(u32::MAX) * 40,
+        ));
+        let refused = resumed_verdict(real(), client, verifier, late).await;
+        assert!(
+            refused
+                .as_ref()
+                .is_err_and(|e| e.contains("does not verify")),
+            "{refused:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_short_or_missing_secret_is_named() {
         let dir = tempfile_dir();
@@ -763,18 +1023,30 @@ mod tests {
             .unwrap()
             .write_to(&dir)
             .unwrap();
-        let config = || server_config(&dir.join("cluster.crt"), &dir.join("cluster.key"), None);
-        let hour = std::time::Duration::from_secs(3600);
+        let with_tickets = |secret: &Path| {
+            let tickets = TicketSettings {
+                secret,
+                rotation: std::time::Duration::from_secs(3600),
+            };
+            listener_config(
+                &dir.join("cluster.crt"),
+                &dir.join("cluster.key"),
+                None,
+                &[ALPN_H2],
+                &TlsPolicy::default(),
+                Some(tickets),
+            )
+        };
         let short = dir.join("short");
         std::fs::write(&short, [7u8; 31]).unwrap();
-        let err = with_tickets(config().unwrap(), &short, None, hour).unwrap_err();
+        let err = with_tickets(&short).unwrap_err();
         assert!(
             matches!(err, TlsError::ShortSecret { len: 31, .. }),
             "{err}"
         );
         assert!(err.to_string().contains("short"), "{err}");
         let missing = dir.join("missing");
-        let err = with_tickets(config().unwrap(), &missing, None, hour).unwrap_err();
+        let err = with_tickets(&missing).unwrap_err();
         assert!(err.to_string().contains("missing"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -188,8 +188,9 @@ pub struct Args {
     /// --cluster-key (konnectivity-rs).
     #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
     pub tls_session_ticket_key: Option<PathBuf>,
-    /// How long each session-ticket key is used; a ticket is offered for
-    /// one rotation and accepted for at most two (konnectivity-rs, Go
+    /// How long each session-ticket key is used, at most 168h (RFC 8446
+    /// caps a ticket's lifetime at 7 days); a ticket is offered for one
+    /// rotation and accepted for at most two (konnectivity-rs, Go
     /// duration).
     #[arg(long, default_value = "24h0m0s", value_parser = go_duration)]
     pub tls_session_ticket_rotation: Duration,
@@ -315,7 +316,7 @@ impl ListenerTls {
     /// # Errors
     /// A file cannot be read or parsed, or the key does not match the
     /// certificate; the error names the flag of the file.
-    pub fn load(&self) -> Result<Arc<rustls::ServerConfig>, ConfigError> {
+    pub fn load(&self) -> Result<Arc<tls::ListenerConfig>, ConfigError> {
         Ok(self.files.load(self.build())?)
     }
 
@@ -330,12 +331,13 @@ impl ListenerTls {
         &self,
         what: &'static str,
         metrics: files::CertMetrics,
-    ) -> Result<files::TlsFiles<rustls::ServerConfig>, ConfigError> {
+    ) -> Result<files::TlsFiles<tls::ListenerConfig>, ConfigError> {
         Ok(self.files.follow(what, metrics, self.build())?)
     }
 
-    /// Builds the configuration from the files as they are when called.
-    fn build(&self) -> impl Fn() -> Result<Arc<rustls::ServerConfig>, tls::TlsError> + use<> {
+    /// Builds the configuration from the files as they are when called,
+    /// reading each once.
+    fn build(&self) -> impl Fn() -> Result<Arc<tls::ListenerConfig>, tls::TlsError> + use<> {
         let Self {
             files,
             alpn,
@@ -348,15 +350,13 @@ impl ListenerTls {
                 .as_ref()
                 .expect("a listener has a certificate");
             let client_ca = files.ca.as_ref().map(|(_, ca)| ca.as_path());
-            let config = tls::server_config_with_policy(cert, key, client_ca, &[alpn], &policy)?;
-            match tickets {
-                // The secret: the ticket key file, else the serving key.
-                Some(rotation) => {
-                    let secret = files.secret.as_ref().map_or(key, |(_, path)| path);
-                    tls::with_tickets(config, secret, client_ca, rotation)
-                }
-                None => Ok(config),
-            }
+            // The secret: the ticket key file, else the serving key.
+            let tickets = tickets.map(|rotation| tls::TicketSettings {
+                secret: files.secret.as_ref().map_or(key, |(_, path)| path),
+                rotation,
+            });
+            let config = tls::listener_config(cert, key, client_ca, &[alpn], &policy, tickets)?;
+            Ok(Arc::new(config))
         }
     }
 }
@@ -627,6 +627,12 @@ fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, Config
         return Err(invalid(
             "tls-session-ticket-rotation",
             "must be at least 1s",
+        ));
+    }
+    if args.tls_session_ticket_rotation > tls::tickets::MAX_LIFETIME {
+        return Err(invalid(
+            "tls-session-ticket-rotation",
+            "must be at most 168h (RFC 8446 caps a ticket's lifetime at 7 days)",
         ));
     }
     let mut tls = ListenerTls {
@@ -945,6 +951,10 @@ mod tests {
                 "--tls-session-ticket-rotation",
             ),
             (
+                with(&["--tls-session-ticket-rotation=168h1s"]),
+                "--tls-session-ticket-rotation: must be at most 168h",
+            ),
+            (
                 with(&[
                     "--token-review-max-pending=0",
                     "--agent-namespace=a",
@@ -1214,7 +1224,7 @@ mod tests {
         match c.frontend {
             FrontendListen::Tcp { addr, tls } => {
                 assert_eq!(addr.to_string(), "127.0.0.1:8090");
-                assert_eq!(tls.load().unwrap().alpn_protocols, [b"h2".to_vec()]);
+                assert_eq!(tls.load().unwrap().server.alpn_protocols, [b"h2".to_vec()]);
             }
             FrontendListen::Uds { .. } => panic!("expected TCP"),
         }
@@ -1231,7 +1241,10 @@ mod tests {
         .unwrap();
         match c.frontend {
             FrontendListen::Tcp { tls, .. } => {
-                assert_eq!(tls.load().unwrap().alpn_protocols, [b"http/1.1".to_vec()]);
+                assert_eq!(
+                    tls.load().unwrap().server.alpn_protocols,
+                    [b"http/1.1".to_vec()]
+                );
             }
             FrontendListen::Uds { .. } => panic!("expected TCP"),
         }

@@ -12,7 +12,7 @@ use std::{
 
 use authority::AnyAuthority;
 use futures_util::StreamExt as _;
-use ops::tls::files::TlsFiles;
+use ops::tls::{ListenerConfig, files::TlsFiles};
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinHandle;
@@ -246,7 +246,7 @@ enum BoundFrontend {
         /// The listener.
         listener: TcpListener,
         /// Its TLS configuration, following its files.
-        tls: TlsFiles<rustls::ServerConfig>,
+        tls: TlsFiles<ListenerConfig>,
     },
 }
 
@@ -264,7 +264,7 @@ pub struct Bound {
     /// Validated configuration.
     config: Config,
     /// The agent listener's TLS, following its files.
-    agent_tls: TlsFiles<rustls::ServerConfig>,
+    agent_tls: TlsFiles<ListenerConfig>,
     /// Agent listener.
     agent: TcpListener,
     /// Frontend listener.
@@ -419,7 +419,7 @@ fn agent_server(
     control: &Arc<Control>,
     ends: &Ends,
     listener: TcpListener,
-    tls: TlsFiles<rustls::ServerConfig>,
+    tls: TlsFiles<ListenerConfig>,
     token_auth: Option<Arc<crate::auth::TokenAuth>>,
     on_limit: &tunnel::conn::OnLimit,
 ) -> FrontendFuture {
@@ -434,9 +434,10 @@ fn agent_server(
         queue_bytes: config.max_agent_queue_bytes,
     });
     let metrics = control.metrics.clone();
+    let handshakes = tls.clone();
     let incoming = tls_incoming(
         listener,
-        Following(move || tls.current()),
+        Following(move || handshakes.current().server.clone()),
         ends.accept_stop.clone(),
         "agent",
         config.max_tls_handshakes,
@@ -444,7 +445,7 @@ fn agent_server(
     )
     .filter(move |conn| {
         std::future::ready(match conn {
-            Ok(conn) => admit_handshake(conn.get_ref().1, &metrics),
+            Ok(conn) => admit_handshake(conn.get_ref().1, &tls.last(), &metrics),
             Err(_) => true,
         })
     });
@@ -461,24 +462,32 @@ fn agent_server(
     )
 }
 
-/// Counts an agent's completed TLS handshake, and whether to serve it: a
-/// resumed session whose client certificate chain has expired since its
-/// first handshake (which a full handshake would now refuse) is dropped,
-/// and the agent falls back to a full handshake.
-fn admit_handshake(tls: &rustls::ServerConnection, metrics: &ServerMetrics) -> bool {
+/// Counts an agent's completed TLS handshake, and whether to serve it.
+/// With client certificates (mTLS), a resumed session's chain is verified
+/// again against the client CA as `listener` has it now, as a full
+/// handshake would (`ops::tls::tickets::verify_resumed`): a session without
+/// a chain (a ticket made with the ticket secret, not by a handshake), or
+/// whose chain has expired or no longer chains to the CA, is dropped, and
+/// the agent falls back to a full handshake.
+fn admit_handshake(
+    tls: &rustls::ServerConnection,
+    listener: &ListenerConfig,
+    metrics: &ServerMetrics,
+) -> bool {
     if tls.handshake_kind() != Some(rustls::HandshakeKind::Resumed) {
         metrics.handshake(Handshake::Full);
         return true;
     }
     metrics.handshake(Handshake::Resumed);
-    let now = std::time::SystemTime::now();
-    let current = tls
-        .peer_certificates()
-        .is_none_or(|chain| ops::tls::files::chain_is_current(chain, now));
-    if !current {
-        warn!("a resumed agent session's client certificate has expired; dropped");
+    let verdict = ops::tls::tickets::verify_resumed(
+        tls,
+        listener.client_verifier.as_deref(),
+        rustls_pki_types::UnixTime::now(),
+    );
+    if let Err(error) = &verdict {
+        warn!(error = %ops::error::DisplayErrorStack(error), "resumed agent session refused; dropped");
     }
-    current
+    verdict.is_ok()
 }
 
 /// The frontend listener, by mode and transport; the socket path to
@@ -491,10 +500,10 @@ fn frontend_server(
     on_limit: &tunnel::conn::OnLimit,
 ) -> (FrontendFuture, Option<PathBuf>) {
     let stop = || ends.accept_stop.clone().cancelled_owned();
-    let tls_incoming = |listener, tls: TlsFiles<rustls::ServerConfig>| {
+    let tls_incoming = |listener, tls: TlsFiles<ListenerConfig>| {
         tls_incoming(
             listener,
-            Following(move || tls.current()),
+            Following(move || tls.current().server.clone()),
             ends.accept_stop.clone(),
             "frontend",
             config.max_tls_handshakes,

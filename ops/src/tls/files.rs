@@ -320,6 +320,17 @@ impl<C> TlsFiles<C> {
         }
         state.current.clone()
     }
+
+    /// The configuration [`current`](Self::current) last gave, without
+    /// looking at the files: what the latest handshake started with.
+    pub fn last(&self) -> Arc<C> {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .current
+            .clone()
+    }
 }
 
 /// The flag of the file at `path` among `files`, and the flag its failures
@@ -369,25 +380,6 @@ pub fn earliest_expiry(certs: &[CertificateDer<'_>]) -> Option<i64> {
         .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
         .map(|(_, cert)| cert.validity().not_after.timestamp())
         .min()
-}
-
-/// Whether every certificate of `chain` is valid at `now`: not before its
-/// notBefore, not after its notAfter. A chain whose certificates cannot
-/// all be read is not.
-///
-/// A resumed TLS session brings back the peer's chain as it was checked
-/// at the first handshake; this is the check time would have failed since.
-pub fn chain_is_current(chain: &[CertificateDer<'_>], now: std::time::SystemTime) -> bool {
-    let now = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(i64::MIN, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-    !chain.is_empty()
-        && chain.iter().all(|der| {
-            x509_parser::parse_x509_certificate(der).is_ok_and(|(_, cert)| {
-                let validity = cert.validity();
-                validity.not_before.timestamp() <= now && now <= validity.not_after.timestamp()
-            })
-        })
 }
 
 #[cfg(test)]
@@ -450,8 +442,10 @@ mod tests {
         let files = listener(&d.0, &metrics);
         let before = files.current();
         write_pki(&d.0);
+        assert!(Arc::ptr_eq(&files.last(), &before), "last reads no file");
         let after = files.current();
         assert!(!Arc::ptr_eq(&before, &after));
+        assert!(Arc::ptr_eq(&files.last(), &after));
         assert_eq!(metrics.failures("cluster-cert"), 0.0);
     }
 
@@ -502,41 +496,6 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(err.flag, "cluster-cert");
-    }
-
-    #[test]
-    fn a_chain_is_current_only_within_every_certificate_s_validity() {
-        let cert = |from: (i32, u8, u8), to: (i32, u8, u8)| {
-            let mut params = rcgen::CertificateParams::new(Vec::new()).unwrap();
-            params.not_before = rcgen::date_time_ymd(from.0, from.1, from.2);
-            params.not_after = rcgen::date_time_ymd(to.0, to.1, to.2);
-            let key = rcgen::KeyPair::generate().unwrap();
-            params.self_signed(&key).unwrap().der().clone()
-        };
-        let at = |secs| std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
-        // 2030-01-01 and 2031-01-01.
-        let (y2030, y2031) = (at(1_893_456_000), at(1_924_992_000));
-        let leaf = cert((2029, 1, 1), (2031, 1, 1));
-        let ca = cert((2000, 1, 1), (2040, 1, 1));
-        assert!(chain_is_current(&[leaf.clone(), ca.clone()], y2030));
-        assert!(
-            !chain_is_current(
-                &[leaf.clone(), ca.clone()],
-                y2031 + std::time::Duration::from_secs(1)
-            ),
-            "expired leaf"
-        );
-        assert!(
-            !chain_is_current(std::slice::from_ref(&leaf), at(1_800_000_000)),
-            "not yet valid"
-        );
-        let old_ca = cert((2000, 1, 1), (2029, 6, 1));
-        assert!(!chain_is_current(&[leaf, old_ca], y2030), "expired CA");
-        assert!(!chain_is_current(&[], y2030));
-        assert!(!chain_is_current(
-            &[CertificateDer::from(vec![1, 2, 3])],
-            y2030
-        ));
     }
 
     /// Each certificate file's expiry is exported under its flag and path;

@@ -21,6 +21,18 @@
 //! so traffic keeps forward secrecy; what the secret protects is the
 //! resumption itself: whoever holds it and has seen a ticket can resume that
 //! session as its client until the ticket's window closes.
+//!
+//! Only TLS 1.3 sessions are sealed or opened. A TLS 1.2 ticket carries the
+//! session's master secret, from which every key of the connection comes:
+//! whoever holds the secret and recorded the connection could read it. rustls
+//! asks one ticketer for both versions, so [`TicketKeys`] reads the version
+//! from the session it is handed (see [`is_tls13`]) and seals nothing else;
+//! a TLS 1.2 client then gets an empty ticket, which RFC 5077 (3.3) defines
+//! as "no ticket".
+//!
+//! Whoever holds the secret can also seal a session of their own making,
+//! with any client certificate chain or none. The chain a resumed session
+//! brings back is therefore verified again ([`verify_resumed`]).
 
 use std::{
     sync::Arc,
@@ -28,6 +40,8 @@ use std::{
 };
 
 use ring::{aead, digest, hkdf, rand::SecureRandom};
+use rustls::server::danger::ClientCertVerifier;
+use rustls_pki_types::UnixTime;
 
 /// What the key derivation says it is for (HKDF salt, with the binding).
 const LABEL: &[u8] = b"konnectivity-rs TLS session tickets v1";
@@ -35,6 +49,8 @@ const LABEL: &[u8] = b"konnectivity-rs TLS session tickets v1";
 const PERIOD_LEN: usize = 8;
 /// The shortest secret accepted: one AES-256 key's worth.
 pub const MIN_SECRET_LEN: usize = 32;
+/// The longest a ticket may be offered for (RFC 8446 4.6.1: 7 days).
+pub const MAX_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Seconds since the Unix epoch; tests give their own.
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -101,13 +117,32 @@ impl rustls::server::ProducesTickets for TicketKeys {
     }
 
     /// A ticket is offered for one rotation after it is issued (clients
-    /// drop it then), and opened for at most two.
+    /// drop it then), never more than [`MAX_LIFETIME`], and opened for at
+    /// most two rotations.
     fn lifetime(&self) -> u32 {
-        u32::try_from(self.rotation).unwrap_or(u32::MAX)
+        u32::try_from(self.rotation.min(MAX_LIFETIME.as_secs())).unwrap_or(u32::MAX)
     }
 
-    /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated.
+    /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated; a
+    /// session other than TLS 1.3 is not sealed.
     fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
+        if !is_tls13(plain) {
+            return None;
+        }
+        self.seal(plain)
+    }
+
+    /// Opens a ticket of this period or the one before, of a TLS 1.3
+    /// session; anything else, whatever its bytes, is `None` (a full
+    /// handshake).
+    fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
+        self.open(cipher).filter(|plain| is_tls13(plain))
+    }
+}
+
+impl TicketKeys {
+    /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated.
+    fn seal(&self, plain: &[u8]) -> Option<Vec<u8>> {
         // One reading of the clock: the period named and the key used
         // must be the same at a boundary.
         let now = self.period();
@@ -130,9 +165,8 @@ impl rustls::server::ProducesTickets for TicketKeys {
         Some(out)
     }
 
-    /// Opens a ticket of this period or the one before; anything else,
-    /// whatever its bytes, is `None` (a full handshake).
-    fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
+    /// Opens a ticket of this period or the one before.
+    fn open(&self, cipher: &[u8]) -> Option<Vec<u8>> {
         let (period, rest) = cipher.split_first_chunk::<PERIOD_LEN>()?;
         let (nonce, sealed) = rest.split_first_chunk::<{ aead::NONCE_LEN }>()?;
         let issued = u64::from_be_bytes(*period);
@@ -157,6 +191,76 @@ impl rustls::server::ProducesTickets for TicketKeys {
     }
 }
 
+/// Whether `session`, as rustls hands it to a ticketer, is a TLS 1.3 one.
+///
+/// rustls encodes a session (its `ServerSessionValue`) as: the server name
+/// if any (a byte 1 and the name with a one-byte length, or a byte 0), then
+/// the protocol version and the cipher suite, two bytes each. A session is
+/// TLS 1.3 only if it says version 0x0304 and a TLS 1.3 suite (0x13xx), so
+/// that an encoding this code does not know seals nothing rather than a
+/// master secret (the tests of this crate and of the server catch such a
+/// change: TLS 1.3 resumption would stop).
+pub fn is_tls13(session: &[u8]) -> bool {
+    let after_name = match session.split_first() {
+        Some((0, rest)) => Some(rest),
+        Some((1, rest)) => rest
+            .split_first()
+            .and_then(|(len, name)| name.get(usize::from(*len)..)),
+        _ => None,
+    };
+    matches!(after_name, Some([0x03, 0x04, 0x13, _, ..]))
+}
+
+/// Why a resumed session is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumedError {
+    /// The session brings back no client certificate chain, although client
+    /// certificates are required: its ticket did not come from a handshake
+    /// of this listener.
+    #[error("the resumed session carries no client certificate")]
+    NoChain,
+    /// The chain does not verify against the client CA as it is now.
+    #[error("the resumed session's client certificate does not verify")]
+    Invalid(#[source] rustls::Error),
+}
+
+/// Verifies again the client certificate chain that a resumed session
+/// brings back, with `verifier` (the listener's client CA as it is now) as a
+/// full handshake would: its signatures up to the CA, the dates at `now`,
+/// the client-auth usage. A full handshake, or a listener without client
+/// certificates (`verifier` `None`), passes: rustls verified the former,
+/// the latter has nothing to verify.
+///
+/// rustls resumes a session from its ticket alone: whoever holds the
+/// ticket secret can make one with any chain, or none, and a certificate
+/// that has expired, or a CA that has changed, since the first handshake
+/// would otherwise come back unchecked.
+///
+/// # Errors
+/// [`ResumedError`]: no chain, or one that does not verify.
+pub fn verify_resumed(
+    connection: &rustls::ServerConnection,
+    verifier: Option<&dyn ClientCertVerifier>,
+    now: UnixTime,
+) -> Result<(), ResumedError> {
+    let Some(verifier) = verifier else {
+        return Ok(());
+    };
+    if connection.handshake_kind() != Some(rustls::HandshakeKind::Resumed) {
+        return Ok(());
+    }
+    let Some((end_entity, intermediates)) = connection
+        .peer_certificates()
+        .and_then(|chain| chain.split_first())
+    else {
+        return Err(ResumedError::NoChain);
+    };
+    verifier
+        .verify_client_cert(end_entity, intermediates, now)
+        .map(|_| ())
+        .map_err(ResumedError::Invalid)
+}
+
 /// Seconds since the Unix epoch (0 for a clock before it).
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -174,6 +278,11 @@ mod tests {
 
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
     const HOUR: Duration = Duration::from_secs(3600);
+    /// The start of a TLS 1.3 session as rustls encodes it: no server name,
+    /// TLS 1.3, TLS_AES_128_GCM_SHA256, then the rest.
+    const SESSION: &[u8] = &[0, 0x03, 0x04, 0x13, 0x01, 32, 1, 2, 3];
+    /// The same for TLS 1.2 (TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256).
+    const TLS12_SESSION: &[u8] = &[0, 0x03, 0x03, 0xc0, 0x2b, 48, 1, 2, 3];
 
     /// Keys whose clock the test moves.
     fn keys(secret: &[u8], binding: &[u8], now: &Arc<AtomicU64>) -> TicketKeys {
@@ -189,10 +298,10 @@ mod tests {
     #[test]
     fn another_instance_with_the_secret_opens_a_ticket() {
         let now = Arc::new(AtomicU64::new(10 * 3600 + 5));
-        let ticket = keys(SECRET, b"ca", &now).encrypt(b"session").unwrap();
+        let ticket = keys(SECRET, b"ca", &now).encrypt(SESSION).unwrap();
         // A restart, or another replica.
         let again = keys(SECRET, b"ca", &now);
-        assert_eq!(again.decrypt(&ticket).as_deref(), Some(&b"session"[..]));
+        assert_eq!(again.decrypt(&ticket).as_deref(), Some(SESSION));
         assert_eq!(again.lifetime(), 3600);
     }
 
@@ -200,7 +309,7 @@ mod tests {
     fn a_ticket_is_opened_in_its_period_and_the_next_only() {
         let now = Arc::new(AtomicU64::new(10 * 3600 + 3599));
         let keys = keys(SECRET, b"ca", &now);
-        let ticket = keys.encrypt(b"session").unwrap();
+        let ticket = keys.encrypt(SESSION).unwrap();
         now.store(11 * 3600, Ordering::Relaxed);
         assert!(keys.decrypt(&ticket).is_some(), "the next period");
         now.store(11 * 3600 + 3599, Ordering::Relaxed);
@@ -219,7 +328,7 @@ mod tests {
     #[test]
     fn another_binding_or_secret_does_not_open_it() {
         let now = Arc::new(AtomicU64::new(3600 * 5));
-        let ticket = keys(SECRET, b"old ca", &now).encrypt(b"session").unwrap();
+        let ticket = keys(SECRET, b"old ca", &now).encrypt(SESSION).unwrap();
         assert_eq!(keys(SECRET, b"new ca", &now).decrypt(&ticket), None);
         let other = b"another secret of thirty-two byte";
         assert_eq!(keys(other, b"old ca", &now).decrypt(&ticket), None);
@@ -229,7 +338,7 @@ mod tests {
     fn a_changed_byte_or_a_moved_period_is_refused() {
         let now = Arc::new(AtomicU64::new(3600 * 5));
         let keys = keys(SECRET, b"ca", &now);
-        let ticket = keys.encrypt(b"session").unwrap();
+        let ticket = keys.encrypt(SESSION).unwrap();
         for at in [0, 7, 8, 19, 20, ticket.len() - 1] {
             let mut bad = ticket.clone();
             bad[at] ^= 1;
@@ -246,6 +355,50 @@ mod tests {
     fn two_tickets_of_one_session_differ() {
         let now = Arc::new(AtomicU64::new(3600 * 5));
         let keys = keys(SECRET, b"ca", &now);
-        assert_ne!(keys.encrypt(b"session"), keys.encrypt(b"session"));
+        assert_ne!(keys.encrypt(SESSION), keys.encrypt(SESSION));
+    }
+
+    #[test]
+    fn the_version_is_read_after_the_server_name() {
+        assert!(is_tls13(SESSION));
+        assert!(!is_tls13(TLS12_SESSION));
+        let named = |name: &[u8], rest: &[u8]| {
+            let mut session = vec![1, u8::try_from(name.len()).unwrap()];
+            session.extend_from_slice(name);
+            session.extend_from_slice(rest);
+            session
+        };
+        assert!(is_tls13(&named(b"localhost", &SESSION[1..])));
+        assert!(!is_tls13(&named(b"localhost", &TLS12_SESSION[1..])));
+        // A name whose bytes look like TLS 1.3 does not fool it.
+        assert!(!is_tls13(&named(&[3, 4, 0x13, 1], &TLS12_SESSION[1..])));
+        // TLS 1.3 with a suite that is not, and anything unknown or cut.
+        assert!(!is_tls13(&[0, 0x03, 0x04, 0xc0, 0x2b, 0]));
+        for bad in [&[][..], &[2, 3, 4, 0x13, 1], &[0, 3, 4], &[1, 9, 1, 2]] {
+            assert!(!is_tls13(bad), "{bad:?}");
+        }
+    }
+
+    /// A TLS 1.2 ticket would carry the master secret: none is sealed, and
+    /// one sealed with the secret anyway is not opened.
+    #[test]
+    fn tls12_sessions_are_neither_sealed_nor_opened() {
+        let now = Arc::new(AtomicU64::new(3600 * 5));
+        let keys = keys(SECRET, b"ca", &now);
+        assert_eq!(keys.encrypt(TLS12_SESSION), None);
+        let forged = keys.seal(TLS12_SESSION).unwrap();
+        assert_eq!(keys.decrypt(&forged), None);
+        let ticket = keys.encrypt(SESSION).unwrap();
+        assert_eq!(keys.decrypt(&ticket).as_deref(), Some(SESSION));
+    }
+
+    #[test]
+    fn a_ticket_is_never_offered_for_more_than_seven_days() {
+        let now = Arc::new(AtomicU64::new(0));
+        let week = TicketKeys::with_clock(SECRET, b"", 2 * MAX_LIFETIME, {
+            let now = now.clone();
+            Arc::new(move || now.load(Ordering::Relaxed))
+        });
+        assert_eq!(week.lifetime(), 604_800);
     }
 }

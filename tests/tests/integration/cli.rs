@@ -63,6 +63,16 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
             vec!["--agent-max-concurrent-streams=0".to_owned()],
             "--agent-max-concurrent-streams",
         ),
+        (
+            vec![
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".to_owned(),
+                pki_arg("cluster-cert", "cluster.crt"),
+                pki_arg("cluster-key", "cluster.key"),
+                "--tls-session-ticket-rotation=169h".to_owned(),
+            ],
+            "--tls-session-ticket-rotation",
+        ),
     ];
     for (args, needle) in cases {
         let (code, stderr) = run("proxy-server", &args);

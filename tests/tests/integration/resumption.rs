@@ -220,3 +220,153 @@ async fn openssl_resumes_with_a_ticket_after_a_server_restart() {
     .await;
     assert!(!openssl_resumes_after_a_restart(without).await);
 }
+
+/// The handshakes OpenSSL (Python's `ssl`, `tests/python/tickets.py`) makes
+/// with the agent port, TLS 1.2 then TLS 1.3: (version, whether it got a
+/// session ticket).
+async fn openssl_tickets(server: &TestServer) -> Vec<(String, bool)> {
+    let pki = integration_tests::Pki::get();
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(integration_tests::python::interpreter())
+            .arg(integration_tests::workspace().join("tests/python/tickets.py"))
+            .arg(format!("--port={}", server.agent_addr.port()))
+            .arg(format!("--ca={}", pki.path("agent-ca.crt").display()))
+            .arg(format!("--cert={}", pki.path("proxy-agent.crt").display()))
+            .arg(format!("--key={}", pki.path("proxy-agent.key").display()))
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("tickets.py did not finish")
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "tickets.py: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let report: serde_json::Value = serde_json::from_str(line).unwrap();
+            (
+                report["version"].as_str().unwrap().to_owned(),
+                report["has_ticket"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// A TLS 1.2 ticket carries the master secret: OpenSSL gets none with TLS
+/// 1.2, and still gets one with TLS 1.3.
+#[tokio::test]
+async fn openssl_gets_a_ticket_with_tls13_only() {
+    let server = TestServer::start().await;
+    assert_eq!(
+        openssl_tickets(&server).await,
+        [("TLSv1.2".to_owned(), false), ("TLSv1.3".to_owned(), true)]
+    );
+}
+
+/// What an agent-port connection of `client` (over TLS, SNI `localhost`)
+/// got: how its handshake went, and whether the server then spoke HTTP/2
+/// (its SETTINGS frame, sent before it reads anything) or dropped it.
+async fn agent_port(
+    server: &TestServer,
+    client: std::sync::Arc<rustls::ClientConfig>,
+) -> (rustls::HandshakeKind, bool) {
+    use tokio::io::AsyncReadExt;
+    let tcp = tokio::net::TcpStream::connect(server.agent_addr)
+        .await
+        .unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(client)
+        .connect(
+            rustls_pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let kind = tls.get_ref().1.handshake_kind().unwrap();
+    let mut head = [0u8; 9];
+    let read = tokio::time::timeout(Duration::from_secs(20), tls.read_exact(&mut head))
+        .await
+        .expect("the server neither spoke nor closed");
+    (kind, read.is_ok() && head[3] == 4)
+}
+
+/// A ticket sealed by whoever holds the ticket secret (by default the
+/// serving key), for a session of their own making: with no client
+/// certificate chain, or one the CA did not sign, it is refused although
+/// the TLS resumption itself succeeds; with a valid chain, and for a real
+/// agent's own session, the server speaks HTTP/2.
+#[tokio::test]
+async fn a_ticket_made_with_the_secret_admits_no_one_without_a_valid_chain() {
+    use integration_tests::Pki;
+    use rustls::HandshakeKind::{Full, Resumed};
+    let server = TestServer::start().await;
+    let (pki, other) = (Pki::get(), Pki::other());
+    let forge = |client_ca: Option<std::path::PathBuf>| {
+        let mut config = std::sync::Arc::unwrap_or_clone(
+            ops::tls::server_config(
+                &pki.path("cluster.crt"),
+                &pki.path("cluster.key"),
+                client_ca.as_deref(),
+            )
+            .unwrap(),
+        );
+        config.ticketer = std::sync::Arc::new(ops::tls::tickets::TicketKeys::new(
+            &std::fs::read(pki.path("cluster.key")).unwrap(),
+            &std::fs::read(pki.path("agent-ca.crt")).unwrap(),
+            proxy_server::config::DEFAULT_TICKET_ROTATION,
+        ));
+        std::sync::Arc::new(config)
+    };
+    let client = |cert_of: Option<&Pki>| {
+        let files = cert_of.map(|p| (p.path("proxy-agent.crt"), p.path("proxy-agent.key")));
+        let files = files.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+        ops::tls::client_config(&pki.path("agent-ca.crt"), files, &[]).unwrap()
+    };
+    // The forger's session goes to the client's ticket store.
+    let mint = async |server: std::sync::Arc<rustls::ServerConfig>,
+                      client: std::sync::Arc<rustls::ClientConfig>| {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let serve = async move {
+            let mut tls = tokio_rustls::TlsAcceptor::from(server)
+                .accept(a)
+                .await
+                .unwrap();
+            tls.write_all(b"x").await.unwrap();
+            tls.flush().await.unwrap();
+            let _ = tls.read(&mut [0u8; 1]).await;
+        };
+        let take = async move {
+            let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+            let mut tls = tokio_rustls::TlsConnector::from(client)
+                .connect(name, b)
+                .await
+                .unwrap();
+            tls.read_exact(&mut [0u8; 1]).await.unwrap();
+            let _ = tls.shutdown().await;
+        };
+        tokio::join!(serve, take);
+    };
+
+    let no_chain = client(None);
+    mint(forge(None), no_chain.clone()).await;
+    assert_eq!(agent_port(&server, no_chain).await, (Resumed, false));
+
+    let foreign = client(Some(other));
+    mint(forge(Some(other.path("agent-ca.crt"))), foreign.clone()).await;
+    assert_eq!(agent_port(&server, foreign).await, (Resumed, false));
+
+    let valid = client(Some(pki));
+    mint(forge(Some(pki.path("agent-ca.crt"))), valid.clone()).await;
+    assert_eq!(agent_port(&server, valid).await, (Resumed, true));
+
+    let agent = client(Some(pki));
+    assert_eq!(agent_port(&server, agent.clone()).await, (Full, true));
+    assert_eq!(agent_port(&server, agent).await, (Resumed, true));
+    assert_eq!(handshakes(&server, "resumed").await, 4.0);
+}
