@@ -635,6 +635,18 @@ pub fn register_process(metrics: &mut Metrics) {
         MetricType::Gauge,
         || limit(|l| &l.max_address_space.soft_limit),
     );
+    // Read on the runtime that serves the scrape, which is the process's
+    // only one; absent when scraped from outside a runtime.
+    metrics.probe(
+        "konnectivity_rs_runtime_alive_tasks",
+        "Tasks alive in the process's async runtime (konnectivity-rs).",
+        MetricType::Gauge,
+        || {
+            tokio::runtime::Handle::try_current()
+                .ok()
+                .map(|handle| handle.metrics().num_alive_tasks() as f64)
+        },
+    );
 }
 
 #[cfg(test)]
@@ -783,6 +795,29 @@ mod tests {
         assert_eq!(code_name(tonic::Code::Ok), "OK");
         assert_eq!(code_name(tonic::Code::Unavailable), "Unavailable");
         assert_eq!(code_name(tonic::Code::DeadlineExceeded), "DeadlineExceeded");
+    }
+
+    #[tokio::test]
+    async fn alive_tasks_are_counted_on_the_runtime() {
+        let mut m = Metrics::default();
+        register_process(&mut m);
+        let m = Arc::new(m);
+        let tasks = |text: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix("konnectivity_rs_runtime_alive_tasks "))
+                .unwrap_or_else(|| panic!("alive tasks missing:\n{text}"))
+                .parse()
+                .unwrap()
+        };
+        let before = tasks(&m.render());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let held = tokio::spawn(async move {
+            let _ = rx.await;
+        });
+        assert_eq!(tasks(&m.render()), before + 1.0);
+        drop(tx);
+        held.await.unwrap();
+        assert_eq!(tasks(&m.render()), before);
     }
 
     #[test]
