@@ -61,6 +61,17 @@ where
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     assert!(ip.is_loopback(), "tests bind only to loopback");
+    spawn_on_any(ip, serve).await
+}
+
+/// [`spawn`] on `ip`, which the caller vouches for: loopback, or an
+/// address on an interface it created (the bench's soak binds its
+/// destinations to a veth of a network namespace it made).
+pub async fn spawn_on_any<F, Fut>(ip: std::net::Ipv4Addr, serve: F) -> Destination
+where
+    F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind((ip, 0))
         .await
         .expect("binding a destination");
@@ -294,7 +305,13 @@ pub async fn banner(banner: &'static [u8]) -> Destination {
 
 /// Writes bytes until the client goes away (an endless download).
 pub async fn source() -> Destination {
-    spawn(|mut stream| async move {
+    source_on(std::net::Ipv4Addr::LOCALHOST).await
+}
+
+/// [`source`] on another address: loopback, or one on an interface in a
+/// network namespace the caller created.
+pub async fn source_on(ip: std::net::Ipv4Addr) -> Destination {
+    spawn_on_any(ip, |mut stream| async move {
         let chunk = pattern(64 * 1024, 13);
         while stream.write_all(&chunk).await.is_ok() {}
     })
@@ -316,6 +333,12 @@ pub struct Stall {
 impl Stall {
     /// Starts it on 127.0.0.1.
     pub fn start() -> Self {
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST)
+    }
+
+    /// Starts it on `ip` (loopback, or an address on an interface the
+    /// caller created).
+    pub fn start_on(ip: std::net::Ipv4Addr) -> Self {
         let socket = socket2::Socket::new(
             socket2::Domain::IPV4,
             socket2::Type::STREAM,
@@ -325,7 +348,7 @@ impl Stall {
         // Inherited by accepted sockets; small, so little stays in the kernel.
         socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
         socket
-            .bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .bind(&SocketAddr::from((ip, 0)).into())
             .expect("binding the stalled destination");
         socket.listen(1024).expect("listen");
         socket.set_nonblocking(true).expect("non-blocking");

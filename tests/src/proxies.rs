@@ -1,10 +1,11 @@
 //! Real SOCKS5 (microsocks) and HTTP CONNECT (tinyproxy) proxies on
 //! loopback, installed by `scripts/test`. Each binds its outgoing connections to
 //! its own loopback address (127.0.0.3 and 127.0.0.4), so a peer address
-//! proves a connection went through it.
+//! proves a connection went through it. And a TCP load balancer (haproxy)
+//! in front of several proxy-server replicas.
 
 use std::{
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     process::{Child, Command, Stdio},
 };
 
@@ -42,7 +43,7 @@ fn spawn(program: &str, args: &[String]) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}); scripts/test installs it: apt-get install microsocks tinyproxy")
+            panic!("cannot run {program} ({e}); scripts/test installs it: apt-get install microsocks tinyproxy haproxy")
         })
 }
 
@@ -110,6 +111,43 @@ pub async fn tinyproxy(auth: Option<(&str, &str)>, target_port: u16) -> ProxyPro
             &["-d".to_owned(), "-c".to_owned(), path.display().to_string()],
         ),
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        _dir: dir,
+    })
+    .await
+}
+
+/// haproxy in TCP mode on `ip` (a free port) in front of `servers`, round
+/// robin, each server checked every 200 ms (out after one failed check,
+/// back after one good one), so that a stopped replica gets no new
+/// connections: several replicas behind one load balancer.
+pub async fn haproxy(ip: IpAddr, servers: &[SocketAddr]) -> ProxyProcess {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // haproxy cannot report a port it picked; take a free one.
+    let port = std::net::TcpListener::bind((ip, 0))
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let addr = SocketAddr::new(ip, port);
+    let mut config = format!(
+        "global\n  maxconn 4096\ndefaults\n  mode tcp\n  timeout connect 2s\n  timeout client 1h\n  timeout server 1h\nfrontend agents\n  bind {addr}\n  default_backend servers\nbackend servers\n  balance roundrobin\n"
+    );
+    for (i, server) in servers.iter().enumerate() {
+        config.push_str(&format!(
+            "  server s{i} {server} check inter 200ms fall 1 rise 1\n"
+        ));
+    }
+    let path = dir.path().join("haproxy.cfg");
+    std::fs::write(&path, config).expect("writing the haproxy configuration");
+    ready(ProxyProcess {
+        child: spawn(
+            "haproxy",
+            &[
+                "-db".to_owned(),
+                "-f".to_owned(),
+                path.display().to_string(),
+            ],
+        ),
+        addr,
         _dir: dir,
     })
     .await

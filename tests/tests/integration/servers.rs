@@ -5,14 +5,10 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
-use std::{
-    net::{Ipv4Addr, SocketAddr},
-    process::{Child, Command, Stdio},
-    time::Duration,
-};
+use std::net::Ipv4Addr;
 
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, destination, http_get, wait_for,
+    AgentOpts, ServerOpts, TestAgent, TestServer, destination, http_get, proxies, wait_for,
 };
 use proxy_server::strategy::ProxyStrategy;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -119,76 +115,11 @@ async fn a_listed_server_is_connected_even_when_the_count_is_already_met() {
     wait_connected(&agent, &[&servers[0], &servers[1]]).await;
 }
 
-/// A haproxy in TCP mode on loopback in front of `servers`, stopped on drop.
-struct Haproxy {
-    addr: SocketAddr,
-    child: Child,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Haproxy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Haproxy {
-    fn start(servers: &[SocketAddr]) -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        // haproxy cannot report a port it picked; take a free one.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let mut config = format!(
-            "global\n  maxconn 512\ndefaults\n  mode tcp\n  timeout connect 2s\n  timeout client 1h\n  timeout server 1h\nfrontend agents\n  bind {addr}\n  default_backend servers\nbackend servers\n  balance roundrobin\n"
-        );
-        for (i, server) in servers.iter().enumerate() {
-            config.push_str(&format!(
-                "  server s{i} {server} check inter 200ms fall 1 rise 1\n"
-            ));
-        }
-        let path = dir.path().join("haproxy.cfg");
-        std::fs::write(&path, config).unwrap();
-        let child = Command::new("haproxy")
-            .args(["-db", "-f"])
-            .arg(&path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("running haproxy (apt-get install haproxy; scripts/test installs it)");
-        Self {
-            addr,
-            child,
-            _dir: dir,
-        }
-    }
-
-    async fn ready(mut self) -> Self {
-        let start = std::time::Instant::now();
-        while tokio::net::TcpStream::connect(self.addr).await.is_err() {
-            assert!(
-                self.child.try_wait().unwrap().is_none(),
-                "haproxy exited at start"
-            );
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "haproxy never listened"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        self
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_finds_all_three_servers_behind_a_load_balancer() {
     let servers = three_servers().await;
     let addrs: Vec<_> = servers.iter().map(|s| s.agent_addr).collect();
-    let lb = Haproxy::start(&addrs).ready().await;
+    let lb = proxies::haproxy(Ipv4Addr::LOCALHOST.into(), &addrs).await;
     let agent = TestAgent::start_with(lb.addr, AgentOpts::default()).await;
     survive_one_server_restart(&agent, servers).await;
     drop(lb);
@@ -209,7 +140,7 @@ async fn sync_forever_finds_servers_beyond_the_announced_count() {
         );
     }
     let addrs: Vec<_> = servers.iter().map(|s| s.agent_addr).collect();
-    let lb = Haproxy::start(&addrs).ready().await;
+    let lb = proxies::haproxy(Ipv4Addr::LOCALHOST.into(), &addrs).await;
     let agent = TestAgent::start_with(
         lb.addr,
         AgentOpts {
