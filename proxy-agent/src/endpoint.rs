@@ -529,6 +529,54 @@ mod tests {
     /// stream is ended, so that the server ends every connection on it
     /// with an error; before, the connection ended alone, unanswered, and
     /// the server's side of it hung while the stream stayed up.
+    /// A connection whose stream ended resets its destination: a FIN
+    /// would read as a clean end there, with bytes missing (the soak,
+    /// docs/reliability.md, saw requests cut short so when a server was
+    /// killed). The stream's token is cancelled before its table drops the
+    /// connection's queue, as `Client::serve` does; the driver must take
+    /// the stream's end first every time, not the closed queue for the
+    /// server's close.
+    #[tokio::test]
+    async fn a_connection_whose_stream_ended_resets_its_destination() {
+        for _ in 0..20 {
+            let (ours, mut destination) = small_pair().await;
+            let stream = CancellationToken::new();
+            let (out_tx, _out) = tunnel::queue::queue(1 << 20, 1 << 20);
+            let metrics = Arc::new(AgentMetrics::unattached());
+            let to_server = ToServer::new(out_tx.clone(), stream.clone(), metrics.clone());
+            let scheme = flow::Scheme::Credit {
+                ours: flow::Window::V1,
+                theirs: flow::Window::V1,
+            };
+            let flow = Arc::new(Flow::new(scheme));
+            let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
+            let id = ConnId(1);
+            let driver = ConnDriver {
+                id,
+                socket: ours,
+                up: QueueUpstream::new(id, out_tx, Some(flow)),
+                down: WindowDownstream::new(id, window, Some(Arc::new(to_server.clone()))),
+                overflow: CancellationToken::new(),
+                closing: CancellationToken::new(),
+                stream: stream.child_token(),
+                conns: Connections::new(scheme, &stream),
+                to_server,
+                metrics,
+            };
+            stream.cancel();
+            drop(inbound);
+            tokio::spawn(driver.run()).await.unwrap();
+            let mut buf = [0u8; 16];
+            let read = tokio::time::timeout(Duration::from_secs(10), destination.read(&mut buf))
+                .await
+                .expect("the destination was told");
+            assert!(
+                matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+                "the destination read {read:?}, not a reset"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn a_credit_that_cannot_be_queued_ends_the_stream() {
         let (ours, mut destination) = small_pair().await;
