@@ -66,6 +66,42 @@ ops::label_enum! {
 }
 
 ops::label_enum! {
+    /// Why a pending TLS connection ended without a finished handshake
+    /// (`reason`; [`tunnel::admission::Dropped`]).
+    pub(crate) enum HandshakeDrop {
+        /// At the cap: no ClientHello after a second of silence.
+        NoHello = "no_hello",
+        /// At the cap: started, its peer silent for five seconds.
+        Stalled = "stalled",
+        /// No ClientHello within 10 s of its accept.
+        HelloTimeout = "hello_timeout",
+        /// Not done within 10 s of its start.
+        Timeout = "timeout",
+        /// No ClientHello came: not TLS, or the peer closed first.
+        BadHello = "bad_hello",
+        /// The peer hung up while its handshake waited for its turn.
+        PeerGone = "peer_gone",
+        /// Started, it failed (a TLS error, or the peer hung up).
+        Failed = "failed",
+    }
+}
+
+impl From<tunnel::admission::Dropped> for HandshakeDrop {
+    fn from(reason: tunnel::admission::Dropped) -> Self {
+        use tunnel::admission::Dropped;
+        match reason {
+            Dropped::NoHello => Self::NoHello,
+            Dropped::Stalled => Self::Stalled,
+            Dropped::HelloTimeout => Self::HelloTimeout,
+            Dropped::Timeout => Self::Timeout,
+            Dropped::BadHello => Self::BadHello,
+            Dropped::PeerGone => Self::PeerGone,
+            Dropped::Failed => Self::Failed,
+        }
+    }
+}
+
+ops::label_enum! {
     /// The gRPC method of a stream (`service_method`).
     pub(crate) enum Method {
         /// A frontend's `ProxyService/Proxy`.
@@ -173,6 +209,7 @@ pub(crate) struct ServerMetrics {
     buffered: Gauge,
     limits: ByLabel<Limit, Counter>,
     handshakes: ByLabel<Handshake, Counter>,
+    handshake_drops: ByLabel<HandshakeDrop, Counter>,
     reviews: ByLabel<Review, Counter>,
     certs: ops::tls::files::CertMetrics,
 }
@@ -277,6 +314,7 @@ struct Ours {
     buffered: Gauge,
     limits: ByLabel<Limit, Counter>,
     handshakes: ByLabel<Handshake, Counter>,
+    handshake_drops: ByLabel<HandshakeDrop, Counter>,
     reviews: ByLabel<Review, Counter>,
 }
 
@@ -322,6 +360,12 @@ impl Ours {
                 "konnectivity_rs_server_agent_tls_handshakes_total",
                 "TLS handshakes completed on the agent listener, by kind (full: the server signed with its key; resumed: from a session ticket, no signature)",
                 "kind",
+            ),
+            handshake_drops: ByLabel::register(
+                m,
+                "konnectivity_rs_server_tls_handshakes_dropped_total",
+                "Connections to a TLS listener (agents, TCP frontend) that ended without a finished handshake, by reason (no_hello, stalled: a silent peer dropped at --max-tls-handshakes to make room; hello_timeout: no ClientHello within 10 s; bad_hello: no ClientHello came; peer_gone: the peer hung up while its handshake waited for its turn; timeout: not done within 10 s of its start; failed: a TLS error after its start; stalled, timeout and failed cost the server a signature)",
+                "reason",
             ),
             reviews: ByLabel::register(
                 m,
@@ -394,6 +438,7 @@ impl ServerMetrics {
             buffered: ours.buffered,
             limits: ours.limits,
             handshakes: ours.handshakes,
+            handshake_drops: ours.handshake_drops,
             reviews: ours.reviews,
         }
     }
@@ -411,6 +456,15 @@ impl ServerMetrics {
     /// An agent's TLS handshake completed.
     pub(crate) fn handshake(&self, kind: Handshake) {
         self.handshakes.get(kind).inc();
+    }
+
+    /// A pending TLS connection ended without a finished handshake; at
+    /// `--max-tls-handshakes`, that limit was reached.
+    pub(crate) fn handshake_dropped(&self, reason: tunnel::admission::Dropped) {
+        self.handshake_drops.get(reason.into()).inc();
+        if reason.at_cap() {
+            self.limit_reached(Limit::TlsHandshakes);
+        }
     }
 
     /// An agent's token was checked.

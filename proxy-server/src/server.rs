@@ -21,7 +21,7 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::transport::Server;
 use tracing::{info, warn};
 use tunnel::{
-    conn::{Following, bind_named, tls_incoming},
+    conn::{Following, bind_named, tls_incoming_counted},
     flow,
     read_ahead::ReadAhead,
 };
@@ -337,9 +337,9 @@ impl Bound {
     fn start(self) -> Running {
         let ends = Ends::default();
         let agent_local = self.agent.local_addr().ok();
-        let on_limit: tunnel::conn::OnLimit = {
+        let on_drop: tunnel::conn::OnDrop = {
             let metrics = self.control.metrics.clone();
-            Arc::new(move || metrics.limit_reached(Limit::TlsHandshakes))
+            Arc::new(move |reason| metrics.handshake_dropped(reason))
         };
         let Self {
             config,
@@ -352,10 +352,10 @@ impl Bound {
             token_auth,
         } = self;
         let agent_server = agent_server(
-            &config, &control, &ends, agent, agent_tls, token_auth, &on_limit,
+            &config, &control, &ends, agent, agent_tls, token_auth, &on_drop,
         );
         let (frontend_server, uds_path) =
-            frontend_server(&config, &control, &ends, frontend, &on_limit);
+            frontend_server(&config, &control, &ends, frontend, &on_drop);
         info!(agent.addr = ?agent_local, health.addr = ?health.local_addr().ok(), "listening");
         let http = http_servers(&config, &control, &ends, health, admin);
         let tasks = Tasks {
@@ -421,7 +421,7 @@ fn agent_server(
     listener: TcpListener,
     tls: TlsFiles<ListenerConfig>,
     token_auth: Option<Arc<crate::auth::TokenAuth>>,
-    on_limit: &tunnel::conn::OnLimit,
+    on_drop: &tunnel::conn::OnDrop,
 ) -> FrontendFuture {
     let service = AgentServiceServer::new(AgentServiceImpl {
         control: control.clone(),
@@ -435,13 +435,13 @@ fn agent_server(
     });
     let metrics = control.metrics.clone();
     let handshakes = tls.clone();
-    let incoming = tls_incoming(
+    let incoming = tls_incoming_counted(
         listener,
         Following(move || handshakes.current().server.clone()),
         ends.accept_stop.clone(),
         "agent",
         config.max_tls_handshakes,
-        on_limit.clone(),
+        on_drop.clone(),
     )
     .filter(move |conn| {
         std::future::ready(match conn {
@@ -497,17 +497,17 @@ fn frontend_server(
     control: &Arc<Control>,
     ends: &Ends,
     frontend: BoundFrontend,
-    on_limit: &tunnel::conn::OnLimit,
+    on_drop: &tunnel::conn::OnDrop,
 ) -> (FrontendFuture, Option<PathBuf>) {
     let stop = || ends.accept_stop.clone().cancelled_owned();
     let tls_incoming = |listener, tls: TlsFiles<ListenerConfig>| {
-        tls_incoming(
+        tls_incoming_counted(
             listener,
             Following(move || tls.current().server.clone()),
             ends.accept_stop.clone(),
             "frontend",
             config.max_tls_handshakes,
-            on_limit.clone(),
+            on_drop.clone(),
         )
     };
     let grpc = grpc_frontend(config, control, ends);

@@ -1,25 +1,23 @@
 //! Accepting TLS connections for tonic without letting one slow or broken
 //! handshake hold up the accept loop.
 
-use std::{io, net::SocketAddr, sync::Arc, time::Duration};
+use std::{io, net::SocketAddr, os::fd::AsFd, sync::Arc, time::Duration};
 
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
     sync::mpsc,
 };
-use tokio_rustls::{TlsAcceptor, server::TlsStream};
+use tokio_rustls::{LazyConfigAcceptor, server::TlsStream};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::{
-    admission::{Admission, Watched},
+    admission::{Admission, Dropped, HELLO_TIMEOUT, Ticket, Watched},
     read_ahead::ReadAhead,
 };
 
-/// How long a peer may take to complete its TLS handshake.
-pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Handshaken connections waiting for the gRPC server to pick them up.
 const ACCEPT_BACKLOG: usize = 64;
 
@@ -92,9 +90,13 @@ where
 /// Pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Called each time a listener drops a stalled pending handshake at its
-/// cap.
+/// Called each time a listener drops a silent pending connection at its
+/// cap ([`tls_incoming`]).
 pub type OnLimit = Arc<dyn Fn() + Send + Sync>;
+
+/// Called for each pending connection a listener gives up on, with the
+/// reason ([`tls_incoming_counted`]).
+pub type OnDrop = Arc<dyn Fn(Dropped) + Send + Sync>;
 
 /// Where a listener takes the TLS configuration of each handshake from: a
 /// fixed one, or one that follows its files (`ops::tls::files`).
@@ -122,20 +124,8 @@ where
     }
 }
 
-/// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
-/// own task with the configuration `tls` gives at that moment (bounded by
-/// [`TLS_HANDSHAKE_TIMEOUT`] from its `accept`) and yields the completed
-/// ones. Failed handshakes (plain TCP, wrong CA,
-/// garbage) are logged at debug with the peer address and dropped; they
-/// never reach the gRPC server.
-///
-/// At most `max_pending` connections are between `accept` and the gRPC
-/// server at once. At the cap, new connections wait in the listen backlog,
-/// and the pending one whose peer has kept it waiting longest, if at least
-/// [`STALL`](crate::admission::STALL) (a silent or stalling socket), is
-/// dropped to make room, calling `on_limit`; the first drop is logged. A handshake that makes progress is never dropped, so a
-/// storm of real peers all get through, while a flood of silent ones
-/// cannot keep them out (see [`admission`](crate::admission)).
+/// [`tls_incoming_counted`], calling `on_limit` for each pending connection
+/// dropped at the cap to make room.
 pub fn tls_incoming(
     listener: TcpListener,
     tls: impl ServerTls,
@@ -144,18 +134,55 @@ pub fn tls_incoming(
     max_pending: usize,
     on_limit: OnLimit,
 ) -> ReceiverStream<Result<TlsConn, io::Error>> {
+    let on_drop: OnDrop = Arc::new(move |reason: Dropped| {
+        if reason.at_cap() {
+            on_limit();
+        }
+    });
+    tls_incoming_counted(listener, tls, shutdown, what, max_pending, on_drop)
+}
+
+/// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
+/// own task with the configuration `tls` gives at that moment, and yields
+/// the completed ones. Failed handshakes (plain TCP, wrong CA, garbage)
+/// are logged at debug with the peer address and dropped; they never reach
+/// the gRPC server. `on_drop` is called with the reason for each pending
+/// connection that ends without a finished handshake.
+///
+/// Admission ([`admission`](crate::admission)): at most `max_pending`
+/// connections are between `accept` and the gRPC server at once; past
+/// that, new connections wait in the listen backlog, and a pending one
+/// whose peer is truly silent is dropped for each (the first drop is
+/// logged). Handshakes whose ClientHello is in are taken up in arrival
+/// order, one per runtime worker at a time; the ClientHello has
+/// [`HELLO_TIMEOUT`] from `accept`, the rest [`HANDSHAKE_TIMEOUT`] from the
+/// start of its turn. A peer that hung up while its handshake waited
+/// for its turn costs no signature. A handshake that makes progress is
+/// never dropped, so a storm of real peers all get through, at the rate
+/// the CPU allows, while a flood of silent ones cannot keep them out.
+///
+/// [`HANDSHAKE_TIMEOUT`]: crate::admission::HANDSHAKE_TIMEOUT
+pub fn tls_incoming_counted(
+    listener: TcpListener,
+    tls: impl ServerTls,
+    shutdown: CancellationToken,
+    what: &'static str,
+    max_pending: usize,
+    on_drop: OnDrop,
+) -> ReceiverStream<Result<TlsConn, io::Error>> {
     let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
     let tls = Arc::new(tls);
-    let admission = Admission::new(max_pending);
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    let admission = Admission::new(max_pending, workers);
     tokio::spawn(async move {
         let logged = std::sync::atomic::AtomicBool::new(false);
-        let on_shed = || {
-            on_limit();
+        let on_shed = |reason: Dropped| {
+            on_drop(reason);
             if !logged.swap(true, std::sync::atomic::Ordering::Relaxed) {
                 tracing::warn!(
                     listener = what,
                     limit = max_pending,
-                    "--max-tls-handshakes reached; dropping pending handshakes whose peers stall"
+                    "--max-tls-handshakes reached; dropping pending handshakes whose peers are silent"
                 );
             }
         };
@@ -168,43 +195,137 @@ pub fn tls_incoming(
                 () = shutdown.cancelled() => return,
                 accepted = accept(&listener, what) => accepted,
             };
-            let deadline = tokio::time::Instant::now() + TLS_HANDSHAKE_TIMEOUT;
+            let hello_deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
             let _ = tcp.set_nodelay(true);
             // Reads up to 64 KiB per system call under TLS (see `ReadAhead`).
             let io = admission.watch(ReadAhead::new(tcp), &ticket);
-            let tls = tls.clone();
-            let tx = tx.clone();
-            let admission = admission.clone();
-            tokio::spawn(async move {
-                // Reads the files when they follow them: off the accept loop.
-                let acceptor = TlsAcceptor::from(tls.server_config());
-                let result = tokio::select! {
-                    () = ticket.cancel.cancelled() => None,
-                    r = tokio::time::timeout_at(deadline, acceptor.accept(io)) => Some(r),
-                };
-                admission.done(&ticket);
-                match result {
-                    None => debug!(peer.addr = %peer, listener = what, "tls handshake dropped"),
-                    Some(Ok(Ok(mut inner))) => {
-                        inner.get_mut().0.disarm();
-                        // The slot is held until the server takes the
-                        // connection, so a slow taker bounds them too.
-                        tokio::select! {
-                            () = ticket.cancel.cancelled() => {}
-                            _ = tx.send(Ok(inner)) => {}
-                        }
-                    }
-                    Some(Ok(Err(error))) => {
-                        debug!(%error, peer.addr = %peer, listener = what, "tls handshake failed");
-                    }
-                    Some(Err(_)) => {
-                        debug!(peer.addr = %peer, listener = what, "tls handshake timed out");
-                    }
-                }
-            });
+            let pending = Pending {
+                admission: admission.clone(),
+                ticket,
+                peer,
+                what,
+            };
+            tokio::spawn(pending.handshake(
+                io,
+                hello_deadline,
+                tls.clone(),
+                tx.clone(),
+                on_drop.clone(),
+            ));
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// One pending connection of [`tls_incoming_counted`]: its handshake
+/// task's state.
+struct Pending {
+    /// The listener's admission.
+    admission: Arc<Admission>,
+    /// Its slot, stage and stop.
+    ticket: Ticket,
+    /// The peer, for logs.
+    peer: SocketAddr,
+    /// The listener, for logs.
+    what: &'static str,
+}
+
+impl Pending {
+    /// Runs the handshake (see [`tls_incoming_counted`]) and hands the
+    /// connection to `tx`; the slot is held until the server takes it, so
+    /// a slow taker bounds them too.
+    async fn handshake(
+        self,
+        io: Watched<ReadAhead<TcpStream>>,
+        hello_deadline: tokio::time::Instant,
+        tls: Arc<impl ServerTls>,
+        tx: mpsc::Sender<Result<TlsConn, io::Error>>,
+        on_drop: OnDrop,
+    ) {
+        let (peer, what) = (self.peer, self.what);
+        let result = tokio::select! {
+            // Dropped at the cap (counted there) or shut down.
+            () = self.ticket.cancel.cancelled() => None,
+            result = self.stages(io, hello_deadline, &*tls) => Some(result),
+        };
+        self.admission.done(&self.ticket);
+        match result {
+            None => debug!(peer.addr = %peer, listener = what, "tls handshake dropped"),
+            Some(Ok(mut conn)) => {
+                conn.get_mut().0.disarm();
+                tokio::select! {
+                    () = self.ticket.cancel.cancelled() => {}
+                    _ = tx.send(Ok(conn)) => {}
+                }
+            }
+            Some(Err(reason)) => {
+                debug!(peer.addr = %peer, listener = what, ?reason, "tls handshake dropped");
+                on_drop(reason);
+            }
+        }
+    }
+
+    /// The ClientHello, the wait for a turn, then the rest of the
+    /// handshake.
+    async fn stages(
+        &self,
+        io: Watched<ReadAhead<TcpStream>>,
+        hello_deadline: tokio::time::Instant,
+        tls: &impl ServerTls,
+    ) -> Result<TlsConn, Dropped> {
+        let hello = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), io);
+        let mut start = match tokio::time::timeout_at(hello_deadline, hello).await {
+            Err(_) => return Err(Dropped::HelloTimeout),
+            Ok(Err(error)) => {
+                debug!(%error, peer.addr = %self.peer, listener = self.what, "no tls client hello");
+                return Err(Dropped::BadHello);
+            }
+            Ok(Ok(start)) => start,
+        };
+        // Nothing is held for reading while it waits for its turn.
+        start.io.get_mut().release();
+        // Reads the files when they follow them: before the turn.
+        let config = tls.server_config();
+        let turn = self.admission.turn(&self.ticket).await;
+        if peer_gone(&start.io) {
+            return Err(Dropped::PeerGone);
+        }
+        // The key exchange and the signature happen here, on the turn.
+        let accept = start.into_stream(config);
+        let deadline = turn.deadline;
+        drop(turn);
+        match tokio::time::timeout_at(deadline, accept).await {
+            Err(_) => Err(Dropped::Timeout),
+            Ok(Err(error)) => {
+                debug!(%error, peer.addr = %self.peer, listener = self.what, "tls handshake failed");
+                Err(Dropped::Failed)
+            }
+            Ok(Ok(conn)) => Ok(conn),
+        }
+    }
+}
+
+/// Whether the peer of `io` has hung up (its end of stream, or a reset, is
+/// all there is to read), looked at without waiting or taking anything.
+/// The socket itself is asked, through a duplicate of its descriptor:
+/// tokio's readiness may not know yet of an end that came while the
+/// runtime was busy, which is when it matters.
+fn peer_gone(io: &Watched<ReadAhead<TcpStream>>) -> bool {
+    let ahead = io.get_ref();
+    if ahead.buffered() > 0 {
+        return false;
+    }
+    let Ok(fd) = ahead.get_ref().as_fd().try_clone_to_owned() else {
+        return false;
+    };
+    // Shares the original's open file (non-blocking); closing it on drop
+    // leaves the original open.
+    let socket = std::net::TcpStream::from(fd);
+    let mut byte = [0u8; 1];
+    match socket.peek(&mut byte) {
+        Ok(n) => n == 0,
+        Err(error) => error.kind() != io::ErrorKind::WouldBlock,
+    }
 }
 
 /// A listener that could not be bound, named.

@@ -13,7 +13,8 @@
 //! - [`mover`]: one connection's bytes between its socket and its DATA
 //!   packets, both ways.
 //! - [`admission`]: how many connections a TLS listener holds before
-//!   their handshakes end, and which it drops at the cap.
+//!   their handshakes end, in which order it works on them, and which it
+//!   drops at the cap.
 //! - [`conn`]: accepting TLS and TCP for tonic without letting one peer
 //!   hold up the others; binding listeners.
 //! - [`io`]: forwarding the I/O of wrappers (macros).

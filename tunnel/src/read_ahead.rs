@@ -48,6 +48,20 @@ impl<T> ReadAhead<T> {
     pub fn held(&self) -> usize {
         self.buf.capacity()
     }
+
+    /// Bytes read ahead and not yet taken.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Gives the buffer back if nothing is in it: for a connection about
+    /// to wait with no read pending (the buffer otherwise goes back only
+    /// when a read finds nothing).
+    pub fn release(&mut self) {
+        if self.buf.is_empty() {
+            self.buf = BytesMut::new();
+        }
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for ReadAhead<T> {

@@ -768,8 +768,9 @@ async fn a_flood_of_silent_connections_does_not_lock_agents_out() {
 }
 
 /// The same flood against a cap of 256: the server holds at most that many
-/// (the rest wait in the listen backlog), drops the silent ones as they
-/// pass 200 ms of silence, and a real agent behind them still gets in.
+/// (the rest wait in the listen backlog), drops the silent ones (no
+/// ClientHello) as they pass a second of silence, and a real agent behind
+/// them still gets in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_its_cap_the_agent_port_drops_silent_connections_to_let_an_agent_in() {
     trace_init();

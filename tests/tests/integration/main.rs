@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
+mod admission;
 mod agent_protocol;
 mod agent_proxy;
 mod cert_rotation;
