@@ -16,6 +16,8 @@
 //!   Prometheus text.
 //! - [`stats`]: median/min/max, Jain's index, latency histograms.
 //! - [`report`]: metric definitions, the table and the JSON.
+//! - [`soak`]: the soak (faults under load, the books checked throughout),
+//!   run on its own.
 
 pub mod agents;
 pub mod backends;
@@ -23,6 +25,7 @@ pub mod grpc_go;
 pub mod probe;
 pub mod report;
 pub mod scenarios;
+pub mod soak;
 pub mod stats;
 pub mod system;
 
@@ -88,6 +91,20 @@ pub enum Scenario {
     /// after a server restart, RSS and CPU per agent, health latency, dial
     /// rate with 1 and N agents, ANP-style agents.
     Agents,
+    /// --soak-duration of faults under load (two servers behind haproxy,
+    /// --soak-agents agents, every kind of frontend), every byte checked
+    /// and the books balanced; fails on a violated invariant. Runs alone
+    /// (not in the default set); needs root (a network namespace).
+    Soak,
+}
+
+/// `--soak-auth`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SoakAuth {
+    /// Agents present a client certificate.
+    Mtls,
+    /// Agents present a service-account token (TokenReview stand-in).
+    Token,
 }
 
 impl Scenario {
@@ -161,6 +178,28 @@ pub struct Opt {
     /// `scripts/test` builds).
     #[arg(long)]
     pub go_frontend: Option<PathBuf>,
+    /// Length of the soak, faults and all (Go duration).
+    #[arg(long, default_value = "60m", value_parser = go_duration)]
+    pub soak_duration: Duration,
+    /// How the soak's agents authenticate.
+    #[arg(long, value_enum, default_value_t = SoakAuth::Mtls)]
+    pub soak_auth: SoakAuth,
+    /// Agents of the soak (agent 0 in a network namespace).
+    #[arg(long, default_value_t = 3)]
+    pub soak_agents: usize,
+    /// Request/response workers per soak frontend.
+    #[arg(long, default_value_t = 4)]
+    pub soak_workers: usize,
+    /// Each soak request/response worker starts one exchange per this (Go
+    /// duration).
+    #[arg(long, default_value = "100ms", value_parser = go_duration)]
+    pub soak_interval: Duration,
+    /// Bytes per second of each soak frontend's bulk worker.
+    #[arg(long, default_value_t = 4_000_000)]
+    pub soak_bulk_rate: u64,
+    /// Where the soak writes its Markdown tables.
+    #[arg(long, default_value = "soak-report.md")]
+    pub soak_report: PathBuf,
     /// Internal: serve only the hold-open backend (the bench starts itself
     /// so, to keep idle connections' far ends out of its own fd limit).
     #[arg(long, hide = true)]
@@ -213,7 +252,92 @@ fn raise_nofile(want: u64) -> u64 {
 }
 
 /// [`run`] without the signal handling.
-async fn run_selected(mut opt: Opt) -> anyhow::Result<Report> {
+async fn run_selected(opt: Opt) -> anyhow::Result<Report> {
+    if opt.has(Scenario::Soak) {
+        anyhow::ensure!(
+            opt.scenarios.len() == 1,
+            "--scenarios soak runs alone: give it without other scenarios"
+        );
+        return run_soak(opt).await;
+    }
+    run_measurements(opt).await
+}
+
+/// The soak, its rows in the report.
+async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
+    raise_nofile(NOFILE_WANTED);
+    let mut bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone(), false)?;
+    if opt.worker_threads > 0 {
+        bins.extra
+            .push(format!("--worker-threads={}", opt.worker_threads));
+    }
+    let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
+    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
+    println!("command: {command_line}");
+    let soak_opt = soak::SoakOpt {
+        duration: opt.soak_duration,
+        auth: match opt.soak_auth {
+            SoakAuth::Mtls => soak::system::Auth::Mtls,
+            SoakAuth::Token => soak::system::Auth::Token,
+        },
+        agents: opt.soak_agents,
+        load: soak::traffic::Load {
+            rr_workers: opt.soak_workers,
+            interval: opt.soak_interval,
+            bulk_workers: 1,
+            bulk_rate: opt.soak_bulk_rate,
+            bulk_bytes: 16 * 1024 * 1024,
+            dial_limit: soak::dial_limit(),
+        },
+        go_frontend: go.path,
+        markdown: opt.soak_report.clone(),
+    };
+    let result = soak::run(bins.clone(), soak_opt).await?;
+    let mut rec = Recorder::new(1);
+    report::push_soak(&mut rec, &result);
+    let report = Report {
+        command_line,
+        machine: Machine::read(),
+        settings: Settings {
+            duration_s: result.seconds,
+            reps: 1,
+            conns: 0,
+            round_trips: 0,
+            streams: 0,
+            scenarios: opt.scenarios.iter().map(|s| s.name()).collect(),
+            nofile_limit: raise_nofile(NOFILE_WANTED),
+            server_bin: bins.server.display().to_string(),
+            agent_bin: bins.agent.display().to_string(),
+        },
+        notes: vec![
+            "soak: the grpc column sums the three frontends of the gRPC server (our client, \
+             grpc-go single-use, grpc-go reused); http-connect is our client on the CONNECT \
+             server; whole-run rows are in the grpc column"
+                .to_owned(),
+        ],
+        metrics: rec.metrics(),
+    };
+    println!();
+    print!("{}", report.table());
+    let json = serde_json::to_string_pretty(&report).context("serializing the results")?;
+    std::fs::write(&opt.json, json + "\n")
+        .with_context(|| format!("writing --json {}", opt.json.display()))?;
+    println!("JSON: {}", opt.json.display());
+    if !result.violations.is_empty() {
+        for v in &result.violations {
+            eprintln!("soak: VIOLATED: {v}");
+        }
+        anyhow::bail!(
+            "the soak found {} violated invariants",
+            result.violations.len()
+        );
+    }
+    println!("soak: every invariant held");
+    Ok(report)
+}
+
+/// The measurement scenarios (all but the soak).
+async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
     let mut notes = Vec::new();
     let wanted = NOFILE_WANTED.max(opt.conns as u64 + NOFILE_SPARE);
     let nofile = raise_nofile(wanted);

@@ -277,6 +277,123 @@ pub const AGENTS_ANP_DIAL_P99: Def = def("agents", "c=8 dial p99, N ANP-style", 
 /// Failed dials over the agents scenario's dial rows.
 pub const AGENTS_DIAL_ERRORS: Def = def("agents", "dial errors", "count", false);
 
+/// Faults the soak injected.
+pub const SOAK_FAULTS: Def = def("soak", "faults injected", "count", false);
+/// Exchanges (each a tunnel) that carried every byte.
+pub const SOAK_OK: Def = def("soak", "exchanges carried whole", "count", false);
+/// Exchanges the tunnel ended with an error.
+pub const SOAK_ERRORS: Def = def("soak", "exchanges ended with an error", "count", false);
+/// Exchanges that lost or altered bytes without an error (must be 0).
+pub const SOAK_SILENT: Def = def(
+    "soak",
+    "exchanges lost silently (must be 0)",
+    "count",
+    false,
+);
+/// Bytes checked end to end.
+pub const SOAK_BYTES: Def = def("soak", "bytes carried, checked", "GB", false);
+/// Dials that waited past their timeout (must be 0).
+pub const SOAK_LATE: Def = def("soak", "dials past the timeout (must be 0)", "count", false);
+/// Requests the destination saw end cleanly before their last byte, or altered.
+pub const SOAK_DEST_SILENT: Def = def(
+    "soak",
+    "destination: truncated or altered (must be 0)",
+    "count",
+    false,
+);
+/// Slowest time for an agent (or every agent of a restarted server) to be back.
+pub const SOAK_BACK_MAX: Def = def("soak", "slowest recovery: agent back", "s", false);
+/// Slowest time for dials through both servers to be served again.
+pub const SOAK_DIALS_MAX: Def = def("soak", "slowest recovery: dials served", "s", false);
+/// The least share of its rate a frontend kept during a fault elsewhere.
+pub const SOAK_RATE_MIN: Def = def("soak", "least rate kept during a fault", "ratio", false);
+/// Slowest return of RSS, fds and tasks to within 5 % of the baseline.
+pub const SOAK_RESOURCES_MAX: Def = def("soak", "slowest RSS/fds/tasks back", "s", false);
+/// Largest server RSS over the run.
+pub const SOAK_SERVER_RSS: Def = def("soak", "largest server RSS", "MiB", false);
+/// Largest agent RSS over the run.
+pub const SOAK_AGENT_RSS: Def = def("soak", "largest agent RSS", "MiB", false);
+/// Invariants that did not hold (must be 0).
+pub const SOAK_VIOLATIONS: Def = def("soak", "violated invariants (must be 0)", "count", false);
+
+/// Records a soak's rows: per route where they split (the gRPC server's
+/// frontends, the CONNECT server's), whole-run rows in the grpc column.
+pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
+    use crate::soak::{traffic::Kind, watch::Role};
+    const MIB: f64 = 1024.0 * 1024.0;
+    for route in [Route::Grpc, Route::HttpConnect] {
+        let server = usize::from(route == Route::HttpConnect);
+        let of = |pick: fn(&crate::soak::traffic::CountsSnap) -> u64| -> f64 {
+            Kind::ALL
+                .iter()
+                .zip(&r.counts)
+                .filter(|(k, _)| k.server() == server)
+                .map(|(_, (_, c))| pick(c) as f64)
+                .sum()
+        };
+        rec.push(&SOAK_OK, route, 0, Some(of(|c| c.ok)));
+        rec.push(&SOAK_ERRORS, route, 0, Some(of(|c| c.errors)));
+        rec.push(&SOAK_SILENT, route, 0, Some(of(|c| c.silent)));
+        rec.push(&SOAK_BYTES, route, 0, Some(of(|c| c.bytes) / 1e9));
+        rec.push(&SOAK_LATE, route, 0, Some(of(|c| c.late)));
+    }
+    let max = |it: &mut dyn Iterator<Item = f64>| it.reduce(f64::max);
+    let whole = [
+        (&SOAK_FAULTS, Some(r.faults.len() as f64)),
+        (
+            &SOAK_DEST_SILENT,
+            Some((r.dest.truncated + r.dest.corrupt) as f64),
+        ),
+        (
+            &SOAK_BACK_MAX,
+            max(&mut r.faults.iter().filter_map(|f| f.back_s)),
+        ),
+        (
+            &SOAK_DIALS_MAX,
+            max(&mut r.faults.iter().filter_map(|f| f.dials_s)),
+        ),
+        (
+            &SOAK_RATE_MIN,
+            r.faults
+                .iter()
+                .flat_map(|f| f.rates.iter().flatten().copied())
+                .reduce(f64::min),
+        ),
+        (
+            &SOAK_RESOURCES_MAX,
+            max(&mut r.faults.iter().filter_map(|f| f.resources_s)),
+        ),
+        (&SOAK_VIOLATIONS, Some(r.violations.len() as f64)),
+    ];
+    for (def, value) in whole {
+        rec.push(def, Route::Grpc, 0, value);
+    }
+    let roles: Vec<Role> = r
+        .slot_names
+        .iter()
+        .map(|n| {
+            if n.starts_with("server") {
+                Role::Server
+            } else {
+                Role::Agent
+            }
+        })
+        .collect();
+    for (def, role) in [
+        (&SOAK_SERVER_RSS, Role::Server),
+        (&SOAK_AGENT_RSS, Role::Agent),
+    ] {
+        let largest = r
+            .samples
+            .iter()
+            .flat_map(|s| s.procs.iter().zip(&roles))
+            .filter(|(_, r)| **r == role)
+            .filter_map(|(p, _)| p.map(|p| p.rss as f64 / MIB))
+            .reduce(f64::max);
+        rec.push(def, Route::Grpc, 0, largest);
+    }
+}
+
 /// Every metric, in table order.
 const ALL: &[&Def] = &[
     &BULK_DOWN,
@@ -379,6 +496,20 @@ const ALL: &[&Def] = &[
     &AGENTS_ANP_DIAL_RATE,
     &AGENTS_ANP_DIAL_P99,
     &AGENTS_DIAL_ERRORS,
+    &SOAK_FAULTS,
+    &SOAK_OK,
+    &SOAK_ERRORS,
+    &SOAK_SILENT,
+    &SOAK_BYTES,
+    &SOAK_LATE,
+    &SOAK_DEST_SILENT,
+    &SOAK_BACK_MAX,
+    &SOAK_DIALS_MAX,
+    &SOAK_RATE_MIN,
+    &SOAK_RESOURCES_MAX,
+    &SOAK_SERVER_RSS,
+    &SOAK_AGENT_RSS,
+    &SOAK_VIOLATIONS,
 ];
 
 /// Values collected so far, per metric, route and repetition.

@@ -107,6 +107,31 @@ impl Process {
         self.child.id()
     }
 
+    /// Sends SIGTERM (the first signal of a graceful shutdown).
+    ///
+    /// # Errors
+    /// `kill` cannot be run or fails.
+    pub fn terminate(&self) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .context("running kill")?;
+        if !status.success() {
+            bail!("kill -TERM {} failed", self.child.id());
+        }
+        Ok(())
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn has_exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Where its stderr goes.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
     /// An error if the process has exited, with the end of its log.
     ///
     /// # Errors

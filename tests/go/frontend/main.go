@@ -37,6 +37,7 @@
 //	                              one more to A that is never read. Prints {"open": N}
 //	                              and, once stdin closes, echoes 1 KiB on each again
 //	                              and closes them all (exit 0: all did)
+//	soak -addr A ...              the bench's soak traffic until stdin closes (soak.go)
 //	cut -count N                  open N tunnels to -addr (an echo server), echo on
 //	                              each, close the gRPC connection under them, and
 //	                              check that every stream fails
@@ -506,6 +507,10 @@ func main() {
 		fail("give -uds or -tcp")
 	}
 	mode := flag.Arg(0)
+	if mode == "soak" {
+		soak(t, flag.Args()[1:])
+		return
+	}
 	args := flag.NewFlagSet(mode, flag.ExitOnError)
 	addr := args.String("addr", "", "node-side HOST:PORT to dial")
 	size := args.Int("bytes", 0, "bytes to move")
