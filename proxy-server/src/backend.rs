@@ -201,6 +201,7 @@ impl AgentService for AgentServiceImpl {
         };
         let inbound = request.into_inner();
         let span = info_span!("backend", agent.id = %agent_id);
+        let audit = self.control.audit.clone();
         self.tasks.spawn(
             tunnel::sync::audit::scope(audit.clone(), id.taker(), async move {
                 let _live = live;
@@ -209,7 +210,6 @@ impl AgentService for AgentServiceImpl {
                     backend: id,
                     agent_id,
                     peer,
-        let audit = self.control.audit.clone();
                 };
                 driver.run(inbound).await;
             })
@@ -219,6 +219,7 @@ impl AgentService for AgentServiceImpl {
             metrics.packets.count(Segment::ToAgent, packet.r#type);
             packet
         }));
+        let stream = crate::stream::audited(audit, id.taker(), stream);
         let mut response = Response::new(Box::pin(stream) as PacketStream);
         self.headers(&mut response, scheme)?;
         Ok(response)
@@ -227,7 +228,6 @@ impl AgentService for AgentServiceImpl {
 
 /// One agent stream's driver; see the module documentation.
 struct BackendDriver {
-        let stream = crate::stream::audited(audit, id.taker(), stream);
     /// The stream.
     id: BackendId,
     /// The control core.

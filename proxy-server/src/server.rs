@@ -770,6 +770,12 @@ pub struct ServerHandle {
 }
 
 impl ServerHandle {
+    /// The lock audit of this server's streams (debug builds record; see
+    /// `tunnel::sync::audit`).
+    pub fn lock_audit(&self) -> Arc<crate::audit::LockAudit> {
+        self.control.audit.clone()
+    }
+
     /// Connected agent streams.
     pub fn backend_count(&self) -> usize {
         self.control.backend_count()
@@ -783,12 +789,6 @@ impl ServerHandle {
     /// Dials waiting for an agent's answer.
     pub fn pending_dials(&self) -> usize {
         self.control.pending_count()
-    }
-
-    /// The lock audit of this server's streams (debug builds record; see
-    /// `tunnel::sync::audit`).
-    pub fn lock_audit(&self) -> Arc<crate::audit::LockAudit> {
-        self.control.audit.clone()
     }
 
     /// Established end-to-end connections.

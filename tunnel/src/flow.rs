@@ -428,7 +428,9 @@ impl Flow {
                 Offer::Overflow => return Err(Refused::Overflow),
                 Offer::Closed => return Err(Refused::Closed),
                 Offer::Wait(until) => {
+                    // Biased: deterministic, as loom needs; the close first.
                     tokio::select! {
+                        biased;
                         () = self.closed.wait() => return Err(Refused::Closed),
                         () = self.drained.wait() => {}
                         () = tokio::time::sleep_until(until.into()) => {}
@@ -465,7 +467,9 @@ impl Flow {
                 Take::Closed => return Err(FlowClosed),
                 Take::Wait => {}
             }
+            // Biased: deterministic, as loom needs; the close first.
             tokio::select! {
+                biased;
                 () = self.closed.wait() => return Err(FlowClosed),
                 () = self.granted.wait() => {}
             }

@@ -34,8 +34,11 @@ pub mod mover;
 pub mod proxy_client;
 pub mod queue;
 pub mod read_ahead;
-pub mod text;
 pub mod sync;
+
+#[cfg(all(test, feature = "loom"))]
+mod loom_tests;
+pub mod text;
 
 /// Gives a table's memory back once it is mostly empty: a burst of 10,000
 /// tunnels must not leave tables that size behind for good. Amortised

@@ -29,7 +29,7 @@ use std::{
 
 use tokio::sync::mpsc;
 
-use crate::sync::{Arc, AtomicBool, AtomicU8, AtomicUsize, AtomicWaker, Mutex, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicU8, AtomicUsize, AtomicWaker, Mutex, Ordering, fence};
 
 /// The receiver is gone; the item comes back.
 #[derive(Debug, PartialEq, Eq)]
@@ -103,11 +103,8 @@ impl Gate {
     /// Counts `cost` in if less than `cap` is queued (so `cap` is exceeded
     /// by one item at most, and no item is too large to pass).
     fn admit(&self, cost: usize, cap: usize) -> bool {
-        // SeqCst pairs with `waiting`: a waiter counts itself, then tries
-        // to admit itself; a release lowers `queued`, then looks at
-        // `waiting`. One of the two sees the other.
         self.queued
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
                 (q < cap).then_some(q.saturating_add(cost))
             })
             .is_ok()
@@ -135,8 +132,14 @@ impl Gate {
 
     /// Releases `cost`, and admits waiting senders while there is room.
     pub(crate) fn release(&self, cost: usize) {
-        self.queued.fetch_sub(cost, Ordering::SeqCst);
-        if self.waiting.load(Ordering::SeqCst) > 0 {
+        self.queued.fetch_sub(cost, Ordering::AcqRel);
+        // Pairs with the fence in `Acquire::first`: a waiter counts itself,
+        // then tries to admit itself; a release lowers `queued`, then looks
+        // at `waiting`. With a SeqCst fence between each side's write and
+        // read, one of the two sees the other (a fence, not SeqCst
+        // accesses: what loom models).
+        fence(Ordering::SeqCst);
+        if self.waiting.load(Ordering::Acquire) > 0 {
             self.serve(&mut self.list.lock());
         }
     }
@@ -210,7 +213,9 @@ impl Acquire<'_> {
         if gate.is_closed() {
             return Poll::Ready(Err(()));
         }
-        gate.waiting.fetch_add(1, Ordering::SeqCst);
+        gate.waiting.fetch_add(1, Ordering::AcqRel);
+        // See `Gate::release`.
+        fence(Ordering::SeqCst);
         // Nobody ahead: room released since the first look is this one's.
         if list.is_empty() && gate.admit(self.cost, gate.limit) {
             gate.waiting.fetch_sub(1, Ordering::SeqCst);

@@ -26,22 +26,40 @@ use std::{
 #[cfg(not(feature = "loom"))]
 pub(crate) use futures_util::task::AtomicWaker;
 #[cfg(feature = "loom")]
-pub(crate) use loom::future::AtomicWaker;
-#[cfg(feature = "loom")]
 pub(crate) use loom::sync::{
     Arc,
-    atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering},
+    atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering, fence},
 };
 #[cfg(not(feature = "loom"))]
 pub(crate) use std::sync::{
     Arc,
-    atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering},
+    atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering, fence},
 };
 
 #[cfg(feature = "loom")]
 use loom::sync as shim;
 #[cfg(not(feature = "loom"))]
 use std::sync as shim;
+
+/// loom's `AtomicWaker`, registering by reference as futures-util's does.
+#[cfg(feature = "loom")]
+#[derive(Debug)]
+pub(crate) struct AtomicWaker(loom::future::AtomicWaker);
+
+#[cfg(feature = "loom")]
+impl AtomicWaker {
+    pub(crate) fn new() -> Self {
+        Self(loom::future::AtomicWaker::new())
+    }
+
+    pub(crate) fn register(&self, waker: &Waker) {
+        self.0.register_by_ref(waker);
+    }
+
+    pub(crate) fn wake(&self) {
+        self.0.wake();
+    }
+}
 
 /// A guard of [`Mutex`].
 pub type MutexGuard<'a, T> = shim::MutexGuard<'a, T>;
@@ -100,7 +118,7 @@ impl<T: Default> Default for Mutex<T> {
 /// nobody waiting is kept, so that the next wait returns at once: a waiter
 /// checks its condition, then waits, and a notify in between is not lost.
 /// Takes no lock.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Signal {
     /// A notify not yet consumed by a wait.
     permit: AtomicBool,
@@ -108,10 +126,19 @@ pub struct Signal {
     waker: AtomicWaker,
 }
 
+impl Default for Signal {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Signal {
     /// A signal with no permit.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            permit: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        }
     }
 
     /// Wakes the waiting task, or keeps a permit for the next wait.
@@ -123,14 +150,23 @@ impl Signal {
     /// Ready once notified (consuming the permit). Only one task may wait
     /// at a time: a second waiter's registration replaces the first's.
     pub fn poll_wait(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.permit.swap(false, Ordering::AcqRel) {
+        if self.take_permit() {
             return Poll::Ready(());
         }
         self.waker.register(cx.waker());
-        if self.permit.swap(false, Ordering::AcqRel) {
+        if self.take_permit() {
             return Poll::Ready(());
         }
         Poll::Pending
+    }
+
+    /// Consumes the permit, if there is one. A compare-exchange rather
+    /// than a swap: the same for a flag, and what loom models correctly
+    /// (tokio-rs/loom#254).
+    fn take_permit(&self) -> bool {
+        self.permit
+            .compare_exchange(true, false, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
     }
 
     /// Waits to be notified (see [`Signal::poll_wait`]).
@@ -144,7 +180,7 @@ impl Signal {
 
 /// A flag set once, which any number of tasks may wait for. Reading it is
 /// an atomic load; only a waiting task's poll takes its lock.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Event {
     /// Whether it was set.
     set: AtomicBool,
@@ -161,15 +197,28 @@ struct Waiters {
     wakers: Vec<(u64, Waker)>,
 }
 
+impl Default for Event {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Event {
     /// An event not yet set.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            set: AtomicBool::new(false),
+            waiters: Mutex::new(Waiters::default()),
+        }
     }
 
     /// Sets it, waking every waiting task.
     pub fn set(&self) {
-        if self.set.swap(true, Ordering::AcqRel) {
+        if self
+            .set
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return;
         }
         let wakers = std::mem::take(&mut self.waiters.lock().wakers);
@@ -266,7 +315,9 @@ pub mod audit {
     };
 
     #[cfg(not(feature = "loom"))]
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    #[cfg(all(debug_assertions, not(feature = "loom")))]
+    use std::sync::atomic::AtomicU64;
 
     /// What kind of lock it is, as its owner declared it.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -279,25 +330,34 @@ pub mod audit {
         Shared,
     }
 
-    /// A lock's identity: unique in the process, with its kind.
+    /// A lock's identity: unique in the process, with its kind (debug
+    /// builds only: release builds record nothing).
     #[derive(Debug)]
     pub(crate) struct LockId {
         /// Unique number.
-        #[cfg(not(feature = "loom"))]
+        #[cfg(all(debug_assertions, not(feature = "loom")))]
         number: u64,
         /// Its kind.
+        #[cfg(all(debug_assertions, not(feature = "loom")))]
         kind: LockKind,
     }
 
-    #[cfg(not(feature = "loom"))]
+    #[cfg(all(debug_assertions, not(feature = "loom")))]
     static NEXT_LOCK: AtomicU64 = AtomicU64::new(0);
 
     impl LockId {
         pub(crate) fn new(kind: LockKind) -> Self {
-            Self {
-                #[cfg(not(feature = "loom"))]
-                number: NEXT_LOCK.fetch_add(1, Ordering::Relaxed),
-                kind,
+            #[cfg(all(debug_assertions, not(feature = "loom")))]
+            {
+                Self {
+                    number: NEXT_LOCK.fetch_add(1, Ordering::Relaxed),
+                    kind,
+                }
+            }
+            #[cfg(not(all(debug_assertions, not(feature = "loom"))))]
+            {
+                let _ = kind;
+                Self {}
             }
         }
     }

@@ -32,6 +32,6 @@ mod resumption;
 mod robustness;
 mod secrets;
 mod servers;
-mod tcp_frontend;
 mod shared_stream;
+mod tcp_frontend;
 mod token_auth;
