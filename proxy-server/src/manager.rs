@@ -183,7 +183,7 @@ impl BackendManager {
     }
 
     /// Every backend indexed under a strategy or marked draining, for
-    /// [`crate::router::Router::check`].
+    /// the routing core's `check`.
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn indexed(&self) -> impl Iterator<Item = BackendId> + '_ {
         self.stores

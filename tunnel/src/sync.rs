@@ -5,7 +5,7 @@
 //! `loom` feature, so that `loom` checks every interleaving of the real
 //! queue and flow code (as tokio checks its own; tokio's `Notify`, `mpsc`
 //! and tokio-util's `CancellationToken` cannot run under loom, which is why
-//! the waits of [`queue`](crate::queue) and [`flow`](crate::flow) use these
+//! the waits of the byte queue and of a connection's flow use these
 //! instead).
 //!
 //! - [`Mutex`]: std's (or loom's), seen by the [`audit`] in debug builds.
