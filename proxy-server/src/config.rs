@@ -178,7 +178,8 @@ pub struct Args {
     /// dropped. Handshakes are taken up in arrival order, one per worker
     /// thread at a time; each has 10 s for its ClientHello from its accept
     /// and 10 s for the rest from when the server takes it up. At its
-    /// largest (18446744073709551615): no cap.
+    /// largest (18446744073709551615): no admission at all (no cap, every
+    /// handshake taken up as soon as its ClientHello is in).
     #[arg(long, default_value_t = 8192)]
     pub max_tls_handshakes: usize,
     /// Issue TLS session tickets on the agent listener, so that an agent

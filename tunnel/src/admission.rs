@@ -242,14 +242,20 @@ pub struct Turn {
 }
 
 impl Admission {
-    /// A table of at most `max` pending connections (at least one; a value
-    /// past what a semaphore holds, 2^61, means no cap), of which at most
-    /// `turns` (at least one) are taken up at a time.
+    /// A table of at most `max` pending connections (at least one), of
+    /// which at most `turns` (at least one) are taken up at a time. A `max`
+    /// past what a semaphore holds (2^61) means no admission at all: no cap,
+    /// and every handshake taken up as soon as its ClientHello is in.
     pub fn new(max: usize, turns: usize) -> Arc<Self> {
+        let turns = if max >= Semaphore::MAX_PERMITS {
+            Semaphore::MAX_PERMITS
+        } else {
+            turns.clamp(1, Semaphore::MAX_PERMITS)
+        };
         Arc::new(Self {
             pending: Mutex::new(BTreeMap::new()),
             slots: Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS))),
-            turns: Arc::new(Semaphore::new(turns.clamp(1, Semaphore::MAX_PERMITS))),
+            turns: Arc::new(Semaphore::new(turns)),
             next: AtomicU64::new(0),
             epoch: Instant::now(),
         })
@@ -798,8 +804,11 @@ mod tests {
     }
 
     #[test]
-    fn the_largest_cap_means_none() {
-        let table = Admission::new(usize::MAX, usize::MAX);
+    fn the_largest_cap_means_no_admission() {
+        let table = Admission::new(usize::MAX, 2);
         assert_eq!(table.slots.available_permits(), Semaphore::MAX_PERMITS);
+        assert_eq!(table.turns.available_permits(), Semaphore::MAX_PERMITS);
+        let table = Admission::new(Semaphore::MAX_PERMITS - 1, 2);
+        assert_eq!(table.turns.available_permits(), 2);
     }
 }

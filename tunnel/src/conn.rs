@@ -159,7 +159,9 @@ pub fn tls_incoming(
 /// start of its turn. A peer that hung up while its handshake waited
 /// for its turn costs no signature. A handshake that makes progress is
 /// never dropped, so a storm of real peers all get through, at the rate
-/// the CPU allows, while a flood of silent ones cannot keep them out.
+/// the CPU allows, while a flood of silent ones cannot keep them out. A
+/// `max_pending` of 2^61 or more turns admission off: no cap, and every
+/// handshake is taken up as soon as its ClientHello is in.
 ///
 /// [`HANDSHAKE_TIMEOUT`]: crate::admission::HANDSHAKE_TIMEOUT
 pub fn tls_incoming_counted(
