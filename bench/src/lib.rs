@@ -6,6 +6,8 @@
 //! # Layout
 //! - [`agents`]: the agents scenario (N real agents in `agent-swarm`
 //!   processes against one server).
+//! - [`storm`]: restart storms of grpc-go agents (`tests/go/agents`) with
+//!   and without admission, idle, on shared CPUs, and far away.
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
 //!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
@@ -27,6 +29,7 @@ pub mod report;
 pub mod scenarios;
 pub mod soak;
 pub mod stats;
+pub mod storm;
 pub mod system;
 
 use std::{path::PathBuf, time::Duration};
@@ -91,6 +94,12 @@ pub enum Scenario {
     /// after a server restart, RSS and CPU per agent, health latency, dial
     /// rate with 1 and N agents, ANP-style agents.
     Agents,
+    /// --storm-agents grpc-go agents (ANP's way: no session cache) against
+    /// our server with its admission and with none: time to all connected
+    /// after a cold start and after kill -9 and a restart, handshakes
+    /// thrown away, in each of --storm-conditions. Not in the default set;
+    /// the latency condition needs root.
+    Storm,
     /// --soak-duration of faults under load (two servers behind haproxy,
     /// --soak-agents agents, every kind of frontend), every byte checked
     /// and the books balanced; fails on a violated invariant. Runs alone
@@ -178,6 +187,30 @@ pub struct Opt {
     /// `scripts/test` builds).
     #[arg(long)]
     pub go_frontend: Option<PathBuf>,
+    /// Agents of the storm scenario.
+    #[arg(long, default_value_t = 10_000)]
+    pub storm_agents: usize,
+    /// Conditions of the storm scenario, comma-separated: idle (server and
+    /// swarm on separate CPUs), shared (the swarm on the server's CPUs),
+    /// latency (as idle, --storm-latency added to every round trip).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "idle,shared,latency"
+    )]
+    pub storm_conditions: Vec<storm::Condition>,
+    /// Round trip the storm's latency condition adds (Go duration).
+    #[arg(long, default_value = "200ms", value_parser = go_duration)]
+    pub storm_latency: Duration,
+    /// Longest wait for all of the storm's agents to connect, per storm (Go
+    /// duration).
+    #[arg(long, default_value = "300s", value_parser = go_duration)]
+    pub storm_limit: Duration,
+    /// The grpc-go agent swarm (default: `target/go-agents`, which
+    /// `scripts/test` builds).
+    #[arg(long)]
+    pub go_agents: Option<PathBuf>,
     /// Length of the soak, faults and all (Go duration).
     #[arg(long, default_value = "60m", value_parser = go_duration)]
     pub soak_duration: Duration,
@@ -226,6 +259,7 @@ pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
         opt.reps = 1;
         opt.conns = 1000;
         opt.agents = opt.agents.min(1000);
+        opt.storm_agents = opt.storm_agents.min(1000);
     }
     opt.reps = opt.reps.max(1);
     opt.streams = opt.streams.max(1);
@@ -441,6 +475,20 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
     } else {
         None
     };
+    let storm = if opt.has(Scenario::Storm) {
+        let storm = storm::StormOpt {
+            agents: opt.storm_agents,
+            conditions: opt.storm_conditions.clone(),
+            latency: opt.storm_latency,
+            limit: opt.storm_limit,
+            go_agents: storm::GoAgents::locate(opt.go_agents.clone())?,
+        };
+        storm::check(&storm)?;
+        println!("grpc-go agents: {}", storm.go_agents.path.display());
+        Some(storm)
+    } else {
+        None
+    };
     let mut rec = Recorder::new(opt.reps);
     if opt.has(Scenario::Memory) {
         memory_scenario(&opt, &targets, &backends, &mut rec).await?;
@@ -520,6 +568,12 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
              proxy-server while they connect",
             opt.agents_key_algorithm, opt.agents
         ));
+    }
+    if let Some(storm) = &storm {
+        let more = storm::run(&bins, dir.path(), storm, &mut rec)
+            .await
+            .context("storm scenario")?;
+        notes.extend(more);
     }
     notes.push(
         "each repetition runs direct, grpc, http-connect in turn; cells are median [min–max] \

@@ -394,6 +394,305 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
     }
 }
 
+/// Until all N agents are connected; idle, cold, admission.
+pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =
+    def("storm", "idle cold: all connected, admission", "s", false);
+/// Handshakes dropped or failed after the server signed; idle, cold, admission.
+pub const STORM_IDLE_COLD_THROWN_ADMISSION: Def =
+    def("storm", "idle cold: thrown away, admission", "count", false);
+/// Connection attempts of the swarm that failed; idle, cold, admission.
+pub const STORM_IDLE_COLD_FAILED_ADMISSION: Def = def(
+    "storm",
+    "idle cold: connects failed, admission",
+    "count",
+    false,
+);
+/// Until all N agents are connected; idle, cold, none.
+pub const STORM_IDLE_COLD_TIME_NONE: Def =
+    def("storm", "idle cold: all connected, none", "s", false);
+/// Handshakes dropped or failed after the server signed; idle, cold, none.
+pub const STORM_IDLE_COLD_THROWN_NONE: Def =
+    def("storm", "idle cold: thrown away, none", "count", false);
+/// Connection attempts of the swarm that failed; idle, cold, none.
+pub const STORM_IDLE_COLD_FAILED_NONE: Def =
+    def("storm", "idle cold: connects failed, none", "count", false);
+/// Time to all connected, with no admission / with it; idle, cold.
+pub const STORM_IDLE_COLD_RATIO: Def = def("storm", "idle cold: none / admission", "ratio", false);
+/// Until all N agents are connected; idle, restart, admission.
+pub const STORM_IDLE_RESTART_TIME_ADMISSION: Def = def(
+    "storm",
+    "idle restart: all connected, admission",
+    "s",
+    false,
+);
+/// Handshakes dropped or failed after the server signed; idle, restart, admission.
+pub const STORM_IDLE_RESTART_THROWN_ADMISSION: Def = def(
+    "storm",
+    "idle restart: thrown away, admission",
+    "count",
+    false,
+);
+/// Connection attempts of the swarm that failed; idle, restart, admission.
+pub const STORM_IDLE_RESTART_FAILED_ADMISSION: Def = def(
+    "storm",
+    "idle restart: connects failed, admission",
+    "count",
+    false,
+);
+/// Until all N agents are connected; idle, restart, none.
+pub const STORM_IDLE_RESTART_TIME_NONE: Def =
+    def("storm", "idle restart: all connected, none", "s", false);
+/// Handshakes dropped or failed after the server signed; idle, restart, none.
+pub const STORM_IDLE_RESTART_THROWN_NONE: Def =
+    def("storm", "idle restart: thrown away, none", "count", false);
+/// Connection attempts of the swarm that failed; idle, restart, none.
+pub const STORM_IDLE_RESTART_FAILED_NONE: Def = def(
+    "storm",
+    "idle restart: connects failed, none",
+    "count",
+    false,
+);
+/// Time to all connected, with no admission / with it; idle, restart.
+pub const STORM_IDLE_RESTART_RATIO: Def =
+    def("storm", "idle restart: none / admission", "ratio", false);
+/// Until all N agents are connected; shared, cold, admission.
+pub const STORM_SHARED_COLD_TIME_ADMISSION: Def =
+    def("storm", "shared cold: all connected, admission", "s", false);
+/// Handshakes dropped or failed after the server signed; shared, cold, admission.
+pub const STORM_SHARED_COLD_THROWN_ADMISSION: Def = def(
+    "storm",
+    "shared cold: thrown away, admission",
+    "count",
+    false,
+);
+/// Connection attempts of the swarm that failed; shared, cold, admission.
+pub const STORM_SHARED_COLD_FAILED_ADMISSION: Def = def(
+    "storm",
+    "shared cold: connects failed, admission",
+    "count",
+    false,
+);
+/// Until all N agents are connected; shared, cold, none.
+pub const STORM_SHARED_COLD_TIME_NONE: Def =
+    def("storm", "shared cold: all connected, none", "s", false);
+/// Handshakes dropped or failed after the server signed; shared, cold, none.
+pub const STORM_SHARED_COLD_THROWN_NONE: Def =
+    def("storm", "shared cold: thrown away, none", "count", false);
+/// Connection attempts of the swarm that failed; shared, cold, none.
+pub const STORM_SHARED_COLD_FAILED_NONE: Def = def(
+    "storm",
+    "shared cold: connects failed, none",
+    "count",
+    false,
+);
+/// Time to all connected, with no admission / with it; shared, cold.
+pub const STORM_SHARED_COLD_RATIO: Def =
+    def("storm", "shared cold: none / admission", "ratio", false);
+/// Until all N agents are connected; shared, restart, admission.
+pub const STORM_SHARED_RESTART_TIME_ADMISSION: Def = def(
+    "storm",
+    "shared restart: all connected, admission",
+    "s",
+    false,
+);
+/// Handshakes dropped or failed after the server signed; shared, restart, admission.
+pub const STORM_SHARED_RESTART_THROWN_ADMISSION: Def = def(
+    "storm",
+    "shared restart: thrown away, admission",
+    "count",
+    false,
+);
+/// Connection attempts of the swarm that failed; shared, restart, admission.
+pub const STORM_SHARED_RESTART_FAILED_ADMISSION: Def = def(
+    "storm",
+    "shared restart: connects failed, admission",
+    "count",
+    false,
+);
+/// Until all N agents are connected; shared, restart, none.
+pub const STORM_SHARED_RESTART_TIME_NONE: Def =
+    def("storm", "shared restart: all connected, none", "s", false);
+/// Handshakes dropped or failed after the server signed; shared, restart, none.
+pub const STORM_SHARED_RESTART_THROWN_NONE: Def =
+    def("storm", "shared restart: thrown away, none", "count", false);
+/// Connection attempts of the swarm that failed; shared, restart, none.
+pub const STORM_SHARED_RESTART_FAILED_NONE: Def = def(
+    "storm",
+    "shared restart: connects failed, none",
+    "count",
+    false,
+);
+/// Time to all connected, with no admission / with it; shared, restart.
+pub const STORM_SHARED_RESTART_RATIO: Def =
+    def("storm", "shared restart: none / admission", "ratio", false);
+/// Until all N agents are connected; latency, cold, admission.
+pub const STORM_LATENCY_COLD_TIME_ADMISSION: Def = def(
+    "storm",
+    "latency cold: all connected, admission",
+    "s",
+    false,
+);
+/// Handshakes dropped or failed after the server signed; latency, cold, admission.
+pub const STORM_LATENCY_COLD_THROWN_ADMISSION: Def = def(
+    "storm",
+    "latency cold: thrown away, admission",
+    "count",
+    false,
+);
+/// Connection attempts of the swarm that failed; latency, cold, admission.
+pub const STORM_LATENCY_COLD_FAILED_ADMISSION: Def = def(
+    "storm",
+    "latency cold: connects failed, admission",
+    "count",
+    false,
+);
+/// Until all N agents are connected; latency, cold, none.
+pub const STORM_LATENCY_COLD_TIME_NONE: Def =
+    def("storm", "latency cold: all connected, none", "s", false);
+/// Handshakes dropped or failed after the server signed; latency, cold, none.
+pub const STORM_LATENCY_COLD_THROWN_NONE: Def =
+    def("storm", "latency cold: thrown away, none", "count", false);
+/// Connection attempts of the swarm that failed; latency, cold, none.
+pub const STORM_LATENCY_COLD_FAILED_NONE: Def = def(
+    "storm",
+    "latency cold: connects failed, none",
+    "count",
+    false,
+);
+/// Time to all connected, with no admission / with it; latency, cold.
+pub const STORM_LATENCY_COLD_RATIO: Def =
+    def("storm", "latency cold: none / admission", "ratio", false);
+/// Until all N agents are connected; latency, restart, admission.
+pub const STORM_LATENCY_RESTART_TIME_ADMISSION: Def = def(
+    "storm",
+    "latency restart: all connected, admission",
+    "s",
+    false,
+);
+/// Handshakes dropped or failed after the server signed; latency, restart, admission.
+pub const STORM_LATENCY_RESTART_THROWN_ADMISSION: Def = def(
+    "storm",
+    "latency restart: thrown away, admission",
+    "count",
+    false,
+);
+/// Connection attempts of the swarm that failed; latency, restart, admission.
+pub const STORM_LATENCY_RESTART_FAILED_ADMISSION: Def = def(
+    "storm",
+    "latency restart: connects failed, admission",
+    "count",
+    false,
+);
+/// Until all N agents are connected; latency, restart, none.
+pub const STORM_LATENCY_RESTART_TIME_NONE: Def =
+    def("storm", "latency restart: all connected, none", "s", false);
+/// Handshakes dropped or failed after the server signed; latency, restart, none.
+pub const STORM_LATENCY_RESTART_THROWN_NONE: Def = def(
+    "storm",
+    "latency restart: thrown away, none",
+    "count",
+    false,
+);
+/// Connection attempts of the swarm that failed; latency, restart, none.
+pub const STORM_LATENCY_RESTART_FAILED_NONE: Def = def(
+    "storm",
+    "latency restart: connects failed, none",
+    "count",
+    false,
+);
+/// Time to all connected, with no admission / with it; latency, restart.
+pub const STORM_LATENCY_RESTART_RATIO: Def =
+    def("storm", "latency restart: none / admission", "ratio", false);
+/// The storm rows by condition (idle, shared, latency), phase (cold,
+/// restart), variant (admission, none) and what (time, thrown away,
+/// connects failed).
+pub const STORM: [[[[&Def; 3]; 2]; 2]; 3] = [
+    [
+        [
+            [
+                &STORM_IDLE_COLD_TIME_ADMISSION,
+                &STORM_IDLE_COLD_THROWN_ADMISSION,
+                &STORM_IDLE_COLD_FAILED_ADMISSION,
+            ],
+            [
+                &STORM_IDLE_COLD_TIME_NONE,
+                &STORM_IDLE_COLD_THROWN_NONE,
+                &STORM_IDLE_COLD_FAILED_NONE,
+            ],
+        ],
+        [
+            [
+                &STORM_IDLE_RESTART_TIME_ADMISSION,
+                &STORM_IDLE_RESTART_THROWN_ADMISSION,
+                &STORM_IDLE_RESTART_FAILED_ADMISSION,
+            ],
+            [
+                &STORM_IDLE_RESTART_TIME_NONE,
+                &STORM_IDLE_RESTART_THROWN_NONE,
+                &STORM_IDLE_RESTART_FAILED_NONE,
+            ],
+        ],
+    ],
+    [
+        [
+            [
+                &STORM_SHARED_COLD_TIME_ADMISSION,
+                &STORM_SHARED_COLD_THROWN_ADMISSION,
+                &STORM_SHARED_COLD_FAILED_ADMISSION,
+            ],
+            [
+                &STORM_SHARED_COLD_TIME_NONE,
+                &STORM_SHARED_COLD_THROWN_NONE,
+                &STORM_SHARED_COLD_FAILED_NONE,
+            ],
+        ],
+        [
+            [
+                &STORM_SHARED_RESTART_TIME_ADMISSION,
+                &STORM_SHARED_RESTART_THROWN_ADMISSION,
+                &STORM_SHARED_RESTART_FAILED_ADMISSION,
+            ],
+            [
+                &STORM_SHARED_RESTART_TIME_NONE,
+                &STORM_SHARED_RESTART_THROWN_NONE,
+                &STORM_SHARED_RESTART_FAILED_NONE,
+            ],
+        ],
+    ],
+    [
+        [
+            [
+                &STORM_LATENCY_COLD_TIME_ADMISSION,
+                &STORM_LATENCY_COLD_THROWN_ADMISSION,
+                &STORM_LATENCY_COLD_FAILED_ADMISSION,
+            ],
+            [
+                &STORM_LATENCY_COLD_TIME_NONE,
+                &STORM_LATENCY_COLD_THROWN_NONE,
+                &STORM_LATENCY_COLD_FAILED_NONE,
+            ],
+        ],
+        [
+            [
+                &STORM_LATENCY_RESTART_TIME_ADMISSION,
+                &STORM_LATENCY_RESTART_THROWN_ADMISSION,
+                &STORM_LATENCY_RESTART_FAILED_ADMISSION,
+            ],
+            [
+                &STORM_LATENCY_RESTART_TIME_NONE,
+                &STORM_LATENCY_RESTART_THROWN_NONE,
+                &STORM_LATENCY_RESTART_FAILED_NONE,
+            ],
+        ],
+    ],
+];
+/// The storm's ratio rows by condition and phase.
+pub const STORM_RATIO: [[&Def; 2]; 3] = [
+    [&STORM_IDLE_COLD_RATIO, &STORM_IDLE_RESTART_RATIO],
+    [&STORM_SHARED_COLD_RATIO, &STORM_SHARED_RESTART_RATIO],
+    [&STORM_LATENCY_COLD_RATIO, &STORM_LATENCY_RESTART_RATIO],
+];
+
 /// Every metric, in table order.
 const ALL: &[&Def] = &[
     &BULK_DOWN,
@@ -496,6 +795,48 @@ const ALL: &[&Def] = &[
     &AGENTS_ANP_DIAL_RATE,
     &AGENTS_ANP_DIAL_P99,
     &AGENTS_DIAL_ERRORS,
+    &STORM_IDLE_COLD_TIME_ADMISSION,
+    &STORM_IDLE_COLD_THROWN_ADMISSION,
+    &STORM_IDLE_COLD_FAILED_ADMISSION,
+    &STORM_IDLE_COLD_TIME_NONE,
+    &STORM_IDLE_COLD_THROWN_NONE,
+    &STORM_IDLE_COLD_FAILED_NONE,
+    &STORM_IDLE_COLD_RATIO,
+    &STORM_IDLE_RESTART_TIME_ADMISSION,
+    &STORM_IDLE_RESTART_THROWN_ADMISSION,
+    &STORM_IDLE_RESTART_FAILED_ADMISSION,
+    &STORM_IDLE_RESTART_TIME_NONE,
+    &STORM_IDLE_RESTART_THROWN_NONE,
+    &STORM_IDLE_RESTART_FAILED_NONE,
+    &STORM_IDLE_RESTART_RATIO,
+    &STORM_SHARED_COLD_TIME_ADMISSION,
+    &STORM_SHARED_COLD_THROWN_ADMISSION,
+    &STORM_SHARED_COLD_FAILED_ADMISSION,
+    &STORM_SHARED_COLD_TIME_NONE,
+    &STORM_SHARED_COLD_THROWN_NONE,
+    &STORM_SHARED_COLD_FAILED_NONE,
+    &STORM_SHARED_COLD_RATIO,
+    &STORM_SHARED_RESTART_TIME_ADMISSION,
+    &STORM_SHARED_RESTART_THROWN_ADMISSION,
+    &STORM_SHARED_RESTART_FAILED_ADMISSION,
+    &STORM_SHARED_RESTART_TIME_NONE,
+    &STORM_SHARED_RESTART_THROWN_NONE,
+    &STORM_SHARED_RESTART_FAILED_NONE,
+    &STORM_SHARED_RESTART_RATIO,
+    &STORM_LATENCY_COLD_TIME_ADMISSION,
+    &STORM_LATENCY_COLD_THROWN_ADMISSION,
+    &STORM_LATENCY_COLD_FAILED_ADMISSION,
+    &STORM_LATENCY_COLD_TIME_NONE,
+    &STORM_LATENCY_COLD_THROWN_NONE,
+    &STORM_LATENCY_COLD_FAILED_NONE,
+    &STORM_LATENCY_COLD_RATIO,
+    &STORM_LATENCY_RESTART_TIME_ADMISSION,
+    &STORM_LATENCY_RESTART_THROWN_ADMISSION,
+    &STORM_LATENCY_RESTART_FAILED_ADMISSION,
+    &STORM_LATENCY_RESTART_TIME_NONE,
+    &STORM_LATENCY_RESTART_THROWN_NONE,
+    &STORM_LATENCY_RESTART_FAILED_NONE,
+    &STORM_LATENCY_RESTART_RATIO,
     &SOAK_FAULTS,
     &SOAK_OK,
     &SOAK_ERRORS,

@@ -418,3 +418,82 @@ async fn a_peer_that_hangs_up_while_its_handshake_waits_costs_no_signature() {
     assert_eq!(signed.load(Ordering::Relaxed), AGENTS);
     assert_eq!(listener.all_dropped().len(), IMPATIENT);
 }
+
+/// `tests/go/agents`, the grpc-go agent swarm; panics naming how to build
+/// it.
+fn go_agents() -> std::path::PathBuf {
+    let path = integration_tests::workspace().join("target/go-agents");
+    assert!(
+        path.exists(),
+        "no grpc-go agent swarm at {}: run scripts/test, which installs golang-go, \
+         golang-google-grpc-dev and golang-google-protobuf-dev and builds tests/go/agents",
+        path.display()
+    );
+    path
+}
+
+/// 300 grpc-go agents (`tests/go/agents`: each its own TLS connection with
+/// no session cache and its own `Connect` stream, as ANP's agents) connect
+/// at once to a server that holds at most 32 pending handshakes: every one
+/// connects, the server throws none away after signing, a dial reaches
+/// one of them (which refuses it in its own words), and the swarm's
+/// counts say the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_grpc_go_agents_gets_through_a_small_cap() {
+    use integration_tests::{ServerOpts, TestServer};
+    use tokio::io::AsyncBufReadExt;
+    trace_init();
+    const AGENTS: usize = 300;
+    let server = TestServer::start_with(ServerOpts {
+        max_tls_handshakes: 32,
+        ..ServerOpts::default()
+    })
+    .await;
+    let pki = Pki::get();
+    let mut swarm = tokio::process::Command::new(go_agents())
+        .arg(format!("-addr={}", server.agent_addr))
+        .arg(format!("-ca={}", pki.path("agent-ca.crt").display()))
+        .arg(format!("-cert={}", pki.path("proxy-agent.crt").display()))
+        .arg(format!("-key={}", pki.path("proxy-agent.key").display()))
+        .arg(format!("-count={AGENTS}"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdin = swarm.stdin.take().unwrap();
+    let mut reports = tokio::io::BufReader::new(swarm.stdout.take().unwrap()).lines();
+    let report = tokio::time::timeout(LIMIT, async {
+        loop {
+            let line = reports.next_line().await.unwrap().expect("a report");
+            let report: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if report["connected"] == AGENTS && server.handle.backend_count() == AGENTS {
+                return report;
+            }
+        }
+    })
+    .await
+    .expect("every agent connected");
+    assert_eq!(report["agents"], AGENTS);
+    for reason in ["stalled", "timeout", "failed"] {
+        let series =
+            format!("konnectivity_rs_server_tls_handshakes_dropped_total{{reason=\"{reason}\"}}");
+        assert_eq!(server.metric(&series).await, 0.0, "{series}");
+    }
+    let refused = server.dial("127.0.0.1:1").await.err().expect("refused");
+    assert!(
+        refused
+            .to_string()
+            .contains("the agent swarm dials nothing"),
+        "{refused}"
+    );
+    // Its stdin closed, the swarm reports once more and ends.
+    drop(stdin);
+    let mut last = None;
+    while let Some(line) = reports.next_line().await.unwrap() {
+        last = Some(line);
+    }
+    let last: serde_json::Value = serde_json::from_str(&last.expect("a last report")).unwrap();
+    assert_eq!(last["dials"], 1, "{last}");
+    assert!(swarm.wait().await.unwrap().success());
+}

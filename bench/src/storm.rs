@@ -1,0 +1,691 @@
+//! The storm scenario: restart storms of grpc-go agents against our server,
+//! with its admission (default flags) and with none
+//! (`--max-tls-handshakes` at its largest), in three conditions:
+//! - **idle**: the server on the first half of the CPUs, the swarm on the
+//!   other half (on 2 cores: one each);
+//! - **shared**: the swarm on the server's CPUs (its peers answer late
+//!   because they wait for the same CPU);
+//! - **latency**: as idle, with the swarm in a network namespace behind a
+//!   veth pair whose two ends delay every packet by half of `--storm-latency`
+//!   (netem): a round trip longer by that much, as agents far from a hosted
+//!   control plane have it. On a kernel without netem (this machine's:
+//!   `CONFIG_NET_SCH_NETEM` is not set) the swarm delays its own
+//!   connections' bytes instead (`-latency`: half each way, the TCP
+//!   handshake itself not delayed), and the report says so.
+//!
+//! The agents are `tests/go/agents` (grpc-go, as ANP's proxy-agent: each
+//! agent its own TLS connection and no session cache, so every handshake
+//! is a full one with an RSA-2048 signature by the server, kubeadm's key;
+//! its own `Connect` stream; a retry 1 to 2 s after a failure). They
+//! present ECDSA P-256 client certificates from a CA of their own: as cheap
+//! for them as sending a token is for the agents of the Konnectivity docs'
+//! deployment, so the swarm's CPU is not what the storm measures. For
+//! each condition and variant, on a fresh server: the time from the
+//! swarm's start until the server counts all N agents (cold), then from a
+//! SIGKILL of the server, started again at once on the same port, until it
+//! counts all N again (restart); the handshakes the server threw away after
+//! signing (`konnectivity_rs_server_tls_handshakes_dropped_total`, reasons
+//! `stalled`, `timeout`, `failed`); the swarm's failed connection attempts.
+//!
+//! Needs `taskset` and, for the latency condition, root (`ip netns`,
+//! `tc`); the namespace and the veth pair are removed when it ends.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Stdio,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use clap::ValueEnum;
+use serde::Deserialize;
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    process::{Child, ChildStdin, Command},
+    task::JoinHandle,
+};
+
+use crate::{
+    probe,
+    report::{self, Recorder, Route},
+    system::{self, Binaries, Process},
+};
+
+/// How often the server's gauge is read while agents connect.
+const POLL: Duration = Duration::from_millis(200);
+/// The server's count of connected agent streams.
+const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+/// The server's count of pending connections given up, by reason.
+const DROPPED: &str = "konnectivity_rs_server_tls_handshakes_dropped_total";
+/// The reasons that cost the server a signature.
+const AFTER_SIGNING: [&str; 3] = ["stalled", "timeout", "failed"];
+/// Every reason, for the log.
+const REASONS: [&str; 7] = [
+    "no_hello",
+    "stalled",
+    "hello_timeout",
+    "bad_hello",
+    "peer_gone",
+    "timeout",
+    "failed",
+];
+/// `--max-tls-handshakes` at its largest: no admission cap.
+const NO_ADMISSION: &str = "--max-tls-handshakes=18446744073709551615";
+
+/// A condition of the storm (`--storm-conditions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Condition {
+    /// Server and swarm on separate CPUs.
+    Idle,
+    /// The swarm on the server's CPUs.
+    Shared,
+    /// As idle, `--storm-latency` added to every round trip.
+    Latency,
+}
+
+impl Condition {
+    /// Its index in [`report::STORM`].
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The built swarm, `tests/go/agents`.
+#[derive(Debug, Clone)]
+pub struct GoAgents {
+    /// Its path.
+    pub path: PathBuf,
+}
+
+impl GoAgents {
+    /// `given`, else `target/go-agents` beside this executable's
+    /// `target/<profile>/`.
+    ///
+    /// # Errors
+    /// It does not exist; the message says how to build it.
+    pub fn locate(given: Option<PathBuf>) -> anyhow::Result<Self> {
+        let path = match given {
+            Some(path) => path,
+            None => std::env::current_exe()
+                .context("finding the bench executable")?
+                .parent()
+                .and_then(Path::parent)
+                .context("the bench executable has no target directory")?
+                .join("go-agents"),
+        };
+        if !path.is_file() {
+            bail!(
+                "{} not found: `scripts/test` builds it, or `GOPATH=/usr/share/gocode \
+                 GO111MODULE=off go build -o target/go-agents ./tests/go/agents` with \
+                 Debian's golang-go, golang-google-grpc-dev and golang-google-protobuf-dev \
+                 (or pass --go-agents)",
+                path.display()
+            );
+        }
+        Ok(Self { path })
+    }
+}
+
+/// What the storm scenario is asked for.
+#[derive(Debug, Clone)]
+pub struct StormOpt {
+    /// Agents in the swarm.
+    pub agents: usize,
+    /// The conditions, in order.
+    pub conditions: Vec<Condition>,
+    /// Round trip added in the latency condition.
+    pub latency: Duration,
+    /// Longest wait for all agents to connect, per storm.
+    pub limit: Duration,
+    /// The swarm's binary.
+    pub go_agents: GoAgents,
+}
+
+/// Checks, before any scenario runs, that the storm can: `taskset`, and
+/// for the latency condition root, `ip` and `tc`.
+///
+/// # Errors
+/// What is missing.
+pub fn check(opt: &StormOpt) -> anyhow::Result<()> {
+    let mut needed = vec!["taskset"];
+    if opt.conditions.contains(&Condition::Latency) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let root = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|uids| uids.split_whitespace().nth(1))
+            == Some("0");
+        if !root {
+            bail!(
+                "--storm-conditions latency needs root (a network namespace, netem); \
+                 run as root or leave it out"
+            );
+        }
+        needed.extend(["ip", "tc"]);
+    }
+    for tool in needed {
+        let found = std::process::Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .env("PATH", path_with_sbin())
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            bail!("the storm scenario needs `{tool}` (util-linux, iproute2)");
+        }
+    }
+    Ok(())
+}
+
+/// `PATH` with the sbin directories, where `ip` and `tc` live.
+fn path_with_sbin() -> String {
+    format!(
+        "{}:/usr/sbin:/sbin",
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// Runs `program args` to its end; an error with its stderr if it fails.
+fn run_tool(program: &str, args: &[&str]) -> anyhow::Result<()> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .env("PATH", path_with_sbin())
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "{program} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// A network namespace joined to this one by a veth pair whose two ends
+/// delay every packet by `one_way` when the kernel has netem; removed on
+/// drop.
+struct Netns {
+    /// The namespace.
+    name: String,
+    /// The veth end in this namespace.
+    host_if: String,
+    /// Its address (the server listens there).
+    host_ip: Ipv4Addr,
+    /// Whether netem delays the packets (else the swarm must).
+    netem: bool,
+}
+
+impl Netns {
+    /// Creates it, with names and a /30 of 10.251.0.0/16 taken from this
+    /// process's id.
+    fn create(one_way: Duration) -> anyhow::Result<Self> {
+        let pid = std::process::id();
+        let (a, b) = (((pid >> 6) & 0xff) as u8, ((pid & 0x3f) << 2) as u8);
+        let mut netns = Self {
+            name: format!("kstorm{pid}"),
+            host_if: format!("ksh{pid}"),
+            host_ip: Ipv4Addr::new(10, 251, a, b + 1),
+            netem: false,
+        };
+        let ns_if = format!("ksn{pid}");
+        let ns_ip = Ipv4Addr::new(10, 251, a, b + 2);
+        let delay = format!("{}ms", one_way.as_millis());
+        let (name, host_if) = (netns.name.as_str(), netns.host_if.as_str());
+        let host_cidr = format!("{}/30", netns.host_ip);
+        let ns_cidr = format!("{ns_ip}/30");
+        let netem = ["netem", "delay", &delay, "limit", "1000000"];
+        run_tool("ip", &["netns", "add", name])?;
+        run_tool(
+            "ip",
+            &[
+                "link", "add", host_if, "type", "veth", "peer", "name", &ns_if,
+            ],
+        )?;
+        run_tool("ip", &["link", "set", &ns_if, "netns", name])?;
+        run_tool("ip", &["addr", "add", &host_cidr, "dev", host_if])?;
+        run_tool("ip", &["link", "set", host_if, "up"])?;
+        let in_ns = |args: &[&str]| {
+            let all = [&["netns", "exec", name][..], args].concat();
+            run_tool("ip", &all)
+        };
+        in_ns(&["ip", "addr", "add", &ns_cidr, "dev", &ns_if])?;
+        in_ns(&["ip", "link", "set", &ns_if, "up"])?;
+        in_ns(&["ip", "link", "set", "lo", "up"])?;
+        let host_netem = run_tool(
+            "tc",
+            &[&["qdisc", "add", "dev", host_if, "root"][..], &netem].concat(),
+        );
+        match host_netem {
+            Ok(()) => {
+                in_ns(&[&["tc", "qdisc", "add", "dev", &ns_if, "root"][..], &netem].concat())?;
+                netns.netem = true;
+            }
+            Err(error) => eprintln!("storm: no netem ({error:#}): the swarm delays its bytes"),
+        }
+        Ok(netns)
+    }
+
+    /// The command prefix that runs a program inside it.
+    fn exec(&self) -> Vec<String> {
+        ["ip", "netns", "exec", &self.name]
+            .map(str::to_owned)
+            .to_vec()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes its veth end, and so the pair.
+        let _ = run_tool("ip", &["netns", "del", &self.name]);
+        let _ = run_tool("ip", &["link", "del", &self.host_if]);
+    }
+}
+
+/// The server under test, on CPUs of its own choosing, restartable on the
+/// same ports.
+struct Server {
+    /// The running process, if any.
+    process: Option<Process>,
+    /// `taskset -c CPUS proxy-server ARGS`.
+    argv: Vec<String>,
+    /// Where logs go.
+    dir: PathBuf,
+    /// Name of its logs.
+    label: String,
+    /// How many times it was started (log names).
+    starts: usize,
+    /// The health port (`/metrics`).
+    health: SocketAddr,
+}
+
+impl Server {
+    /// Starts the process and waits until `/metrics` answers.
+    async fn start(&mut self) -> anyhow::Result<()> {
+        self.starts += 1;
+        self.process = Some(Process::spawn(
+            format!("proxy-server ({})", self.label),
+            Path::new("taskset"),
+            &self.argv,
+            self.dir
+                .join(format!("storm-server-{}-{}.log", self.label, self.starts)),
+        )?);
+        let started = Instant::now();
+        while probe::http_get(self.health, "/metrics").await.is_err() {
+            self.check_alive()?;
+            if started.elapsed() > Duration::from_secs(30) {
+                bail!("proxy-server did not answer /metrics within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// SIGKILL, as a crashed or evicted control-plane Pod.
+    fn kill(&mut self) {
+        self.process = None;
+    }
+
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        match &mut self.process {
+            Some(p) => p.check_alive(),
+            None => bail!("proxy-server is not running"),
+        }
+    }
+
+    /// `/metrics` now.
+    async fn scrape(&self) -> anyhow::Result<String> {
+        Ok(probe::http_get(self.health, "/metrics").await?.1)
+    }
+}
+
+/// The counts the swarm prints.
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+struct SwarmCounts {
+    /// Agents with their stream up.
+    connected: u64,
+    /// Connections tried.
+    attempts: u64,
+    /// Connections that never got a stream up.
+    failures: u64,
+}
+
+/// A running `tests/go/agents`, killed on drop.
+struct Swarm {
+    /// The process (`ip netns exec` and `taskset` exec it).
+    child: Child,
+    /// Its stdin: it runs until this closes.
+    _stdin: ChildStdin,
+    /// The last counts it printed.
+    latest: Arc<Mutex<SwarmCounts>>,
+    /// Reads its reports.
+    reader: JoinHandle<()>,
+    /// Its stderr.
+    log: PathBuf,
+}
+
+impl Swarm {
+    fn start(argv: &[String], log: PathBuf) -> anyhow::Result<Self> {
+        let (program, args) = argv.split_first().context("an empty command")?;
+        let stderr =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let mut child = Command::new(program)
+            .args(args)
+            .env("PATH", path_with_sbin())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", argv.join(" ")))?;
+        let stdin = child.stdin.take().context("the swarm's stdin")?;
+        let stdout = child.stdout.take().context("the swarm's stdout")?;
+        let latest = Arc::new(Mutex::new(SwarmCounts::default()));
+        let into = latest.clone();
+        let reader = tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Ok(counts) = serde_json::from_str::<SwarmCounts>(&line) {
+                    *into.lock().unwrap_or_else(|e| e.into_inner()) = counts;
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            _stdin: stdin,
+            latest,
+            reader,
+            log,
+        })
+    }
+
+    fn counts(&self) -> SwarmCounts {
+        *self.latest.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            bail!(
+                "the grpc-go swarm exited ({status}); its log:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Swarm {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// What one storm found.
+struct Storm {
+    /// Until all were connected; `None` past the limit.
+    took: Option<Duration>,
+    /// Handshakes the server threw away after signing.
+    thrown: f64,
+    /// The swarm's failed attempts meanwhile.
+    failed: u64,
+}
+
+/// Waits until the server counts `n` agents, from `since`; `None` if not
+/// within `limit` (the count reached is logged).
+async fn until_connected(
+    server: &mut Server,
+    swarm: &mut Swarm,
+    n: usize,
+    since: Instant,
+    limit: Duration,
+) -> anyhow::Result<Option<Duration>> {
+    loop {
+        server.check_alive()?;
+        swarm.check_alive()?;
+        let text = server.scrape().await.unwrap_or_default();
+        let now = probe::prometheus_value(&text, CONNECTED).unwrap_or(0.0) as usize;
+        if now >= n {
+            return Ok(Some(since.elapsed()));
+        }
+        if since.elapsed() > limit {
+            eprintln!(
+                "storm: {now} of {n} agents connected after {limit:?} (swarm: {} up)",
+                swarm.counts().connected
+            );
+            return Ok(None);
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// The server's drops by reason since it started: (thrown away after
+/// signing, a summary for the log).
+fn drops(text: &str) -> (f64, String) {
+    let value = |reason: &str| {
+        probe::prometheus_value(text, &format!("{DROPPED}{{reason=\"{reason}\"}}")).unwrap_or(0.0)
+    };
+    let thrown = AFTER_SIGNING.iter().map(|r| value(r)).sum();
+    let summary = REASONS
+        .iter()
+        .map(|r| (r, value(r)))
+        .filter(|(_, v)| *v > 0.0)
+        .map(|(r, v)| format!("{r} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    (thrown, summary)
+}
+
+/// `/proc/loadavg`'s first three fields.
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The CPUs (taskset lists) of the server and of the swarm in `condition`.
+fn cpus(condition: Condition) -> (String, String) {
+    let n = std::thread::available_parallelism().map_or(1, usize::from);
+    let half = (n / 2).max(1);
+    let server = format!("0-{}", half - 1);
+    let swarm = match condition {
+        Condition::Shared => server.clone(),
+        _ if n > half => format!("{half}-{}", n - 1),
+        _ => server.clone(),
+    };
+    (server, swarm)
+}
+
+/// Runs the storms and records their rows; returns notes for the report.
+///
+/// # Errors
+/// A process does not start or dies, or the namespace cannot be made.
+pub async fn run(
+    bins: &Binaries,
+    dir: &Path,
+    opt: &StormOpt,
+    rec: &mut Recorder,
+) -> anyhow::Result<Vec<String>> {
+    // The server's keys (RSA-2048) and the agents' (ECDSA P-256).
+    let (pki, agent_pki) = (dir.join("storm-pki"), dir.join("storm-agent-pki"));
+    for (path, algorithm) in [
+        (&pki, certs::KeyAlgorithm::Rsa2048),
+        (&agent_pki, certs::KeyAlgorithm::EcdsaP256),
+    ] {
+        certs::ClusterPki::generate_with(&[], algorithm)
+            .context("generating the storm scenario's certificates")?
+            .write_to(path)
+            .context("writing the storm scenario's certificates")?;
+    }
+    let client_ca = agent_pki.join("agent-ca.crt");
+    let mut notes = Vec::new();
+    for &condition in &opt.conditions {
+        let netns = match condition {
+            Condition::Latency => Some(Netns::create(opt.latency / 2)?),
+            _ => None,
+        };
+        let (server_cpus, swarm_cpus) = cpus(condition);
+        for (variant, extra) in [("admission", None), ("none", Some(NO_ADMISSION))] {
+            let label = format!("{condition:?}-{variant}").to_lowercase();
+            eprintln!(
+                "storm {label}: {} grpc-go agents; server on CPUs {server_cpus}, swarm on \
+                 {swarm_cpus}; load {}",
+                opt.agents,
+                load()
+            );
+            let (agent_port, health_port) = system::free_ports()?;
+            let listen = netns
+                .as_ref()
+                .map_or(Ipv4Addr::LOCALHOST, |netns| netns.host_ip);
+            let uds = dir.join(format!("storm-{agent_port}.sock"));
+            let mut args = [
+                &bins.extra[..],
+                &system::server_args(&pki, "grpc", &uds, agent_port, health_port),
+            ]
+            .concat();
+            for arg in &mut args {
+                if arg.starts_with("--agent-bind-address=") {
+                    *arg = format!("--agent-bind-address={listen}");
+                } else if arg.starts_with("--cluster-ca-cert=") {
+                    *arg = format!("--cluster-ca-cert={}", client_ca.display());
+                }
+            }
+            args.extend(extra.map(str::to_owned));
+            let mut server = Server {
+                process: None,
+                argv: [
+                    vec!["-c".to_owned(), server_cpus.clone()],
+                    vec![bins.server.display().to_string()],
+                    args,
+                ]
+                .concat(),
+                dir: dir.to_owned(),
+                label: label.clone(),
+                starts: 0,
+                health: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), health_port),
+            };
+            server.start().await?;
+            let file = |name: &str| pki.join(name).display().to_string();
+            // Without netem the swarm delays its own connections' bytes.
+            let emulated = netns
+                .as_ref()
+                .filter(|netns| !netns.netem)
+                .map(|_| format!("-latency={}ms", opt.latency.as_millis()));
+            let swarm_argv = [
+                netns.as_ref().map(Netns::exec).unwrap_or_default(),
+                vec!["taskset".to_owned(), "-c".to_owned(), swarm_cpus.clone()],
+                vec![
+                    opt.go_agents.path.display().to_string(),
+                    format!("-addr={listen}:{agent_port}"),
+                    format!("-ca={}", file("agent-ca.crt")),
+                    format!("-cert={}", agent_pki.join("proxy-agent.crt").display()),
+                    format!("-key={}", agent_pki.join("proxy-agent.key").display()),
+                    format!("-count={}", opt.agents),
+                ],
+                emulated.into_iter().collect(),
+            ]
+            .concat();
+
+            // Cold: every agent at once.
+            let began = Instant::now();
+            let mut swarm = Swarm::start(&swarm_argv, dir.join(format!("storm-{label}.log")))?;
+            let took =
+                until_connected(&mut server, &mut swarm, opt.agents, began, opt.limit).await?;
+            let (thrown, summary) = drops(&server.scrape().await?);
+            let cold = Storm {
+                took,
+                thrown,
+                failed: swarm.counts().failures,
+            };
+            report_storm(&label, "cold start", &cold, &summary, swarm.counts());
+
+            // Restart: SIGKILL, started again at once on the same port.
+            server.kill();
+            let began = Instant::now();
+            server.start().await?;
+            let took =
+                until_connected(&mut server, &mut swarm, opt.agents, began, opt.limit).await?;
+            // A fresh process: all its counts are the restart's.
+            let (thrown, summary) = drops(&server.scrape().await?);
+            let restart = Storm {
+                took,
+                thrown,
+                failed: swarm.counts().failures - cold.failed,
+            };
+            report_storm(&label, "restart", &restart, &summary, swarm.counts());
+            let v = usize::from(extra.is_some());
+            for (phase, storm) in [cold, restart].iter().enumerate() {
+                let [time, thrown, failed] = report::STORM[condition.index()][phase][v];
+                rec.push(time, Route::Grpc, 0, storm.took.map(|t| t.as_secs_f64()));
+                rec.push(thrown, Route::Grpc, 0, Some(storm.thrown));
+                rec.push(failed, Route::Grpc, 0, Some(storm.failed as f64));
+            }
+            drop(swarm);
+            drop(server);
+        }
+        for phase in 0..2 {
+            let [with, none] = [0, 1].map(|v| {
+                rec.get(
+                    report::STORM[condition.index()][phase][v][0],
+                    Route::Grpc,
+                    0,
+                )
+            });
+            let ratio = with.zip(none).map(|(with, none)| none / with);
+            rec.push(
+                report::STORM_RATIO[condition.index()][phase],
+                Route::Grpc,
+                0,
+                ratio,
+            );
+        }
+        if netns.as_ref().is_some_and(|netns| !netns.netem) {
+            notes.push(format!(
+                "storm: latency emulated by the swarm ({:?} round trip, half each way on its \
+                 connections' bytes; the TCP handshake not delayed): this kernel has no netem",
+                opt.latency
+            ));
+        }
+        drop(netns);
+    }
+    notes.push(format!(
+        "storm: {} grpc-go agents (tests/go/agents: ANP's way, a TLS connection each with no \
+         session cache, one Connect stream, a retry 1-2 s after a failure), the server's key \
+         RSA-2048, the agents' client certificates ECDSA P-256; per condition and variant a fresh server: cold = from the \
+         swarm's start until the server counts all N; restart = from SIGKILL, the server \
+         started again at once on the same port, until it counts all N again; thrown away = \
+         tls_handshakes_dropped_total for stalled, timeout, failed (after the server signed); \
+         none = --max-tls-handshakes at its largest (no cap, every handshake taken up at once); idle: server and swarm on separate CPUs; \
+         shared: the swarm on the server's CPUs; latency: as idle, {:?} added to every round \
+         trip (netem, half each way, network namespace); limit {:?} per storm (n/a: not all \
+         connected by then)",
+        opt.agents, opt.latency, opt.limit
+    ));
+    notes.push(format!("storm: load average at the end {}", load()));
+    Ok(notes)
+}
+
+/// Logs one storm.
+fn report_storm(label: &str, phase: &str, storm: &Storm, drops: &str, swarm: SwarmCounts) {
+    eprintln!(
+        "storm {label} {phase}: {}; thrown away after signing {}; swarm: {} attempts, {} \
+         failed; server drops: {}; load {}",
+        storm
+            .took
+            .map_or("not all connected".to_owned(), |t| format!(
+                "all connected in {:.2} s",
+                t.as_secs_f64()
+            )),
+        storm.thrown,
+        swarm.attempts,
+        swarm.failures,
+        if drops.is_empty() { "none" } else { drops },
+        load()
+    );
+}
