@@ -219,19 +219,31 @@ struct Netns {
 }
 
 impl Netns {
-    /// Creates it, with names and a /30 of 10.251.0.0/16 taken from this
-    /// process's id.
+    /// Creates it, with names and a /30 of 10.254.0.0/16 taken from this
+    /// process's id; an error if that /30 is routed here already.
     fn create(one_way: Duration) -> anyhow::Result<Self> {
         let pid = std::process::id();
         let (a, b) = (((pid >> 6) & 0xff) as u8, ((pid & 0x3f) << 2) as u8);
+        let subnet = format!("10.254.{a}.{b}/30");
+        let routes = std::process::Command::new("ip")
+            .args(["-4", "route", "show", "match", &subnet])
+            .env("PATH", path_with_sbin())
+            .output()
+            .context("running ip route")?;
+        let taken = String::from_utf8_lossy(&routes.stdout)
+            .lines()
+            .any(|route| !route.starts_with("default"));
+        if taken {
+            bail!("{subnet} is routed here already: another namespace uses it");
+        }
         let mut netns = Self {
             name: format!("kstorm{pid}"),
             host_if: format!("ksh{pid}"),
-            host_ip: Ipv4Addr::new(10, 251, a, b + 1),
+            host_ip: Ipv4Addr::new(10, 254, a, b + 1),
             netem: false,
         };
         let ns_if = format!("ksn{pid}");
-        let ns_ip = Ipv4Addr::new(10, 251, a, b + 2);
+        let ns_ip = Ipv4Addr::new(10, 254, a, b + 2);
         let delay = format!("{}ms", one_way.as_millis());
         let (name, host_if) = (netns.name.as_str(), netns.host_if.as_str());
         let host_cidr = format!("{}/30", netns.host_ip);
