@@ -105,7 +105,8 @@ def grpc_packets():
 # Each op: [op, fe index if any frontend, be index if any backend, args...].
 # ops: 0 add frontend [kind]; 1 add backend [agent, len, identifiers...];
 # 2-5 frontend packet; 6-9 backend packet; 10 dial forwarded [id];
-# 11 not forwarded [why, id]; 12 [id, 0 undelivered|1 overflow|2 stalled];
+# 11 not forwarded [why, id]; 12 [id, 0 undelivered|1 overflow|2 upload
+# stalled|3 stalled];
 # 13 frontend ends; 14 backend ends; 15 tick [secs].
 # A packet: [id, kind, args]: 0 DIAL_REQ [addr]; 1 DIAL_RSP [conn, err];
 # 2 DATA [len, bytes]; 3 CLOSE_REQ; 4 CLOSE_RSP; 5 DIAL_CLS; 6 DRAIN;
@@ -133,7 +134,8 @@ def router():
     write("router", "drain-then-dial", head + fe + be + [6, 0, 0, 0, 6] + [2, 0, 0, 1, 0, 0])
     write("router", "overflow-stall", head + fe + be + establish + [12, 0, 0, 3, 1] + establish[:3] + [2, 0, 0, 2, 0, 0])
     connect_fe = [0, 1]
-    write("router", "http-connect-stalled", head + connect_fe + be + establish + [12, 0, 0, 3, 2])
+    write("router", "http-connect-stalled", head + connect_fe + be + establish + [12, 0, 0, 3, 3])
+    write("router", "upload-stalled", head + fe + be + establish + [12, 0, 0, 3, 2])
     write("router", "not-forwarded", head + fe + be + [2, 0, 0, 1, 0, 0, 11, 0, 0, 1, 1])
     ids = b"host=node-a&ipv4=10.0.0.1&cidr=10.0.0.0/8&default-route=true"[:40]
     write("router", "dest-host", [1, 0, 0] + fe + [1, 0, 0, len(ids)] + list(ids)
