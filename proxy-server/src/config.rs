@@ -172,12 +172,13 @@ pub struct Args {
     pub max_agent_queue_bytes: usize,
     /// Connections whose TLS handshake has not finished, per TLS listener
     /// (agents, TCP frontend) (konnectivity-rs). At the cap new connections
-    /// wait in the listen backlog, and a pending one whose peer is silent
-    /// (no ClientHello for 1 s, or nothing for 5 s after the server's
-    /// flight) is dropped for each; a handshake that makes progress is never
-    /// dropped. Handshakes are taken up in arrival order, one per worker
-    /// thread at a time; each has 10 s for its ClientHello from its accept
-    /// and 10 s for the rest from when the server takes it up. At its
+    /// wait in the listen backlog, and while no handshake waits for its
+    /// turn a pending one whose peer is silent (no ClientHello for 1 s, or
+    /// nothing for 5 s after the server's flight) is dropped for each; a
+    /// handshake that makes progress is never dropped. Handshakes are taken
+    /// up in arrival order, one per worker thread at a time; each has 10 s
+    /// for its ClientHello from its accept and 30 s for the rest from when
+    /// the server takes it up. At its
     /// largest (18446744073709551615): no admission at all (no cap, every
     /// handshake taken up as soon as its ClientHello is in).
     #[arg(long, default_value_t = 8192)]

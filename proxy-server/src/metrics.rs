@@ -75,7 +75,7 @@ ops::label_enum! {
         Stalled = "stalled",
         /// No ClientHello within 10 s of its accept.
         HelloTimeout = "hello_timeout",
-        /// Not done within 10 s of its start.
+        /// Not done within 30 s of its start.
         Timeout = "timeout",
         /// No ClientHello came: not TLS, or the peer closed first.
         BadHello = "bad_hello",
@@ -364,7 +364,7 @@ impl Ours {
             handshake_drops: ByLabel::register(
                 m,
                 "konnectivity_rs_server_tls_handshakes_dropped_total",
-                "Connections to a TLS listener (agents, TCP frontend) that ended without a finished handshake, by reason (no_hello, stalled: a silent peer dropped at --max-tls-handshakes to make room; hello_timeout: no ClientHello within 10 s; bad_hello: no ClientHello came; peer_gone: the peer hung up while its handshake waited for its turn; timeout: not done within 10 s of its start; failed: a TLS error after its start; stalled, timeout and failed cost the server a signature)",
+                "Connections to a TLS listener (agents, TCP frontend) that ended without a finished handshake, by reason (no_hello, stalled: a silent peer dropped at --max-tls-handshakes to make room; hello_timeout: no ClientHello within 10 s; bad_hello: no ClientHello came; peer_gone: the peer hung up while its handshake waited for its turn; timeout: not done within 30 s of its start; failed: a TLS error after its start; stalled, timeout and failed cost the server a signature)",
                 "reason",
             ),
             reviews: ByLabel::register(

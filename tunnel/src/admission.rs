@@ -22,7 +22,10 @@
 //! Memory is bounded by `max` pending connections (from `accept` until the
 //! server takes the finished one); past that, new connections wait in the
 //! listen backlog (the kernel's queue). At the cap, one pending connection
-//! is dropped for each new one, and only one whose peer is truly silent:
+//! may be dropped for each new one, only while no handshake waits for its
+//! turn (while one does, the CPU has work, and making room would gain
+//! nothing but the loss of a peer that is merely slow: in a storm, the
+//! peers starved of CPU by it), and only one whose peer is truly silent:
 //! - in the hello stage, silent for [`HELLO_SILENCE`] (no work spent on
 //!   it yet; those go first);
 //! - started, silent for [`STARTED_SILENCE`] since its last answer.
@@ -44,7 +47,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicU8, AtomicU64, Ordering},
+        atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll, Wake, Waker},
     time::Duration,
@@ -77,8 +80,14 @@ pub const STARTED_SILENCE: Duration = Duration::from_secs(5);
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a handshake may take from the start of its turn (when this
-/// process takes its ClientHello up) to its end.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// process takes its ClientHello up) to its end: long enough for a peer
+/// whose own CPU a storm starves (seconds, measured with 10,000 grpc-go
+/// agents on the server's CPU), a quarter of grpc-go's server's 120 s.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often, at the cap, the accept loop looks again for a silent
+/// connection to drop while handshakes wait for their turns.
+const BUSY_RECHECK: Duration = Duration::from_millis(250);
 
 /// Where a pending connection's handshake is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,6 +214,8 @@ pub struct Admission {
     /// One permit per handshake being taken up (FIFO: tokio's semaphore
     /// serves waiters in order).
     turns: Arc<Semaphore>,
+    /// Handshakes waiting for their turn.
+    queued: AtomicUsize,
     /// The next connection's number.
     next: AtomicU64,
     /// Time zero of [`PeerWait`]'s clock.
@@ -256,6 +267,7 @@ impl Admission {
             pending: Mutex::new(BTreeMap::new()),
             slots: Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS))),
             turns: Arc::new(Semaphore::new(turns)),
+            queued: AtomicUsize::new(0),
             next: AtomicU64::new(0),
             epoch: Instant::now(),
         })
@@ -330,12 +342,14 @@ impl Admission {
     pub async fn turn(&self, ticket: &Ticket) -> Turn {
         ticket.wait.answered();
         ticket.wait.set_stage(Stage::Queued);
+        let waiting = Queued::new(&self.queued);
         let permit = self
             .turns
             .clone()
             .acquire_owned()
             .await
             .expect("the turns are never closed");
+        drop(waiting);
         ticket.wait.set_stage(Stage::Started);
         Turn {
             _permit: permit,
@@ -363,11 +377,20 @@ impl Admission {
         self.table().len()
     }
 
+    /// Handshakes waiting for their turn now.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
     /// Stops a pending connection whose peer is silent, and takes it out
     /// of the table: the one silent longest of those in the hello stage for
     /// at least [`HELLO_SILENCE`], else of those started and silent for at
-    /// least [`STARTED_SILENCE`]. Else says how long until one may be.
+    /// least [`STARTED_SILENCE`]; none while a handshake waits for its
+    /// turn. Else says how long until one may be.
     fn shed_one(&self) -> Shed {
+        if self.queued() > 0 {
+            return Shed::NoneFor(BUSY_RECHECK);
+        }
         let now = self.now();
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let mut table = self.table();
@@ -404,6 +427,22 @@ impl Admission {
 
     fn table(&self) -> MutexGuard<'_, BTreeMap<u64, Entry>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Counts one handshake waiting for its turn while it lives.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl<'a> Queued<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -710,6 +749,46 @@ mod tests {
         let turn = turn.await;
         assert_eq!(turn.deadline, Instant::now() + HANDSHAKE_TIMEOUT);
         assert_eq!(queued.ticket.stage(), Stage::Started);
+    }
+
+    /// At the cap, a silent connection is not dropped while a handshake
+    /// waits for its turn (the CPU has work: a new connection would only
+    /// wait too); once none waits, it is.
+    #[tokio::test(start_paused = true)]
+    async fn no_silent_connection_is_dropped_while_a_handshake_waits_for_its_turn() {
+        let table = Admission::new(3, 1);
+        let counts = Arc::new(Counts::default());
+        let on_shed = {
+            let counts = counts.clone();
+            move |reason| counts.count(reason)
+        };
+        let working = Conn::admit(&table, &on_shed).await;
+        let held = table.turn(&working.ticket).await;
+        let waiting = Conn::admit(&table, &on_shed).await;
+        let turn = table.turn(&waiting.ticket);
+        tokio::pin!(turn);
+        assert!((&mut turn).now_or_never().is_none());
+        assert_eq!(table.queued(), 1);
+        // A connection that never sends its ClientHello, held by its task.
+        let silent = Conn::admit(&table, &on_shed).await;
+        let silent = tokio::spawn(async move {
+            let mut silent = silent;
+            silent.read_flight().await
+        });
+        let fourth = Conn::admit(&table, &on_shed);
+        tokio::pin!(fourth);
+        tokio::select! {
+            _ = &mut fourth => panic!("admitted past the cap"),
+            () = tokio::time::sleep(HELLO_SILENCE * 10) => {}
+        }
+        assert_eq!(counts.no_hello.load(Ordering::Relaxed), 0, "dropped while busy");
+        // The queue empties: the silent one makes room.
+        drop(held);
+        let _turn = turn.await;
+        assert_eq!(table.queued(), 0);
+        let _fourth = fourth.await;
+        assert_eq!(silent.await.unwrap(), None, "the silent one was stopped");
+        assert_eq!(counts.no_hello.load(Ordering::Relaxed), 1);
     }
 
     /// Turns go in arrival order, as many at a time as asked for.

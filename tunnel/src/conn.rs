@@ -152,8 +152,8 @@ pub fn tls_incoming(
 /// Admission ([`admission`](crate::admission)): at most `max_pending`
 /// connections are between `accept` and the gRPC server at once; past
 /// that, new connections wait in the listen backlog, and a pending one
-/// whose peer is truly silent is dropped for each (the first drop is
-/// logged). Handshakes whose ClientHello is in are taken up in arrival
+/// whose peer is truly silent is dropped for each while no handshake
+/// waits for its turn (the first drop is logged). Handshakes whose ClientHello is in are taken up in arrival
 /// order, one per runtime worker at a time; the ClientHello has
 /// [`HELLO_TIMEOUT`] from `accept`, the rest [`HANDSHAKE_TIMEOUT`] from the
 /// start of its turn. A peer that hung up while its handshake waited
