@@ -435,6 +435,10 @@ fn agent_server(
     });
     let metrics = control.metrics.clone();
     let handshakes = tls.clone();
+    // A resumed session's chain is verified in its connection's task, so
+    // that a restart storm's resumptions are checked in parallel.
+    let admit: tunnel::conn::AdmitHandshake =
+        Arc::new(move |conn| admit_handshake(conn, &tls.last(), &metrics));
     let incoming = tls_incoming_counted(
         listener,
         Following(move || handshakes.current().server.clone()),
@@ -442,13 +446,8 @@ fn agent_server(
         "agent",
         config.max_tls_handshakes,
         on_drop.clone(),
-    )
-    .filter(move |conn| {
-        std::future::ready(match conn {
-            Ok(conn) => admit_handshake(conn.get_ref().1, &tls.last(), &metrics),
-            Err(_) => true,
-        })
-    });
+        Some(admit),
+    );
     Box::pin(
         Server::builder()
             .max_frame_size(flow::H2_MAX_FRAME_SIZE)
@@ -508,6 +507,7 @@ fn frontend_server(
             "frontend",
             config.max_tls_handshakes,
             on_drop.clone(),
+            None,
         )
     };
     let grpc = grpc_frontend(config, control, ends);

@@ -139,15 +139,22 @@ pub fn tls_incoming(
             on_limit();
         }
     });
-    tls_incoming_counted(listener, tls, shutdown, what, max_pending, on_drop)
+    tls_incoming_counted(listener, tls, shutdown, what, max_pending, on_drop, None)
 }
+
+/// A check of a finished handshake (a resumed session's client chain, say)
+/// run in the connection's own task: `false` drops the connection before
+/// the server sees it.
+pub type AdmitHandshake = Arc<dyn Fn(&rustls::ServerConnection) -> bool + Send + Sync>;
 
 /// Accepts TCP connections until `shutdown`, runs each TLS handshake in its
 /// own task with the configuration `tls` gives at that moment, and yields
 /// the completed ones. Failed handshakes (plain TCP, wrong CA, garbage)
 /// are logged at debug with the peer address and dropped; they never reach
 /// the gRPC server. `on_drop` is called with the reason for each pending
-/// connection that ends without a finished handshake.
+/// connection that ends without a finished handshake. `admit`, if given,
+/// checks each finished handshake in its own task (off the accept loop and
+/// the server's, so that a storm's checks run in parallel).
 ///
 /// Admission ([`admission`](crate::admission)): at most `max_pending`
 /// connections are between `accept` and the gRPC server at once; past
@@ -171,6 +178,7 @@ pub fn tls_incoming_counted(
     what: &'static str,
     max_pending: usize,
     on_drop: OnDrop,
+    admit: Option<AdmitHandshake>,
 ) -> ReceiverStream<Result<TlsConn, io::Error>> {
     let (tx, rx) = mpsc::channel(ACCEPT_BACKLOG);
     let tls = Arc::new(tls);
@@ -212,7 +220,7 @@ pub fn tls_incoming_counted(
                 hello_deadline,
                 tls.clone(),
                 tx.clone(),
-                on_drop.clone(),
+                (on_drop.clone(), admit.clone()),
             ));
         }
     });
@@ -242,7 +250,7 @@ impl Pending {
         hello_deadline: tokio::time::Instant,
         tls: Arc<impl ServerTls>,
         tx: mpsc::Sender<Result<TlsConn, io::Error>>,
-        on_drop: OnDrop,
+        (on_drop, admit): (OnDrop, Option<AdmitHandshake>),
     ) {
         let (peer, what) = (self.peer, self.what);
         let result = tokio::select! {
@@ -255,6 +263,10 @@ impl Pending {
             None => debug!(peer.addr = %peer, listener = what, "tls handshake dropped"),
             Some(Ok(mut conn)) => {
                 conn.get_mut().0.disarm();
+                if admit.is_some_and(|admit| !admit(conn.get_ref().1)) {
+                    debug!(peer.addr = %peer, listener = what, "tls handshake refused after it finished");
+                    return;
+                }
                 tokio::select! {
                     () = self.ticket.cancel.cancelled() => {}
                     _ = tx.send(Ok(conn)) => {}

@@ -187,6 +187,7 @@ impl Listener {
                     "test",
                     max_pending,
                     Arc::new(move |reason| counted.lock().unwrap().push(reason)),
+                    None,
                 );
                 let mut held = Vec::new();
                 while let Some(conn) = stopped.run_until_cancelled(incoming.next()).await.flatten()

@@ -143,11 +143,17 @@ fn pki_with_client_until(dir: &std::path::Path, client_until: time::OffsetDateTi
 async fn a_resumed_session_whose_client_certificate_expired_is_dropped() {
     use integration_tests::process::{AgentWithFiles, ServerProcess};
     let dir = tempfile::tempdir().unwrap();
-    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(3);
+    // Long enough for two processes to start and the agent to connect on a
+    // loaded machine (the whole suite runs beside it).
+    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(10);
     pki_with_client_until(dir.path(), until);
     let server = ServerProcess::start_in(dir.path(), "grpc", &[]).await;
     let _agent = AgentWithFiles::start(dir.path(), server.agent_addr.port()).await;
     server.wait_for_agents(1).await;
+    assert!(
+        time::OffsetDateTime::now_utc() < until,
+        "the agent connected only after its certificate expired: the test proves nothing"
+    );
     // The certificate's validity is in seconds: wait until it is over.
     while time::OffsetDateTime::now_utc() <= until + time::Duration::seconds(1) {
         tokio::time::sleep(Duration::from_millis(100)).await;
