@@ -294,10 +294,12 @@ pub const SOAK_SILENT: Def = def(
 pub const SOAK_BYTES: Def = def("soak", "bytes carried, checked", "GB", false);
 /// Dials that waited past their timeout (must be 0).
 pub const SOAK_LATE: Def = def("soak", "dials past the timeout (must be 0)", "count", false);
-/// Requests the destination saw end cleanly before their last byte, or altered.
+/// Requests the destination saw end cleanly before their last byte, or
+/// altered, but for those of an agent killed with SIGKILL (its kernel's
+/// FIN).
 pub const SOAK_DEST_SILENT: Def = def(
     "soak",
-    "destination: truncated or altered (must be 0)",
+    "destination: cut short or altered, no agent killed (must be 0)",
     "count",
     false,
 );
@@ -305,8 +307,13 @@ pub const SOAK_DEST_SILENT: Def = def(
 pub const SOAK_BACK_MAX: Def = def("soak", "slowest recovery: agent back", "s", false);
 /// Slowest time for dials through both servers to be served again.
 pub const SOAK_DIALS_MAX: Def = def("soak", "slowest recovery: dials served", "s", false);
-/// The least share of its rate a frontend kept during a fault elsewhere.
-pub const SOAK_RATE_MIN: Def = def("soak", "least rate kept during a fault", "ratio", false);
+/// The least share of its rate healthy traffic kept during a fault.
+pub const SOAK_RATE_MIN: Def = def(
+    "soak",
+    "least rate healthy traffic kept in a fault",
+    "ratio",
+    false,
+);
 /// Slowest return of RSS, fds and tasks to within 5 % of the baseline.
 pub const SOAK_RESOURCES_MAX: Def = def("soak", "slowest RSS/fds/tasks back", "s", false);
 /// Largest server RSS over the run.
@@ -342,7 +349,7 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
         (&SOAK_FAULTS, Some(r.faults.len() as f64)),
         (
             &SOAK_DEST_SILENT,
-            Some((r.dest.truncated + r.dest.corrupt) as f64),
+            Some((r.dest.truncated + r.dest.corrupt).saturating_sub(r.dest_killed) as f64),
         ),
         (
             &SOAK_BACK_MAX,
@@ -354,10 +361,7 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
         ),
         (
             &SOAK_RATE_MIN,
-            r.faults
-                .iter()
-                .flat_map(|f| f.rates.iter().flatten().copied())
-                .reduce(f64::min),
+            r.faults.iter().filter_map(|f| f.healthy).reduce(f64::min),
         ),
         (
             &SOAK_RESOURCES_MAX,

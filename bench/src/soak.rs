@@ -657,9 +657,8 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
 /// ends within the run.
 fn estimate(fault: Fault) -> f64 {
     match fault {
-        Fault::FrontendStall | Fault::DestinationStall | Fault::Slowloris | Fault::TokenOutage => {
-            45.0
-        }
+        Fault::Slowloris => 90.0,
+        Fault::FrontendStall | Fault::DestinationStall | Fault::TokenOutage => 45.0,
         Fault::Partition => 40.0,
         Fault::CaRotation => 25.0,
         _ => 20.0,
