@@ -91,6 +91,11 @@ pub struct SoakOpt {
     pub go_frontend: PathBuf,
     /// Where the Markdown goes.
     pub markdown: PathBuf,
+    /// Whether resources not back within 5 % in a minute fail the run
+    /// (the short variant only reports them: its baseline falls in the
+    /// processes' first minute, while RSS still climbs and connections in
+    /// flight settle).
+    pub resources_fatal: bool,
 }
 
 /// Everything running, owned by the orchestrator.
@@ -444,7 +449,15 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             record.healthy = healthy;
             record.healthy_what = what.to_owned();
         }
-        check_fault(&record, &mut violations);
+        let mut found = Vec::new();
+        check_fault(&record, &mut found);
+        for v in found {
+            if !opt.resources_fatal && v.contains("resources not within") {
+                eprintln!("soak: reported, not failed (--soak-resources-advisory): {v}");
+            } else {
+                violations.push(v);
+            }
+        }
         eprintln!(
             "soak: {:.0} s: {} on {}: back {}, dials {}, healthy rate {}, all rates {}, resources {}{}",
             world.now(),
