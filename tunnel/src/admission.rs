@@ -781,7 +781,11 @@ mod tests {
             _ = &mut fourth => panic!("admitted past the cap"),
             () = tokio::time::sleep(HELLO_SILENCE * 10) => {}
         }
-        assert_eq!(counts.no_hello.load(Ordering::Relaxed), 0, "dropped while busy");
+        assert_eq!(
+            counts.no_hello.load(Ordering::Relaxed),
+            0,
+            "dropped while busy"
+        );
         // The queue empties: the silent one makes room.
         drop(held);
         let _turn = turn.await;

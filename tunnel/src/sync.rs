@@ -314,10 +314,10 @@ pub mod audit {
         sync::{Arc, Mutex, PoisonError},
     };
 
-    #[cfg(not(feature = "loom"))]
-    use std::sync::atomic::{AtomicBool, Ordering};
     #[cfg(all(debug_assertions, not(feature = "loom")))]
     use std::sync::atomic::AtomicU64;
+    #[cfg(not(feature = "loom"))]
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     /// What kind of lock it is, as its owner declared it.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

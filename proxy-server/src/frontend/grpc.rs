@@ -309,7 +309,8 @@ impl FrontendDriver {
     /// the stream reads on.
     fn cut_stalled(&mut self, full: bool) {
         let now = Instant::now();
-        let past_grace = |(id, since): (ConnId, Instant)| (since + UPLOAD_GRACE <= now).then_some(id);
+        let past_grace =
+            |(id, since): (ConnId, Instant)| (since + UPLOAD_GRACE <= now).then_some(id);
         let mut stalled = self.ahead.most_stalled_closing().and_then(past_grace);
         if stalled.is_none() && full && self.carries_others() {
             stalled = self.ahead.most_stalled().and_then(past_grace);
