@@ -17,6 +17,12 @@
 //! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
 //!   feature only; `docs/fuzzing.md`).
 
+/// The unit tests of `metrics::jemalloc` read the figures of this test
+/// process's own allocator: jemalloc, as in the binaries.
+#[cfg(all(test, feature = "jemalloc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 pub mod cli;
 pub mod duration;
 pub mod error;

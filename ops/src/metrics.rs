@@ -13,7 +13,11 @@
 //!
 //! # Layout
 //! - `text`: Go's text layout and float formatting.
+//! - [`jemalloc`] (feature `jemalloc`): the allocator's figures, which a
+//!   binary allocating with jemalloc turns on.
 
+#[cfg(feature = "jemalloc")]
+pub mod jemalloc;
 mod text;
 
 use std::{
@@ -141,6 +145,11 @@ type Entry = (Cow<'static, str>, Cow<'static, str>, Box<dyn Exposed>);
 /// A registered probe: name, HELP, type and how to read it.
 type ProbeEntry = (Cow<'static, str>, Cow<'static, str>, MetricType, Probe);
 
+/// Registers the probes of the process's allocator, if its binary set them
+/// (`jemalloc::expose`): the global allocator is the process's, so this is
+/// too.
+static ALLOCATOR_PROBES: std::sync::OnceLock<fn(&mut Metrics)> = std::sync::OnceLock::new();
+
 /// The metrics of one process, in registration order.
 #[derive(Default)]
 pub struct Metrics {
@@ -174,7 +183,8 @@ impl Metrics {
 
     /// Adds a value computed at scrape time (a gauge of live state, or a
     /// counter kept elsewhere, e.g. by the kernel); a probe that answers
-    /// `None` is left out of that scrape.
+    /// `None` is left out of that scrape. Probes are read in the order
+    /// they were added.
     pub fn probe(
         &mut self,
         name: impl Into<Cow<'static, str>>,
@@ -568,7 +578,9 @@ pub fn code_name(code: tonic::Code) -> &'static str {
 /// maximum file descriptors, start time. Values come from `/proc` when
 /// scraped; one that cannot be read is left out of that scrape (Go's
 /// collector reports an error for it instead). An unlimited limit is
-/// `RLIM_INFINITY` as a float, as Go reports it.
+/// `RLIM_INFINITY` as a float, as Go reports it. Ours: the runtime's alive
+/// tasks, and the allocator's figures where the binary exposed them
+/// (`jemalloc::expose`).
 pub fn register_process(metrics: &mut Metrics) {
     use procfs::process::{LimitValue, Limits, Process};
     fn stat() -> Option<procfs::process::Stat> {
@@ -647,6 +659,9 @@ pub fn register_process(metrics: &mut Metrics) {
                 .map(|handle| handle.metrics().num_alive_tasks() as f64)
         },
     );
+    if let Some(register) = ALLOCATOR_PROBES.get() {
+        register(metrics);
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ use proxy_agent::{
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() -> std::process::ExitCode {
+    #[cfg(feature = "jemalloc")]
+    ops::metrics::jemalloc::expose();
     let args = Args::parse();
     args.runtime.clone().block_on("proxy-agent", serve(args))
 }

@@ -478,6 +478,46 @@ async fn the_agents_server_connection_gauge_is_there_as_soon_as_healthz_answers(
     );
 }
 
+/// Both binaries allocate with jemalloc and expose its figures beside their
+/// RSS (`konnectivity_rs_jemalloc_*_bytes`, consistent with one another);
+/// a process on another allocator (this test's, running a server in
+/// process) shows none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_binaries_expose_their_allocators_figures() {
+    use integration_tests::{
+        Pki,
+        process::{AgentWithFiles, ServerProcess},
+    };
+    let server = ServerProcess::start("grpc", &[]).await;
+    let agent = AgentWithFiles::start(Pki::get().dir.path(), server.agent_addr.port()).await;
+    server.wait_for_agents(1).await;
+    for (who, text) in [
+        ("proxy-server", server.metrics().await),
+        ("proxy-agent", agent.metrics().await),
+    ] {
+        let figure = |name: &str| -> f64 {
+            let prefix = format!("konnectivity_rs_jemalloc_{name}_bytes ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .unwrap_or_else(|| panic!("{who}: no {name} bytes:\n{text}"))
+                .parse()
+                .unwrap()
+        };
+        let (allocated, active, resident) =
+            (figure("allocated"), figure("active"), figure("resident"));
+        assert!(
+            0.0 < allocated && allocated <= active && active <= resident,
+            "{who}: allocated {allocated}, active {active}, resident {resident}"
+        );
+        for name in ["dirty", "metadata", "retained"] {
+            assert!(figure(name) >= 0.0);
+        }
+    }
+    let in_process = TestServer::start().await;
+    let text = scrape(in_process.health_addr).await;
+    assert!(!text.contains("konnectivity_rs_jemalloc_"), "{text}");
+}
+
 /// Polls `GET /healthz` on `addr` until it answers 200.
 async fn wait_for_async_200(addr: std::net::SocketAddr) {
     let start = std::time::Instant::now();
