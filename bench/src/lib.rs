@@ -239,6 +239,11 @@ pub struct Opt {
     /// Where the soak writes its Markdown tables.
     #[arg(long, default_value = "soak-report.md")]
     pub soak_report: PathBuf,
+    /// Where the soak writes its samples (JSON: the slots' names, then one
+    /// sample a second: each process's RSS, descriptors, tasks, books and
+    /// allocator figures, the traffic's counts); none if not given.
+    #[arg(long)]
+    pub soak_samples: Option<PathBuf>,
     /// Internal: serve only the hold-open backend (the bench starts itself
     /// so, to keep idle connections' far ends out of its own fd limit).
     #[arg(long, hide = true)]
@@ -331,6 +336,7 @@ async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
         },
         go_frontend: go.path,
         markdown: opt.soak_report.clone(),
+        samples: opt.soak_samples.clone(),
         resources_fatal: !opt.soak_resources_advisory,
     };
     let result = soak::run(bins.clone(), soak_opt).await?;

@@ -91,6 +91,8 @@ pub struct SoakOpt {
     pub go_frontend: PathBuf,
     /// Where the Markdown goes.
     pub markdown: PathBuf,
+    /// Where the samples go (JSON), if anywhere.
+    pub samples: Option<PathBuf>,
     /// Whether resources not back within 5 % in a minute fail the run
     /// (the short variant only reports them: its baseline falls in the
     /// processes' first minute, while RSS still climbs and connections in
@@ -184,6 +186,8 @@ pub struct SoakResult {
     /// Per slot and resource, the baseline (least over the baseline
     /// window).
     pub baseline: Vec<(String, [Option<f64>; 3])>,
+    /// The baseline window, seconds since the start.
+    pub baseline_window: (f64, f64),
     /// Per kind: baseline exchanges/s and bulk bytes/s.
     pub baseline_rates: Vec<(String, f64, f64)>,
     /// Samples, one a second.
@@ -644,6 +648,7 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
         books,
         books_drift,
         baseline: slot_names.iter().cloned().zip(baseline).collect(),
+        baseline_window: (base_from, base_to),
         baseline_rates: Kind::ALL
             .iter()
             .zip(&baseline_rates)
@@ -656,6 +661,15 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
     std::fs::write(&opt.markdown, table::markdown(&result, &opt))
         .with_context(|| format!("writing {}", opt.markdown.display()))?;
     eprintln!("soak: tables in {}", opt.markdown.display());
+    if let Some(path) = &opt.samples {
+        let json = serde_json::json!({
+            "slots": result.slot_names,
+            "samples": result.samples,
+        });
+        std::fs::write(path, json.to_string())
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("soak: samples in {}", path.display());
+    }
     if !result.violations.is_empty() {
         let kept = world.root.keep();
         eprintln!(

@@ -164,24 +164,30 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
     // Curves.
     let _ = writeln!(
         out,
-        "\nRSS (MiB) / descriptors / tasks, least over each minute (the baseline: least over the baseline window):\n"
+        "\nRSS / allocated (MiB) / descriptors / tasks, least over each minute (the baseline: least over the baseline window; allocated: jemalloc's, what the program holds):\n"
     );
     let _ = writeln!(out, "| minute | {} |", r.slot_names.join(" | "));
     let _ = writeln!(out, "| --- |{}", " --- |".repeat(r.slot_names.len()));
-    let cell = |v: [Option<f64>; 3]| match v {
+    let cell = |v: [Option<f64>; 3], allocated: Option<f64>| match v {
         [Some(rss), Some(fds), tasks] => format!(
-            "{:.1} / {fds:.0} / {}",
+            "{:.1} / {} / {fds:.0} / {}",
             rss / MIB,
+            allocated.map_or("?".to_owned(), |a| format!("{:.1}", a / MIB)),
             tasks.map_or("?".to_owned(), |t| format!("{t:.0}"))
         ),
         _ => "-".to_owned(),
     };
+    let (base_from, base_to) = r.baseline_window;
     let _ = writeln!(
         out,
         "| baseline | {} |",
         r.baseline
             .iter()
-            .map(|(_, b)| cell(*b))
+            .enumerate()
+            .map(|(slot, (_, b))| cell(
+                *b,
+                super::watch::least_allocated(&r.samples, slot, base_from, base_to)
+            ))
             .collect::<Vec<_>>()
             .join(" | ")
     );
@@ -190,7 +196,10 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
         let (from, to) = (m as f64 * 60.0, (m + 1) as f64 * 60.0);
         let cells: Vec<String> = (0..r.slot_names.len())
             .map(|slot| {
-                cell(Resource::ALL.map(|res| super::watch::least(&r.samples, slot, res, from, to)))
+                cell(
+                    Resource::ALL.map(|res| super::watch::least(&r.samples, slot, res, from, to)),
+                    super::watch::least_allocated(&r.samples, slot, from, to),
+                )
             })
             .collect();
         let _ = writeln!(out, "| {} | {} |", m + 1, cells.join(" | "));

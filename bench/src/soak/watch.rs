@@ -1,6 +1,7 @@
 //! What the soak watches once a second: each process's RSS, descriptors
-//! and tasks, each binary's books (connections opened, closed and open, in
-//! its own `/metrics`), and the traffic's counts.
+//! and tasks, its allocator's figures (jemalloc's, in its `/metrics`), each
+//! binary's books (connections opened, closed and open, in its own
+//! `/metrics`), and the traffic's counts.
 
 use std::{
     net::SocketAddr,
@@ -16,6 +17,48 @@ use crate::probe;
 
 /// The alive-tasks gauge both binaries expose.
 pub const TASKS: &str = "konnectivity_rs_runtime_alive_tasks";
+
+/// The allocator figures both binaries expose (built with jemalloc).
+pub const JEMALLOC: &str = "konnectivity_rs_jemalloc_";
+
+/// A process's allocator at one sample: jemalloc's figures, bytes.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Alloc {
+    /// Held by the program (thread caches included).
+    pub allocated: f64,
+    /// In the pages that hold it.
+    pub active: f64,
+    /// Freed pages not yet purged.
+    pub dirty: f64,
+    /// jemalloc's metadata.
+    pub metadata: f64,
+    /// Resident pages jemalloc maps (at most).
+    pub resident: f64,
+    /// Address space kept for reuse, not resident.
+    pub retained: f64,
+}
+
+impl Alloc {
+    /// The figures in `text`, if it has them.
+    pub fn read(text: &str) -> Option<Self> {
+        let get = |name: &str| -> Option<f64> {
+            let prefix = format!("{JEMALLOC}{name}_bytes ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))?
+                .trim()
+                .parse()
+                .ok()
+        };
+        Some(Self {
+            allocated: get("allocated")?,
+            active: get("active")?,
+            dirty: get("dirty")?,
+            metadata: get("metadata")?,
+            resident: get("resident")?,
+            retained: get("retained")?,
+        })
+    }
+}
 
 /// What a process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -112,6 +155,8 @@ pub struct ProcSample {
     pub tasks: Option<f64>,
     /// Its books, if `/metrics` answered.
     pub books: Option<Books>,
+    /// Its allocator's figures, if `/metrics` answered with them.
+    pub alloc: Option<Alloc>,
 }
 
 /// Everything at one moment.
@@ -154,6 +199,7 @@ async fn sample_proc(slot: &Slot) -> Option<ProcSample> {
         fds,
         tasks: text.as_deref().map(|t| sum(t, TASKS)),
         books: text.as_deref().map(|t| Books::read(slot.role, t)),
+        alloc: text.as_deref().and_then(Alloc::read),
     })
 }
 
@@ -253,6 +299,17 @@ pub fn least(
         .filter(|s| s.t >= from && s.t <= to)
         .filter_map(|s| s.procs.get(slot).copied().flatten())
         .filter_map(|p| resource.of(&p))
+        .reduce(f64::min)
+}
+
+/// The least bytes allocated (jemalloc's `allocated`) of `slot` over the
+/// samples in `[from, to]`.
+pub fn least_allocated(samples: &[Sample], slot: usize, from: f64, to: f64) -> Option<f64> {
+    samples
+        .iter()
+        .filter(|s| s.t >= from && s.t <= to)
+        .filter_map(|s| s.procs.get(slot).copied().flatten()?.alloc)
+        .map(|a| a.allocated)
         .reduce(f64::min)
 }
 
