@@ -230,12 +230,14 @@ pub struct Opt {
     /// Bytes per second of each soak frontend's bulk worker.
     #[arg(long, default_value_t = 4_000_000)]
     pub soak_bulk_rate: u64,
-    /// Report, without failing, resources (RSS, fds, tasks) not back
-    /// within 5 % of their baseline within a minute of a fault: the short
-    /// soak of scripts/test, whose baseline falls in the processes' first
-    /// minute, while RSS still climbs and connections in flight settle.
+    /// Report, without failing, the soak's performance checks: resources
+    /// (RSS, fds, tasks) not back within 5 % of their baseline within a
+    /// minute of a fault, healthy traffic below 90 % of its rate. For the
+    /// short soak of scripts/test, whose baseline falls in the processes'
+    /// first minute and whose rates are seconds of debug binaries on a
+    /// shared machine. Correctness checks fail the run regardless.
     #[arg(long)]
-    pub soak_resources_advisory: bool,
+    pub soak_performance_advisory: bool,
     /// Where the soak writes its Markdown tables.
     #[arg(long, default_value = "soak-report.md")]
     pub soak_report: PathBuf,
@@ -337,7 +339,7 @@ async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
         go_frontend: go.path,
         markdown: opt.soak_report.clone(),
         samples: opt.soak_samples.clone(),
-        resources_fatal: !opt.soak_resources_advisory,
+        performance_fatal: !opt.soak_performance_advisory,
     };
     let result = soak::run(bins.clone(), soak_opt).await?;
     let mut rec = Recorder::new(1);

@@ -143,6 +143,28 @@ pub struct FaultRecord {
     pub note: String,
 }
 
+impl FaultRecord {
+    /// A fault injected at `started`, nothing measured yet.
+    pub fn new(fault: Fault, started: f64) -> Self {
+        Self {
+            fault,
+            target: String::new(),
+            started,
+            ended: started,
+            back_s: None,
+            dials_s: None,
+            recovered: started,
+            rates: Vec::new(),
+            healthy: None,
+            healthy_what: String::new(),
+            agent: None,
+            resources_s: None,
+            resources_note: String::new(),
+            note: String::new(),
+        }
+    }
+}
+
 /// Polls `done` every 100 ms up to `limit`; the time it took.
 async fn until<F, Fut>(limit: Duration, mut done: F) -> Option<Duration>
 where
@@ -258,22 +280,7 @@ impl World {
     /// A process cannot be started again, or a file written.
     pub async fn inject(&mut self, fault: Fault, target: usize) -> anyhow::Result<FaultRecord> {
         let started = self.now();
-        let mut record = FaultRecord {
-            fault,
-            target: String::new(),
-            started,
-            ended: started,
-            back_s: None,
-            dials_s: None,
-            recovered: started,
-            rates: Vec::new(),
-            healthy: None,
-            healthy_what: String::new(),
-            agent: None,
-            resources_s: None,
-            resources_note: String::new(),
-            note: String::new(),
-        };
+        let mut record = FaultRecord::new(fault, started);
         let back;
         match fault {
             Fault::AgentKill => {
