@@ -86,7 +86,11 @@ async fn main() -> Result<()> {
             frontend_max_concurrent_streams: 100_000,
             agent_max_concurrent_streams:
                 proxy_server::config::DEFAULT_AGENT_MAX_CONCURRENT_STREAMS,
-            backend_dial_timeout: None,
+            dial_policy: proxy_server::DialPolicy {
+                timeout: None,
+                retries: 1,
+                hedge: None,
+            },
             flow_control: true,
             flow_window: tunnel::flow::Window::V1,
             graceful_shutdown_timeout: None,

@@ -12,6 +12,7 @@ use tunnel::{flow::Window, ids::ServerId};
 use crate::{
     auth::TokenAuthConfig,
     lease::{LeaseConfig, parse_labels},
+    router::{DialPolicy, HedgeDelay},
     strategy::{ProxyStrategy, parse_strategies},
 };
 
@@ -154,6 +155,24 @@ pub struct Args {
     /// Bound on forwarding a DIAL_REQ to an agent and on waiting for its DIAL_RSP (Go duration; 0 disables).
     #[arg(long, default_value = "0s", value_parser = go_duration)]
     pub backend_dial_timeout: Duration,
+    /// How many times a dial goes to another agent when its agent fails it
+    /// before any DIAL_RSP established it: its stream ended, or it answered
+    /// connection refused, no route to host or network unreachable (never
+    /// after a timeout, the frontend's DIAL_CLS or past
+    /// --backend-dial-timeout; konnectivity-rs; 0: as ANP).
+    #[arg(long, default_value_t = 1)]
+    pub backend_dial_retries: u32,
+    /// Ask a second agent when the first has not answered a dial within
+    /// --backend-dial-hedge-delay, where the strategies offer one; the first
+    /// DIAL_RSP wins, the other attempt is cancelled (konnectivity-rs).
+    #[arg(long, go_bool = Some(false))]
+    pub backend_dial_hedge: bool,
+    /// When --backend-dial-hedge asks a second agent: `pNN`, that
+    /// percentile of the latest 1024 established dials' latencies (at
+    /// least 1ms; 100ms until 32 were seen), or a Go duration
+    /// (konnectivity-rs).
+    #[arg(long, default_value = "p95", value_parser = hedge_delay)]
+    pub backend_dial_hedge_delay: HedgeDelay,
     /// Deprecated (as in ANP), no effect; named at start-up when given.
     #[arg(long, hide = true, go_bool = None)]
     pub warn_on_channel_limit: Option<bool>,
@@ -405,8 +424,9 @@ pub struct Config {
     pub frontend_max_concurrent_streams: u32,
     /// `--agent-max-concurrent-streams`.
     pub agent_max_concurrent_streams: u32,
-    /// Bound on dial forwarding and waiting; `None` disables it.
-    pub backend_dial_timeout: Option<Duration>,
+    /// `--backend-dial-timeout`, `--backend-dial-retries`,
+    /// `--backend-dial-hedge`, `--backend-dial-hedge-delay`.
+    pub dial_policy: DialPolicy,
     /// Offer per-connection flow control (`tunnel::flow`).
     pub flow_control: bool,
     /// The receive window announced with it (`--flow-control-window`,
@@ -435,6 +455,24 @@ pub use ops::flags::FlagError as ConfigError;
 use ops::flags::{given_path, invalid};
 
 /// ANP's port rule (1024..=49151), extended so that 0 binds a free port.
+/// Parses `--backend-dial-hedge-delay`: `pNN` (a percentile, 1 to 99)
+/// or a positive Go duration.
+fn hedge_delay(text: &str) -> Result<HedgeDelay, String> {
+    if let Some(p) = text.strip_prefix('p') {
+        return match p.parse::<u8>() {
+            Ok(p @ 1..=99) => Ok(HedgeDelay::Percentile(p)),
+            _ => Err(format!("`{text}`: a percentile is p1 to p99")),
+        };
+    }
+    match go_duration(text)? {
+        Duration::ZERO => Err(
+            "a hedge delay of 0 would double every dial; leave --backend-dial-hedge off instead"
+                .to_owned(),
+        ),
+        delay => Ok(HedgeDelay::Fixed(delay)),
+    }
+}
+
 fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
     if port == 0 || (1024..=49151).contains(&port) {
         Ok(port)
@@ -524,7 +562,13 @@ impl TryFrom<Args> for Config {
             .map_err(|(flag, reason)| invalid(flag, reason))?,
             graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
             token_auth,
-            backend_dial_timeout: nonzero(args.backend_dial_timeout),
+            dial_policy: DialPolicy {
+                timeout: nonzero(args.backend_dial_timeout),
+                retries: args.backend_dial_retries,
+                hedge: args
+                    .backend_dial_hedge
+                    .then_some(args.backend_dial_hedge_delay),
+            },
             lease,
             not_implemented: not_implemented(&args),
             deprecated: deprecated(&args),
@@ -889,7 +933,14 @@ mod tests {
                 ..
             }
         ));
-        assert_eq!(c.backend_dial_timeout, Some(Duration::from_millis(500)));
+        assert_eq!(
+            c.dial_policy,
+            DialPolicy {
+                timeout: Some(Duration::from_millis(500)),
+                retries: 1,
+                hedge: None,
+            }
+        );
         assert_eq!(c.server_id.0, "replica-1");
         assert_eq!(c.server_count, 3);
         assert_eq!(c.agent_addr.port(), 8132);
@@ -898,7 +949,7 @@ mod tests {
             [ProxyStrategy::DestHost, ProxyStrategy::Default]
         );
         let c = parse(&uds_args(dir.path())).unwrap();
-        assert_eq!(c.backend_dial_timeout, None);
+        assert_eq!(c.dial_policy.timeout, None);
         assert!(!c.server_id.0.is_empty(), "a random id by default");
     }
 

@@ -13,7 +13,9 @@
 //! closes one. Each event's output is carried out here when it never waits
 //! (control packets, stream ends, counts); what may wait ([`Work`]) is
 //! returned for the driver to run outside the lock, raced against its own
-//! end.
+//! end. A dial sent again after its agent failed it, or hedged, is a wait
+//! no frontend event started: it goes to the dialer ([`Control::run_dialer`]),
+//! and every dial's wait ends when the dial settles.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -29,14 +31,15 @@ use tokio_util::sync::CancellationToken;
 use tunnel::{
     compact,
     ids::{AgentId, ConnId, DialId},
-    sync::{Mutex, MutexGuard, audit::LockAudit},
+    sync::{Event as Settled, Mutex, MutexGuard, Signal, audit::LockAudit},
 };
 
 use crate::{
     conn::{Conn, FrontendLink, FrontendTx},
     metrics::{Live, ServerMetrics},
     router::{
-        AgentInfo, BackendId, Event, ForwardFailure, FrontendId, FrontendKind, Out, Router, STALLED,
+        AgentInfo, BackendId, DialPolicy, Event, ForwardFailure, FrontendId, FrontendKind, Out,
+        Router, STALLED,
     },
     strategy::ProxyStrategy,
     stream::BackendLink,
@@ -53,6 +56,8 @@ struct State {
     /// Established connections, from the router's `Opened` to its
     /// `Closed`: for closing them, the stall scan and the gauges.
     conns: HashMap<(BackendId, ConnId), Arc<Conn>>,
+    /// Pending dials whose DIAL_REQ waits to go out, until they settle.
+    settles: HashMap<DialId, Arc<Settled>>,
 }
 
 /// See the module documentation.
@@ -69,6 +74,10 @@ pub(crate) struct Control {
     pub(crate) audit: Arc<LockAudit>,
     /// `--backend-dial-timeout`.
     dial_timeout: Option<Duration>,
+    /// Waits no frontend event started (retries, hedges), for the dialer.
+    dialer: Mutex<Vec<Work>>,
+    /// Wakes the dialer.
+    dialer_wake: Signal,
 }
 
 /// What a driver runs outside the lock after an event: a wait that belongs
@@ -82,9 +91,11 @@ pub(crate) enum Work {
         /// The dial.
         dial: DialId,
         /// Where it goes.
-        backend: BackendLink,
+        backend: (BackendId, BackendLink),
         /// The DIAL_REQ.
         packet: Packet,
+        /// Set when the dial settles: the DIAL_REQ need not go out.
+        settled: Arc<Settled>,
     },
     /// Send a frontend's DATA to its agent, on a connection its driver did
     /// not have in its table yet.
@@ -98,9 +109,10 @@ pub(crate) enum Work {
 
 /// What carrying out an event's output gave the driver.
 #[derive(Default)]
+#[must_use = "its waits must be run or handed to the dialer"]
 struct Carried {
-    /// The one wait it needs, if any.
-    work: Option<Work>,
+    /// The waits it needs, in order.
+    works: Vec<Work>,
     /// A connection the event opened on an agent stream.
     opened: Option<Arc<Conn>>,
 }
@@ -108,20 +120,23 @@ struct Carried {
 impl Control {
     pub(crate) fn new(
         strategies: &[ProxyStrategy],
-        dial_timeout: Option<Duration>,
+        policy: DialPolicy,
         metrics: Arc<ServerMetrics>,
     ) -> Self {
         Self {
             state: Mutex::shared(State {
-                router: Router::new(strategies, dial_timeout, fastrand::Rng::new()),
+                router: Router::new(strategies, policy, fastrand::Rng::new()),
                 frontends: HashMap::new(),
                 backends: HashMap::new(),
                 conns: HashMap::new(),
+                settles: HashMap::new(),
             }),
             metrics,
             clock: Notify::new(),
             audit: LockAudit::new(),
-            dial_timeout,
+            dial_timeout: policy.timeout,
+            dialer: Mutex::new(Vec::new()),
+            dialer_wake: Signal::new(),
         }
     }
 
@@ -152,17 +167,20 @@ impl Control {
     }
 
     /// A control packet from a frontend (or DATA its driver could not
-    /// route); the wait it needs, if any.
-    pub(crate) fn frontend_packet(&self, fe: FrontendId, packet: Packet) -> Option<Work> {
+    /// route); the waits it needs, for the frontend's driver to run.
+    pub(crate) fn frontend_packet(&self, fe: FrontendId, packet: Packet) -> Vec<Work> {
         self.with_router(|router, out| router.frontend_packet(Instant::now(), fe, packet, out))
-            .work
+            .works
     }
 
     /// A control packet from an agent (or DATA its driver could not
-    /// route); the connection it opened on the agent's stream, if any.
+    /// route); the connection it opened on the agent's stream, if any. A
+    /// dial it sends to another agent goes to the dialer.
     pub(crate) fn backend_packet(&self, be: BackendId, packet: Packet) -> Option<Arc<Conn>> {
-        self.with_router(|router, out| router.backend_packet(Instant::now(), be, packet, out))
-            .opened
+        let carried =
+            self.with_router(|router, out| router.backend_packet(Instant::now(), be, packet, out));
+        self.to_dialer(carried.works);
+        carried.opened
     }
 
     /// A frontend stream ended.
@@ -170,7 +188,9 @@ impl Control {
         let mut state = self.state();
         let mut out = Vec::new();
         state.router.frontend_closed(Instant::now(), fe, &mut out);
-        self.carry(&mut state, out);
+        // Its dials settle: no wait is left.
+        let carried = self.carry(&mut state, out);
+        debug_assert!(carried.works.is_empty(), "a closed frontend's wait");
         // Connections handed over and never taken go with it.
         if let Some(link) = state.frontends.remove(&fe) {
             drop(link.attachments.take());
@@ -178,28 +198,62 @@ impl Control {
         compact(&mut state.frontends);
     }
 
-    /// An agent stream ended.
+    /// An agent stream ended; the dials it had pending that go to other
+    /// agents go to the dialer.
     pub(crate) fn backend_closed(&self, be: BackendId) {
-        let mut state = self.state();
-        let mut out = Vec::new();
-        state.router.backend_closed(Instant::now(), be, &mut out);
-        self.carry(&mut state, out);
-        state.backends.remove(&be);
+        let carried = {
+            let mut state = self.state();
+            let mut out = Vec::new();
+            state.router.backend_closed(Instant::now(), be, &mut out);
+            let carried = self.carry(&mut state, out);
+            state.backends.remove(&be);
+            carried
+        };
+        self.to_dialer(carried.works);
     }
 
     /// A connection's frontend fell a window behind (or, without credit,
     /// took nothing for `COMPAT_STALL`): it is closed on both ends.
     pub(crate) fn overflow(&self, be: BackendId, conn: ConnId) {
         tracing::warn!(conn.id = %conn, "connection closed: its frontend reads too slowly");
-        self.with_router(|router, out| router.overflow(Instant::now(), be, conn, out));
+        let carried =
+            self.with_router(|router, out| router.overflow(Instant::now(), be, conn, out));
+        self.to_dialer(carried.works);
     }
 
     /// A connection's upload stalled while it held up the other
     /// connections of its frontend's stream: it is closed on both ends.
     pub(crate) fn upload_stalled(&self, conn: &Conn) {
-        self.with_router(|router, out| {
+        let carried = self.with_router(|router, out| {
             router.upload_stalled(Instant::now(), conn.backend, conn.id, out);
         });
+        self.to_dialer(carried.works);
+    }
+
+    /// Hands waits no frontend's driver runs (a retried or hedged dial's
+    /// DIAL_REQ) to the dialer.
+    fn to_dialer(&self, works: Vec<Work>) {
+        if works.is_empty() {
+            return;
+        }
+        self.dialer.lock().extend(works);
+        self.dialer_wake.notify();
+    }
+
+    /// Runs the waits handed to the dialer until `shutdown`; each ends
+    /// when it is done or its dial settles.
+    pub(crate) async fn run_dialer(&self, shutdown: CancellationToken) {
+        let mut running = futures_util::stream::FuturesUnordered::new();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = self.dialer_wake.wait() => {
+                    let works = std::mem::take(&mut *self.dialer.lock());
+                    running.extend(works.into_iter().map(|work| self.run(work)));
+                }
+                Some(()) = futures_util::StreamExt::next(&mut running), if !running.is_empty() => {}
+            }
+        }
     }
 
     /// Runs `decide` on the router and carries out its output.
@@ -233,28 +287,41 @@ impl Control {
                 packet,
             } => match state.backends.get(&backend) {
                 Some(link) => {
-                    carried.work = Some(Work::Forward {
+                    let link = link.clone();
+                    let settled = state.settles.entry(dial).or_default().clone();
+                    carried.works.push(Work::Forward {
                         frontend,
                         dial,
-                        backend: link.clone(),
+                        backend: (backend, link),
                         packet,
+                        settled,
                     });
                 }
-                None => {
-                    state
-                        .router
-                        .dial_not_forwarded(frontend, dial, ForwardFailure::Closed, more)
-                }
+                None => state.router.dial_not_forwarded(
+                    frontend,
+                    dial,
+                    backend,
+                    ForwardFailure::Closed,
+                    more,
+                ),
             },
+            Out::Settled(dial) => {
+                if let Some(settled) = state.settles.remove(&dial) {
+                    settled.set();
+                }
+                compact(&mut state.settles);
+            }
             Out::DataToBackend {
                 backend,
                 conn,
                 data,
             } => {
-                carried.work = state.conns.get(&(backend, conn)).map(|conn| Work::Upload {
-                    conn: conn.clone(),
-                    data,
-                });
+                if let Some(conn) = state.conns.get(&(backend, conn)) {
+                    carried.works.push(Work::Upload {
+                        conn: conn.clone(),
+                        data,
+                    });
+                }
             }
             Out::Opened {
                 backend,
@@ -361,56 +428,80 @@ impl Control {
         match event {
             Event::DialFailed(reason) => self.metrics.dial_failed(reason),
             Event::DialPending => self.metrics.dial_pending(),
+            Event::DialRetried(reason) => self.metrics.dial_retried(reason),
+            Event::DialHedged => self.metrics.dial_hedged(),
+            Event::HedgeWon => self.metrics.hedge_won(),
             Event::Established => self.metrics.connection_established(),
             Event::Closed(reason, lived) => self.metrics.connection_closed(reason, lived),
         }
     }
 
-    /// Runs `work`; every wait ends with the connection or dial it serves.
-    /// The caller races it against its stream's end and shutdown.
+    /// Runs `work`, and the retry it may lead to; every wait ends with the
+    /// connection or dial it serves. The caller races it against its
+    /// stream's end and shutdown.
     pub(crate) async fn run(&self, work: Work) {
-        match work {
-            Work::Forward {
-                frontend,
-                dial,
-                backend,
-                packet,
-            } => self.forward(frontend, dial, backend, packet).await,
-            Work::Upload { conn, data } => {
-                if !conn.upload(data).await {
-                    tracing::debug!(conn.id = %conn.id, "DATA for a connection closed while it waited");
+        let mut next = Some(work);
+        while let Some(work) = next.take() {
+            match work {
+                Work::Forward {
+                    frontend,
+                    dial,
+                    backend,
+                    packet,
+                    settled,
+                } => {
+                    let mut more = self
+                        .forward(frontend, dial, backend, packet, &settled)
+                        .await;
+                    next = more.pop();
+                    self.to_dialer(more);
+                }
+                Work::Upload { conn, data } => {
+                    if !conn.upload(data).await {
+                        tracing::debug!(conn.id = %conn.id, "DATA for a connection closed while it waited");
+                    }
                 }
             }
         }
     }
 
-    /// Forwards a dial to its agent within `--backend-dial-timeout`.
+    /// Forwards a dial to its agent within `--backend-dial-timeout`, unless
+    /// it settles first; the waits that follows (a retry), if any.
     async fn forward(
         &self,
         frontend: FrontendId,
         dial: DialId,
-        backend: BackendLink,
+        (id, backend): (BackendId, BackendLink),
         packet: Packet,
-    ) {
-        let sent = match self.dial_timeout {
-            None => backend
-                .send(packet)
-                .await
-                .map_err(|_| ForwardFailure::Closed),
-            Some(limit) => match tokio::time::timeout(limit, backend.send(packet)).await {
-                Ok(sent) => sent.map_err(|_| ForwardFailure::Closed),
-                Err(_) => Err(ForwardFailure::TimedOut),
-            },
+        settled: &Settled,
+    ) -> Vec<Work> {
+        let send = async {
+            match self.dial_timeout {
+                None => backend
+                    .send(packet)
+                    .await
+                    .map_err(|_| ForwardFailure::Closed),
+                Some(limit) => match tokio::time::timeout(limit, backend.send(packet)).await {
+                    Ok(sent) => sent.map_err(|_| ForwardFailure::Closed),
+                    Err(_) => Err(ForwardFailure::TimedOut),
+                },
+            }
+        };
+        let sent = tokio::select! {
+            sent = send => sent,
+            () = settled.wait() => return Vec::new(),
         };
         match sent {
             Ok(()) => {
-                self.state().router.dial_forwarded(Instant::now(), dial);
+                self.state().router.dial_forwarded(Instant::now(), dial, id);
                 self.clock.notify_one();
+                Vec::new()
             }
             Err(why) => {
                 self.with_router(|router, out| {
-                    router.dial_not_forwarded(frontend, dial, why, out);
-                });
+                    router.dial_not_forwarded(frontend, dial, id, why, out);
+                })
+                .works
             }
         }
     }
@@ -429,7 +520,9 @@ impl Control {
                         None => std::future::pending().await,
                     }
                 } => {
-                    self.with_router(|router, out| router.handle_timeout(Instant::now(), out));
+                    let carried =
+                        self.with_router(|router, out| router.handle_timeout(Instant::now(), out));
+                    self.to_dialer(carried.works);
                 }
             }
         }
@@ -455,7 +548,8 @@ impl Control {
         if stalled.is_empty() {
             return;
         }
-        self.with_router(|router, out| router.close_stalled(now, &stalled, out));
+        let carried = self.with_router(|router, out| router.close_stalled(now, &stalled, out));
+        self.to_dialer(carried.works);
     }
 
     /// Ends every agent stream (shutdown).

@@ -57,6 +57,22 @@ ops::label_enum! {
 }
 
 ops::label_enum! {
+    /// Why a dial was sent again to another agent before any DIAL_RSP
+    /// established it (`konnectivity_rs_server_dial_retries_total`'s
+    /// `reason`; the table is in docs/operations.md).
+    pub(crate) enum DialRetry {
+        /// The agent's stream ended (closed, killed, or found dead by
+        /// keepalive) with the dial pending on it.
+        AgentGone = "agent_gone",
+        /// The agent's stream closed before the DIAL_REQ went out.
+        NotForwarded = "not_forwarded",
+        /// The agent answered at once with an error another node may not
+        /// have: connection refused, no route to host, network unreachable.
+        Refused = "refused",
+    }
+}
+
+ops::label_enum! {
     /// An admission limit of ours (`konnectivity_rs_server_limit_reached_total`).
     pub(crate) enum Limit {
         /// An agent stream's outbound queue was past its reserve: the agent

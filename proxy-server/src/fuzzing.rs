@@ -27,7 +27,10 @@ use crate::{
     auth::{self, AuthError},
     events::DialError,
     frontend::http_connect::head::{self, HeadError},
-    router::{AgentInfo, BackendId, ForwardFailure, FrontendId, FrontendKind, Out, Router},
+    router::{
+        AgentInfo, BackendId, DialPolicy, ForwardFailure, FrontendId, FrontendKind, HedgeDelay,
+        Out, Router,
+    },
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
 
@@ -203,8 +206,17 @@ pub fn router(data: &[u8]) {
         .byte()
         .is_multiple_of(2)
         .then_some(Duration::from_secs(5));
+    let policy = DialPolicy {
+        timeout,
+        retries: u32::from(input.byte() % 3),
+        hedge: match input.byte() % 3 {
+            0 => None,
+            1 => Some(HedgeDelay::Fixed(Duration::from_secs(1))),
+            _ => Some(HedgeDelay::Percentile(95)),
+        },
+    };
     let seed = u64::from(input.byte());
-    let mut router = Router::new(strategies, timeout, fastrand::Rng::with_seed(seed));
+    let mut router = Router::new(strategies, policy, fastrand::Rng::with_seed(seed));
     let mut now = Instant::now();
     let mut frontends: Vec<FrontendId> = Vec::new();
     let mut backends: Vec<BackendId> = Vec::new();
@@ -249,15 +261,19 @@ pub fn router(data: &[u8]) {
                     router.backend_packet(now, be, packet, &mut out);
                 }
             }
-            10 => router.dial_forwarded(now, DialId(input.id())),
+            10 => {
+                if let Some(be) = be {
+                    router.dial_forwarded(now, DialId(input.id()), be);
+                }
+            }
             11 => {
-                if let Some(fe) = fe {
+                if let (Some(fe), Some(be)) = (fe, be) {
                     let why = if input.byte().is_multiple_of(2) {
                         ForwardFailure::Closed
                     } else {
                         ForwardFailure::TimedOut
                     };
-                    router.dial_not_forwarded(fe, DialId(input.id()), why, &mut out);
+                    router.dial_not_forwarded(fe, DialId(input.id()), be, why, &mut out);
                 }
             }
             12 => {

@@ -35,6 +35,59 @@ fn remove_from<K>(list: &mut Vec<(K, Vec<BackendId>)>, backend: BackendId) {
     list.retain(|(_, backends)| !backends.is_empty());
 }
 
+/// What a pick avoids and weighs.
+pub(crate) struct Pick<'a> {
+    /// Backends that announced DRAIN: taken only when nothing else fits.
+    draining: &'a HashSet<BackendId>,
+    /// Backends the dial was already sent to.
+    exclude: &'a [BackendId],
+    /// Each backend's open connections and pending dials.
+    load: &'a dyn Fn(BackendId) -> usize,
+    /// Where random choices come from.
+    rng: &'a mut fastrand::Rng,
+}
+
+impl Pick<'_> {
+    /// Whether `backend` may take the dial (`draining`: also if draining).
+    fn allows(&self, backend: BackendId, draining: bool) -> bool {
+        !self.exclude.contains(&backend) && (draining || !self.draining.contains(&backend))
+    }
+
+    /// The less loaded of `a` and `b` (`a` on a tie).
+    fn lighter(&self, a: BackendId, b: BackendId) -> BackendId {
+        if (self.load)(b) < (self.load)(a) {
+            b
+        } else {
+            a
+        }
+    }
+
+    /// The better of two random backends of `list` that it allows ("power
+    /// of two choices"); `None` if it allows none.
+    fn two_choices(&mut self, list: &[BackendId], draining: bool) -> Option<BackendId> {
+        let allowed = list.iter().filter(|b| self.allows(**b, draining)).count();
+        let nth = |pick: &Self, n: usize| {
+            list.iter()
+                .copied()
+                .filter(|b| pick.allows(*b, draining))
+                .nth(n)
+        };
+        match allowed {
+            0 => None,
+            1 => nth(self, 0),
+            n => {
+                let first = self.rng.usize(..n);
+                let second = (first + 1 + self.rng.usize(..n - 1)) % n;
+                let (a, b) = (nth(self, first)?, nth(self, second)?);
+                Some(self.lighter(a, b))
+            }
+        }
+    }
+}
+
+/// How many random keys `default` samples before it walks them all.
+const SAMPLES: usize = 8;
+
 impl Store {
     fn remove(&mut self, backend: BackendId) {
         remove_from(&mut self.entries, backend);
@@ -47,57 +100,81 @@ impl Store {
     }
 
     /// destHost: the exact host key (ANP), else — for an IP destination —
-    /// the networks containing it, longest prefix first.
-    fn pick_dest(&self, address: &str, draining: &HashSet<BackendId>) -> Option<BackendId> {
+    /// the networks containing it, longest prefix first; within a key, the
+    /// better of two.
+    fn pick_dest(&self, address: &str, pick: &mut Pick<'_>) -> Option<BackendId> {
         let host = host_of(address);
-        let exact = pick_from(
-            self.entries
-                .iter()
-                .filter(|(k, _)| k == host)
-                .map(|(_, list)| list),
-            draining,
-        );
-        if exact.is_some() {
-            return exact;
+        let exact = self
+            .entries
+            .iter()
+            .filter(|(k, _)| k == host)
+            .map(|(_, list)| list.as_slice());
+        if let Some(backend) = pick_first(exact, pick) {
+            return Some(backend);
         }
         let ip = host.parse::<IpAddr>().ok()?;
         let mut nets: Vec<_> = self.nets.iter().filter(|(n, _)| n.contains(&ip)).collect();
         // Stable: equal prefixes keep insertion order.
         nets.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
-        pick_from(nets.into_iter().map(|(_, list)| list), draining)
+        pick_first(nets.into_iter().map(|(_, list)| list.as_slice()), pick)
     }
 
-    /// Starts at a random key and walks all keys in order (ANP's default).
-    fn pick_random(
-        &self,
-        draining: &HashSet<BackendId>,
-        rng: &mut fastrand::Rng,
-    ) -> Option<BackendId> {
-        if self.entries.is_empty() {
+    /// The better of two random keys by load ("power of two choices";
+    /// each key's first allowed backend); with few keys allowed, every key
+    /// from a random start (ANP's default), a draining one last.
+    fn pick_random(&self, pick: &mut Pick<'_>) -> Option<BackendId> {
+        let n = self.entries.len();
+        if n == 0 {
             return None;
         }
-        let start = rng.usize(..self.entries.len());
+        let first_allowed = |pick: &Pick<'_>, list: &[BackendId], draining: bool| {
+            list.iter().copied().find(|b| pick.allows(*b, draining))
+        };
+        let mut chosen: Vec<BackendId> = Vec::with_capacity(2);
+        for _ in 0..SAMPLES {
+            let (_, list) = &self.entries[pick.rng.usize(..n)];
+            if let Some(backend) = first_allowed(pick, list, false)
+                && !chosen.contains(&backend)
+            {
+                chosen.push(backend);
+                if chosen.len() == 2 {
+                    break;
+                }
+            }
+        }
+        match chosen[..] {
+            [a, b] => return Some(pick.lighter(a, b)),
+            [a] if n == 1 => return Some(a),
+            _ => {}
+        }
+        let start = pick.rng.usize(..n);
         let (tail, head) = self.entries.split_at(start);
-        pick_from(head.iter().chain(tail).map(|(_, list)| list), draining)
+        let walk = || head.iter().chain(tail).map(|(_, list)| list.as_slice());
+        let mut allowed = walk().filter_map(|list| first_allowed(pick, list, false));
+        let first = allowed.next();
+        let second = allowed.next();
+        match (first, second) {
+            (Some(a), Some(b)) => Some(pick.lighter(a, b)),
+            (Some(a), None) => Some(a),
+            _ => walk().find_map(|list| first_allowed(pick, list, true)),
+        }
     }
 }
 
-/// The first non-draining backend among `lists` (in order), else the first
-/// draining one.
-fn pick_from<'a>(
-    lists: impl Iterator<Item = &'a Vec<BackendId>>,
-    draining: &HashSet<BackendId>,
+/// Within the first of `lists` with a backend the pick allows, the better
+/// of two; else the same among draining backends.
+fn pick_first<'a>(
+    lists: impl Iterator<Item = &'a [BackendId]> + Clone,
+    pick: &mut Pick<'_>,
 ) -> Option<BackendId> {
-    let mut fallback = None;
-    for list in lists {
-        for backend in list {
-            if !draining.contains(backend) {
-                return Some(*backend);
+    for draining in [false, true] {
+        for list in lists.clone() {
+            if let Some(backend) = pick.two_choices(list, draining) {
+                return Some(backend);
             }
-            fallback.get_or_insert(*backend);
         }
     }
-    fallback
+    None
 }
 
 /// Every connected backend, indexed for each configured strategy.
@@ -166,19 +243,30 @@ impl BackendManager {
         self.draining.contains(&backend)
     }
 
-    /// The backend for a dial to `address`: the strategies in order, the first
-    /// that has one wins.
-    pub(crate) fn pick(&mut self, address: &str) -> Option<BackendId> {
+    /// The backend for a dial to `address`, other than those in
+    /// `exclude` (already tried): the strategies in order, the first that
+    /// has one wins; among the backends a strategy offers, the less loaded
+    /// of two random ones (`load`: open connections and pending dials).
+    pub(crate) fn pick(
+        &mut self,
+        address: &str,
+        exclude: &[BackendId],
+        load: &dyn Fn(BackendId) -> usize,
+    ) -> Option<BackendId> {
         let Self {
             stores,
             draining,
             rng,
         } = self;
+        let mut pick = Pick {
+            draining,
+            exclude,
+            load,
+            rng,
+        };
         stores.iter().find_map(|(strategy, store)| match strategy {
-            ProxyStrategy::Default | ProxyStrategy::DefaultRoute => {
-                store.pick_random(draining, rng)
-            }
-            ProxyStrategy::DestHost => store.pick_dest(address, draining),
+            ProxyStrategy::Default | ProxyStrategy::DefaultRoute => store.pick_random(&mut pick),
+            ProxyStrategy::DestHost => store.pick_dest(address, &mut pick),
         })
     }
 
@@ -220,6 +308,11 @@ mod tests {
         BackendManager::new(strategies, fastrand::Rng::with_seed(7))
     }
 
+    /// A pick with nothing excluded and every backend idle.
+    fn pick(m: &mut BackendManager, address: &str) -> Option<BackendId> {
+        m.pick(address, &[], &|_| 0)
+    }
+
     fn add(m: &mut BackendManager, id: u64, agent: &str, ids: &str) -> BackendId {
         let backend = BackendId(id);
         m.add(
@@ -233,21 +326,24 @@ mod tests {
     #[test]
     fn default_prefers_non_draining_and_falls_back() {
         let mut m = manager(&[ProxyStrategy::Default]);
-        assert!(m.pick("x:1").is_none());
+        assert!(pick(&mut m, "x:1").is_none());
         assert!(!m.is_ready());
         let a = add(&mut m, 1, "a", "");
         let b = add(&mut m, 2, "b", "");
         assert!(m.is_ready());
         m.set_draining(a);
         for _ in 0..20 {
-            assert_eq!(m.pick("x:1"), Some(b));
+            assert_eq!(pick(&mut m, "x:1"), Some(b));
         }
         m.set_draining(b);
-        assert!(m.pick("x:1").is_some(), "a draining agent is the fallback");
+        assert!(
+            pick(&mut m, "x:1").is_some(),
+            "a draining agent is the fallback"
+        );
         m.remove(b);
-        assert_eq!(m.pick("x:1"), Some(a));
+        assert_eq!(pick(&mut m, "x:1"), Some(a));
         m.remove(a);
-        assert!(m.pick("x:1").is_none());
+        assert!(pick(&mut m, "x:1").is_none());
         assert!(!m.is_ready());
     }
 
@@ -256,7 +352,7 @@ mod tests {
         let mut m = manager(&[ProxyStrategy::Default]);
         let a = add(&mut m, 1, "a", "");
         let b = add(&mut m, 2, "b", "");
-        let picks: HashSet<_> = (0..64).filter_map(|_| m.pick("x:1")).collect();
+        let picks: HashSet<_> = (0..64).filter_map(|_| pick(&mut m, "x:1")).collect();
         assert_eq!(picks, HashSet::from([a, b]));
     }
 
@@ -266,12 +362,12 @@ mod tests {
         let host = add(&mut m, 1, "a", "host=node-1&ipv4=10.0.0.7");
         let wide = add(&mut m, 2, "b", "cidr=10.0.0.0/8");
         let narrow = add(&mut m, 3, "c", "cidr=10.0.0.0/24");
-        assert_eq!(m.pick("node-1:10250"), Some(host));
-        assert_eq!(m.pick("10.0.0.7:443"), Some(host));
-        assert_eq!(m.pick("10.0.0.9:443"), Some(narrow));
-        assert_eq!(m.pick("10.9.0.9:443"), Some(wide));
+        assert_eq!(pick(&mut m, "node-1:10250"), Some(host));
+        assert_eq!(pick(&mut m, "10.0.0.7:443"), Some(host));
+        assert_eq!(pick(&mut m, "10.0.0.9:443"), Some(narrow));
+        assert_eq!(pick(&mut m, "10.9.0.9:443"), Some(wide));
         // No destHost match: the next strategy (default) takes it.
-        assert!(m.pick("192.168.0.1:80").is_some());
+        assert!(pick(&mut m, "192.168.0.1:80").is_some());
         assert_eq!(
             m.ready_backends(),
             [(ProxyStrategy::DestHost, 4), (ProxyStrategy::Default, 3)]
@@ -282,10 +378,10 @@ mod tests {
     fn default_route_takes_only_agents_that_announce_it() {
         let mut m = manager(&[ProxyStrategy::DefaultRoute]);
         add(&mut m, 1, "a", "");
-        assert!(m.pick("x:1").is_none());
+        assert!(pick(&mut m, "x:1").is_none());
         assert!(!m.is_ready());
         let b = add(&mut m, 2, "b", "default-route=true");
-        assert_eq!(m.pick("x:1"), Some(b));
+        assert_eq!(pick(&mut m, "x:1"), Some(b));
     }
 
     #[test]
@@ -295,6 +391,40 @@ mod tests {
         let second = add(&mut m, 2, "a", "");
         assert_eq!(m.ready_backends(), [(ProxyStrategy::Default, 1)]);
         m.remove(first);
-        assert_eq!(m.pick("x:1"), Some(second));
+        assert_eq!(pick(&mut m, "x:1"), Some(second));
+    }
+
+    #[test]
+    fn default_takes_the_less_loaded_of_two() {
+        let mut m = manager(&[ProxyStrategy::Default]);
+        let busy = add(&mut m, 1, "busy", "");
+        let idle = [add(&mut m, 2, "a", ""), add(&mut m, 3, "b", "")];
+        let load = |b: BackendId| if b == busy { 100 } else { 0 };
+        let to_busy = (0..900)
+            .filter(|_| m.pick("x:1", &[], &load) == Some(busy))
+            .count();
+        // Only when both random choices are the busy agent's: never, as
+        // two distinct keys are drawn.
+        assert_eq!(to_busy, 0);
+        let picks: HashSet<_> = (0..64).filter_map(|_| m.pick("x:1", &[], &load)).collect();
+        assert_eq!(
+            picks,
+            HashSet::from(idle),
+            "both idle agents share the dials"
+        );
+    }
+
+    #[test]
+    fn a_pick_avoids_the_backends_already_tried() {
+        let mut m = manager(&[ProxyStrategy::DestHost, ProxyStrategy::Default]);
+        let host = add(&mut m, 1, "a", "host=node-1");
+        let other = add(&mut m, 2, "b", "");
+        assert_eq!(m.pick("node-1:10250", &[], &|_| 0), Some(host));
+        // Its one destHost candidate tried: default, after it, serves.
+        assert_eq!(m.pick("node-1:10250", &[host], &|_| 0), Some(other));
+        assert_eq!(m.pick("node-1:10250", &[host, other], &|_| 0), None);
+        // A draining agent still serves when nothing else is left.
+        m.set_draining(other);
+        assert_eq!(m.pick("x:1", &[host], &|_| 0), Some(other));
     }
 }

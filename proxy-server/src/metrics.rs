@@ -28,7 +28,7 @@ use prometheus_client::{
 
 use crate::{
     auth::reviews::Source as Review,
-    events::{CloseReason, DialFailure, Limit},
+    events::{CloseReason, DialFailure, DialRetry, Limit},
     strategy::ProxyStrategy,
 };
 
@@ -211,6 +211,9 @@ pub(crate) struct ServerMetrics {
     handshakes: ByLabel<Handshake, Counter>,
     handshake_drops: ByLabel<HandshakeDrop, Counter>,
     reviews: ByLabel<Review, Counter>,
+    retries: ByLabel<DialRetry, Counter>,
+    hedges: Counter,
+    hedges_won: Counter,
     certs: ops::tls::files::CertMetrics,
 }
 
@@ -316,6 +319,9 @@ struct Ours {
     handshakes: ByLabel<Handshake, Counter>,
     handshake_drops: ByLabel<HandshakeDrop, Counter>,
     reviews: ByLabel<Review, Counter>,
+    retries: ByLabel<DialRetry, Counter>,
+    hedges: Counter,
+    hedges_won: Counter,
 }
 
 impl Ours {
@@ -372,6 +378,22 @@ impl Ours {
                 "konnectivity_rs_server_token_reviews_total",
                 "Agent tokens checked, by what answered (api: a TokenReview call; coalesced: the answer to a call already in flight for the same token; cache: a cached review)",
                 "source",
+            ),
+            retries: ByLabel::register(
+                m,
+                "konnectivity_rs_server_dial_retries_total",
+                "Dials sent again to another agent before any DIAL_RSP established them (--backend-dial-retries), by reason (agent_gone: the agent's stream ended; not_forwarded: it closed before the DIAL_REQ went out; refused: the agent answered connection refused, no route to host or network unreachable)",
+                "reason",
+            ),
+            hedges: m.register(
+                "konnectivity_rs_server_dial_hedges_total",
+                "Dials sent to a second agent because the first had not answered within the hedge delay (--backend-dial-hedge)",
+                Counter::default(),
+            ),
+            hedges_won: m.register(
+                "konnectivity_rs_server_dial_hedges_won_total",
+                "Hedged dials the second agent established first (the first agent's attempt was cancelled)",
+                Counter::default(),
             ),
         }
     }
@@ -438,6 +460,9 @@ impl ServerMetrics {
             buffered: ours.buffered,
             limits: ours.limits,
             handshakes: ours.handshakes,
+            retries: ours.retries,
+            hedges: ours.hedges,
+            hedges_won: ours.hedges_won,
             handshake_drops: ours.handshake_drops,
             reviews: ours.reviews,
         }
@@ -500,6 +525,21 @@ impl ServerMetrics {
 
     pub(crate) fn dial_succeeded(&self, latency: Duration) {
         self.dial_duration.get().observe(latency.as_secs_f64());
+    }
+
+    /// A dial went to another agent.
+    pub(crate) fn dial_retried(&self, reason: DialRetry) {
+        self.retries.get(reason).inc();
+    }
+
+    /// A dial went to a second agent (hedging).
+    pub(crate) fn dial_hedged(&self) {
+        self.hedges.inc();
+    }
+
+    /// A hedged dial was won by its second agent.
+    pub(crate) fn hedge_won(&self) {
+        self.hedges_won.inc();
     }
 
     /// A dial became pending (ANP sets the gauge from then on).

@@ -33,12 +33,16 @@ use tunnel::{
     ids::{AgentId, ConnId, DialId},
 };
 
+use self::dials::{Attempt, AttemptEnd, Cancelled, Latencies, PendingDial, retryable};
+pub use self::dials::{DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
-    events::{CloseReason, DialError, DialFailure},
+    events::{CloseReason, DialError, DialFailure, DialRetry},
     manager::BackendManager,
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
+
+mod dials;
 
 /// CLOSE_RSP error when a frontend used a connection id it does not own.
 pub const MISMATCHED: &str = "mismatched connection IDs";
@@ -75,8 +79,9 @@ pub(crate) enum Out {
     ToFrontend(FrontendId, Packet),
     /// A control packet for an agent (never waits).
     ToBackend(BackendId, Packet),
-    /// A dial to forward to an agent; the sender may wait for room (bounded
-    /// by `--backend-dial-timeout`) and reports the outcome with
+    /// A dial to forward to an agent (its first, a retry or a hedge); the
+    /// sender may wait for room (bounded by `--backend-dial-timeout` and
+    /// by the dial's end: [`Out::Settled`]) and reports the outcome with
     /// [`Router::dial_forwarded`] or [`Router::dial_not_forwarded`].
     Forward {
         /// Whose dial.
@@ -140,6 +145,9 @@ pub(crate) enum Out {
         /// From DIAL_REQ to DIAL_RSP.
         latency: Duration,
     },
+    /// A dial left the pending table (established, failed or cancelled):
+    /// a DIAL_REQ of it still waiting to go out need not.
+    Settled(DialId),
     /// End a frontend's stream (an HTTP CONNECT: close its socket).
     EndFrontend(FrontendId),
     /// End an agent's stream.
@@ -155,6 +163,12 @@ pub(crate) enum Event {
     DialFailed(DialFailure),
     /// A dial became pending.
     DialPending,
+    /// A dial went to another agent after its agent failed it.
+    DialRetried(DialRetry),
+    /// A dial went to a second agent while the first had not answered.
+    DialHedged,
+    /// A hedged dial was established by the second agent.
+    HedgeWon,
     /// A connection was established.
     Established,
     /// An established connection ended after the given time.
@@ -217,6 +231,15 @@ struct BackendEntry {
     info: AgentInfo,
     /// Established connections.
     conns: HashMap<ConnId, ConnEntry>,
+    /// Pending dials in flight on it.
+    pending: usize,
+}
+
+impl BackendEntry {
+    /// What the least-loaded pick weighs.
+    fn load(&self) -> usize {
+        self.conns.len() + self.pending
+    }
 }
 
 /// An established connection.
@@ -226,18 +249,6 @@ struct ConnEntry {
     frontend: FrontendId,
     /// When the dial succeeded, for its lifetime.
     established: Instant,
-}
-
-/// A dial forwarded and not yet answered.
-struct PendingDial {
-    /// Who asked.
-    frontend: FrontendId,
-    /// Which agent stream it went to.
-    backend: BackendId,
-    /// When it was received, for the dial latency.
-    started: Instant,
-    /// When it times out (`--backend-dial-timeout`), once forwarded.
-    deadline: Option<Instant>,
 }
 
 /// Who owns a connection id a frontend used.
@@ -264,8 +275,14 @@ pub(crate) struct Router {
     pending: HashMap<DialId, PendingDial>,
     /// Pending dials by deadline.
     deadlines: BTreeSet<(Instant, DialId)>,
-    /// `--backend-dial-timeout`.
-    dial_timeout: Option<Duration>,
+    /// Pending dials by when a second agent is asked.
+    hedges: BTreeSet<(Instant, DialId)>,
+    /// How dials are bounded, retried and hedged.
+    policy: DialPolicy,
+    /// The latest dials' latencies, for the hedge delay.
+    latencies: Latencies,
+    /// Attempts closed because another agent answered first.
+    cancelled: Cancelled,
     /// Next frontend or backend id.
     next_id: u64,
 }
@@ -275,7 +292,7 @@ impl Router {
     /// random start.
     pub(crate) fn new(
         strategies: &[ProxyStrategy],
-        dial_timeout: Option<Duration>,
+        policy: DialPolicy,
         rng: fastrand::Rng,
     ) -> Self {
         Self {
@@ -284,7 +301,10 @@ impl Router {
             manager: BackendManager::new(strategies, rng),
             pending: HashMap::new(),
             deadlines: BTreeSet::new(),
-            dial_timeout,
+            hedges: BTreeSet::new(),
+            policy,
+            latencies: Latencies::default(),
+            cancelled: Cancelled::default(),
             next_id: 1,
         }
     }
@@ -321,6 +341,7 @@ impl Router {
             BackendEntry {
                 info,
                 conns: HashMap::new(),
+                pending: 0,
             },
         );
         id
@@ -383,10 +404,12 @@ impl Router {
             }
             PacketKind::DialCls(cls) => {
                 let id = DialId(cls.random);
-                if let Some(dial) = self.take_pending_if(id, |d| d.frontend == fe) {
+                if let Some(dial) = self.settle_if(id, |d| d.frontend == fe, out) {
                     out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
                     // ANP's agent ignores DIAL_CLS; ours stops dialing.
-                    out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
+                    for attempt in &dial.attempts {
+                        out.push(Out::ToBackend(attempt.backend, Packet::close_dial(id.0)));
+                    }
                 }
             }
             _ => {}
@@ -444,7 +467,7 @@ impl Router {
     fn dial(&mut self, now: Instant, fe: FrontendId, req: DialRequest, out: &mut Vec<Out>) {
         let id = DialId(req.random);
         let kind = self.frontends.get(&fe).map(|e| e.kind);
-        let Some(backend) = self.manager.pick(&req.address) else {
+        let Some(backend) = self.pick(&req.address, &[]) else {
             // ANP counts it for gRPC frontends only; HTTP CONNECT answers 500.
             if kind == Some(FrontendKind::Grpc) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
@@ -472,60 +495,155 @@ impl Router {
             id,
             PendingDial {
                 frontend: fe,
-                backend,
+                protocol: req.protocol,
+                address: req.address,
+                attempts: Vec::with_capacity(1),
+                tried: Vec::with_capacity(1),
+                retries_left: self.policy.retries,
+                hedge: None,
+                hedge_at: None,
                 started: now,
                 deadline: None,
             },
         );
         out.push(Out::Count(Event::DialPending));
+        self.send_attempt(id, backend, out);
+    }
+
+    /// The backend for a dial to `address`, other than `tried`: by the
+    /// strategies, the less loaded of two.
+    fn pick(&mut self, address: &str, tried: &[BackendId]) -> Option<BackendId> {
+        let backends = &self.backends;
+        let load = |b: BackendId| backends.get(&b).map_or(usize::MAX, BackendEntry::load);
+        self.manager.pick(address, tried, &load)
+    }
+
+    /// Sends a pending dial to `backend` too.
+    fn send_attempt(&mut self, id: DialId, backend: BackendId, out: &mut Vec<Out>) {
+        let Some(dial) = self.pending.get_mut(&id) else {
+            return;
+        };
+        dial.attempts.push(Attempt {
+            backend,
+            forwarded: None,
+        });
+        dial.tried.push(backend);
+        if let Some(entry) = self.backends.get_mut(&backend) {
+            entry.pending += 1;
+        }
         out.push(Out::Forward {
-            frontend: fe,
+            frontend: dial.frontend,
             backend,
             dial: id,
-            packet: Packet::dial_request(&req.protocol, &req.address, id.0),
+            packet: Packet::dial_request(&dial.protocol, &dial.address, id.0),
         });
     }
 
-    /// A dial went out to its agent: its answer is awaited for
-    /// `--backend-dial-timeout` from now.
-    pub(crate) fn dial_forwarded(&mut self, now: Instant, dial: DialId) {
-        let Some(limit) = self.dial_timeout else {
+    /// A dial's DIAL_REQ went out to `backend`: its answer is awaited for
+    /// `--backend-dial-timeout` from the first one that did, and a second
+    /// agent is asked after the hedge delay.
+    pub(crate) fn dial_forwarded(&mut self, now: Instant, dial: DialId, backend: BackendId) {
+        let Some(pending) = self.pending.get_mut(&dial) else {
             return;
         };
-        if let Some(pending) = self.pending.get_mut(&dial)
+        let Some(attempt) = pending.attempts.iter_mut().find(|a| a.backend == backend) else {
+            return;
+        };
+        attempt.forwarded.get_or_insert(now);
+        if let Some(limit) = self.policy.timeout
             && pending.deadline.is_none()
         {
             let deadline = now + limit;
             pending.deadline = Some(deadline);
             self.deadlines.insert((deadline, dial));
         }
+        if let Some(hedge) = self.policy.hedge
+            && pending.hedge.is_none()
+            && pending.hedge_at.is_none()
+        {
+            let at = now + self.latencies.delay(hedge);
+            pending.hedge_at = Some(at);
+            self.hedges.insert((at, dial));
+        }
     }
 
-    /// A dial could not go out to its agent; a timed-out agent stream is
-    /// retired (no new dials, its stream ended), as ANP does.
+    /// A dial's DIAL_REQ could not go out to `backend`; a timed-out agent
+    /// stream is retired (no new dials, its stream ended), as ANP does,
+    /// and the dial fails; a closed one's dial is retried.
     pub(crate) fn dial_not_forwarded(
         &mut self,
         fe: FrontendId,
         dial: DialId,
+        backend: BackendId,
         why: ForwardFailure,
         out: &mut Vec<Out>,
     ) {
-        let (failure, error) = match why {
-            ForwardFailure::Closed => (DialFailure::BackendClose, DialError::AgentStreamClosed),
-            ForwardFailure::TimedOut => (DialFailure::BackendDialTimeout, DialError::TimedOut),
-        };
-        let backend = self.pending.get(&dial).map(|d| d.backend);
-        if why == ForwardFailure::TimedOut
-            && let Some(backend) = backend
+        if !self
+            .pending
+            .get(&dial)
+            .is_some_and(|d| d.frontend == fe && d.on(backend))
         {
-            self.retire(backend, out);
+            return;
         }
-        // Counted once: whoever removes the pending dial counts it.
-        if self.take_pending_if(dial, |d| d.frontend == fe).is_some() {
+        let end = match why {
+            ForwardFailure::Closed => AttemptEnd::Retry(
+                DialRetry::NotForwarded,
+                DialFailure::BackendClose,
+                DialError::AgentStreamClosed,
+            ),
+            ForwardFailure::TimedOut => {
+                self.retire(backend, out);
+                AttemptEnd::Final(DialFailure::BackendDialTimeout, DialError::TimedOut)
+            }
+        };
+        self.attempt_failed(dial, backend, end, out);
+    }
+
+    /// An agent's attempt at a dial ended without a connection: the dial
+    /// goes on on its other attempt, is retried on another agent if `end`
+    /// allows and the budget has room, or fails.
+    fn attempt_failed(
+        &mut self,
+        id: DialId,
+        backend: BackendId,
+        end: AttemptEnd,
+        out: &mut Vec<Out>,
+    ) {
+        let Some(dial) = self.pending.get_mut(&id) else {
+            return;
+        };
+        let Some(at) = dial.attempts.iter().position(|a| a.backend == backend) else {
+            return;
+        };
+        dial.attempts.swap_remove(at);
+        if let Some(entry) = self.backends.get_mut(&backend) {
+            entry.pending -= 1;
+        }
+        if !dial.attempts.is_empty() {
+            return;
+        }
+        let (failure, error) = match end {
+            AttemptEnd::Retry(reason, failure, error) => {
+                if dial.retries_left > 0 {
+                    let (address, tried) = (dial.address.clone(), dial.tried.clone());
+                    if let Some(next) = self.pick(&address, &tried) {
+                        if let Some(dial) = self.pending.get_mut(&id) {
+                            dial.retries_left -= 1;
+                        }
+                        out.push(Out::Count(Event::DialRetried(reason)));
+                        self.send_attempt(id, next, out);
+                        return;
+                    }
+                }
+                (failure, error)
+            }
+            AttemptEnd::Final(failure, error) => (failure, error),
+        };
+        if let Some(dial) = self.settle_if(id, |_| true, out) {
             out.push(Out::Count(Event::DialFailed(failure)));
             out.push(Out::DialFailed {
-                frontend: fe,
-                dial,
+                frontend: dial.frontend,
+                dial: id,
                 error,
             });
         }
@@ -538,12 +656,13 @@ impl Router {
         out.push(Out::EndBackend(backend));
     }
 
-    /// Removes a pending dial if `belongs` says it is the caller's, and
-    /// forgets it in its frontend.
-    fn take_pending_if(
+    /// Removes a pending dial if `belongs` says it is the caller's, forgets
+    /// it in its frontend and its agents' loads, and says it is settled.
+    fn settle_if(
         &mut self,
         id: DialId,
         belongs: impl FnOnce(&PendingDial) -> bool,
+        out: &mut Vec<Out>,
     ) -> Option<PendingDial> {
         if !self.pending.get(&id).is_some_and(belongs) {
             return None;
@@ -553,9 +672,18 @@ impl Router {
         if let Some(deadline) = dial.deadline {
             self.deadlines.remove(&(deadline, id));
         }
+        if let Some(at) = dial.hedge_at {
+            self.hedges.remove(&(at, id));
+        }
+        for attempt in &dial.attempts {
+            if let Some(entry) = self.backends.get_mut(&attempt.backend) {
+                entry.pending -= 1;
+            }
+        }
         if let Some(entry) = self.frontends.get_mut(&dial.frontend) {
             entry.pending.remove(&id);
         }
+        out.push(Out::Settled(id));
         Some(dial)
     }
 
@@ -596,8 +724,22 @@ impl Router {
             }
             PacketKind::DialCls(cls) => {
                 let id = DialId(cls.random);
-                if let Some(dial) = self.take_pending_if(id, |d| d.backend == be) {
-                    out.push(Out::ToFrontend(dial.frontend, Packet::close_dial(id.0)));
+                // With another attempt in flight, the dial goes on there.
+                let last = self
+                    .pending
+                    .get(&id)
+                    .is_some_and(|d| d.on(be) && d.attempts.len() == 1);
+                if last {
+                    if let Some(dial) = self.settle_if(id, |_| true, out) {
+                        out.push(Out::ToFrontend(dial.frontend, Packet::close_dial(id.0)));
+                    }
+                } else if let Some(dial) = self.pending.get_mut(&id)
+                    && let Some(at) = dial.attempts.iter().position(|a| a.backend == be)
+                {
+                    dial.attempts.swap_remove(at);
+                    if let Some(entry) = self.backends.get_mut(&be) {
+                        entry.pending -= 1;
+                    }
                 }
             }
             PacketKind::Drain => self.manager.set_draining(be),
@@ -615,25 +757,37 @@ impl Router {
     ) {
         let id = DialId(rsp.random);
         let conn = ConnId(rsp.connect_id);
-        let Some(dial) = self.take_pending_if(id, |d| d.backend == be) else {
-            out.push(Out::Count(Event::DialFailed(
-                DialFailure::UnrecognizedResponse,
-            )));
-            if conn.0 != 0 {
+        if !self.pending.get(&id).is_some_and(|d| d.on(be)) {
+            // An attempt closed because another agent answered first is
+            // not counted; either way its connection is closed.
+            if !self.cancelled.take(id, be) {
+                out.push(Out::Count(Event::DialFailed(
+                    DialFailure::UnrecognizedResponse,
+                )));
+            }
+            if conn.0 != 0 && rsp.error.is_empty() {
                 out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
             }
             return;
-        };
-        let fe = dial.frontend;
+        }
         if !rsp.error.is_empty() {
-            out.push(Out::Count(Event::DialFailed(DialFailure::ErrorResponse)));
-            out.push(Out::DialFailed {
-                frontend: fe,
-                dial: id,
-                error: DialError::Agent(rsp.error),
-            });
+            let end = if retryable(&rsp.error) {
+                AttemptEnd::Retry(
+                    DialRetry::Refused,
+                    DialFailure::ErrorResponse,
+                    DialError::Agent(rsp.error),
+                )
+            } else {
+                AttemptEnd::Final(DialFailure::ErrorResponse, DialError::Agent(rsp.error))
+            };
+            self.attempt_failed(id, be, end, out);
             return;
         }
+        let Some(dial) = self.settle_if(id, |_| true, out) else {
+            return;
+        };
+        self.dial_won(id, be, &dial, now, out);
+        let fe = dial.frontend;
         let Some(entry) = self.frontends.get(&fe).filter(|e| !e.failed) else {
             // The frontend is gone or failed.
             out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
@@ -668,6 +822,32 @@ impl Router {
             packet: Packet::dial_response(id.0, conn.0, ""),
             latency: now.saturating_duration_since(dial.started),
         });
+    }
+
+    /// A dial's attempt on `be` succeeded: its other attempt is cancelled
+    /// (DIAL_CLS; its late answer closed), its latency learnt.
+    fn dial_won(
+        &mut self,
+        id: DialId,
+        be: BackendId,
+        dial: &PendingDial,
+        now: Instant,
+        out: &mut Vec<Out>,
+    ) {
+        for attempt in &dial.attempts {
+            if attempt.backend == be {
+                if let Some(forwarded) = attempt.forwarded {
+                    self.latencies
+                        .observe(now.saturating_duration_since(forwarded));
+                }
+            } else {
+                self.cancelled.insert(id, attempt.backend);
+                out.push(Out::ToBackend(attempt.backend, Packet::close_dial(id.0)));
+            }
+        }
+        if dial.hedge == Some(be) {
+            out.push(Out::Count(Event::HedgeWon));
+        }
     }
 
     /// Enters an established connection in both tables.
@@ -831,15 +1011,14 @@ impl Router {
         let mut pending: Vec<DialId> = entry.pending.iter().copied().collect();
         pending.sort_unstable();
         for id in pending {
-            if let Some(dial) = self.pending.remove(&id) {
-                if let Some(deadline) = dial.deadline {
-                    self.deadlines.remove(&(deadline, id));
-                }
+            if let Some(dial) = self.settle_if(id, |d| d.frontend == fe, out) {
                 // ANP counts a gRPC frontend's pending dials only on DIAL_CLS.
                 if entry.kind == FrontendKind::HttpConnect {
                     out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
                 }
-                out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
+                for attempt in &dial.attempts {
+                    out.push(Out::ToBackend(attempt.backend, Packet::close_dial(id.0)));
+                }
             }
         }
         let mut conns: Vec<(ConnId, BackendId)> = entry.conns.into_iter().collect();
@@ -855,8 +1034,8 @@ impl Router {
     }
 
     /// An agent stream ended: its connections are closed towards their
-    /// frontends and its pending dials fail at once (not left to a
-    /// backstop).
+    /// frontends and its pending dials go to another agent (within the
+    /// retry budget) or fail at once (not left to a backstop).
     pub(crate) fn backend_closed(&mut self, now: Instant, be: BackendId, out: &mut Vec<Out>) {
         let Some(entry) = self.backends.remove(&be) else {
             return;
@@ -886,37 +1065,38 @@ impl Router {
         let mut dials: Vec<DialId> = self
             .pending
             .iter()
-            .filter(|(_, d)| d.backend == be)
+            .filter(|(_, d)| d.on(be))
             .map(|(id, _)| *id)
             .collect();
         dials.sort_unstable();
         for id in dials {
-            if let Some(dial) = self.take_pending_if(id, |_| true) {
-                out.push(Out::Count(Event::DialFailed(DialFailure::BackendClose)));
-                out.push(Out::DialFailed {
-                    frontend: dial.frontend,
-                    dial: id,
-                    error: DialError::AgentGone(agent.clone()),
-                });
-            }
+            let end = AttemptEnd::Retry(
+                DialRetry::AgentGone,
+                DialFailure::BackendClose,
+                DialError::AgentGone(agent.clone()),
+            );
+            self.attempt_failed(id, be, end, out);
         }
     }
 
-    /// When the earliest pending dial times out, if any.
+    /// When the earliest pending dial times out or is hedged, if any.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        self.deadlines.first().map(|(at, _)| *at)
+        let deadline = self.deadlines.first().map(|(at, _)| *at);
+        let hedge = self.hedges.first().map(|(at, _)| *at);
+        deadline.into_iter().chain(hedge).min()
     }
 
     /// Fails the dials whose `--backend-dial-timeout` passed by `now`:
-    /// DIAL_RSP with [`DialError::TimedOut`] to the frontend, DIAL_CLS to the
-    /// agent.
+    /// DIAL_RSP with [`DialError::TimedOut`] to the frontend, DIAL_CLS to
+    /// each agent it was in flight on; hedges those whose hedge delay
+    /// passed.
     pub(crate) fn handle_timeout(&mut self, now: Instant, out: &mut Vec<Out>) {
         while let Some((at, id)) = self.deadlines.first().copied() {
             if at > now {
-                return;
+                break;
             }
             self.deadlines.remove(&(at, id));
-            if let Some(dial) = self.take_pending_if(id, |_| true) {
+            if let Some(dial) = self.settle_if(id, |_| true, out) {
                 out.push(Out::Count(Event::DialFailed(
                     DialFailure::BackendDialTimeout,
                 )));
@@ -925,9 +1105,39 @@ impl Router {
                     dial: id,
                     error: DialError::TimedOut,
                 });
-                out.push(Out::ToBackend(dial.backend, Packet::close_dial(id.0)));
+                for attempt in &dial.attempts {
+                    out.push(Out::ToBackend(attempt.backend, Packet::close_dial(id.0)));
+                }
             }
         }
+        while let Some((at, id)) = self.hedges.first().copied() {
+            if at > now {
+                break;
+            }
+            self.hedges.remove(&(at, id));
+            self.hedge(id, out);
+        }
+    }
+
+    /// A dial's hedge delay passed without a DIAL_RSP: a second agent is
+    /// asked, if the strategies offer one.
+    fn hedge(&mut self, id: DialId, out: &mut Vec<Out>) {
+        let Some(dial) = self.pending.get_mut(&id) else {
+            return;
+        };
+        dial.hedge_at = None;
+        if dial.hedge.is_some() || dial.attempts.len() != 1 {
+            return;
+        }
+        let (address, tried) = (dial.address.clone(), dial.tried.clone());
+        let Some(second) = self.pick(&address, &tried) else {
+            return;
+        };
+        if let Some(dial) = self.pending.get_mut(&id) {
+            dial.hedge = Some(second);
+        }
+        out.push(Out::Count(Event::DialHedged));
+        self.send_attempt(id, second, out);
     }
 
     /// Checks that the tables agree with each other; panics naming the
@@ -936,9 +1146,11 @@ impl Router {
     /// - an established connection is in both its backend's and its
     ///   frontend's table, pointing at each other, and a failed frontend
     ///   has none;
-    /// - a pending dial is in its frontend's pending set and its backend
-    ///   is connected; a frontend's pending set names only its own dials;
-    /// - the deadlines are exactly the pending dials' deadlines;
+    /// - a pending dial is in its frontend's pending set and in flight on
+    ///   one or (hedged) two connected backends, each tried once, within
+    ///   its retry budget; a frontend's pending set names only its own
+    ///   dials; a backend's load counts exactly the dials in flight on it;
+    /// - the deadlines and hedge timers are exactly the pending dials';
     /// - the strategies index connected backends only;
     /// - a frontend remembers at most [`RECENTLY_CLOSED`] closed ids.
     #[cfg(any(test, feature = "fuzzing"))]
@@ -978,6 +1190,8 @@ impl Router {
             }
         }
         let mut deadlines = 0;
+        let mut hedges = 0;
+        let mut loads: HashMap<BackendId, usize> = HashMap::new();
         for (id, dial) in &self.pending {
             assert!(
                 self.frontends
@@ -987,9 +1201,37 @@ impl Router {
                 dial.frontend
             );
             assert!(
-                self.backends.contains_key(&dial.backend),
-                "dial {id} pending on a gone be{}",
-                dial.backend
+                (1..=2).contains(&dial.attempts.len()),
+                "dial {id} in flight on {} agents",
+                dial.attempts.len()
+            );
+            for attempt in &dial.attempts {
+                assert!(
+                    self.backends.contains_key(&attempt.backend),
+                    "dial {id} pending on a gone be{}",
+                    attempt.backend
+                );
+                assert!(
+                    dial.tried.contains(&attempt.backend),
+                    "dial {id}: attempt not tried"
+                );
+                *loads.entry(attempt.backend).or_default() += 1;
+            }
+            let mut tried = dial.tried.clone();
+            tried.sort_unstable();
+            tried.dedup();
+            assert_eq!(
+                tried.len(),
+                dial.tried.len(),
+                "dial {id} sent twice to one agent"
+            );
+            assert!(
+                dial.tried.len() <= 2 + self.policy.retries as usize,
+                "dial {id} tried past its budget"
+            );
+            assert!(
+                dial.attempts.len() < 2 || dial.hedge.is_some(),
+                "dial {id}: two attempts unhedged"
             );
             if let Some(at) = dial.deadline {
                 assert!(
@@ -998,12 +1240,27 @@ impl Router {
                 );
                 deadlines += 1;
             }
+            if let Some(at) = dial.hedge_at {
+                assert!(
+                    self.hedges.contains(&(at, *id)),
+                    "dial {id}: hedge not kept"
+                );
+                hedges += 1;
+            }
         }
         assert_eq!(
             deadlines,
             self.deadlines.len(),
             "deadlines of no pending dial"
         );
+        assert_eq!(hedges, self.hedges.len(), "hedges of no pending dial");
+        for (be, backend) in &self.backends {
+            assert_eq!(
+                backend.pending,
+                loads.get(be).copied().unwrap_or(0),
+                "be{be}: pending dials miscounted"
+            );
+        }
         for be in self.manager.indexed() {
             assert!(self.backends.contains_key(&be), "be{be} indexed but gone");
         }

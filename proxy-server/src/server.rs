@@ -190,7 +190,7 @@ impl ProxyServer {
         let admin = bind_named(config.admin_addr, "admin").await?;
         let control = Arc::new(Control::new(
             &config.strategies,
-            config.backend_dial_timeout,
+            config.dial_policy,
             metrics,
         ));
         let token_auth = match &config.token_auth {
@@ -622,13 +622,19 @@ fn http_servers(
     }
 }
 
-/// The dial timers (`--backend-dial-timeout`) and, with
-/// `--frontend-stall-timeout`, the stall scan.
+/// The dial timers (`--backend-dial-timeout`, hedging), the dialer of
+/// retried and hedged dials and, with `--frontend-stall-timeout`, the
+/// stall scan.
 fn spawn_timers(config: &Config, control: &Arc<Control>, ends: &Ends) {
     ends.tasks.spawn({
         let control = control.clone();
         let token = ends.token.clone();
         async move { control.run_timers(token).await }
+    });
+    ends.tasks.spawn({
+        let control = control.clone();
+        let token = ends.token.clone();
+        async move { control.run_dialer(token).await }
     });
     if let Some(limit) = config.frontend_stall_timeout {
         let control = control.clone();

@@ -4,6 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use client::dial::{TunnelConn, dial, uds_channel};
 use proxy_server::{
+    DialPolicy, HedgeDelay,
     config::{Config, FrontendListen, ListenerTls, Mode},
     server::{ProxyServer, ServerHandle},
     strategy::ProxyStrategy,
@@ -39,6 +40,10 @@ pub struct ServerOpts {
     pub mtls: bool,
     /// `--backend-dial-timeout`.
     pub backend_dial_timeout: Option<Duration>,
+    /// `--backend-dial-retries`.
+    pub backend_dial_retries: u32,
+    /// `--backend-dial-hedge` with `--backend-dial-hedge-delay`.
+    pub backend_dial_hedge: Option<HedgeDelay>,
     /// `--proxy-strategies`.
     pub strategies: Vec<ProxyStrategy>,
     /// Serve the frontend on mTLS TCP instead of a Unix socket.
@@ -81,6 +86,8 @@ impl Default for ServerOpts {
             agent_port: 0,
             mtls: true,
             backend_dial_timeout: None,
+            backend_dial_retries: 1,
+            backend_dial_hedge: None,
             strategies: vec![ProxyStrategy::Default],
             tcp_frontend: false,
             mode: Mode::Grpc,
@@ -190,7 +197,11 @@ impl TestServer {
             frontend_max_concurrent_streams: 100_000,
             agent_max_concurrent_streams:
                 proxy_server::config::DEFAULT_AGENT_MAX_CONCURRENT_STREAMS,
-            backend_dial_timeout: opts.backend_dial_timeout,
+            dial_policy: DialPolicy {
+                timeout: opts.backend_dial_timeout,
+                retries: opts.backend_dial_retries,
+                hedge: opts.backend_dial_hedge,
+            },
             flow_control: opts.flow_control,
             flow_window: opts.flow_window,
             graceful_shutdown_timeout: opts.graceful_shutdown_timeout,

@@ -241,21 +241,22 @@ impl FrontendDriver {
         }
     }
 
-    /// A packet for the control core, and the wait it needs, if any.
+    /// A packet for the control core, and the waits it needs.
     fn control_packet(&mut self, packet: Packet) {
-        match self.control.frontend_packet(self.link.id(), packet) {
-            None => {}
-            // DATA for a connection this driver did not have yet.
-            Some(Work::Upload { conn, data }) => {
-                self.conns.insert(conn.clone());
-                self.data(Packet::data(conn.id.0, data), conn);
-            }
-            Some(work) => {
-                let control = self.control.clone();
-                self.waits.push(Box::pin(async move {
-                    control.run(work).await;
-                    Waited::Forwarded
-                }));
+        for work in self.control.frontend_packet(self.link.id(), packet) {
+            match work {
+                // DATA for a connection this driver did not have yet.
+                Work::Upload { conn, data } => {
+                    self.conns.insert(conn.clone());
+                    self.data(Packet::data(conn.id.0, data), conn);
+                }
+                work => {
+                    let control = self.control.clone();
+                    self.waits.push(Box::pin(async move {
+                        control.run(work).await;
+                        Waited::Forwarded
+                    }));
+                }
             }
         }
     }

@@ -183,7 +183,7 @@ async fn dial<IO: AsyncRead + Unpin>(
 /// A control packet from the client's side, with what it waits for (a
 /// dial's room on its agent stream).
 async fn send(control: &Control, link: &FrontendLink, packet: Packet) {
-    if let Some(work) = control.frontend_packet(link.id(), packet) {
+    for work in control.frontend_packet(link.id(), packet) {
         when_blocked(control.run(work), || control.metrics.blocked(Method::Proxy)).await;
     }
 }
@@ -343,7 +343,11 @@ mod tests {
     #[tokio::test]
     async fn the_agents_last_bytes_reach_the_client_when_the_upload_sees_the_close_first() {
         let metrics = Arc::new(ServerMetrics::new(&[ProxyStrategy::Default]));
-        let control = Control::new(&[ProxyStrategy::Default], None, metrics.clone());
+        let control = Control::new(
+            &[ProxyStrategy::Default],
+            crate::router::DialPolicy::plain(None),
+            metrics.clone(),
+        );
         let (agent_tx, mut agent_rx) = tunnel::queue::queue(1 << 20, 1 << 16);
         let agent = tunnel::ids::AgentId("agent".to_owned());
         let be = control.add_backend(

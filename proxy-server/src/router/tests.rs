@@ -33,8 +33,12 @@ impl Bench {
     }
 
     fn with(strategies: &[ProxyStrategy], dial_timeout: Option<Duration>) -> Self {
+        Self::with_policy(strategies, DialPolicy::plain(dial_timeout))
+    }
+
+    fn with_policy(strategies: &[ProxyStrategy], policy: DialPolicy) -> Self {
         Self {
-            router: Router::new(strategies, dial_timeout, fastrand::Rng::with_seed(1)),
+            router: Router::new(strategies, policy, fastrand::Rng::with_seed(1)),
             now: Instant::now(),
             open: Set::new(),
         }
@@ -102,7 +106,7 @@ impl Bench {
                 .any(|o| o.starts_with(&format!("forward fe{fe} -> be{be}"))),
             "{dialed:?}"
         );
-        self.router.dial_forwarded(self.now, DialId(random));
+        self.router.dial_forwarded(self.now, DialId(random), be);
         let answered = self.be(be, Packet::dial_response(random, conn, ""));
         assert!(
             answered.contains(&format!(
@@ -174,11 +178,15 @@ fn show(out: &Out) -> String {
             "established fe{frontend} be{backend} conn {conn}: {}",
             show_packet(packet)
         ),
+        Out::Settled(dial) => format!("settled {dial}"),
         Out::EndFrontend(fe) => format!("end fe{fe}"),
         Out::EndBackend(be) => format!("end be{be}"),
         Out::Count(event) => match event {
             Event::DialFailed(reason) => format!("count dial_failed {}", reason.as_str()),
             Event::DialPending => "count pending".to_owned(),
+            Event::DialRetried(reason) => format!("count retried {}", reason.as_str()),
+            Event::DialHedged => "count hedged".to_owned(),
+            Event::HedgeWon => "count hedge won".to_owned(),
             Event::Established => "count established".to_owned(),
             Event::Closed(reason, _) => format!("count closed {}", reason.as_str()),
         },
@@ -187,7 +195,7 @@ fn show(out: &Out) -> String {
 
 fn show_all(out: &[Out]) -> Vec<String> {
     out.iter()
-        .filter(|o| !matches!(o, Out::Opened { .. } | Out::Closed { .. }))
+        .filter(|o| !matches!(o, Out::Opened { .. } | Out::Closed { .. } | Out::Settled(_)))
         .map(show)
         .collect()
 }
@@ -259,7 +267,7 @@ fn a_forwarded_dial_times_out_after_the_backend_dial_timeout() {
     let fe = b.frontend();
     b.fe(fe, dial(7));
     assert_eq!(b.router.poll_timeout(), None, "armed once forwarded");
-    b.router.dial_forwarded(b.now, DialId(7));
+    b.router.dial_forwarded(b.now, DialId(7), be);
     assert_eq!(b.router.poll_timeout(), Some(b.now + LIMIT));
     let early = b.now + LIMIT - Duration::from_millis(1);
     assert!(b.step(|r, _, out| r.handle_timeout(early, out)).is_empty());
@@ -287,10 +295,10 @@ fn a_forwarded_dial_times_out_after_the_backend_dial_timeout() {
 #[test]
 fn without_a_backend_dial_timeout_a_dial_waits_for_its_answer() {
     let mut b = Bench::with(&[ProxyStrategy::Default], None);
-    b.backend("a");
+    let be = b.backend("a");
     let fe = b.frontend();
     b.fe(fe, dial(7));
-    b.router.dial_forwarded(b.now, DialId(7));
+    b.router.dial_forwarded(b.now, DialId(7), be);
     assert_eq!(b.router.poll_timeout(), None);
     let much_later = b.now + Duration::from_secs(3600);
     assert!(
@@ -312,11 +320,11 @@ fn an_answered_dial_has_no_timer_left() {
 #[test]
 fn a_dial_that_cannot_go_out_is_answered_agent_stream_closed() {
     let mut b = Bench::new();
-    b.backend("a");
+    let be = b.backend("a");
     let fe = b.frontend();
     b.fe(fe, dial(7));
     assert_eq!(
-        b.step(|r, _, out| r.dial_not_forwarded(fe, DialId(7), ForwardFailure::Closed, out)),
+        b.step(|r, _, out| r.dial_not_forwarded(fe, DialId(7), be, ForwardFailure::Closed, out)),
         strings(&[
             "count dial_failed backend_close",
             "fe2 <- DIAL_RSP(7,0,agent stream closed)"
@@ -332,7 +340,13 @@ fn a_dial_that_times_out_going_out_retires_its_agent_stream() {
     let fe = b.frontend();
     b.fe(fe, dial(7));
     assert_eq!(
-        b.step(|r, _, out| r.dial_not_forwarded(fe, DialId(7), ForwardFailure::TimedOut, out)),
+        b.step(|r, _, out| r.dial_not_forwarded(
+            fe,
+            DialId(7),
+            stuck,
+            ForwardFailure::TimedOut,
+            out
+        )),
         strings(&[
             "end be1",
             "count dial_failed backend_dial_timeout",
@@ -520,15 +534,271 @@ fn an_undelivered_dial_rsp_closes_the_connection_on_the_agent() {
     assert!(!b.is_open(be, 3), "its waits end");
 }
 
+// --- Retries and hedges ---------------------------------------------------------
+
+/// A bench whose dials are retried once and, with `hedge`, hedged after a
+/// second.
+fn retrying(hedge: bool) -> Bench {
+    Bench::with_policy(
+        &[ProxyStrategy::Default],
+        DialPolicy {
+            timeout: Some(LIMIT),
+            retries: 1,
+            hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(1))),
+        },
+    )
+}
+
+impl Bench {
+    /// The agent streams dial `random` is in flight on.
+    fn attempts(&self, random: i64) -> Vec<BackendId> {
+        self.router
+            .pending
+            .get(&DialId(random))
+            .map(|d| d.attempts.iter().map(|a| a.backend).collect())
+            .unwrap_or_default()
+    }
+
+    /// Dials `random` from `fe` and forwards it: the agent it went to.
+    fn dial_out(&mut self, fe: FrontendId, random: i64) -> BackendId {
+        self.fe(fe, dial(random));
+        let [to] = self.attempts(random)[..] else {
+            panic!("dial {random} not in flight on one agent");
+        };
+        self.router.dial_forwarded(self.now, DialId(random), to);
+        to
+    }
+}
+
+const REFUSED: &str = "dial tcp 10.0.0.1:80: connect: connection refused";
+
+#[test]
+fn a_dial_whose_agent_dies_goes_to_another_agent() {
+    let mut b = retrying(false);
+    let agents = [b.backend("a"), b.backend("b")];
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    let other = agents.into_iter().find(|a| *a != first).unwrap();
+    assert_eq!(
+        b.step(|r, now, out| r.backend_closed(now, first, out)),
+        strings(&[
+            "count retried agent_gone",
+            &format!("forward fe{fe} -> be{other} dial 7: DIAL_REQ(7,10.0.0.1:80)"),
+        ])
+    );
+    b.router.dial_forwarded(b.now, DialId(7), other);
+    let answered = b.be(other, Packet::dial_response(7, 3, ""));
+    assert!(
+        answered.contains(&format!(
+            "established fe{fe} be{other} conn 3: DIAL_RSP(7,3,)"
+        )),
+        "{answered:?}"
+    );
+}
+
+#[test]
+fn a_refused_dial_is_retried_within_its_budget_then_fails_with_the_agents_answer() {
+    let mut b = retrying(false);
+    for agent in ["a", "b", "c"] {
+        b.backend(agent);
+    }
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    let retried = b.be(first, Packet::dial_response(7, 0, REFUSED));
+    assert_eq!(retried[0], "count retried refused", "{retried:?}");
+    let [second] = b.attempts(7)[..] else {
+        panic!("not retried: {retried:?}")
+    };
+    assert_ne!(second, first);
+    b.router.dial_forwarded(b.now, DialId(7), second);
+    assert_eq!(
+        b.be(second, Packet::dial_response(7, 0, REFUSED)),
+        strings(&[
+            "count dial_failed error_response",
+            &format!("fe{fe} <- DIAL_RSP(7,0,{REFUSED})"),
+        ]),
+        "one retry, then the answer is the frontend's"
+    );
+}
+
+#[test]
+fn an_agents_dial_timeout_is_not_retried() {
+    let mut b = retrying(false);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    let timeout = "dial tcp 10.0.0.1:80: i/o timeout";
+    assert_eq!(
+        b.be(first, Packet::dial_response(7, 0, timeout)),
+        strings(&[
+            "count dial_failed error_response",
+            &format!("fe{fe} <- DIAL_RSP(7,0,{timeout})"),
+        ])
+    );
+}
+
+#[test]
+fn a_dial_its_frontend_cancelled_is_not_retried() {
+    let mut b = retrying(false);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    b.fe(fe, Packet::close_dial(7));
+    assert!(
+        b.step(|r, now, out| r.backend_closed(now, first, out))
+            .is_empty()
+    );
+    assert_eq!(b.router.pending_count(), 0);
+}
+
+#[test]
+fn with_no_other_agent_a_dial_whose_agent_dies_fails() {
+    let mut b = retrying(false);
+    let only = b.backend("a");
+    let fe = b.frontend();
+    b.dial_out(fe, 7);
+    assert_eq!(
+        b.step(|r, now, out| r.backend_closed(now, only, out)),
+        strings(&[
+            "count dial_failed backend_close",
+            "fe2 <- DIAL_RSP(7,0,agent a disconnected)"
+        ])
+    );
+}
+
+#[test]
+fn a_retry_never_outlives_the_first_deadline() {
+    let mut b = retrying(false);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    b.now += LIMIT / 2;
+    b.step(|r, now, out| r.backend_closed(now, first, out));
+    let [second] = b.attempts(7)[..] else {
+        panic!("not retried")
+    };
+    b.router.dial_forwarded(b.now, DialId(7), second);
+    // The deadline is still the first one's.
+    let deadline = b.now + LIMIT / 2;
+    assert_eq!(b.router.poll_timeout(), Some(deadline));
+    assert_eq!(
+        b.step(|r, _, out| r.handle_timeout(deadline, out)),
+        strings(&[
+            "count dial_failed backend_dial_timeout",
+            &format!("fe{fe} <- DIAL_RSP(7,0,timed out waiting for backend dial)"),
+            &format!("be{second} <- DIAL_CLS(7)"),
+        ])
+    );
+}
+
+#[test]
+fn a_dest_host_dial_whose_agent_dies_falls_back_to_default() {
+    let mut b = Bench::with_policy(
+        &[ProxyStrategy::DestHost, ProxyStrategy::Default],
+        DialPolicy {
+            timeout: None,
+            retries: 1,
+            hedge: None,
+        },
+    );
+    let node = b.router.add_backend(AgentInfo {
+        agent_id: AgentId("node".to_owned()),
+        identifiers: AgentIdentifiers::parse("ipv4=10.0.0.1"),
+    });
+    let other = b.backend("other");
+    let fe = b.frontend();
+    assert_eq!(b.dial_out(fe, 7), node, "the destination's own agent first");
+    b.step(|r, now, out| r.backend_closed(now, node, out));
+    assert_eq!(b.attempts(7), [other]);
+}
+
+#[test]
+fn a_slow_dial_is_hedged_and_the_first_answer_wins() {
+    let mut b = retrying(true);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let slow = b.dial_out(fe, 7);
+    assert_eq!(
+        b.router.poll_timeout(),
+        Some(b.now + Duration::from_secs(1))
+    );
+    b.now += Duration::from_secs(1);
+    let hedged = b.step(|r, now, out| r.handle_timeout(now, out));
+    assert_eq!(hedged[0], "count hedged", "{hedged:?}");
+    let fast = b.attempts(7)[1];
+    assert_ne!(fast, slow);
+    b.router.dial_forwarded(b.now, DialId(7), fast);
+    let won = b.be(fast, Packet::dial_response(7, 3, ""));
+    assert_eq!(
+        won,
+        strings(&[
+            &format!("be{slow} <- DIAL_CLS(7)"),
+            "count hedge won",
+            "count established",
+            &format!("established fe{fe} be{fast} conn 3: DIAL_RSP(7,3,)"),
+        ])
+    );
+    // The loser answers late (an ANP agent ignores DIAL_CLS): its
+    // connection is closed, not counted as an unrecognized answer.
+    assert_eq!(
+        b.be(slow, Packet::dial_response(7, 5, "")),
+        strings(&[&format!("be{slow} <- CLOSE_REQ(5)")])
+    );
+    assert_eq!(b.router.established_count(), 1);
+}
+
+#[test]
+fn a_hedged_dial_goes_on_when_one_of_its_agents_fails() {
+    let mut b = retrying(true);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    b.now += Duration::from_secs(1);
+    b.step(|r, now, out| r.handle_timeout(now, out));
+    assert!(
+        b.be(
+            first,
+            Packet::dial_response(7, 0, "dial tcp 10.0.0.1:80: i/o timeout")
+        )
+        .is_empty(),
+        "the other attempt carries on"
+    );
+    assert_eq!(b.router.pending_count(), 1);
+    let [second] = b.attempts(7)[..] else {
+        panic!("one attempt left")
+    };
+    assert!(
+        b.be(second, Packet::dial_response(7, 3, ""))
+            .iter()
+            .any(|o| o.starts_with("established"))
+    );
+}
+
+#[test]
+fn a_dial_is_hedged_only_where_there_is_another_agent() {
+    let mut b = retrying(true);
+    b.backend("a");
+    let fe = b.frontend();
+    b.dial_out(fe, 7);
+    b.now += Duration::from_secs(1);
+    assert!(b.step(|r, now, out| r.handle_timeout(now, out)).is_empty());
+    assert_eq!(b.attempts(7).len(), 1);
+}
+
 // --- DIAL_CLS -----------------------------------------------------------------
 
 #[test]
 fn a_frontend_cancels_its_pending_dial() {
     let mut b = Bench::new();
-    b.backend("a");
+    let be = b.backend("a");
     let fe = b.frontend();
     b.fe(fe, dial(7));
-    b.router.dial_forwarded(b.now, DialId(7));
+    b.router.dial_forwarded(b.now, DialId(7), be);
     assert_eq!(
         b.fe(fe, Packet::close_dial(7)),
         strings(&["count dial_failed frontend_close", "be1 <- DIAL_CLS(7)"])
@@ -760,7 +1030,7 @@ fn a_grpc_frontend_that_ends_cancels_its_dials_and_closes_its_connections() {
     let fe = b.frontend();
     b.establish(fe, be, 7, 3);
     b.fe(fe, dial(8));
-    b.router.dial_forwarded(b.now, DialId(8));
+    b.router.dial_forwarded(b.now, DialId(8), be);
     assert_eq!(
         b.step(|r, now, out| r.frontend_closed(now, fe, out)),
         strings(&[
@@ -827,7 +1097,13 @@ fn two_streams_of_one_agent_do_not_touch_each_others_connections() {
     let other = b.frontend();
     // Both streams number their connections from 1.
     b.fe(other, dial(8));
-    let to = if b.router.pending.get(&DialId(8)).map(|d| d.backend) == Some(second) {
+    let to = if b
+        .router
+        .pending
+        .get(&DialId(8))
+        .map(|d| d.attempts[0].backend)
+        == Some(second)
+    {
         second
     } else {
         first
@@ -988,8 +1264,13 @@ enum Step {
     Frontend(bool),
     Backend,
     Dial(usize, i64),
-    Forwarded(i64),
-    NotForwarded(usize, i64, bool),
+    Forwarded(usize, i64),
+    /// Every DIAL_REQ waiting to go out goes (as the drivers do).
+    ForwardAll,
+    /// The agent of the n-th attempt in flight answers it: established
+    /// (0), refused (1), timed out (2) or DIAL_CLS (3).
+    Answer(usize, u8),
+    NotForwarded(usize, usize, i64, bool),
     FrontendData(usize, i64),
     FrontendClose(usize, i64),
     FrontendCancel(usize, i64),
@@ -1012,9 +1293,11 @@ fn step() -> impl Strategy<Value = Step> {
         any::<bool>().prop_map(Step::Frontend),
         Just(Step::Backend),
         (slot.clone(), random.clone()).prop_map(|(f, r)| Step::Dial(f, r)),
-        random.clone().prop_map(Step::Forwarded),
-        (slot.clone(), random.clone(), any::<bool>())
-            .prop_map(|(f, r, t)| Step::NotForwarded(f, r, t)),
+        (slot.clone(), random.clone()).prop_map(|(b, r)| Step::Forwarded(b, r)),
+        Just(Step::ForwardAll),
+        (0usize..8, 0u8..4).prop_map(|(n, how)| Step::Answer(n, how)),
+        (slot.clone(), slot.clone(), random.clone(), any::<bool>())
+            .prop_map(|(f, b, r, t)| Step::NotForwarded(f, b, r, t)),
         (slot.clone(), conn.clone()).prop_map(|(f, c)| Step::FrontendData(f, c)),
         (slot.clone(), conn.clone()).prop_map(|(f, c)| Step::FrontendClose(f, c)),
         (slot.clone(), random.clone()).prop_map(|(f, r)| Step::FrontendCancel(f, r)),
@@ -1042,6 +1325,9 @@ struct Watch {
     owners: Map<(BackendId, i64), FrontendId>,
     /// Connections whose flow state the driver holds (opened, not closed).
     open: Set<(BackendId, ConnId)>,
+    /// The agents each dial (by random) was sent to and neither answered,
+    /// cancelled nor ended.
+    inflight: Map<i64, Set<BackendId>>,
 }
 
 impl Watch {
@@ -1053,6 +1339,19 @@ impl Watch {
                     PacketKind::DialCls(cls) => self.answer(*fe, cls.random),
                     _ => {}
                 },
+                Out::Forward { backend, dial, .. } => {
+                    prop_assert!(
+                        self.inflight.entry(dial.0).or_default().insert(*backend),
+                        "dial {} sent twice to be{}",
+                        dial,
+                        backend
+                    );
+                }
+                Out::ToBackend(be, packet) => {
+                    if let PacketKind::DialCls(cls) = packet.clone().into_kind() {
+                        self.agent_done(*be, cls.random);
+                    }
+                }
                 Out::Established {
                     frontend,
                     backend,
@@ -1062,6 +1361,7 @@ impl Watch {
                 } => {
                     if let PacketKind::DialRsp(rsp) = packet.clone().into_kind() {
                         self.answer(*frontend, rsp.random);
+                        self.agent_done(*backend, rsp.random);
                     }
                     prop_assert!(
                         self.owners.insert((*backend, conn.0), *frontend).is_none(),
@@ -1097,6 +1397,28 @@ impl Watch {
         Ok(())
     }
 
+    /// The agent has no attempt at the dial any more.
+    fn agent_done(&mut self, be: BackendId, random: i64) {
+        if let Some(agents) = self.inflight.get_mut(&random) {
+            agents.remove(&be);
+        }
+    }
+
+    /// Every attempt the router keeps is one the agents were sent and
+    /// neither answered nor had cancelled, and a settled dial left none
+    /// behind: at most one connection per dial, every loser closed.
+    fn attempts_agree(&self, router: &Router) -> Result<(), TestCaseError> {
+        for (random, agents) in &self.inflight {
+            let kept: Set<BackendId> = router
+                .pending
+                .get(&DialId(*random))
+                .map(|d| d.attempts.iter().map(|a| a.backend).collect())
+                .unwrap_or_default();
+            prop_assert_eq!(agents, &kept, "dial {}: attempts", random);
+        }
+        Ok(())
+    }
+
     fn answer(&mut self, fe: FrontendId, random: i64) {
         *self.answers.entry((fe, random)).or_default() += 1;
     }
@@ -1109,11 +1431,22 @@ proptest! {
     /// only to the sender's own connections; no dial is answered more often than it was made;
     /// and once every stream has ended, every table is empty.
     #[test]
-    fn random_interleavings_keep_the_invariants(steps in proptest::collection::vec(step(), 1..120)) {
-        let mut b = Bench::new();
+    fn random_interleavings_keep_the_invariants(
+        steps in proptest::collection::vec(step(), 1..120),
+        retries in 0u32..3,
+        hedge in any::<bool>(),
+    ) {
+        let policy = DialPolicy {
+            timeout: Some(LIMIT),
+            retries,
+            hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(2))),
+        };
+        let mut b = Bench::with_policy(&[ProxyStrategy::Default], policy);
         let mut frontends: Vec<FrontendId> = Vec::new();
         let mut backends: Vec<BackendId> = Vec::new();
         let mut watch = Watch::default();
+        // Connection ids agents give in answers (above the steps' own).
+        let mut next_conn = 100;
         let pick = |list: &[u64], i: usize| list.get(i % list.len().max(1)).copied();
         for s in steps {
             let fe_ids: Vec<u64> = frontends.iter().map(|f| f.0).collect();
@@ -1129,21 +1462,53 @@ proptest! {
                     *watch.requests.entry((f, r)).or_default() += 1;
                     b.router.frontend_packet(now, f, dial(r), &mut out);
                 },
-                Step::Forwarded(r) => b.router.dial_forwarded(now, DialId(r)),
-                Step::NotForwarded(f, r, timed_out) => if let Some(f) = fe(f) {
+                Step::Forwarded(i, r) => if let Some(x) = be(i) { b.router.dial_forwarded(now, DialId(r), x) },
+                Step::Answer(n, how) => {
+                    let mut attempts: Vec<(DialId, BackendId)> = b.router.pending.iter()
+                        .flat_map(|(id, d)| d.attempts.iter().map(move |a| (*id, a.backend)))
+                        .collect();
+                    attempts.sort_unstable();
+                    if let Some(&(id, x)) = attempts.get(n % attempts.len().max(1)) {
+                        watch.agent_done(x, id.0);
+                        next_conn += 1;
+                        let packet = match how {
+                            0 => Packet::dial_response(id.0, next_conn, ""),
+                            1 => Packet::dial_response(id.0, 0, "dial tcp 10.0.0.1:80: connect: connection refused"),
+                            2 => Packet::dial_response(id.0, 0, "dial tcp 10.0.0.1:80: i/o timeout"),
+                            _ => Packet::close_dial(id.0),
+                        };
+                        b.router.backend_packet(now, x, packet, &mut out);
+                    }
+                },
+                Step::ForwardAll => {
+                    let waiting: Vec<(DialId, BackendId)> = b.router.pending.iter()
+                        .flat_map(|(id, d)| d.attempts.iter().filter(|a| a.forwarded.is_none()).map(move |a| (*id, a.backend)))
+                        .collect();
+                    for (id, x) in waiting {
+                        b.router.dial_forwarded(now, id, x);
+                    }
+                },
+                Step::NotForwarded(f, i, r, timed_out) => if let (Some(f), Some(x)) = (fe(f), be(i)) {
                     let why = if timed_out { ForwardFailure::TimedOut } else { ForwardFailure::Closed };
-                    b.router.dial_not_forwarded(f, DialId(r), why, &mut out);
+                    if b.router.pending.get(&DialId(r)).is_some_and(|d| d.frontend == f) {
+                        watch.agent_done(x, r);
+                    }
+                    b.router.dial_not_forwarded(f, DialId(r), x, why, &mut out);
                 },
                 Step::FrontendData(f, c) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, data(c, b"f"), &mut out) },
                 Step::FrontendClose(f, c) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, Packet::close_request(c), &mut out) },
                 Step::FrontendCancel(f, r) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, Packet::close_dial(r), &mut out) },
                 Step::DialRsp(i, r, c, error) => if let Some(x) = be(i) {
+                    watch.agent_done(x, r);
                     let rsp = Packet::dial_response(r, if error { 0 } else { c }, if error { "refused" } else { "" });
                     b.router.backend_packet(now, x, rsp, &mut out);
                 },
                 Step::AgentData(i, c) => if let Some(x) = be(i) { b.router.backend_packet(now, x, data(c, b"a"), &mut out) },
                 Step::CloseRsp(i, c) => if let Some(x) = be(i) { b.router.backend_packet(now, x, Packet::close_response(c, ""), &mut out) },
-                Step::AgentCancel(i, r) => if let Some(x) = be(i) { b.router.backend_packet(now, x, Packet::close_dial(r), &mut out) },
+                Step::AgentCancel(i, r) => if let Some(x) = be(i) {
+                    watch.agent_done(x, r);
+                    b.router.backend_packet(now, x, Packet::close_dial(r), &mut out);
+                },
                 Step::Drain(i) => if let Some(x) = be(i) { b.router.backend_packet(now, x, Packet::drain(), &mut out) },
                 Step::Overflow(i, c) => if let Some(x) = be(i) { b.router.overflow(now, x, ConnId(c), &mut out) },
                 Step::FrontendEnds(f) => if let Some(f) = fe(f) {
@@ -1154,6 +1519,9 @@ proptest! {
                     b.router.backend_closed(b.now, x, &mut out);
                     backends.retain(|y| *y != x);
                     watch.owners.retain(|(owner, _), _| *owner != x);
+                    for agents in watch.inflight.values_mut() {
+                        agents.remove(&x);
+                    }
                 },
                 Step::Tick(secs) => {
                     b.now += Duration::from_secs(secs);
@@ -1163,6 +1531,7 @@ proptest! {
             }
             watch.see(&out)?;
             b.router.check();
+            watch.attempts_agree(&b.router)?;
             // The driver holds flow state for exactly the established ones.
             prop_assert_eq!(watch.open.len(), b.router.established_count());
             // Connections closed by this step are no longer owned.
@@ -1214,7 +1583,9 @@ proptest! {
         let mut out = Vec::new();
         for (random, (_, _, _)) in (1i64..).zip(&dials) {
             b.router.frontend_packet(b.now, fe, dial(random), &mut out);
-            b.router.dial_forwarded(b.now, DialId(random));
+            if let Some(be) = b.router.pending.get(&DialId(random)).map(|d| d.attempts[0].backend) {
+                b.router.dial_forwarded(b.now, DialId(random), be);
+            }
         }
         for (random, (agent, succeed, how)) in (1i64..).zip(&dials) {
             let be = backends[*agent % backends.len()];

@@ -1,0 +1,285 @@
+//! A pending dial's state and the router's dial policy: how long a dial
+//! may take, how often it is sent again to another agent, when a second
+//! agent is asked at once (hedging), and the latencies hedging learns from.
+//! Plain data, as the router's.
+
+use std::{
+    collections::{HashSet, VecDeque},
+    time::{Duration, Instant},
+};
+
+use tunnel::ids::DialId;
+
+use crate::{
+    events::{DialError, DialFailure, DialRetry},
+    ids::{BackendId, FrontendId},
+};
+
+/// How the router bounds, retries and hedges dials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DialPolicy {
+    /// `--backend-dial-timeout`: from the first DIAL_REQ sent, across
+    /// retries; `None`: no bound.
+    pub timeout: Option<Duration>,
+    /// `--backend-dial-retries`: how many times a dial may go to another
+    /// agent after its agent failed it in a way another may not.
+    pub retries: u32,
+    /// `--backend-dial-hedge`: when a second agent is asked; `None`: never.
+    pub hedge: Option<HedgeDelay>,
+}
+
+impl DialPolicy {
+    /// ANP's behaviour: no retry, no hedge.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn plain(timeout: Option<Duration>) -> Self {
+        Self {
+            timeout,
+            retries: 0,
+            hedge: None,
+        }
+    }
+}
+
+/// How long a dial waits for its DIAL_RSP before a second agent is asked
+/// (`--backend-dial-hedge-delay`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HedgeDelay {
+    /// Always this long.
+    Fixed(Duration),
+    /// This percentile of the latest [`WINDOW`] established dials'
+    /// latencies, at least [`FLOOR`]; [`BOOTSTRAP`] until [`MIN_SAMPLES`]
+    /// were seen.
+    Percentile(u8),
+}
+
+/// How many dial latencies hedging learns from.
+pub(crate) const WINDOW: usize = 1024;
+/// Latencies seen before a percentile is trusted.
+pub(crate) const MIN_SAMPLES: usize = 32;
+/// The delay until then: well past a healthy dial on a LAN or to a
+/// far-away node (tens of ms), well short of a webhook's patience.
+pub(crate) const BOOTSTRAP: Duration = Duration::from_millis(100);
+/// The shortest hedge delay: below it, a loopback's jitter alone would
+/// double every dial.
+pub(crate) const FLOOR: Duration = Duration::from_millis(1);
+/// The percentile is recomputed once per this many new latencies.
+const RECOMPUTE: usize = 32;
+
+/// The latest dial latencies and the hedge delay they give.
+#[derive(Debug, Default)]
+pub(crate) struct Latencies {
+    /// Oldest first.
+    recent: VecDeque<Duration>,
+    /// Latencies seen since `cached` was computed.
+    fresh: usize,
+    /// The last percentile computed, and which.
+    cached: Option<(u8, Duration)>,
+}
+
+impl Latencies {
+    /// One established dial's latency (its DIAL_REQ to its DIAL_RSP on the
+    /// agent that answered).
+    pub(crate) fn observe(&mut self, latency: Duration) {
+        if self.recent.len() == WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(latency);
+        self.fresh += 1;
+    }
+
+    /// The hedge delay `hedge` gives now.
+    pub(crate) fn delay(&mut self, hedge: HedgeDelay) -> Duration {
+        let percentile = match hedge {
+            HedgeDelay::Fixed(delay) => return delay,
+            HedgeDelay::Percentile(p) => p,
+        };
+        if self.recent.len() < MIN_SAMPLES {
+            return BOOTSTRAP;
+        }
+        match self.cached {
+            Some((p, delay)) if p == percentile && self.fresh < RECOMPUTE => delay,
+            _ => {
+                let mut sorted: Vec<Duration> = self.recent.iter().copied().collect();
+                sorted.sort_unstable();
+                let rank = (sorted.len() * usize::from(percentile)).div_ceil(100);
+                let delay = sorted[rank.clamp(1, sorted.len()) - 1].max(FLOOR);
+                self.cached = Some((percentile, delay));
+                self.fresh = 0;
+                delay
+            }
+        }
+    }
+}
+
+/// One agent a pending dial was sent to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Attempt {
+    /// The agent stream.
+    pub(crate) backend: BackendId,
+    /// When its DIAL_REQ went out, once it did.
+    pub(crate) forwarded: Option<Instant>,
+}
+
+/// A dial sent and not yet answered.
+#[derive(Debug)]
+pub(crate) struct PendingDial {
+    /// Who asked.
+    pub(crate) frontend: FrontendId,
+    /// The DIAL_REQ's protocol, for a retry.
+    pub(crate) protocol: String,
+    /// The DIAL_REQ's address, for a retry.
+    pub(crate) address: String,
+    /// The agent streams it is in flight on: one, or two once hedged.
+    pub(crate) attempts: Vec<Attempt>,
+    /// Every agent stream it was sent to, which a retry or a hedge avoids.
+    pub(crate) tried: Vec<BackendId>,
+    /// Retries left.
+    pub(crate) retries_left: u32,
+    /// The agent stream asked second by hedging, once it was.
+    pub(crate) hedge: Option<BackendId>,
+    /// When a second agent is asked, once armed.
+    pub(crate) hedge_at: Option<Instant>,
+    /// When it was received, for the dial latency.
+    pub(crate) started: Instant,
+    /// When it times out (`--backend-dial-timeout`), once forwarded.
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl PendingDial {
+    /// Whether it is in flight on `backend`.
+    pub(crate) fn on(&self, backend: BackendId) -> bool {
+        self.attempts.iter().any(|a| a.backend == backend)
+    }
+}
+
+/// Why an agent's attempt at a dial ended without a connection.
+#[derive(Debug, Clone)]
+pub(crate) enum AttemptEnd {
+    /// Another agent may serve it: retried if the budget allows; else the
+    /// dial fails as given.
+    Retry(DialRetry, DialFailure, DialError),
+    /// Another agent would fail it too, or it would take too long.
+    Final(DialFailure, DialError),
+}
+
+/// Whether an agent's DIAL_RSP error is one another node may not have:
+/// Go's texts for ECONNREFUSED, EHOSTUNREACH and ENETUNREACH (ANP's agents
+/// and ours send them alike). A timeout is not: a retry would double the
+/// wait its caller already spent.
+pub(crate) fn retryable(error: &str) -> bool {
+    const ELSEWHERE: [&str; 3] = [
+        "connection refused",
+        "no route to host",
+        "network is unreachable",
+    ];
+    ELSEWHERE.iter().any(|text| error.contains(text))
+}
+
+/// Attempts closed because another agent answered first: their late
+/// DIAL_RSP is closed on the agent, not counted as unrecognized. Bounded:
+/// the oldest is forgotten (its late answer is then counted, and closed
+/// all the same).
+#[derive(Debug, Default)]
+pub(crate) struct Cancelled {
+    /// Oldest first.
+    order: VecDeque<(DialId, BackendId)>,
+    /// The same, for lookups.
+    set: HashSet<(DialId, BackendId)>,
+}
+
+/// How many cancelled attempts are remembered.
+const CANCELLED: usize = 4096;
+
+impl Cancelled {
+    /// Remembers an attempt closed before its answer.
+    pub(crate) fn insert(&mut self, dial: DialId, backend: BackendId) {
+        if self.order.len() == CANCELLED
+            && let Some(old) = self.order.pop_front()
+        {
+            self.set.remove(&old);
+        }
+        if self.set.insert((dial, backend)) {
+            self.order.push_back((dial, backend));
+        }
+    }
+
+    /// Whether the attempt was cancelled (forgetting it).
+    pub(crate) fn take(&mut self, dial: DialId, backend: BackendId) -> bool {
+        if !self.set.remove(&(dial, backend)) {
+            return false;
+        }
+        self.order.retain(|entry| *entry != (dial, backend));
+        true
+    }
+
+    /// How many are remembered.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn len(&self) -> usize {
+        self.order.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hedge_delay_is_the_percentile_of_the_latest_dials() {
+        let mut l = Latencies::default();
+        let p95 = HedgeDelay::Percentile(95);
+        assert_eq!(l.delay(p95), BOOTSTRAP, "too few dials seen");
+        for ms in 1..=100 {
+            l.observe(Duration::from_millis(ms));
+        }
+        assert_eq!(l.delay(p95), Duration::from_millis(95));
+        assert_eq!(
+            l.delay(HedgeDelay::Percentile(50)),
+            Duration::from_millis(50)
+        );
+        assert_eq!(
+            l.delay(HedgeDelay::Fixed(Duration::from_secs(3))),
+            Duration::from_secs(3)
+        );
+        // The window forgets: a slower regime takes over.
+        for _ in 0..WINDOW {
+            l.observe(Duration::from_millis(400));
+        }
+        assert_eq!(l.delay(p95), Duration::from_millis(400));
+        let mut fast = Latencies::default();
+        for _ in 0..MIN_SAMPLES {
+            fast.observe(Duration::from_micros(50));
+        }
+        assert_eq!(fast.delay(p95), FLOOR);
+    }
+
+    #[test]
+    fn refusals_and_unreachable_nodes_are_retried_timeouts_are_not() {
+        assert!(retryable(
+            "dial tcp 10.0.0.1:443: connect: connection refused"
+        ));
+        assert!(retryable(
+            "dial tcp 10.0.0.1:443: connect: no route to host"
+        ));
+        assert!(retryable(
+            "dial tcp 10.0.0.1:443: connect: network is unreachable"
+        ));
+        assert!(!retryable("dial tcp 10.0.0.1:443: i/o timeout"));
+        assert!(!retryable(
+            "dial tcp 10.0.0.1:443: connect: connection timed out"
+        ));
+        assert!(!retryable("dial tcp: lookup nowhere: no such host"));
+    }
+
+    #[test]
+    fn cancelled_attempts_are_remembered_within_a_bound() {
+        let mut c = Cancelled::default();
+        for id in 0..(CANCELLED as i64 + 10) {
+            c.insert(DialId(id), BackendId(1));
+        }
+        assert_eq!(c.len(), CANCELLED);
+        assert!(!c.take(DialId(0), BackendId(1)), "the oldest is forgotten");
+        assert!(c.take(DialId(20), BackendId(1)));
+        assert!(!c.take(DialId(20), BackendId(1)), "taken once");
+        assert!(!c.take(DialId(21), BackendId(2)), "another agent's");
+    }
+}
