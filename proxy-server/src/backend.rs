@@ -268,7 +268,11 @@ impl BackendDriver {
             let Some(wait) = self.handle(packet) else {
                 continue;
             };
-            let waited = when_blocked(self.deliver_wait(wait), || metrics.blocked(Method::Connect));
+            let http_connect = wait.conn.to_http_connect();
+            let waited = when_blocked(self.deliver_wait(wait), || {
+                let write = http_connect.then(|| metrics.write_blocked());
+                (metrics.blocked(Method::Connect), write)
+            });
             tokio::select! {
                 () = &mut ended => return,
                 () = waited => {}

@@ -140,6 +140,15 @@ pub struct Args {
     /// (ANP: 10). Accepted and checked; our queues are bounded in bytes.
     #[arg(long)]
     pub xfr_channel_size: Option<usize>,
+    /// Packets ANP queues per HTTP-CONNECT connection between the agent
+    /// stream's receive loop and the client's socket (ANP #896/#918;
+    /// ANP's default 10; 0: ANP writes from the receive loop). Accepted
+    /// (0 too, negative refused) and named at start-up, without effect:
+    /// here every connection already has that lane, a buffer bounded in
+    /// bytes by its flow window, and the receive loop never writes to a
+    /// socket, whatever the value.
+    #[arg(long, value_name = "PACKETS", allow_negative_numbers = true, value_parser = write_channel_size)]
+    pub frontend_write_channel_size: Option<i64>,
     /// Publish and renew this server's Lease.
     #[arg(long, go_bool = Some(false))]
     pub enable_lease_controller: bool,
@@ -484,6 +493,18 @@ fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
     }
 }
 
+/// `--frontend-write-channel-size`: an integer, not negative (ANP #918).
+fn write_channel_size(text: &str) -> Result<i64, String> {
+    let size: i64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not an integer"))?;
+    if size < 0 {
+        return Err(format!("{size} is negative (0 or more)"));
+    }
+    Ok(size)
+}
+
 /// Joins a bind address flag ("" = all interfaces) and a port.
 fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, ConfigError> {
     ops::flags::bind_addr(host, port).map_err(|reason| invalid(flag, reason))
@@ -512,6 +533,12 @@ impl TryFrom<Args> for Config {
     fn try_from(args: Args) -> Result<Self, ConfigError> {
         let mut notices = Vec::new();
         let policy = tls_policy(&args, &mut notices)?;
+        if let Some(size) = args.frontend_write_channel_size {
+            notices.push(Notice {
+                flag: "frontend-write-channel-size",
+                text: format!("{size}: no effect; every HTTP-CONNECT connection already has its own lane (a buffer bounded by its flow window) and the agent stream's receive loop never writes to a socket"),
+            });
+        }
         let frontend = frontend(&args, &policy)?;
         let agent_tls = agent_tls(&args, &policy)?;
         let token_auth = token_auth(&args)?;
@@ -1154,6 +1181,49 @@ mod tests {
             config.notices
         );
         assert!(parse(&uds_args(dir.path())).unwrap().notices.is_empty());
+    }
+
+    /// ANP #896/#918's `--frontend-write-channel-size`: any size from 0
+    /// (ANP's synchronous writes) up is accepted and named at start-up as
+    /// without effect; a negative one is refused naming the flag, however
+    /// it is spelled.
+    #[test]
+    fn frontend_write_channel_size_is_accepted_from_zero_and_named() {
+        let dir = pki();
+        assert_eq!(
+            Args::try_parse_from(["proxy-server"])
+                .unwrap()
+                .frontend_write_channel_size,
+            None,
+            "ANP's 10, not named"
+        );
+        for size in ["0", "10", "4096"] {
+            let mut args = uds_args(dir.path());
+            args.push(format!("--frontend-write-channel-size={size}"));
+            let config = parse(&args).unwrap();
+            let notice = &config.notices[0];
+            assert_eq!(notice.flag, "frontend-write-channel-size");
+            assert!(
+                notice.text.starts_with(&format!("{size}: no effect")),
+                "{notice:?}"
+            );
+        }
+        for argv in [
+            &["--frontend-write-channel-size=-1"][..],
+            &["--frontend-write-channel-size", "-10"],
+            &["--frontend-write-channel-size=ten"],
+        ] {
+            let err = Args::try_parse_from(std::iter::once(&"proxy-server").chain(argv))
+                .err()
+                .unwrap();
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{argv:?}"
+            );
+            let text = err.to_string();
+            assert!(text.contains("--frontend-write-channel-size"), "{text}");
+        }
     }
 
     #[test]

@@ -95,6 +95,11 @@ impl Conn {
         }
     }
 
+    /// Whether its frontend is an HTTP-CONNECT client.
+    pub(crate) fn to_http_connect(&self) -> bool {
+        self.to_frontend.kind == FrontendKind::HttpConnect
+    }
+
     /// Sends frontend DATA to the agent in pieces of the agent's chunk,
     /// each waiting for credit and for room on the agent's queue; every
     /// wait ends when the connection closes (this holds up only the

@@ -196,6 +196,8 @@ pub(crate) struct ServerMetrics {
     pending_dials: Observed<Gauge>,
     established: Observed<Gauge>,
     full_receive_channels: ByLabel<Method, Gauge>,
+    /// ANP #896's HTTP-CONNECT write-queue gauges (see [`Self::write_blocked`]).
+    write_queues: WriteQueues,
     dial_failures: ByLabel<DialFailure, Counter>,
     /// ANP's `stream_packets_total`.
     pub(crate) packets: PacketCounters<Segment>,
@@ -248,6 +250,33 @@ impl LeaseCalls {
                 name("lease_list_total"),
                 "Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.",
                 Family::default(),
+            ),
+        }
+    }
+}
+
+/// ANP #896's gauges of its per-connection HTTP-CONNECT write queues, shown
+/// once first used as ANP's label-less vectors are. Our queue is the
+/// connection's buffer, bounded by its flow window: an agent with flow
+/// control stops at the window, so only an agent without it (ANP's) makes
+/// the stream's reader wait on a full one.
+struct WriteQueues {
+    full: Observed<Gauge>,
+    blocked: Observed<Gauge>,
+}
+
+impl WriteQueues {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
+            full: m.register(
+                name("full_frontend_write_queues"),
+                "Number of per-connection HTTP CONNECT frontend write queues currently at capacity. Here: HTTP CONNECT connections whose buffer (bounded by its flow window) is full while an agent stream's reader waits for room in it; 0 with agents that negotiate flow control, which stop at the window instead.",
+                Observed::new(Gauge::default()),
+            ),
+            blocked: m.register(
+                name("blocked_frontend_write_channels"),
+                "Number of backend receive loops currently blocked enqueueing to a full HTTP CONNECT frontend write channel. Here: agent stream readers waiting for room in a full HTTP CONNECT connection's buffer; 0 with agents that negotiate flow control. --frontend-write-channel-size does not change it.",
+                Observed::new(Gauge::default()),
             ),
         }
     }
@@ -423,6 +452,7 @@ impl ServerMetrics {
             "Number of current connections blocked by a full receive channel, partitioned by service method.",
             "service_method",
         );
+        let write_queues = WriteQueues::register(&mut m);
         let dial_failures = ByLabel::register(
             &mut m,
             name("dial_failure_count"),
@@ -449,6 +479,7 @@ impl ServerMetrics {
             pending_dials,
             established,
             full_receive_channels,
+            write_queues,
             dial_failures,
             packets,
             errors,
@@ -593,6 +624,17 @@ impl ServerMetrics {
             seconds: self.blocked.get(method).clone(),
             since: std::time::Instant::now(),
         }
+    }
+
+    /// An agent stream's reader waits for room in an HTTP-CONNECT
+    /// connection's full buffer (an agent without flow control); the
+    /// returned guard counts that buffer in `full_frontend_write_queues`
+    /// and the reader in `blocked_frontend_write_channels` until dropped.
+    pub(crate) fn write_blocked(&self) -> (GaugeGuard, GaugeGuard) {
+        (
+            GaugeGuard::new(self.write_queues.full.get().clone()),
+            GaugeGuard::new(self.write_queues.blocked.get().clone()),
+        )
     }
 
     pub(crate) fn lease_culled(&self) {

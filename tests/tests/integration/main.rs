@@ -8,6 +8,7 @@
 mod admission;
 mod agent_protocol;
 mod agent_proxy;
+mod anp_surface;
 mod cert_rotation;
 mod cli;
 mod data_path;
