@@ -329,7 +329,11 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
     let (baseline, baseline_rates, baseline_dest) = {
         let s = lock(&samples);
         let baseline: Vec<[Option<f64>; 3]> = (0..world.agents.len() + 2)
-            .map(|slot| Resource::ALL.map(|r| watch::least(&s, slot, r, base_from, base_to)))
+            .map(|slot| {
+                Resource::ALL.map(|r| {
+                    watch::typical_least(&s, slot, r, (base_from, base_to), RESOURCE_WINDOW)
+                })
+            })
             .collect();
         let rates: Vec<(f64, f64)> = Kind::ALL
             .iter()

@@ -164,7 +164,7 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
     // Curves.
     let _ = writeln!(
         out,
-        "\nRSS / allocated (MiB) / descriptors / tasks, least over each minute (the baseline: least over the baseline window; allocated: jemalloc's, what the program holds):\n"
+        "\nRSS / allocated (MiB) / descriptors / tasks, least over each minute (the baseline: the median over the baseline window of each 10-second window's least, what a fault's check compares with its last 10 seconds' least; allocated: jemalloc's, what the program holds, least over the baseline window):\n"
     );
     let _ = writeln!(out, "| minute | {} |", r.slot_names.join(" | "));
     let _ = writeln!(out, "| --- |{}", " --- |".repeat(r.slot_names.len()));

@@ -302,6 +302,32 @@ pub fn least(
         .reduce(f64::min)
 }
 
+/// The typical least value of `resource` of `slot` over windows of
+/// `width` seconds within `[from, to]`: the median, over every window
+/// starting at a sample, of the window's least value. A baseline to set
+/// beside the least over one window of the same width: the least over a
+/// longer window is lower by construction (RSS swings by megabytes with
+/// the bytes in flight), so comparing it with a short window's least
+/// would find growth where there is none.
+pub fn typical_least(
+    samples: &[Sample],
+    slot: usize,
+    resource: Resource,
+    (from, to): (f64, f64),
+    width: f64,
+) -> Option<f64> {
+    let mut minima: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.t >= from && s.t + width <= to)
+        .filter_map(|s| least(samples, slot, resource, s.t, s.t + width))
+        .collect();
+    if minima.is_empty() {
+        return least(samples, slot, resource, from, to);
+    }
+    minima.sort_by(f64::total_cmp);
+    Some(minima[minima.len() / 2])
+}
+
 /// The least bytes allocated (jemalloc's `allocated`) of `slot` over the
 /// samples in `[from, to]`.
 pub fn least_allocated(samples: &[Sample], slot: usize, from: f64, to: f64) -> Option<f64> {
@@ -339,4 +365,49 @@ pub fn dest_rate(
     let last = samples.iter().rev().find(|s| s.t <= to)?;
     let secs = last.t - first.t;
     (secs > 0.5).then(|| pick(&last.dest).saturating_sub(pick(&first.dest)) as f64 / secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DestSnap, ProcSample, Resource, Sample, least, typical_least};
+
+    /// One process whose RSS follows `rss`, a sample a second.
+    fn series(rss: &[u64]) -> Vec<Sample> {
+        rss.iter()
+            .enumerate()
+            .map(|(t, rss)| Sample {
+                t: t as f64,
+                procs: vec![Some(ProcSample {
+                    pid: 1,
+                    rss: *rss,
+                    fds: 10,
+                    tasks: None,
+                    books: None,
+                    alloc: None,
+                })],
+                counts: Vec::new(),
+                dest: DestSnap::default(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_baseline_is_the_typical_least_of_windows_as_wide_as_the_check() {
+        // Traffic dips to 10 once a minute and stays near 16 otherwise.
+        let rss: Vec<u64> = (0..60)
+            .map(|t| if t == 30 { 10 } else { 16 + t % 2 })
+            .collect();
+        let samples = series(&rss);
+        assert_eq!(least(&samples, 0, Resource::Rss, 0.0, 59.0), Some(10.0));
+        // Most 10-second windows' least is 16: the dip is one window's.
+        assert_eq!(
+            typical_least(&samples, 0, Resource::Rss, (0.0, 59.0), 10.0),
+            Some(16.0)
+        );
+        // Shorter than a window: the plain least.
+        assert_eq!(
+            typical_least(&samples, 0, Resource::Rss, (0.0, 5.0), 10.0),
+            Some(16.0)
+        );
+    }
 }
