@@ -1189,6 +1189,15 @@ impl Router {
                 );
             }
         }
+        self.check_dials();
+        for be in self.manager.indexed() {
+            assert!(self.backends.contains_key(&be), "be{be} indexed but gone");
+        }
+    }
+
+    /// [`Router::check`]'s part for pending dials.
+    #[cfg(any(test, feature = "fuzzing"))]
+    fn check_dials(&self) {
         let mut deadlines = 0;
         let mut hedges = 0;
         let mut loads: HashMap<BackendId, usize> = HashMap::new();
@@ -1260,9 +1269,6 @@ impl Router {
                 loads.get(be).copied().unwrap_or(0),
                 "be{be}: pending dials miscounted"
             );
-        }
-        for be in self.manager.indexed() {
-            assert!(self.backends.contains_key(&be), "be{be} indexed but gone");
         }
     }
 
