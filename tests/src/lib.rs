@@ -16,6 +16,8 @@
 //!   gRPC client).
 //! - [`kube_stub`]: a TokenReview API stand-in with its kubeconfig.
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
+//! - [`netns`]: a hub and a node network namespace, the test re-run inside
+//!   the hub, the node's link and firewall in the test's hands.
 //! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
 //! - [`python`]: `tests/python/frontend.py`, the grpcio and standard-library
 //!   frontend.
@@ -32,6 +34,7 @@ pub mod grpc_go;
 pub mod http;
 pub mod kube_stub;
 pub mod lease_stub;
+pub mod netns;
 pub mod pki;
 pub mod process;
 pub mod proxies;

@@ -4,7 +4,7 @@
 //! real agents in one `agent-swarm` process.
 
 use std::{
-    net::SocketAddr,
+    net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
@@ -109,6 +109,23 @@ impl ServerProcess {
 
     /// [`start_in`](Self::start_in) with another `proxy-server` binary.
     pub async fn start_binary(binary: &Path, pki: &Path, mode: &str, extra: &[String]) -> Self {
+        Self::spawn(binary, pki, Ipv4Addr::LOCALHOST, mode, extra).await
+    }
+
+    /// [`start_in`](Self::start_in) with the agent listener on `agent_ip`
+    /// (an address of a network namespace the test made, whose agents
+    /// reach it over a veth pair; `pki`'s server certificate must name it).
+    pub async fn start_on(pki: &Path, agent_ip: Ipv4Addr, mode: &str, extra: &[String]) -> Self {
+        Self::spawn(&binary("proxy-server"), pki, agent_ip, mode, extra).await
+    }
+
+    async fn spawn(
+        binary: &Path,
+        pki: &Path,
+        agent_ip: Ipv4Addr,
+        mode: &str,
+        extra: &[String],
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let uds = dir.path().join("konnectivity-server.socket");
         let mut command = Command::new(binary);
@@ -121,7 +138,7 @@ impl ServerProcess {
                 format!("--cluster-cert={}", pki.join("cluster.crt").display()),
                 format!("--cluster-key={}", pki.join("cluster.key").display()),
                 format!("--cluster-ca-cert={}", pki.join("agent-ca.crt").display()),
-                "--agent-bind-address=127.0.0.1".to_owned(),
+                format!("--agent-bind-address={agent_ip}"),
                 "--agent-port=0".to_owned(),
                 "--health-bind-address=127.0.0.1".to_owned(),
                 "--health-port=0".to_owned(),
@@ -130,11 +147,13 @@ impl ServerProcess {
             ])
             .args(extra);
         let mut process = LoggedProcess::spawn(command, "proxy-server");
-        let agent_port = process.logged_port("agent.addr=Some(127.0.0.1:").await;
+        let agent_port = process
+            .logged_port(&format!("agent.addr=Some({agent_ip}:"))
+            .await;
         let health_port = process.logged_port("health.addr=Some(127.0.0.1:").await;
         Self {
             process,
-            agent_addr: SocketAddr::from(([127, 0, 0, 1], agent_port)),
+            agent_addr: SocketAddr::from((agent_ip, agent_port)),
             health_addr: SocketAddr::from(([127, 0, 0, 1], health_port)),
             uds,
             _dir: dir,

@@ -38,6 +38,9 @@
 //	                              and, once stdin closes, echoes 1 KiB on each again
 //	                              and closes them all (exit 0: all did)
 //	soak -addr A ...              the bench's soak traffic until stdin closes (soak.go)
+//	rate -addr A -rate R -duration D [-each]
+//	                              single-use tunnels started at a steady rate, each
+//	                              outcome and latency a line with -each (rate.go)
 //	cut -count N                  open N tunnels to -addr (an echo server), echo on
 //	                              each, close the gRPC connection under them, and
 //	                              check that every stream fails
@@ -507,8 +510,12 @@ func main() {
 		fail("give -uds or -tcp")
 	}
 	mode := flag.Arg(0)
-	if mode == "soak" {
+	switch mode {
+	case "soak":
 		soak(t, flag.Args()[1:])
+		return
+	case "rate":
+		rate(t, flag.Args()[1:])
 		return
 	}
 	args := flag.NewFlagSet(mode, flag.ExitOnError)
