@@ -213,7 +213,7 @@ impl Cancelled {
     }
 
     /// How many are remembered.
-    #[cfg(any(test, feature = "fuzzing"))]
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.order.len()
     }
