@@ -93,6 +93,7 @@ async fn main() -> Result<()> {
             },
             flow_control: true,
             flow_window: tunnel::flow::Window::V1,
+            flow_version: tunnel::flow::Version::V2,
             graceful_shutdown_timeout: None,
             token_auth: None,
             lease: None,
@@ -132,6 +133,7 @@ async fn main() -> Result<()> {
             keepalive_time: Duration::from_secs(3600),
             flow_control: true,
             flow_window: tunnel::flow::Window::V1,
+            flow_version: tunnel::flow::Version::V2,
             exit_when_drained: false,
             max_server_queue_bytes: 4 << 20,
             token_path: None,
@@ -139,6 +141,7 @@ async fn main() -> Result<()> {
             server_count_source: proxy_agent::config::ServerCountSource::Default,
             not_implemented: Vec::new(),
             deprecated: Vec::new(),
+            notices: Vec::new(),
         })
         .await?;
         let agent_task = tokio::spawn(agent.serve(stop.clone().cancelled_owned()));

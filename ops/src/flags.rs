@@ -210,6 +210,11 @@ pub enum LogFormat {
     Json,
 }
 
+/// `--flow-control-window`'s default (and v1's fixed window).
+pub const DEFAULT_FLOW_WINDOW: usize = 1024 * 1024;
+/// `--flow-control-max-chunk`'s default (and v1's fixed chunk).
+pub const DEFAULT_FLOW_MAX_CHUNK: usize = 256 * 1024;
+
 /// The per-connection flow-control window this side announces to peers
 /// that negotiate credit (both binaries; ours, not ANP's).
 #[derive(Debug, Clone, Args)]
@@ -218,11 +223,53 @@ pub struct FlowArgs {
     /// this process (payload plus 64 per packet; 16 KiB to 64 MiB), which
     /// is what one stalled connection can make it buffer. Against peers of
     /// builds before flow control v2, 1 MiB.
-    #[arg(long, default_value_t = 1024 * 1024, value_name = "BYTES")]
+    #[arg(long, default_value_t = DEFAULT_FLOW_WINDOW, value_name = "BYTES")]
     pub flow_control_window: usize,
     /// Largest DATA payload a peer may send this process (1 KiB to 1 MiB).
-    #[arg(long, default_value_t = 256 * 1024, value_name = "BYTES")]
+    #[arg(long, default_value_t = DEFAULT_FLOW_MAX_CHUNK, value_name = "BYTES")]
     pub flow_control_max_chunk: usize,
+    /// Flow control as this process announces it: v2 announces its window
+    /// and honours the peer's; v1 behaves on the wire as builds before
+    /// flow control v2 (no window announced, a peer's ignored, 1 MiB
+    /// windows of 256 KiB chunks both ways), to change nothing on the wire
+    /// until every replica runs v2.
+    #[arg(long, value_enum, default_value_t = FlowControlVersion::V2, value_name = "VERSION")]
+    pub flow_control_version: FlowControlVersion,
+}
+
+impl FlowArgs {
+    /// What to know about these flags at start-up: with
+    /// `--flow-control-version=v1`, a window or chunk set to anything but
+    /// v1's numbers has no effect, nor has the pin with flow control off
+    /// (`offered` false).
+    pub fn notice(&self, offered: bool) -> Option<Notice> {
+        if self.flow_control_version != FlowControlVersion::V1 {
+            return None;
+        }
+        let text = if self.flow_control_window != DEFAULT_FLOW_WINDOW
+            || self.flow_control_max_chunk != DEFAULT_FLOW_MAX_CHUNK
+        {
+            "v1: --flow-control-window and --flow-control-max-chunk have no effect; v1 receives and sends within 1 MiB windows of 256 KiB chunks"
+        } else if !offered {
+            "v1: no effect with --flow-control=false (nothing is announced)"
+        } else {
+            return None;
+        };
+        Some(Notice {
+            flag: "flow-control-version",
+            text: text.to_owned(),
+        })
+    }
+}
+
+/// `--flow-control-version`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FlowControlVersion {
+    /// As builds before flow control v2.
+    V1,
+    /// Windows announced by each side.
+    #[default]
+    V2,
 }
 
 /// The size of the async runtime (both binaries; ours, not ANP's).

@@ -246,7 +246,7 @@ impl Agent {
     /// The port is taken or the address unusable.
     pub async fn bind(config: Config) -> Result<Bound, AgentError> {
         // Before anything can fail, so an operator sees them either way.
-        ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &[]);
+        ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &config.notices);
         // The certificates are read for each connection (the last good ones
         // are kept when they cannot be); a start-up with files that cannot
         // work fails here, naming the flag.

@@ -518,7 +518,7 @@ async fn request_metadata(
             .map_err(|_| invalid(header::AGENT_ID))?,
     );
     if config.flow_control {
-        for (key, value) in config.flow_window.headers() {
+        for (key, value) in config.flow_window.headers(config.flow_version) {
             metadata.insert(
                 key,
                 MetadataValue::try_from(value).map_err(|_| invalid(key))?,
@@ -575,7 +575,12 @@ fn response_headers(
         server: server.to_owned(),
         source,
     })?;
-    let scheme = Scheme::negotiate(config.flow_control, config.flow_window, theirs);
+    let scheme = Scheme::negotiate(
+        config.flow_control,
+        config.flow_version,
+        config.flow_window,
+        theirs,
+    );
     Ok((server_id, server_count, scheme))
 }
 

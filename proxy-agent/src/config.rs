@@ -9,11 +9,14 @@ use std::{
 
 use clap::{ArgAction, Parser};
 use ops::{
-    flags::{Deprecated, FlowArgs, GoBoolArg, LogArgs, RuntimeArgs, go_bool, go_duration},
+    flags::{
+        Deprecated, FlowArgs, FlowControlVersion, GoBoolArg, LogArgs, Notice, RuntimeArgs, go_bool,
+        go_duration,
+    },
     tls::{self, files},
 };
 use tunnel::{
-    flow::Window,
+    flow::{self, Window},
     ids::AgentId,
     proxy_client::{Proxy, ProxyUrl},
 };
@@ -264,6 +267,8 @@ pub struct Config {
     /// The receive window announced with it (`--flow-control-window`,
     /// `--flow-control-max-chunk`).
     pub flow_window: Window,
+    /// What is announced of it (`--flow-control-version`).
+    pub flow_version: flow::Version,
     /// Exit once drained and idle (`--exit-when-drained`).
     pub exit_when_drained: bool,
     /// `--max-server-queue-bytes`.
@@ -278,6 +283,8 @@ pub struct Config {
     pub not_implemented: Vec<&'static str>,
     /// Deprecated flags given, for a start-up warning.
     pub deprecated: Vec<Deprecated>,
+    /// Values accepted with a caveat, for a start-up warning.
+    pub notices: Vec<Notice>,
 }
 
 /// A flag combination or value that cannot work (shared with proxy-agent).
@@ -388,6 +395,10 @@ impl TryFrom<Args> for Config {
                 args.flow.flow_control_max_chunk,
             )
             .map_err(|(flag, reason)| invalid(flag, reason))?,
+            flow_version: match args.flow.flow_control_version {
+                FlowControlVersion::V1 => flow::Version::V1,
+                FlowControlVersion::V2 => flow::Version::V2,
+            },
             exit_when_drained: args.exit_when_drained,
             max_server_queue_bytes: args.max_server_queue_bytes,
             token_path,
@@ -395,6 +406,7 @@ impl TryFrom<Args> for Config {
             server_count_source: args.server_count_source,
             not_implemented: not_implemented(&args),
             deprecated: deprecated(&args),
+            notices: args.flow.notice(args.flow_control).into_iter().collect(),
         })
     }
 }
@@ -710,6 +722,46 @@ mod tests {
         assert_eq!(a.lease_label_selector, "k8s-app=konnectivity-server");
         assert_eq!(a.server_count_source, ServerCountSource::Default);
         assert_eq!(a.kube_api_content_type, None, "protobuf, not named");
+    }
+
+    /// `--flow-control-version`: v2 by default; v1 pins what is announced,
+    /// and names the window flags it makes void at start-up.
+    #[test]
+    fn flow_control_version_pins_what_is_announced() {
+        let dir = pki();
+        let config = parse(dir.path(), &[]).unwrap();
+        assert_eq!(config.flow_version, flow::Version::V2);
+        assert!(config.notices.is_empty());
+        let config = parse(dir.path(), &["--flow-control-version=v1"]).unwrap();
+        assert_eq!(config.flow_version, flow::Version::V1);
+        assert!(config.notices.is_empty(), "{:?}", config.notices);
+        let config = parse(
+            dir.path(),
+            &["--flow-control-version=v1", "--flow-control-window=65536"],
+        )
+        .unwrap();
+        let flags: Vec<_> = config.notices.iter().map(|n| n.flag).collect();
+        assert_eq!(flags, ["flow-control-version"]);
+        assert!(
+            config.notices[0].text.contains("--flow-control-window"),
+            "{:?}",
+            config.notices
+        );
+        let config = parse(
+            dir.path(),
+            &["--flow-control-version=v1", "--flow-control=false"],
+        )
+        .unwrap();
+        assert!(
+            config.notices[0].text.contains("--flow-control=false"),
+            "{:?}",
+            config.notices
+        );
+        let err = parse(dir.path(), &["--flow-control-version=v3"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--flow-control-version"), "{err}");
     }
 
     /// What ANP's external-agent test runner passes: every flag as `--name=value`.

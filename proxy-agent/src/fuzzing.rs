@@ -337,7 +337,21 @@ pub fn flow_control(data: &[u8]) {
         1 => Window::new(flow::MIN_WINDOW, flow::MIN_CHUNK).expect("in range"),
         _ => Window::new(flow::MAX_WINDOW, flow::MAX_CHUNK_LIMIT).expect("in range"),
     };
-    let scheme = Scheme::negotiate(!input.byte().is_multiple_of(4), ours, peer);
+    // One byte draws both whether credit was offered and the version.
+    let byte = input.byte();
+    let version = if byte & 4 == 0 {
+        flow::Version::V2
+    } else {
+        flow::Version::V1
+    };
+    let scheme = Scheme::negotiate(!byte.is_multiple_of(4), version, ours, peer);
+    if version == flow::Version::V1 {
+        assert_eq!(
+            scheme.ours(),
+            Window::V1,
+            "a side pinned to v1 kept its own window"
+        );
+    }
     let mut core = Core::new(scheme);
     let start = Instant::now();
     let mut now = start;

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
 use tracing::{Instrument, debug, info, info_span, warn};
 use tunnel::{
     blocked::when_blocked,
-    flow::{self, Scheme, Window},
+    flow::{self, Scheme, Version, Window},
     ids::{AgentId, ConnId, ServerId},
 };
 
@@ -47,6 +47,8 @@ pub(crate) struct AgentServiceImpl {
     /// Offer per-connection flow control to agents that ask for it, with
     /// this receive window (`None`: not offered).
     pub(crate) flow_window: Option<Window>,
+    /// What is announced of it (`--flow-control-version`).
+    pub(crate) flow_version: Version,
     /// Agent token authentication, if on.
     pub(crate) token_auth: Option<Arc<crate::auth::TokenAuth>>,
     /// Bytes queued towards one agent before its senders wait
@@ -93,12 +95,17 @@ fn identifiers(request: &Request<Streaming<Packet>>) -> Result<AgentIdentifiers,
 
 /// What the agent's metadata says of flow control, against what this
 /// server offers.
-fn scheme(request: &Request<Streaming<Packet>>, offered: Option<Window>) -> Result<Scheme, Status> {
+fn scheme(
+    request: &Request<Streaming<Packet>>,
+    offered: Option<Window>,
+    version: Version,
+) -> Result<Scheme, Status> {
     let metadata = request.metadata();
     let theirs = Window::announced(|key| metadata.get(key).and_then(|v| v.to_str().ok()))
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     Ok(Scheme::negotiate(
         offered.is_some(),
+        version,
         offered.unwrap_or_default(),
         theirs,
     ))
@@ -138,7 +145,7 @@ impl AgentServiceImpl {
                     agent_id: AgentId(id),
                     identifiers: identifiers(request)?,
                 },
-                scheme(request, self.flow_window)?,
+                scheme(request, self.flow_window, self.flow_version)?,
             ))
         });
         if let Err(status) = &checked {
@@ -157,7 +164,7 @@ impl AgentServiceImpl {
         );
         headers.insert(header::SERVER_COUNT, MetadataValue::from(self.server_count));
         if let (Scheme::Credit { .. }, Some(window)) = (scheme, self.flow_window) {
-            for (key, value) in window.headers() {
+            for (key, value) in window.headers(self.flow_version) {
                 let value = MetadataValue::try_from(value)
                     .map_err(|_| Status::internal("flow-control header is not valid metadata"))?;
                 headers.insert(key, value);

@@ -4,10 +4,15 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{ArgAction, Parser};
 use ops::{
-    flags::{Deprecated, FlowArgs, GoBoolArg, LogArgs, RuntimeArgs, go_duration},
+    flags::{
+        Deprecated, FlowArgs, FlowControlVersion, GoBoolArg, LogArgs, RuntimeArgs, go_duration,
+    },
     tls::{self, files},
 };
-use tunnel::{flow::Window, ids::ServerId};
+use tunnel::{
+    flow::{self, Window},
+    ids::ServerId,
+};
 
 use crate::{
     auth::TokenAuthConfig,
@@ -441,6 +446,8 @@ pub struct Config {
     /// The receive window announced with it (`--flow-control-window`,
     /// `--flow-control-max-chunk`).
     pub flow_window: Window,
+    /// What is announced of it (`--flow-control-version`).
+    pub flow_version: flow::Version,
     /// `--graceful-shutdown-timeout`: how long open connections may take to
     /// finish after the first signal; `None` closes them at once.
     pub graceful_shutdown_timeout: Option<Duration>,
@@ -539,6 +546,7 @@ impl TryFrom<Args> for Config {
                 text: format!("{size}: no effect; every HTTP-CONNECT connection already has its own lane (a buffer bounded by its flow window) and the agent stream's receive loop never writes to a socket"),
             });
         }
+        notices.extend(args.flow.notice(args.flow_control));
         let frontend = frontend(&args, &policy)?;
         let agent_tls = agent_tls(&args, &policy)?;
         let token_auth = token_auth(&args)?;
@@ -587,6 +595,10 @@ impl TryFrom<Args> for Config {
                 args.flow.flow_control_max_chunk,
             )
             .map_err(|(flag, reason)| invalid(flag, reason))?,
+            flow_version: match args.flow.flow_control_version {
+                FlowControlVersion::V1 => flow::Version::V1,
+                FlowControlVersion::V2 => flow::Version::V2,
+            },
             graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
             token_auth,
             dial_policy: DialPolicy {
@@ -1181,6 +1193,41 @@ mod tests {
             config.notices
         );
         assert!(parse(&uds_args(dir.path())).unwrap().notices.is_empty());
+    }
+
+    /// `--flow-control-version`: v2 by default; v1 pins what is announced,
+    /// and names the window flags it makes void at start-up.
+    #[test]
+    fn flow_control_version_pins_what_is_announced() {
+        let dir = pki();
+        let with = |extra: &[&str]| {
+            let mut args = uds_args(dir.path());
+            args.extend(extra.iter().map(|s| (*s).to_owned()));
+            parse(&args)
+        };
+        let config = with(&[]).unwrap();
+        assert_eq!(config.flow_version, flow::Version::V2);
+        assert!(config.notices.is_empty());
+        let config = with(&["--flow-control-version=v1"]).unwrap();
+        assert_eq!(config.flow_version, flow::Version::V1);
+        assert!(config.notices.is_empty(), "{:?}", config.notices);
+        let config = with(&[
+            "--flow-control-version=v1",
+            "--flow-control-max-chunk=65536",
+        ])
+        .unwrap();
+        let flags: Vec<_> = config.notices.iter().map(|n| n.flag).collect();
+        assert_eq!(flags, ["flow-control-version"]);
+        assert!(
+            config.notices[0].text.contains("--flow-control-max-chunk"),
+            "{:?}",
+            config.notices
+        );
+        let err = Args::try_parse_from(["proxy-server", "--flow-control-version=2"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--flow-control-version"), "{err}");
     }
 
     /// ANP #896/#918's `--frontend-write-channel-size`: any size from 0

@@ -430,6 +430,7 @@ fn agent_server(
         tasks: ends.tasks.clone(),
         shutdown: ends.token.clone(),
         flow_window: config.flow_control.then_some(config.flow_window),
+        flow_version: config.flow_version,
         token_auth,
         queue_bytes: config.max_agent_queue_bytes,
     });

@@ -24,6 +24,8 @@ pub struct AgentOpts {
     pub no_flow_control: bool,
     /// `--flow-control-window` and `--flow-control-max-chunk`.
     pub flow_window: tunnel::flow::Window,
+    /// `--flow-control-version`.
+    pub flow_version: tunnel::flow::Version,
     /// `--service-account-token-path`.
     pub token_path: Option<PathBuf>,
     /// `--proxy-url`.
@@ -98,6 +100,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         keepalive_time: opts.keepalive_time.unwrap_or(Duration::from_secs(3600)),
         flow_control: !opts.no_flow_control,
         flow_window: opts.flow_window,
+        flow_version: opts.flow_version,
         exit_when_drained: opts.exit_when_drained,
         max_server_queue_bytes: 4 << 20,
         token_path: opts.token_path.clone(),
@@ -105,6 +108,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         server_count_source: opts.server_count_source,
         not_implemented: Vec::new(),
         deprecated: Vec::new(),
+        notices: Vec::new(),
     }
 }
 

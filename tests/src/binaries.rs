@@ -71,13 +71,14 @@ pub fn binary(name: &str) -> PathBuf {
 }
 
 /// A binary of the last build before flow control v2 (`proxy-server` or
-/// `proxy-agent`), which `scripts/test` builds from git history into
-/// `target/v1`.
+/// `proxy-agent`), which `scripts/test` builds from the `flow-control-v1`
+/// tag into `target/v1`.
 pub fn v1_binary(name: &str) -> PathBuf {
     let path = crate::workspace().join("target/v1").join(name);
     assert!(
         path.exists(),
-        "{} not found: scripts/test builds it (step 3b) from this clone's history",
+        "{} not found: scripts/test builds it (step 3b) from the flow-control-v1 tag \
+         (a shallow clone lacks it: `git fetch --depth 1 origin tag flow-control-v1`)",
         path.display()
     );
     path

@@ -54,6 +54,8 @@ pub struct ServerOpts {
     pub flow_control: bool,
     /// `--flow-control-window` and `--flow-control-max-chunk`.
     pub flow_window: tunnel::flow::Window,
+    /// `--flow-control-version`.
+    pub flow_version: tunnel::flow::Version,
     /// Service-account token authentication (turns mTLS off, as ANP).
     pub token_auth: Option<proxy_server::auth::TokenAuthConfig>,
     /// `--graceful-shutdown-timeout`.
@@ -93,6 +95,7 @@ impl Default for ServerOpts {
             mode: Mode::Grpc,
             flow_control: true,
             flow_window: tunnel::flow::Window::V1,
+            flow_version: tunnel::flow::Version::V2,
             graceful_shutdown_timeout: None,
             token_auth: None,
             server_id: None,
@@ -204,6 +207,7 @@ impl TestServer {
             },
             flow_control: opts.flow_control,
             flow_window: opts.flow_window,
+            flow_version: opts.flow_version,
             graceful_shutdown_timeout: opts.graceful_shutdown_timeout,
             token_auth: opts.token_auth.clone(),
             lease: opts.lease.clone(),

@@ -16,6 +16,9 @@
 //! honours the peer's numbers. A v1 peer (a build before v2) announces
 //! neither and assumes [`Window::V1`] on both sides, so against it each
 //! side receives within [`Window::V1`] whatever it was configured with.
+//! A side pinned to [`Version::V1`] (`--flow-control-version=v1`) behaves
+//! on the wire as such a build: it announces no numbers, reads none, and
+//! receives and sends within [`Window::V1`].
 //!
 //! Without negotiation (ANP agents, ANP servers) the same per-connection
 //! queues are used with the same bound, and a connection whose reader falls
@@ -220,13 +223,15 @@ impl Window {
         })
     }
 
-    /// The metadata that announces credit with this window.
-    pub fn headers(&self) -> [(&'static str, String); 3] {
-        [
-            (HEADER, VERSION.to_owned()),
-            (WINDOW_HEADER, self.bytes.to_string()),
-            (CHUNK_HEADER, self.max_chunk.to_string()),
-        ]
+    /// The metadata that announces credit with this window, as `version`
+    /// does: v1 announces the scheme alone, v2 the window too.
+    pub fn headers(&self, version: Version) -> Vec<(&'static str, String)> {
+        let mut headers = vec![(HEADER, VERSION.to_owned())];
+        if version == Version::V2 {
+            headers.push((WINDOW_HEADER, self.bytes.to_string()));
+            headers.push((CHUNK_HEADER, self.max_chunk.to_string()));
+        }
+        headers
     }
 
     /// What a peer's metadata (`get` reads one key) announces.
@@ -271,6 +276,21 @@ impl Default for Window {
     }
 }
 
+/// The flow-control version a side presents itself as
+/// (`--flow-control-version`), so that a new build can behave on the wire
+/// as the last one before flow control v2 while a rolling upgrade mixes
+/// them, and version skew can be tested without that build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Version {
+    /// As a build before v2: the scheme announced without window numbers,
+    /// a peer's numbers ignored, [`Window::V1`] on both sides whatever
+    /// this side was configured with (with credit and without).
+    V1,
+    /// Each side announces its window and honours the peer's.
+    #[default]
+    V2,
+}
+
 /// What a peer announced of flow control in its `Connect` metadata.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Peer {
@@ -307,8 +327,15 @@ impl Scheme {
     /// `offered`) with window `ours` and the peer announced `peer` (see
     /// [`Window::announced`]). A v1 peer never saw `ours` and assumes
     /// [`Window::V1`] on both sides: this side then receives within that,
-    /// and returns credit as the peer expects.
-    pub fn negotiate(offered: bool, ours: Window, peer: Peer) -> Self {
+    /// and returns credit as the peer expects. A side pinned to
+    /// [`Version::V1`] takes every credit peer for a v1 one and its own
+    /// window for [`Window::V1`], as a v1 build did.
+    pub fn negotiate(offered: bool, version: Version, ours: Window, peer: Peer) -> Self {
+        let (ours, peer) = match (version, peer) {
+            (Version::V2, _) => (ours, peer),
+            (Version::V1, Peer::V2(_)) => (Window::V1, Peer::V1),
+            (Version::V1, _) => (Window::V1, peer),
+        };
         match peer {
             _ if !offered => Self::Compat { ours },
             Peer::NoCredit => Self::Compat { ours },
@@ -644,11 +671,43 @@ mod tests {
     #[test]
     fn a_window_is_announced_and_read_back() {
         let window = Window::new(64 * 1024, 16 * 1024).unwrap();
-        let headers = window.headers();
+        let headers = window.headers(Version::V2);
         let map: HashMap<&str, &str> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         assert_eq!(
             Window::announced(|key| map.get(key).copied()),
             Ok(Peer::V2(window))
+        );
+    }
+
+    #[test]
+    fn a_side_pinned_to_v1_announces_the_scheme_alone() {
+        let window = Window::new(64 * 1024, 16 * 1024).unwrap();
+        let headers = window.headers(Version::V1);
+        assert_eq!(headers, vec![(HEADER, VERSION.to_owned())]);
+        let map: HashMap<&str, &str> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(Window::announced(|key| map.get(key).copied()), Ok(Peer::V1));
+    }
+
+    #[test]
+    fn a_side_pinned_to_v1_uses_v1s_window_whatever_either_side_announced() {
+        let small = Window::new(64 * 1024, 16 * 1024).unwrap();
+        let v1 = Scheme::Credit {
+            ours: Window::V1,
+            theirs: Window::V1,
+        };
+        assert_eq!(
+            Scheme::negotiate(true, Version::V1, small, Peer::V2(small)),
+            v1
+        );
+        assert_eq!(Scheme::negotiate(true, Version::V1, small, Peer::V1), v1);
+        // Without credit, v1's fixed bound too.
+        assert_eq!(
+            Scheme::negotiate(true, Version::V1, small, Peer::NoCredit),
+            Scheme::Compat { ours: Window::V1 }
+        );
+        assert_eq!(
+            Scheme::negotiate(false, Version::V1, small, Peer::V2(small)),
+            Scheme::Compat { ours: Window::V1 }
         );
     }
 
@@ -691,7 +750,7 @@ mod tests {
     fn against_a_v1_peer_each_side_receives_within_v1s_window() {
         let small = Window::new(64 * 1024, 16 * 1024).unwrap();
         assert_eq!(
-            Scheme::negotiate(true, small, Peer::V1),
+            Scheme::negotiate(true, Version::V2, small, Peer::V1),
             Scheme::Credit {
                 ours: Window::V1,
                 theirs: Window::V1
@@ -699,7 +758,7 @@ mod tests {
         );
         let big = Window::new(4 << 20, 512 * 1024).unwrap();
         assert_eq!(
-            Scheme::negotiate(true, small, Peer::V2(big)),
+            Scheme::negotiate(true, Version::V2, small, Peer::V2(big)),
             Scheme::Credit {
                 ours: small,
                 theirs: big
@@ -707,18 +766,18 @@ mod tests {
         );
         // Announcing v1's numbers does not make a v2 peer a v1 one.
         assert_eq!(
-            Scheme::negotiate(true, small, Peer::V2(Window::V1)),
+            Scheme::negotiate(true, Version::V2, small, Peer::V2(Window::V1)),
             Scheme::Credit {
                 ours: small,
                 theirs: Window::V1
             }
         );
         assert_eq!(
-            Scheme::negotiate(false, small, Peer::V2(big)),
+            Scheme::negotiate(false, Version::V2, small, Peer::V2(big)),
             Scheme::Compat { ours: small }
         );
         assert_eq!(
-            Scheme::negotiate(true, small, Peer::NoCredit),
+            Scheme::negotiate(true, Version::V2, small, Peer::NoCredit),
             Scheme::Compat { ours: small }
         );
     }

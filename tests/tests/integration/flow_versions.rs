@@ -1,8 +1,15 @@
 //! Flow control across builds and windows (flow control v2: each side
 //! announces its window). A rolling upgrade pairs a server and agents of
-//! different builds: v1 is the last build before v2 (its binaries, built
-//! by `scripts/test` from git history into `target/v1`), v2 this one. In
-//! each pairing, and with windows of 64 KiB against 1 MiB, a stalled
+//! different builds: v1 is the last build before v2, v2 this one. v1 comes
+//! two ways, and every pairing runs with both:
+//! - **pinned**: this build's binaries with `--flow-control-version=v1`,
+//!   which behave on the wire as v1 did; these run on every checkout;
+//! - **real**: v1's own binaries, built by `scripts/test` from the
+//!   `flow-control-v1` tag into `target/v1`. Those tests are `#[ignore]`d
+//!   (a shallow clone or a source archive has no such build); `scripts/test`
+//!   runs them with `--run-ignored all` when it built them.
+//!
+//! In each pairing, and with windows of 64 KiB against 1 MiB, a stalled
 //! connection sits beside a 10 MiB transfer, each way: every byte arrives,
 //! what the stalled one buffers stays within the window its receiver
 //! announced, and nothing overflows (a sender that ignored the receiver's
@@ -17,15 +24,21 @@ use std::{
 };
 
 use integration_tests::{
-    AgentOpts, AgentProcess, DEADLINE, Pki, ServerOpts, TestAgent, TestServer,
+    AgentOpts, AgentProcess, DEADLINE, Pki, ServerOpts, TestAgent, TestServer, agent_config,
+    binary,
     destination::{self, Fnv, pattern},
     http_get,
     process::{ServerProcess, metric_value},
     v1_binary,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tonic::transport::Channel;
-use tunnel::flow::Window;
+use proto::{Packet, agent_service_client::AgentServiceClient, packet::PacketKind};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    sync::mpsc,
+};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, metadata::MetadataValue, transport::Channel};
+use tunnel::flow::{self, Version, Window};
 
 const LEN: usize = 10 << 20;
 
@@ -34,11 +47,38 @@ fn small() -> Window {
     Window::new(64 * 1024, 16 * 1024).unwrap()
 }
 
+/// What stands in for flow control v1.
+#[derive(Debug, Clone, Copy)]
+enum V1 {
+    /// This build's binary with `--flow-control-version=v1`.
+    Pinned,
+    /// The last build before v2 (`target/v1`).
+    Real,
+}
+
+impl V1 {
+    /// The binary `name` (`proxy-server` or `proxy-agent`) of this v1.
+    fn binary(self, name: &str) -> std::path::PathBuf {
+        match self {
+            Self::Pinned => binary(name),
+            Self::Real => v1_binary(name),
+        }
+    }
+
+    /// The flags that make it v1.
+    fn args(self) -> &'static [&'static str] {
+        match self {
+            Self::Pinned => &["--flow-control-version=v1"],
+            Self::Real => &[],
+        }
+    }
+}
+
 /// The server of a pairing.
 enum Server {
     /// This build, in process.
     V2(Box<TestServer>),
-    /// The v1 binary.
+    /// A v1 binary.
     V1(ServerProcess),
 }
 
@@ -53,13 +93,14 @@ impl Server {
         ))
     }
 
-    async fn v1() -> Self {
+    async fn v1(v1: V1) -> Self {
+        let args: Vec<String> = v1.args().iter().map(|a| (*a).to_owned()).collect();
         Self::V1(
             ServerProcess::start_binary(
-                &v1_binary("proxy-server"),
+                &v1.binary("proxy-server"),
                 Pki::get().dir.path(),
                 "grpc",
-                &[],
+                &args,
             )
             .await,
         )
@@ -115,7 +156,7 @@ impl Server {
 enum Agent {
     /// This build, in process.
     V2(TestAgent),
-    /// The v1 binary, kept running.
+    /// A v1 binary, kept running.
     V1 {
         /// The process.
         _process: AgentProcess,
@@ -135,12 +176,12 @@ impl Agent {
         Self::V2(agent)
     }
 
-    fn v1(server: &Server) -> Self {
+    fn v1(server: &Server, v1: V1) -> Self {
         Self::V1 {
             _process: AgentProcess::spawn_binary(
-                &v1_binary("proxy-agent"),
+                &v1.binary("proxy-agent"),
                 server.agent_port(),
-                &[],
+                v1.args(),
             ),
         }
     }
@@ -266,36 +307,155 @@ async fn exercise(server: &Server, agent: &Agent, server_window: usize) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_v2_server_serves_a_v1_agent() {
+async fn v2_server_serves_v1_agent(v1: V1) {
     let server = Server::v2(Window::V1).await;
-    let agent = Agent::v1(&server);
+    let agent = Agent::v1(&server, v1);
     exercise(&server, &agent, Window::V1.bytes).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_v1_server_serves_a_v2_agent() {
-    let server = Server::v1().await;
+async fn v1_server_serves_v2_agent(v1: V1) {
+    let server = Server::v1(v1).await;
     let agent = Agent::v2(&server, Window::V1).await;
     exercise(&server, &agent, Window::V1.bytes).await;
 }
 
 /// A v1 server never saw the agent's 64 KiB window and sends within
 /// v1's 1 MiB: the agent takes what v1 assumes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_v2_agent_with_a_small_window_takes_what_a_v1_server_sends() {
-    let server = Server::v1().await;
+async fn v2_agent_with_a_small_window_takes_what_v1_server_sends(v1: V1) {
+    let server = Server::v1(v1).await;
     let agent = Agent::v2(&server, small()).await;
     exercise(&server, &agent, Window::V1.bytes).await;
 }
 
 /// And the reverse: a v1 agent sends within 1 MiB to a server configured
-/// with 64 KiB, which then receives within 1 MiB.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_v2_server_with_a_small_window_takes_what_a_v1_agent_sends() {
+/// with 64 KiB, which then receives within 1 MiB. (An agent that kept to
+/// the server's 64 KiB would never fill the stalled connection's 1 MiB.)
+async fn v2_server_with_a_small_window_takes_what_v1_agent_sends(v1: V1) {
     let server = Server::v2(small()).await;
-    let agent = Agent::v1(&server);
+    let agent = Agent::v1(&server, v1);
     exercise(&server, &agent, Window::V1.bytes).await;
+}
+
+/// A v1 server never reads the agent's window: to an agent (scripted here)
+/// that announces 64 KiB windows of 16 KiB chunks and returns no credit,
+/// it sends past 64 KiB (within v1's 1 MiB, in chunks of at most v1's
+/// 256 KiB); and its response announces credit without a window.
+async fn v1_server_ignores_an_agents_window(v1: V1) {
+    let Server::V1(server) = Server::v1(v1).await else {
+        unreachable!("Server::v1 runs a process")
+    };
+    let config = agent_config(server.agent_addr, &Default::default());
+    let channel =
+        client::dial::tls_channel(server.agent_addr, "127.0.0.1", config.tls.load().unwrap())
+            .await
+            .unwrap();
+    let (agent_tx, agent_rx) = mpsc::channel::<Packet>(4);
+    let mut request = Request::new(ReceiverStream::new(agent_rx));
+    let metadata = request.metadata_mut();
+    metadata.insert("agentid", MetadataValue::from_static("scripted-agent"));
+    for (key, value) in small().headers(Version::V2) {
+        metadata.insert(key, MetadataValue::try_from(value).unwrap());
+    }
+    let response = AgentServiceClient::new(channel)
+        .connect(request)
+        .await
+        .unwrap();
+    let announced = response.metadata();
+    let text = |key| announced.get(key).and_then(|v| v.to_str().ok());
+    assert_eq!(text(flow::HEADER), Some(flow::VERSION), "no credit offered");
+    assert_eq!(
+        (text(flow::WINDOW_HEADER), text(flow::CHUNK_HEADER)),
+        (None, None),
+        "a v1 server announced a window"
+    );
+    let mut from_server = response.into_inner();
+    server.wait_for_agents(1).await;
+
+    // A frontend dials through the scripted agent and sends 2 MiB.
+    let frontend = client::dial::uds_channel(&server.uds).await.unwrap();
+    let writer = tokio::spawn(async move {
+        let mut conn = client::dial::dial(frontend, "10.0.0.1:80").await.unwrap();
+        conn.write_all(&pattern(2 << 20, 3)).await.unwrap();
+    });
+    tokio::time::timeout(DEADLINE, async {
+        let mut received = 0;
+        while received <= small().bytes {
+            match from_server.message().await.unwrap().unwrap().into_kind() {
+                PacketKind::DialReq(req) => agent_tx
+                    .send(Packet::dial_response(req.random, 1, ""))
+                    .await
+                    .unwrap(),
+                PacketKind::Data(data) => {
+                    assert_eq!(data.connect_id, 1);
+                    assert!(
+                        data.data.len() <= Window::V1.max_chunk,
+                        "a chunk of {} bytes, past v1's",
+                        data.data.len()
+                    );
+                    received += flow::cost(data.data.len());
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    })
+    .await
+    .expect("the server kept to the agent's 64 KiB window, which a v1 server never reads");
+    writer.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v2_server_serves_a_pinned_v1_agent() {
+    v2_server_serves_v1_agent(V1::Pinned).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_v1_server_serves_a_v2_agent() {
+    v1_server_serves_v2_agent(V1::Pinned).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v2_agent_with_a_small_window_takes_what_a_pinned_v1_server_sends() {
+    v2_agent_with_a_small_window_takes_what_v1_server_sends(V1::Pinned).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v2_server_with_a_small_window_takes_what_a_pinned_v1_agent_sends() {
+    v2_server_with_a_small_window_takes_what_v1_agent_sends(V1::Pinned).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_v1_server_ignores_an_agents_window() {
+    v1_server_ignores_an_agents_window(V1::Pinned).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs target/v1: scripts/test builds it from the flow-control-v1 tag"]
+async fn a_v2_server_serves_a_v1_agent() {
+    v2_server_serves_v1_agent(V1::Real).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs target/v1: scripts/test builds it from the flow-control-v1 tag"]
+async fn a_v1_server_serves_a_v2_agent() {
+    v1_server_serves_v2_agent(V1::Real).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs target/v1: scripts/test builds it from the flow-control-v1 tag"]
+async fn a_v2_agent_with_a_small_window_takes_what_a_v1_server_sends() {
+    v2_agent_with_a_small_window_takes_what_v1_server_sends(V1::Real).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs target/v1: scripts/test builds it from the flow-control-v1 tag"]
+async fn a_v2_server_with_a_small_window_takes_what_a_v1_agent_sends() {
+    v2_server_with_a_small_window_takes_what_v1_agent_sends(V1::Real).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs target/v1: scripts/test builds it from the flow-control-v1 tag"]
+async fn a_v1_server_ignores_an_agents_window() {
+    v1_server_ignores_an_agents_window(V1::Real).await;
 }
 
 /// A 64 KiB server window against a 1 MiB agent window: the agent keeps to
