@@ -51,6 +51,9 @@ struct Load {
     in_flight: std::sync::atomic::AtomicUsize,
     /// The most at once so far.
     most: std::sync::atomic::AtomicUsize,
+    /// While true, reviews wait (after [`Load::delay`]) for the test to
+    /// release them.
+    held: tokio::sync::watch::Sender<bool>,
 }
 
 /// One review being answered: counted in [`Load`] while it lives.
@@ -213,6 +216,21 @@ impl TokenReviewStub {
         *self.load.delay.lock().expect("lock") = delay;
     }
 
+    /// Makes every review wait, from now on, until [`release`](Self::release).
+    pub fn hold(&self) {
+        self.load.held.send_replace(true);
+    }
+
+    /// Lets the held reviews (and all later ones) answer.
+    pub fn release(&self) {
+        self.load.held.send_replace(false);
+    }
+
+    /// Reviews being answered now (held ones included).
+    pub fn in_flight(&self) -> usize {
+        self.load.in_flight.load(Ordering::SeqCst)
+    }
+
     /// Reviews answered so far.
     pub fn review_count(&self) -> usize {
         self.reviews.load(Ordering::SeqCst)
@@ -313,6 +331,8 @@ async fn answer(
     let _answering = Answering::new(&load);
     let delay = *load.delay.lock().expect("lock");
     tokio::time::sleep(delay).await;
+    // Until the test releases it (its runtime's end drops it otherwise).
+    let _ = load.held.subscribe().wait_for(|held| !held).await;
     let token = review["spec"]["token"]
         .as_str()
         .unwrap_or_default()

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use integration_tests::{ServerOpts, TestAgent, TestServer};
+use integration_tests::{DEADLINE, ServerOpts, TestAgent, TestServer};
 
 /// `konnectivity_rs_server_agent_tls_handshakes_total{kind}` of `server`.
 async fn handshakes(server: &TestServer, kind: &str) -> f64 {
@@ -72,7 +72,8 @@ async fn an_agent_that_renews_its_tickets_resumes_after_they_would_have_expired(
     // the plain agent's ticket (offered for one rotation, opened for two).
     let started = std::time::Instant::now();
     while handshakes(&server, "resumed").await < 15.0 {
-        assert!(started.elapsed() < Duration::from_secs(20), "no renewals");
+        // 3 s of renewals at most; this only catches a stuck run.
+        assert!(started.elapsed() < 2 * DEADLINE, "no renewals");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(started.elapsed() >= 2 * ROTATION);
@@ -88,20 +89,58 @@ async fn an_agent_that_renews_its_tickets_resumes_after_they_would_have_expired(
     server.assert_serves().await;
 }
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate that
-/// stops being valid at `client_until`, written as the agent and server
-/// files of `dir`.
-fn pki_with_client_until(dir: &std::path::Path, client_until: time::OffsetDateTime) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca.key_usages = vec![
-        rcgen::KeyUsagePurpose::KeyCertSign,
-        rcgen::KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::new(ca, ca_key);
-    let leaf = |sans: Vec<String>, usage, until: Option<time::OffsetDateTime>| {
+/// A CA whose files (`agent-ca.crt`, and `cluster.crt`/`cluster.key` for
+/// 127.0.0.1) are written to a directory at once, and agent certificates
+/// (`proxy-agent.crt`/`.key`) issued into it later.
+struct ShortLivedPki {
+    /// Where the files go.
+    dir: std::path::PathBuf,
+    /// Signs the certificates.
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl ShortLivedPki {
+    /// A new CA and the server's certificate, written to `dir`.
+    fn new(dir: &std::path::Path) -> Self {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let pki = Self {
+            dir: dir.to_owned(),
+            issuer: rcgen::Issuer::new(ca, ca_key),
+        };
+        std::fs::write(dir.join("agent-ca.crt"), ca_cert.pem()).unwrap();
+        pki.issue(
+            ("cluster.crt", "cluster.key"),
+            vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            None,
+        );
+        pki
+    }
+
+    /// The agent's certificate, valid until `until`.
+    fn issue_agent(&self, until: time::OffsetDateTime) {
+        self.issue(
+            ("proxy-agent.crt", "proxy-agent.key"),
+            Vec::new(),
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+            Some(until),
+        );
+    }
+
+    fn issue(
+        &self,
+        (crt, key_file): (&str, &str),
+        sans: Vec<String>,
+        usage: rcgen::ExtendedKeyUsagePurpose,
+        until: Option<time::OffsetDateTime>,
+    ) {
         let key = rcgen::KeyPair::generate().unwrap();
         let mut params = rcgen::CertificateParams::new(sans).unwrap();
         params.extended_key_usages = vec![usage];
@@ -109,29 +148,9 @@ fn pki_with_client_until(dir: &std::path::Path, client_until: time::OffsetDateTi
             params.not_before = until - time::Duration::hours(1);
             params.not_after = until;
         }
-        (
-            params.signed_by(&key, &issuer).unwrap().pem(),
-            key.serialize_pem(),
-        )
-    };
-    let (server_crt, server_key) = leaf(
-        vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
-        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-        None,
-    );
-    let (agent_crt, agent_key) = leaf(
-        Vec::new(),
-        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        Some(client_until),
-    );
-    for (name, text) in [
-        ("agent-ca.crt", ca_cert.pem()),
-        ("cluster.crt", server_crt),
-        ("cluster.key", server_key),
-        ("proxy-agent.crt", agent_crt),
-        ("proxy-agent.key", agent_key),
-    ] {
-        std::fs::write(dir.join(name), text).unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        std::fs::write(self.dir.join(crt), cert.pem()).unwrap();
+        std::fs::write(self.dir.join(key_file), key.serialize_pem()).unwrap();
     }
 }
 
@@ -142,18 +161,38 @@ fn pki_with_client_until(dir: &std::path::Path, client_until: time::OffsetDateTi
 #[tokio::test]
 async fn a_resumed_session_whose_client_certificate_expired_is_dropped() {
     use integration_tests::process::{AgentWithFiles, ServerProcess};
+    const CONNECTIONS: &str =
+        "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}";
     let dir = tempfile::tempdir().unwrap();
-    // Long enough for two processes to start and the agent to connect on a
-    // loaded machine (the whole suite runs beside it).
-    let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(10);
-    pki_with_client_until(dir.path(), until);
+    let pki = ShortLivedPki::new(dir.path());
     let server = ServerProcess::start_in(dir.path(), "grpc", &[]).await;
-    let _agent = AgentWithFiles::start(dir.path(), server.agent_addr.port()).await;
-    server.wait_for_agents(1).await;
-    assert!(
-        time::OffsetDateTime::now_utc() < until,
-        "the agent connected only after its certificate expired: the test proves nothing"
-    );
+    // The agent must connect (a full handshake, which the server refuses
+    // once the certificate has expired) before its certificate expires,
+    // and the test then waits out the certificate's life. A loaded machine
+    // can make the start slow: each try issues a certificate that lives
+    // longer, just before its agent starts.
+    let mut lifetimes = [5, 10, 20, 40].into_iter();
+    let (until, _agent) = loop {
+        let lifetime = lifetimes
+            .next()
+            .expect("the agent never connected within its certificate's 40 s: stuck");
+        let until = time::OffsetDateTime::now_utc() + time::Duration::seconds(lifetime);
+        pki.issue_agent(until);
+        let agent = AgentWithFiles::start(dir.path(), server.agent_addr.port()).await;
+        let connected = loop {
+            if server.metric(CONNECTIONS).await >= 1.0 {
+                break true;
+            }
+            if time::OffsetDateTime::now_utc() > until {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        if connected {
+            break (until, agent);
+        }
+        println!("the agent did not connect within its certificate's {lifetime} s; again");
+    };
     // The certificate's validity is in seconds: wait until it is over.
     while time::OffsetDateTime::now_utc() <= until + time::Duration::seconds(1) {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -171,14 +210,7 @@ async fn a_resumed_session_whose_client_certificate_expired_is_dropped() {
             Duration::from_secs(20),
         )
         .await;
-    assert_eq!(
-        server
-            .metric(
-                "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}"
-            )
-            .await,
-        0.0
-    );
+    assert_eq!(server.metric(CONNECTIONS).await, 0.0);
 }
 
 /// Whether OpenSSL (Python's `ssl`, `tests/python/resume.py`), offering a

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use integration_tests::{
-    AgentOpts, ServerOpts, TestAgent, TestServer, agent_config, destination,
+    AgentOpts, DEADLINE, ServerOpts, TestAgent, TestServer, agent_config, destination,
     kube_stub::{Identity, TokenReviewStub},
     wait_for,
 };
@@ -336,20 +336,22 @@ async fn a_reconnect_reuses_the_cached_review() {
 async fn concurrent_connects_with_one_token_make_one_review() {
     let stub = TokenReviewStub::start().await;
     stub.allow("shared-token", identity(AGENT_SA, AUDIENCE));
-    // Long enough that every agent asks while the first review is out.
-    stub.set_delay(Duration::from_secs(2));
+    // The first review waits until all 8 agents are waiting for it.
+    stub.hold();
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
     let agents = futures_util::future::join_all(
         (0..8).map(|_| TestAgent::start_with(server.agent_addr, with_token(&dir, "shared-token"))),
     )
     .await;
+    wait_pending(&server, 8).await;
+    wait_for("the first review at the stub", || stub.in_flight() >= 1).await;
+    stub.release();
     server.wait_for_backends(8).await;
     assert_eq!(stub.review_count(), 1);
     assert_eq!(reviews(&server, "api").await, 1.0);
-    let coalesced = reviews(&server, "coalesced").await;
-    assert!(coalesced >= 1.0, "no review was coalesced");
-    assert_eq!(coalesced + reviews(&server, "cache").await, 7.0);
+    assert_eq!(reviews(&server, "coalesced").await, 7.0);
+    assert_eq!(reviews(&server, "cache").await, 0.0);
     drop(agents);
 }
 
@@ -358,7 +360,8 @@ async fn concurrent_connects_with_one_token_make_one_review() {
 #[tokio::test]
 async fn reviews_in_flight_stay_within_the_bound() {
     let stub = TokenReviewStub::start().await;
-    stub.set_delay(Duration::from_millis(200));
+    // Reviews wait until all 8 agents are waiting and the bound is reached.
+    stub.hold();
     let server = server_with(&stub, Duration::from_secs(60), 2).await;
     let dir = tempfile::tempdir().unwrap();
     let mut agents = Vec::new();
@@ -375,13 +378,12 @@ async fn reviews_in_flight_stay_within_the_bound() {
         agents.push(TestAgent::start_with(server.agent_addr, opts));
     }
     let agents = futures_util::future::join_all(agents).await;
+    wait_pending(&server, 8).await;
+    wait_for("2 reviews in flight", || stub.in_flight() == 2).await;
+    stub.release();
     server.wait_for_backends(8).await;
     assert_eq!(stub.review_count(), 8);
-    assert_eq!(
-        stub.most_in_flight(),
-        2,
-        "the bound was not reached or was passed"
-    );
+    assert_eq!(stub.most_in_flight(), 2, "the bound was passed");
     drop(agents);
 }
 
@@ -393,22 +395,31 @@ async fn a_revoked_token_is_refused_within_the_cache_ttl() {
     let stub = TokenReviewStub::start().await;
     stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
     let server = server_with(&stub, TTL, 4).await;
-    let reviewed = Instant::now();
+    // The review is answered between these two instants, and its cache
+    // entry lasts TTL from then.
+    let reviewing = Instant::now();
     assert!(admitted(&server, "good-token").await);
+    let reviewed = Instant::now();
     stub.revoke("good-token");
     assert!(admitted(&server, "good-token").await, "not cached");
     assert_eq!(stub.review_count(), 1);
-    let refused = loop {
-        if !admitted(&server, "good-token").await {
-            break reviewed.elapsed();
+    let refused = tokio::time::timeout(DEADLINE + TTL, async {
+        loop {
+            let started = Instant::now();
+            if !admitted(&server, "good-token").await {
+                break reviewing.elapsed();
+            }
+            // A connect that began after the entry's end was not cached.
+            assert!(
+                started < reviewed + TTL,
+                "admitted by a connect begun {:?} after the review",
+                started - reviewed
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert!(
-            reviewed.elapsed() < TTL + Duration::from_secs(5),
-            "still admitted {:?} after its review",
-            reviewed.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await
+    .expect("the revoked token was never refused");
     assert!(refused >= TTL, "refused after {refused:?}, before the ttl");
     assert_eq!(stub.review_count(), 2);
 }
