@@ -6,7 +6,9 @@
 //! The routing core, as plain data (ids only: no `Arc`, no lock, no clock):
 //! - `router`: every frontend, agent stream, pending dial and connection
 //!   by id; each control event in (with `now`), what to do out (`Out`).
-//!   It never sees DATA.
+//!   It sees DATA only as a fallback, for a connection its stream's driver
+//!   does not know: a frontend's (forwarded to its agent, or refused), an
+//!   agent's for a closed connection (answered with CLOSE_REQ).
 //! - [`strategy`], `manager`: proxy strategies and the agent streams
 //!   indexed by them.
 //! - `events`: why dials fail and connections end, as enums.
@@ -15,7 +17,8 @@
 //! Its driver, and one driver per stream:
 //! - `control`: the router behind the one lock streams share, taken once
 //!   per control event; carries out the router's `Out`s that never wait
-//!   and hands back the one that may (`Work`).
+//!   and hands back those that may (`Work`): to the frontend's driver, or
+//!   to its dialer (retried and hedged dials).
 //! - `conn`: an established connection (`Conn`: its flow state and both
 //!   streams' queues), which both streams' drivers hold in their own
 //!   tables; a frontend's outbound queue.

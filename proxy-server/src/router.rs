@@ -7,7 +7,7 @@
 //! send to whom to an output list ([`Out`]). It holds ids and plain data
 //! only: no `Arc`, no lock, no waker, and no clock (every event that needs
 //! the time is given `now`). It never awaits, never spawns and never
-//! touches a socket or a queue: its driver (`hub`) and the transports do
+//! touches a socket or a queue: its driver (`control`) and the streams' drivers do
 //! all of that, and race every wait against its connection's end
 //! (quinn-proto's `Connection` and its driver). A connection's flow state
 //! (window, credit, progress) belongs to the driver, which the router tells

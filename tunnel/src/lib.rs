@@ -1,6 +1,6 @@
 //! The data plane of `proxy-server` and `proxy-agent`: what moves a
 //! connection's bytes and bounds them. No flags, no telemetry, no kube, no
-//! metrics exposition (those are `runtime`'s).
+//! metrics exposition (those are `ops`'s).
 //!
 //! # Layout
 //! - [`ids`]: newtypes for connection, dial, agent and server ids.
@@ -43,8 +43,8 @@ pub mod text;
 /// Gives a table's memory back once it is mostly empty: a burst of 10,000
 /// tunnels must not leave tables that size behind for good. Amortised
 /// O(1): a table shrinks to twice its entries, so it must lose half of
-/// them again before the next shrink. Used by the server's router and hub
-/// and the agent's connection table.
+/// them again before the next shrink. Used by the server's router, its
+/// control core and its drivers' tables, and the agent's stream table.
 pub fn compact<K: Eq + std::hash::Hash, V>(map: &mut std::collections::HashMap<K, V>) {
     if map.capacity() > 64 && map.len() * 4 < map.capacity() {
         map.shrink_to(map.len() * 2);
