@@ -42,7 +42,7 @@ use crate::{
     endpoint::{self, ConnDriver, Connections, EndpointConn},
     metrics::{AgentMetrics, Direction, Segment},
     outbound::ToServer,
-    table::{Dialed, Step, Ticket},
+    table::{DialTicket, Dialed, Step},
 };
 
 /// How long the TCP connect, TLS handshake and gRPC headers may take.
@@ -674,7 +674,7 @@ impl Dispatcher {
 
     fn spawn_dial(
         &self,
-        ticket: Ticket,
+        ticket: DialTicket,
         protocol: String,
         address: String,
         cancel: CancellationToken,
@@ -719,7 +719,7 @@ impl Dispatcher {
                 };
                 let opened = conns
                     .lock()
-                    .dialed(ticket, Ok::<_, endpoint::DialError>(handle));
+                    .dialed(ticket, Ok::<_, endpoint::EndpointDialError>(handle));
                 let Dialed::Open { conn: id, reply } = opened else {
                     // Cancelled meanwhile: the socket closes unanswered.
                     return;

@@ -19,9 +19,9 @@ use tunnel::{
 };
 
 use crate::{
-    metrics::{AgentMetrics, CloseReason, DialFailure},
+    metrics::{AgentMetrics, EndpointCloseReason, EndpointDialFailure},
     outbound::ToServer,
-    table::ConnTable,
+    table::StreamTable,
 };
 
 /// How long a node-side dial may take (ANP's `dialTimeout`).
@@ -72,14 +72,14 @@ impl ConnEnd {
     }
 
     /// How the close is counted.
-    pub(crate) fn reason(&self) -> CloseReason {
+    pub(crate) fn reason(&self) -> EndpointCloseReason {
         match self {
-            Self::DestinationClosed => CloseReason::EndpointClosed,
-            Self::DestinationError(_) => CloseReason::EndpointError,
-            Self::ServerClosed => CloseReason::ServerClosed,
-            Self::StreamGone => CloseReason::StreamGone,
-            Self::Overflow => CloseReason::Overflow,
-            Self::DrainTimedOut => CloseReason::DrainTimedOut,
+            Self::DestinationClosed => EndpointCloseReason::EndpointClosed,
+            Self::DestinationError(_) => EndpointCloseReason::EndpointError,
+            Self::ServerClosed => EndpointCloseReason::ServerClosed,
+            Self::StreamGone => EndpointCloseReason::StreamGone,
+            Self::Overflow => EndpointCloseReason::Overflow,
+            Self::DrainTimedOut => EndpointCloseReason::DrainTimedOut,
         }
     }
 
@@ -205,21 +205,21 @@ impl ConnDriver {
 /// shared by the stream's reader and its dial and connection tasks, each
 /// holding the lock only for one table call.
 #[derive(Clone)]
-pub struct Connections(Arc<Mutex<ConnTable<CancellationToken, EndpointConn>>>);
+pub struct Connections(Arc<Mutex<StreamTable<CancellationToken, EndpointConn>>>);
 
 impl Connections {
     /// An empty table for a stream that agreed `scheme`; pending dials are
     /// cancelled through children of `stream` (so they end with it).
     pub fn new(scheme: flow::Scheme, stream: &CancellationToken) -> Self {
         let stream = stream.clone();
-        Self(Arc::new(Mutex::new(ConnTable::new(
+        Self(Arc::new(Mutex::new(StreamTable::new(
             scheme.is_credit(),
             move || stream.child_token(),
         ))))
     }
 
     /// The table, locked.
-    pub fn lock(&self) -> MutexGuard<'_, ConnTable<CancellationToken, EndpointConn>> {
+    pub fn lock(&self) -> MutexGuard<'_, StreamTable<CancellationToken, EndpointConn>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -244,7 +244,7 @@ impl Connections {
 /// expect) only in the DIAL_RSP; a destination the server sent is shown as
 /// a bounded prefix ([`Elided`]).
 #[derive(Debug)]
-pub enum DialError {
+pub enum EndpointDialError {
     /// A network other than TCP.
     UnknownNetwork {
         /// The network asked for.
@@ -276,7 +276,7 @@ pub enum DialError {
     },
 }
 
-impl DialError {
+impl EndpointDialError {
     /// Whether the dial timed out.
     pub fn is_timeout(&self) -> bool {
         match self {
@@ -287,16 +287,16 @@ impl DialError {
     }
 
     /// How `endpoint_dial_failure_total` counts it.
-    pub(crate) fn failure(&self) -> DialFailure {
+    pub(crate) fn failure(&self) -> EndpointDialFailure {
         if self.is_timeout() {
-            DialFailure::Timeout
+            EndpointDialFailure::Timeout
         } else {
-            DialFailure::Unknown
+            EndpointDialFailure::Unknown
         }
     }
 }
 
-impl std::fmt::Display for DialError {
+impl std::fmt::Display for EndpointDialError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::UnknownNetwork { network, address } => write!(
@@ -331,9 +331,9 @@ impl std::fmt::Display for DialError {
 /// # Errors
 /// Why it failed; its text is Go's (`dial tcp host:port: connect:
 /// connection refused`, `… i/o timeout`, `lookup host: no such host`).
-pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, DialError> {
+pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, EndpointDialError> {
     if !matches!(protocol, "tcp" | "tcp4" | "tcp6" | "") {
-        return Err(DialError::UnknownNetwork {
+        return Err(EndpointDialError::UnknownNetwork {
             network: protocol.to_owned(),
             address: address.to_owned(),
         });
@@ -351,8 +351,8 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, DialError>
             }
         }
         match last {
-            Some((addr, source)) => Err(DialError::Connect { addr, source }),
-            None => Err(DialError::NoSuchHost {
+            Some((addr, source)) => Err(EndpointDialError::Connect { addr, source }),
+            None => Err(EndpointDialError::NoSuchHost {
                 address: address.to_owned(),
             }),
         }
@@ -360,7 +360,7 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, DialError>
     // One limit for lookup and connect together, as Go's DialTimeout.
     let stream = tokio::time::timeout(DIAL_TIMEOUT, attempt)
         .await
-        .map_err(|_| DialError::Timeout {
+        .map_err(|_| EndpointDialError::Timeout {
             address: address.to_owned(),
         })??;
     let _ = stream.set_nodelay(true);
@@ -375,13 +375,13 @@ fn host(address: &str) -> &str {
         .trim_end_matches(']')
 }
 
-fn lookup_error(address: &str, e: &io::Error) -> DialError {
+fn lookup_error(address: &str, e: &io::Error) -> EndpointDialError {
     if e.kind() == io::ErrorKind::InvalidInput {
-        return DialError::MissingPort {
+        return EndpointDialError::MissingPort {
             address: address.to_owned(),
         };
     }
-    DialError::NoSuchHost {
+    EndpointDialError::NoSuchHost {
         address: address.to_owned(),
     }
 }
@@ -664,11 +664,11 @@ mod tests {
     #[test]
     fn a_long_destination_is_repeated_only_as_a_prefix() {
         let address = format!("{}:80", "h".repeat(100_000));
-        let text = DialError::NoSuchHost { address }.to_string();
+        let text = EndpointDialError::NoSuchHost { address }.to_string();
         assert!(text.len() < 1024, "{} bytes", text.len());
         assert!(text.ends_with(": no such host"), "{text}");
         assert!(
-            DialError::Timeout {
+            EndpointDialError::Timeout {
                 address: "10.0.0.1:1".to_owned()
             }
             .is_timeout()

@@ -20,7 +20,7 @@ use tunnel::{
     proxy_client::{self, Proxy, ProxyError},
 };
 
-use crate::table::{ConnTable, Dialed, Step, Ticket};
+use crate::table::{DialTicket, Dialed, Step, StreamTable};
 
 /// Reads fuzz bytes as choices; past the end every choice is 0.
 struct Input<'a>(&'a [u8]);
@@ -91,7 +91,7 @@ fn server_packet(input: &mut Input<'_>) -> Option<Packet> {
 /// from raw bytes), dials ending (with a live ticket or a stale one, in
 /// success or failure), connections ending on their own, the stream's
 /// end. After every event the table's own invariants hold
-/// ([`ConnTable::check`]) and each step is what the protocol says: a dial
+/// ([`StreamTable::check`]) and each step is what the protocol says: a dial
 /// starts only for a free id and is answered at most once, with a
 /// connection id never used before on the stream; DATA, CLOSE_REQ and
 /// credit reach only open connections and the rest is answered or
@@ -101,13 +101,13 @@ pub fn agent_table(data: &[u8]) {
     let mut input = Input(data);
     let flow_control = input.byte().is_multiple_of(2);
     let mut next_handle = 0u32;
-    let mut t: ConnTable<u32, u32> = ConnTable::new(flow_control, move || {
+    let mut t: StreamTable<u32, u32> = StreamTable::new(flow_control, move || {
         next_handle += 1;
         next_handle
     });
     // The model: dials in progress, tickets that ended, open connections.
-    let mut live: HashMap<DialId, Ticket> = HashMap::new();
-    let mut stale: Vec<Ticket> = Vec::new();
+    let mut live: HashMap<DialId, DialTicket> = HashMap::new();
+    let mut stale: Vec<DialTicket> = Vec::new();
     let mut conns: HashSet<ConnId> = HashSet::new();
     let mut ids_seen: HashSet<ConnId> = HashSet::new();
     let mut ended = false;
@@ -138,7 +138,7 @@ pub fn agent_table(data: &[u8]) {
             }
             4 | 5 => {
                 let ticket = if input.byte().is_multiple_of(2) {
-                    let mut tickets: Vec<Ticket> = live.values().copied().collect();
+                    let mut tickets: Vec<DialTicket> = live.values().copied().collect();
                     tickets.sort_by_key(|t| t.dial);
                     (!tickets.is_empty()).then(|| tickets[input.below(tickets.len())])
                 } else {
@@ -205,8 +205,8 @@ fn check_step(
     kind: &proto::packet::PacketKind,
     step: Step<u32, u32>,
     ended: bool,
-    live: &mut HashMap<DialId, Ticket>,
-    stale: &mut Vec<Ticket>,
+    live: &mut HashMap<DialId, DialTicket>,
+    stale: &mut Vec<DialTicket>,
     conns: &mut HashSet<ConnId>,
 ) {
     use proto::packet::PacketKind as K;

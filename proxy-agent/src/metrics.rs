@@ -65,7 +65,7 @@ ops::label_enum! {
 ops::label_enum! {
     /// Why a destination dial failed (`endpoint_dial_failure_total`'s
     /// `reason`, ANP's).
-    pub(crate) enum DialFailure {
+    pub(crate) enum EndpointDialFailure {
         /// It timed out.
         Timeout = "timeout",
         /// Anything else.
@@ -158,7 +158,7 @@ impl Live for Nothing {
 
 ops::label_enum! {
     /// Why a node-side connection ended (konnectivity-rs).
-    pub(crate) enum CloseReason {
+    pub(crate) enum EndpointCloseReason {
         /// The destination closed it.
         EndpointClosed = "endpoint_closed",
         /// Reading or writing the destination failed.
@@ -182,13 +182,13 @@ pub struct AgentMetrics {
     /// Whether an endpoint connection was ever opened (shows the gauge).
     endpoint_seen: Arc<AtomicBool>,
     server_failures: ByLabel<ServerDirection, Counter>,
-    dial_failures: ByLabel<DialFailure, Counter>,
+    dial_failures: ByLabel<EndpointDialFailure, Counter>,
     /// ANP's `stream_packets_total`.
     pub(crate) packets: PacketCounters<Segment>,
     errors: StreamErrors<Segment>,
     /// `konnectivity_rs_agent_tunnel_bytes_total`.
     pub(crate) bytes: ByLabel<Direction, Counter>,
-    closed: ByLabel<CloseReason, Counter>,
+    closed: ByLabel<EndpointCloseReason, Counter>,
     blocked: Counter,
     limits: Counter,
 }
@@ -196,7 +196,7 @@ pub struct AgentMetrics {
 /// konnectivity-rs's own series.
 struct Ours {
     bytes: ByLabel<Direction, Counter>,
-    closed: ByLabel<CloseReason, Counter>,
+    closed: ByLabel<EndpointCloseReason, Counter>,
     blocked: Counter,
     limits: Counter,
 }
@@ -366,7 +366,7 @@ impl AgentMetrics {
     }
 
     /// A destination dial failed.
-    pub(crate) fn dial_failed(&self, reason: DialFailure) {
+    pub(crate) fn dial_failed(&self, reason: EndpointDialFailure) {
         self.dial_failures.get(reason).inc();
     }
 
@@ -393,7 +393,7 @@ impl AgentMetrics {
         }
     }
 
-    pub(crate) fn connection_closed(&self, reason: CloseReason) {
+    pub(crate) fn connection_closed(&self, reason: EndpointCloseReason) {
         self.closed.get(reason).inc();
     }
 

@@ -2,9 +2,9 @@
 //! and established connections by id, and what each packet from the server
 //! means for them.
 //!
-//! [`ConnTable::handle`] takes a packet and returns one [`Step`] for the
-//! stream's reader to carry out; [`dialed`](ConnTable::dialed),
-//! [`remove`](ConnTable::remove) and [`stream_ended`](ConnTable::stream_ended)
+//! [`StreamTable::handle`] takes a packet and returns one [`Step`] for the
+//! stream's reader to carry out; [`dialed`](StreamTable::dialed),
+//! [`remove`](StreamTable::remove) and [`stream_ended`](StreamTable::stream_ended)
 //! are the other events. Nothing here awaits or spawns: the reader and the
 //! connection tasks own the sockets and queues, do all the waiting, and hold
 //! the table's lock only to call these.
@@ -39,10 +39,10 @@ use tunnel::{
 #[derive(Debug, PartialEq, Eq)]
 pub enum Step<D, C> {
     /// Dial `address`, cancellable through `cancel`; report the outcome to
-    /// [`ConnTable::dialed`].
+    /// [`StreamTable::dialed`].
     Dial {
         /// Which dial: report its end with it.
-        ticket: Ticket,
+        ticket: DialTicket,
         /// `tcp` (ANP accepts nothing else).
         protocol: String,
         /// `host:port`.
@@ -83,7 +83,7 @@ pub enum Step<D, C> {
 /// One dial request, as its task reports it: a cancelled dial whose
 /// `random` the server then reuses cannot answer for the new one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ticket {
+pub struct DialTicket {
     /// The server's `random`.
     pub dial: DialId,
     /// The connection id taken for it (as ANP, before dialing: a failed
@@ -113,7 +113,7 @@ pub enum Dialed {
 }
 
 /// Pending dials and established connections of one server stream.
-pub struct ConnTable<D, C> {
+pub struct StreamTable<D, C> {
     /// Whether per-connection credits are in use on the stream.
     flow_control: bool,
     /// Makes a pending dial's handle.
@@ -128,7 +128,7 @@ pub struct ConnTable<D, C> {
     ended: bool,
 }
 
-impl<D: Clone, C> ConnTable<D, C> {
+impl<D: Clone, C> StreamTable<D, C> {
     /// An empty table; `new_dial` makes each pending dial's handle.
     pub fn new(flow_control: bool, new_dial: impl FnMut() -> D + Send + 'static) -> Self {
         Self {
@@ -172,7 +172,7 @@ impl<D: Clone, C> ConnTable<D, C> {
                 // A draining agent still dials (ANP): the server sends it
                 // new dials only when no other agent fits.
                 let cancel = (self.new_dial)();
-                let ticket = Ticket {
+                let ticket = DialTicket {
                     dial,
                     conn: ConnId(self.next_conn),
                 };
@@ -219,7 +219,7 @@ impl<D: Clone, C> ConnTable<D, C> {
     /// or why it failed, whose text goes to the server).
     pub fn dialed<E: std::fmt::Display>(
         &mut self,
-        ticket: Ticket,
+        ticket: DialTicket,
         outcome: Result<C, E>,
     ) -> Dialed {
         let dial = ticket.dial;

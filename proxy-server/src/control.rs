@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tunnel::{
     compact,
     ids::{AgentId, ConnId, DialId},
-    sync::{Event as Settled, Mutex, MutexGuard, Signal, audit::LockAudit},
+    sync::{Latch as Settled, Mutex, MutexGuard, Signal, audit::LockAudit},
 };
 
 use crate::{

@@ -50,7 +50,7 @@ ops::label_enum! {
         /// The frontend used another frontend's connection id.
         Mismatch = "mismatch",
         /// Its destination took none of its upload for
-        /// `frontend::read_ahead::UPLOAD_GRACE` while it held up the other
+        /// `frontend::lanes::UPLOAD_GRACE` while it held up the other
         /// connections of its `Proxy` stream, or its frontend's close.
         UploadStalled = "upload_stalled",
     }

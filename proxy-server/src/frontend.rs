@@ -1,7 +1,7 @@
 //! The frontend transports: kube-apiserver's side of the server.
 //!
 //! - [`grpc`]: `ProxyService/Proxy` streams (konnectivity-client), and
-//!   [`read_ahead`]: what a stream reads ahead of its waiting uploads.
+//!   [`lanes`]: what a stream reads ahead of its waiting uploads, a lane per connection.
 //! - [`http_connect`]: `CONNECT host:port HTTP/1.1` (`--mode=http-connect`).
 //!
 //! The layer that lets any `:authority` through to h2 on the Unix socket is
@@ -9,7 +9,7 @@
 
 pub(crate) mod grpc;
 pub(crate) mod http_connect;
-pub(crate) mod read_ahead;
+pub(crate) mod lanes;
 
 use std::sync::Arc;
 

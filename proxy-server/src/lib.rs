@@ -57,7 +57,7 @@ pub mod strategy;
 mod stream;
 
 pub use events::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT};
-pub use frontend::{http_connect::ESTABLISHED, read_ahead::UPLOAD_GRACE};
+pub use frontend::{http_connect::ESTABLISHED, lanes::UPLOAD_GRACE};
 pub use router::{DialPolicy, HedgeDelay, MISMATCHED, STALLED, UPLOAD_STALLED};
 
 /// The lock audit of a server instance: which streams took which lock

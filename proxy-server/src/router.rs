@@ -51,7 +51,7 @@ pub const MISMATCHED: &str = "mismatched connection IDs";
 pub const STALLED: &str =
     "the frontend took none of this connection's data within --frontend-stall-timeout";
 /// CLOSE_RSP error of a connection whose destination took none of its
-/// upload for `frontend::read_ahead::UPLOAD_GRACE` while it held up the
+/// upload for `frontend::lanes::UPLOAD_GRACE` while it held up the
 /// other connections of its `Proxy` stream, or its frontend's close.
 pub const UPLOAD_STALLED: &str =
     "closed with its upload undelivered: the destination took none of it for 5s";

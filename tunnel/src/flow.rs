@@ -43,7 +43,7 @@ use bytes::Bytes;
 use proto::{Data, Packet, Payload};
 use tokio::sync::mpsc;
 
-use crate::sync::{Event, Mutex, MutexGuard, Signal};
+use crate::sync::{Latch, Mutex, MutexGuard, Signal};
 
 pub use self::core::{Core, Offer, Take};
 
@@ -399,7 +399,7 @@ pub struct Flow {
     /// Wakes the receiver waiting for room (without credit; one receiver).
     drained: Signal,
     /// Set when the connection closes.
-    closed: Event,
+    closed: Latch,
 }
 
 impl fmt::Debug for Flow {
@@ -418,7 +418,7 @@ impl Flow {
             core: Mutex::new(core),
             granted: Signal::new(),
             drained: Signal::new(),
-            closed: Event::new(),
+            closed: Latch::new(),
         }
     }
 

@@ -2,7 +2,7 @@
 //! a connection: every interleaving of two or three threads over the real
 //! [`Gate`] (the byte queue's admit, release, wait list, close and dropped
 //! waiters), the real [`Flow`] (a sender's wait for credit, the close), and
-//! the [`Signal`] and [`Event`] under them. With the `loom` feature, the
+//! the [`Signal`] and [`Latch`] under them. With the `loom` feature, the
 //! primitives of `crate::sync` are loom's; loom reports a wake-up that never
 //! comes as a deadlock.
 //!
@@ -19,7 +19,7 @@ use loom::{future::block_on, thread};
 use crate::{
     flow::{Flow, Scheme, Window},
     queue::Gate,
-    sync::{Arc, Event, Signal},
+    sync::{Arc, Latch, Signal},
 };
 
 /// Runs `model` over every interleaving, with preemptions bounded (as
@@ -171,9 +171,9 @@ fn a_signal_is_never_lost() {
 
 /// An event set while two tasks register for it wakes both.
 #[test]
-fn an_event_wakes_every_waiter() {
+fn a_latch_wakes_every_waiter() {
     check(|| {
-        let event = Arc::new(Event::new());
+        let event = Arc::new(Latch::new());
         let waiters: Vec<_> = (0..2)
             .map(|_| {
                 let event = event.clone();

@@ -11,7 +11,7 @@
 //! - [`Mutex`]: std's (or loom's), seen by the [`audit`] in debug builds.
 //! - [`Signal`]: wakes the one task that waits on it; a signal nobody
 //!   waited for is kept for the next wait.
-//! - [`Event`]: a flag set once, which any number of tasks wait for;
+//! - [`Latch`]: a flag set once, which any number of tasks wait for;
 //!   reading it takes no lock.
 //! - [`audit`]: which streams took which lock, per server instance, for
 //!   the test that moving DATA takes no lock a third stream takes.
@@ -181,14 +181,14 @@ impl Signal {
 /// A flag set once, which any number of tasks may wait for. Reading it is
 /// an atomic load; only a waiting task's poll takes its lock.
 #[derive(Debug)]
-pub struct Event {
+pub struct Latch {
     /// Whether it was set.
     set: AtomicBool,
     /// The waiting tasks, by key.
     waiters: Mutex<Waiters>,
 }
 
-/// The wakers of an [`Event`]'s waiting tasks.
+/// The wakers of an [`Latch`]'s waiting tasks.
 #[derive(Debug, Default)]
 struct Waiters {
     /// The next key.
@@ -197,13 +197,13 @@ struct Waiters {
     wakers: Vec<(u64, Waker)>,
 }
 
-impl Default for Event {
+impl Default for Latch {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl Event {
+impl Latch {
     /// An event not yet set.
     pub fn new() -> Self {
         Self {
@@ -236,24 +236,24 @@ impl Event {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub fn wait(&self) -> EventWait<'_> {
-        EventWait {
+    pub fn wait(&self) -> LatchWait<'_> {
+        LatchWait {
             event: self,
             key: None,
         }
     }
 }
 
-/// The future of [`Event::wait`].
+/// The future of [`Latch::wait`].
 #[derive(Debug)]
-pub struct EventWait<'a> {
+pub struct LatchWait<'a> {
     /// The event.
-    event: &'a Event,
+    event: &'a Latch,
     /// Its key among the waiters, once registered.
     key: Option<u64>,
 }
 
-impl Future for EventWait<'_> {
+impl Future for LatchWait<'_> {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
@@ -284,7 +284,7 @@ impl Future for EventWait<'_> {
     }
 }
 
-impl Drop for EventWait<'_> {
+impl Drop for LatchWait<'_> {
     fn drop(&mut self) {
         if let Some(key) = self.key
             && !self.event.is_set()
@@ -525,8 +525,8 @@ mod tests {
     }
 
     #[test]
-    fn an_event_wakes_every_waiter_and_forgets_dropped_ones() {
-        let event = Event::new();
+    fn a_latch_wakes_every_waiter_and_forgets_dropped_ones() {
+        let event = Latch::new();
         let (count, waker) = counting();
         let mut cx = Context::from_waker(&waker);
         let mut first = Box::pin(event.wait());

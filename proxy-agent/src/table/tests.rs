@@ -12,13 +12,13 @@ use tunnel::{
     ids::{ConnId, DialId},
 };
 
-use super::{ConnTable, Dialed, Step, Ticket};
+use super::{DialTicket, Dialed, Step, StreamTable};
 
 /// A table whose dial handles count up from 100 and whose connection
 /// handles are names.
-fn table(flow_control: bool) -> ConnTable<u32, &'static str> {
+fn table(flow_control: bool) -> StreamTable<u32, &'static str> {
     let mut next = 100;
-    ConnTable::new(flow_control, move || {
+    StreamTable::new(flow_control, move || {
         next += 1;
         next
     })
@@ -52,7 +52,7 @@ fn close_rsp<C: std::fmt::Debug>(step: Step<u32, C>) -> (i64, String) {
 }
 
 /// Starts a dial; returns its ticket.
-fn dial<C: std::fmt::Debug>(t: &mut ConnTable<u32, C>, random: i64) -> Ticket {
+fn dial<C: std::fmt::Debug>(t: &mut StreamTable<u32, C>, random: i64) -> DialTicket {
     match t.handle(dial_req(random)) {
         Step::Dial { ticket, .. } => ticket,
         other => panic!("unexpected {other:?}"),
@@ -60,7 +60,7 @@ fn dial<C: std::fmt::Debug>(t: &mut ConnTable<u32, C>, random: i64) -> Ticket {
 }
 
 /// Opens a connection through a dial; returns its id.
-fn open(t: &mut ConnTable<u32, &'static str>, random: i64, name: &'static str) -> ConnId {
+fn open(t: &mut StreamTable<u32, &'static str>, random: i64, name: &'static str) -> ConnId {
     let ticket = dial(t, random);
     match t.dialed::<String>(ticket, Ok(name)) {
         Dialed::Open { conn, reply } => {
@@ -372,11 +372,11 @@ proptest! {
         flow_control in any::<bool>(),
     ) {
         // Connection handles are unique numbers: which dial opened it.
-        let mut t: ConnTable<u32, u64> = ConnTable::new(flow_control, || 0);
+        let mut t: StreamTable<u32, u64> = StreamTable::new(flow_control, || 0);
         let mut handles = 0u64;
         // Dial tasks still running, and which of them the table awaits.
-        let mut running: Vec<Ticket> = Vec::new();
-        let mut live: HashMap<DialId, Ticket> = HashMap::new();
+        let mut running: Vec<DialTicket> = Vec::new();
+        let mut live: HashMap<DialId, DialTicket> = HashMap::new();
         // Open connections in the model, with their handle.
         let mut conns: HashMap<ConnId, u64> = HashMap::new();
         let (mut started, mut answered, mut cancelled) = (0, 0, 0);

@@ -8,7 +8,7 @@
 //! connection's agent without any lock another stream takes, waiting only
 //! for that connection's credit and its agent's queue; everything else
 //! goes to the control core. While uploads wait, the driver reads on into
-//! a bounded read-ahead ([`read_ahead`](super::read_ahead)), so that one
+//! a bounded read-ahead ([`lanes`](super::lanes)), so that one
 //! connection whose destination stopped reading does not stop the others
 //! on the stream. tonic drains the stream's outbound queue, each item taken
 //! releasing its window ([`taken_by_frontend`]).
@@ -33,7 +33,7 @@ use crate::{
     control::{Control, Work},
     frontend::{
         FrontendGuard,
-        read_ahead::{Next, ReadAhead, UPLOAD_GRACE},
+        lanes::{Lanes, Next, UPLOAD_GRACE},
     },
     metrics::{BlockedGuard, Method, Segment},
     router::FrontendKind,
@@ -116,7 +116,7 @@ struct FrontendDriver {
     /// The stream's established connections.
     conns: ConnTable,
     /// DATA read and not yet uploaded, by connection.
-    ahead: ReadAhead,
+    ahead: Lanes,
     /// Uploads and dials waiting for their agent.
     waits: FuturesUnordered<Wait>,
     /// Counts the stream as blocked while the read-ahead is full.
@@ -129,7 +129,7 @@ impl FrontendDriver {
             link,
             control,
             conns: ConnTable::default(),
-            ahead: ReadAhead::default(),
+            ahead: Lanes::default(),
             waits: FuturesUnordered::new(),
             blocked: None,
         }

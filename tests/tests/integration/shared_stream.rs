@@ -69,7 +69,7 @@ async fn a_stalled_connection_that_fills_the_read_ahead_is_cut_and_the_others_go
 /// buffers take, then CLOSE_REQ: the close is answered (with an error: its
 /// bytes were not delivered) after the grace period, not when the
 /// destination reads, whether the read-ahead filled or the CLOSE_REQ
-/// waited in its lane (`read_ahead`'s unit tests take each path alone).
+/// waited in its lane (`frontend::lanes`' unit tests take each path alone).
 /// Before, it was never answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_close_behind_a_stalled_upload_is_answered_without_the_destination() {

@@ -1,4 +1,4 @@
-//! [`ReadAhead`]: what a `Proxy` stream's driver has read and not yet
+//! [`Lanes`]: what a `Proxy` stream's driver has read and not yet
 //! uploaded, so that one connection waiting for its agent does not stop
 //! the stream for the others.
 //!
@@ -8,7 +8,7 @@
 //! room on its agent's queue), the driver keeps reading the stream: that
 //! connection's DATA (and a CLOSE_REQ behind it, kept in order) goes into
 //! its lane, while packets for other connections and other control packets
-//! act at once. The lanes hold at most [`READ_AHEAD`] bytes in all (a
+//! act at once. The lanes hold at most [`LANES_MAX_BYTES`] bytes in all (a
 //! packet is admitted while less is held, so one packet more at most);
 //! past that the driver stops reading the stream:
 //! - on a stream that carries only one connection, until the upload goes
@@ -39,7 +39,7 @@ use crate::conn::Conn;
 
 /// Bytes a stream's lanes hold at most (one connection window): what a
 /// stream may have read ahead of its waiting uploads.
-pub(crate) const READ_AHEAD: usize = flow::WINDOW;
+pub(crate) const LANES_MAX_BYTES: usize = flow::WINDOW;
 /// How long a lane may make no progress, on a stream stopped for it that
 /// carries other connections, before its connection is cut. ANP's agents
 /// and ours give a destination that stopped reading as long
@@ -94,7 +94,7 @@ impl std::fmt::Debug for Next {
 
 /// A stream's lanes; see the module documentation.
 #[derive(Default)]
-pub(crate) struct ReadAhead {
+pub(crate) struct Lanes {
     /// Lanes by connection.
     lanes: HashMap<ConnId, Lane>,
     /// Bytes the lanes hold (queued and in flight).
@@ -103,7 +103,7 @@ pub(crate) struct ReadAhead {
     closing: usize,
 }
 
-impl ReadAhead {
+impl Lanes {
     /// Whether `conn` has uploads in progress (its DATA must queue behind).
     pub(crate) fn has_lane(&self, conn: ConnId) -> bool {
         self.lanes.contains_key(&conn)
@@ -111,7 +111,7 @@ impl ReadAhead {
 
     /// Whether a packet may be read into the lanes now.
     pub(crate) fn has_room(&self) -> bool {
-        self.bytes < READ_AHEAD
+        self.bytes < LANES_MAX_BYTES
     }
 
     /// Bytes held.
@@ -141,7 +141,7 @@ impl ReadAhead {
     }
 
     /// Queues DATA behind `conn`'s uploads (its lane exists: see
-    /// [`ReadAhead::has_lane`]; the caller checked [`ReadAhead::has_room`]).
+    /// [`Lanes::has_lane`]; the caller checked [`Lanes::has_room`]).
     pub(crate) fn queue(&mut self, conn: ConnId, data: Bytes) {
         if let Some(lane) = self.lanes.get_mut(&conn) {
             self.bytes += data.len();
@@ -278,7 +278,7 @@ mod tests {
         let (conn, _agent, _fe) = test_conn(7, compat());
         let chunk = conn.flow.send_chunk();
         let now = Instant::now();
-        let mut ahead = ReadAhead::default();
+        let mut ahead = Lanes::default();
         ahead.open(conn.clone(), 10, bytes(chunk + 5, 1), now);
         ahead.queue(conn.id, bytes(3, 2));
         assert!(ahead.close(conn.id, Packet::close_request(7)).is_none());
@@ -307,15 +307,15 @@ mod tests {
     }
 
     #[test]
-    fn a_full_read_ahead_has_no_room_until_a_lane_is_cut() {
+    fn full_lanes_have_no_room_until_a_lane_is_cut() {
         let (a, _agent_a, _fe_a) = test_conn(1, compat());
         let (b, _agent_b, _fe_b) = test_conn(2, compat());
         let t0 = Instant::now();
-        let mut ahead = ReadAhead::default();
-        ahead.open(a.clone(), 100, bytes(READ_AHEAD - 200, 1), t0);
+        let mut ahead = Lanes::default();
+        ahead.open(a.clone(), 100, bytes(LANES_MAX_BYTES - 200, 1), t0);
         assert!(ahead.has_room());
         ahead.open(b.clone(), 100, Bytes::new(), t0 + Duration::from_secs(1));
-        // Admitted while less than READ_AHEAD was held: one packet over.
+        // Admitted while less than LANES_MAX_BYTES was held: one packet over.
         ahead.queue(a.id, bytes(5000, 1));
         assert!(!ahead.has_room());
         assert_eq!(ahead.most_stalled(), Some((a.id, t0)));
@@ -335,7 +335,7 @@ mod tests {
     fn a_gone_connection_drops_its_lane_but_not_its_close() {
         let (conn, _agent, _fe) = test_conn(3, compat());
         let now = Instant::now();
-        let mut ahead = ReadAhead::default();
+        let mut ahead = Lanes::default();
         ahead.open(conn.clone(), 10, bytes(10, 1), now);
         ahead.close(conn.id, Packet::close_request(3));
         let next = ahead.uploaded(conn.id, false, now);
@@ -351,7 +351,7 @@ mod tests {
         let (a, _agent_a, _fe_a) = test_conn(1, compat());
         let (b, _agent_b, _fe_b) = test_conn(2, compat());
         let t0 = Instant::now();
-        let mut ahead = ReadAhead::default();
+        let mut ahead = Lanes::default();
         ahead.open(a.clone(), 10, Bytes::new(), t0);
         ahead.open(b.clone(), 10, Bytes::new(), t0 + Duration::from_secs(1));
         assert_eq!(ahead.most_stalled_closing(), None);
@@ -375,7 +375,7 @@ mod tests {
     fn progress_restarts_a_lanes_stall_clock() {
         let (conn, _agent, _fe) = test_conn(4, compat());
         let t0 = Instant::now();
-        let mut ahead = ReadAhead::default();
+        let mut ahead = Lanes::default();
         ahead.open(conn.clone(), 10, bytes(10, 1), t0);
         let later = t0 + UPLOAD_GRACE;
         assert!(ahead.uploaded(conn.id, true, later).is_some());
