@@ -413,7 +413,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for AnyAuthority<IO> {
     }
 }
 
-tunnel::forward_write!([IO: AsyncWrite + Unpin] AnyAuthority<IO>, io);
+edge::forward_write!([IO: AsyncWrite + Unpin] AnyAuthority<IO>, io);
 
 impl<IO: Connected> Connected for AnyAuthority<IO> {
     type ConnectInfo = IO::ConnectInfo;

@@ -127,9 +127,9 @@ pub enum ClientError {
 /// windows.
 fn tuned(endpoint: Endpoint) -> Endpoint {
     endpoint
-        .max_frame_size(tunnel::flow::H2_MAX_FRAME_SIZE)
-        .initial_stream_window_size(tunnel::flow::H2_STREAM_WINDOW)
-        .initial_connection_window_size(tunnel::flow::H2_CONNECTION_WINDOW)
+        .max_frame_size(edge::h2::MAX_FRAME_SIZE)
+        .initial_stream_window_size(edge::h2::STREAM_WINDOW)
+        .initial_connection_window_size(edge::h2::CONNECTION_WINDOW)
 }
 
 /// A gRPC channel over a fresh connection to a Unix socket.
@@ -173,7 +173,7 @@ pub async fn tls_channel(
         .map_err(connect)?;
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .map_err(|source| ClientError::Transport { addr, source })?;
-    tunnel::conn::channel_over(tuned(endpoint), stream)
+    edge::h2::channel_over(tuned(endpoint), stream)
         .await
         .map_err(|source| ClientError::Transport { addr, source })
 }
@@ -330,7 +330,7 @@ async fn drive(
     }
 }
 
-tunnel::forward_io!([] TunnelConn, io);
+edge::forward_io!([] TunnelConn, io);
 
 /// Largest HTTP-CONNECT answer head and error body read.
 const MAX_ANSWER: usize = 64 * 1024;
@@ -410,7 +410,7 @@ pub enum Mode {
 }
 
 /// A tunneled connection of either mode.
-pub use tunnel::conn::Io;
+pub use edge::io::Io;
 
 /// Dials through proxy-server the way kube-apiserver does: every dial on a
 /// fresh frontend connection (a single-use tunnel in gRPC mode).

@@ -12,6 +12,7 @@ use std::{
     time::Duration,
 };
 
+use edge::listen::bind_named;
 use ops::{
     error::DisplayErrorStack,
     tls::files::{CertMetrics, TlsFiles},
@@ -19,7 +20,7 @@ use ops::{
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{Instrument, debug, info, info_span, warn};
-use tunnel::{conn::bind_named, ids::ServerId};
+use tunnel::ids::ServerId;
 
 use crate::{
     client::Client,
@@ -36,7 +37,7 @@ use crate::{
 pub enum AgentError {
     /// A listener could not be bound.
     #[error(transparent)]
-    Bind(#[from] tunnel::conn::BindError),
+    Bind(#[from] edge::listen::BindError),
     /// `--count-server-leases` is on and the kube client cannot be set up.
     #[error(transparent)]
     Kube(#[from] ops::kube::KubeSetupError),
@@ -362,13 +363,13 @@ impl Bound {
         let tasks = TaskTracker::new();
         let health_port = health.local_addr().map_or(0, |a| a.port());
         tasks.spawn(ops::http::serve(
-            tunnel::conn::incoming(health, "health"),
+            edge::listen::incoming(health, "health"),
             health::router(metrics.clone(), state.clone()),
             token.clone(),
             "health",
         ));
         tasks.spawn(ops::http::serve(
-            tunnel::conn::incoming(admin, "admin"),
+            edge::listen::incoming(admin, "admin"),
             health::admin_router(health_port, config.profiling),
             token.clone(),
             "admin",

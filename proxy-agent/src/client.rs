@@ -11,6 +11,7 @@ use std::{
     time::Duration,
 };
 
+use edge::{egress, io::Io, read_ahead::ReadAhead};
 use futures_util::StreamExt;
 use proto::{Packet, agent_service_client::AgentServiceClient, header};
 use rustls_pki_types::ServerName;
@@ -27,14 +28,11 @@ use tonic::{
 };
 use tracing::{Instrument, debug, debug_span, warn};
 use tunnel::blocked::when_blocked;
-use tunnel::conn::Io;
 use tunnel::{
     flow::{self, Flow, Refused, Scheme, Window},
     ids::ServerId,
     mover::{ControlSink, QueueUpstream, WindowDownstream},
-    proxy_client,
     queue::QueueTx,
-    read_ahead::ReadAhead,
 };
 
 use crate::{
@@ -65,7 +63,7 @@ pub enum ConnectError {
     },
     /// The proxy did not give us a connection to the server.
     #[error(transparent)]
-    Proxy(#[from] proxy_client::ProxyError),
+    Proxy(#[from] egress::ProxyError),
     /// The TLS handshake failed (untrusted certificate, refused client cert, …).
     #[error("TLS handshake with proxy-server {server} failed")]
     Tls {
@@ -259,7 +257,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for EndNoted<T> {
 
 // A failed write fails the reads too (hyper reads the connection all the
 // time), and hyper drops the transport once it is done with it.
-tunnel::forward_write!([T: AsyncWrite + Unpin] EndNoted<T>, io);
+edge::forward_write!([T: AsyncWrite + Unpin] EndNoted<T>, io);
 
 impl Client {
     /// Opens TCP, TLS (with `tls`: the agent passes its files as they are
@@ -299,13 +297,13 @@ impl Client {
                 server: server.to_owned(),
                 source,
             })?
-            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
-            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
-            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
+            .max_frame_size(edge::h2::MAX_FRAME_SIZE)
+            .initial_stream_window_size(edge::h2::STREAM_WINDOW)
+            .initial_connection_window_size(edge::h2::CONNECTION_WINDOW)
             .http2_keep_alive_interval(config.keepalive_time)
-            .keep_alive_timeout(flow::keepalive_timeout(config.keepalive_time))
+            .keep_alive_timeout(edge::h2::keepalive_timeout(config.keepalive_time))
             .keep_alive_while_idle(true);
-        let channel = tunnel::conn::channel_over(endpoint, io)
+        let channel = edge::h2::channel_over(endpoint, io)
             .await
             .map_err(|source| ConnectError::Transport {
                 server: server.to_owned(),
@@ -394,7 +392,7 @@ impl Client {
         tcp_timeout: Duration,
     ) -> Result<tokio_rustls::client::TlsStream<ReadAhead<Box<dyn Io>>>, ConnectError> {
         let tcp: Box<dyn Io> = match &target.proxy {
-            Some(proxy) => proxy_client::connect(proxy, &target.host, target.port).await?,
+            Some(proxy) => egress::connect(proxy, &target.host, target.port).await?,
             None => {
                 let connect = TcpStream::connect((target.host.as_str(), target.port));
                 let tcp = tokio::time::timeout(tcp_timeout, connect)

@@ -8,6 +8,7 @@ use std::{
 };
 
 use clap::{ArgAction, Parser};
+use edge::egress::{Proxy, ProxyUrl};
 use ops::{
     flags::{
         Deprecated, FlowArgs, FlowControlVersion, GoBoolArg, LogArgs, Notice, RuntimeArgs, go_bool,
@@ -18,7 +19,6 @@ use ops::{
 use tunnel::{
     flow::{self, Window},
     ids::AgentId,
-    proxy_client::{Proxy, ProxyUrl},
 };
 
 /// proxy-agent: dials out to proxy-server and opens node-side connections for it.

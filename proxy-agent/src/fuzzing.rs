@@ -11,13 +11,13 @@ use std::{
 };
 
 use bytes::Bytes;
+use edge::egress::{self, Proxy, ProxyError};
 use prost::Message;
 use proto::Packet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tunnel::{
     flow::{self, Core, Offer, Peer, Scheme, Take, Window},
     ids::{ConnId, DialId},
-    proxy_client::{self, Proxy, ProxyError},
 };
 
 use crate::table::{DialTicket, Dialed, Step, StreamTable};
@@ -472,7 +472,7 @@ const PASSWORD: &str = "pr0xy-s3cr3t";
 /// A SOCKS5 or HTTP CONNECT proxy (which, with or without credentials,
 /// chosen by the first byte) answering the agent's request with the rest
 /// of the bytes, then closing: the agent's proxy client
-/// ([`proxy_client::handshake`], tokio-socks and hyper underneath) runs
+/// ([`egress::handshake`], tokio-socks and hyper underneath) runs
 /// against it over an in-memory pipe. Checks: it ends (a reply cut short
 /// is an error, not a wait); an error names the proxy and never shows the
 /// password; success only on a reply that grants it (a SOCKS5 success
@@ -482,15 +482,12 @@ pub fn proxy_reply(data: &[u8]) -> bool {
     let choice = input.byte();
     let auth = (choice & 1 == 1).then(|| ("ops".to_owned(), PASSWORD.to_owned()));
     let (kind, host) = match (choice >> 1) % 3 {
-        0 => (proxy_client::ProxyKind::Http, "proxy-server.example"),
+        0 => (egress::ProxyKind::Http, "proxy-server.example"),
         1 => (
-            proxy_client::ProxyKind::Socks5 { remote_dns: true },
+            egress::ProxyKind::Socks5 { remote_dns: true },
             "proxy-server.example",
         ),
-        _ => (
-            proxy_client::ProxyKind::Socks5 { remote_dns: false },
-            "10.0.0.1",
-        ),
+        _ => (egress::ProxyKind::Socks5 { remote_dns: false }, "10.0.0.1"),
     };
     let proxy = Proxy {
         kind,
@@ -510,7 +507,7 @@ pub fn proxy_reply(data: &[u8]) -> bool {
         .expect("a current-thread runtime");
     let result = runtime.block_on(async {
         let (client, mut server) = tokio::io::duplex(64 * 1024);
-        let is_http = kind == proxy_client::ProxyKind::Http;
+        let is_http = kind == egress::ProxyKind::Http;
         let peer = tokio::spawn(async move {
             // An HTTP proxy answers the request (hyper refuses a reply
             // before it); a SOCKS5 client reads each reply in turn.
@@ -528,7 +525,7 @@ pub fn proxy_reply(data: &[u8]) -> bool {
             let mut sink = [0u8; 1024];
             while matches!(server.read(&mut sink).await, Ok(n) if n > 0) {}
         });
-        let result = proxy_client::handshake(client, &proxy, host, 8132)
+        let result = egress::handshake(client, &proxy, host, 8132)
             .await
             .map(drop);
         drop(peer);
@@ -541,14 +538,14 @@ pub fn proxy_reply(data: &[u8]) -> bool {
     }
     match result {
         Ok(()) => match kind {
-            proxy_client::ProxyKind::Http => assert!(
+            egress::ProxyKind::Http => assert!(
                 input
                     .0
                     .windows(10)
                     .any(|w| w.starts_with(b"HTTP/1.") && w[8] == b' ' && w[9] == b'2'),
                 "a tunnel without a 2xx status line"
             ),
-            proxy_client::ProxyKind::Socks5 { .. } => assert!(
+            egress::ProxyKind::Socks5 { .. } => assert!(
                 input.0.windows(3).any(|w| w == [5, 0, 0]),
                 "a tunnel without a SOCKS5 success reply"
             ),

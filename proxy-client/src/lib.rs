@@ -334,7 +334,7 @@ pub async fn serve_socks5(
     info!(listen = ?listener.local_addr().ok(), auth = credentials.is_some(), "socks5 proxy listening");
     let credentials = Arc::new(credentials);
     loop {
-        let (stream, peer) = tunnel::conn::accept(&listener, "socks5 proxy").await;
+        let (stream, peer) = edge::listen::accept(&listener, "socks5 proxy").await;
         let dialer = dialer.clone();
         let credentials = credentials.clone();
         tokio::spawn(async move {
@@ -488,7 +488,7 @@ async fn http_proxy_request(
 pub async fn serve_http_proxy(listener: TcpListener, dialer: Dialer) {
     info!(listen = ?listener.local_addr().ok(), "http proxy listening");
     loop {
-        let (stream, peer) = tunnel::conn::accept(&listener, "http proxy").await;
+        let (stream, peer) = edge::listen::accept(&listener, "http proxy").await;
         let _ = stream.set_nodelay(true);
         let dialer = dialer.clone();
         tokio::spawn(async move {

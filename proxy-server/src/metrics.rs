@@ -67,7 +67,7 @@ ops::label_enum! {
 
 ops::label_enum! {
     /// Why a pending TLS connection ended without a finished handshake
-    /// (`reason`; [`tunnel::admission::Dropped`]).
+    /// (`reason`; [`edge::admission::Dropped`]).
     pub(crate) enum HandshakeDrop {
         /// At the cap: no ClientHello after a second of silence.
         NoHello = "no_hello",
@@ -86,9 +86,9 @@ ops::label_enum! {
     }
 }
 
-impl From<tunnel::admission::Dropped> for HandshakeDrop {
-    fn from(reason: tunnel::admission::Dropped) -> Self {
-        use tunnel::admission::Dropped;
+impl From<edge::admission::Dropped> for HandshakeDrop {
+    fn from(reason: edge::admission::Dropped) -> Self {
+        use edge::admission::Dropped;
         match reason {
             Dropped::NoHello => Self::NoHello,
             Dropped::Stalled => Self::Stalled,
@@ -516,7 +516,7 @@ impl ServerMetrics {
 
     /// A pending TLS connection ended without a finished handshake; at
     /// `--max-tls-handshakes`, that limit was reached.
-    pub(crate) fn handshake_dropped(&self, reason: tunnel::admission::Dropped) {
+    pub(crate) fn handshake_dropped(&self, reason: edge::admission::Dropped) {
         self.handshake_drops.get(reason.into()).inc();
         if reason.at_cap() {
             self.limit_reached(Limit::TlsHandshakes);

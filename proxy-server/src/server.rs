@@ -11,6 +11,10 @@ use std::{
 };
 
 use authority::AnyAuthority;
+use edge::{
+    listen::{Following, bind_named, tls_incoming_counted},
+    read_ahead::ReadAhead,
+};
 use futures_util::StreamExt as _;
 use ops::tls::{ListenerConfig, files::TlsFiles};
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
@@ -20,11 +24,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::transport::Server;
 use tracing::{info, warn};
-use tunnel::{
-    conn::{Following, bind_named, tls_incoming_counted},
-    flow,
-    read_ahead::ReadAhead,
-};
+use tunnel::flow;
 
 use crate::{
     backend::AgentServiceImpl,
@@ -63,7 +63,7 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 pub enum ServerError {
     /// A TCP listener could not be bound.
     #[error(transparent)]
-    Bind(#[from] tunnel::conn::BindError),
+    Bind(#[from] edge::listen::BindError),
     /// The Unix socket could not be created.
     #[error("cannot listen on unix socket {path}")]
     Uds {
@@ -337,7 +337,7 @@ impl Bound {
     fn start(self) -> Running {
         let ends = Ends::default();
         let agent_local = self.agent.local_addr().ok();
-        let on_drop: tunnel::conn::OnDrop = {
+        let on_drop: edge::listen::OnDrop = {
             let metrics = self.control.metrics.clone();
             Arc::new(move |reason| metrics.handshake_dropped(reason))
         };
@@ -421,7 +421,7 @@ fn agent_server(
     listener: TcpListener,
     tls: TlsFiles<ListenerConfig>,
     token_auth: Option<Arc<crate::auth::TokenAuth>>,
-    on_drop: &tunnel::conn::OnDrop,
+    on_drop: &edge::listen::OnDrop,
 ) -> FrontendFuture {
     let service = AgentServiceServer::new(AgentServiceImpl {
         control: control.clone(),
@@ -438,7 +438,7 @@ fn agent_server(
     let handshakes = tls.clone();
     // A resumed session's chain is verified in its connection's task, so
     // that a restart storm's resumptions are checked in parallel.
-    let admit: tunnel::conn::AdmitHandshake =
+    let admit: edge::listen::AdmitHandshake =
         Arc::new(move |conn| admit_handshake(conn, &tls.last(), &metrics));
     let incoming = tls_incoming_counted(
         listener,
@@ -451,12 +451,12 @@ fn agent_server(
     );
     Box::pin(
         Server::builder()
-            .max_frame_size(flow::H2_MAX_FRAME_SIZE)
-            .initial_stream_window_size(flow::H2_STREAM_WINDOW)
-            .initial_connection_window_size(flow::H2_CONNECTION_WINDOW)
+            .max_frame_size(edge::h2::MAX_FRAME_SIZE)
+            .initial_stream_window_size(edge::h2::STREAM_WINDOW)
+            .initial_connection_window_size(edge::h2::CONNECTION_WINDOW)
             .max_concurrent_streams(config.agent_max_concurrent_streams)
             .http2_keepalive_interval(Some(config.keepalive_time))
-            .http2_keepalive_timeout(Some(flow::keepalive_timeout(config.keepalive_time)))
+            .http2_keepalive_timeout(Some(edge::h2::keepalive_timeout(config.keepalive_time)))
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, ends.accept_stop.clone().cancelled_owned()),
     )
@@ -497,7 +497,7 @@ fn frontend_server(
     control: &Arc<Control>,
     ends: &Ends,
     frontend: BoundFrontend,
-    on_drop: &tunnel::conn::OnDrop,
+    on_drop: &edge::listen::OnDrop,
 ) -> (FrontendFuture, Option<PathBuf>) {
     let stop = || ends.accept_stop.clone().cancelled_owned();
     let tls_incoming = |listener, tls: TlsFiles<ListenerConfig>| {
@@ -583,12 +583,12 @@ fn grpc_frontend(
         shutdown: ends.token.clone(),
     });
     Server::builder()
-        .max_frame_size(flow::H2_MAX_FRAME_SIZE)
+        .max_frame_size(edge::h2::MAX_FRAME_SIZE)
         .max_concurrent_streams(config.frontend_max_concurrent_streams)
         .initial_stream_window_size(FRONTEND_STREAM_WINDOW)
         .initial_connection_window_size(FRONTEND_CONNECTION_WINDOW)
         .http2_keepalive_interval(Some(config.frontend_keepalive_time))
-        .http2_keepalive_timeout(Some(flow::keepalive_timeout(
+        .http2_keepalive_timeout(Some(edge::h2::keepalive_timeout(
             config.frontend_keepalive_time,
         )))
         .add_service(service)
@@ -607,13 +607,13 @@ fn http_servers(
     };
     info!(admin.addr = ?admin.local_addr().ok(), profiling = config.profiling, "admin listening");
     let admin = ops::http::serve(
-        tunnel::conn::incoming(admin, "admin"),
+        edge::listen::incoming(admin, "admin"),
         health::admin_router(state.clone(), config.profiling),
         ends.token.clone(),
         "admin",
     );
     let health = ops::http::serve(
-        tunnel::conn::incoming(health, "health"),
+        edge::listen::incoming(health, "health"),
         health::router(state),
         ends.token.clone(),
         "health",

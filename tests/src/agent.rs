@@ -29,7 +29,7 @@ pub struct AgentOpts {
     /// `--service-account-token-path`.
     pub token_path: Option<PathBuf>,
     /// `--proxy-url`.
-    pub proxy: Option<tunnel::proxy_client::Proxy>,
+    pub proxy: Option<edge::egress::Proxy>,
     /// More `--proxy-server-host` entries after the first address.
     pub more_servers: Vec<SocketAddr>,
     /// `--keepalive-time` (default 1 h).

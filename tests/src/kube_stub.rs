@@ -122,7 +122,7 @@ impl TokenReviewStub {
         let down = Arc::new(AtomicBool::new(false));
         let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let load = Arc::new(Load::default());
-        let mut incoming = tunnel::conn::tls_incoming(
+        let mut incoming = edge::listen::tls_incoming(
             listener,
             tls,
             stop.clone(),

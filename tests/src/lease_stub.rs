@@ -111,7 +111,7 @@ impl LeaseStub {
             outage: CancellationToken::new(),
         }));
         let stop = CancellationToken::new();
-        let mut incoming = tunnel::conn::tls_incoming(
+        let mut incoming = edge::listen::tls_incoming(
             listener,
             tls,
             stop.clone(),

@@ -630,23 +630,6 @@ impl InboundRx {
     }
 }
 
-/// HTTP/2 frame size we accept (peers may send DATA frames this large), so
-/// that a DATA packet of `MAX_CHUNK` crosses in one frame, not sixteen of 16 KiB.
-pub const H2_MAX_FRAME_SIZE: u32 = 256 * 1024;
-/// HTTP/2 stream window: an agent stream carries many connections and is
-/// always drained (readers never block), so a large window only saves
-/// WINDOW_UPDATE round trips; a frontend stream carries one connection.
-pub const H2_STREAM_WINDOW: u32 = 4 * 1024 * 1024;
-/// HTTP/2 connection window.
-pub const H2_CONNECTION_WINDOW: u32 = 8 * 1024 * 1024;
-
-/// How long an HTTP/2 keepalive ping sent every `interval` waits for its
-/// ack: gRPC's 20 s, or the interval itself when shorter, so that a peer
-/// that vanished is dropped within twice a short `--keepalive-time`.
-pub fn keepalive_timeout(interval: Duration) -> Duration {
-    interval.clamp(Duration::from_millis(100), Duration::from_secs(20))
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -863,17 +846,5 @@ mod tests {
         };
         assert_eq!(refused, Refused::Overflow);
         assert_eq!(accepted, 64 * 1024 / cost(1));
-    }
-
-    #[test]
-    fn keepalive_acks_wait_the_interval_within_bounds() {
-        assert_eq!(
-            keepalive_timeout(Duration::from_secs(3600)),
-            Duration::from_secs(20)
-        );
-        assert_eq!(
-            keepalive_timeout(Duration::from_millis(500)),
-            Duration::from_millis(500)
-        );
     }
 }

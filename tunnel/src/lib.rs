@@ -1,6 +1,7 @@
 //! The data plane of `proxy-server` and `proxy-agent`: what moves a
 //! connection's bytes and bounds them. No flags, no telemetry, no kube, no
-//! metrics exposition (those are `ops`'s).
+//! metrics exposition (those are `ops`'s), no socket, listener or TLS
+//! (those are `edge`'s).
 //!
 //! # Layout
 //! - [`ids`]: newtypes for connection, dial, agent and server ids.
@@ -12,28 +13,14 @@
 //!   which lock.
 //! - [`mover`]: one connection's bytes between its socket and its DATA
 //!   packets, both ways.
-//! - [`admission`]: how many connections a TLS listener holds before
-//!   their handshakes end, in which order it works on them, and which it
-//!   drops at the cap.
-//! - [`conn`]: accepting TLS and TCP for tonic without letting one peer
-//!   hold up the others; binding listeners.
-//! - [`io`]: forwarding the I/O of wrappers (macros).
-//! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
-//!   buffer while idle.
-//! - [`proxy_client`]: reaching the server through SOCKS5/HTTP proxies.
 //! - [`text`]: a peer's text in our messages, bounded.
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
-pub mod admission;
 pub mod blocked;
-pub mod conn;
 pub mod flow;
 pub mod ids;
-pub mod io;
 pub mod mover;
-pub mod proxy_client;
 pub mod queue;
-pub mod read_ahead;
 pub mod sync;
 
 #[cfg(all(test, feature = "loom"))]

@@ -1,4 +1,4 @@
-//! Admission of TLS handshakes (`tunnel::conn::tls_incoming`) against real
+//! Admission of TLS handshakes (`edge::listen::tls_incoming`) against real
 //! peers on loopback: peers that answer every flight late, silent sockets
 //! filling the cap, signatures that take the CPU a while, peers that hang
 //! up while they wait. What must hold: a handshake that is making progress
@@ -14,6 +14,7 @@ use std::{
     time::Duration,
 };
 
+use edge::admission::Dropped;
 use futures_util::StreamExt;
 use integration_tests::{Pki, trace_init};
 use rustls::{
@@ -27,7 +28,6 @@ use tokio::{
     task::JoinSet,
 };
 use tokio_util::sync::CancellationToken;
-use tunnel::admission::Dropped;
 
 /// How long a test may wait for what it expects.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -176,11 +176,11 @@ impl Listener {
                 .build()
                 .unwrap();
             runtime.block_on(async move {
-                let listener = tunnel::conn::bind_tcp("127.0.0.1:0".parse().unwrap())
+                let listener = edge::listen::bind_tcp("127.0.0.1:0".parse().unwrap())
                     .await
                     .unwrap();
                 addr_tx.send(listener.local_addr().unwrap()).unwrap();
-                let mut incoming = tunnel::conn::tls_incoming_counted(
+                let mut incoming = edge::listen::tls_incoming_counted(
                     listener,
                     tls,
                     stopped.clone(),

@@ -100,7 +100,7 @@ async fn scripted_server() -> (
     let addr = listener.local_addr().unwrap();
     let (streams_tx, streams) = mpsc::channel(4);
     let stop = CancellationToken::new();
-    let incoming = tunnel::conn::tls_incoming(
+    let incoming = edge::listen::tls_incoming(
         listener,
         tls,
         stop.clone(),

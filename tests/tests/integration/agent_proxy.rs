@@ -10,6 +10,7 @@ use std::{
     sync::Arc,
 };
 
+use edge::egress::{Proxy, ProxyError};
 use integration_tests::{
     AgentOpts, TestAgent, TestServer, agent_config, destination,
     proxies::{microsocks, tinyproxy},
@@ -19,7 +20,6 @@ use proxy_agent::{
     metrics::AgentMetrics,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tunnel::proxy_client::{Proxy, ProxyError};
 
 /// An agent through `proxy_url` registers from `via`, and a request through
 /// the tunnel is byte-exact.

@@ -46,7 +46,7 @@ fn check_invariant(records: &[Record]) -> u64 {
 }
 
 /// Echoes `len` bytes through `conn`, byte-exact.
-async fn echo_through(conn: &mut Box<dyn tunnel::conn::Io>, len: usize, seed: u64) {
+async fn echo_through(conn: &mut Box<dyn edge::io::Io>, len: usize, seed: u64) {
     let data = pattern(len, seed);
     let (mut rd, mut wr) = tokio::io::split(conn);
     let (_, got) = tokio::join!(async { wr.write_all(&data).await.unwrap() }, async {

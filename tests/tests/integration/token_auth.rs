@@ -524,7 +524,7 @@ impl AgentConnection {
             .await
             .unwrap();
         let endpoint = tonic::transport::Endpoint::from_static("http://agent-port.invalid");
-        let channel = tunnel::conn::channel_over(endpoint, tls).await.unwrap();
+        let channel = edge::h2::channel_over(endpoint, tls).await.unwrap();
         Self { channel, socket }
     }
 

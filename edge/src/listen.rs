@@ -1,10 +1,10 @@
-//! Accepting TLS connections for tonic without letting one slow or broken
-//! handshake hold up the accept loop.
+//! Listening: binding listeners, accepting TCP, and accepting TLS
+//! connections for tonic without letting one slow or broken handshake hold
+//! up the accept loop.
 
 use std::{io, net::SocketAddr, os::fd::AsFd, sync::Arc, time::Duration};
 
 use tokio::{
-    io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
     sync::mpsc,
 };
@@ -20,11 +20,6 @@ use crate::{
 
 /// Handshaken connections waiting for the gRPC server to pick them up.
 const ACCEPT_BACKLOG: usize = 64;
-
-/// A bidirectional byte stream that can move between tasks (a TCP, TLS or
-/// Unix socket, a tunneled connection).
-pub trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 
 /// A server-side TLS connection that tonic can serve: its connect info
 /// (tonic's `TlsConnectInfo`) carries the peer's address, which a handler
@@ -59,32 +54,6 @@ pub fn incoming(
             Some((accepted, listener))
         },
     ))
-}
-
-/// A gRPC channel over `io`, a transport already connected (and its TLS
-/// handshake done): tonic asks its connector for a connection, and this
-/// one hands it `io`, once; a reconnect fails, and the caller makes a new
-/// channel.
-///
-/// # Errors
-/// HTTP/2 could not be set up over `io`.
-pub async fn channel_over<IO>(
-    endpoint: tonic::transport::Endpoint,
-    io: IO,
-) -> Result<tonic::transport::Channel, tonic::transport::Error>
-where
-    IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-{
-    let slot = std::sync::Mutex::new(Some(io));
-    endpoint
-        .connect_with_connector(tower::service_fn(move |_| {
-            let io = slot.lock().ok().and_then(|mut slot| slot.take());
-            async move {
-                io.map(hyper_util::rt::TokioIo::new)
-                    .ok_or_else(|| io::Error::other("connection already used"))
-            }
-        }))
-        .await
 }
 
 /// Pause after a failed accept.

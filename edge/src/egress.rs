@@ -13,7 +13,7 @@ use http_body_util::Empty;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use crate::conn::Io;
+use crate::io::Io;
 
 /// How the proxy is spoken to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

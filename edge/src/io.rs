@@ -64,3 +64,8 @@ macro_rules! forward_io {
         $crate::forward_write!([$($generics)*] $ty, $field);
     };
 }
+
+/// A bidirectional byte stream that can move between tasks (a TCP, TLS or
+/// Unix socket, a tunneled connection).
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}
