@@ -13,11 +13,14 @@
 //! router opens the connection and closes it when the router closes it;
 //! every wait on its behalf then ends.
 //!
-//! [`FrontendTx`] is a frontend stream's outbound queue; [`FrontendLink`]
-//! adds the [`Attachments`] through which the agent stream that
-//! established a connection hands it to the frontend's driver.
+//! The sending side of both streams a connection joins is here too:
+//! [`BackendLink`] is an agent stream's outbound queue; [`FrontendTx`] is
+//! a frontend stream's, and [`FrontendLink`] adds the [`Attachments`]
+//! through which the agent stream that established a connection hands it
+//! to the frontend's driver.
 
 use std::{
+    net::SocketAddr,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -31,9 +34,9 @@ use proto::Packet;
 use tonic::Status;
 use tracing::warn;
 use tunnel::{
-    flow::{self, Flow, Offer, Refused},
-    ids::{ConnId, DialId},
-    queue::{self, QueueRx, QueueTx},
+    flow::{self, Flow, Offer, Refused, Scheme},
+    ids::{AgentId, ConnId, DialId},
+    queue::{self, Closed, QueueRx, QueueTx},
 };
 
 use crate::{
@@ -41,8 +44,12 @@ use crate::{
     ids::{BackendId, FrontendId},
     metrics::{Direction, Segment, ServerMetrics},
     router::FrontendKind,
-    stream::{BackendLink, StreamEnd},
+    stream::StreamEnd,
 };
+
+/// Room for control packets beyond `--max-agent-queue-bytes`: past it the
+/// agent has stopped reading.
+pub(crate) const BACKEND_CONTROL_RESERVE: usize = 1024 * 1024;
 
 /// Control packets (DIAL_RSP, CLOSE_RSP, DIAL_CLS) a frontend may leave
 /// unread before its stream is ended: a frontend that keeps dialing
@@ -226,6 +233,87 @@ impl Conn {
     /// Whether the connection was closed.
     pub(crate) fn is_closed(&self) -> bool {
         self.flow.is_closed()
+    }
+}
+
+/// The agent stream is gone; the packet was not sent.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("agent stream closed")]
+pub(crate) struct BackendGone;
+
+/// Where packets for one agent stream go.
+#[derive(Clone)]
+pub(crate) struct BackendLink {
+    /// The agent's self-asserted id.
+    pub(crate) agent_id: AgentId,
+    /// The agent's address, if known.
+    pub(crate) peer: Option<SocketAddr>,
+    /// What the stream negotiated: every connection on it uses it.
+    pub(crate) scheme: Scheme,
+    /// Outbound packets, bounded in bytes; tonic drains the receiver into
+    /// the stream.
+    tx: QueueTx<Packet>,
+    /// Ends the stream (agent gone, retired, shutdown, a fault).
+    pub(crate) end: Arc<StreamEnd>,
+    /// Where packets that cannot be sent are counted.
+    metrics: Arc<ServerMetrics>,
+}
+
+impl BackendLink {
+    pub(crate) fn new(
+        agent_id: AgentId,
+        peer: Option<SocketAddr>,
+        scheme: Scheme,
+        tx: QueueTx<Packet>,
+        end: Arc<StreamEnd>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Self {
+            agent_id,
+            peer,
+            scheme,
+            tx,
+            end,
+            metrics,
+        }
+    }
+
+    /// Queues a packet for the agent, waiting while the stream's queue is
+    /// full (`--max-agent-queue-bytes`). For a frontend's DATA and dials,
+    /// whose callers race the wait against their own end.
+    ///
+    /// # Cancel safety
+    /// Nothing is queued if the future is dropped before it completes.
+    pub(crate) async fn send(&self, packet: Packet) -> Result<(), BackendGone> {
+        let cost = flow::packet_cost(&packet);
+        self.tx.send(packet, cost).await.map_err(|Closed(packet)| {
+            self.metrics.send_error(Segment::ToAgent, packet.r#type);
+            BackendGone
+        })
+    }
+
+    /// Queues a control packet without waiting: stream readers and cleanup
+    /// send these and must not wait on an agent (two full queues waiting
+    /// on each other would deadlock). Past the queue's reserve the agent has
+    /// stopped reading its stream: the stream is ended with an error.
+    pub(crate) fn send_control(&self, packet: Packet) {
+        let cost = flow::packet_cost(&packet);
+        match self.tx.push(packet, cost) {
+            Ok(()) => {}
+            Err(queue::PushError::Closed(packet)) => {
+                self.metrics.send_error(Segment::ToAgent, packet.r#type);
+            }
+            Err(queue::PushError::Full(packet)) => {
+                self.metrics.send_error(Segment::ToAgent, packet.r#type);
+                if !self.end.is_ended() {
+                    warn!(agent.id = %self.agent_id, queued = self.tx.queued(), "agent does not read its stream; closing it");
+                    self.metrics.limit_reached(Limit::AgentQueue);
+                }
+                self.end.fail(Status::resource_exhausted(
+                    "the agent does not read its stream: its outbound queue is full",
+                ));
+            }
+        }
     }
 }
 
@@ -514,6 +602,26 @@ impl ConnTable {
     }
 }
 
+/// An agent stream's link over a fresh queue of `limit` bytes and as much
+/// reserve (tests), with the queue's receiver.
+#[cfg(test)]
+fn test_backend(
+    scheme: flow::Scheme,
+    limit: usize,
+    metrics: Arc<ServerMetrics>,
+) -> (BackendLink, QueueRx<Packet>) {
+    let (tx, rx) = queue::queue(limit, limit);
+    let link = BackendLink::new(
+        AgentId("a".to_owned()),
+        None,
+        scheme,
+        tx,
+        StreamEnd::new(tokio_util::sync::CancellationToken::new()),
+        metrics,
+    );
+    (link, rx)
+}
+
 /// A connection over a fresh agent stream to a fresh frontend (tests),
 /// with the receivers of both queues.
 #[cfg(test)]
@@ -522,15 +630,7 @@ pub(crate) fn test_conn(
     scheme: flow::Scheme,
 ) -> (Arc<Conn>, QueueRx<Packet>, QueueRx<FrontendItem>) {
     let metrics = Arc::new(ServerMetrics::new(&[]));
-    let (agent_tx, agent_rx) = queue::queue(1 << 20, 1 << 20);
-    let agent = BackendLink::new(
-        tunnel::ids::AgentId("a".to_owned()),
-        None,
-        scheme,
-        agent_tx,
-        StreamEnd::new(tokio_util::sync::CancellationToken::new()),
-        metrics.clone(),
-    );
+    let (agent, agent_rx) = test_backend(scheme, 1 << 20, metrics.clone());
     let (fe_tx, fe_rx) = frontend_queue();
     let frontend = FrontendTx::new(
         FrontendId(1),
@@ -546,21 +646,52 @@ pub(crate) fn test_conn(
 #[cfg(test)]
 mod tests {
     use tokio_util::sync::CancellationToken;
-    use tunnel::{flow::Window, ids::AgentId};
+    use tunnel::flow::Window;
 
     use super::*;
 
     fn agent(scheme: flow::Scheme) -> (BackendLink, QueueRx<Packet>) {
-        let (tx, rx) = queue::queue(1 << 20, 1 << 20);
-        let link = BackendLink::new(
-            AgentId("a".to_owned()),
-            None,
-            scheme,
-            tx,
-            StreamEnd::new(CancellationToken::new()),
-            Arc::new(ServerMetrics::new(&[])),
+        test_backend(scheme, 1 << 20, Arc::new(ServerMetrics::new(&[])))
+    }
+
+    /// An agent stream without credit whose queue takes `limit` bytes.
+    fn backend(limit: usize) -> (BackendLink, Arc<ServerMetrics>, QueueRx<Packet>) {
+        let metrics = Arc::new(ServerMetrics::new(&[]));
+        let compat = Scheme::Compat { ours: Window::V1 };
+        let (link, rx) = test_backend(compat, limit, metrics.clone());
+        (link, metrics, rx)
+    }
+
+    const CLOSE_REQ_LOST: &str = "konnectivity_network_proxy_server_stream_errors_total{code=\"Unavailable\",packet_type=\"CLOSE_REQ\",segment=\"to_agent\"}";
+
+    #[tokio::test]
+    async fn a_packet_for_a_gone_agent_is_counted_as_a_send_error() {
+        let (backend, metrics, rx) = backend(1024);
+        backend.send(Packet::close_request(1)).await.unwrap();
+        assert!(!metrics.text().contains("stream_errors_total{"));
+        drop(rx);
+        assert!(backend.send(Packet::close_request(1)).await.is_err());
+        backend.send_control(Packet::close_request(2));
+        let text = metrics.text();
+        assert!(text.contains(&format!("\n{CLOSE_REQ_LOST} 2\n")), "{text}");
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_does_not_read_has_its_stream_ended_not_a_task_per_packet() {
+        let (backend, metrics, _rx) = backend(64);
+        // Control packets never wait; once past the reserve the stream ends.
+        let mut sent = 0;
+        while !backend.end.is_ended() {
+            backend.send_control(Packet::close_request(sent));
+            sent += 1;
+            assert!(sent < 100, "the queue took {sent} packets");
+        }
+        assert!(backend.tx.queued() < 2 * 64 + flow::packet_cost(&Packet::close_request(1)));
+        let text = metrics.text();
+        assert!(
+            text.contains("konnectivity_rs_server_limit_reached_total{limit=\"agent_queue\"} 1\n"),
+            "{text}"
         );
-        (link, rx)
     }
 
     fn frontend(kind: FrontendKind) -> (FrontendTx, Arc<ServerMetrics>, QueueRx<FrontendItem>) {

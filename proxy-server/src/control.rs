@@ -35,14 +35,13 @@ use tunnel::{
 };
 
 use crate::{
-    conn::{Conn, FrontendLink, FrontendTx},
+    conn::{BackendLink, Conn, FrontendLink, FrontendTx},
     metrics::{Live, ServerMetrics},
     router::{
         AgentInfo, BackendId, DialPolicy, Event, ForwardFailure, FrontendId, FrontendKind, Out,
         Router, STALLED,
     },
     strategy::ProxyStrategy,
-    stream::BackendLink,
 };
 
 /// The router and where each of its streams' packets go.

@@ -21,10 +21,13 @@
 //!   to its dialer (retried and hedged dials).
 //! - `conn`: an established connection (`Conn`: its flow state and both
 //!   streams' queues), which both streams' drivers hold in their own
-//!   tables; a frontend's outbound queue.
-//! - `stream`: what every stream has: its end (`StreamEnd`), and an agent
-//!   stream's outbound queue (`BackendLink`).
-//! - `backend`: the `AgentService` handler and the agent stream's driver.
+//!   tables (`ConnTable`); the outbound queues of both streams it joins,
+//!   an agent's (`BackendLink`) and a frontend's (`FrontendTx`).
+//! - `stream`: what every stream has: its end (`StreamEnd`); for gRPC
+//!   streams, the packets received from the peer (`next_packet`) and the
+//!   stream returned to it (`PacketStream`).
+//! - `backend`: the `AgentService` handler (`backend/service`) and the
+//!   agent stream's driver (`backend/driver`).
 //! - `frontend`: the `ProxyService` handler and its driver, and HTTP
 //!   CONNECT. The `:authority` layer under the Unix socket is the
 //!   `authority` crate.

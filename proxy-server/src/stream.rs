@@ -1,34 +1,23 @@
-//! What every server-side gRPC stream has: its end ([`StreamEnd`]: how a
-//! stream, an agent's `Connect` or a frontend's `Proxy`, is ended from
-//! inside the server, with an error status for the peer when it ends on a
-//! fault), and for an agent stream the sending side of its outbound queue
-//! ([`BackendLink`]).
+//! What every server-side stream has: its end ([`StreamEnd`]: how a
+//! stream, an agent's `Connect`, a frontend's `Proxy` or an HTTP CONNECT
+//! tunnel, is ended from inside the server, with an error status for the
+//! peer when it ends on a fault); for gRPC streams, the packets received
+//! from the peer ([`next_packet`]) and the stream returned to it
+//! ([`PacketStream`]).
 
-use std::{net::SocketAddr, sync::Arc};
+use std::{pin::Pin, sync::Arc};
 
 use futures_util::{Stream, StreamExt, stream};
 use proto::Packet;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tracing::{debug, warn};
-use tunnel::{
-    flow::{self, Scheme},
-    ids::AgentId,
-    queue::{self, Closed, QueueTx},
-    sync::{
-        Mutex,
-        audit::{self, LockAudit, Taker},
-    },
+use tunnel::sync::{
+    Mutex,
+    audit::{self, LockAudit, Taker},
 };
 
-use crate::{
-    events::Limit,
-    metrics::{Segment, ServerMetrics},
-};
-
-/// Room for control packets beyond `--max-agent-queue-bytes`: past it the
-/// agent has stopped reading.
-pub(crate) const BACKEND_CONTROL_RESERVE: usize = 1024 * 1024;
+use crate::metrics::{Segment, ServerMetrics};
 
 /// The end of one stream: a token that stops its reader and its outbound
 /// packets, and the status the peer gets.
@@ -86,6 +75,9 @@ impl StreamEnd {
         )
     }
 }
+
+/// The packet stream returned to a gRPC peer.
+pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 /// A stream a library's task polls (tonic's response stream), audited as
 /// `taker`'s: its locks count as that stream's.
@@ -162,141 +154,11 @@ pub(crate) fn receive_failed(
     }
 }
 
-/// The agent stream is gone; the packet was not sent.
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-#[error("agent stream closed")]
-pub(crate) struct BackendGone;
-
-/// Where packets for one agent stream go.
-#[derive(Clone)]
-pub(crate) struct BackendLink {
-    /// The agent's self-asserted id.
-    pub(crate) agent_id: AgentId,
-    /// The agent's address, if known.
-    pub(crate) peer: Option<SocketAddr>,
-    /// What the stream negotiated: every connection on it uses it.
-    pub(crate) scheme: Scheme,
-    /// Outbound packets, bounded in bytes; tonic drains the receiver into
-    /// the stream.
-    tx: QueueTx<Packet>,
-    /// Ends the stream (agent gone, retired, shutdown, a fault).
-    pub(crate) end: Arc<StreamEnd>,
-    /// Where packets that cannot be sent are counted.
-    metrics: Arc<ServerMetrics>,
-}
-
-impl BackendLink {
-    pub(crate) fn new(
-        agent_id: AgentId,
-        peer: Option<SocketAddr>,
-        scheme: Scheme,
-        tx: QueueTx<Packet>,
-        end: Arc<StreamEnd>,
-        metrics: Arc<ServerMetrics>,
-    ) -> Self {
-        Self {
-            agent_id,
-            peer,
-            scheme,
-            tx,
-            end,
-            metrics,
-        }
-    }
-
-    /// Queues a packet for the agent, waiting while the stream's queue is
-    /// full (`--max-agent-queue-bytes`). For a frontend's DATA and dials,
-    /// whose callers race the wait against their own end.
-    ///
-    /// # Cancel safety
-    /// Nothing is queued if the future is dropped before it completes.
-    pub(crate) async fn send(&self, packet: Packet) -> Result<(), BackendGone> {
-        let cost = flow::packet_cost(&packet);
-        self.tx.send(packet, cost).await.map_err(|Closed(packet)| {
-            self.metrics.send_error(Segment::ToAgent, packet.r#type);
-            BackendGone
-        })
-    }
-
-    /// Queues a control packet without waiting: stream readers and cleanup
-    /// send these and must not wait on an agent (two full queues waiting
-    /// on each other would deadlock). Past the queue's reserve the agent has
-    /// stopped reading its stream: the stream is ended with an error.
-    pub(crate) fn send_control(&self, packet: Packet) {
-        let cost = flow::packet_cost(&packet);
-        match self.tx.push(packet, cost) {
-            Ok(()) => {}
-            Err(queue::PushError::Closed(packet)) => {
-                self.metrics.send_error(Segment::ToAgent, packet.r#type);
-            }
-            Err(queue::PushError::Full(packet)) => {
-                self.metrics.send_error(Segment::ToAgent, packet.r#type);
-                if !self.end.is_ended() {
-                    warn!(agent.id = %self.agent_id, queued = self.tx.queued(), "agent does not read its stream; closing it");
-                    self.metrics.limit_reached(Limit::AgentQueue);
-                }
-                self.end.fail(Status::resource_exhausted(
-                    "the agent does not read its stream: its outbound queue is full",
-                ));
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use futures_util::StreamExt;
-    use tunnel::queue::QueueRx;
 
     use super::*;
-
-    fn backend(limit: usize) -> (BackendLink, Arc<ServerMetrics>, QueueRx<Packet>) {
-        let metrics = Arc::new(ServerMetrics::new(&[]));
-        let (tx, rx) = queue::queue(limit, limit);
-        let link = BackendLink::new(
-            AgentId("a".to_owned()),
-            None,
-            Scheme::Compat {
-                ours: flow::Window::V1,
-            },
-            tx,
-            StreamEnd::new(CancellationToken::new()),
-            metrics.clone(),
-        );
-        (link, metrics, rx)
-    }
-
-    const CLOSE_REQ_LOST: &str = "konnectivity_network_proxy_server_stream_errors_total{code=\"Unavailable\",packet_type=\"CLOSE_REQ\",segment=\"to_agent\"}";
-
-    #[tokio::test]
-    async fn a_packet_for_a_gone_agent_is_counted_as_a_send_error() {
-        let (backend, metrics, rx) = backend(1024);
-        backend.send(Packet::close_request(1)).await.unwrap();
-        assert!(!metrics.text().contains("stream_errors_total{"));
-        drop(rx);
-        assert!(backend.send(Packet::close_request(1)).await.is_err());
-        backend.send_control(Packet::close_request(2));
-        let text = metrics.text();
-        assert!(text.contains(&format!("\n{CLOSE_REQ_LOST} 2\n")), "{text}");
-    }
-
-    #[tokio::test]
-    async fn an_agent_that_does_not_read_has_its_stream_ended_not_a_task_per_packet() {
-        let (backend, metrics, _rx) = backend(64);
-        // Control packets never wait; once past the reserve the stream ends.
-        let mut sent = 0;
-        while !backend.end.is_ended() {
-            backend.send_control(Packet::close_request(sent));
-            sent += 1;
-            assert!(sent < 100, "the queue took {sent} packets");
-        }
-        assert!(backend.tx.queued() < 2 * 64 + flow::packet_cost(&Packet::close_request(1)));
-        let text = metrics.text();
-        assert!(
-            text.contains("konnectivity_rs_server_limit_reached_total{limit=\"agent_queue\"} 1\n"),
-            "{text}"
-        );
-    }
 
     #[tokio::test]
     async fn a_failed_stream_ends_with_its_status_after_what_was_sent() {

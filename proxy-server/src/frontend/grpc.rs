@@ -21,7 +21,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use futures_util::{FutureExt, Stream, StreamExt, stream::FuturesUnordered};
+use futures_util::{FutureExt, StreamExt, stream::FuturesUnordered};
 use proto::{Packet, proxy_service_server::ProxyService};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
@@ -37,11 +37,8 @@ use crate::{
     },
     metrics::{BlockedGuard, Method, Segment},
     router::FrontendKind,
-    stream::{StreamEnd, audited, next_packet},
+    stream::{PacketStream, StreamEnd, audited, next_packet},
 };
-
-/// The packet stream returned to a peer.
-pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 /// Serves `ProxyService`.
 pub(crate) struct ProxyServiceImpl {

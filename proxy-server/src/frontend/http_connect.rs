@@ -329,10 +329,10 @@ mod tests {
 
     use super::*;
     use crate::{
+        conn::BackendLink,
         metrics::ServerMetrics,
         router::AgentInfo,
         strategy::{AgentIdentifiers, ProxyStrategy},
-        stream::BackendLink,
     };
 
     /// The destination answers and closes at once: its DATA and CLOSE_RSP

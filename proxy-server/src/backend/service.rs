@@ -1,0 +1,226 @@
+//! The `AgentService` handler: admits an agent's `Connect` call (its
+//! token, its id and identifiers, its flow-control numbers), registers
+//! the stream with the control core and starts its driver.
+
+use std::{net::SocketAddr, sync::Arc};
+
+use futures_util::StreamExt;
+use proto::{Packet, agent_service_server::AgentService, header};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
+use tracing::{Instrument, debug, info, info_span, warn};
+use tunnel::{
+    flow::{Scheme, Version, Window},
+    ids::{AgentId, ServerId},
+};
+
+use super::{BackendGuard, driver::BackendDriver};
+use crate::{
+    conn::{BACKEND_CONTROL_RESERVE, BackendLink, ConnTable},
+    control::Control,
+    metrics::{Method, Segment},
+    router::AgentInfo,
+    strategy::AgentIdentifiers,
+    stream::{PacketStream, StreamEnd},
+};
+
+/// Serves `AgentService`.
+pub(crate) struct AgentServiceImpl {
+    /// The control core.
+    pub(crate) control: Arc<Control>,
+    /// This server's id (`serverid` header).
+    pub(crate) server_id: ServerId,
+    /// Replica count (`servercount` header).
+    pub(crate) server_count: u32,
+    /// Tracker of the drivers.
+    pub(crate) tasks: TaskTracker,
+    /// Parent of every backend's token.
+    pub(crate) shutdown: CancellationToken,
+    /// Offer per-connection flow control to agents that ask for it, with
+    /// this receive window (`None`: not offered).
+    pub(crate) flow_window: Option<Window>,
+    /// What is announced of it (`--flow-control-version`).
+    pub(crate) flow_version: Version,
+    /// Agent token authentication, if on.
+    pub(crate) token_auth: Option<Arc<crate::auth::TokenAuth>>,
+    /// Bytes queued towards one agent before its senders wait
+    /// (`--max-agent-queue-bytes`).
+    pub(crate) queue_bytes: usize,
+}
+
+/// Reads the single value of a metadata key that must appear exactly once.
+fn exactly_one(request: &Request<Streaming<Packet>>, key: &str) -> Result<String, Status> {
+    let values: Vec<_> = request.metadata().get_all(key).iter().collect();
+    match values.as_slice() {
+        [one] => one
+            .to_str()
+            .map(str::to_owned)
+            .map_err(|_| Status::invalid_argument(format!("{key} is not valid text"))),
+        _ => Err(Status::invalid_argument(format!(
+            "expected one agent ID in the context, got {:?}",
+            values
+                .iter()
+                .map(|v| v.to_str().unwrap_or("?"))
+                .collect::<Vec<_>>()
+        ))),
+    }
+}
+
+fn identifiers(request: &Request<Streaming<Packet>>) -> Result<AgentIdentifiers, Status> {
+    let values: Vec<_> = request
+        .metadata()
+        .get_all(header::AGENT_IDENTIFIERS)
+        .iter()
+        .collect();
+    match values.as_slice() {
+        [] => Ok(AgentIdentifiers::default()),
+        [one] => one
+            .to_str()
+            .map(AgentIdentifiers::parse)
+            .map_err(|_| Status::invalid_argument("agentidentifiers is not valid text")),
+        many => Err(Status::invalid_argument(format!(
+            "expected at most one agent identifiers value, got {}",
+            many.len()
+        ))),
+    }
+}
+
+/// What the agent's metadata says of flow control, against what this
+/// server offers.
+fn scheme(
+    request: &Request<Streaming<Packet>>,
+    offered: Option<Window>,
+    version: Version,
+) -> Result<Scheme, Status> {
+    let metadata = request.metadata();
+    let theirs = Window::announced(|key| metadata.get(key).and_then(|v| v.to_str().ok()))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    Ok(Scheme::negotiate(
+        offered.is_some(),
+        version,
+        offered.unwrap_or_default(),
+        theirs,
+    ))
+}
+
+impl AgentServiceImpl {
+    /// Checks a `Connect` call: its token, its agent id, its identifiers,
+    /// its flow-control numbers.
+    async fn admit(
+        &self,
+        request: &Request<Streaming<Packet>>,
+        peer: Option<SocketAddr>,
+    ) -> Result<(AgentInfo, Scheme), Status> {
+        // Authenticate first, as ANP does; the token itself is never logged.
+        // The wait ends with the stream (tonic drops this future when the
+        // stream is reset or its connection ends) or at shutdown.
+        if let Some(auth) = &self.token_auth {
+            let verdict = tokio::select! {
+                verdict = auth.authenticate(request.metadata()) => verdict,
+                () = self.shutdown.cancelled() => {
+                    return Err(Status::unavailable("proxy-server is shutting down"));
+                }
+            };
+            if let Err(error) = verdict {
+                // Refusals under load are logged once where the limit is.
+                if error.is_load() {
+                    debug!(peer.addr = ?peer, %error, "agent refused");
+                } else {
+                    warn!(peer.addr = ?peer, %error, "agent refused");
+                }
+                return Err(error.status());
+            }
+        }
+        let checked = exactly_one(request, header::AGENT_ID).and_then(|id| {
+            Ok((
+                AgentInfo {
+                    agent_id: AgentId(id),
+                    identifiers: identifiers(request)?,
+                },
+                scheme(request, self.flow_window, self.flow_version)?,
+            ))
+        });
+        if let Err(status) = &checked {
+            debug!(peer.addr = ?peer, error = %status.message(), "agent refused");
+        }
+        checked
+    }
+
+    /// The response headers: who we are and, with credit, our window.
+    fn headers(&self, response: &mut Response<PacketStream>, scheme: Scheme) -> Result<(), Status> {
+        let headers = response.metadata_mut();
+        headers.insert(
+            header::SERVER_ID,
+            MetadataValue::try_from(self.server_id.0.as_str())
+                .map_err(|_| Status::internal("server id is not valid metadata"))?,
+        );
+        headers.insert(header::SERVER_COUNT, MetadataValue::from(self.server_count));
+        if let (Scheme::Credit { .. }, Some(window)) = (scheme, self.flow_window) {
+            for (key, value) in window.headers(self.flow_version) {
+                let value = MetadataValue::try_from(value)
+                    .map_err(|_| Status::internal("flow-control header is not valid metadata"))?;
+                headers.insert(key, value);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentServiceImpl {
+    type ConnectStream = PacketStream;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<PacketStream>, Status> {
+        let peer = request.remote_addr();
+        let metrics = self.control.metrics.clone();
+        // Counted from the start of the call, refused ones too (ANP).
+        let live = metrics.grpc_stream(Method::Connect);
+        let (info, scheme) = self.admit(&request, peer).await?;
+        let agent_id = info.agent_id.clone();
+        let (tx, rx) = tunnel::queue::queue(self.queue_bytes, BACKEND_CONTROL_RESERVE);
+        let end = StreamEnd::new(self.shutdown.child_token());
+        let link = BackendLink::new(
+            agent_id.clone(),
+            peer,
+            scheme,
+            tx,
+            end.clone(),
+            metrics.clone(),
+        );
+        let id = self.control.add_backend(info, link);
+        info!(agent.id = %agent_id, peer.addr = ?peer, credit = scheme.is_credit(), "agent connected");
+        let driver = BackendDriver {
+            id,
+            control: self.control.clone(),
+            conns: ConnTable::default(),
+            end: end.clone(),
+        };
+        let inbound = request.into_inner();
+        let span = info_span!("backend", agent.id = %agent_id);
+        let audit = self.control.audit.clone();
+        self.tasks.spawn(
+            tunnel::sync::audit::scope(audit.clone(), id.taker(), async move {
+                let _live = live;
+                let _guard = BackendGuard {
+                    control: driver.control.clone(),
+                    backend: id,
+                    agent_id,
+                    peer,
+                };
+                driver.run(inbound).await;
+            })
+            .instrument(span),
+        );
+        let stream = end.outbound(rx.map(move |packet| {
+            metrics.packets.count(Segment::ToAgent, packet.r#type);
+            packet
+        }));
+        let stream = crate::stream::audited(audit, id.taker(), stream);
+        let mut response = Response::new(Box::pin(stream) as PacketStream);
+        self.headers(&mut response, scheme)?;
+        Ok(response)
+    }
+}
