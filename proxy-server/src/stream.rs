@@ -3,15 +3,16 @@
 //! tunnel, is ended from inside the server, with an error status for the
 //! peer when it ends on a fault); for gRPC streams, the packets received
 //! from the peer ([`next_packet`]) and the stream returned to it
-//! ([`PacketStream`]).
+//! ([`PacketStream`]), with the stream's driver beside it
+//! ([`spawn_driver`]).
 
-use std::{pin::Pin, sync::Arc};
+use std::{future::Future, pin::Pin, sync::Arc};
 
 use futures_util::{Stream, StreamExt, stream};
 use proto::Packet;
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::Status;
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 use tunnel::sync::{
     Mutex,
     audit::{self, LockAudit, Taker},
@@ -79,9 +80,34 @@ impl StreamEnd {
 /// The packet stream returned to a gRPC peer.
 pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
+/// Starts a gRPC stream: runs its `driver` on `tasks`, in the lock
+/// audit's scope as `taker` and in `span`; returns what tonic sends the
+/// peer: `packets` until `end`, then its status, audited as the same
+/// stream's.
+///
+/// Both handlers (`backend::service`, `frontend::grpc`) start their
+/// streams this way; what differs (the queue, the registration with the
+/// control core, the guard, how taken packets are counted) stays with
+/// each. So do the drivers' receive loops, which differ by design and
+/// share only [`next_packet`]: an agent stream's driver waits inline, one
+/// packet at a time, and only for an agent without credit; a frontend's
+/// reads on while its uploads wait (its lanes, their cut timers).
+pub(crate) fn spawn_driver(
+    tasks: &TaskTracker,
+    audit: &Arc<LockAudit>,
+    taker: Taker,
+    span: tracing::Span,
+    driver: impl Future<Output = ()> + Send + 'static,
+    end: Arc<StreamEnd>,
+    packets: impl Stream<Item = Packet> + Send + 'static,
+) -> PacketStream {
+    tasks.spawn(audit::scope(audit.clone(), taker, driver).instrument(span));
+    Box::pin(audited(audit.clone(), taker, end.outbound(packets)))
+}
+
 /// A stream a library's task polls (tonic's response stream), audited as
 /// `taker`'s: its locks count as that stream's.
-pub(crate) fn audited<S>(
+fn audited<S>(
     audit: Arc<LockAudit>,
     taker: Taker,
     stream: S,

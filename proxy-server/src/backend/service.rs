@@ -8,7 +8,7 @@ use futures_util::StreamExt;
 use proto::{Packet, agent_service_server::AgentService, header};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming, metadata::MetadataValue};
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{debug, info, info_span, warn};
 use tunnel::{
     flow::{Scheme, Version, Window},
     ids::{AgentId, ServerId},
@@ -21,7 +21,7 @@ use crate::{
     metrics::{Method, Segment},
     router::AgentInfo,
     strategy::AgentIdentifiers,
-    stream::{PacketStream, StreamEnd},
+    stream::{PacketStream, StreamEnd, spawn_driver},
 };
 
 /// Serves `AgentService`.
@@ -199,27 +199,29 @@ impl AgentService for AgentServiceImpl {
             end: end.clone(),
         };
         let inbound = request.into_inner();
-        let span = info_span!("backend", agent.id = %agent_id);
-        let audit = self.control.audit.clone();
-        self.tasks.spawn(
-            tunnel::sync::audit::scope(audit.clone(), id.taker(), async move {
+        let guard = BackendGuard {
+            control: self.control.clone(),
+            backend: id,
+            agent_id: agent_id.clone(),
+            peer,
+        };
+        let stream = spawn_driver(
+            &self.tasks,
+            &self.control.audit,
+            id.taker(),
+            info_span!("backend", agent.id = %agent_id),
+            async move {
                 let _live = live;
-                let _guard = BackendGuard {
-                    control: driver.control.clone(),
-                    backend: id,
-                    agent_id,
-                    peer,
-                };
+                let _guard = guard;
                 driver.run(inbound).await;
-            })
-            .instrument(span),
+            },
+            end,
+            rx.map(move |packet| {
+                metrics.packets.count(Segment::ToAgent, packet.r#type);
+                packet
+            }),
         );
-        let stream = end.outbound(rx.map(move |packet| {
-            metrics.packets.count(Segment::ToAgent, packet.r#type);
-            packet
-        }));
-        let stream = crate::stream::audited(audit, id.taker(), stream);
-        let mut response = Response::new(Box::pin(stream) as PacketStream);
+        let mut response = Response::new(stream);
         self.headers(&mut response, scheme)?;
         Ok(response)
     }

@@ -25,8 +25,8 @@ use futures_util::{FutureExt, StreamExt, stream::FuturesUnordered};
 use proto::{Packet, proxy_service_server::ProxyService};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{Instrument, debug_span};
-use tunnel::{ids::ConnId, sync::audit};
+use tracing::debug_span;
+use tunnel::ids::ConnId;
 
 use crate::{
     conn::{Conn, ConnTable, FrontendLink, FrontendTx, Lookup, frontend_queue, taken_by_frontend},
@@ -37,7 +37,7 @@ use crate::{
     },
     metrics::{BlockedGuard, Method, Segment},
     router::FrontendKind,
-    stream::{PacketStream, StreamEnd, audited, next_packet},
+    stream::{PacketStream, StreamEnd, next_packet, spawn_driver},
 };
 
 /// Serves `ProxyService`.
@@ -73,18 +73,19 @@ impl ProxyService for ProxyServiceImpl {
             control: self.control.clone(),
             link,
         };
-        let audit = self.control.audit.clone();
-        self.tasks.spawn(
-            audit::scope(audit.clone(), taker, async move {
+        Ok(Response::new(spawn_driver(
+            &self.tasks,
+            &self.control.audit,
+            taker,
+            span,
+            async move {
                 let _live = live;
                 let _guard = guard;
                 driver.run(inbound).await;
-            })
-            .instrument(span),
-        );
-        let packets = taken_by_frontend(rx, metrics);
-        let stream = audited(audit, taker, end.outbound(packets));
-        Ok(Response::new(Box::pin(stream)))
+            },
+            end,
+            taken_by_frontend(rx, metrics),
+        )))
     }
 }
 
