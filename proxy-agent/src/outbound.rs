@@ -9,7 +9,7 @@ use tracing::warn;
 use tunnel::{
     flow,
     mover::ControlSink,
-    queue::{PushError, QueueTx},
+    queue::{QueueTx, Unread},
 };
 
 use crate::metrics::AgentMetrics;
@@ -50,25 +50,24 @@ impl ToServer {
     /// `false` if the packet was not queued.
     pub(crate) fn control(&self, packet: Packet) -> bool {
         let cost = flow::packet_cost(&packet);
-        match self.tx.push(packet, cost) {
-            Ok(()) => true,
-            Err(PushError::Closed(packet)) => {
-                self.metrics.send_failed(&packet);
-                false
-            }
-            Err(PushError::Full(packet)) => {
-                self.metrics.send_failed(&packet);
-                if !self.stream.is_cancelled() {
-                    warn!(
-                        queued = self.tx.queued(),
-                        "the server does not read its stream; closing it"
-                    );
-                    self.metrics.limit_reached();
-                }
-                self.stream.cancel();
-                false
-            }
+        self.tx.push_or_end(packet, cost, self, |packet| {
+            self.metrics.send_failed(&packet);
+        })
+    }
+}
+
+/// Ends a server stream that the server does not read.
+impl Unread for ToServer {
+    fn is_ended(&self) -> bool {
+        self.stream.is_cancelled()
+    }
+
+    fn end_unread(&self, queued: usize, first: bool) {
+        if first {
+            warn!(queued, "the server does not read its stream; closing it");
+            self.metrics.limit_reached();
         }
+        self.stream.cancel();
     }
 }
 

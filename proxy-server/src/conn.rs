@@ -36,7 +36,7 @@ use tracing::warn;
 use tunnel::{
     flow::{self, Flow, Offer, Refused, Scheme},
     ids::{AgentId, ConnId, DialId},
-    queue::{self, Closed, QueueRx, QueueTx},
+    queue::{self, Closed, QueueRx, QueueTx, Unread},
 };
 
 use crate::{
@@ -298,22 +298,26 @@ impl BackendLink {
     /// stopped reading its stream: the stream is ended with an error.
     pub(crate) fn send_control(&self, packet: Packet) {
         let cost = flow::packet_cost(&packet);
-        match self.tx.push(packet, cost) {
-            Ok(()) => {}
-            Err(queue::PushError::Closed(packet)) => {
-                self.metrics.send_error(Segment::ToAgent, packet.r#type);
-            }
-            Err(queue::PushError::Full(packet)) => {
-                self.metrics.send_error(Segment::ToAgent, packet.r#type);
-                if !self.end.is_ended() {
-                    warn!(agent.id = %self.agent_id, queued = self.tx.queued(), "agent does not read its stream; closing it");
-                    self.metrics.limit_reached(Limit::AgentQueue);
-                }
-                self.end.fail(Status::resource_exhausted(
-                    "the agent does not read its stream: its outbound queue is full",
-                ));
-            }
+        self.tx.push_or_end(packet, cost, self, |packet| {
+            self.metrics.send_error(Segment::ToAgent, packet.r#type);
+        });
+    }
+}
+
+/// Ends an agent stream that the agent does not read.
+impl Unread for BackendLink {
+    fn is_ended(&self) -> bool {
+        self.end.is_ended()
+    }
+
+    fn end_unread(&self, queued: usize, first: bool) {
+        if first {
+            warn!(agent.id = %self.agent_id, queued, "agent does not read its stream; closing it");
+            self.metrics.limit_reached(Limit::AgentQueue);
         }
+        self.end.fail(Status::resource_exhausted(
+            "the agent does not read its stream: its outbound queue is full",
+        ));
     }
 }
 
@@ -443,20 +447,10 @@ impl FrontendTx {
 
     /// Pushes `item` of `cost` (0 for DATA, which its window bounds);
     /// `false` if refused (the item is dropped: for DATA its window is
-    /// released by the caller).
+    /// released by the caller). A frontend past the reserve is ended.
     fn push(&self, item: FrontendItem, cost: usize) -> bool {
-        match self.tx.push(item, cost) {
-            Ok(()) => true,
-            Err(queue::PushError::Closed(item)) => {
-                self.undelivered(&item);
-                false
-            }
-            Err(queue::PushError::Full(item)) => {
-                self.undelivered(&item);
-                self.fail_unread();
-                false
-            }
-        }
+        self.tx
+            .push_or_end(item, cost, self, |item| self.undelivered(&item))
     }
 
     /// Counts a packet that could not reach a gRPC frontend (its stream is
@@ -468,17 +462,6 @@ impl FrontendTx {
         }
     }
 
-    /// Ends a frontend that does not read its stream.
-    fn fail_unread(&self) {
-        if !self.end.is_ended() {
-            warn!(frontend = %self.id, "frontend does not read its stream; closing it");
-            self.metrics.limit_reached(Limit::FrontendQueue);
-        }
-        self.end.fail(Status::resource_exhausted(
-            "the frontend does not read its stream: too many answers queued",
-        ));
-    }
-
     /// Resolves once the stream is over: ended from inside the server, or
     /// its transport dropped the receiving end.
     pub(crate) async fn gone(&self) {
@@ -486,6 +469,23 @@ impl FrontendTx {
             () = self.tx.closed() => {}
             () = self.end.ended() => {}
         }
+    }
+}
+
+/// Ends a frontend stream that the frontend does not read.
+impl Unread for FrontendTx {
+    fn is_ended(&self) -> bool {
+        self.end.is_ended()
+    }
+
+    fn end_unread(&self, _queued: usize, first: bool) {
+        if first {
+            warn!(frontend = %self.id, "frontend does not read its stream; closing it");
+            self.metrics.limit_reached(Limit::FrontendQueue);
+        }
+        self.end.fail(Status::resource_exhausted(
+            "the frontend does not read its stream: too many answers queued",
+        ));
     }
 }
 

@@ -9,7 +9,8 @@
 //!   readers, which must keep reading (two readers waiting on each other's
 //!   full queues would deadlock). It is admitted up to `limit + reserve`
 //!   bytes; beyond that the peer has stopped reading its stream, and the
-//!   caller ends the stream instead of queueing more.
+//!   caller ends the stream instead of queueing more
+//!   ([`QueueTx::push_or_end`], with the stream's [`Unread`]).
 //!
 //! An item's cost is released when the receiver takes it. An item is
 //! admitted while the queue holds less than its cap, so the cap is exceeded
@@ -42,6 +43,18 @@ pub enum PushError<T> {
     Full(T),
     /// The receiver is gone.
     Closed(T),
+}
+
+/// How a stream ends when its peer stops reading it (see
+/// [`QueueTx::push_or_end`]).
+pub trait Unread {
+    /// Whether the stream has ended already (then nothing is logged or
+    /// counted again).
+    fn is_ended(&self) -> bool;
+
+    /// Ends the stream: its peer stopped reading, with `queued` bytes
+    /// waiting; the first time (`first`), logged and counted before.
+    fn end_unread(&self, queued: usize, first: bool);
 }
 
 /// The byte accounting of a queue: what is queued, and the senders waiting
@@ -362,6 +375,31 @@ impl<T> QueueTx<T> {
             .map_err(|Closed((item, _))| PushError::Closed(item))
     }
 
+    /// Queues `item` of `cost` bytes without waiting, as
+    /// [`push`](Self::push); an item not queued goes to `lost`. Past the
+    /// reserve the peer has stopped reading, and `end` ends the stream.
+    /// `false` if the item was not queued.
+    pub fn push_or_end(
+        &self,
+        item: T,
+        cost: usize,
+        end: &impl Unread,
+        lost: impl FnOnce(T),
+    ) -> bool {
+        match self.push(item, cost) {
+            Ok(()) => true,
+            Err(PushError::Closed(item)) => {
+                lost(item);
+                false
+            }
+            Err(PushError::Full(item)) => {
+                lost(item);
+                end.end_unread(self.queued(), !end.is_ended());
+                false
+            }
+        }
+    }
+
     fn enqueue(&self, item: T, cost: usize) -> Result<(), Closed<(T, usize)>> {
         self.tx
             .send((item, cost))
@@ -461,6 +499,38 @@ mod tests {
         assert_eq!(tx.push(3, 1), Err(PushError::Full(3)));
         assert_eq!(rx.recv().await, Some(1));
         tx.push(4, 100).unwrap();
+    }
+
+    /// A stream that records how it was ended.
+    #[derive(Default)]
+    struct Ends(std::sync::Mutex<Vec<(usize, bool)>>);
+
+    impl Unread for Ends {
+        fn is_ended(&self) -> bool {
+            !self.0.lock().unwrap().is_empty()
+        }
+
+        fn end_unread(&self, queued: usize, first: bool) {
+            self.0.lock().unwrap().push((queued, first));
+        }
+    }
+
+    #[tokio::test]
+    async fn past_the_reserve_push_or_end_ends_the_stream_once_first() {
+        let (tx, rx) = queue::<u32>(100, 50);
+        let ends = Ends::default();
+        let mut lost = Vec::new();
+        assert!(tx.push_or_end(1, 100, &ends, |i| lost.push(i)));
+        assert!(tx.push_or_end(2, 60, &ends, |i| lost.push(i)));
+        assert!(ends.0.lock().unwrap().is_empty(), "within the reserve");
+        assert!(!tx.push_or_end(3, 1, &ends, |i| lost.push(i)));
+        assert!(!tx.push_or_end(4, 1, &ends, |i| lost.push(i)));
+        assert_eq!(*ends.0.lock().unwrap(), [(160, true), (160, false)]);
+        drop(rx);
+        // A gone receiver loses the item and ends nothing.
+        assert!(!tx.push_or_end(5, 1, &ends, |i| lost.push(i)));
+        assert_eq!(lost, [3, 4, 5]);
+        assert_eq!(ends.0.lock().unwrap().len(), 2);
     }
 
     #[tokio::test]
