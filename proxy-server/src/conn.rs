@@ -112,11 +112,9 @@ impl Conn {
     /// wait ends when the connection closes (this holds up only the
     /// frontend's own stream). `false` once the connection or the agent's
     /// stream is gone.
-    pub(crate) async fn upload(&self, mut data: Bytes) -> bool {
+    pub(crate) async fn upload(&self, data: Bytes) -> bool {
         self.count_upload(data.len());
-        let chunk = self.flow.send_chunk();
-        while !data.is_empty() {
-            let piece = data.split_to(data.len().min(chunk));
+        for piece in self.flow.chunks(data) {
             if !self.upload_chunk(piece).await {
                 return false;
             }

@@ -515,6 +515,11 @@ impl Flow {
         self.chunk
     }
 
+    /// `data` in pieces of this connection's send chunk.
+    pub fn chunks(&self, data: Bytes) -> Chunks {
+        Chunks::new(data, self.chunk)
+    }
+
     /// Closes the connection: every wait on its behalf ends with an error.
     pub fn close(&self) {
         self.core().close();
@@ -547,6 +552,43 @@ impl Flow {
     /// Credit available now (tests).
     pub fn credit(&self) -> usize {
         self.core().credit()
+    }
+}
+
+/// A payload cut into pieces of at most `chunk` bytes, in order, without
+/// copying (an empty payload has none); [`Chunks::rest`] is what is left.
+/// How every sender of DATA cuts a payload to the peer's chunk.
+#[derive(Debug)]
+pub struct Chunks {
+    /// What is left to cut.
+    data: Bytes,
+    /// The largest piece.
+    chunk: usize,
+}
+
+impl Chunks {
+    /// `data` in pieces of at most `chunk` bytes (at least one byte each).
+    pub fn new(data: Bytes, chunk: usize) -> Self {
+        Self {
+            data,
+            chunk: chunk.max(1),
+        }
+    }
+
+    /// What has not been cut yet.
+    pub fn rest(self) -> Bytes {
+        self.data
+    }
+}
+
+impl Iterator for Chunks {
+    type Item = Bytes;
+
+    fn next(&mut self) -> Option<Bytes> {
+        if self.data.is_empty() {
+            return None;
+        }
+        Some(self.data.split_to(self.data.len().min(self.chunk)))
     }
 }
 
@@ -635,6 +677,21 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+
+    #[test]
+    fn chunks_cut_a_payload_in_order_without_empty_pieces() {
+        let data = Bytes::from((0..=255u8).cycle().take(1000).collect::<Vec<u8>>());
+        for chunk in [1, 7, 256, 999, 1000, 1001, usize::MAX] {
+            let pieces: Vec<Bytes> = Chunks::new(data.clone(), chunk).collect();
+            assert!(pieces.iter().all(|p| !p.is_empty() && p.len() <= chunk));
+            assert_eq!(pieces.len(), data.len().div_ceil(chunk.min(data.len())));
+            assert_eq!(pieces.concat(), data, "chunk {chunk}");
+        }
+        assert_eq!(Chunks::new(Bytes::new(), 16).next(), None);
+        let mut chunks = Chunks::new(data.clone(), 300);
+        assert_eq!(chunks.next().map(|p| p.len()), Some(300));
+        assert_eq!(chunks.rest(), data.slice(300..));
+    }
 
     #[test]
     fn credit_packets_round_trip() {

@@ -28,7 +28,7 @@ use proto::Packet;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::{
-    flow::{self, Flow, InboundRx},
+    flow::{self, Chunks, Flow, InboundRx},
     ids::ConnId,
     queue::{Closed, QueueTx},
 };
@@ -274,16 +274,15 @@ impl QueueUpstream {
 }
 
 impl Upstream for QueueUpstream {
-    async fn send(&mut self, mut data: Bytes) -> Sent {
+    async fn send(&mut self, data: Bytes) -> Sent {
         let chunk = self.flow.as_ref().map_or(usize::MAX, |f| f.send_chunk());
-        while data.len() > chunk {
-            let piece = data.split_to(chunk);
+        for piece in Chunks::new(data, chunk) {
             let sent = self.send_one(piece).await;
             if sent != Sent::Sent {
                 return sent;
             }
         }
-        self.send_one(data).await
+        Sent::Sent
     }
 }
 

@@ -266,15 +266,14 @@ impl FrontendDriver {
         let Some(proto::Payload::Data(data)) = packet.payload else {
             return;
         };
-        let mut data = data.data;
+        let data = data.data;
         conn.count_upload(data.len());
         if self.ahead.has_lane(conn.id) {
             self.ahead.queue(conn.id, data);
             return;
         }
-        let chunk = conn.flow.send_chunk();
-        while !data.is_empty() {
-            let piece = data.split_to(data.len().min(chunk));
+        let mut chunks = conn.flow.chunks(data);
+        while let Some(piece) = chunks.next() {
             let len = piece.len();
             let mut upload = upload(conn.clone(), piece);
             match upload.as_mut().now_or_never() {
@@ -282,7 +281,7 @@ impl FrontendDriver {
                 // The connection is gone: the rest is dropped.
                 Some(_) => return,
                 None => {
-                    self.ahead.open(conn, len, data, Instant::now());
+                    self.ahead.open(conn, len, chunks.rest(), Instant::now());
                     self.waits.push(upload);
                     return;
                 }
