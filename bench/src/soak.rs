@@ -614,11 +614,8 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
     let silent_at = lock(&world.dest.counts.silent_at).clone();
     let mut excused = 0;
     for (at, altered) in &silent_at {
-        let during = records
-            .iter()
-            .find(|f| *at >= f.started - 1.0 && *at <= f.recovered + 2.0);
-        match during {
-            Some(f) if !altered && matches!(f.fault, Fault::AgentKill | Fault::TokenOutage) => {
+        match fault_during(&records, *at) {
+            Some(f) if !altered && kills_an_agent(f) => {
                 excused += 1;
             }
             Some(f) => violations.push(format!(
@@ -748,6 +745,26 @@ fn worst_resource(
     None
 }
 
+/// Whether a fault kills an agent with SIGKILL (whose kernel then ends its
+/// destination connections with a FIN).
+fn kills_an_agent(f: &FaultRecord) -> bool {
+    matches!(f.fault, Fault::AgentKill | Fault::TokenOutage)
+}
+
+/// The fault whose window (with a second before and two after) holds
+/// `at`: one that killed an agent if any does. Windows overlap by their
+/// slack: a TokenReview outage kills its agent the moment a server kill's
+/// recovery ends.
+fn fault_during(records: &[FaultRecord], at: f64) -> Option<&FaultRecord> {
+    let mut during = records
+        .iter()
+        .filter(|f| at >= f.started - 1.0 && at <= f.recovered + 2.0);
+    during
+        .clone()
+        .find(|f| kills_an_agent(f))
+        .or_else(|| during.next())
+}
+
 /// What a violated check says about the run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Check {
@@ -829,6 +846,20 @@ mod tests {
         record.healthy = Some(1.0);
         record.resources_s = Some(5.0);
         record
+    }
+
+    #[test]
+    fn a_fin_in_overlapping_windows_is_put_down_to_the_agent_kill() {
+        let mut server_kill = FaultRecord::new(Fault::ServerKill, 992.0);
+        server_kill.recovered = 996.5;
+        let mut outage = FaultRecord::new(Fault::TokenOutage, 997.0);
+        outage.recovered = 1010.0;
+        let records = [server_kill, outage];
+        let at_997 = super::fault_during(&records, 997.2).map(|f| f.fault);
+        assert_eq!(at_997, Some(Fault::TokenOutage));
+        let at_993 = super::fault_during(&records, 993.0).map(|f| f.fault);
+        assert_eq!(at_993, Some(Fault::ServerKill));
+        assert!(super::fault_during(&records, 1500.0).is_none());
     }
 
     #[test]
