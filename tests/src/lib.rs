@@ -10,6 +10,8 @@
 //! - [`binaries`]: the real binaries as children ([`AgentProcess`],
 //!   [`LoggedProcess`]); [`process`]: the real `proxy-server`, observed from
 //!   outside.
+//! - [`flags_doc`]: `docs/flags.md`, the flags reference, rendered from
+//!   clap.
 //! - [`destination`]: node-side servers the agent dials (echo, bulk,
 //!   blackhole); ANP's "backend" is an agent stream, as in the server.
 //! - [`grpc_go`]: `tests/go/frontend`, the grpc-go frontend (kube-apiserver's
@@ -30,6 +32,7 @@
 pub mod agent;
 pub mod binaries;
 pub mod destination;
+pub mod flags_doc;
 pub mod grpc_go;
 pub mod http;
 pub mod kube_stub;

@@ -17,6 +17,7 @@ mod docs_args;
 mod drain;
 mod endpoints;
 mod faults;
+mod flags_reference;
 mod flow_control;
 mod flow_versions;
 mod go_interop;
