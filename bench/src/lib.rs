@@ -8,6 +8,8 @@
 //!   processes against one server).
 //! - [`storm`]: restart storms of grpc-go agents (`tests/go/agents`) with
 //!   and without admission, idle, on shared CPUs, and far away.
+//! - [`retries`]: dials through three agents while one is killed or slow
+//!   (retries, hedging) and where new dials go (P2C).
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
 //!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
@@ -26,6 +28,7 @@ pub mod backends;
 pub mod grpc_go;
 pub mod probe;
 pub mod report;
+pub mod retries;
 pub mod scenarios;
 pub mod soak;
 pub mod stats;
@@ -100,6 +103,14 @@ pub enum Scenario {
     /// thrown away, in each of --storm-conditions. Not in the default set;
     /// the latency condition needs root.
     Storm,
+    /// kube-apiserver's grpc-go client at --retries-rate single-use tunnels
+    /// per second through three agents: one killed (SIGKILL after it hung)
+    /// --retries-kills times, with --backend-dial-retries=1 and 0 (ANP);
+    /// one slowed (its node drops each connection's first SYN) for
+    /// --retries-duration with hedging off and on; new dials beside an
+    /// agent holding 100 tunnels (P2C). Not in the default set; needs root
+    /// (a network namespace, nftables).
+    Retries,
     /// --soak-duration of faults under load (two servers behind haproxy,
     /// --soak-agents agents, every kind of frontend), every byte checked
     /// and the books balanced; fails on a violated invariant. Runs alone
@@ -207,6 +218,15 @@ pub struct Opt {
     /// duration).
     #[arg(long, default_value = "300s", value_parser = go_duration)]
     pub storm_limit: Duration,
+    /// Single-use tunnels per second of the retries scenario.
+    #[arg(long, default_value_t = 200)]
+    pub retries_rate: u32,
+    /// Traffic of each slow run of the retries scenario (Go duration).
+    #[arg(long, default_value = "20s", value_parser = go_duration)]
+    pub retries_duration: Duration,
+    /// Kills of each kill run of the retries scenario.
+    #[arg(long, default_value_t = 12)]
+    pub retries_kills: usize,
     /// The grpc-go agent swarm (default: `target/go-agents`, which
     /// `scripts/test` builds).
     #[arg(long)]
@@ -273,6 +293,8 @@ pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
         opt.conns = 1000;
         opt.agents = opt.agents.min(1000);
         opt.storm_agents = opt.storm_agents.min(1000);
+        opt.retries_duration = opt.retries_duration.min(Duration::from_secs(5));
+        opt.retries_kills = opt.retries_kills.min(3);
     }
     opt.reps = opt.reps.max(1);
     opt.streams = opt.streams.max(1);
@@ -483,6 +505,7 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
         || opt.has(Scenario::Cpu)
         || opt.has(Scenario::Dial)
         || opt.has(Scenario::Streams)
+        || opt.has(Scenario::Retries)
     {
         let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
         println!("grpc-go frontend: {}", go.path.display());
@@ -503,6 +526,18 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
         Some(storm)
     } else {
         None
+    };
+    let retries = match (opt.has(Scenario::Retries), go.as_ref()) {
+        (true, Some(go)) => {
+            retries::check()?;
+            Some(retries::RetriesOpt {
+                rate: opt.retries_rate,
+                duration: opt.retries_duration,
+                kills: opt.retries_kills,
+                go: go.clone(),
+            })
+        }
+        _ => None,
     };
     let mut rec = Recorder::new(opt.reps);
     if opt.has(Scenario::Memory) {
@@ -588,6 +623,12 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
         let more = storm::run(&bins, dir.path(), storm, &mut rec)
             .await
             .context("storm scenario")?;
+        notes.extend(more);
+    }
+    if let Some(retries) = &retries {
+        let more = retries::run(&bins, dir.path(), retries, &mut rec)
+            .await
+            .context("retries scenario")?;
         notes.extend(more);
     }
     notes.push(

@@ -398,6 +398,128 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
     }
 }
 
+/// Failed dials over the kill runs with `--backend-dial-retries=1`.
+pub const RETRIES_KILL_FAILED: Def =
+    def("retries", "kill: failed dials, retries=1", "count", false);
+/// Failed dials with `--backend-dial-retries=0` (ANP's behaviour).
+pub const RETRIES_KILL_FAILED_ANP: Def = def(
+    "retries",
+    "kill: failed dials, retries=0 (ANP)",
+    "count",
+    false,
+);
+/// Dials the server sent to another agent after theirs died.
+pub const RETRIES_KILL_RETRIED: Def =
+    def("retries", "kill: dials retried (server)", "count", false);
+/// Tunnels established on an agent before it hung, cut by its death.
+pub const RETRIES_KILL_CUT: Def = def(
+    "retries",
+    "kill: tunnels cut after DIAL_RSP",
+    "count",
+    false,
+);
+/// Dials identified as having waited on a killed agent.
+pub const RETRIES_KILL_WAITED: Def =
+    def("retries", "kill: dials that waited on it", "count", false);
+/// Kill → DIAL_RSP of those, median.
+pub const RETRIES_KILL_AFTER_P50: Def =
+    def("retries", "kill: their death -> DIAL_RSP p50", "ms", false);
+/// Kill → DIAL_RSP of those, p99.
+pub const RETRIES_KILL_AFTER_P99: Def =
+    def("retries", "kill: their death -> DIAL_RSP p99", "ms", false);
+/// Dial latency of the other dials, median.
+pub const RETRIES_KILL_HEALTHY_P50: Def = def("retries", "kill: other dials p50", "ms", false);
+/// Dial latency of the other dials, p99.
+pub const RETRIES_KILL_HEALTHY_P99: Def = def("retries", "kill: other dials p99", "ms", false);
+/// Failed dials, plain kill -9 (no hang), `--backend-dial-retries=1`.
+pub const RETRIES_KILL_PLAIN_FAILED: Def = def(
+    "retries",
+    "kill, no hang: failed dials, retries=1",
+    "count",
+    false,
+);
+/// Failed dials, plain kill -9, `--backend-dial-retries=0`.
+pub const RETRIES_KILL_PLAIN_FAILED_ANP: Def = def(
+    "retries",
+    "kill, no hang: failed dials, retries=0",
+    "count",
+    false,
+);
+/// Dials retried, plain kill -9.
+pub const RETRIES_KILL_PLAIN_RETRIED: Def = def(
+    "retries",
+    "kill, no hang: dials retried (server)",
+    "count",
+    false,
+);
+/// Tunnels cut, plain kill -9.
+pub const RETRIES_KILL_PLAIN_CUT: Def = def(
+    "retries",
+    "kill, no hang: tunnels cut after DIAL_RSP",
+    "count",
+    false,
+);
+/// Dial latency, all agents healthy, median.
+pub const RETRIES_SLOW_HEALTHY_P50: Def = def("retries", "slow: all healthy, p50", "ms", false);
+/// Dial latency, all agents healthy, p99.
+pub const RETRIES_SLOW_HEALTHY_P99: Def = def("retries", "slow: all healthy, p99", "ms", false);
+/// One agent slowed, hedging off, median.
+pub const RETRIES_SLOW_OFF_P50: Def = def("retries", "slow: hedging off, p50", "ms", false);
+/// One agent slowed, hedging off, p99.
+pub const RETRIES_SLOW_OFF_P99: Def = def("retries", "slow: hedging off, p99", "ms", false);
+/// One agent slowed, hedging off, p99.9.
+pub const RETRIES_SLOW_OFF_P999: Def = def("retries", "slow: hedging off, p99.9", "ms", false);
+/// One agent slowed, hedging on, median.
+pub const RETRIES_SLOW_ON_P50: Def = def("retries", "slow: hedging on, p50", "ms", false);
+/// One agent slowed, hedging on, p99.
+pub const RETRIES_SLOW_ON_P99: Def = def("retries", "slow: hedging on, p99", "ms", false);
+/// One agent slowed, hedging on, p99.9.
+pub const RETRIES_SLOW_ON_P999: Def = def("retries", "slow: hedging on, p99.9", "ms", false);
+/// p99 hedging off over the healthy p99.
+pub const RETRIES_SLOW_OFF_RATIO: Def =
+    def("retries", "slow: p99 hedging off / healthy", "ratio", false);
+/// p99 hedging on over the healthy p99.
+pub const RETRIES_SLOW_ON_RATIO: Def =
+    def("retries", "slow: p99 hedging on / healthy", "ratio", false);
+/// Dials of a second or more, hedging off.
+pub const RETRIES_SLOW_OFF_SECOND: Def = def(
+    "retries",
+    "slow: dials >= 0.9 s, hedging off",
+    "count",
+    false,
+);
+/// Dials of a second or more, hedging on.
+pub const RETRIES_SLOW_ON_SECOND: Def = def(
+    "retries",
+    "slow: dials >= 0.9 s, hedging on",
+    "count",
+    false,
+);
+/// First SYNs the slow node dropped (dials it was sent), hedging off.
+pub const RETRIES_SLOW_HELD_OFF: Def = def(
+    "retries",
+    "slow: dials to the slow agent, off",
+    "count",
+    false,
+);
+/// The same, hedging on.
+pub const RETRIES_SLOW_HELD_ON: Def = def(
+    "retries",
+    "slow: dials to the slow agent, on",
+    "count",
+    false,
+);
+/// Dial latency, all agents healthy, p99.9.
+pub const RETRIES_SLOW_HEALTHY_P999: Def = def("retries", "slow: all healthy, p99.9", "ms", false);
+/// Dials sent to a second agent (hedging on).
+pub const RETRIES_SLOW_HEDGED: Def = def("retries", "slow: dials hedged", "count", false);
+/// Hedges that won.
+pub const RETRIES_SLOW_WON: Def = def("retries", "slow: hedges won", "count", false);
+/// Failed tunnels over the three slow runs.
+pub const RETRIES_SLOW_FAILED: Def = def("retries", "slow: failed tunnels", "count", false);
+/// Share of 300 new dials the two idle agents got.
+pub const RETRIES_P2C_IDLE: Def = def("retries", "p2c: new dials to the 2 idle agents", "%", false);
+
 /// Until all N agents are connected; idle, cold, admission.
 pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =
     def("storm", "idle cold: all connected, admission", "s", false);
@@ -799,6 +921,38 @@ const ALL: &[&Def] = &[
     &AGENTS_ANP_DIAL_RATE,
     &AGENTS_ANP_DIAL_P99,
     &AGENTS_DIAL_ERRORS,
+    &RETRIES_KILL_FAILED,
+    &RETRIES_KILL_FAILED_ANP,
+    &RETRIES_KILL_RETRIED,
+    &RETRIES_KILL_CUT,
+    &RETRIES_KILL_WAITED,
+    &RETRIES_KILL_AFTER_P50,
+    &RETRIES_KILL_AFTER_P99,
+    &RETRIES_KILL_HEALTHY_P50,
+    &RETRIES_KILL_HEALTHY_P99,
+    &RETRIES_KILL_PLAIN_FAILED,
+    &RETRIES_KILL_PLAIN_FAILED_ANP,
+    &RETRIES_KILL_PLAIN_RETRIED,
+    &RETRIES_KILL_PLAIN_CUT,
+    &RETRIES_SLOW_HEALTHY_P50,
+    &RETRIES_SLOW_HEALTHY_P99,
+    &RETRIES_SLOW_HEALTHY_P999,
+    &RETRIES_SLOW_OFF_P50,
+    &RETRIES_SLOW_OFF_P99,
+    &RETRIES_SLOW_OFF_P999,
+    &RETRIES_SLOW_ON_P50,
+    &RETRIES_SLOW_ON_P99,
+    &RETRIES_SLOW_ON_P999,
+    &RETRIES_SLOW_OFF_RATIO,
+    &RETRIES_SLOW_ON_RATIO,
+    &RETRIES_SLOW_OFF_SECOND,
+    &RETRIES_SLOW_ON_SECOND,
+    &RETRIES_SLOW_HELD_OFF,
+    &RETRIES_SLOW_HELD_ON,
+    &RETRIES_SLOW_HEDGED,
+    &RETRIES_SLOW_WON,
+    &RETRIES_SLOW_FAILED,
+    &RETRIES_P2C_IDLE,
     &STORM_IDLE_COLD_TIME_ADMISSION,
     &STORM_IDLE_COLD_THROWN_ADMISSION,
     &STORM_IDLE_COLD_FAILED_ADMISSION,
