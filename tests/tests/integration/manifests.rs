@@ -640,8 +640,8 @@ fn every_manifest_is_valid_for_each_supported_kubernetes_version_strictly() {
     assert!(text.contains("unknownField"), "{text}");
 }
 
-/// The rollout the agent DaemonSets promise (README "Deploy"): a surge, no
-/// unavailable node, and agents that leave once drained.
+/// The rollout the agent DaemonSets promise (docs/operations.md, "Agent retries and DaemonSet
+/// rollouts"): a surge, no unavailable node, and agents that leave once drained.
 #[test]
 fn agent_daemonsets_roll_over_without_a_gap() {
     for file in [
