@@ -48,7 +48,7 @@ use crate::{
     grpc_go::GoFrontend,
     probe,
     report::{self, Recorder, Route},
-    system::{self, Binaries, Process},
+    system::{self, Binaries, Process, path_with_sbin, tool},
 };
 
 /// How long an agent stops answering before it is killed.
@@ -99,31 +99,6 @@ pub fn check() -> anyhow::Result<()> {
     tool("nft", &["--version"])
         .map(drop)
         .context("--scenarios retries needs nftables (`nft`)")
-}
-
-/// `PATH` with the sbin directories, where `ip` and `nft` live.
-fn path_with_sbin() -> String {
-    format!(
-        "{}:/usr/sbin:/sbin",
-        std::env::var("PATH").unwrap_or_default()
-    )
-}
-
-/// Runs `program args` to its end; its stdout, or an error with its stderr.
-fn tool(program: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = std::process::Command::new(program)
-        .args(args)
-        .env("PATH", path_with_sbin())
-        .output()
-        .with_context(|| format!("running {program}"))?;
-    if !out.status.success() {
-        bail!(
-            "{program} {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Sends signal `name` to `pid`.

@@ -50,7 +50,7 @@ use tokio::{
 use crate::{
     probe,
     report::{self, Recorder, Route},
-    system::{self, Binaries, Process},
+    system::{self, Binaries, Process, path_with_sbin, tool},
 };
 
 /// How often the server's gauge is read while agents connect.
@@ -179,31 +179,6 @@ pub fn check(opt: &StormOpt) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `PATH` with the sbin directories, where `ip` and `tc` live.
-fn path_with_sbin() -> String {
-    format!(
-        "{}:/usr/sbin:/sbin",
-        std::env::var("PATH").unwrap_or_default()
-    )
-}
-
-/// Runs `program args` to its end; an error with its stderr if it fails.
-fn run_tool(program: &str, args: &[&str]) -> anyhow::Result<()> {
-    let out = std::process::Command::new(program)
-        .args(args)
-        .env("PATH", path_with_sbin())
-        .output()
-        .with_context(|| format!("running {program}"))?;
-    if !out.status.success() {
-        bail!(
-            "{program} {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
 /// A network namespace joined to this one by a veth pair whose two ends
 /// delay every packet by `one_way` when the kernel has netem; removed on
 /// drop.
@@ -249,29 +224,29 @@ impl Netns {
         let host_cidr = format!("{}/30", netns.host_ip);
         let ns_cidr = format!("{ns_ip}/30");
         let netem = ["netem", "delay", &delay, "limit", "1000000"];
-        run_tool("ip", &["netns", "add", name])?;
-        run_tool(
+        tool("ip", &["netns", "add", name])?;
+        tool(
             "ip",
             &[
                 "link", "add", host_if, "type", "veth", "peer", "name", &ns_if,
             ],
         )?;
-        run_tool("ip", &["link", "set", &ns_if, "netns", name])?;
-        run_tool("ip", &["addr", "add", &host_cidr, "dev", host_if])?;
-        run_tool("ip", &["link", "set", host_if, "up"])?;
+        tool("ip", &["link", "set", &ns_if, "netns", name])?;
+        tool("ip", &["addr", "add", &host_cidr, "dev", host_if])?;
+        tool("ip", &["link", "set", host_if, "up"])?;
         let in_ns = |args: &[&str]| {
             let all = [&["netns", "exec", name][..], args].concat();
-            run_tool("ip", &all)
+            tool("ip", &all)
         };
         in_ns(&["ip", "addr", "add", &ns_cidr, "dev", &ns_if])?;
         in_ns(&["ip", "link", "set", &ns_if, "up"])?;
         in_ns(&["ip", "link", "set", "lo", "up"])?;
-        let host_netem = run_tool(
+        let host_netem = tool(
             "tc",
             &[&["qdisc", "add", "dev", host_if, "root"][..], &netem].concat(),
         );
         match host_netem {
-            Ok(()) => {
+            Ok(_) => {
                 in_ns(&[&["tc", "qdisc", "add", "dev", &ns_if, "root"][..], &netem].concat())?;
                 netns.netem = true;
             }
@@ -291,8 +266,8 @@ impl Netns {
 impl Drop for Netns {
     fn drop(&mut self) {
         // Deleting the namespace deletes its veth end, and so the pair.
-        let _ = run_tool("ip", &["netns", "del", &self.name]);
-        let _ = run_tool("ip", &["link", "del", &self.host_if]);
+        let _ = tool("ip", &["netns", "del", &self.name]);
+        let _ = tool("ip", &["link", "del", &self.host_if]);
     }
 }
 

@@ -414,3 +414,28 @@ fn free_port() -> anyhow::Result<u16> {
     }
     bail!("no free loopback port in 1024..=49151")
 }
+
+/// `PATH` with the sbin directories, where `ip`, `tc` and `nft` live.
+pub fn path_with_sbin() -> String {
+    format!(
+        "{}:/usr/sbin:/sbin",
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// Runs `program args` to its end; its stdout, or an error with its stderr.
+pub fn tool(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .env("PATH", path_with_sbin())
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "{program} {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
