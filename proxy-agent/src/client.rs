@@ -677,79 +677,109 @@ impl Dispatcher {
         address: String,
         cancel: CancellationToken,
     ) {
-        let conns = self.conns.clone();
-        let to_server = self.to_server.clone();
-        let scheme = self.scheme;
-        let metrics = self.metrics.clone();
         let span =
             debug_span!("conn", dial.id = %ticket.dial, %address, conn.id = tracing::field::Empty);
-        self.tasks.spawn(
-            async move {
-                let started = std::time::Instant::now();
-                let dialed = tokio::select! {
-                    // DIAL_CLS or the stream's end: it has left the table.
-                    () = cancel.cancelled() => return,
-                    dialed = endpoint::dial(&protocol, &address) => dialed,
-                };
-                let socket = match dialed {
-                    Ok(socket) => {
-                        metrics.dial_succeeded(started.elapsed());
-                        socket
-                    }
-                    Err(error) => {
-                        metrics.dial_failed(error.failure());
-                        debug!(error = %error, "dial failed");
-                        if let Dialed::Failed { reply } = conns.lock().dialed(ticket, Err(error)) {
-                            to_server.control(reply);
-                        }
-                        return;
-                    }
-                };
-                let flow = Arc::new(Flow::new(scheme));
-                let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
-                let overflow = CancellationToken::new();
-                let closing = CancellationToken::new();
-                let handle = EndpointConn {
-                    inbound,
-                    flow: flow.clone(),
-                    overflow: overflow.clone(),
-                    closing: closing.clone(),
-                };
-                let opened = conns
-                    .lock()
-                    .dialed(ticket, Ok::<_, endpoint::EndpointDialError>(handle));
-                let Dialed::Open { conn: id, reply } = opened else {
-                    // Cancelled meanwhile: the socket closes unanswered.
-                    return;
-                };
-                tracing::Span::current().record("conn.id", tracing::field::display(id));
-                metrics.endpoint_connection_opened();
-                if !to_server.control(reply) {
-                    conns.lock().remove(id);
-                    return;
-                }
-                debug!("connected");
-                let out = to_server.queue().clone();
-                let grants = scheme
-                    .is_credit()
-                    .then(|| Arc::new(to_server.clone()) as Arc<dyn ControlSink>);
-                ConnDriver {
-                    id,
-                    socket,
-                    up: QueueUpstream::new(id, out, Some(flow)),
-                    down: WindowDownstream::new(id, window, grants),
-                    overflow,
-                    closing,
-                    stream: cancel,
-                    conns,
-                    to_server,
-                    metrics,
-                }
-                .run()
-                .await;
+        let dial = Dial {
+            conns: self.conns.clone(),
+            to_server: self.to_server.clone(),
+            scheme: self.scheme,
+            metrics: self.metrics.clone(),
+        };
+        self.tasks
+            .spawn(dial.run(ticket, protocol, address, cancel).instrument(span));
+    }
+}
+
+/// One DIAL_REQ's task: what it needs from its stream's dispatcher.
+struct Dial {
+    conns: Connections,
+    to_server: ToServer,
+    scheme: Scheme,
+    metrics: Arc<AgentMetrics>,
+}
+
+impl Dial {
+    /// Dials `address`, answers DIAL_RSP, then carries the connection until
+    /// it ends; `cancel` is DIAL_CLS or the stream's end.
+    async fn run(
+        self,
+        ticket: DialTicket,
+        protocol: String,
+        address: String,
+        cancel: CancellationToken,
+    ) {
+        let started = std::time::Instant::now();
+        let dialed = tokio::select! {
+            // DIAL_CLS or the stream's end: it has left the table.
+            () = cancel.cancelled() => return,
+            dialed = endpoint::dial(&protocol, &address) => dialed,
+        };
+        match dialed {
+            Ok(socket) => {
+                self.metrics.dial_succeeded(started.elapsed());
+                self.carry(socket, ticket, cancel).await;
             }
-            .instrument(span),
-        );
+            Err(error) => {
+                self.metrics.dial_failed(error.failure());
+                debug!(error = %error, "dial failed");
+                if let Dialed::Failed { reply } = self.conns.lock().dialed(ticket, Err(error)) {
+                    self.to_server.control(reply);
+                }
+            }
+        }
+    }
+
+    /// Enters the dialed `socket` in the table, answers DIAL_RSP and moves
+    /// its bytes until it ends.
+    async fn carry(self, socket: TcpStream, ticket: DialTicket, cancel: CancellationToken) {
+        let Self {
+            conns,
+            to_server,
+            scheme,
+            metrics,
+        } = self;
+        let flow = Arc::new(Flow::new(scheme));
+        let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
+        let overflow = CancellationToken::new();
+        let closing = CancellationToken::new();
+        let handle = EndpointConn {
+            inbound,
+            flow: flow.clone(),
+            overflow: overflow.clone(),
+            closing: closing.clone(),
+        };
+        let opened = conns
+            .lock()
+            .dialed(ticket, Ok::<_, endpoint::EndpointDialError>(handle));
+        let Dialed::Open { conn: id, reply } = opened else {
+            // Cancelled meanwhile: the socket closes unanswered.
+            return;
+        };
+        tracing::Span::current().record("conn.id", tracing::field::display(id));
+        metrics.endpoint_connection_opened();
+        if !to_server.control(reply) {
+            conns.lock().remove(id);
+            return;
+        }
+        debug!("connected");
+        let out = to_server.queue().clone();
+        let grants = scheme
+            .is_credit()
+            .then(|| Arc::new(to_server.clone()) as Arc<dyn ControlSink>);
+        ConnDriver {
+            id,
+            socket,
+            up: QueueUpstream::new(id, out, Some(flow)),
+            down: WindowDownstream::new(id, window, grants),
+            overflow,
+            closing,
+            stream: cancel,
+            conns,
+            to_server,
+            metrics,
+        }
+        .run()
+        .await;
     }
 }
 
