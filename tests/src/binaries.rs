@@ -1,6 +1,7 @@
-//! The real binaries as child processes: [`binary`] builds and finds
-//! them, [`AgentProcess`] runs proxy-agent, [`LoggedProcess`] collects what
-//! a child logs, [`signal`] sends it signals.
+//! The real binaries as child processes: [`Binary`] names the two an
+//! operator deploys, [`binary`] builds and finds them, [`AgentProcess`]
+//! runs proxy-agent, [`LoggedProcess`] collects what a child logs,
+//! [`signal`] sends it signals.
 
 use std::{
     path::{Path, PathBuf},
@@ -9,7 +10,37 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::CommandFactory;
+
 use crate::{DEADLINE, Pki, TestServer};
+
+/// One of the two binaries an operator deploys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binary {
+    /// `proxy-server`.
+    Server,
+    /// `proxy-agent`.
+    Agent,
+}
+
+impl Binary {
+    /// Its name: argv[0], its file in the target directory ([`binary`]),
+    /// what a manifest's `image:` or `command:` mentions.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Server => "proxy-server",
+            Self::Agent => "proxy-agent",
+        }
+    }
+
+    /// Its clap command: every flag it accepts.
+    pub fn command(self) -> clap::Command {
+        match self {
+            Self::Server => proxy_server::config::Args::command(),
+            Self::Agent => proxy_agent::config::Args::command(),
+        }
+    }
+}
 
 /// The real `proxy-agent` binary, run as a child process (killed on drop).
 pub struct AgentProcess {

@@ -15,9 +15,8 @@ use std::{
     time::Duration,
 };
 
-use clap::CommandFactory;
 use integration_tests::{
-    AgentProcess, DEADLINE, LoggedProcess, Pki, destination, http_get,
+    AgentProcess, Binary, DEADLINE, LoggedProcess, Pki, destination, http_get,
     kube_stub::{Identity, TokenReviewStub},
     lease_stub::LeaseStub,
     process::metric_value,
@@ -49,38 +48,15 @@ fn fixture(file: &str) -> Vec<String> {
         .collect()
 }
 
-/// Which binary a flag list is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Binary {
-    Server,
-    Agent,
-}
-
-impl Binary {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Server => "proxy-server",
-            Self::Agent => "proxy-agent",
-        }
-    }
-
-    /// Every flag ANP's binary accepts: its options and the klog flags.
-    fn anp_flags(self) -> Vec<String> {
-        let own = match self {
-            Self::Server => "server-flags.txt",
-            Self::Agent => "agent-flags.txt",
-        };
-        let mut flags = fixture(own);
-        flags.extend(fixture("klog-flags.txt"));
-        flags
-    }
-
-    fn command(self) -> clap::Command {
-        match self {
-            Self::Server => proxy_server::config::Args::command(),
-            Self::Agent => proxy_agent::config::Args::command(),
-        }
-    }
+/// Every flag ANP's `binary` accepts: its options and the klog flags.
+fn anp_flags(binary: Binary) -> Vec<String> {
+    let own = match binary {
+        Binary::Server => "server-flags.txt",
+        Binary::Agent => "agent-flags.txt",
+    };
+    let mut flags = fixture(own);
+    flags.extend(fixture("klog-flags.txt"));
+    flags
 }
 
 #[test]
@@ -151,8 +127,7 @@ fn metric_name(name: &str, prefix: &str) -> bool {
 fn both_binaries_know_every_anp_flag_by_name() {
     for binary in [Binary::Server, Binary::Agent] {
         let command = binary.command();
-        let missing: Vec<String> = binary
-            .anp_flags()
+        let missing: Vec<String> = anp_flags(binary)
             .into_iter()
             .filter(|flag| {
                 !command.get_arguments().any(|arg| {
@@ -423,7 +398,7 @@ fn argv(binary: Binary, manifest: &[(&'static str, String)]) -> Vec<String> {
     let given: Vec<&str> = manifest.iter().map(|(flag, _)| *flag).collect();
     let set: BTreeSet<&str> = given.iter().copied().collect();
     assert_eq!(set.len(), given.len(), "a flag is given twice: {given:?}");
-    let anp = binary.anp_flags();
+    let anp = anp_flags(binary);
     let anp: BTreeSet<&str> = anp.iter().map(String::as_str).collect();
     assert_eq!(
         set,

@@ -15,32 +15,14 @@ use std::{
 };
 
 use clap::Parser;
-
-/// Which binary a container runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Binary {
-    /// `/proxy-server`.
-    Server,
-    /// `/proxy-agent`.
-    Agent,
-}
-
-impl Binary {
-    /// argv[0] and the name the image and command mention.
-    fn name(self) -> &'static str {
-        match self {
-            Self::Server => "proxy-server",
-            Self::Agent => "proxy-agent",
-        }
-    }
-}
+use integration_tests::Binary;
 
 /// One proxy container found in a manifest.
 #[derive(Debug, Clone)]
 struct Container {
     /// File name inside `deploy/`.
     file: String,
-    /// What it runs.
+    /// Which binary it runs.
     binary: Binary,
     /// Its `args:`, unquoted.
     args: Vec<String>,
