@@ -196,150 +196,222 @@ fn packet(input: &mut Input<'_>) -> Option<Packet> {
 /// every stream has ended, every table is empty.
 pub fn router(data: &[u8]) {
     let mut input = Input(data);
-    let strategies: &[ProxyStrategy] = match input.below(4) {
-        0 => &[ProxyStrategy::Default],
-        1 => &[ProxyStrategy::DestHost, ProxyStrategy::Default],
-        2 => &[ProxyStrategy::DefaultRoute],
-        _ => &[ProxyStrategy::DestHost, ProxyStrategy::DefaultRoute],
-    };
-    let timeout = input
-        .byte()
-        .is_multiple_of(2)
-        .then_some(Duration::from_secs(5));
-    let policy = DialPolicy {
-        timeout,
-        retries: u32::from(input.byte() % 3),
-        hedge: match input.byte() % 3 {
-            0 => None,
-            1 => Some(HedgeDelay::Fixed(Duration::from_secs(1))),
-            _ => Some(HedgeDelay::Percentile(95)),
-        },
-    };
-    let seed = u64::from(input.byte());
-    let mut router = Router::new(strategies, policy, fastrand::Rng::with_seed(seed));
-    let mut now = Instant::now();
-    let mut frontends: Vec<FrontendId> = Vec::new();
-    let mut backends: Vec<BackendId> = Vec::new();
-    let mut watch = Watch::default();
-    let mut out = Vec::new();
+    let mut run = RouterRun::new(&mut input);
     while !input.is_empty() {
-        out.clear();
+        run.step(&mut input);
+    }
+    run.finish();
+}
+
+/// The router under fuzzing and what the harness knows of it.
+struct RouterRun {
+    router: Router,
+    now: Instant,
+    frontends: Vec<FrontendId>,
+    backends: Vec<BackendId>,
+    watch: Watch,
+    out: Vec<Out>,
+}
+
+impl RouterRun {
+    /// A router with strategies, a dial policy and a seed drawn from `input`.
+    fn new(input: &mut Input<'_>) -> Self {
+        let strategies: &[ProxyStrategy] = match input.below(4) {
+            0 => &[ProxyStrategy::Default],
+            1 => &[ProxyStrategy::DestHost, ProxyStrategy::Default],
+            2 => &[ProxyStrategy::DefaultRoute],
+            _ => &[ProxyStrategy::DestHost, ProxyStrategy::DefaultRoute],
+        };
+        let timeout = input
+            .byte()
+            .is_multiple_of(2)
+            .then_some(Duration::from_secs(5));
+        let policy = DialPolicy {
+            timeout,
+            retries: u32::from(input.byte() % 3),
+            hedge: match input.byte() % 3 {
+                0 => None,
+                1 => Some(HedgeDelay::Fixed(Duration::from_secs(1))),
+                _ => Some(HedgeDelay::Percentile(95)),
+            },
+        };
+        let seed = u64::from(input.byte());
+        Self {
+            router: Router::new(strategies, policy, fastrand::Rng::with_seed(seed)),
+            now: Instant::now(),
+            frontends: Vec::new(),
+            backends: Vec::new(),
+            watch: Watch::default(),
+            out: Vec::new(),
+        }
+    }
+
+    /// One event drawn from `input`, then every invariant checked.
+    fn step(&mut self, input: &mut Input<'_>) {
+        self.out.clear();
         let op = input.below(16);
-        let fe = (!frontends.is_empty()).then(|| frontends[input.below(frontends.len())]);
-        let be = (!backends.is_empty()).then(|| backends[input.below(backends.len())]);
-        let mut sender = None;
-        match op {
-            0 => {
-                let kind = if input.byte().is_multiple_of(2) {
-                    FrontendKind::Grpc
-                } else {
-                    FrontendKind::HttpConnect
-                };
-                frontends.push(router.add_frontend(kind));
+        let fe =
+            (!self.frontends.is_empty()).then(|| self.frontends[input.below(self.frontends.len())]);
+        let be =
+            (!self.backends.is_empty()).then(|| self.backends[input.below(self.backends.len())]);
+        let sender = match op {
+            0..=1 => {
+                self.add_stream(op, input);
+                None
             }
-            1 => {
-                let agent = ["a", "b", "c"][input.below(3)];
-                let query = String::from_utf8_lossy(input.bytes(40)).into_owned();
-                let id = router.add_backend(AgentInfo {
-                    agent_id: AgentId(agent.to_owned()),
-                    identifiers: AgentIdentifiers::parse(&query),
-                });
-                watch.live.insert(id);
-                backends.push(id);
-            }
-            2..=5 => {
-                if let (Some(fe), Some(packet)) = (fe, packet(&mut input)) {
-                    if let proto::packet::PacketKind::DialReq(r) = packet.clone().into_kind() {
-                        *watch.requests.entry((fe, r.random)).or_default() += 1;
-                    }
-                    sender = Some(fe);
-                    router.frontend_packet(now, fe, packet, &mut out);
+            2..=11 => self.packet_event(op, fe, be, input),
+            12 => {
+                if let (Some(fe), Some(be)) = (fe, be) {
+                    self.connection_event(fe, be, input);
                 }
+                None
+            }
+            13..=14 => {
+                self.end_stream(op, fe, be);
+                None
+            }
+            _ => {
+                self.now += Duration::from_secs(u64::from(input.byte() % 8));
+                self.router.handle_timeout(self.now, &mut self.out);
+                None
+            }
+        };
+        self.watch.see(sender, &self.out);
+        self.router.check();
+        assert_eq!(self.watch.open.len(), self.router.established_count());
+        if let Some(at) = self.router.poll_timeout() {
+            assert!(
+                at > self.now || op != 15,
+                "a deadline at or before now survived handle_timeout"
+            );
+        }
+    }
+
+    /// Op 0: a frontend stream; op 1: an agent stream.
+    fn add_stream(&mut self, op: usize, input: &mut Input<'_>) {
+        if op == 0 {
+            let kind = if input.byte().is_multiple_of(2) {
+                FrontendKind::Grpc
+            } else {
+                FrontendKind::HttpConnect
+            };
+            self.frontends.push(self.router.add_frontend(kind));
+            return;
+        }
+        let agent = ["a", "b", "c"][input.below(3)];
+        let query = String::from_utf8_lossy(input.bytes(40)).into_owned();
+        let id = self.router.add_backend(AgentInfo {
+            agent_id: AgentId(agent.to_owned()),
+            identifiers: AgentIdentifiers::parse(&query),
+        });
+        self.watch.live.insert(id);
+        self.backends.push(id);
+    }
+
+    /// Ops 2 to 11: a packet from a frontend or an agent, a DIAL_REQ
+    /// forwarded or not. Returns the frontend that sent a packet.
+    fn packet_event(
+        &mut self,
+        op: usize,
+        fe: Option<FrontendId>,
+        be: Option<BackendId>,
+        input: &mut Input<'_>,
+    ) -> Option<FrontendId> {
+        let now = self.now;
+        match op {
+            2..=5 => {
+                let (Some(fe), Some(packet)) = (fe, packet(input)) else {
+                    return None;
+                };
+                if let proto::packet::PacketKind::DialReq(r) = packet.clone().into_kind() {
+                    *self.watch.requests.entry((fe, r.random)).or_default() += 1;
+                }
+                self.router.frontend_packet(now, fe, packet, &mut self.out);
+                return Some(fe);
             }
             6..=9 => {
-                if let (Some(be), Some(packet)) = (be, packet(&mut input)) {
-                    router.backend_packet(now, be, packet, &mut out);
+                if let (Some(be), Some(packet)) = (be, packet(input)) {
+                    self.router.backend_packet(now, be, packet, &mut self.out);
                 }
             }
             10 => {
                 if let Some(be) = be {
-                    router.dial_forwarded(now, DialId(input.id()), be);
+                    self.router.dial_forwarded(now, DialId(input.id()), be);
                 }
             }
-            11 => {
+            _ => {
                 if let (Some(fe), Some(be)) = (fe, be) {
                     let why = if input.byte().is_multiple_of(2) {
                         ForwardFailure::Closed
                     } else {
                         ForwardFailure::TimedOut
                     };
-                    router.dial_not_forwarded(fe, DialId(input.id()), be, why, &mut out);
+                    let dial = DialId(input.id());
+                    self.router
+                        .dial_not_forwarded(fe, dial, be, why, &mut self.out);
                 }
-            }
-            12 => {
-                if let (Some(fe), Some(be)) = (fe, be) {
-                    let conn = ConnId(input.id());
-                    match input.below(4) {
-                        0 => router.dial_rsp_undelivered(fe, be, conn, &mut out),
-                        1 => router.overflow(now, be, conn, &mut out),
-                        2 => router.upload_stalled(now, be, conn, &mut out),
-                        _ => router.close_stalled(now, &[(be, conn)], &mut out),
-                    }
-                }
-            }
-            13 => {
-                if let Some(fe) = fe {
-                    router.frontend_closed(now, fe, &mut out);
-                    frontends.retain(|f| *f != fe);
-                }
-            }
-            14 => {
-                if let Some(be) = be {
-                    router.backend_closed(now, be, &mut out);
-                    backends.retain(|b| *b != be);
-                    watch.live.remove(&be);
-                }
-            }
-            _ => {
-                now += Duration::from_secs(u64::from(input.byte() % 8));
-                router.handle_timeout(now, &mut out);
             }
         }
-        watch.see(sender, &out);
+        None
+    }
+
+    /// Op 12: a DIAL_RSP undelivered, an overflow or a stall of one connection.
+    fn connection_event(&mut self, fe: FrontendId, be: BackendId, input: &mut Input<'_>) {
+        let (now, out) = (self.now, &mut self.out);
+        let conn = ConnId(input.id());
+        match input.below(4) {
+            0 => self.router.dial_rsp_undelivered(fe, be, conn, out),
+            1 => self.router.overflow(now, be, conn, out),
+            2 => self.router.upload_stalled(now, be, conn, out),
+            _ => self.router.close_stalled(now, &[(be, conn)], out),
+        }
+    }
+
+    /// Op 13: a frontend stream ends; op 14: an agent stream ends.
+    fn end_stream(&mut self, op: usize, fe: Option<FrontendId>, be: Option<BackendId>) {
+        match (op, fe, be) {
+            (13, Some(fe), _) => {
+                self.router.frontend_closed(self.now, fe, &mut self.out);
+                self.frontends.retain(|f| *f != fe);
+            }
+            (14, _, Some(be)) => {
+                self.router.backend_closed(self.now, be, &mut self.out);
+                self.backends.retain(|b| *b != be);
+                self.watch.live.remove(&be);
+            }
+            _ => {}
+        }
+    }
+
+    /// Every stream ends: every table must be empty.
+    fn finish(mut self) {
+        self.out.clear();
+        for fe in std::mem::take(&mut self.frontends) {
+            self.router.frontend_closed(self.now, fe, &mut self.out);
+        }
+        for be in std::mem::take(&mut self.backends) {
+            self.router.backend_closed(self.now, be, &mut self.out);
+        }
+        self.watch.see(None, &self.out);
+        let router = &self.router;
         router.check();
-        assert_eq!(watch.open.len(), router.established_count());
-        if let Some(at) = router.poll_timeout() {
-            assert!(
-                at > now || op != 15,
-                "a deadline at or before now survived handle_timeout"
-            );
-        }
+        assert!(
+            self.watch.open.is_empty(),
+            "flow state left for {:?}",
+            self.watch.open
+        );
+        assert_eq!(
+            (
+                router.frontend_count(),
+                router.backend_count(),
+                router.pending_count(),
+                router.established_count()
+            ),
+            (0, 0, 0, 0)
+        );
+        assert_eq!(router.poll_timeout(), None);
+        assert!(!router.is_ready());
     }
-    out.clear();
-    for fe in frontends {
-        router.frontend_closed(now, fe, &mut out);
-    }
-    for be in backends {
-        router.backend_closed(now, be, &mut out);
-    }
-    watch.see(None, &out);
-    router.check();
-    assert!(
-        watch.open.is_empty(),
-        "flow state left for {:?}",
-        watch.open
-    );
-    assert_eq!(
-        (
-            router.frontend_count(),
-            router.backend_count(),
-            router.pending_count(),
-            router.established_count()
-        ),
-        (0, 0, 0, 0)
-    );
-    assert_eq!(router.poll_timeout(), None);
-    assert!(!router.is_ready());
 }
 
 /// A reader that hands over `pieces` one per read, then the end.
