@@ -2,14 +2,27 @@
 
 use std::fmt::Write as _;
 
-use super::{SoakOpt, SoakResult, secs, traffic::Kind, watch::Resource};
+use super::{SoakOpt, SoakResult, faults::FaultRecord, secs, traffic::Kind, watch::Resource};
 
 /// MiB.
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// The Markdown of one run.
+/// The Markdown of one run: its command and load, then a section per
+/// table.
 pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
     let mut out = String::new();
+    heading(&mut out, r, opt);
+    traffic(&mut out, r);
+    destination(&mut out, r);
+    faults(&mut out, r);
+    books(&mut out, r);
+    curves(&mut out, r);
+    verdict(&mut out, r);
+    out
+}
+
+/// The run's mode, length, command line and load per frontend.
+fn heading(out: &mut String, r: &SoakResult, opt: &SoakOpt) {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let _ = writeln!(
         out,
@@ -28,8 +41,10 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
         opt.load.bulk_bytes / (1024 * 1024),
         opt.load.bulk_rate as f64 / 1e6
     );
+}
 
-    // Traffic.
+/// The exchanges per frontend and in all.
+fn traffic(out: &mut String, r: &SoakResult) {
     let _ = writeln!(
         out,
         "| frontend | exchanges | ok | ended with an error | cut by an EOF (CONNECT) | lost silently | bytes checked | slowest dial | dials past the timeout |"
@@ -70,6 +85,10 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
         total[5] as f64 / 1e9,
         total[6]
     );
+}
+
+/// The CONNECT tunnels cut by an EOF, and what the destination saw.
+fn destination(out: &mut String, r: &SoakResult) {
     let _ = writeln!(
         out,
         "Cut by an EOF: HTTP CONNECT tunnels on the Unix socket whose agent or server died ({} \
@@ -85,8 +104,10 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
          SIGKILL, whose kernel closes its sockets with a FIN), **{} altered**, {} open at the end.\n",
         d.accepted, d.complete, d.reset, d.truncated, r.dest_killed, d.corrupt, d.open
     );
+}
 
-    // Faults.
+/// A row per fault, then how many of each kind.
+fn faults(out: &mut String, r: &SoakResult) {
     let _ = writeln!(
         out,
         "| # | at | fault | on | back | dials served | healthy rate kept | all traffic's rate kept ({}) | resources back | note |",
@@ -97,30 +118,7 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     );
     for (i, f) in r.faults.iter().enumerate() {
-        let rates = f
-            .rates
-            .iter()
-            .map(|r| r.map_or("-".to_owned(), |r| format!("{:.0} %", r * 100.0)))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let resources = match f.resources_s {
-            Some(s) => format!("{s:.0} s"),
-            None => format!("**no**: {}", f.resources_note),
-        };
-        let _ = writeln!(
-            out,
-            "| {} | {:.0} s | {} | {} | {} | {} | {} ({}) | {rates} | {resources} | {} |",
-            i + 1,
-            f.started,
-            f.fault.name(),
-            f.target,
-            secs(f.back_s),
-            secs(f.dials_s),
-            f.healthy
-                .map_or("?".to_owned(), |r| format!("{:.0} %", r * 100.0)),
-            f.healthy_what,
-            f.note
-        );
+        fault_row(out, i, f);
     }
     let mut kinds: Vec<(&str, usize)> = Vec::new();
     for f in &r.faults {
@@ -139,8 +137,38 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
+}
 
-    // Books.
+/// The row of the `i`th fault.
+fn fault_row(out: &mut String, i: usize, f: &FaultRecord) {
+    let rates = f
+        .rates
+        .iter()
+        .map(|r| r.map_or("-".to_owned(), |r| format!("{:.0} %", r * 100.0)))
+        .collect::<Vec<_>>()
+        .join(" / ");
+    let resources = match f.resources_s {
+        Some(s) => format!("{s:.0} s"),
+        None => format!("**no**: {}", f.resources_note),
+    };
+    let _ = writeln!(
+        out,
+        "| {} | {:.0} s | {} | {} | {} | {} | {} ({}) | {rates} | {resources} | {} |",
+        i + 1,
+        f.started,
+        f.fault.name(),
+        f.target,
+        secs(f.back_s),
+        secs(f.dials_s),
+        f.healthy
+            .map_or("?".to_owned(), |r| format!("{:.0} %", r * 100.0)),
+        f.healthy_what,
+        f.note
+    );
+}
+
+/// Each process's books at the end, and their largest gap meanwhile.
+fn books(out: &mut String, r: &SoakResult) {
     let _ = writeln!(
         out,
         "| process | opened | closed | open | largest gap in a sample while traffic ran |"
@@ -160,23 +188,17 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
             }
         }
     }
+}
 
-    // Curves.
+/// Each process's resources: the baseline, then the least over each
+/// minute.
+fn curves(out: &mut String, r: &SoakResult) {
     let _ = writeln!(
         out,
         "\nRSS / allocated (MiB) / descriptors / tasks, least over each minute (the baseline: the median over the baseline window of each 10-second window's least, what a fault's check compares with its last 10 seconds' least; allocated: jemalloc's, what the program holds, least over the baseline window):\n"
     );
     let _ = writeln!(out, "| minute | {} |", r.slot_names.join(" | "));
     let _ = writeln!(out, "| --- |{}", " --- |".repeat(r.slot_names.len()));
-    let cell = |v: [Option<f64>; 3], allocated: Option<f64>| match v {
-        [Some(rss), Some(fds), tasks] => format!(
-            "{:.1} / {} / {fds:.0} / {}",
-            rss / MIB,
-            allocated.map_or("?".to_owned(), |a| format!("{:.1}", a / MIB)),
-            tasks.map_or("?".to_owned(), |t| format!("{t:.0}"))
-        ),
-        _ => "-".to_owned(),
-    };
     let (base_from, base_to) = r.baseline_window;
     let _ = writeln!(
         out,
@@ -184,7 +206,7 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
         r.baseline
             .iter()
             .enumerate()
-            .map(|(slot, (_, b))| cell(
+            .map(|(slot, (_, b))| resource_cell(
                 *b,
                 super::watch::least_allocated(&r.samples, slot, base_from, base_to)
             ))
@@ -196,7 +218,7 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
         let (from, to) = (m as f64 * 60.0, (m + 1) as f64 * 60.0);
         let cells: Vec<String> = (0..r.slot_names.len())
             .map(|slot| {
-                cell(
+                resource_cell(
                     Resource::ALL.map(|res| super::watch::least(&r.samples, slot, res, from, to)),
                     super::watch::least_allocated(&r.samples, slot, from, to),
                 )
@@ -204,8 +226,24 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
             .collect();
         let _ = writeln!(out, "| {} | {} |", m + 1, cells.join(" | "));
     }
+}
 
-    // Verdict.
+/// One process's `RSS / allocated / descriptors / tasks`, `-` without RSS
+/// or descriptors.
+fn resource_cell(v: [Option<f64>; 3], allocated: Option<f64>) -> String {
+    match v {
+        [Some(rss), Some(fds), tasks] => format!(
+            "{:.1} / {} / {fds:.0} / {}",
+            rss / MIB,
+            allocated.map_or("?".to_owned(), |a| format!("{:.1}", a / MIB)),
+            tasks.map_or("?".to_owned(), |t| format!("{t:.0}"))
+        ),
+        _ => "-".to_owned(),
+    }
+}
+
+/// Whether every invariant held, else those that did not.
+fn verdict(out: &mut String, r: &SoakResult) {
     if r.violations.is_empty() {
         let _ = writeln!(out, "\nEvery invariant held.");
     } else {
@@ -214,7 +252,6 @@ pub fn markdown(r: &SoakResult, opt: &SoakOpt) -> String {
             let _ = writeln!(out, "- {v}");
         }
     }
-    out
 }
 
 #[cfg(test)]
