@@ -12,6 +12,7 @@ mod anp_surface;
 mod cert_rotation;
 mod cli;
 mod data_path;
+mod data_path_modules;
 mod dial_retries;
 mod docs_args;
 mod drain;
