@@ -695,67 +695,111 @@ async fn dials_of(agent: &Agent) -> anyhow::Result<f64> {
     ))
 }
 
-/// (to the busy agent, to the two idle ones) of 300 new dials.
+/// Tunnels the p2c holder keeps open on the first agent.
+const P2C_HELD: usize = 100;
+/// New tunnels of the p2c part.
+const P2C_NEW: usize = 300;
+
+/// (to the busy agent, to the two idle ones) of [`P2C_NEW`] new dials:
+/// one agent holds [`P2C_HELD`] tunnels before the other two join.
 async fn p2c_run(
     bins: &Binaries,
     dir: &Path,
     opt: &RetriesOpt,
     host_ip: Ipv4Addr,
 ) -> anyhow::Result<(f64, f64)> {
-    const HELD: usize = 100;
-    const NEW: usize = 300;
     let echo = Echo::start(host_ip).await?;
     let mut rig = Rig::server(bins, dir, host_ip, "p2c", &[]).await?;
     rig.add_agent(bins, None)?;
     rig.wait_agents(1).await?;
     // The agent's health port answers once it is up.
-    let started = Instant::now();
-    while dials_of(&rig.agents[0]).await.is_err() {
-        if started.elapsed() > Duration::from_secs(30) {
-            bail!("the p2c agent's /metrics did not answer within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_dials_answer(&rig.agents[0], "the p2c agent").await?;
     let uds = format!("-uds={}", rig.uds.display());
     let addr = format!("-addr={}", echo.addr);
-    let mut holder = Command::new(&opt.go.path)
-        .args([&uds, "many", &addr, &format!("-count={HELD}")])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting the grpc-go frontend (many)")?;
-    let stdout = holder.stdout.take().context("its stdout")?;
-    let first = tokio::time::timeout(
-        Duration::from_secs(60),
-        BufReader::new(stdout).lines().next_line(),
-    )
-    .await
-    .context("the holder did not open its tunnels within 60 s")??
-    .context("the holder exited before opening its tunnels")?;
-    if !first.contains(&format!("\"open\":{HELD}")) {
-        bail!("the holder said {first:?}");
-    }
+    let holder = Holder::start(&opt.go, &uds, &addr).await?;
     rig.add_agent(bins, None)?;
     rig.add_agent(bins, None)?;
     rig.wait_agents(3).await?;
     for agent in &rig.agents[1..] {
-        let started = Instant::now();
-        while dials_of(agent).await.is_err() {
-            if started.elapsed() > Duration::from_secs(30) {
-                bail!("a p2c agent's /metrics did not answer within 30 s");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_dials_answer(agent, "a p2c agent").await?;
     }
     let before = dials_of(&rig.agents[0]).await?;
-    let out = Command::new(&opt.go.path)
+    new_dials(&opt.go, &uds, &addr).await?;
+    let busy = dials_of(&rig.agents[0]).await? - before;
+    let idle = dials_of(&rig.agents[1]).await? + dials_of(&rig.agents[2]).await?;
+    holder.finish().await?;
+    Ok((busy, idle))
+}
+
+/// Waits up to 30 s for `agent`'s dial count to answer; `who` names it in
+/// the error.
+async fn wait_dials_answer(agent: &Agent, who: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while dials_of(agent).await.is_err() {
+        if started.elapsed() > Duration::from_secs(30) {
+            bail!("{who}'s /metrics did not answer within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// The grpc-go frontend holding [`P2C_HELD`] tunnels open until its stdin
+/// closes (`many` mode).
+struct Holder {
+    child: tokio::process::Child,
+}
+
+impl Holder {
+    /// Starts it with `uds` and `addr` (its `-uds=`, `-addr=` flags) and
+    /// waits until it says its tunnels are open.
+    async fn start(go: &GoFrontend, uds: &str, addr: &str) -> anyhow::Result<Self> {
+        let mut child = Command::new(&go.path)
+            .args([uds, "many", addr, &format!("-count={P2C_HELD}")])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the grpc-go frontend (many)")?;
+        let stdout = child.stdout.take().context("its stdout")?;
+        let first = tokio::time::timeout(
+            Duration::from_secs(60),
+            BufReader::new(stdout).lines().next_line(),
+        )
+        .await
+        .context("the holder did not open its tunnels within 60 s")??
+        .context("the holder exited before opening its tunnels")?;
+        if !first.contains(&format!("\"open\":{P2C_HELD}")) {
+            bail!("the holder said {first:?}");
+        }
+        Ok(Self { child })
+    }
+
+    /// Closes its stdin and waits for it to close its tunnels cleanly.
+    async fn finish(mut self) -> anyhow::Result<()> {
+        if let Some(mut stdin) = self.child.stdin.take() {
+            let _ = stdin.shutdown().await;
+        }
+        let status = tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .context("the holder did not close its tunnels within 60 s")??;
+        if !status.success() {
+            bail!("the holder's tunnels failed at the end ({status})");
+        }
+        Ok(())
+    }
+}
+
+/// [`P2C_NEW`] single-use tunnels, 4 at a time, with the grpc-go
+/// frontend's `dials` mode.
+async fn new_dials(go: &GoFrontend, uds: &str, addr: &str) -> anyhow::Result<()> {
+    let out = Command::new(&go.path)
         .args([
-            &uds,
+            uds,
             "dials",
-            &addr,
-            &format!("-count={NEW}"),
+            addr,
+            &format!("-count={P2C_NEW}"),
             "-concurrency=4",
         ])
         .stdin(Stdio::null())
@@ -767,18 +811,7 @@ async fn p2c_run(
     if !out.status.success() {
         bail!("the grpc-go frontend's dials failed ({})", out.status);
     }
-    let busy = dials_of(&rig.agents[0]).await? - before;
-    let idle = dials_of(&rig.agents[1]).await? + dials_of(&rig.agents[2]).await?;
-    if let Some(mut stdin) = holder.stdin.take() {
-        let _ = stdin.shutdown().await;
-    }
-    let status = tokio::time::timeout(Duration::from_secs(60), holder.wait())
-        .await
-        .context("the holder did not close its tunnels within 60 s")??;
-    if !status.success() {
-        bail!("the holder's tunnels failed at the end ({status})");
-    }
-    Ok((busy, idle))
+    Ok(())
 }
 
 /// Runs the three parts and records their rows (grpc column); returns the
@@ -799,15 +832,37 @@ pub async fn run(
         .context("generating the retries scenario's certificates")?
         .write_to(&pki)
         .context("writing the retries scenario's certificates")?;
-    let mut push = |def: &report::Def, value: Option<f64>| rec.push(def, Route::Grpc, 0, value);
-    let count = |n: usize| Some(n as f64);
+    kill_part(bins, &pki, opt, node.host_ip, rec).await?;
+    slow_part(bins, &pki, opt, &node, rec).await?;
+    p2c_part(bins, &pki, opt, node.host_ip, rec).await?;
+    Ok(vec![note(opt)])
+}
 
+/// Records `value` in the grpc column.
+fn push(rec: &mut Recorder, def: &report::Def, value: Option<f64>) {
+    rec.push(def, Route::Grpc, 0, value);
+}
+
+/// A count as a value.
+fn count(n: usize) -> Option<f64> {
+    Some(n as f64)
+}
+
+/// The kill runs: hung first and plain, with `--backend-dial-retries` 1
+/// and 0 (ANP).
+async fn kill_part(
+    bins: &Binaries,
+    pki: &Path,
+    opt: &RetriesOpt,
+    host_ip: Ipv4Addr,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
     for (hang, retries) in [(Some(HANG), 1), (Some(HANG), 0), (None, 1), (None, 0)] {
         eprintln!(
             "retries kill: {} kills (hung {hang:?} first) at {}/s, --backend-dial-retries={retries} ...",
             opt.kills, opt.rate
         );
-        let k = kill_run(bins, &pki, opt, node.host_ip, (hang, retries)).await?;
+        let k = kill_run(bins, pki, opt, host_ip, (hang, retries)).await?;
         eprintln!(
             "retries kill: {} tunnels, {} dials failed, {} cut after DIAL_RSP, {} retried \
              (server), {} failed backend_close (server), {} identified as waiting on a killed agent",
@@ -818,44 +873,65 @@ pub async fn run(
             k.backend_close,
             k.after_death.len()
         );
-        if hang.is_none() {
-            if retries == 1 {
-                push(&report::RETRIES_KILL_PLAIN_FAILED, count(k.failed_dials));
-                push(&report::RETRIES_KILL_PLAIN_RETRIED, Some(k.retried));
-                push(&report::RETRIES_KILL_PLAIN_CUT, count(k.cut));
-            } else {
-                push(
-                    &report::RETRIES_KILL_PLAIN_FAILED_ANP,
-                    count(k.failed_dials),
-                );
+        push_kill(rec, (hang.is_some(), retries), &k);
+    }
+    Ok(())
+}
+
+/// The rows of one kill run: those of a hung or a plain kill, with
+/// retries (1) or without (0).
+fn push_kill(rec: &mut Recorder, (hung, retries): (bool, u32), k: &KillRun) {
+    match (hung, retries) {
+        (false, 1) => {
+            push(
+                rec,
+                &report::RETRIES_KILL_PLAIN_FAILED,
+                count(k.failed_dials),
+            );
+            push(rec, &report::RETRIES_KILL_PLAIN_RETRIED, Some(k.retried));
+            push(rec, &report::RETRIES_KILL_PLAIN_CUT, count(k.cut));
+        }
+        (false, _) => {
+            push(
+                rec,
+                &report::RETRIES_KILL_PLAIN_FAILED_ANP,
+                count(k.failed_dials),
+            );
+        }
+        (true, 1) => {
+            push(rec, &report::RETRIES_KILL_FAILED, count(k.failed_dials));
+            push(rec, &report::RETRIES_KILL_RETRIED, Some(k.retried));
+            push(rec, &report::RETRIES_KILL_CUT, count(k.cut));
+            push(
+                rec,
+                &report::RETRIES_KILL_WAITED,
+                count(k.after_death.len()),
+            );
+            for (def, values, q) in [
+                (&report::RETRIES_KILL_AFTER_P50, &k.after_death, 0.5),
+                (&report::RETRIES_KILL_AFTER_P99, &k.after_death, 0.99),
+                (&report::RETRIES_KILL_HEALTHY_P50, &k.healthy, 0.5),
+                (&report::RETRIES_KILL_HEALTHY_P99, &k.healthy, 0.99),
+            ] {
+                push(rec, def, quantile_ms(values, q));
             }
-        } else if retries == 1 {
-            push(&report::RETRIES_KILL_FAILED, count(k.failed_dials));
-            push(&report::RETRIES_KILL_RETRIED, Some(k.retried));
-            push(&report::RETRIES_KILL_CUT, count(k.cut));
-            push(&report::RETRIES_KILL_WAITED, count(k.after_death.len()));
-            push(
-                &report::RETRIES_KILL_AFTER_P50,
-                quantile_ms(&k.after_death, 0.5),
-            );
-            push(
-                &report::RETRIES_KILL_AFTER_P99,
-                quantile_ms(&k.after_death, 0.99),
-            );
-            push(
-                &report::RETRIES_KILL_HEALTHY_P50,
-                quantile_ms(&k.healthy, 0.5),
-            );
-            push(
-                &report::RETRIES_KILL_HEALTHY_P99,
-                quantile_ms(&k.healthy, 0.99),
-            );
-        } else {
-            push(&report::RETRIES_KILL_FAILED_ANP, count(k.failed_dials));
+        }
+        (true, _) => {
+            push(rec, &report::RETRIES_KILL_FAILED_ANP, count(k.failed_dials));
         }
     }
+}
 
-    // Interleaved in rounds, so that the machine's drift falls on all three.
+/// The slow runs: all healthy, slowed with hedging off, slowed with it
+/// on, interleaved in rounds so that the machine's drift falls on all
+/// three.
+async fn slow_part(
+    bins: &Binaries,
+    pki: &Path,
+    opt: &RetriesOpt,
+    node: &Node,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
     let rounds: u32 = if opt.duration >= SLOW_ROUND * 2 {
         u32::try_from(opt.duration.as_secs() / SLOW_ROUND.as_secs()).unwrap_or(1)
     } else {
@@ -873,7 +949,7 @@ pub async fn run(
         .enumerate()
         {
             let label = format!("{label}-{round}");
-            let s = slow_run(bins, &pki, opt, &node, (&label, slowed, hedge), per_round).await?;
+            let s = slow_run(bins, pki, opt, node, (&label, slowed, hedge), per_round).await?;
             eprintln!(
                 "retries slow: {label}: {} dials, {} failed, p50 {:?} ms, p99 {:?} ms, \
                  p99.9 {:?} ms, {} took >= 0.9 s; {} SYNs held; {} hedged, {} won",
@@ -893,51 +969,91 @@ pub async fn run(
     let [healthy, off, on] = &slow[..] else {
         bail!("three slow runs expected");
     };
+    push_slow(rec, healthy, off, on);
+    Ok(())
+}
+
+/// The rows of the slow runs: each one's latency quantiles, the slowed
+/// runs' p99 against the healthy one's, the slow dials, SYNs held and
+/// hedges.
+fn push_slow(rec: &mut Recorder, healthy: &SlowRun, off: &SlowRun, on: &SlowRun) {
     let p99 = |s: &SlowRun| quantile_ms(&s.dials, 0.99);
     let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+    for (run, [p50_row, p99_row, p999_row]) in [
+        (
+            healthy,
+            [
+                &report::RETRIES_SLOW_HEALTHY_P50,
+                &report::RETRIES_SLOW_HEALTHY_P99,
+                &report::RETRIES_SLOW_HEALTHY_P999,
+            ],
+        ),
+        (
+            off,
+            [
+                &report::RETRIES_SLOW_OFF_P50,
+                &report::RETRIES_SLOW_OFF_P99,
+                &report::RETRIES_SLOW_OFF_P999,
+            ],
+        ),
+        (
+            on,
+            [
+                &report::RETRIES_SLOW_ON_P50,
+                &report::RETRIES_SLOW_ON_P99,
+                &report::RETRIES_SLOW_ON_P999,
+            ],
+        ),
+    ] {
+        push(rec, p50_row, quantile_ms(&run.dials, 0.5));
+        push(rec, p99_row, p99(run));
+        push(rec, p999_row, quantile_ms(&run.dials, 0.999));
+    }
     push(
-        &report::RETRIES_SLOW_HEALTHY_P50,
-        quantile_ms(&healthy.dials, 0.5),
-    );
-    push(&report::RETRIES_SLOW_HEALTHY_P99, p99(healthy));
-    push(
-        &report::RETRIES_SLOW_HEALTHY_P999,
-        quantile_ms(&healthy.dials, 0.999),
-    );
-    push(&report::RETRIES_SLOW_OFF_P50, quantile_ms(&off.dials, 0.5));
-    push(&report::RETRIES_SLOW_OFF_P99, p99(off));
-    push(
-        &report::RETRIES_SLOW_OFF_P999,
-        quantile_ms(&off.dials, 0.999),
-    );
-    push(&report::RETRIES_SLOW_ON_P50, quantile_ms(&on.dials, 0.5));
-    push(&report::RETRIES_SLOW_ON_P99, p99(on));
-    push(&report::RETRIES_SLOW_ON_P999, quantile_ms(&on.dials, 0.999));
-    push(
+        rec,
         &report::RETRIES_SLOW_OFF_RATIO,
         ratio(p99(off), p99(healthy)),
     );
-    push(&report::RETRIES_SLOW_ON_RATIO, ratio(p99(on), p99(healthy)));
-    push(&report::RETRIES_SLOW_OFF_SECOND, count(off.slow()));
-    push(&report::RETRIES_SLOW_ON_SECOND, count(on.slow()));
-    push(&report::RETRIES_SLOW_HELD_OFF, Some(off.held as f64));
-    push(&report::RETRIES_SLOW_HELD_ON, Some(on.held as f64));
-    push(&report::RETRIES_SLOW_HEDGED, Some(on.hedges));
-    push(&report::RETRIES_SLOW_WON, Some(on.won));
     push(
+        rec,
+        &report::RETRIES_SLOW_ON_RATIO,
+        ratio(p99(on), p99(healthy)),
+    );
+    push(rec, &report::RETRIES_SLOW_OFF_SECOND, count(off.slow()));
+    push(rec, &report::RETRIES_SLOW_ON_SECOND, count(on.slow()));
+    push(rec, &report::RETRIES_SLOW_HELD_OFF, Some(off.held as f64));
+    push(rec, &report::RETRIES_SLOW_HELD_ON, Some(on.held as f64));
+    push(rec, &report::RETRIES_SLOW_HEDGED, Some(on.hedges));
+    push(rec, &report::RETRIES_SLOW_WON, Some(on.won));
+    push(
+        rec,
         &report::RETRIES_SLOW_FAILED,
         count(healthy.failed + off.failed + on.failed),
     );
+}
 
+/// The p2c run and its row: the share of new dials the idle agents got.
+async fn p2c_part(
+    bins: &Binaries,
+    pki: &Path,
+    opt: &RetriesOpt,
+    host_ip: Ipv4Addr,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
     eprintln!("retries p2c: 100 tunnels held on one agent of three, 300 new ...");
-    let (busy, idle) = p2c_run(bins, &pki, opt, node.host_ip).await?;
+    let (busy, idle) = p2c_run(bins, pki, opt, host_ip).await?;
     eprintln!("retries p2c: {busy} to the busy agent, {idle} to the two idle ones");
     push(
+        rec,
         &report::RETRIES_P2C_IDLE,
         Some(idle / (busy + idle) * 100.0),
     );
+    Ok(())
+}
 
-    Ok(vec![format!(
+/// The report's note on how the scenario ran.
+fn note(opt: &RetriesOpt) -> String {
+    format!(
         "retries runs once, after storm, each part on a fresh server with three agents, \
          kube-apiserver's grpc-go client starting single-use tunnels at {rate}/s (1 KiB echoed \
          each): kill = {kills} times one agent in turn stops answering (SIGSTOP) for {hang:?}, \
@@ -958,5 +1074,5 @@ pub async fn run(
         waited = WAITED,
         dur = opt.duration,
         round = SLOW_ROUND,
-    )])
+    )
 }
