@@ -105,99 +105,128 @@ pub fn agent_table(data: &[u8]) {
         next_handle += 1;
         next_handle
     });
-    // The model: dials in progress, tickets that ended, open connections.
-    let mut live: HashMap<DialId, DialTicket> = HashMap::new();
-    let mut stale: Vec<DialTicket> = Vec::new();
-    let mut conns: HashSet<ConnId> = HashSet::new();
-    let mut ids_seen: HashSet<ConnId> = HashSet::new();
-    let mut ended = false;
+    let mut model = TableModel {
+        flow_control,
+        ..TableModel::default()
+    };
     while !input.is_empty() {
         match input.below(8) {
-            0..=3 => {
-                let Some(packet) = server_packet(&mut input) else {
-                    continue;
-                };
-                let credit = flow::parse_credit(&packet);
-                let kind = packet.clone().into_kind();
-                let step = t.handle(packet);
-                if let Some((conn, amount)) = credit {
-                    match step {
-                        Step::Grant { conn: c, credit } => {
-                            assert!(flow_control && conns.contains(&c));
-                            assert_eq!((c.0, credit), (conn, amount));
-                        }
-                        Step::Ignore(_) => {
-                            assert!(!flow_control || !conns.contains(&ConnId(conn)));
-                        }
-                        other => panic!("credit gave {other:?}"),
-                    }
-                    t.check();
-                    continue;
-                }
-                check_step(&kind, step, ended, &mut live, &mut stale, &mut conns);
-            }
-            4 | 5 => {
-                let ticket = if input.byte().is_multiple_of(2) {
-                    let mut tickets: Vec<DialTicket> = live.values().copied().collect();
-                    tickets.sort_by_key(|t| t.dial);
-                    (!tickets.is_empty()).then(|| tickets[input.below(tickets.len())])
-                } else {
-                    (!stale.is_empty()).then(|| stale[input.below(stale.len())])
-                };
-                let Some(ticket) = ticket else { continue };
-                let ok = !input.byte().is_multiple_of(3);
-                let was_live = live.get(&ticket.dial) == Some(&ticket);
-                let outcome = if ok { Ok(7u32) } else { Err("refused") };
-                match t.dialed(ticket, outcome) {
-                    Dialed::Open { conn, reply } => {
-                        assert!(was_live && ok, "a dial not in progress opened");
-                        assert!(ids_seen.insert(conn), "connection id {conn:?} reused");
-                        assert!(conns.insert(conn));
-                        assert_eq!(
-                            reply,
-                            Packet::dial_response(ticket.dial.0, conn.0, ""),
-                            "the DIAL_RSP"
-                        );
-                        live.remove(&ticket.dial);
-                        stale.push(ticket);
-                    }
-                    Dialed::Failed { reply } => {
-                        assert!(was_live && !ok, "a dial not in progress failed");
-                        assert_eq!(reply, Packet::dial_response(ticket.dial.0, 0, "refused"));
-                        live.remove(&ticket.dial);
-                        stale.push(ticket);
-                    }
-                    Dialed::Cancelled => assert!(!was_live, "a dial in progress was cancelled"),
-                }
-            }
+            0..=3 => model.packet(&mut t, &mut input),
+            4 | 5 => model.dialed(&mut t, &mut input),
             6 => {
                 let conn = ConnId(input.id());
                 let removed = t.remove(conn);
-                assert_eq!(removed.is_some(), conns.remove(&conn));
+                assert_eq!(removed.is_some(), model.conns.remove(&conn));
             }
             _ => {
                 if input.byte().is_multiple_of(4) {
-                    let (dials, open) = t.stream_ended();
-                    assert_eq!((dials.len(), open.len()), (live.len(), conns.len()));
-                    stale.extend(live.drain().map(|(_, t)| t));
-                    conns.clear();
-                    ended = true;
+                    model.stream_ended(&mut t);
                 }
             }
         }
         t.check();
-        assert_eq!(t.len(), conns.len());
-        assert_eq!(t.dials_in_progress(), live.len());
+        assert_eq!(t.len(), model.conns.len());
+        assert_eq!(t.dials_in_progress(), model.live.len());
     }
-    let (dials, open) = t.stream_ended();
-    assert_eq!((dials.len(), open.len()), (live.len(), conns.len()));
-    stale.extend(live.drain().map(|(_, t)| t));
-    for ticket in stale {
+    model.stream_ended(&mut t);
+    for ticket in model.stale {
         assert_eq!(t.dialed::<String>(ticket, Ok(0)), Dialed::Cancelled);
     }
     t.check();
     assert!(t.is_empty());
     assert_eq!(t.dials_in_progress(), 0);
+}
+
+/// What [`agent_table`] expects of the table: dials in progress, tickets
+/// that ended, open connections.
+#[derive(Default)]
+struct TableModel {
+    flow_control: bool,
+    live: HashMap<DialId, DialTicket>,
+    stale: Vec<DialTicket>,
+    conns: HashSet<ConnId>,
+    ids_seen: HashSet<ConnId>,
+    ended: bool,
+}
+
+impl TableModel {
+    /// A packet from the server, handled by the table.
+    fn packet(&mut self, t: &mut StreamTable<u32, u32>, input: &mut Input<'_>) {
+        let Some(packet) = server_packet(input) else {
+            return;
+        };
+        let credit = flow::parse_credit(&packet);
+        let kind = packet.clone().into_kind();
+        let step = t.handle(packet);
+        let Some((conn, amount)) = credit else {
+            let Self {
+                live,
+                stale,
+                conns,
+                ended,
+                ..
+            } = self;
+            return check_step(&kind, step, *ended, live, stale, conns);
+        };
+        match step {
+            Step::Grant { conn: c, credit } => {
+                assert!(self.flow_control && self.conns.contains(&c));
+                assert_eq!((c.0, credit), (conn, amount));
+            }
+            Step::Ignore(_) => {
+                assert!(!self.flow_control || !self.conns.contains(&ConnId(conn)));
+            }
+            other => panic!("credit gave {other:?}"),
+        }
+    }
+
+    /// A dial's outcome, for a ticket in progress or one that ended.
+    fn dialed(&mut self, t: &mut StreamTable<u32, u32>, input: &mut Input<'_>) {
+        let ticket = if input.byte().is_multiple_of(2) {
+            let mut tickets: Vec<DialTicket> = self.live.values().copied().collect();
+            tickets.sort_by_key(|t| t.dial);
+            (!tickets.is_empty()).then(|| tickets[input.below(tickets.len())])
+        } else {
+            (!self.stale.is_empty()).then(|| self.stale[input.below(self.stale.len())])
+        };
+        let Some(ticket) = ticket else { return };
+        let ok = !input.byte().is_multiple_of(3);
+        let was_live = self.live.get(&ticket.dial) == Some(&ticket);
+        let outcome = if ok { Ok(7u32) } else { Err("refused") };
+        match t.dialed(ticket, outcome) {
+            Dialed::Open { conn, reply } => {
+                assert!(was_live && ok, "a dial not in progress opened");
+                assert!(self.ids_seen.insert(conn), "connection id {conn:?} reused");
+                assert!(self.conns.insert(conn));
+                assert_eq!(
+                    reply,
+                    Packet::dial_response(ticket.dial.0, conn.0, ""),
+                    "the DIAL_RSP"
+                );
+                self.live.remove(&ticket.dial);
+                self.stale.push(ticket);
+            }
+            Dialed::Failed { reply } => {
+                assert!(was_live && !ok, "a dial not in progress failed");
+                assert_eq!(reply, Packet::dial_response(ticket.dial.0, 0, "refused"));
+                self.live.remove(&ticket.dial);
+                self.stale.push(ticket);
+            }
+            Dialed::Cancelled => assert!(!was_live, "a dial in progress was cancelled"),
+        }
+    }
+
+    /// The stream ends: every dial and connection is handed back.
+    fn stream_ended(&mut self, t: &mut StreamTable<u32, u32>) {
+        let (dials, open) = t.stream_ended();
+        assert_eq!(
+            (dials.len(), open.len()),
+            (self.live.len(), self.conns.len())
+        );
+        self.stale.extend(self.live.drain().map(|(_, t)| t));
+        self.conns.clear();
+        self.ended = true;
+    }
 }
 
 /// What a packet other than credit must have done to the table.
@@ -305,10 +334,29 @@ fn pad(bytes: &[u8]) -> [u8; 8] {
 /// and past it is an overflow with credit, a wait without.
 pub fn flow_control(data: &[u8]) {
     let mut input = Input(data);
+    let peer = announced_peer(&mut input);
+    let scheme = negotiated(&mut input, peer);
+    let mut model = FlowModel {
+        core: Core::new(scheme),
+        scheme,
+        now: Instant::now(),
+        queued: 0,
+        spent: 0,
+        closed: false,
+    };
+    while !input.is_empty() {
+        model.step(&mut input);
+        model.check();
+    }
+}
+
+/// The three flow-control headers drawn from `input`, read as
+/// [`Window::announced`] reads them; an error leaves a peer without credit.
+fn announced_peer(input: &mut Input<'_>) -> Peer {
     let headers = [
-        (flow::HEADER, header_value(&mut input, flow::VERSION)),
-        (flow::WINDOW_HEADER, header_value(&mut input, "1048576")),
-        (flow::CHUNK_HEADER, header_value(&mut input, "262144")),
+        (flow::HEADER, header_value(input, flow::VERSION)),
+        (flow::WINDOW_HEADER, header_value(input, "1048576")),
+        (flow::CHUNK_HEADER, header_value(input, "262144")),
     ];
     let get = |key: &'static str| {
         headers
@@ -316,7 +364,7 @@ pub fn flow_control(data: &[u8]) {
             .find(|(k, _)| *k == key)
             .and_then(|(_, v)| v.as_deref())
     };
-    let peer = match Window::announced(get) {
+    match Window::announced(get) {
         Ok(peer) => {
             match peer {
                 Peer::NoCredit => assert_ne!(get(flow::HEADER), Some(flow::VERSION)),
@@ -331,7 +379,12 @@ pub fn flow_control(data: &[u8]) {
             assert!(text.len() <= 512, "an error of {} bytes", text.len());
             Peer::NoCredit
         }
-    };
+    }
+}
+
+/// Our window, whether credit is offered and the version pinned, drawn
+/// from `input`, negotiated with `peer`.
+fn negotiated(input: &mut Input<'_>, peer: Peer) -> Scheme {
     let ours = match input.below(3) {
         0 => Window::V1,
         1 => Window::new(flow::MIN_WINDOW, flow::MIN_CHUNK).expect("in range"),
@@ -352,14 +405,23 @@ pub fn flow_control(data: &[u8]) {
             "a side pinned to v1 kept its own window"
         );
     }
-    let mut core = Core::new(scheme);
-    let start = Instant::now();
-    let mut now = start;
-    // The model: cost queued, credit in flight, whether closed.
-    let mut queued = 0usize;
-    let mut spent = 0usize;
-    let mut closed = false;
-    while !input.is_empty() {
+    scheme
+}
+
+/// One connection's flow state and what [`flow_control`] expects of it:
+/// cost queued, credit in flight, whether closed.
+struct FlowModel {
+    core: Core,
+    scheme: Scheme,
+    now: Instant,
+    queued: usize,
+    spent: usize,
+    closed: bool,
+}
+
+impl FlowModel {
+    /// One event drawn from `input`.
+    fn step(&mut self, input: &mut Input<'_>) {
         let cost = match input.below(4) {
             0 => flow::PACKET_OVERHEAD,
             1 => input.below(256) * 1024,
@@ -367,90 +429,104 @@ pub fn flow_control(data: &[u8]) {
             _ => usize::from(input.byte()) << 20,
         };
         match input.below(7) {
-            0 => {
-                let before = queued;
-                let offer = core.offer(cost, now);
-                let window = scheme.ours().bytes;
-                let fits = before == 0 || before.saturating_add(cost) <= window;
-                match offer {
-                    Offer::Admitted => {
-                        assert!(!closed && fits, "admitted past the window");
-                        queued += cost;
-                    }
-                    Offer::Overflow => assert!(!closed && !fits),
-                    Offer::Wait(until) => {
-                        assert!(!closed && !fits && !scheme.is_credit());
-                        assert!(until > now && until <= now + flow::COMPAT_STALL);
-                    }
-                    Offer::Closed => assert!(closed),
-                }
-            }
+            0 => self.offer(cost),
             1 => {
-                let grant = core.drained(cost, now);
-                queued = queued.saturating_sub(cost);
+                let grant = self.core.drained(cost, self.now);
+                self.queued = self.queued.saturating_sub(cost);
                 if let Some(grant) = grant {
-                    assert!(scheme.is_credit() && !closed && grant > 0);
+                    assert!(self.scheme.is_credit() && !self.closed && grant > 0);
                 }
             }
-            2 => {
-                let taken = core.take(cost);
-                match (scheme, taken) {
-                    (_, Take::Closed) => assert!(closed),
-                    (Scheme::Compat { .. }, t) => assert!(t == Take::Taken && !closed),
-                    (Scheme::Credit { theirs, .. }, Take::Taken) => {
-                        assert!(!closed);
-                        spent += cost.min(theirs.bytes);
-                    }
-                    (Scheme::Credit { theirs, .. }, Take::Wait) => {
-                        assert!(core.credit() < cost.min(theirs.bytes));
-                    }
-                }
-            }
-            3 | 4 => {
-                let packet = if input.byte().is_multiple_of(2) {
-                    let id = input.id();
-                    let packet = flow::credit_packet(id, cost);
-                    let want = (id, cost.min(u32::MAX as usize));
-                    assert_eq!(flow::parse_credit(&packet), Some(want));
-                    packet
-                } else {
-                    match Packet::decode(input.bytes(24)) {
-                        Ok(packet) => packet,
-                        Err(_) => continue,
-                    }
-                };
-                if let Some((_, credit)) = flow::parse_credit(&packet) {
-                    assert_eq!(packet.r#type, flow::CREDIT_TYPE);
-                    let returned = credit.min(spent);
-                    assert_eq!(core.grant(credit), returned > 0);
-                    spent -= returned;
-                } else {
-                    assert!(packet.r#type != flow::CREDIT_TYPE || !is_credit_shaped(&packet));
-                }
-            }
+            2 => self.take(cost),
+            3 | 4 => self.credit_packet(cost, input),
             5 => {
-                now += Duration::from_millis(u64::from(input.byte()) * 100);
+                self.now += Duration::from_millis(u64::from(input.byte()) * 100);
             }
             _ => {
                 if input.byte().is_multiple_of(8) {
-                    core.close();
-                    closed = true;
+                    self.core.close();
+                    self.closed = true;
                 }
             }
         }
-        assert_eq!(core.queued(), queued, "queued cost");
-        assert_eq!(core.is_closed(), closed);
-        match scheme {
+    }
+
+    /// DATA of `cost` offered: admitted only within the window.
+    fn offer(&mut self, cost: usize) {
+        let (before, closed) = (self.queued, self.closed);
+        let offer = self.core.offer(cost, self.now);
+        let window = self.scheme.ours().bytes;
+        let fits = before == 0 || before.saturating_add(cost) <= window;
+        match offer {
+            Offer::Admitted => {
+                assert!(!closed && fits, "admitted past the window");
+                self.queued += cost;
+            }
+            Offer::Overflow => assert!(!closed && !fits),
+            Offer::Wait(until) => {
+                assert!(!closed && !fits && !self.scheme.is_credit());
+                assert!(until > self.now && until <= self.now + flow::COMPAT_STALL);
+            }
+            Offer::Closed => assert!(closed),
+        }
+    }
+
+    /// Credit for `cost` taken before sending.
+    fn take(&mut self, cost: usize) {
+        let taken = self.core.take(cost);
+        match (self.scheme, taken) {
+            (_, Take::Closed) => assert!(self.closed),
+            (Scheme::Compat { .. }, t) => assert!(t == Take::Taken && !self.closed),
+            (Scheme::Credit { theirs, .. }, Take::Taken) => {
+                assert!(!self.closed);
+                self.spent += cost.min(theirs.bytes);
+            }
+            (Scheme::Credit { theirs, .. }, Take::Wait) => {
+                assert!(self.core.credit() < cost.min(theirs.bytes));
+            }
+        }
+    }
+
+    /// A credit packet, built for `cost` or decoded from raw bytes, read
+    /// and granted.
+    fn credit_packet(&mut self, cost: usize, input: &mut Input<'_>) {
+        let packet = if input.byte().is_multiple_of(2) {
+            let id = input.id();
+            let packet = flow::credit_packet(id, cost);
+            let want = (id, cost.min(u32::MAX as usize));
+            assert_eq!(flow::parse_credit(&packet), Some(want));
+            packet
+        } else {
+            match Packet::decode(input.bytes(24)) {
+                Ok(packet) => packet,
+                Err(_) => return,
+            }
+        };
+        if let Some((_, credit)) = flow::parse_credit(&packet) {
+            assert_eq!(packet.r#type, flow::CREDIT_TYPE);
+            let returned = credit.min(self.spent);
+            assert_eq!(self.core.grant(credit), returned > 0);
+            self.spent -= returned;
+        } else {
+            assert!(packet.r#type != flow::CREDIT_TYPE || !is_credit_shaped(&packet));
+        }
+    }
+
+    /// The flow state agrees with the model.
+    fn check(&self) {
+        assert_eq!(self.core.queued(), self.queued, "queued cost");
+        assert_eq!(self.core.is_closed(), self.closed);
+        match self.scheme {
             Scheme::Credit { theirs, .. } => {
                 assert_eq!(
-                    core.credit() + spent,
+                    self.core.credit() + self.spent,
                     theirs.bytes,
                     "the window grew or shrank"
                 );
-                let chunk = core.send_chunk();
+                let chunk = self.core.send_chunk();
                 assert!(chunk >= 1 && chunk <= theirs.max_chunk);
             }
-            Scheme::Compat { .. } => assert_eq!(core.send_chunk(), flow::MAX_CHUNK),
+            Scheme::Compat { .. } => assert_eq!(self.core.send_chunk(), flow::MAX_CHUNK),
         }
     }
 }
@@ -495,47 +571,11 @@ pub fn proxy_reply(data: &[u8]) -> bool {
         port: 3128,
         auth,
     };
-    let reply = input.0.to_vec();
-    // A paused clock moves only when every task waits: the proxy closes
-    // its side once the client can make no progress with what it has (a
-    // real proxy would keep a granted tunnel open; one that closes at
-    // once makes hyper cancel the upgrade).
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("a current-thread runtime");
-    let result = runtime.block_on(async {
-        let (client, mut server) = tokio::io::duplex(64 * 1024);
-        let is_http = kind == egress::ProxyKind::Http;
-        let peer = tokio::spawn(async move {
-            // An HTTP proxy answers the request (hyper refuses a reply
-            // before it); a SOCKS5 client reads each reply in turn.
-            let mut request = Vec::new();
-            let mut chunk = [0u8; 1024];
-            while is_http && !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                match server.read(&mut chunk).await {
-                    Ok(n) if n > 0 => request.extend_from_slice(&chunk[..n]),
-                    _ => break,
-                }
-            }
-            let _ = server.write_all(&reply).await;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let _ = server.shutdown().await;
-            let mut sink = [0u8; 1024];
-            while matches!(server.read(&mut sink).await, Ok(n) if n > 0) {}
-        });
-        let result = egress::handshake(client, &proxy, host, 8132)
-            .await
-            .map(drop);
-        drop(peer);
-        result
-    });
-    drop(runtime);
-    let opened = result.is_ok();
+    let result = handshake_against(&proxy, host, input.0.to_vec());
     if std::env::var_os("FUZZ_DEBUG").is_some() {
         eprintln!("{result:?}");
     }
+    let opened = result.is_ok();
     match result {
         Ok(()) => match kind {
             egress::ProxyKind::Http => assert!(
@@ -563,6 +603,44 @@ pub fn proxy_reply(data: &[u8]) -> bool {
         }
     }
     opened
+}
+
+/// The agent's proxy client asking `proxy` for a tunnel to `host`, over
+/// an in-memory pipe to a proxy that answers `reply`, then closes.
+fn handshake_against(proxy: &Proxy, host: &str, reply: Vec<u8>) -> Result<(), ProxyError> {
+    // A paused clock moves only when every task waits: the proxy closes
+    // its side once the client can make no progress with what it has (a
+    // real proxy would keep a granted tunnel open; one that closes at
+    // once makes hyper cancel the upgrade).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    runtime.block_on(async {
+        let (client, mut server) = tokio::io::duplex(64 * 1024);
+        let is_http = proxy.kind == egress::ProxyKind::Http;
+        let peer = tokio::spawn(async move {
+            // An HTTP proxy answers the request (hyper refuses a reply
+            // before it); a SOCKS5 client reads each reply in turn.
+            let mut request = Vec::new();
+            let mut chunk = [0u8; 1024];
+            while is_http && !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match server.read(&mut chunk).await {
+                    Ok(n) if n > 0 => request.extend_from_slice(&chunk[..n]),
+                    _ => break,
+                }
+            }
+            let _ = server.write_all(&reply).await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = server.shutdown().await;
+            let mut sink = [0u8; 1024];
+            while matches!(server.read(&mut sink).await, Ok(n) if n > 0) {}
+        });
+        let result = egress::handshake(client, proxy, host, 8132).await.map(drop);
+        drop(peer);
+        result
+    })
 }
 
 #[cfg(test)]
