@@ -499,149 +499,261 @@ pub async fn run(
     opt: &StormOpt,
     rec: &mut Recorder,
 ) -> anyhow::Result<Vec<String>> {
-    // The server's keys (RSA-2048) and the agents' (ECDSA P-256).
-    let (pki, agent_pki) = (dir.join("storm-pki"), dir.join("storm-agent-pki"));
-    for (path, algorithm) in [
-        (&pki, certs::KeyAlgorithm::Rsa2048),
-        (&agent_pki, certs::KeyAlgorithm::EcdsaP256),
-    ] {
-        certs::ClusterPki::generate_with(&[], algorithm)
-            .context("generating the storm scenario's certificates")?
-            .write_to(path)
-            .context("writing the storm scenario's certificates")?;
-    }
-    let client_ca = agent_pki.join("agent-ca.crt");
+    let setup = Setup::write(bins, dir, opt)?;
     let mut notes = Vec::new();
     for &condition in &opt.conditions {
+        notes.extend(setup.condition(condition, rec).await?);
+    }
+    notes.push(note(opt));
+    notes.push(format!("storm: load average at the end {}", load()));
+    Ok(notes)
+}
+
+/// What every storm runs with: the binaries, the options and the
+/// certificates.
+struct Setup<'a> {
+    /// The binaries.
+    bins: &'a Binaries,
+    /// Files and logs.
+    dir: &'a Path,
+    /// The scenario's options.
+    opt: &'a StormOpt,
+    /// The server's certificates (RSA-2048).
+    pki: PathBuf,
+    /// The agents' certificates (ECDSA P-256).
+    agent_pki: PathBuf,
+}
+
+impl<'a> Setup<'a> {
+    /// Writes the server's keys (RSA-2048) and the agents' (ECDSA P-256)
+    /// under `dir`.
+    fn write(bins: &'a Binaries, dir: &'a Path, opt: &'a StormOpt) -> anyhow::Result<Self> {
+        let (pki, agent_pki) = (dir.join("storm-pki"), dir.join("storm-agent-pki"));
+        for (path, algorithm) in [
+            (&pki, certs::KeyAlgorithm::Rsa2048),
+            (&agent_pki, certs::KeyAlgorithm::EcdsaP256),
+        ] {
+            certs::ClusterPki::generate_with(&[], algorithm)
+                .context("generating the storm scenario's certificates")?
+                .write_to(path)
+                .context("writing the storm scenario's certificates")?;
+        }
+        Ok(Self {
+            bins,
+            dir,
+            opt,
+            pki,
+            agent_pki,
+        })
+    }
+
+    /// Both variants (with admission and with none) in `condition`, then
+    /// their ratio rows; a note if the latency was emulated by the swarm.
+    async fn condition(
+        &self,
+        condition: Condition,
+        rec: &mut Recorder,
+    ) -> anyhow::Result<Option<String>> {
         let netns = match condition {
-            Condition::Latency => Some(Netns::create(opt.latency / 2)?),
+            Condition::Latency => Some(Netns::create(self.opt.latency / 2)?),
             _ => None,
         };
-        let (server_cpus, swarm_cpus) = cpus(condition);
-        for (variant, extra) in [("admission", None), ("none", Some(NO_ADMISSION))] {
-            let label = format!("{condition:?}-{variant}").to_lowercase();
-            eprintln!(
-                "storm {label}: {} grpc-go agents; server on CPUs {server_cpus}, swarm on \
-                 {swarm_cpus}; load {}",
-                opt.agents,
-                load()
-            );
-            let (agent_port, health_port) = system::free_ports()?;
-            let listen = netns
-                .as_ref()
-                .map_or(Ipv4Addr::LOCALHOST, |netns| netns.host_ip);
-            let uds = dir.join(format!("storm-{agent_port}.sock"));
-            let mut args = [
-                &bins.extra[..],
-                &system::server_args(&pki, "grpc", &uds, agent_port, health_port),
-            ]
-            .concat();
-            for arg in &mut args {
-                if arg.starts_with("--agent-bind-address=") {
-                    *arg = format!("--agent-bind-address={listen}");
-                } else if arg.starts_with("--cluster-ca-cert=") {
-                    *arg = format!("--cluster-ca-cert={}", client_ca.display());
-                }
-            }
-            args.extend(extra.map(str::to_owned));
-            let mut server = Server {
-                process: None,
-                argv: [
-                    vec!["-c".to_owned(), server_cpus.clone()],
-                    vec![bins.server.display().to_string()],
-                    args,
-                ]
-                .concat(),
-                dir: dir.to_owned(),
-                label: label.clone(),
-                starts: 0,
-                health: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), health_port),
-            };
-            server.start().await?;
-            let file = |name: &str| pki.join(name).display().to_string();
-            // Without netem the swarm delays its own connections' bytes.
-            let emulated = netns
-                .as_ref()
-                .filter(|netns| !netns.netem)
-                .map(|_| format!("-latency={}ms", opt.latency.as_millis()));
-            let swarm_argv = [
-                netns.as_ref().map(Netns::exec).unwrap_or_default(),
-                vec!["taskset".to_owned(), "-c".to_owned(), swarm_cpus.clone()],
-                vec![
-                    opt.go_agents.path.display().to_string(),
-                    format!("-addr={listen}:{agent_port}"),
-                    format!("-ca={}", file("agent-ca.crt")),
-                    format!("-cert={}", agent_pki.join("proxy-agent.crt").display()),
-                    format!("-key={}", agent_pki.join("proxy-agent.key").display()),
-                    format!("-count={}", opt.agents),
-                ],
-                emulated.into_iter().collect(),
-            ]
-            .concat();
-
-            // Cold: every agent at once.
-            let began = Instant::now();
-            let mut swarm = Swarm::start(&swarm_argv, dir.join(format!("storm-{label}.log")))?;
-            let took =
-                until_connected(&mut server, &mut swarm, opt.agents, began, opt.limit).await?;
-            let (thrown, summary) = drops(&server.scrape().await?);
-            let cold = Storm {
-                took,
-                thrown,
-                failed: swarm.counts().failures,
-            };
-            report_storm(&label, "cold start", &cold, &summary, swarm.counts());
-
-            // Restart: SIGKILL, started again at once on the same port.
-            server.kill();
-            let began = Instant::now();
-            server.start().await?;
-            let took =
-                until_connected(&mut server, &mut swarm, opt.agents, began, opt.limit).await?;
-            // A fresh process: all its counts are the restart's.
-            let (thrown, summary) = drops(&server.scrape().await?);
-            let restart = Storm {
-                took,
-                thrown,
-                failed: swarm.counts().failures - cold.failed,
-            };
-            report_storm(&label, "restart", &restart, &summary, swarm.counts());
-            let v = usize::from(extra.is_some());
-            for (phase, storm) in [cold, restart].iter().enumerate() {
-                let [time, thrown, failed] = report::STORM[condition.index()][phase][v];
-                rec.push(time, Route::Grpc, 0, storm.took.map(|t| t.as_secs_f64()));
-                rec.push(thrown, Route::Grpc, 0, Some(storm.thrown));
-                rec.push(failed, Route::Grpc, 0, Some(storm.failed as f64));
-            }
-            drop(swarm);
-            drop(server);
+        let cpus = cpus(condition);
+        for variant in [("admission", None), ("none", Some(NO_ADMISSION))] {
+            self.variant(condition, netns.as_ref(), &cpus, variant, rec)
+                .await?;
         }
-        for phase in 0..2 {
-            let [with, none] = [0, 1].map(|v| {
-                rec.get(
-                    report::STORM[condition.index()][phase][v][0],
-                    Route::Grpc,
-                    0,
-                )
-            });
-            let ratio = with.zip(none).map(|(with, none)| none / with);
-            rec.push(
-                report::STORM_RATIO[condition.index()][phase],
-                Route::Grpc,
-                0,
-                ratio,
-            );
-        }
-        if netns.as_ref().is_some_and(|netns| !netns.netem) {
-            notes.push(format!(
+        push_ratios(rec, condition);
+        let note = netns.as_ref().filter(|netns| !netns.netem).map(|_| {
+            format!(
                 "storm: latency emulated by the swarm ({:?} round trip, half each way on its \
                  connections' bytes; the TCP handshake not delayed): this kernel has no netem",
-                opt.latency
-            ));
-        }
+                self.opt.latency
+            )
+        });
         drop(netns);
+        Ok(note)
     }
-    notes.push(format!(
+
+    /// One variant (`extra`: the server's flag that turns admission off)
+    /// on a fresh server: a cold storm, then a restart storm; their rows.
+    async fn variant(
+        &self,
+        condition: Condition,
+        netns: Option<&Netns>,
+        (server_cpus, swarm_cpus): &(String, String),
+        (variant, extra): (&str, Option<&str>),
+        rec: &mut Recorder,
+    ) -> anyhow::Result<()> {
+        let label = format!("{condition:?}-{variant}").to_lowercase();
+        eprintln!(
+            "storm {label}: {} grpc-go agents; server on CPUs {server_cpus}, swarm on \
+             {swarm_cpus}; load {}",
+            self.opt.agents,
+            load()
+        );
+        let (agent_port, health_port) = system::free_ports()?;
+        let listen = netns.map_or(Ipv4Addr::LOCALHOST, |netns| netns.host_ip);
+        let mut server = self.server(
+            &label,
+            listen,
+            (agent_port, health_port),
+            server_cpus,
+            extra,
+        );
+        server.start().await?;
+        let swarm_argv = self.swarm_argv(netns, listen, agent_port, swarm_cpus);
+
+        // Cold: every agent at once.
+        let began = Instant::now();
+        let mut swarm = Swarm::start(&swarm_argv, self.dir.join(format!("storm-{label}.log")))?;
+        let cold = self
+            .storm(&mut server, &mut swarm, began, (&label, "cold start"), 0)
+            .await?;
+
+        // Restart: SIGKILL, started again at once on the same port.
+        server.kill();
+        let began = Instant::now();
+        server.start().await?;
+        // A fresh process: all its counts are the restart's.
+        let restart = self
+            .storm(
+                &mut server,
+                &mut swarm,
+                began,
+                (&label, "restart"),
+                cold.failed,
+            )
+            .await?;
+        let v = usize::from(extra.is_some());
+        for (phase, storm) in [cold, restart].iter().enumerate() {
+            let [time, thrown, failed] = report::STORM[condition.index()][phase][v];
+            rec.push(time, Route::Grpc, 0, storm.took.map(|t| t.as_secs_f64()));
+            rec.push(thrown, Route::Grpc, 0, Some(storm.thrown));
+            rec.push(failed, Route::Grpc, 0, Some(storm.failed as f64));
+        }
+        drop(swarm);
+        drop(server);
+        Ok(())
+    }
+
+    /// The server (not started yet) listening for agents on
+    /// `listen:agent_port`, on CPUs `cpus`, with `extra` added.
+    fn server(
+        &self,
+        label: &str,
+        listen: Ipv4Addr,
+        (agent_port, health_port): (u16, u16),
+        cpus: &str,
+        extra: Option<&str>,
+    ) -> Server {
+        let uds = self.dir.join(format!("storm-{agent_port}.sock"));
+        let client_ca = self.agent_pki.join("agent-ca.crt");
+        let mut args = [
+            &self.bins.extra[..],
+            &system::server_args(&self.pki, "grpc", &uds, agent_port, health_port),
+        ]
+        .concat();
+        for arg in &mut args {
+            if arg.starts_with("--agent-bind-address=") {
+                *arg = format!("--agent-bind-address={listen}");
+            } else if arg.starts_with("--cluster-ca-cert=") {
+                *arg = format!("--cluster-ca-cert={}", client_ca.display());
+            }
+        }
+        args.extend(extra.map(str::to_owned));
+        Server {
+            process: None,
+            argv: [
+                vec!["-c".to_owned(), cpus.to_owned()],
+                vec![self.bins.server.display().to_string()],
+                args,
+            ]
+            .concat(),
+            dir: self.dir.to_owned(),
+            label: label.to_owned(),
+            starts: 0,
+            health: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), health_port),
+        }
+    }
+
+    /// The swarm's command: in `netns` if given, on CPUs `cpus`, its
+    /// agents dialing `listen:agent_port`.
+    fn swarm_argv(
+        &self,
+        netns: Option<&Netns>,
+        listen: Ipv4Addr,
+        agent_port: u16,
+        cpus: &str,
+    ) -> Vec<String> {
+        let file = |name: &str| self.pki.join(name).display().to_string();
+        // Without netem the swarm delays its own connections' bytes.
+        let emulated = netns
+            .filter(|netns| !netns.netem)
+            .map(|_| format!("-latency={}ms", self.opt.latency.as_millis()));
+        [
+            netns.map(Netns::exec).unwrap_or_default(),
+            vec!["taskset".to_owned(), "-c".to_owned(), cpus.to_owned()],
+            vec![
+                self.opt.go_agents.path.display().to_string(),
+                format!("-addr={listen}:{agent_port}"),
+                format!("-ca={}", file("agent-ca.crt")),
+                format!("-cert={}", self.agent_pki.join("proxy-agent.crt").display()),
+                format!("-key={}", self.agent_pki.join("proxy-agent.key").display()),
+                format!("-count={}", self.opt.agents),
+            ],
+            emulated.into_iter().collect(),
+        ]
+        .concat()
+    }
+
+    /// Waits for every agent from `began`, reads what the server threw
+    /// away and logs the storm; `failed_before`: the swarm's failures
+    /// before it.
+    async fn storm(
+        &self,
+        server: &mut Server,
+        swarm: &mut Swarm,
+        began: Instant,
+        (label, phase): (&str, &str),
+        failed_before: u64,
+    ) -> anyhow::Result<Storm> {
+        let took = until_connected(server, swarm, self.opt.agents, began, self.opt.limit).await?;
+        let (thrown, summary) = drops(&server.scrape().await?);
+        let storm = Storm {
+            took,
+            thrown,
+            failed: swarm.counts().failures - failed_before,
+        };
+        report_storm(label, phase, &storm, &summary, swarm.counts());
+        Ok(storm)
+    }
+}
+
+/// The ratio rows of `condition`: time without admission / time with it,
+/// per phase.
+fn push_ratios(rec: &mut Recorder, condition: Condition) {
+    for phase in 0..2 {
+        let [with, none] = [0, 1].map(|v| {
+            rec.get(
+                report::STORM[condition.index()][phase][v][0],
+                Route::Grpc,
+                0,
+            )
+        });
+        let ratio = with.zip(none).map(|(with, none)| none / with);
+        rec.push(
+            report::STORM_RATIO[condition.index()][phase],
+            Route::Grpc,
+            0,
+            ratio,
+        );
+    }
+}
+
+/// The report's note on how the storms ran.
+fn note(opt: &StormOpt) -> String {
+    format!(
         "storm: {} grpc-go agents (tests/go/agents: ANP's way, a TLS connection each with no \
          session cache, one Connect stream, a retry 1-2 s after a failure), the server's key \
          RSA-2048, the agents' client certificates ECDSA P-256; per condition and variant a fresh server: cold = from the \
@@ -653,9 +765,7 @@ pub async fn run(
          trip (netem, half each way, network namespace); limit {:?} per storm (n/a: not all \
          connected by then)",
         opt.agents, opt.latency, opt.limit
-    ));
-    notes.push(format!("storm: load average at the end {}", load()));
-    Ok(notes)
+    )
 }
 
 /// Logs one storm.
