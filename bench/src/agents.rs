@@ -410,105 +410,162 @@ pub async fn run(
         .context("generating the agents scenario's certificates")?
         .write_to(&pki)
         .context("writing the agents scenario's certificates")?;
-    let paths = (dir, pki.as_path());
+    let setup = Setup {
+        bins,
+        paths: (dir, pki.as_path()),
+        backends,
+        n,
+        duration,
+        nofile,
+    };
     let mut server = Server::new(bins, dir, &pki)?;
     server.start().await?;
     let server_idle = settled(|| probe::rss(server.pid()?)).await?;
-
-    // One agent: the dial row to compare with, and the swarm's own size.
-    let mut swarm = Swarm::start(bins, paths, &server, (1, Style::Ours), nofile)?;
-    server.wait_connected(1, Instant::now()).await?;
-    let one = dial_row(
-        &server.target(swarm.first_pid())?,
-        backends,
-        duration,
-        "1 agent",
-    )
-    .await?;
-    swarm.check_alive()?;
-    let swarm_one = settled(|| swarm.rss()).await?;
-    drop(swarm);
-    server.wait_connected(0, Instant::now()).await?;
-
-    // Cold start: N agents at once.
-    let cpu = probe::cpu_ticks(server.pid()?)?;
-    let began = Instant::now();
-    let mut swarm = Swarm::start(bins, paths, &server, (n, Style::Ours), nofile)?;
-    let cold = server.wait_connected(n, began).await?;
-    let cold_cpu = probe::cpu_ticks(server.pid()?)? - cpu;
-    swarm.check_alive()?;
-    eprintln!(
-        "agents: {n} connected {:.2} s after a cold start; server CPU {:.2} ms per agent",
-        cold.as_secs_f64(),
-        ticks_ms(cold_cpu) / n as f64
-    );
+    let (one, swarm_one) = setup.one_agent(&mut server).await?;
+    let many = setup
+        .ours(&mut server, (server_idle, swarm_one), one, rec)
+        .await?;
+    let errors_anp = setup.anp(&mut server, rec).await?;
+    drop(server);
+    token_storms(bins, setup.paths, n, nofile, review_latency, rec).await?;
     rec.push(
-        &report::AGENTS_COLD,
+        &report::AGENTS_DIAL_ERRORS,
         Route::Grpc,
         0,
-        Some(cold.as_secs_f64()),
-    );
-    let per_agent = ticks_ms(cold_cpu) / n as f64;
-    rec.push(&report::AGENTS_CPU_COLD, Route::Grpc, 0, Some(per_agent));
-
-    memory_rows(&server, &swarm, (server_idle, swarm_one), n, rec).await?;
-    let many = dial_row(
-        &server.target(swarm.first_pid())?,
-        backends,
-        duration,
-        &format!("{n} agents"),
-    )
-    .await?;
-    dial_rows(one, many, rec);
-
-    restart_storm(&mut server, &mut swarm, n).await?.push(
-        rec,
-        (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART),
-        Some(&report::AGENTS_RESUMED),
-    );
-    cut_storm(&mut server, &mut swarm, n).await?.push(
-        rec,
-        (&report::AGENTS_CUT, &report::AGENTS_CPU_CUT),
-        Some(&report::AGENTS_CUT_RESUMED),
-    );
-    drop(swarm);
-    server.wait_connected(0, Instant::now()).await?;
-
-    // ANP-style agents: no flow-control negotiation, no session cache.
-    let began = Instant::now();
-    let mut swarm = Swarm::start(bins, paths, &server, (n, Style::Anp), nofile)?;
-    let anp_cold = server.wait_connected(n, began).await?;
-    eprintln!(
-        "agents: {n} ANP-style agents connected {:.2} s after a cold start",
-        anp_cold.as_secs_f64()
-    );
-    let (rate_anp, p99_anp, errors_anp) = dial_row(
-        &server.target(swarm.first_pid())?,
-        backends,
-        duration,
-        &format!("{n} ANP-style agents"),
-    )
-    .await?;
-    let push = |rec: &mut Recorder, def: &report::Def, value: f64| {
-        rec.push(def, Route::Grpc, 0, Some(value));
-    };
-    push(rec, &report::AGENTS_ANP_COLD, anp_cold.as_secs_f64());
-    push(rec, &report::AGENTS_ANP_DIAL_RATE, rate_anp);
-    push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
-    restart_storm(&mut server, &mut swarm, n).await?.push(
-        rec,
-        (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART),
-        None,
-    );
-    drop(swarm);
-    drop(server);
-    token_storms(bins, paths, n, nofile, review_latency, rec).await?;
-    push(
-        rec,
-        &report::AGENTS_DIAL_ERRORS,
-        (one.2 + many.2 + errors_anp) as f64,
+        Some((one.2 + many.2 + errors_anp) as f64),
     );
     Ok(())
+}
+
+/// A dial row: rate, p99 (µs), errors.
+type DialRow = (f64, f64, u64);
+
+/// What every part of the scenario runs with.
+struct Setup<'a> {
+    /// The binaries.
+    bins: &'a Binaries,
+    /// Files and logs, and the certificates.
+    paths: (&'a Path, &'a Path),
+    /// The node-side servers the dial rows reach.
+    backends: &'a Backends,
+    /// Agents.
+    n: usize,
+    /// Measured time of each dial row.
+    duration: Duration,
+    /// The open-file limit, which sets how many agents a swarm process
+    /// runs.
+    nofile: u64,
+}
+
+impl Setup<'_> {
+    /// One agent: the dial row to compare with, and the swarm's own size
+    /// (RSS).
+    async fn one_agent(&self, server: &mut Server) -> anyhow::Result<(DialRow, u64)> {
+        let mut swarm = Swarm::start(self.bins, self.paths, server, (1, Style::Ours), self.nofile)?;
+        server.wait_connected(1, Instant::now()).await?;
+        let one = dial_row(
+            &server.target(swarm.first_pid())?,
+            self.backends,
+            self.duration,
+            "1 agent",
+        )
+        .await?;
+        swarm.check_alive()?;
+        let swarm_one = settled(|| swarm.rss()).await?;
+        drop(swarm);
+        server.wait_connected(0, Instant::now()).await?;
+        Ok((one, swarm_one))
+    }
+
+    /// N of our agents: the cold start, memory and health rows, the dial
+    /// row (against `one`'s), a restart storm and a cut storm; the dial
+    /// row.
+    async fn ours(
+        &self,
+        server: &mut Server,
+        (server_idle, swarm_one): (u64, u64),
+        one: DialRow,
+        rec: &mut Recorder,
+    ) -> anyhow::Result<DialRow> {
+        let n = self.n;
+        // Cold start: N agents at once.
+        let cpu = probe::cpu_ticks(server.pid()?)?;
+        let began = Instant::now();
+        let mut swarm = Swarm::start(self.bins, self.paths, server, (n, Style::Ours), self.nofile)?;
+        let cold = server.wait_connected(n, began).await?;
+        let cold_cpu = probe::cpu_ticks(server.pid()?)? - cpu;
+        swarm.check_alive()?;
+        eprintln!(
+            "agents: {n} connected {:.2} s after a cold start; server CPU {:.2} ms per agent",
+            cold.as_secs_f64(),
+            ticks_ms(cold_cpu) / n as f64
+        );
+        rec.push(
+            &report::AGENTS_COLD,
+            Route::Grpc,
+            0,
+            Some(cold.as_secs_f64()),
+        );
+        let per_agent = ticks_ms(cold_cpu) / n as f64;
+        rec.push(&report::AGENTS_CPU_COLD, Route::Grpc, 0, Some(per_agent));
+
+        memory_rows(server, &swarm, (server_idle, swarm_one), n, rec).await?;
+        let many = dial_row(
+            &server.target(swarm.first_pid())?,
+            self.backends,
+            self.duration,
+            &format!("{n} agents"),
+        )
+        .await?;
+        dial_rows(one, many, rec);
+
+        restart_storm(server, &mut swarm, n).await?.push(
+            rec,
+            (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART),
+            Some(&report::AGENTS_RESUMED),
+        );
+        cut_storm(server, &mut swarm, n).await?.push(
+            rec,
+            (&report::AGENTS_CUT, &report::AGENTS_CPU_CUT),
+            Some(&report::AGENTS_CUT_RESUMED),
+        );
+        drop(swarm);
+        server.wait_connected(0, Instant::now()).await?;
+        Ok(many)
+    }
+
+    /// N ANP-style agents (no flow-control negotiation, no session cache):
+    /// the cold start, the dial row, a restart storm; the dial errors.
+    async fn anp(&self, server: &mut Server, rec: &mut Recorder) -> anyhow::Result<u64> {
+        let n = self.n;
+        let began = Instant::now();
+        let mut swarm = Swarm::start(self.bins, self.paths, server, (n, Style::Anp), self.nofile)?;
+        let anp_cold = server.wait_connected(n, began).await?;
+        eprintln!(
+            "agents: {n} ANP-style agents connected {:.2} s after a cold start",
+            anp_cold.as_secs_f64()
+        );
+        let (rate_anp, p99_anp, errors_anp) = dial_row(
+            &server.target(swarm.first_pid())?,
+            self.backends,
+            self.duration,
+            &format!("{n} ANP-style agents"),
+        )
+        .await?;
+        let push = |rec: &mut Recorder, def: &report::Def, value: f64| {
+            rec.push(def, Route::Grpc, 0, Some(value));
+        };
+        push(rec, &report::AGENTS_ANP_COLD, anp_cold.as_secs_f64());
+        push(rec, &report::AGENTS_ANP_DIAL_RATE, rate_anp);
+        push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
+        restart_storm(server, &mut swarm, n).await?.push(
+            rec,
+            (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART),
+            None,
+        );
+        drop(swarm);
+        Ok(errors_anp)
+    }
 }
 
 /// The server's and the swarm's RSS per connected idle agent, and the
