@@ -1,8 +1,9 @@
 //! Two network namespaces a test makes for itself: a hub, where the test
 //! runs (re-executed inside it by [`run_in_hub`]) with proxy-server, the
 //! destinations and most agents, and a [`Node`] joined to the hub by a veth
-//! pair, where one agent runs behind a link the test can take down and a
-//! firewall (nftables) that can hold or slow its dials. Inside the hub,
+//! pair, where one agent runs behind a link the test can take down (at
+//! either end) and a firewall (nftables) that can hold or slow its dials.
+//! Inside the hub,
 //! 127.0.0.1 is the hub's own loopback and [`HUB_IP`] its end of the link.
 //! Needs root (`ip netns`, `nft`), as CI has; both namespaces, and any
 //! process left in them, are removed when the test ends.
@@ -21,6 +22,8 @@ use crate::binary;
 pub const HUB_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 0, 1);
 /// The node's end of the link.
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 0, 2);
+/// The hub's interface.
+const HUB_DEV: &str = "veth-h";
 /// The node's interface.
 const NODE_DEV: &str = "veth-n";
 /// The nftables table the node's rules go in.
@@ -64,11 +67,11 @@ impl Pair {
         ip(&["netns", "add", &pair.node]);
         // Made inside the hub, so no name touches the host's namespace.
         ip(&[
-            "-n", &pair.hub, "link", "add", "veth-h", "type", "veth", "peer", "name", NODE_DEV,
+            "-n", &pair.hub, "link", "add", HUB_DEV, "type", "veth", "peer", "name", NODE_DEV,
             "netns", &pair.node,
         ]);
         for (ns, dev, addr) in [
-            (&pair.hub, "veth-h", HUB_IP),
+            (&pair.hub, HUB_DEV, HUB_IP),
             (&pair.node, NODE_DEV, NODE_IP),
         ] {
             ip(&["-n", ns, "addr", "add", &format!("{addr}/30"), "dev", dev]);
@@ -112,6 +115,14 @@ impl Node {
     /// silent: no packet either way, no RST, no FIN.
     pub fn link(&self, state: &str) {
         ip(&["-n", &self.name, "link", "set", NODE_DEV, state]);
+    }
+
+    /// Sets the hub's end of the link `up` or `down` (the test runs in the
+    /// hub); down, the hub is silent to the node, which still has its
+    /// route: the node's packets go out and are lost, as when a server
+    /// vanishes.
+    pub fn hub_link(&self, state: &str) {
+        ip(&["link", "set", HUB_DEV, state]);
     }
 
     /// Loads an nftables ruleset into the node.
@@ -226,7 +237,6 @@ where
     // Built before the namespaces, outside any of them.
     binary("proxy-server");
     binary("proxy-agent");
-    crate::grpc_go::binary();
     let tag = test.rsplit("::").next().unwrap_or(test);
     let tag: String = tag
         .chars()
