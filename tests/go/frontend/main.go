@@ -719,27 +719,7 @@ func dials(t *transport, addr string, concurrency, count int, duration time.Dura
 			got := make([]byte, exchange)
 			for take() {
 				began := time.Now()
-				err := func() error {
-					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-					defer cancel()
-					c, err := t.dial(ctx, addr)
-					if err != nil {
-						return err
-					}
-					if _, err := c.Write(sent); err != nil {
-						c.drop()
-						return err
-					}
-					if _, err := io.ReadFull(c, got); err != nil {
-						c.drop()
-						return err
-					}
-					if string(got) != string(sent) {
-						c.drop()
-						return errors.New("the exchange differs")
-					}
-					return c.Close()
-				}()
+				err := singleUse(t, addr, sent, got, nil)
 				took := time.Since(began)
 				mu.Lock()
 				if err != nil {
@@ -781,13 +761,33 @@ func stallBulk(ctx context.Context, t *transport, stall, addr string, n int, see
 	download(ctx, t, addr, n, seed)
 }
 
-// echoOnce writes 1 KiB on c and reads it back.
-func echoOnce(c *conn, seed uint64) error {
-	sent := pattern(1024, seed)
+// singleUse runs one single-use tunnel to addr (an echo destination): a
+// dial within 10 s, sent written and read back into got (checked), then
+// CLOSE_REQ and CLOSE_RSP; on a failure the tunnel is dropped. dialed, when
+// not nil, is called once DIAL_RSP came.
+func singleUse(t *transport, addr string, sent, got []byte, dialed func()) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := t.dial(ctx, addr)
+	if err != nil {
+		return err
+	}
+	if dialed != nil {
+		dialed()
+	}
+	if err := roundTrip(c, sent, got); err != nil {
+		c.drop()
+		return err
+	}
+	return c.Close()
+}
+
+// roundTrip writes sent on c and reads as many bytes back into got, which
+// must match them.
+func roundTrip(c *conn, sent, got []byte) error {
 	if _, err := c.Write(sent); err != nil {
 		return err
 	}
-	got := make([]byte, len(sent))
 	if _, err := io.ReadFull(c, got); err != nil {
 		return err
 	}
@@ -795,6 +795,12 @@ func echoOnce(c *conn, seed uint64) error {
 		return errors.New("the echo differs")
 	}
 	return nil
+}
+
+// echoOnce writes 1 KiB on c and reads it back.
+func echoOnce(c *conn, seed uint64) error {
+	sent := pattern(1024, seed)
+	return roundTrip(c, sent, make([]byte, len(sent)))
 }
 
 // openEchoed opens n tunnels to addr, 64 at a time, each echoing 1 KiB.

@@ -21,11 +21,9 @@ package main
 // "p99_us", "max_us".
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"flag"
-	"io"
 	"os"
 	"sort"
 	"sync"
@@ -47,33 +45,6 @@ const (
 	phaseDial     = 0
 	phaseExchange = 1
 )
-
-// rateTunnel runs one single-use tunnel to addr, exchanging sent; it
-// stores when DIAL_RSP came into dialed and moves phase on.
-func rateTunnel(t *transport, addr string, sent []byte, began time.Time, dialed *int64, phase *int32) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	c, err := t.dial(ctx, addr)
-	if err != nil {
-		return err
-	}
-	atomic.StoreInt64(dialed, int64(time.Since(began)/time.Microsecond))
-	atomic.StoreInt32(phase, phaseExchange)
-	got := make([]byte, len(sent))
-	if _, err := c.Write(sent); err != nil {
-		c.drop()
-		return err
-	}
-	if _, err := io.ReadFull(c, got); err != nil {
-		c.drop()
-		return err
-	}
-	if string(got) != string(sent) {
-		c.drop()
-		return errors.New("the exchange differs")
-	}
-	return c.Close()
-}
 
 func rate(t *transport, argv []string) {
 	args := flag.NewFlagSet("rate", flag.ExitOnError)
@@ -133,7 +104,12 @@ func rate(t *transport, argv []string) {
 			var dialed int64
 			var phase int32
 			done := make(chan error, 1)
-			go func() { done <- rateTunnel(t, *addr, sent, began, &dialed, &phase) }()
+			go func() {
+				done <- singleUse(t, *addr, sent, make([]byte, len(sent)), func() {
+					atomic.StoreInt64(&dialed, int64(time.Since(began)/time.Microsecond))
+					atomic.StoreInt32(&phase, phaseExchange)
+				})
+			}()
 			var err error
 			select {
 			case err = <-done:
