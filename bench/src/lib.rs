@@ -59,17 +59,6 @@ const DIAL_CONCURRENCY: [usize; 2] = [1, 8];
 /// Longest warm-up before a time-boxed measurement.
 const MAX_WARMUP: Duration = Duration::from_millis(500);
 
-/// `--agents-key-algorithm`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum KeyAlgorithm {
-    /// RSA-2048.
-    #[value(name = "rsa-2048")]
-    Rsa2048,
-    /// ECDSA P-256.
-    #[value(name = "ecdsa-p256")]
-    EcdsaP256,
-}
-
 /// A scenario.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Scenario {
@@ -164,8 +153,8 @@ pub struct Opt {
     pub streams: usize,
     /// Keys of the agents scenario's PKI: rsa-2048 (kubeadm's default: a
     /// full handshake costs the server an RSA signature) or ecdsa-p256.
-    #[arg(long, value_enum, default_value_t = KeyAlgorithm::Rsa2048)]
-    pub agents_key_algorithm: KeyAlgorithm,
+    #[arg(long, value_enum, default_value_t = certs::KeyAlgorithm::Rsa2048)]
+    pub agents_key_algorithm: certs::KeyAlgorithm,
     /// How long the agents scenario's TokenReview stand-in takes to answer
     /// each review (Go duration).
     #[arg(long, default_value = "20ms", value_parser = ops::duration::parse)]
@@ -597,13 +586,7 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
             opt.agents,
             timing.duration,
             nofile,
-            (
-                match opt.agents_key_algorithm {
-                    KeyAlgorithm::Rsa2048 => certs::KeyAlgorithm::Rsa2048,
-                    KeyAlgorithm::EcdsaP256 => certs::KeyAlgorithm::EcdsaP256,
-                },
-                opt.agents_review_latency,
-            ),
+            (opt.agents_key_algorithm, opt.agents_review_latency),
             &mut rec,
         )
         .await

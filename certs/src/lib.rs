@@ -53,14 +53,17 @@ impl std::fmt::Debug for CertKey {
     }
 }
 
-/// The keys a PKI is made of.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// The keys a PKI is made of; a flag's value too (`make-certs
+/// --key-algorithm`, `bench --agents-key-algorithm`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum KeyAlgorithm {
     /// ECDSA on P-256, signed with SHA-256: small and cheap to sign with.
     #[default]
+    #[value(name = "ecdsa-p256")]
     EcdsaP256,
     /// RSA-2048 (PKCS#1 v1.5 with SHA-256), kubeadm's default: every full
     /// TLS handshake costs the server a signature of about a millisecond.
+    #[value(name = "rsa-2048")]
     Rsa2048,
 }
 

@@ -24,19 +24,8 @@ struct Args {
     /// Keys of every CA and certificate: ecdsa-p256, or rsa-2048 as kubeadm
     /// makes them (each full TLS handshake then costs the server an RSA
     /// signature).
-    #[arg(long, value_enum, default_value_t = Algorithm::EcdsaP256)]
-    key_algorithm: Algorithm,
-}
-
-/// `--key-algorithm`.
-#[derive(Debug, Clone, Copy, clap::ValueEnum)]
-enum Algorithm {
-    /// ECDSA on P-256.
-    #[value(name = "ecdsa-p256")]
-    EcdsaP256,
-    /// RSA-2048.
-    #[value(name = "rsa-2048")]
-    Rsa2048,
+    #[arg(long, value_enum, default_value_t = KeyAlgorithm::EcdsaP256)]
+    key_algorithm: KeyAlgorithm,
 }
 
 fn main() -> ExitCode {
@@ -50,11 +39,7 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
-    let algorithm = match args.key_algorithm {
-        Algorithm::EcdsaP256 => KeyAlgorithm::EcdsaP256,
-        Algorithm::Rsa2048 => KeyAlgorithm::Rsa2048,
-    };
-    let pki = ClusterPki::generate_with(&args.sans, algorithm)
+    let pki = ClusterPki::generate_with(&args.sans, args.key_algorithm)
         .with_context(|| format!("generating certificates for --san {:?}", args.sans))?;
     let written = pki
         .write_to(&args.out_dir)
