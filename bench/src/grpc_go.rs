@@ -24,7 +24,7 @@ use tokio::{
 
 use crate::{
     backends::{Backends, EXCHANGE_BYTES},
-    scenarios::{self, Target, Timing, Window},
+    scenarios::{self, Target, Timing, Transfer},
     system::CpuSpan,
 };
 
@@ -106,7 +106,7 @@ impl GoFrontend {
         backends: &Backends,
         timing: Timing,
         up: bool,
-    ) -> anyhow::Result<Window> {
+    ) -> anyhow::Result<Transfer> {
         scenarios::quiesce(backends).await;
         let (mode, addr) = if up {
             ("upload", backends.sink.addr)

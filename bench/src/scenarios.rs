@@ -97,7 +97,7 @@ pub struct Timing {
 
 /// What a time-boxed run moved.
 #[derive(Debug, Clone)]
-pub struct Window {
+pub struct Transfer {
     /// Bytes per stream within the measured time.
     pub per_stream: Vec<u64>,
     /// Exact measured time, in seconds.
@@ -108,7 +108,7 @@ pub struct Window {
     pub server_ticks: Option<u64>,
 }
 
-impl Window {
+impl Transfer {
     /// Bytes of all streams.
     pub fn bytes(&self) -> u64 {
         self.per_stream.iter().sum()
@@ -153,7 +153,7 @@ pub async fn measure(
     timing: Timing,
     streams: &mut Streams,
     counts: impl Fn() -> Vec<u64>,
-) -> anyhow::Result<Window> {
+) -> anyhow::Result<Transfer> {
     tokio::time::sleep(timing.warmup).await;
     check_streams(streams)?;
     let cpu0 = pids.map(|p| p.cpu_ticks()).transpose()?;
@@ -166,7 +166,7 @@ pub async fn measure(
     let cpu1 = pids.map(|p| p.cpu_ticks()).transpose()?;
     let server1 = pids.map(|p| probe::cpu_ticks(p.server)).transpose()?;
     check_streams(streams)?;
-    Ok(Window {
+    Ok(Transfer {
         per_stream: bytes1.iter().zip(&bytes0).map(|(b, a)| b - a).collect(),
         secs,
         cpu_ticks: cpu0.zip(cpu1).map(|(a, b)| b.saturating_sub(a)),
@@ -213,7 +213,7 @@ pub async fn download(
     backends: &Backends,
     timing: Timing,
     streams: usize,
-) -> anyhow::Result<Window> {
+) -> anyhow::Result<Transfer> {
     quiesce(backends).await;
     let mut tasks = Streams::new();
     let mut counters = Vec::with_capacity(streams);
@@ -237,7 +237,7 @@ pub async fn upload(
     target: &Target,
     backends: &Backends,
     timing: Timing,
-) -> anyhow::Result<Window> {
+) -> anyhow::Result<Transfer> {
     quiesce(backends).await;
     let mut tasks = Streams::new();
     let conn = target.connect(backends.sink.addr).await?;

@@ -49,7 +49,8 @@ use tokio_util::sync::CancellationToken;
 use self::{
     faults::{Fault, FaultRecord},
     system::{
-        Agent, AgentSetup, Auth, DEST_IP, FrontendMode, Namespace, Pki, Server, ServerSetup, Tokens,
+        AgentPod, AgentSetup, Auth, DEST_IP, FrontendMode, Namespace, RotatingPki, Server,
+        ServerSetup, Tokens,
     },
     traffic::{Counts, CountsSnap, DestSnap, Destination, Front, GoSoak, Kind, Load},
     watch::{Books, Resource, Role, Sample, Samples, Slot, Slots, lock},
@@ -110,7 +111,7 @@ pub struct World {
     /// The namespace of agent 0.
     pub ns: Namespace,
     /// The certificates.
-    pub pki: Pki,
+    pub pki: RotatingPki,
     /// Token mode's stand-in.
     pub tokens: Option<Tokens>,
     /// Server 0 (gRPC), server 1 (HTTP CONNECT).
@@ -118,7 +119,7 @@ pub struct World {
     /// The load balancer.
     pub lb: ProxyProcess,
     /// The agents.
-    pub agents: Vec<Agent>,
+    pub agents: Vec<AgentPod>,
     /// Agents' flags.
     pub agent_setup: AgentSetup,
     /// The checked destination.
@@ -214,7 +215,7 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
         .context("creating a temporary directory")?;
     eprintln!("soak: files and logs in {}", root.path().display());
     let ns = Namespace::create().context("the soak needs root for `ip netns`")?;
-    let pki = Pki::new(root.path())?;
+    let pki = RotatingPki::new(root.path())?;
     let tokens = match opt.auth {
         Auth::Mtls => None,
         Auth::Token => Some(Tokens::start(root.path()).await?),
@@ -244,7 +245,7 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
         servers,
         lb,
         agents: (0..opt.agents.max(2))
-            .map(|i| Agent::new(i, i == 0))
+            .map(|i| AgentPod::new(i, i == 0))
             .collect(),
         agent_setup,
         dest,

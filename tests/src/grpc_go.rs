@@ -12,7 +12,7 @@ use std::{
 
 use serde_json::Value;
 
-pub use crate::report::Report;
+pub use crate::report::FrontendReport;
 use crate::{
     Pki, TestServer,
     report::{self, Verdict},
@@ -55,7 +55,7 @@ pub fn transport_args(server: &TestServer, tcp: bool) -> Vec<String> {
 ///
 /// # Panics
 /// If the binary is missing or the run exceeds [`RUN_LIMIT`].
-pub async fn run(args: Vec<String>) -> Report {
+pub async fn run(args: Vec<String>) -> FrontendReport {
     report::run(
         command(&args),
         "the grpc-go frontend",

@@ -8,7 +8,7 @@
 
 use std::{path::PathBuf, process::Command, time::Duration};
 
-pub use crate::report::Report;
+pub use crate::report::FrontendReport;
 use crate::{
     report::{self, Verdict},
     workspace,
@@ -55,7 +55,7 @@ pub fn script(name: &str) -> PathBuf {
 /// # Panics
 /// If the interpreter is missing, the run exceeds [`RUN_LIMIT`], or no JSON
 /// line comes out.
-pub async fn frontend<I, S>(args: I) -> Report
+pub async fn frontend<I, S>(args: I) -> FrontendReport
 where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,

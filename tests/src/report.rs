@@ -22,7 +22,7 @@ pub enum Verdict {
 
 /// What one run reported.
 #[derive(Debug)]
-pub struct Report {
+pub struct FrontendReport {
     /// The JSON line; `Null` if none came ([`Verdict::ExitStatus`]).
     pub json: Value,
     /// The exit status.
@@ -35,7 +35,7 @@ pub struct Report {
     verdict: Verdict,
 }
 
-impl Report {
+impl FrontendReport {
     /// Whether the run passed.
     pub fn ok(&self) -> bool {
         self.status.success()
@@ -63,7 +63,7 @@ impl Report {
     }
 }
 
-impl std::fmt::Display for Report {
+impl std::fmt::Display for FrontendReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} ({})", self.json, self.status)?;
         if !self.stderr.is_empty() {
@@ -98,7 +98,7 @@ pub async fn run(
     who: &'static str,
     limit: Duration,
     verdict: Verdict,
-) -> Report {
+) -> FrontendReport {
     let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -150,7 +150,7 @@ pub async fn run(
             .and_then(|line| serde_json::from_str(line).ok())
             .unwrap_or(Value::Null),
     };
-    Report {
+    FrontendReport {
         json,
         status,
         stderr,

@@ -15,7 +15,7 @@ use tokio::{
 
 use super::{
     World,
-    system::{Agent, FrontendMode},
+    system::{AgentPod, FrontendMode},
     traffic::{self, Counts, Exchange, Front, Outcome},
     watch::{Role, sum},
 };
@@ -201,7 +201,7 @@ async fn agent_servers(health: SocketAddr) -> Option<f64> {
 }
 
 /// Waits until `agent` is connected to both servers.
-pub async fn agent_back(agent: &Agent) -> Option<Duration> {
+pub async fn agent_back(agent: &AgentPod) -> Option<Duration> {
     let health = agent.health;
     until(BACK_LIMIT, || async move {
         agent_servers(health).await == Some(2.0)
@@ -505,7 +505,7 @@ impl World {
     /// is connected to both servers, then drains it away (SIGTERM); how
     /// long connecting took.
     async fn probe_agent(&mut self) -> Option<Duration> {
-        let mut probe = Agent::new(self.agents.len(), false);
+        let mut probe = AgentPod::new(self.agents.len(), false);
         probe.generation = 1000 + self.probes;
         self.probes += 1;
         if probe

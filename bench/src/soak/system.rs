@@ -140,7 +140,7 @@ impl Drop for Namespace {
 /// (`cluster.crt`, `cluster.key`, `agent-ca.crt`) and the agents' files
 /// (`agent-ca.crt`, `proxy-agent.crt`, `proxy-agent.key`) in two
 /// directories, replaced whole by rename as kubelet updates a Secret.
-pub struct Pki {
+pub struct RotatingPki {
     /// The servers' files.
     pub server_dir: PathBuf,
     /// The agents' files.
@@ -158,7 +158,7 @@ const SERVER_FILES: [&str; 3] = integration_tests::SERVER_FILES;
 /// The agents' files.
 const AGENT_FILES: [&str; 3] = integration_tests::AGENT_FILES;
 
-impl Pki {
+impl RotatingPki {
     /// A fresh CA and leaves, installed under `root`.
     ///
     /// # Errors
@@ -330,7 +330,7 @@ pub struct ServerSetup<'a> {
     /// Where the files and logs go.
     pub root: &'a Path,
     /// The PKI.
-    pub pki: &'a Pki,
+    pub pki: &'a RotatingPki,
     /// The TokenReview stand-in in token mode.
     pub tokens: Option<&'a Tokens>,
     /// `--backend-dial-timeout`.
@@ -455,7 +455,7 @@ pub struct AgentSetup {
 
 impl AgentSetup {
     /// Agents reaching the servers through haproxy at `lb`.
-    pub fn new(root: &Path, pki: &Pki, tokens: Option<&Tokens>, lb: SocketAddr) -> Self {
+    pub fn new(root: &Path, pki: &RotatingPki, tokens: Option<&Tokens>, lb: SocketAddr) -> Self {
         let file = |f: &str| pki.agent_dir.join(f).display().to_string();
         let mut args = vec![
             format!("--ca-cert={}", file("agent-ca.crt")),
@@ -486,7 +486,7 @@ impl AgentSetup {
 }
 
 /// One agent "pod" slot: a process, replaced on restarts and rollouts.
-pub struct Agent {
+pub struct AgentPod {
     /// The slot.
     pub index: usize,
     /// In the soak's namespace (the one partitions cut off).
@@ -499,7 +499,7 @@ pub struct Agent {
     pub generation: usize,
 }
 
-impl Agent {
+impl AgentPod {
     /// A slot with no process yet.
     pub fn new(index: usize, in_namespace: bool) -> Self {
         Self {

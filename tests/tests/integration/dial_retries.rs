@@ -96,7 +96,10 @@ async fn three_agents(
 
 /// The grpc-go frontend's `rate` mode to `dest` through `server`, for
 /// [`TRAFFIC`] at [`RATE`], running on its own.
-fn traffic(server: &ServerProcess, dest: SocketAddr) -> tokio::task::JoinHandle<grpc_go::Report> {
+fn traffic(
+    server: &ServerProcess,
+    dest: SocketAddr,
+) -> tokio::task::JoinHandle<grpc_go::FrontendReport> {
     let args = vec![
         format!("-uds={}", server.uds.display()),
         "rate".to_owned(),
@@ -134,7 +137,10 @@ async fn dial_failures(server: &ServerProcess) -> f64 {
 /// The agent in the node is killed (`kill -9`) while a dial waits for its
 /// DIAL_RSP, under traffic at [`RATE`]; `retries` is
 /// `--backend-dial-retries`. Returns the frontend's report and the server.
-async fn kill_with_a_dial_pending(node: Node, retries: u32) -> (grpc_go::Report, ServerProcess) {
+async fn kill_with_a_dial_pending(
+    node: Node,
+    retries: u32,
+) -> (grpc_go::FrontendReport, ServerProcess) {
     let pki = tempfile::tempdir().unwrap();
     let (mut server, _hub, mut far) = three_agents(
         pki.path(),

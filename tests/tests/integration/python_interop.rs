@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering::SeqCst;
 use integration_tests::{
     Pki, ServerOpts, TestAgent, TestServer,
     destination::{self, Destination},
-    python::{self, Report},
+    python::{self, FrontendReport},
     wait_for,
 };
 use proxy_server::config::Mode;
@@ -98,7 +98,7 @@ async fn assert_clean(server: &TestServer, agent: &TestAgent, backend: &Destinat
 }
 
 /// Asserts that a run echoed `len` bytes byte-exact and closed cleanly.
-fn assert_echoed(report: &Report, len: u64) {
+fn assert_echoed(report: &FrontendReport, len: u64) {
     report.assert_ok();
     assert_eq!(report.int("sent"), len, "{report}");
     assert_eq!(report.int("received"), len, "{report}");

@@ -21,7 +21,7 @@ use tokio::io::AsyncReadExt;
 /// that never reads, then sends CLOSE_REQ; the other makes 20 echo round
 /// trips meanwhile. The stalled one's CLOSE_RSP error is checked, and the
 /// count of connections closed so.
-async fn shared_stream(bytes: usize) -> python::Report {
+async fn shared_stream(bytes: usize) -> python::FrontendReport {
     let server = TestServer::start().await;
     let _agent = TestAgent::start(&server).await;
     let echo = destination::echo().await;
