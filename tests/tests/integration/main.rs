@@ -39,3 +39,4 @@ mod servers;
 mod shared_stream;
 mod tcp_frontend;
 mod token_auth;
+mod type_names;
