@@ -22,6 +22,7 @@ mod text;
 
 use std::{
     borrow::Cow,
+    collections::BTreeMap,
     fmt,
     sync::{
         Arc,
@@ -140,8 +141,19 @@ impl<T: EncodeMetric + Send + Sync + fmt::Debug + 'static> Exposed for T {}
 /// A value computed when scraped; `None` leaves the metric out.
 type Probe = Box<dyn Fn() -> Option<f64> + Send + Sync>;
 
-/// A registered metric: name, HELP and the metric.
-type Entry = (Cow<'static, str>, Cow<'static, str>, Box<dyn Exposed>);
+/// A registered metric or family.
+struct Entry {
+    /// Its name.
+    name: Cow<'static, str>,
+    /// Its HELP text.
+    help: Cow<'static, str>,
+    /// Its series' label names, as declared (none for a single metric).
+    labels: Vec<&'static str>,
+    /// The values of the labels whose values the code fixes (an enum's).
+    values: BTreeMap<&'static str, Vec<&'static str>>,
+    /// The metric.
+    metric: Box<dyn Exposed>,
+}
 /// A registered probe: name, HELP, type and how to read it.
 type ProbeEntry = (Cow<'static, str>, Cow<'static, str>, MetricType, Probe);
 
@@ -153,7 +165,7 @@ static ALLOCATOR_PROBES: std::sync::OnceLock<fn(&mut Metrics)> = std::sync::Once
 /// The metrics of one process, in registration order.
 #[derive(Default)]
 pub struct Metrics {
-    /// `(name, help, metric)`.
+    /// Metrics and families.
     entries: Vec<Entry>,
     /// `(name, help, type, probe)`: gauges and counters read at scrape time.
     probes: Vec<ProbeEntry>,
@@ -169,16 +181,48 @@ impl fmt::Debug for Metrics {
 }
 
 impl Metrics {
-    /// Adds `metric` under exactly `name` and `help`; returns it for chaining.
-    pub fn register<M: Exposed + Clone>(
+    /// Adds `metric`, a single series without labels, under exactly `name`
+    /// and `help`; returns it for chaining.
+    pub fn register<M: Exposed + Clone + Unlabelled>(
         &mut self,
         name: impl Into<Cow<'static, str>>,
         help: impl Into<Cow<'static, str>>,
         metric: M,
     ) -> M {
-        self.entries
-            .push((name.into(), help.into(), Box::new(metric.clone())));
-        metric
+        self.register_family(name, help, &[], metric)
+    }
+
+    /// Adds `family`, whose series are labelled with exactly `labels`,
+    /// under exactly `name` and `help`; returns it for chaining. The labels
+    /// are what [`Metrics::describe`] reports before any series exists.
+    pub fn register_family<M: Exposed + Clone>(
+        &mut self,
+        name: impl Into<Cow<'static, str>>,
+        help: impl Into<Cow<'static, str>>,
+        labels: &[&'static str],
+        family: M,
+    ) -> M {
+        self.add(name.into(), help.into(), labels, BTreeMap::new(), family)
+    }
+
+    /// [`Metrics::register_family`] with the values of the labels the code
+    /// fixes.
+    fn add<M: Exposed + Clone>(
+        &mut self,
+        name: Cow<'static, str>,
+        help: Cow<'static, str>,
+        labels: &[&'static str],
+        values: BTreeMap<&'static str, Vec<&'static str>>,
+        family: M,
+    ) -> M {
+        self.entries.push(Entry {
+            name,
+            help,
+            labels: labels.to_vec(),
+            values,
+            metric: Box::new(family.clone()),
+        });
+        family
     }
 
     /// Adds a value computed at scrape time (a gauge of live state, or a
@@ -206,6 +250,78 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode_registry(&mut text, &registry);
         text::go_text(&text)
     }
+
+    /// Every registered family, sorted by name, whether or not it has a
+    /// series yet (the exposition shows only those that have).
+    pub fn describe(&self) -> Vec<Descriptor> {
+        let metrics = self.entries.iter().map(|e| Descriptor {
+            name: e.name.to_string(),
+            help: e.help.to_string(),
+            kind: e.metric.metric_type().as_str().to_owned(),
+            labels: sorted(&e.labels),
+            values: e.values.clone(),
+        });
+        let probes = self.probes.iter().map(|(name, help, kind, _)| Descriptor {
+            name: name.to_string(),
+            help: help.to_string(),
+            kind: kind.as_str().to_owned(),
+            labels: Vec::new(),
+            values: BTreeMap::new(),
+        });
+        let mut all: Vec<Descriptor> = metrics.chain(probes).collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
+    }
+
+    /// What in the current exposition disagrees with [`Metrics::describe`]
+    /// (see [`mismatches`]); for tests that exercise the labelled families.
+    pub fn mismatches(self: &Arc<Self>) -> Vec<String> {
+        mismatches(&self.describe(), &self.render())
+    }
+}
+
+fn sorted(labels: &[&'static str]) -> Vec<&'static str> {
+    let mut labels = labels.to_vec();
+    labels.sort_unstable();
+    labels
+}
+
+/// A metric with one series and no labels: what [`Metrics::register`]
+/// takes. A family goes through [`Metrics::register_family`], which names
+/// its labels, so that a reference lists them before any series exists.
+pub trait Unlabelled {}
+impl Unlabelled for Counter {}
+impl Unlabelled for Histogram {}
+impl<M: Unlabelled> Unlabelled for Observed<M> {}
+impl<N, A> Unlabelled for prometheus_client::metrics::gauge::Gauge<N, A> {}
+
+/// A registered family as a reference lists it: what its `# HELP` and
+/// `# TYPE` lines say and which labels its series carry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// The family's name.
+    pub name: String,
+    /// The HELP text, verbatim.
+    pub help: String,
+    /// The TYPE: `counter`, `gauge` or `histogram`.
+    pub kind: String,
+    /// The label names of its series, sorted; a histogram's `_bucket`
+    /// samples carry `le` besides.
+    pub labels: Vec<&'static str>,
+    /// Every value of the labels whose values the code fixes (an enum's,
+    /// see [`LabelEnum`]), by label; the other labels' values depend on
+    /// what happens (an HTTP status, a file name).
+    pub values: BTreeMap<&'static str, Vec<&'static str>>,
+}
+
+/// Where the exposition `text` disagrees with `described`, one line per
+/// problem: a family not described, or described with another HELP or
+/// TYPE; a sample whose name is not its family's (a histogram's `_bucket`,
+/// `_sum` or `_count`), whose label names are not the described ones, or
+/// whose label value is not among the described values of its label.
+/// Empty when they agree.
+pub fn mismatches(described: &[Descriptor], text: &str) -> Vec<String> {
+    text::mismatches(described, text)
 }
 
 /// The collector view of shared [`Metrics`].
@@ -214,7 +330,10 @@ struct Shared(Arc<Metrics>);
 
 impl Collector for Shared {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), fmt::Error> {
-        for (name, help, metric) in &self.0.entries {
+        for Entry {
+            name, help, metric, ..
+        } in &self.0.entries
+        {
             let metric_encoder =
                 encoder.encode_descriptor(name, help, None, metric.metric_type())?;
             metric.encode(metric_encoder)?;
@@ -332,6 +451,8 @@ pub trait LabelEnum:
 {
     /// How many values.
     const COUNT: usize;
+    /// Every value, in index order.
+    const ALL: &'static [Self];
     /// This value's index, below [`LabelEnum::COUNT`].
     fn index(self) -> usize;
     /// The label text.
@@ -386,6 +507,7 @@ macro_rules! label_enum {
 
         impl $crate::metrics::LabelEnum for $name {
             const COUNT: usize = [$($text),+].len();
+            const ALL: &'static [Self] = &[$(Self::$variant),+];
             fn index(self) -> usize {
                 self as usize
             }
@@ -394,6 +516,11 @@ macro_rules! label_enum {
             }
         }
     };
+}
+
+/// Every value of `L`, as label text.
+fn texts<L: LabelEnum>() -> Vec<&'static str> {
+    L::ALL.iter().map(|value| value.text()).collect()
 }
 
 /// A one-label family keyed by a [`LabelEnum`] whose series are found in
@@ -423,7 +550,13 @@ where
         key: &'static str,
     ) -> Self {
         Self {
-            family: metrics.register(name, help, Default::default()),
+            family: metrics.add(
+                name.into(),
+                help.into(),
+                &[key],
+                BTreeMap::from([(key, texts::<L>())]),
+                Default::default(),
+            ),
             key,
             cells: (0..L::COUNT).map(|_| std::sync::OnceLock::new()).collect(),
         }
@@ -455,9 +588,11 @@ impl<S: LabelEnum> PacketCounters<S> {
     /// types counted, by their number on the wire (others are not).
     pub fn register(metrics: &mut Metrics, prefix: &str, types: &'static [&'static str]) -> Self {
         Self {
-            family: metrics.register(
-                format!("{prefix}stream_packets_total"),
-                "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
+            family: metrics.add(
+                format!("{prefix}stream_packets_total").into(),
+                "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)".into(),
+                &["packet_type", "segment"],
+                BTreeMap::from([("packet_type", types.to_vec()), ("segment", texts::<S>())]),
                 Default::default(),
             ),
             types,
@@ -522,9 +657,11 @@ impl<S: LabelEnum> StreamErrors<S> {
     /// Registers `<prefix>stream_errors_total`.
     pub fn register(metrics: &mut Metrics, prefix: &str) -> Self {
         Self {
-            errors: metrics.register(
-                format!("{prefix}stream_errors_total"),
-                "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
+            errors: metrics.add(
+                format!("{prefix}stream_errors_total").into(),
+                "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)".into(),
+                &["code", "packet_type", "segment"],
+                BTreeMap::from([("segment", texts::<S>())]),
                 Default::default(),
             ),
         }
@@ -673,14 +810,16 @@ mod tests {
     #[test]
     fn exposition_uses_the_names_and_help_verbatim() {
         let mut m = Metrics::default();
-        let failures: Family<Vec<(String, String)>, Counter> = m.register(
+        let failures: Family<Vec<(String, String)>, Counter> = m.register_family(
             "x_dial_failure_count",
             "Number of dial failures observed. Multiple failures can occur.",
+            &["reason"],
             Family::default(),
         );
-        let packets: Family<Vec<(&'static str, &'static str)>, Counter> = m.register(
+        let packets: Family<Vec<(&'static str, &'static str)>, Counter> = m.register_family(
             "x_stream_packets_total",
             "Count of packets",
+            &["segment", "packet_type"],
             Family::default(),
         );
         let gauge = m.register("x_open", "Open things", Gauge::<i64>::default());
@@ -731,6 +870,93 @@ mod tests {
              # HELP x_stream_packets_total Count of packets\n\
              # TYPE x_stream_packets_total counter\n\
              x_stream_packets_total{packet_type=\"DIAL_REQ\",segment=\"from_client\"} 2\n"
+        );
+    }
+
+    #[test]
+    fn every_family_is_described_before_it_has_a_series() {
+        type Latencies = Family<Vec<(&'static str, &'static str)>, Histogram, fn() -> Histogram>;
+        let mut m = Metrics::default();
+        let hist: Latencies = m.register_family(
+            "x_latency_seconds",
+            "Latency",
+            &["status", "kind"],
+            Family::new_with_constructor(|| Histogram::new([1.0])),
+        );
+        let pending = m.register(
+            "x_pending",
+            "Pending",
+            Observed::new(Gauge::<i64>::default()),
+        );
+        let bytes: ByLabel<Way, Counter> =
+            ByLabel::register(&mut m, "x_bytes_total", "Bytes", "direction");
+        m.probe("x_busy", "Busy", MetricType::Gauge, || None);
+        let m = Arc::new(m);
+        assert_eq!(m.render(), "", "no series yet");
+        let described: Vec<String> = m
+            .describe()
+            .iter()
+            .map(|d| {
+                format!(
+                    "{} {} {} {:?} {:?}",
+                    d.name, d.kind, d.help, d.labels, d.values
+                )
+            })
+            .collect();
+        assert_eq!(
+            described,
+            [
+                "x_busy gauge Busy [] {}",
+                "x_bytes_total counter Bytes [\"direction\"] {\"direction\": [\"up\", \"down\"]}",
+                "x_latency_seconds histogram Latency [\"kind\", \"status\"] {}",
+                "x_pending gauge Pending [] {}",
+            ]
+        );
+
+        // Series as described: no mismatch.
+        hist.get_or_create(&vec![("kind", "a"), ("status", "200")])
+            .observe(0.5);
+        pending.get().set(1);
+        bytes.get(Way::Up).inc();
+        assert_eq!(m.mismatches(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn mismatches_name_what_differs() {
+        let described = vec![
+            Descriptor {
+                name: "x_total".to_owned(),
+                help: "Things".to_owned(),
+                kind: "counter".to_owned(),
+                labels: vec!["reason", "way"],
+                values: BTreeMap::from([("way", vec!["up", "down"])]),
+            },
+            Descriptor {
+                name: "x_seconds".to_owned(),
+                help: "Latency".to_owned(),
+                kind: "histogram".to_owned(),
+                labels: vec![],
+                values: BTreeMap::new(),
+            },
+        ];
+        let good = "# HELP x_seconds Latency\n# TYPE x_seconds histogram\n\
+                    x_seconds_bucket{le=\"+Inf\"} 1\nx_seconds_sum 1\nx_seconds_count 1\n\
+                    # HELP x_total Things\n# TYPE x_total counter\nx_total{reason=\"a\",way=\"up\"} 1\n";
+        assert_eq!(mismatches(&described, good), Vec::<String>::new());
+        let bad = "# HELP x_other Other\n# TYPE x_other gauge\nx_other 1\n\
+                   # HELP x_seconds Latency.\n# TYPE x_seconds summary\nx_seconds_max 1\n\
+                   # HELP x_total Things\n# TYPE x_total counter\nx_total{cause=\"a\",way=\"up\"} 1\n\
+                   x_total{reason=\"a\",way=\"left\"} 1\n";
+        assert_eq!(
+            mismatches(&described, bad),
+            [
+                "x_other: not described",
+                "x_seconds: HELP \"Latency.\", described as \"Latency\"",
+                "x_seconds: TYPE summary, described as histogram",
+                "x_seconds: sample \"x_seconds_max 1\" is not one of its",
+                "x_total{cause=\"a\",way=\"up\"} 1: labels [\"cause\", \"way\"], described as [\"reason\", \"way\"]",
+                "x_total{reason=\"a\",way=\"left\"} 1: way=\"left\" is none of the described [\"up\", \"down\"]",
+            ]
         );
     }
 

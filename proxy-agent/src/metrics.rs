@@ -272,21 +272,32 @@ fn register_gauges(m: &mut Metrics, state: &Weak<dyn Live>, endpoint_seen: &Arc<
 
 /// Registers the lease watch's metrics.
 fn register_leases(m: &mut Metrics, leases: &LeaseMetrics) {
-    m.register(
+    m.register_family(
         name("lease_lists_total"),
         "Count of server lease list calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
+        &["http_response_code", "reason"],
         leases.lists.clone(),
     );
-    m.register(
+    m.register_family(
         name("lease_watches_total"),
         "Count of server lease watch calls made by the agent to the k8s apiserver, labeled by HTTP response code and reason",
+        &["http_response_code", "reason"],
         leases.watches.clone(),
     );
-    m.register(
+    m.register_family(
         name("lease_list_latency_seconds"),
         "Latency of server lease listing in seconds",
+        &["http_response_code"],
         leases.list_latency.clone(),
     );
+}
+
+/// Every metric family the agent registers, sorted by name, whether or
+/// not it has a series yet: what `docs/metrics.md` lists. The allocator's
+/// are among them once the process called `ops::metrics::jemalloc::expose`,
+/// as the binary does.
+pub fn families() -> Vec<ops::metrics::Descriptor> {
+    AgentMetrics::unattached().exposition.describe()
 }
 
 impl std::fmt::Debug for AgentMetrics {
@@ -418,6 +429,31 @@ mod tests {
         ] {
             assert!(text.contains(series), "{series}{text}");
         }
+    }
+
+    /// The families whose label names are declared apart from the code
+    /// that labels their series (the lease watch's, the certificates')
+    /// carry the declared ones.
+    #[test]
+    fn series_carry_the_labels_described() {
+        let leases = LeaseMetrics::default();
+        let certs = CertMetrics::default();
+        let metrics = AgentMetrics::new(Weak::<Nothing>::new(), &leases, &certs);
+        for kind in [CallKind::List, CallKind::Watch] {
+            leases.lease_call(&Call {
+                kind,
+                status: 200,
+                took: Duration::from_millis(2),
+            });
+        }
+        let _ = certs.failures("agent-cert");
+        metrics.send_failed(&proto::Packet::dial_response(1, 2, ""));
+        metrics.dial_failed(EndpointDialFailure::Timeout);
+        let text = metrics.render();
+        for family in ["lease_watches_total", "lease_list_latency_seconds_bucket"] {
+            assert!(text.contains(&name(family)), "{family} missing:\n{text}");
+        }
+        assert_eq!(metrics.exposition.mismatches(), Vec::<String>::new());
     }
 
     #[test]

@@ -32,7 +32,8 @@
 //!   CONNECT. The `:authority` layer under the Unix socket is the
 //!   `authority` crate.
 //! - [`auth`]: service-account token authentication (TokenReview).
-//! - [`health`]: `/healthz`, `/readyz`, `/metrics`; `metrics`: the registry.
+//! - [`health`]: `/healthz`, `/readyz`, `/metrics`; [`metrics`]: the registry
+//!   (every family in it: [`metrics::families`], `docs/metrics.md`).
 //! - [`lease`]: the server's Lease (`--enable-lease-controller`).
 //! - [`config`]: flags (ANP names and defaults) → validated [`config::Config`].
 //! - [`server`]: [`server::ProxyServer::bind`] → [`server::Bound::serve`].
@@ -53,7 +54,7 @@ pub mod health;
 mod ids;
 pub mod lease;
 mod manager;
-mod metrics;
+pub mod metrics;
 mod router;
 pub mod server;
 pub mod strategy;

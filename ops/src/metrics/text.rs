@@ -202,6 +202,72 @@ fn escape_into(out: &mut String, value: &str) {
     }
 }
 
+/// See [`super::mismatches`]: `text` is an exposition as
+/// [`go_text`] writes it (`# HELP`, `# TYPE`, then the samples).
+pub(crate) fn mismatches(described: &[super::Descriptor], text: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    // The family of the last `# HELP`, which its samples follow.
+    let mut family: Option<&super::Descriptor> = None;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            family = described.iter().find(|d| d.name == name);
+            match family {
+                None => problems.push(format!("{name}: not described")),
+                Some(d) if d.help != help => {
+                    problems.push(format!("{name}: HELP {help:?}, described as {:?}", d.help))
+                }
+                Some(_) => {}
+            }
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            if let Some(d) = described.iter().find(|d| d.name == name)
+                && d.kind != kind
+            {
+                problems.push(format!("{name}: TYPE {kind}, described as {}", d.kind));
+            }
+        } else if line.starts_with('#') || line.is_empty() {
+            continue;
+        } else if let Some(sample) = parse_sample(line) {
+            let Some(d) = family else {
+                continue;
+            };
+            let histogram = d.kind == "histogram";
+            let le = match sample.name.strip_prefix(d.name.as_str()) {
+                Some("") if !histogram => false,
+                Some("_bucket") if histogram => true,
+                Some("_sum" | "_count") if histogram => false,
+                _ => {
+                    problems.push(format!("{}: sample {line:?} is not one of its", d.name));
+                    continue;
+                }
+            };
+            let mut got: Vec<&str> = sample.labels.iter().map(|(name, _)| *name).collect();
+            got.sort_unstable();
+            let mut want = d.labels.clone();
+            if le {
+                want.push("le");
+                want.sort_unstable();
+            }
+            if got != want {
+                problems.push(format!("{line}: labels {got:?}, described as {want:?}"));
+            }
+            for (label, value) in &sample.labels {
+                if let Some(values) = d.values.get(label)
+                    && !values.contains(&value.as_str())
+                {
+                    problems.push(format!(
+                        "{line}: {label}={value:?} is none of the described {values:?}"
+                    ));
+                }
+            }
+        } else {
+            problems.push(format!("not a sample: {line:?}"));
+        }
+    }
+    problems
+}
+
 /// Parses `name{a="x",b="y"} value` (label values escaped); `None` if the
 /// line is not of that shape.
 fn parse_sample(line: &str) -> Option<Sample<'_>> {

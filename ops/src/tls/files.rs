@@ -157,14 +157,16 @@ impl CertMetrics {
     /// Adds both families to `metrics` under `prefix`
     /// (`konnectivity_rs_server_`, …); they may be in use already.
     pub fn register(&self, metrics: &mut Metrics, prefix: &str) {
-        metrics.register(
+        metrics.register_family(
             format!("{prefix}certificate_expiry_timestamp_seconds"),
             "When a loaded certificate file stops being valid (the earliest notAfter of its certificates), in seconds since the epoch, by the flag naming the file",
+            &["certificate", "file"],
             self.expiry.clone(),
         );
-        metrics.register(
+        metrics.register_family(
             format!("{prefix}certificate_reload_failures_total"),
             "Times changed TLS files could not be loaded and the last good ones were kept, by the flag of the certificate",
+            &["certificate"],
             self.failures.clone(),
         );
     }
@@ -519,7 +521,11 @@ mod tests {
         let metrics = CertMetrics::default();
         metrics.register(&mut m, "x_");
         let _files = listener(&d.0, &metrics);
-        let text = Arc::new(m).render();
+        let m = Arc::new(m);
+        let text = m.render();
+        // The series carry the labels the families were registered with.
+        let _ = metrics.failures("cluster-cert");
+        assert_eq!(m.mismatches(), Vec::<String>::new());
         // Go's text format writes large values with an exponent.
         let value = |flag: &str, name: &str| -> i64 {
             let series = format!(
