@@ -29,6 +29,7 @@ mod lease_stub;
 mod leases;
 mod manifests;
 mod metrics;
+mod metrics_reference;
 mod monitoring;
 mod proxy_client;
 mod python_interop;
