@@ -281,167 +281,233 @@ impl World {
     pub async fn inject(&mut self, fault: Fault, target: usize) -> anyhow::Result<FaultRecord> {
         let started = self.now();
         let mut record = FaultRecord::new(fault, started);
-        let back;
-        match fault {
-            Fault::AgentKill => {
-                record.target = format!("agent-{target}");
-                record.agent = Some(target);
-                self.agents[target].process = None;
-                self.update_slots();
-                tokio::time::sleep(DOWN).await;
-                self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
-                self.update_slots();
-                record.ended = self.now();
-                back = agent_back(&self.agents[target]).await;
-            }
-            Fault::ServerKill => {
-                record.target = format!("server-{target}");
-                self.servers[target].kill();
-                self.update_slots();
-                tokio::time::sleep(DOWN).await;
-                self.servers[target].restart(&self.bins).await?;
-                self.update_slots();
-                record.ended = self.now();
-                back = self.server_back(target).await;
-            }
-            Fault::Partition => {
-                let i = self
-                    .agents
-                    .iter()
-                    .position(|a| a.in_namespace)
-                    .context("no agent in the namespace")?;
-                record.target = format!("agent-{i} (namespace)");
-                record.agent = Some(i);
-                self.ns.set_link(false)?;
-                tokio::time::sleep(PARTITION).await;
-                self.ns.set_link(true)?;
-                record.ended = self.now();
-                back = agent_back(&self.agents[i]).await;
-            }
-            Fault::FrontendStall => {
-                record.target = "a gRPC and a CONNECT download".to_owned();
-                let mut held = Vec::new();
-                for index in 0..2 {
-                    held.push(self.stalled_download(index).await?);
-                }
-                tokio::time::sleep(HOLD).await;
-                drop(held);
-                record.ended = self.now();
-                back = Some(Duration::ZERO);
-            }
-            Fault::DestinationStall => {
-                record.target = "a gRPC and a CONNECT upload".to_owned();
-                let mut tasks = tokio::task::JoinSet::new();
-                for index in 0..2 {
-                    let front = self.front(index);
-                    let addr = self.stall.addr;
-                    tasks.spawn(async move {
-                        let Ok(mut io) = dial(&front, addr).await else {
-                            return;
-                        };
-                        let chunk = vec![0x5a_u8; 32 * 1024];
-                        while io.write_all(&chunk).await.is_ok() {}
-                    });
-                }
-                tokio::time::sleep(HOLD).await;
-                tasks.abort_all();
-                while tasks.join_next().await.is_some() {}
-                record.note = format!("{} held by the destination", self.stall.held());
-                self.stall.reset_all();
-                record.ended = self.now();
-                back = Some(Duration::ZERO);
-            }
-            Fault::Slowloris => {
-                record.target = format!("{SLOWLORIS} connections per server");
-                let closed = self.slowloris().await;
-                record.note = format!(
-                    "{} of {SLOWLORIS} closed by the gRPC server, {} of {SLOWLORIS} by the CONNECT server, within {SLOW:?}",
-                    closed[0], closed[1]
-                );
-                record.ended = self.now();
-                back = Some(Duration::ZERO);
-            }
-            Fault::CertRotation => {
-                record.target = "servers and agents".to_owned();
-                self.pki.rotate_leaves()?;
-                back = self.probe_agent().await;
-                record.ended = self.now();
-            }
-            Fault::CaRotation => {
-                record.target = "servers and agents".to_owned();
-                let new = self.pki.ca_trust_both()?;
-                let first = self.probe_agent().await;
-                self.pki.ca_switch_leaves(new)?;
-                let second = self.probe_agent().await;
-                self.pki.ca_drop_old()?;
-                back = self.probe_agent().await;
-                record.note = format!(
-                    "a new agent connected after each step: {}",
-                    [first, second, back]
-                        .iter()
-                        .map(|d| d
-                            .map_or("never".to_owned(), |d| format!("{:.1} s", d.as_secs_f64())))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                record.ended = self.now();
-            }
-            Fault::TokenOutage => {
-                record.target = format!("TokenReview API, agent-{target} reconnecting");
-                record.agent = Some(target);
-                let tokens = self.tokens.as_ref().context("token mode only")?;
-                tokens.stub.set_down(true);
-                self.agents[target].process = None;
-                self.update_slots();
-                self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
-                self.update_slots();
-                tokio::time::sleep(HOLD).await;
-                let during = agent_servers(self.agents[target].health).await;
-                if let Some(tokens) = &self.tokens {
-                    tokens.stub.set_down(false);
-                }
-                record.note = format!(
-                    "the reconnecting agent had {} server connections during the outage",
-                    during.map_or("?".to_owned(), |n| n.to_string())
-                );
-                record.ended = self.now();
-                back = agent_back(&self.agents[target]).await;
-            }
-            Fault::Rollout => {
-                record.target = format!("agent-{target}");
-                record.agent = Some(target);
-                let mut old = self.agents[target].process.take();
-                if let Some(old) = &old {
-                    old.terminate()?;
-                }
-                self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
-                self.update_slots();
-                back = agent_back(&self.agents[target]).await;
-                let drained = match &mut old {
-                    Some(old) => {
-                        until(BACK_LIMIT, || {
-                            let exited = old.has_exited();
-                            async move { exited }
-                        })
-                        .await
-                    }
-                    None => Some(Duration::ZERO),
-                };
-                record.note = match drained {
-                    Some(d) => format!(
-                        "the old agent drained and exited in {:.1} s",
-                        d.as_secs_f64()
-                    ),
-                    None => format!("the old agent had not exited after {BACK_LIMIT:?}"),
-                };
-                drop(old);
-                record.ended = self.now();
-            }
-        }
+        let back = match fault {
+            Fault::AgentKill => self.kill_agent(target, &mut record).await?,
+            Fault::ServerKill => self.kill_server(target, &mut record).await?,
+            Fault::Partition => self.partition(&mut record).await?,
+            Fault::FrontendStall => self.stall_frontends(&mut record).await?,
+            Fault::DestinationStall => self.stall_destination(&mut record).await,
+            Fault::Slowloris => self.slow_frontends(&mut record).await,
+            Fault::CertRotation => self.rotate_leaves(&mut record).await?,
+            Fault::CaRotation => self.rotate_ca(&mut record).await?,
+            Fault::TokenOutage => self.token_outage(target, &mut record).await?,
+            Fault::Rollout => self.roll_out(target, &mut record).await?,
+        };
         record.back_s = back.map(|d| d.as_secs_f64());
         record.dials_s = self.dials_served().await.map(|d| d.as_secs_f64());
         record.recovered = self.now();
         Ok(record)
+    }
+
+    /// [`Fault::AgentKill`]: agent `target` killed, started again after
+    /// [`DOWN`]; how long until it is back on both servers.
+    async fn kill_agent(
+        &mut self,
+        target: usize,
+        record: &mut FaultRecord,
+    ) -> anyhow::Result<Option<Duration>> {
+        record.target = format!("agent-{target}");
+        record.agent = Some(target);
+        self.agents[target].process = None;
+        self.update_slots();
+        tokio::time::sleep(DOWN).await;
+        self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
+        self.update_slots();
+        record.ended = self.now();
+        Ok(agent_back(&self.agents[target]).await)
+    }
+
+    /// [`Fault::ServerKill`]: server `target` killed, started again on
+    /// the same ports after [`DOWN`]; how long until it has every agent.
+    async fn kill_server(
+        &mut self,
+        target: usize,
+        record: &mut FaultRecord,
+    ) -> anyhow::Result<Option<Duration>> {
+        record.target = format!("server-{target}");
+        self.servers[target].kill();
+        self.update_slots();
+        tokio::time::sleep(DOWN).await;
+        self.servers[target].restart(&self.bins).await?;
+        self.update_slots();
+        record.ended = self.now();
+        Ok(self.server_back(target).await)
+    }
+
+    /// [`Fault::Partition`]: the namespaced agent's link down for
+    /// [`PARTITION`]; how long until it is back on both servers.
+    async fn partition(&mut self, record: &mut FaultRecord) -> anyhow::Result<Option<Duration>> {
+        let i = self
+            .agents
+            .iter()
+            .position(|a| a.in_namespace)
+            .context("no agent in the namespace")?;
+        record.target = format!("agent-{i} (namespace)");
+        record.agent = Some(i);
+        self.ns.set_link(false)?;
+        tokio::time::sleep(PARTITION).await;
+        self.ns.set_link(true)?;
+        record.ended = self.now();
+        Ok(agent_back(&self.agents[i]).await)
+    }
+
+    /// [`Fault::FrontendStall`]: a download through each server left
+    /// unread for [`HOLD`].
+    async fn stall_frontends(
+        &mut self,
+        record: &mut FaultRecord,
+    ) -> anyhow::Result<Option<Duration>> {
+        record.target = "a gRPC and a CONNECT download".to_owned();
+        let mut held = Vec::new();
+        for index in 0..2 {
+            held.push(self.stalled_download(index).await?);
+        }
+        tokio::time::sleep(HOLD).await;
+        drop(held);
+        record.ended = self.now();
+        Ok(Some(Duration::ZERO))
+    }
+
+    /// [`Fault::DestinationStall`]: an upload through each server to a
+    /// destination that stops reading, for [`HOLD`].
+    async fn stall_destination(&mut self, record: &mut FaultRecord) -> Option<Duration> {
+        record.target = "a gRPC and a CONNECT upload".to_owned();
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..2 {
+            let front = self.front(index);
+            let addr = self.stall.addr;
+            tasks.spawn(async move {
+                let Ok(mut io) = dial(&front, addr).await else {
+                    return;
+                };
+                let chunk = vec![0x5a_u8; 32 * 1024];
+                while io.write_all(&chunk).await.is_ok() {}
+            });
+        }
+        tokio::time::sleep(HOLD).await;
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+        record.note = format!("{} held by the destination", self.stall.held());
+        self.stall.reset_all();
+        record.ended = self.now();
+        Some(Duration::ZERO)
+    }
+
+    /// [`Fault::Slowloris`]: [`SLOWLORIS`] slow frontends per server (see
+    /// [`Self::slowloris`]).
+    async fn slow_frontends(&mut self, record: &mut FaultRecord) -> Option<Duration> {
+        record.target = format!("{SLOWLORIS} connections per server");
+        let closed = self.slowloris().await;
+        record.note = format!(
+            "{} of {SLOWLORIS} closed by the gRPC server, {} of {SLOWLORIS} by the CONNECT server, within {SLOW:?}",
+            closed[0], closed[1]
+        );
+        record.ended = self.now();
+        Some(Duration::ZERO)
+    }
+
+    /// [`Fault::CertRotation`]: new leaves on both sides; how long until a
+    /// new agent connects with them.
+    async fn rotate_leaves(
+        &mut self,
+        record: &mut FaultRecord,
+    ) -> anyhow::Result<Option<Duration>> {
+        record.target = "servers and agents".to_owned();
+        self.pki.rotate_leaves()?;
+        let back = self.probe_agent().await;
+        record.ended = self.now();
+        Ok(back)
+    }
+
+    /// [`Fault::CaRotation`]: a new CA trusted beside the old, the leaves
+    /// switched, the old CA dropped, a new agent connecting after each
+    /// step; how long the last one took.
+    async fn rotate_ca(&mut self, record: &mut FaultRecord) -> anyhow::Result<Option<Duration>> {
+        record.target = "servers and agents".to_owned();
+        let new = self.pki.ca_trust_both()?;
+        let first = self.probe_agent().await;
+        self.pki.ca_switch_leaves(new)?;
+        let second = self.probe_agent().await;
+        self.pki.ca_drop_old()?;
+        let back = self.probe_agent().await;
+        record.note = format!(
+            "a new agent connected after each step: {}",
+            [first, second, back]
+                .iter()
+                .map(|d| d.map_or("never".to_owned(), |d| format!("{:.1} s", d.as_secs_f64())))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        record.ended = self.now();
+        Ok(back)
+    }
+
+    /// [`Fault::TokenOutage`]: the TokenReview API down for [`HOLD`] while
+    /// agent `target` reconnects; how long until it is back on both
+    /// servers.
+    async fn token_outage(
+        &mut self,
+        target: usize,
+        record: &mut FaultRecord,
+    ) -> anyhow::Result<Option<Duration>> {
+        record.target = format!("TokenReview API, agent-{target} reconnecting");
+        record.agent = Some(target);
+        let tokens = self.tokens.as_ref().context("token mode only")?;
+        tokens.stub.set_down(true);
+        self.agents[target].process = None;
+        self.update_slots();
+        self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
+        self.update_slots();
+        tokio::time::sleep(HOLD).await;
+        let during = agent_servers(self.agents[target].health).await;
+        if let Some(tokens) = &self.tokens {
+            tokens.stub.set_down(false);
+        }
+        record.note = format!(
+            "the reconnecting agent had {} server connections during the outage",
+            during.map_or("?".to_owned(), |n| n.to_string())
+        );
+        record.ended = self.now();
+        Ok(agent_back(&self.agents[target]).await)
+    }
+
+    /// [`Fault::Rollout`]: agent `target` drained (SIGTERM) while its
+    /// successor starts; how long until the successor is back on both
+    /// servers. The note says how long the old one took to exit.
+    async fn roll_out(
+        &mut self,
+        target: usize,
+        record: &mut FaultRecord,
+    ) -> anyhow::Result<Option<Duration>> {
+        record.target = format!("agent-{target}");
+        record.agent = Some(target);
+        let mut old = self.agents[target].process.take();
+        if let Some(old) = &old {
+            old.terminate()?;
+        }
+        self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
+        self.update_slots();
+        let back = agent_back(&self.agents[target]).await;
+        let drained = match &mut old {
+            Some(old) => {
+                until(BACK_LIMIT, || {
+                    let exited = old.has_exited();
+                    async move { exited }
+                })
+                .await
+            }
+            None => Some(Duration::ZERO),
+        };
+        record.note = match drained {
+            Some(d) => format!(
+                "the old agent drained and exited in {:.1} s",
+                d.as_secs_f64()
+            ),
+            None => format!("the old agent had not exited after {BACK_LIMIT:?}"),
+        };
+        drop(old);
+        record.ended = self.now();
+        Ok(back)
     }
 
     /// A download from the endless source through server `index` that is
