@@ -202,265 +202,349 @@ pub struct SoakResult {
     pub violations: Vec<String>,
 }
 
-/// Runs the soak.
+/// Runs the soak: the system up, the traffic on, a baseline, the faults
+/// one at a time, then the traffic stopped and the books checked.
 ///
 /// # Errors
 /// The system cannot be set up (no root for the namespace, a binary or
 /// haproxy missing), or a process cannot be started again.
 pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
-    let start = Instant::now();
-    let root = tempfile::Builder::new()
-        .prefix("konnectivity-soak-")
-        .tempdir()
-        .context("creating a temporary directory")?;
-    eprintln!("soak: files and logs in {}", root.path().display());
-    let ns = Namespace::create().context("the soak needs root for `ip netns`")?;
-    let pki = RotatingPki::new(root.path())?;
-    let tokens = match opt.auth {
-        Auth::Mtls => None,
-        Auth::Token => Some(Tokens::start(root.path()).await?),
-    };
-    let setup = ServerSetup {
-        root: root.path(),
-        pki: &pki,
-        tokens: tokens.as_ref(),
-        dial_timeout: DIAL_TIMEOUT,
-        keepalive: Duration::from_secs(2),
-    };
-    let servers = vec![
-        Server::start(&bins, &setup, 0, FrontendMode::Grpc).await?,
-        Server::start(&bins, &setup, 1, FrontendMode::HttpConnect).await?,
-    ];
-    let lb = system::load_balancer(&[&servers[0], &servers[1]]).await;
-    let agent_setup = AgentSetup::new(root.path(), &pki, tokens.as_ref(), lb.addr);
-    traffic::START.get_or_init(|| start);
-    let dest = Destination::start(DEST_IP, start).await?;
-    let source = destination::source_on(DEST_IP).await;
-    let stall = destination::Stall::start_on(DEST_IP);
-    let mut world = World {
-        bins,
-        ns,
-        pki,
-        tokens,
-        servers,
-        lb,
-        agents: (0..opt.agents.max(2))
-            .map(|i| AgentPod::new(i, i == 0))
-            .collect(),
-        agent_setup,
-        dest,
-        source,
-        stall,
-        slots: Arc::new(Mutex::new(Vec::new())),
-        start,
-        probes: 0,
-        root,
-    };
-    for i in 0..world.agents.len() {
-        world.agents[i].start(&world.bins, &world.agent_setup, &world.ns)?;
+    let mut world = World::start(bins, &opt).await?;
+    world.connect_agents().await?;
+    let traffic = Traffic::start(&world, &opt)?;
+    let total = opt.duration.as_secs_f64();
+    let baseline = Baseline::measure(&world, &traffic.samples, total).await;
+    let mut violations = Vec::new();
+    let records = inject_faults(&mut world, &opt, &traffic, &baseline, &mut violations).await?;
+    let remaining = total - world.now();
+    if remaining > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(remaining)).await;
     }
-    world.update_slots();
-    for agent in &world.agents {
-        faults::agent_back(agent)
-            .await
-            .with_context(|| format!("agent-{} did not connect to both servers", agent.index))?;
-    }
-    eprintln!(
-        "soak: {} agents connected to both servers",
-        world.agents.len()
-    );
+    let end = traffic.stop(&world, &mut violations).await;
+    let result = tally(&world, &opt, records, end, baseline, violations);
+    write_outputs(&result, &opt, world)?;
+    Ok(result)
+}
 
-    // Traffic.
-    let counts: Vec<Arc<Counts>> = Kind::ALL.iter().map(|_| Arc::default()).collect();
-    let stop = CancellationToken::new();
-    let mut workers = JoinSet::new();
-    let mut gos = Vec::new();
-    for (kind, counts) in Kind::ALL.iter().zip(&counts) {
-        let uds = world.servers[kind.server()].uds.clone();
-        match kind {
-            Kind::GrpcOurs => traffic::spawn_ours(
+impl World {
+    /// The namespace, the certificates, the two servers behind haproxy,
+    /// the destinations; the agents not started yet.
+    async fn start(bins: Binaries, opt: &SoakOpt) -> anyhow::Result<Self> {
+        let start = Instant::now();
+        let root = tempfile::Builder::new()
+            .prefix("konnectivity-soak-")
+            .tempdir()
+            .context("creating a temporary directory")?;
+        eprintln!("soak: files and logs in {}", root.path().display());
+        let ns = Namespace::create().context("the soak needs root for `ip netns`")?;
+        let pki = RotatingPki::new(root.path())?;
+        let tokens = match opt.auth {
+            Auth::Mtls => None,
+            Auth::Token => Some(Tokens::start(root.path()).await?),
+        };
+        let setup = ServerSetup {
+            root: root.path(),
+            pki: &pki,
+            tokens: tokens.as_ref(),
+            dial_timeout: DIAL_TIMEOUT,
+            keepalive: Duration::from_secs(2),
+        };
+        let servers = vec![
+            Server::start(&bins, &setup, 0, FrontendMode::Grpc).await?,
+            Server::start(&bins, &setup, 1, FrontendMode::HttpConnect).await?,
+        ];
+        let lb = system::load_balancer(&[&servers[0], &servers[1]]).await;
+        let agent_setup = AgentSetup::new(root.path(), &pki, tokens.as_ref(), lb.addr);
+        traffic::START.get_or_init(|| start);
+        let dest = Destination::start(DEST_IP, start).await?;
+        let source = destination::source_on(DEST_IP).await;
+        let stall = destination::Stall::start_on(DEST_IP);
+        Ok(Self {
+            bins,
+            ns,
+            pki,
+            tokens,
+            servers,
+            lb,
+            agents: (0..opt.agents.max(2))
+                .map(|i| AgentPod::new(i, i == 0))
+                .collect(),
+            agent_setup,
+            dest,
+            source,
+            stall,
+            slots: Arc::new(Mutex::new(Vec::new())),
+            start,
+            probes: 0,
+            root,
+        })
+    }
+
+    /// Starts every agent and waits until each is connected to both
+    /// servers.
+    async fn connect_agents(&mut self) -> anyhow::Result<()> {
+        for i in 0..self.agents.len() {
+            self.agents[i].start(&self.bins, &self.agent_setup, &self.ns)?;
+        }
+        self.update_slots();
+        for agent in &self.agents {
+            faults::agent_back(agent).await.with_context(|| {
+                format!("agent-{} did not connect to both servers", agent.index)
+            })?;
+        }
+        eprintln!(
+            "soak: {} agents connected to both servers",
+            self.agents.len()
+        );
+        Ok(())
+    }
+}
+
+/// The frontends' traffic and the watcher sampling it, running.
+struct Traffic {
+    /// Per frontend kind ([`Kind::ALL`] order).
+    counts: Vec<Arc<Counts>>,
+    /// Stops our frontends' workers.
+    stop: CancellationToken,
+    /// Our frontends' workers.
+    workers: JoinSet<()>,
+    /// The grpc-go frontends.
+    gos: Vec<GoSoak>,
+    /// What the watcher sampled so far.
+    samples: Samples,
+    /// Stops the watcher.
+    watching: CancellationToken,
+    /// The watcher.
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+/// What is left once the traffic has stopped.
+struct TrafficEnd {
+    /// A sample taken after the books settled (or the wait for them
+    /// ended).
+    last: Sample,
+    /// Every sample taken while the traffic ran.
+    samples: Vec<Sample>,
+}
+
+impl Traffic {
+    /// Starts every kind of frontend against its server, and the watcher.
+    fn start(world: &World, opt: &SoakOpt) -> anyhow::Result<Self> {
+        let counts: Vec<Arc<Counts>> = Kind::ALL.iter().map(|_| Arc::default()).collect();
+        let stop = CancellationToken::new();
+        let mut workers = JoinSet::new();
+        let mut gos = Vec::new();
+        for (kind, counts) in Kind::ALL.iter().zip(&counts) {
+            let uds = world.servers[kind.server()].uds.clone();
+            let front = match kind {
+                Kind::GrpcOurs => Front::Grpc(uds),
+                Kind::ConnectOurs => Front::Connect(uds),
+                Kind::GrpcGoSingle | Kind::GrpcGoReused => {
+                    gos.push(GoSoak::start(
+                        &opt.go_frontend,
+                        &uds,
+                        *kind == Kind::GrpcGoReused,
+                        world.dest.addr,
+                        opt.load,
+                        counts.clone(),
+                        &world.root.path().join(format!("go-{}.log", gos.len())),
+                    )?);
+                    continue;
+                }
+            };
+            traffic::spawn_ours(
                 &mut workers,
                 *kind,
-                Front::Grpc(uds),
+                front,
                 world.dest.addr,
                 opt.load,
                 counts.clone(),
                 stop.clone(),
-            ),
-            Kind::ConnectOurs => traffic::spawn_ours(
-                &mut workers,
-                *kind,
-                Front::Connect(uds),
-                world.dest.addr,
-                opt.load,
-                counts.clone(),
-                stop.clone(),
-            ),
-            Kind::GrpcGoSingle | Kind::GrpcGoReused => gos.push(GoSoak::start(
-                &opt.go_frontend,
-                &uds,
-                *kind == Kind::GrpcGoReused,
-                world.dest.addr,
-                opt.load,
-                counts.clone(),
-                &world.root.path().join(format!("go-{}.log", gos.len())),
-            )?),
+            );
+        }
+        let samples: Samples = Arc::default();
+        let watching = CancellationToken::new();
+        let watcher = tokio::spawn(watch::run(
+            world.start,
+            world.slots.clone(),
+            counts.clone(),
+            world.dest.counts.clone(),
+            samples.clone(),
+            watching.clone(),
+        ));
+        Ok(Self {
+            counts,
+            stop,
+            workers,
+            gos,
+            samples,
+            watching,
+            watcher,
+        })
+    }
+
+    /// Stops the frontends, waits up to [`QUIESCE`] for the books to
+    /// balance, stops the watcher; a violation for a grpc-go frontend that
+    /// did not stop cleanly and for books that did not balance.
+    async fn stop(mut self, world: &World, violations: &mut Vec<String>) -> TrafficEnd {
+        eprintln!("soak: {:.0} s: stopping the traffic", world.now());
+        self.stop.cancel();
+        while self.workers.join_next().await.is_some() {}
+        for go in self.gos {
+            if !go.finish(Duration::from_secs(90)).await {
+                violations.push("a grpc-go frontend did not stop cleanly".to_owned());
+            }
+        }
+        let counts = &self.counts;
+        let quiet = faults_until(QUIESCE, || async {
+            let s = watch::sample(world.start, &world.slots, counts, &world.dest.counts).await;
+            s.dest.open == 0
+                && s.procs.iter().flatten().all(|p| {
+                    p.books
+                        .is_some_and(|b| b.open == 0.0 && b.unaccounted() == 0.0)
+                })
+        })
+        .await;
+        self.watching.cancel();
+        let _ = self.watcher.await;
+        let last = watch::sample(world.start, &world.slots, counts, &world.dest.counts).await;
+        if !quiet {
+            violations.push(format!(
+                "the books did not balance within {QUIESCE:?} of the traffic's end"
+            ));
+        }
+        let samples = std::mem::take(&mut *lock(&self.samples));
+        TrafficEnd { last, samples }
+    }
+}
+
+/// What the faults are compared with: the least resources and the rates
+/// over a window after the warm-up.
+struct Baseline {
+    /// Per slot, per [`Resource`]: the typical least over the window.
+    resources: Vec<[Option<f64>; 3]>,
+    /// Per kind: exchanges/s and bulk bytes/s.
+    rates: Vec<(f64, f64)>,
+    /// At the destination: exchanges/s through agent 0 (in the
+    /// namespace), and through the others.
+    dest: (f64, f64),
+    /// The window, seconds since the start.
+    window: (f64, f64),
+}
+
+impl Baseline {
+    /// Waits out the warm-up and the window (longer in a longer run), then
+    /// measures the baseline and logs its rates.
+    async fn measure(world: &World, samples: &Samples, total: f64) -> Self {
+        // Long enough, in a long run, for RSS to reach its plateau
+        // (allocator caches, connection pools): the first minutes under
+        // traffic grow.
+        let warmup = (total / 20.0).clamp(30.0, 180.0);
+        let window = (total / 12.0).clamp(10.0, 60.0);
+        tokio::time::sleep(Duration::from_secs_f64(warmup + window)).await;
+        let (from, to) = (world.now() - window, world.now());
+        let baseline = {
+            let s = lock(samples);
+            Self {
+                resources: (0..world.agents.len() + 2)
+                    .map(|slot| {
+                        Resource::ALL
+                            .map(|r| watch::typical_least(&s, slot, r, (from, to), RESOURCE_WINDOW))
+                    })
+                    .collect(),
+                rates: Kind::ALL
+                    .iter()
+                    .map(|k| {
+                        (
+                            watch::rate(&s, *k, from, to, |c| c.rr_ok).unwrap_or(0.0),
+                            watch::rate(&s, *k, from, to, |c| c.bulk_bytes).unwrap_or(0.0),
+                        )
+                    })
+                    .collect(),
+                dest: (
+                    watch::dest_rate(&s, from, to, |d| d.complete_ns).unwrap_or(0.0),
+                    watch::dest_rate(&s, from, to, |d| d.complete - d.complete_ns).unwrap_or(0.0),
+                ),
+                window: (from, to),
+            }
+        };
+        baseline.log();
+        baseline
+    }
+
+    /// Logs the baseline's rates.
+    fn log(&self) {
+        eprintln!(
+            "soak: baseline at the destination: {:.1} exchanges/s through agent-0, {:.1} through the others",
+            self.dest.0, self.dest.1
+        );
+        for (kind, (rr, bulk)) in Kind::ALL.iter().zip(&self.rates) {
+            eprintln!(
+                "soak: baseline {}: {rr:.1} exchanges/s, {:.1} MB/s bulk",
+                kind.name(),
+                bulk / 1e6
+            );
         }
     }
-    let samples: Samples = Arc::default();
-    let watching = CancellationToken::new();
-    let watcher = tokio::spawn(watch::run(
-        start,
-        world.slots.clone(),
-        counts.clone(),
-        world.dest.counts.clone(),
-        samples.clone(),
-        watching.clone(),
-    ));
+}
 
-    // Warm-up, then the baseline.
-    let total = opt.duration.as_secs_f64();
-    // Long enough, in a long run, for RSS to reach its plateau (allocator
-    // caches, connection pools): the first minutes under traffic grow.
-    let warmup = (total / 20.0).clamp(30.0, 180.0);
-    let window = (total / 12.0).clamp(10.0, 60.0);
-    tokio::time::sleep(Duration::from_secs_f64(warmup + window)).await;
-    let base_from = world.now() - window;
-    let base_to = world.now();
-    let (baseline, baseline_rates, baseline_dest) = {
-        let s = lock(&samples);
-        let baseline: Vec<[Option<f64>; 3]> = (0..world.agents.len() + 2)
-            .map(|slot| {
-                Resource::ALL.map(|r| {
-                    watch::typical_least(&s, slot, r, (base_from, base_to), RESOURCE_WINDOW)
-                })
-            })
-            .collect();
-        let rates: Vec<(f64, f64)> = Kind::ALL
-            .iter()
-            .map(|k| {
-                (
-                    watch::rate(&s, *k, base_from, base_to, |c| c.rr_ok).unwrap_or(0.0),
-                    watch::rate(&s, *k, base_from, base_to, |c| c.bulk_bytes).unwrap_or(0.0),
-                )
-            })
-            .collect();
-        let dest = (
-            watch::dest_rate(&s, base_from, base_to, |d| d.complete_ns).unwrap_or(0.0),
-            watch::dest_rate(&s, base_from, base_to, |d| d.complete - d.complete_ns).unwrap_or(0.0),
-        );
-        (baseline, rates, dest)
-    };
-    eprintln!(
-        "soak: baseline at the destination: {:.1} exchanges/s through agent-0, {:.1} through the others",
-        baseline_dest.0, baseline_dest.1
-    );
-    for (kind, (rr, bulk)) in Kind::ALL.iter().zip(&baseline_rates) {
-        eprintln!(
-            "soak: baseline {}: {rr:.1} exchanges/s, {:.1} MB/s bulk",
-            kind.name(),
-            bulk / 1e6
-        );
+/// Which agent or server the next fault of each kind takes: each in turn.
+struct Targets {
+    /// The next agent killed or whose TokenReview fails.
+    agent: usize,
+    /// The next server killed.
+    server: usize,
+    /// The next agent rolled out.
+    rollout: usize,
+}
+
+impl Targets {
+    /// The target of `fault` among `agents` agents and two servers; 0
+    /// where the fault has none.
+    fn next(&mut self, fault: Fault, agents: usize) -> usize {
+        let (next, of) = match fault {
+            Fault::AgentKill | Fault::TokenOutage => (&mut self.agent, agents),
+            Fault::ServerKill => (&mut self.server, 2),
+            Fault::Rollout => (&mut self.rollout, agents),
+            _ => return 0,
+        };
+        let t = *next;
+        *next = (*next + 1) % of;
+        t
     }
+}
 
-    // The faults.
+/// Injects the schedule's faults in turn, each measured once recovered,
+/// until the next would not end within the run (at least one); the
+/// records. A fault's violations go to `violations`, its performance ones
+/// only to the log when they are advisory.
+async fn inject_faults(
+    world: &mut World,
+    opt: &SoakOpt,
+    traffic: &Traffic,
+    baseline: &Baseline,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<Vec<FaultRecord>> {
     let mut records = Vec::new();
-    let mut violations = Vec::new();
     let schedule = Fault::schedule(opt.auth == Auth::Token);
-    let mut next_agent = 1;
-    let mut next_server = 0;
-    let mut next_rollout = 1;
-    let end_by = total - 5.0;
+    let mut targets = Targets {
+        agent: 1,
+        server: 0,
+        rollout: 1,
+    };
+    let end_by = opt.duration.as_secs_f64() - 5.0;
     for (n, fault) in schedule.iter().cycle().enumerate() {
         if world.now() + estimate(*fault) > end_by && n > 0 {
             break;
         }
-        let target = match fault {
-            Fault::AgentKill | Fault::TokenOutage => {
-                let t = next_agent;
-                next_agent = (next_agent + 1) % world.agents.len();
-                t
-            }
-            Fault::ServerKill => {
-                let t = next_server;
-                next_server = (next_server + 1) % 2;
-                t
-            }
-            Fault::Rollout => {
-                let t = next_rollout;
-                next_rollout = (next_rollout + 1) % world.agents.len();
-                t
-            }
-            _ => 0,
-        };
+        let target = targets.next(*fault, world.agents.len());
         eprintln!("soak: {:.0} s: {} ...", world.now(), fault.name());
         let mut record = world.inject(*fault, target).await?;
-        // Resources: within RESOURCE_SLACK of the baseline within a minute.
-        let limit = record.recovered + RESOURCE_LIMIT.as_secs_f64();
-        loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let now = world.now();
-            let worst = {
-                let s = lock(&samples);
-                worst_resource(&s, &baseline, now - RESOURCE_WINDOW, now, record.recovered)
-            };
-            match worst {
-                None => {
-                    record.resources_s = Some((now - record.recovered).max(0.0));
-                    break;
-                }
-                Some(what) if now >= limit => {
-                    record.resources_note = what;
-                    break;
-                }
-                Some(_) => {}
-            }
-        }
-        // Rates while the fault was on.
-        {
-            let s = lock(&samples);
-            let to = record.recovered.max(record.started + RATE_WINDOW);
-            record.rates = Kind::ALL
-                .iter()
-                .zip(&baseline_rates)
-                .map(|(kind, (rr, bulk))| {
-                    if record.fault == Fault::ServerKill
-                        && record.target == format!("server-{}", kind.server())
-                    {
-                        return None;
-                    }
-                    let r = watch::rate(&s, *kind, record.started, to, |c| c.rr_ok)? / rr;
-                    let b = watch::rate(&s, *kind, record.started, to, |c| c.bulk_bytes)? / bulk;
-                    Some(r.min(b))
-                })
-                .collect();
-        }
-        {
-            let s = lock(&samples);
-            let to = record.recovered.max(record.started + RATE_WINDOW);
-            let (healthy, what) = match record.agent {
-                Some(0) => (
-                    watch::dest_rate(&s, record.started, to, |d| d.complete - d.complete_ns)
-                        .map(|r| r / baseline_dest.1),
-                    "through the other agents",
-                ),
-                Some(_) => (
-                    watch::dest_rate(&s, record.started, to, |d| d.complete_ns)
-                        .map(|r| r / baseline_dest.0),
-                    "through agent-0",
-                ),
-                None => (
-                    record.rates.iter().flatten().copied().reduce(f64::min),
-                    if record.fault == Fault::ServerKill {
-                        "the other server's frontends"
-                    } else {
-                        "every frontend"
-                    },
-                ),
-            };
-            record.healthy = healthy;
-            record.healthy_what = what.to_owned();
-        }
+        wait_resources(world, &traffic.samples, baseline, &mut record).await;
+        record.rates = kind_rates(&lock(&traffic.samples), baseline, &record);
+        let (healthy, what) = healthy_rate(&lock(&traffic.samples), baseline, &record);
+        record.healthy = healthy;
+        record.healthy_what = what.to_owned();
         for (check, v) in check_fault(&record) {
             if check == Check::Performance && !opt.performance_fatal {
                 eprintln!("soak: reported, not failed (--soak-performance-advisory): {v}");
@@ -468,71 +552,190 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
                 violations.push(v);
             }
         }
-        eprintln!(
-            "soak: {:.0} s: {} on {}: back {}, dials {}, healthy rate {}, all rates {}, resources {}{}",
-            world.now(),
-            fault.name(),
-            record.target,
-            secs(record.back_s),
-            secs(record.dials_s),
-            record.healthy.map_or("?".to_owned(), |r| format!("{r:.2}")),
-            record
-                .rates
-                .iter()
-                .map(|r| r.map_or("-".to_owned(), |r| format!("{r:.2}")))
-                .collect::<Vec<_>>()
-                .join("/"),
-            secs(record.resources_s),
-            if record.note.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", record.note)
-            }
-        );
+        log_fault(world.now(), &record);
         records.push(record);
         if world.now() >= end_by {
             break;
         }
     }
-    let remaining = total - world.now();
-    if remaining > 0.0 {
-        tokio::time::sleep(Duration::from_secs_f64(remaining)).await;
-    }
+    Ok(records)
+}
 
-    // Stop the traffic; the books must then balance exactly.
-    eprintln!("soak: {:.0} s: stopping the traffic", world.now());
-    stop.cancel();
-    while workers.join_next().await.is_some() {}
-    for go in gos {
-        if !go.finish(Duration::from_secs(90)).await {
-            violations.push("a grpc-go frontend did not stop cleanly".to_owned());
+/// Waits, a second at a time, until every resource is within
+/// [`RESOURCE_SLACK`] of the baseline or [`RESOURCE_LIMIT`] has passed
+/// since the recovery; records which.
+async fn wait_resources(
+    world: &World,
+    samples: &Samples,
+    baseline: &Baseline,
+    record: &mut FaultRecord,
+) {
+    let limit = record.recovered + RESOURCE_LIMIT.as_secs_f64();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = world.now();
+        let worst = {
+            let s = lock(samples);
+            worst_resource(
+                &s,
+                &baseline.resources,
+                now - RESOURCE_WINDOW,
+                now,
+                record.recovered,
+            )
+        };
+        match worst {
+            None => {
+                record.resources_s = Some((now - record.recovered).max(0.0));
+                break;
+            }
+            Some(what) if now >= limit => {
+                record.resources_note = what;
+                break;
+            }
+            Some(_) => {}
         }
     }
-    let quiet = faults_until(QUIESCE, || async {
-        let s = watch::sample(start, &world.slots, &counts, &world.dest.counts).await;
-        s.dest.open == 0
-            && s.procs.iter().flatten().all(|p| {
-                p.books
-                    .is_some_and(|b| b.open == 0.0 && b.unaccounted() == 0.0)
-            })
-    })
-    .await;
-    watching.cancel();
-    let _ = watcher.await;
-    let last = watch::sample(start, &world.slots, &counts, &world.dest.counts).await;
-    if !quiet {
-        violations.push(format!(
-            "the books did not balance within {QUIESCE:?} of the traffic's end"
-        ));
+}
+
+/// Per kind, its rate while the fault was on (at least [`RATE_WINDOW`])
+/// against its baseline: the lower of exchanges/s and bulk bytes/s;
+/// `None` for the kinds whose own server the fault killed.
+fn kind_rates(s: &[Sample], baseline: &Baseline, record: &FaultRecord) -> Vec<Option<f64>> {
+    let to = record.recovered.max(record.started + RATE_WINDOW);
+    Kind::ALL
+        .iter()
+        .zip(&baseline.rates)
+        .map(|(kind, (rr, bulk))| {
+            if record.fault == Fault::ServerKill
+                && record.target == format!("server-{}", kind.server())
+            {
+                return None;
+            }
+            let r = watch::rate(s, *kind, record.started, to, |c| c.rr_ok)? / rr;
+            let b = watch::rate(s, *kind, record.started, to, |c| c.bulk_bytes)? / bulk;
+            Some(r.min(b))
+        })
+        .collect()
+}
+
+/// The rate of the traffic the fault should have spared, against its
+/// baseline, and what that traffic is: through the other agents (told
+/// apart at the destination) for a fault on an agent, else the lowest of
+/// the record's rates.
+fn healthy_rate(
+    s: &[Sample],
+    baseline: &Baseline,
+    record: &FaultRecord,
+) -> (Option<f64>, &'static str) {
+    let to = record.recovered.max(record.started + RATE_WINDOW);
+    match record.agent {
+        Some(0) => (
+            watch::dest_rate(s, record.started, to, |d| d.complete - d.complete_ns)
+                .map(|r| r / baseline.dest.1),
+            "through the other agents",
+        ),
+        Some(_) => (
+            watch::dest_rate(s, record.started, to, |d| d.complete_ns).map(|r| r / baseline.dest.0),
+            "through agent-0",
+        ),
+        None => (
+            record.rates.iter().flatten().copied().reduce(f64::min),
+            if record.fault == Fault::ServerKill {
+                "the other server's frontends"
+            } else {
+                "every frontend"
+            },
+        ),
     }
-    let samples = std::mem::take(&mut *lock(&samples));
+}
+
+/// Logs what one fault showed, at `now`.
+fn log_fault(now: f64, record: &FaultRecord) {
+    eprintln!(
+        "soak: {:.0} s: {} on {}: back {}, dials {}, healthy rate {}, all rates {}, resources {}{}",
+        now,
+        record.fault.name(),
+        record.target,
+        secs(record.back_s),
+        secs(record.dials_s),
+        record.healthy.map_or("?".to_owned(), |r| format!("{r:.2}")),
+        record
+            .rates
+            .iter()
+            .map(|r| r.map_or("-".to_owned(), |r| format!("{r:.2}")))
+            .collect::<Vec<_>>()
+            .join("/"),
+        secs(record.resources_s),
+        if record.note.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", record.note)
+        }
+    );
+}
+
+/// The result: the records, the counts and books at the end checked
+/// (their violations after those already found).
+fn tally(
+    world: &World,
+    opt: &SoakOpt,
+    records: Vec<FaultRecord>,
+    end: TrafficEnd,
+    baseline: Baseline,
+    mut violations: Vec<String>,
+) -> SoakResult {
     let slot_names: Vec<String> = lock(&world.slots).iter().map(|s| s.name.clone()).collect();
     let books: Vec<(String, Option<Books>)> = slot_names
         .iter()
-        .zip(&last.procs)
+        .zip(&end.last.procs)
         .map(|(n, p)| (n.clone(), p.and_then(|p| p.books)))
         .collect();
-    for (name, b) in &books {
+    check_books(&books, &mut violations);
+    let books_drift = books_drift(&slot_names, &end.samples);
+    let counts_end: Vec<(String, CountsSnap)> = Kind::ALL
+        .iter()
+        .zip(&end.last.counts)
+        .map(|(k, c)| (k.name().to_owned(), *c))
+        .collect();
+    check_counts(&counts_end, &mut violations);
+    let cuts = lock(&traffic::CUTS).clone();
+    let cut_excused = excuse_cuts(&cuts, &records, &mut violations);
+    let d = end.last.dest;
+    let silent_at = lock(&world.dest.counts.silent_at).clone();
+    let dest_killed = excuse_truncations(&silent_at, &records, &mut violations);
+    check_destination(&d, &mut violations);
+    SoakResult {
+        auth: match opt.auth {
+            Auth::Mtls => "mTLS".to_owned(),
+            Auth::Token => "token".to_owned(),
+        },
+        seconds: world.now(),
+        agents: world.agents.len(),
+        faults: records,
+        counts: counts_end,
+        dest: d,
+        dest_killed,
+        cut_excused,
+        books,
+        books_drift,
+        baseline: slot_names.iter().cloned().zip(baseline.resources).collect(),
+        baseline_window: baseline.window,
+        baseline_rates: Kind::ALL
+            .iter()
+            .zip(&baseline.rates)
+            .map(|(k, (r, b))| (k.name().to_owned(), *r, *b))
+            .collect(),
+        samples: end.samples,
+        slot_names,
+        violations,
+    }
+}
+
+/// A violation for each process whose books, once the traffic stopped, do
+/// not balance with nothing open, or that had no `/metrics`.
+fn check_books(books: &[(String, Option<Books>)], violations: &mut Vec<String>) {
+    for (name, b) in books {
         match b {
             Some(b) if b.unaccounted() == 0.0 && b.open == 0.0 => {}
             Some(b) => violations.push(format!(
@@ -542,7 +745,11 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             None => violations.push(format!("{name}: no /metrics at the end")),
         }
     }
-    let books_drift: Vec<(String, f64)> = slot_names
+}
+
+/// Per slot, the largest |opened - closed - open| in any sample.
+fn books_drift(slot_names: &[String], samples: &[Sample]) -> Vec<(String, f64)> {
+    slot_names
         .iter()
         .enumerate()
         .map(|(i, n)| {
@@ -553,13 +760,13 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
                 .fold(0.0, f64::max);
             (n.clone(), drift)
         })
-        .collect();
-    let counts_end: Vec<(String, CountsSnap)> = Kind::ALL
-        .iter()
-        .zip(&last.counts)
-        .map(|(k, c)| (k.name().to_owned(), *c))
-        .collect();
-    for (name, c) in &counts_end {
+        .collect()
+}
+
+/// A violation for each frontend kind that lost bytes silently, waited
+/// past the dial timeout, or has exchanges not accounted for.
+fn check_counts(counts: &[(String, CountsSnap)], violations: &mut Vec<String>) {
+    for (name, c) in counts {
         if c.silent > 0 {
             violations.push(format!(
                 "{name}: {} exchanges lost bytes silently",
@@ -580,12 +787,16 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             ));
         }
     }
-    // HTTP CONNECT on a Unix socket has no way to say "error" once the
-    // 200 is sent: a tunnel whose agent or server died ends with an EOF.
-    // Counted apart; outside such a fault it is a silent loss.
-    let cuts = lock(&traffic::CUTS).clone();
-    let mut cut_excused = 0;
-    for at in &cuts {
+}
+
+/// HTTP CONNECT tunnels that ended with an EOF at `cuts`: excused (and
+/// counted) during a fault that took their agent or server, else a
+/// violation each. CONNECT on a Unix socket has no way to say "error" once
+/// the 200 is sent: a tunnel whose agent or server died ends with an EOF;
+/// outside such a fault it is a silent loss.
+fn excuse_cuts(cuts: &[f64], records: &[FaultRecord], violations: &mut Vec<String>) -> u64 {
+    let mut excused = 0;
+    for at in cuts {
         let during = records
             .iter()
             .find(|f| *at >= f.started - 1.0 && *at <= f.recovered + 2.0);
@@ -596,7 +807,7 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
                     Fault::AgentKill | Fault::ServerKill | Fault::Partition | Fault::TokenOutage
                 ) =>
             {
-                cut_excused += 1;
+                excused += 1;
             }
             Some(f) => violations.push(format!(
                 "http-connect: a tunnel ended with an EOF, bytes missing, at {at:.0} s, during {} on {}",
@@ -608,14 +819,22 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             )),
         }
     }
-    let d = last.dest;
-    // A process killed with SIGKILL has its sockets closed by the kernel:
-    // a FIN, which the destination cannot tell from a clean end. Only
-    // what an agent that lives on ends that way is a silent loss.
-    let silent_at = lock(&world.dest.counts.silent_at).clone();
+    excused
+}
+
+/// Requests the destination saw end cleanly before their last byte, or
+/// altered, at `silent_at`: excused (and counted) when unaltered and
+/// during a fault that killed an agent with SIGKILL (its kernel closes
+/// the sockets with a FIN, which the destination cannot tell from a clean
+/// end), else a violation each.
+fn excuse_truncations(
+    silent_at: &[(f64, bool)],
+    records: &[FaultRecord],
+    violations: &mut Vec<String>,
+) -> u64 {
     let mut excused = 0;
-    for (at, altered) in &silent_at {
-        match fault_during(&records, *at) {
+    for (at, altered) in silent_at {
+        match fault_during(records, *at) {
             Some(f) if !altered && kills_an_agent(f) => {
                 excused += 1;
             }
@@ -629,6 +848,12 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             )),
         }
     }
+    excused
+}
+
+/// A violation if the destination's connections are not all accounted
+/// for.
+fn check_destination(d: &DestSnap, violations: &mut Vec<String>) {
     if d.accepted != d.complete + d.reset + d.truncated + d.corrupt + d.open {
         violations.push(format!(
             "destination: {} accepted, accounted {}",
@@ -636,32 +861,12 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             d.complete + d.reset + d.truncated + d.corrupt + d.open
         ));
     }
-    let result = SoakResult {
-        auth: match opt.auth {
-            Auth::Mtls => "mTLS".to_owned(),
-            Auth::Token => "token".to_owned(),
-        },
-        seconds: world.now(),
-        agents: world.agents.len(),
-        faults: records,
-        counts: counts_end,
-        dest: d,
-        dest_killed: excused,
-        cut_excused,
-        books,
-        books_drift,
-        baseline: slot_names.iter().cloned().zip(baseline).collect(),
-        baseline_window: (base_from, base_to),
-        baseline_rates: Kind::ALL
-            .iter()
-            .zip(&baseline_rates)
-            .map(|(k, (r, b))| (k.name().to_owned(), *r, *b))
-            .collect(),
-        samples,
-        slot_names,
-        violations,
-    };
-    std::fs::write(&opt.markdown, table::markdown(&result, &opt))
+}
+
+/// Writes the Markdown and, if asked for, the samples; keeps the files
+/// and logs if an invariant did not hold.
+fn write_outputs(result: &SoakResult, opt: &SoakOpt, world: World) -> anyhow::Result<()> {
+    std::fs::write(&opt.markdown, table::markdown(result, opt))
         .with_context(|| format!("writing {}", opt.markdown.display()))?;
     eprintln!("soak: tables in {}", opt.markdown.display());
     if let Some(path) = &opt.samples {
@@ -680,7 +885,7 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
             kept.display()
         );
     }
-    Ok(result)
+    Ok(())
 }
 
 /// Rough seconds a fault takes with its recovery, so that the last one
@@ -836,7 +1041,9 @@ pub fn dial_limit() -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use super::{Check, check_fault};
+    use super::{
+        Books, Check, CountsSnap, Targets, check_books, check_counts, check_fault, excuse_cuts,
+    };
     use crate::soak::faults::{Fault, FaultRecord};
 
     fn recovered() -> FaultRecord {
@@ -889,6 +1096,112 @@ mod tests {
         assert!(
             found.iter().all(|(check, _)| *check == Check::Correctness),
             "{found:?}"
+        );
+    }
+
+    #[test]
+    fn each_fault_takes_the_next_agent_or_server_in_turn() {
+        let mut targets = Targets {
+            agent: 1,
+            server: 0,
+            rollout: 1,
+        };
+        let taken: Vec<usize> = [
+            Fault::AgentKill,
+            Fault::TokenOutage,
+            Fault::AgentKill,
+            Fault::ServerKill,
+            Fault::ServerKill,
+            Fault::ServerKill,
+            Fault::Rollout,
+            Fault::Partition,
+            Fault::Rollout,
+        ]
+        .into_iter()
+        .map(|fault| targets.next(fault, 3))
+        .collect();
+        assert_eq!(taken, [1, 2, 0, 0, 1, 0, 1, 0, 2]);
+    }
+
+    #[test]
+    fn an_eof_is_excused_only_during_a_fault_that_took_an_agent_or_a_server() {
+        let mut kill = FaultRecord::new(Fault::AgentKill, 10.0);
+        kill.recovered = 20.0;
+        kill.target = "agent-1".to_owned();
+        let mut stall = FaultRecord::new(Fault::FrontendStall, 30.0);
+        stall.recovered = 40.0;
+        stall.target = "a download".to_owned();
+        let mut violations = Vec::new();
+        let excused = excuse_cuts(&[9.5, 21.9, 35.0, 100.0], &[kill, stall], &mut violations);
+        assert_eq!(excused, 2);
+        assert_eq!(
+            violations,
+            [
+                "http-connect: a tunnel ended with an EOF, bytes missing, at 35 s, during \
+                 frontend stops reading on a download",
+                "http-connect: a tunnel ended with an EOF, bytes missing, at 100 s, outside any fault",
+            ]
+        );
+    }
+
+    #[test]
+    fn counts_lost_late_or_unaccounted_are_violations() {
+        let fine = CountsSnap {
+            started: 10,
+            ok: 7,
+            errors: 1,
+            silent: 0,
+            cut: 2,
+            ..CountsSnap::default()
+        };
+        let bad = CountsSnap {
+            started: 10,
+            ok: 7,
+            silent: 1,
+            late: 2,
+            ..CountsSnap::default()
+        };
+        let mut violations = Vec::new();
+        check_counts(
+            &[("fine".to_owned(), fine), ("bad".to_owned(), bad)],
+            &mut violations,
+        );
+        assert_eq!(
+            violations,
+            [
+                "bad: 1 exchanges lost bytes silently",
+                "bad: 2 dials waited past the 5s dial timeout",
+                "bad: 10 exchanges started, 8 accounted for",
+            ]
+        );
+    }
+
+    #[test]
+    fn books_open_unbalanced_or_missing_at_the_end_are_violations() {
+        let books = |opened, closed, open| {
+            Some(Books {
+                opened,
+                closed,
+                open,
+            })
+        };
+        let mut violations = Vec::new();
+        check_books(
+            &[
+                ("server-0".to_owned(), books(5.0, 5.0, 0.0)),
+                ("server-1".to_owned(), books(5.0, 4.0, 1.0)),
+                ("agent-0".to_owned(), books(5.0, 3.0, 0.0)),
+                ("agent-1".to_owned(), None),
+            ],
+            &mut violations,
+        );
+        assert_eq!(
+            violations,
+            [
+                "server-1: opened 5 != closed 4 + open 1",
+                "agent-0: opened 5 != closed 3 + open 0",
+                "agent-1: no /metrics at the end",
+            ]
         );
     }
 }
