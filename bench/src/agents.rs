@@ -389,22 +389,42 @@ async fn dial_row(
     Ok((d.rate, p99, d.errors))
 }
 
-/// Runs the scenario with `n` agents and records its rows.
+/// What the agents scenario is asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentsOpt {
+    /// Agents (`--agents`).
+    pub n: usize,
+    /// Measured time of each dial row.
+    pub duration: Duration,
+    /// The open-file limit, which sets how many agents a swarm process
+    /// runs.
+    pub nofile: u64,
+    /// Keys of the scenario's PKI (`--agents-key-algorithm`).
+    pub algorithm: certs::KeyAlgorithm,
+    /// How long the TokenReview stand-in takes to answer each review
+    /// (`--agents-review-latency`).
+    pub review_latency: Duration,
+}
+
+/// Runs the scenario with `opt.n` agents and records its rows.
 ///
 /// # Errors
 /// A process does not start or dies, or the agents do not all connect
 /// within two minutes.
-#[allow(clippy::too_many_arguments)]
 pub async fn run(
     bins: &Binaries,
     dir: &Path,
     backends: &Backends,
-    n: usize,
-    duration: Duration,
-    nofile: u64,
-    (algorithm, review_latency): (certs::KeyAlgorithm, Duration),
+    opt: &AgentsOpt,
     rec: &mut Recorder,
 ) -> anyhow::Result<()> {
+    let AgentsOpt {
+        n,
+        duration,
+        nofile,
+        algorithm,
+        review_latency,
+    } = *opt;
     let pki = dir.join("agents-pki");
     certs::ClusterPki::generate_with(&[], algorithm)
         .context("generating the agents scenario's certificates")?

@@ -35,7 +35,10 @@ pub mod stats;
 pub mod storm;
 pub mod system;
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
@@ -46,7 +49,7 @@ use crate::{
     backends::Backends,
     probe::Machine,
     report::{Recorder, Report, Route, Settings},
-    scenarios::{Target, Timing},
+    scenarios::{Target, Timing, Transfer},
     system::{Binaries, Deployment},
 };
 
@@ -324,11 +327,7 @@ async fn run_selected(opt: Opt) -> anyhow::Result<Report> {
 /// The soak, its rows in the report.
 async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
     raise_nofile(NOFILE_WANTED);
-    let mut bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone(), false)?;
-    if opt.worker_threads > 0 {
-        bins.extra
-            .push(format!("--worker-threads={}", opt.worker_threads));
-    }
+    let bins = binaries(&opt, false)?;
     let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
     println!("command: {command_line}");
@@ -379,10 +378,7 @@ async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
     };
     println!();
     print!("{}", report.table());
-    let json = serde_json::to_string_pretty(&report).context("serializing the results")?;
-    std::fs::write(&opt.json, json + "\n")
-        .with_context(|| format!("writing --json {}", opt.json.display()))?;
-    println!("JSON: {}", opt.json.display());
+    write_json(&report, &opt.json)?;
     if !result.violations.is_empty() {
         for v in &result.violations {
             eprintln!("soak: VIOLATED: {v}");
@@ -396,236 +392,46 @@ async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-/// The measurement scenarios (all but the soak).
+/// The measurement scenarios (all but the soak): the system up, the
+/// scenarios that run once, the repetitions, the scenarios with systems
+/// of their own, then the table and the JSON.
 async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
     let mut notes = Vec::new();
-    let wanted = NOFILE_WANTED.max(opt.conns as u64 + NOFILE_SPARE);
-    let nofile = raise_nofile(wanted);
-    // Every process involved holds one descriptor per idle connection.
-    let fits = nofile.saturating_sub(NOFILE_SPARE) as usize;
-    if opt.conns > fits {
-        notes.push(format!(
-            "--conns lowered from {} to {fits} to fit RLIMIT_NOFILE {nofile}",
-            opt.conns
-        ));
-        opt.conns = fits;
-    }
+    let (nofile, wanted) = fit_conns(&mut opt, &mut notes);
     let machine = Machine::read();
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    let mut bins = Binaries::locate(
-        opt.server_bin.clone(),
-        opt.agent_bin.clone(),
-        opt.has(Scenario::Agents),
-    )?;
-    if opt.worker_threads > 0 {
-        bins.extra
-            .push(format!("--worker-threads={}", opt.worker_threads));
-    }
-    println!("command: {command_line}");
-    println!(
-        "machine: {} CPUs ({}), {} MiB, kernel {}",
-        machine.nproc, machine.cpu, machine.memory_mib, machine.kernel
-    );
-    println!(
-        "RLIMIT_NOFILE: {nofile} (asked for {wanted}) for the bench; proxy-server and \
-         proxy-agent inherit it"
-    );
-    println!(
-        "binaries: {} {}",
-        bins.server.display(),
-        bins.agent.display()
-    );
+    let bins = binaries(&opt, opt.has(Scenario::Agents))?;
     let timing = Timing {
         warmup: (opt.duration / 5).min(MAX_WARMUP),
         duration: opt.duration,
     };
-    println!(
-        "settings: duration {:?} (+{:?} warm-up), reps {}, conns {}, round trips {}, streams {}, \
-         server/agent worker threads {}",
-        timing.duration,
-        timing.warmup,
-        opt.reps,
-        opt.conns,
-        opt.round_trips,
-        opt.streams,
-        match opt.worker_threads {
-            0 => "one per CPU".to_owned(),
-            n => n.to_string(),
-        }
+    print_setup(
+        &opt,
+        (&command_line, &machine),
+        (nofile, wanted),
+        &bins,
+        timing,
     );
-
-    let dir = tempfile::Builder::new()
-        .prefix("konnectivity-bench-")
-        .tempdir()
-        .context("creating a temporary directory")?;
-    certs::ClusterPki::generate(&[])
-        .context("generating certificates")?
-        .write_to(dir.path())
-        .context("writing certificates")?;
-    let backends = Backends::start().await.context("starting the backends")?;
-    let mut grpc = Deployment::start(&bins, dir.path(), Mode::Grpc)
-        .await
-        .context("starting the gRPC-mode server and agent")?;
-    let mut http = Deployment::start(&bins, dir.path(), Mode::HttpConnect)
-        .await
-        .context("starting the HTTP-CONNECT-mode server and agent")?;
-    let targets = [
-        Target {
-            route: Route::Direct,
-            dialer: None,
-            pids: None,
-            health: None,
-        },
-        Target {
-            route: Route::Grpc,
-            dialer: Some(grpc.dialer()),
-            pids: Some(grpc.pids()),
-            health: Some(grpc.health),
-        },
-        Target {
-            route: Route::HttpConnect,
-            dialer: Some(http.dialer()),
-            pids: Some(http.pids()),
-            health: Some(http.health),
-        },
-    ];
-
-    let go = if opt.has(Scenario::Bulk)
-        || opt.has(Scenario::Cpu)
-        || opt.has(Scenario::Dial)
-        || opt.has(Scenario::Streams)
-        || opt.has(Scenario::Retries)
-    {
-        let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
-        println!("grpc-go frontend: {}", go.path.display());
-        Some(go)
-    } else {
-        None
-    };
-    let storm = if opt.has(Scenario::Storm) {
-        let storm = storm::StormOpt {
-            agents: opt.storm_agents,
-            conditions: opt.storm_conditions.clone(),
-            latency: opt.storm_latency,
-            limit: opt.storm_limit,
-            go_agents: storm::GoAgents::locate(opt.go_agents.clone())?,
-        };
-        storm::check(&storm)?;
-        println!("grpc-go agents: {}", storm.go_agents.path.display());
-        Some(storm)
-    } else {
-        None
-    };
-    let retries = match (opt.has(Scenario::Retries), go.as_ref()) {
-        (true, Some(go)) => {
-            retries::check()?;
-            Some(retries::RetriesOpt {
-                rate: opt.retries_rate,
-                duration: opt.retries_duration,
-                kills: opt.retries_kills,
-                go: go.clone(),
-            })
-        }
-        _ => None,
-    };
+    let mut system = System::start(&bins).await?;
+    let extras = Extras::prepare(&opt)?;
     let mut rec = Recorder::new(opt.reps);
-    if opt.has(Scenario::Memory) {
-        memory_scenario(&opt, &targets, &backends, &mut rec).await?;
-        notes.push(format!(
-            "memory runs once, before the other scenarios, on fresh processes; \
-             per-conn = (RSS with {} open - RSS just before) / {}; rounds open and close {} each",
-            opt.conns,
-            opt.conns,
-            (opt.conns / 10).max(1)
-        ));
-    }
-    if opt.has(Scenario::Churn) {
-        churn_scenario(&opt, &targets, &backends, &mut rec).await?;
-        notes.push(format!(
-            "churn runs once, after memory, before the time-boxed scenarios: {} rounds of {} \
-             tunnels open at once, each echoing 1 KiB, RSS settled after each",
-            opt.churn_rounds.max(2),
-            opt.conns
-        ));
-    }
-    if let (true, Some(go)) = (opt.has(Scenario::Streams), go.as_ref()) {
-        streams_scenario(&opt, go, &targets, &backends, &mut rec).await?;
-        notes.push(format!(
-            "streams runs once, after churn: {} tunnels held open on one grpc-go connection \
-             (-reuse many), 64 opened at a time, each echoing 1 KiB; RSS per tunnel = (settled \
-             RSS with them open - settled RSS before) / {}",
-            opt.conns, opt.conns
-        ));
-    }
+    run_once(&opt, &extras, &system, &mut rec, &mut notes).await?;
     for rep in 0..opt.reps {
-        for target in &targets {
-            run_rep(&opt, go.as_ref(), target, &backends, timing, rep, &mut rec).await;
-            grpc.check_alive()?;
-            http.check_alive()?;
-        }
-        if opt.has(Scenario::Pingpong) {
-            for target in &targets[1..] {
-                for (added, of) in [
-                    (&report::PING_ADDED_P50, &report::PING_P50),
-                    (&report::PING_ADDED_P99, &report::PING_P99),
-                ] {
-                    let value = rec
-                        .get(of, target.route, rep)
-                        .zip(rec.get(of, Route::Direct, rep))
-                        .map(|(mode, direct)| mode - direct);
-                    rec.push(added, target.route, rep, value);
-                }
-            }
-        }
+        system
+            .repetition(&opt, extras.go.as_ref(), timing, rep, &mut rec)
+            .await?;
     }
-    if opt.has(Scenario::Agents) {
-        agents::run(
-            &bins,
-            dir.path(),
-            &backends,
-            opt.agents,
-            timing.duration,
-            nofile,
-            (opt.agents_key_algorithm, opt.agents_review_latency),
-            &mut rec,
-        )
-        .await
-        .context("agents scenario")?;
-        notes.push(format!(
-            "agents runs once, last, against a server of its own (gRPC mode, default flags, {:?} \
-             keys): N = {} real agents in agent-swarm processes (each agent its own TLS \
-             connection, session cache, Connect stream, health and admin listeners; default \
-             --sync-interval); links cut = SIGUSR1 to the swarm, which drops every agent's \
-             connection; ANP-style = no flow control, no session cache; RSS per agent = (RSS \
-             with N - RSS before) / N, the swarm's beyond its first agent; CPU = utime+stime of \
-             proxy-server while they connect",
-            opt.agents_key_algorithm, opt.agents
-        ));
-    }
-    if let Some(storm) = &storm {
-        let more = storm::run(&bins, dir.path(), storm, &mut rec)
-            .await
-            .context("storm scenario")?;
-        notes.extend(more);
-    }
-    if let Some(retries) = &retries {
-        let more = retries::run(&bins, dir.path(), retries, &mut rec)
-            .await
-            .context("retries scenario")?;
-        notes.extend(more);
-    }
-    notes.push(
-        "each repetition runs direct, grpc, http-connect in turn; cells are median [min–max] \
-         over repetitions, ×r is the median of per-repetition ratios to direct"
-            .to_owned(),
-    );
-    notes.push(
-        "MB/s = 10^6 bytes/s; cpu = utime+stime of proxy-server + proxy-agent from /proc \
-         (100 ticks/s) per GiB moved in the measured window; hol 'server max buffered' is \
-         the konnectivity_rs_server_max_buffered_bytes gauge (n/a when /metrics lacks it)"
-            .to_owned(),
-    );
-
+    run_apart(
+        &opt,
+        &extras,
+        (&bins, &system),
+        nofile,
+        timing,
+        &mut rec,
+        &mut notes,
+    )
+    .await?;
+    notes.extend(closing_notes());
     let report = Report {
         command_line,
         machine,
@@ -649,11 +455,349 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
     for note in &report.notes {
         println!("note: {note}");
     }
-    let json = serde_json::to_string_pretty(&report).context("serializing the results")?;
-    std::fs::write(&opt.json, json + "\n")
-        .with_context(|| format!("writing --json {}", opt.json.display()))?;
-    println!("JSON: {}", opt.json.display());
+    write_json(&report, &opt.json)?;
     Ok(report)
+}
+
+/// The binaries, with `--worker-threads` added to their flags when given;
+/// `agent_swarm`: the agents scenario's swarm too.
+fn binaries(opt: &Opt, agent_swarm: bool) -> anyhow::Result<Binaries> {
+    let mut bins = Binaries::locate(opt.server_bin.clone(), opt.agent_bin.clone(), agent_swarm)?;
+    if opt.worker_threads > 0 {
+        bins.extra
+            .push(format!("--worker-threads={}", opt.worker_threads));
+    }
+    Ok(bins)
+}
+
+/// Raises the open-file limit for `--conns` idle connections, lowering
+/// `--conns` (with a note) if it cannot be had; (the limit, the one asked
+/// for).
+fn fit_conns(opt: &mut Opt, notes: &mut Vec<String>) -> (u64, u64) {
+    let wanted = NOFILE_WANTED.max(opt.conns as u64 + NOFILE_SPARE);
+    let nofile = raise_nofile(wanted);
+    // Every process involved holds one descriptor per idle connection.
+    let fits = nofile.saturating_sub(NOFILE_SPARE) as usize;
+    if opt.conns > fits {
+        notes.push(format!(
+            "--conns lowered from {} to {fits} to fit RLIMIT_NOFILE {nofile}",
+            opt.conns
+        ));
+        opt.conns = fits;
+    }
+    (nofile, wanted)
+}
+
+/// Prints the command, the machine, the open-file limit, the binaries and
+/// the settings.
+fn print_setup(
+    opt: &Opt,
+    (command_line, machine): (&str, &Machine),
+    (nofile, wanted): (u64, u64),
+    bins: &Binaries,
+    timing: Timing,
+) {
+    println!("command: {command_line}");
+    println!(
+        "machine: {} CPUs ({}), {} MiB, kernel {}",
+        machine.nproc, machine.cpu, machine.memory_mib, machine.kernel
+    );
+    println!(
+        "RLIMIT_NOFILE: {nofile} (asked for {wanted}) for the bench; proxy-server and \
+         proxy-agent inherit it"
+    );
+    println!(
+        "binaries: {} {}",
+        bins.server.display(),
+        bins.agent.display()
+    );
+    println!(
+        "settings: duration {:?} (+{:?} warm-up), reps {}, conns {}, round trips {}, streams {}, \
+         server/agent worker threads {}",
+        timing.duration,
+        timing.warmup,
+        opt.reps,
+        opt.conns,
+        opt.round_trips,
+        opt.streams,
+        match opt.worker_threads {
+            0 => "one per CPU".to_owned(),
+            n => n.to_string(),
+        }
+    );
+}
+
+/// The system the measurement scenarios run against: a deployment per
+/// mode, the node-side servers, the certificates. Fields drop in order:
+/// the processes before the files they use.
+struct System {
+    /// Direct, gRPC, HTTP CONNECT.
+    targets: [Target; 3],
+    /// The HTTP-CONNECT-mode server and agent.
+    http: Deployment,
+    /// The gRPC-mode server and agent.
+    grpc: Deployment,
+    /// The node-side servers.
+    backends: Backends,
+    /// The certificates (and the scenarios' files).
+    dir: tempfile::TempDir,
+}
+
+impl System {
+    /// Writes the certificates, starts the backends and both deployments.
+    async fn start(bins: &Binaries) -> anyhow::Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("konnectivity-bench-")
+            .tempdir()
+            .context("creating a temporary directory")?;
+        certs::ClusterPki::generate(&[])
+            .context("generating certificates")?
+            .write_to(dir.path())
+            .context("writing certificates")?;
+        let backends = Backends::start().await.context("starting the backends")?;
+        let grpc = Deployment::start(bins, dir.path(), Mode::Grpc)
+            .await
+            .context("starting the gRPC-mode server and agent")?;
+        let http = Deployment::start(bins, dir.path(), Mode::HttpConnect)
+            .await
+            .context("starting the HTTP-CONNECT-mode server and agent")?;
+        let targets = [
+            Target {
+                route: Route::Direct,
+                dialer: None,
+                pids: None,
+                health: None,
+            },
+            Target {
+                route: Route::Grpc,
+                dialer: Some(grpc.dialer()),
+                pids: Some(grpc.pids()),
+                health: Some(grpc.health),
+            },
+            Target {
+                route: Route::HttpConnect,
+                dialer: Some(http.dialer()),
+                pids: Some(http.pids()),
+                health: Some(http.health),
+            },
+        ];
+        Ok(Self {
+            targets,
+            http,
+            grpc,
+            backends,
+            dir,
+        })
+    }
+
+    /// Repetition `rep`: the time-boxed scenarios on each route in turn,
+    /// then ping-pong's latency added over direct.
+    ///
+    /// # Errors
+    /// A deployment died.
+    async fn repetition(
+        &mut self,
+        opt: &Opt,
+        go: Option<&grpc_go::GoFrontend>,
+        timing: Timing,
+        rep: usize,
+        rec: &mut Recorder,
+    ) -> anyhow::Result<()> {
+        for target in &self.targets {
+            Rep::new(opt, go, target, &self.backends, timing, rep)
+                .run(rec)
+                .await;
+            self.grpc.check_alive()?;
+            self.http.check_alive()?;
+        }
+        if opt.has(Scenario::Pingpong) {
+            for target in &self.targets[1..] {
+                for (added, of) in [
+                    (&report::PING_ADDED_P50, &report::PING_P50),
+                    (&report::PING_ADDED_P99, &report::PING_P99),
+                ] {
+                    let value = rec
+                        .get(of, target.route, rep)
+                        .zip(rec.get(of, Route::Direct, rep))
+                        .map(|(mode, direct)| mode - direct);
+                    rec.push(added, target.route, rep, value);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the selected scenarios need besides the system, located and
+/// checked before any runs.
+struct Extras {
+    /// The grpc-go frontend, for bulk, cpu, dial, streams and retries.
+    go: Option<grpc_go::GoFrontend>,
+    /// The storm scenario's options, if selected.
+    storm: Option<storm::StormOpt>,
+    /// The retries scenario's options, if selected.
+    retries: Option<retries::RetriesOpt>,
+}
+
+impl Extras {
+    /// Locates the grpc-go programs and checks what the storm and retries
+    /// scenarios need.
+    ///
+    /// # Errors
+    /// A program is missing, or a scenario cannot run here.
+    fn prepare(opt: &Opt) -> anyhow::Result<Self> {
+        let go = if opt.has(Scenario::Bulk)
+            || opt.has(Scenario::Cpu)
+            || opt.has(Scenario::Dial)
+            || opt.has(Scenario::Streams)
+            || opt.has(Scenario::Retries)
+        {
+            let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
+            println!("grpc-go frontend: {}", go.path.display());
+            Some(go)
+        } else {
+            None
+        };
+        let storm = if opt.has(Scenario::Storm) {
+            let storm = storm::StormOpt {
+                agents: opt.storm_agents,
+                conditions: opt.storm_conditions.clone(),
+                latency: opt.storm_latency,
+                limit: opt.storm_limit,
+                go_agents: storm::GoAgents::locate(opt.go_agents.clone())?,
+            };
+            storm::check(&storm)?;
+            println!("grpc-go agents: {}", storm.go_agents.path.display());
+            Some(storm)
+        } else {
+            None
+        };
+        let retries = match (opt.has(Scenario::Retries), go.as_ref()) {
+            (true, Some(go)) => {
+                retries::check()?;
+                Some(retries::RetriesOpt {
+                    rate: opt.retries_rate,
+                    duration: opt.retries_duration,
+                    kills: opt.retries_kills,
+                    go: go.clone(),
+                })
+            }
+            _ => None,
+        };
+        Ok(Self { go, storm, retries })
+    }
+}
+
+/// The scenarios that run once, before the repetitions, on the system's
+/// fresh processes: memory, churn, streams; their notes.
+async fn run_once(
+    opt: &Opt,
+    extras: &Extras,
+    system: &System,
+    rec: &mut Recorder,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let (targets, backends) = (&system.targets, &system.backends);
+    if opt.has(Scenario::Memory) {
+        memory_scenario(opt, targets, backends, rec).await?;
+        notes.push(format!(
+            "memory runs once, before the other scenarios, on fresh processes; \
+             per-conn = (RSS with {} open - RSS just before) / {}; rounds open and close {} each",
+            opt.conns,
+            opt.conns,
+            (opt.conns / 10).max(1)
+        ));
+    }
+    if opt.has(Scenario::Churn) {
+        churn_scenario(opt, targets, backends, rec).await?;
+        notes.push(format!(
+            "churn runs once, after memory, before the time-boxed scenarios: {} rounds of {} \
+             tunnels open at once, each echoing 1 KiB, RSS settled after each",
+            opt.churn_rounds.max(2),
+            opt.conns
+        ));
+    }
+    if let (true, Some(go)) = (opt.has(Scenario::Streams), extras.go.as_ref()) {
+        streams_scenario(opt, go, targets, backends, rec).await?;
+        notes.push(format!(
+            "streams runs once, after churn: {} tunnels held open on one grpc-go connection \
+             (-reuse many), 64 opened at a time, each echoing 1 KiB; RSS per tunnel = (settled \
+             RSS with them open - settled RSS before) / {}",
+            opt.conns, opt.conns
+        ));
+    }
+    Ok(())
+}
+
+/// The scenarios that start systems of their own, after the repetitions:
+/// agents, storm, retries; their notes.
+async fn run_apart(
+    opt: &Opt,
+    extras: &Extras,
+    (bins, system): (&Binaries, &System),
+    nofile: u64,
+    timing: Timing,
+    rec: &mut Recorder,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let dir = system.dir.path();
+    if opt.has(Scenario::Agents) {
+        let agents = agents::AgentsOpt {
+            n: opt.agents,
+            duration: timing.duration,
+            nofile,
+            algorithm: opt.agents_key_algorithm,
+            review_latency: opt.agents_review_latency,
+        };
+        agents::run(bins, dir, &system.backends, &agents, rec)
+            .await
+            .context("agents scenario")?;
+        notes.push(format!(
+            "agents runs once, last, against a server of its own (gRPC mode, default flags, {:?} \
+             keys): N = {} real agents in agent-swarm processes (each agent its own TLS \
+             connection, session cache, Connect stream, health and admin listeners; default \
+             --sync-interval); links cut = SIGUSR1 to the swarm, which drops every agent's \
+             connection; ANP-style = no flow control, no session cache; RSS per agent = (RSS \
+             with N - RSS before) / N, the swarm's beyond its first agent; CPU = utime+stime of \
+             proxy-server while they connect",
+            opt.agents_key_algorithm, opt.agents
+        ));
+    }
+    if let Some(storm) = &extras.storm {
+        let more = storm::run(bins, dir, storm, rec)
+            .await
+            .context("storm scenario")?;
+        notes.extend(more);
+    }
+    if let Some(retries) = &extras.retries {
+        let more = retries::run(bins, dir, retries, rec)
+            .await
+            .context("retries scenario")?;
+        notes.extend(more);
+    }
+    Ok(())
+}
+
+/// The notes on how every measurement reads.
+fn closing_notes() -> [String; 2] {
+    [
+        "each repetition runs direct, grpc, http-connect in turn; cells are median [min–max] \
+         over repetitions, ×r is the median of per-repetition ratios to direct"
+            .to_owned(),
+        "MB/s = 10^6 bytes/s; cpu = utime+stime of proxy-server + proxy-agent from /proc \
+         (100 ticks/s) per GiB moved in the measured window; hol 'server max buffered' is \
+         the konnectivity_rs_server_max_buffered_bytes gauge (n/a when /metrics lacks it)"
+            .to_owned(),
+    ]
+}
+
+/// Writes `report` as pretty JSON to `path` (`--json`) and says where.
+fn write_json(report: &Report, path: &Path) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(report).context("serializing the results")?;
+    std::fs::write(path, json + "\n")
+        .with_context(|| format!("writing --json {}", path.display()))?;
+    println!("JSON: {}", path.display());
+    Ok(())
 }
 
 /// Idle RSS, then the memory scenario, for each tunneled route.
@@ -758,162 +902,299 @@ async fn churn_scenario(
 
 /// One repetition of the selected time-series scenarios against one
 /// target; failures are reported and leave `n/a`.
-async fn run_rep(
-    opt: &Opt,
-    go: Option<&grpc_go::GoFrontend>,
-    target: &Target,
-    backends: &Backends,
+struct Rep<'a> {
+    /// The options.
+    opt: &'a Opt,
+    /// The grpc-go frontend, if located.
+    go: Option<&'a grpc_go::GoFrontend>,
+    /// The route measured.
+    target: &'a Target,
+    /// The node-side servers.
+    backends: &'a Backends,
+    /// Warm-up and measured time.
     timing: Timing,
+    /// Which repetition.
     rep: usize,
-    rec: &mut Recorder,
-) {
-    let ctx = format!("rep {}/{}", rep + 1, opt.reps);
-    let route = target.route;
-    let name = route.name();
-    let failed = |what: &str, e: anyhow::Error| eprintln!("{ctx} {what} {name}: FAILED: {e:#}");
-    let tunneled = target.pids.is_some();
+    /// `rep N/M`, the start of its log lines.
+    ctx: String,
+}
 
-    if opt.has(Scenario::Bulk) || (opt.has(Scenario::Cpu) && tunneled) {
-        // gRPC mode runs twice: with our client, then with grpc-go
-        // (kube-apiserver's client library).
-        let grpc = target
+/// A bulk run: its rate row, its CPU rows, upload or download, and the
+/// grpc-go frontend that drives it (our client if none).
+type BulkRun<'a> = (
+    &'static report::Def,
+    CpuRows,
+    bool,
+    Option<&'a grpc_go::GoFrontend>,
+);
+
+impl<'a> Rep<'a> {
+    /// Repetition `rep` against `target`.
+    fn new(
+        opt: &'a Opt,
+        go: Option<&'a grpc_go::GoFrontend>,
+        target: &'a Target,
+        backends: &'a Backends,
+        timing: Timing,
+        rep: usize,
+    ) -> Self {
+        Self {
+            opt,
+            go,
+            target,
+            backends,
+            timing,
+            rep,
+            ctx: format!("rep {}/{}", rep + 1, opt.reps),
+        }
+    }
+
+    /// Runs the selected scenarios and records their rows.
+    async fn run(&self, rec: &mut Recorder) {
+        let opt = self.opt;
+        if opt.has(Scenario::Bulk) || (opt.has(Scenario::Cpu) && self.tunneled()) {
+            self.bulk(rec).await;
+        }
+        if opt.has(Scenario::Parallel) {
+            self.parallel(rec).await;
+        }
+        if opt.has(Scenario::Hol) && self.tunneled() {
+            self.hol(rec).await;
+        }
+        if opt.has(Scenario::Pingpong) {
+            self.pingpong(rec).await;
+        }
+        if opt.has(Scenario::Dial) {
+            self.dial(rec).await;
+        }
+    }
+
+    /// The route.
+    fn route(&self) -> Route {
+        self.target.route
+    }
+
+    /// The route's name in the log.
+    fn name(&self) -> &'static str {
+        self.target.route.name()
+    }
+
+    /// Whether the route goes through a server and an agent.
+    fn tunneled(&self) -> bool {
+        self.target.pids.is_some()
+    }
+
+    /// Whether the route is the gRPC mode's.
+    fn grpc(&self) -> bool {
+        self.target
             .dialer
             .as_ref()
-            .is_some_and(|d| d.mode == client::dial::Mode::Grpc);
-        let mut runs = vec![
+            .is_some_and(|d| d.mode == client::dial::Mode::Grpc)
+    }
+
+    /// Logs that `what` failed.
+    fn failed(&self, what: &str, e: anyhow::Error) {
+        eprintln!("{} {what} {}: FAILED: {e:#}", self.ctx, self.name());
+    }
+
+    /// Records `value` in `def`'s row for this route and repetition.
+    fn push(&self, rec: &mut Recorder, def: &report::Def, value: Option<f64>) {
+        rec.push(def, self.route(), self.rep, value);
+    }
+
+    /// Bulk down and up; in gRPC mode twice: with our client, then with
+    /// grpc-go (kube-apiserver's client library).
+    async fn bulk(&self, rec: &mut Recorder) {
+        let mut runs: Vec<BulkRun<'_>> = vec![
             (&report::BULK_DOWN, CPU_DOWN_ROWS, false, None),
             (&report::BULK_UP, CPU_UP_ROWS, true, None),
         ];
-        if let (true, Some(go)) = (grpc, go) {
+        if let (true, Some(go)) = (self.grpc(), self.go) {
             runs.push((&report::BULK_DOWN_GO, CPU_DOWN_GO_ROWS, false, Some(go)));
             runs.push((&report::BULK_UP_GO, CPU_UP_GO_ROWS, true, Some(go)));
         }
-        for (rate, [cpu, server, agent], up, go) in runs {
-            let window = match (go, up) {
-                (Some(go), up) => go.bulk(target, backends, timing, up).await,
-                (None, true) => scenarios::upload(target, backends, timing).await,
-                (None, false) => scenarios::download(target, backends, timing, 1).await,
-            };
-            let what = format!(
-                "{}{}",
-                if up { "bulk up" } else { "bulk down" },
-                if go.is_some() { " (grpc-go)" } else { "" }
-            );
-            let what = what.as_str();
-            match window {
-                Ok(w) => {
-                    if route == Route::Direct && opt.has(Scenario::Bulk) {
-                        // The grpc-go rows' ratios are to the same direct run.
-                        let go = if up {
-                            &report::BULK_UP_GO
-                        } else {
-                            &report::BULK_DOWN_GO
-                        };
-                        rec.push(go, route, rep, Some(w.mb_per_s()));
-                    }
-                    eprintln!(
-                        "{ctx} {what} {name}: {:.0} MB/s{}",
-                        w.mb_per_s(),
-                        w.cpu_s_per_gib()
-                            .zip(w.server_cpu_s_per_gib())
-                            .map(|(c, s)| format!(
-                                ", {c:.2} cpu s/GiB (server {s:.2}, agent {:.2})",
-                                c - s
-                            ))
-                            .unwrap_or_default()
-                    );
-                    if opt.has(Scenario::Bulk) {
-                        rec.push(rate, route, rep, Some(w.mb_per_s()));
-                    }
-                    if opt.has(Scenario::Cpu) && tunneled {
-                        rec.push(cpu, route, rep, w.cpu_s_per_gib());
-                        let server_cpu = w.server_cpu_s_per_gib();
-                        rec.push(server, route, rep, server_cpu);
-                        let agent_cpu = w.cpu_s_per_gib().zip(server_cpu).map(|(c, s)| c - s);
-                        rec.push(agent, route, rep, agent_cpu);
-                    }
-                }
-                Err(e) => {
-                    failed(what, e);
-                    rec.push(rate, route, rep, None);
-                }
+        for run in runs {
+            self.bulk_run(run, rec).await;
+        }
+    }
+
+    /// One bulk run and its rows.
+    async fn bulk_run(&self, (rate, cpu, up, go): BulkRun<'_>, rec: &mut Recorder) {
+        let (target, backends, timing) = (self.target, self.backends, self.timing);
+        let transfer = match (go, up) {
+            (Some(go), up) => go.bulk(target, backends, timing, up).await,
+            (None, true) => scenarios::upload(target, backends, timing).await,
+            (None, false) => scenarios::download(target, backends, timing, 1).await,
+        };
+        let what = format!(
+            "{}{}",
+            if up { "bulk up" } else { "bulk down" },
+            if go.is_some() { " (grpc-go)" } else { "" }
+        );
+        match transfer {
+            Ok(t) => self.bulk_rows(&t, (rate, cpu), up, &what, rec),
+            Err(e) => {
+                self.failed(&what, e);
+                self.push(rec, rate, None);
             }
         }
     }
 
-    if opt.has(Scenario::Parallel) {
-        match scenarios::download(target, backends, timing, opt.streams).await {
+    /// The rows of a bulk run that moved `t`: its rate (direct's also
+    /// in the grpc-go row, which compares with it) and CPU per GiB.
+    fn bulk_rows(
+        &self,
+        t: &Transfer,
+        (rate, [cpu, server, agent]): (&report::Def, CpuRows),
+        up: bool,
+        what: &str,
+        rec: &mut Recorder,
+    ) {
+        let opt = self.opt;
+        if self.route() == Route::Direct && opt.has(Scenario::Bulk) {
+            // The grpc-go rows' ratios are to the same direct run.
+            let go = if up {
+                &report::BULK_UP_GO
+            } else {
+                &report::BULK_DOWN_GO
+            };
+            self.push(rec, go, Some(t.mb_per_s()));
+        }
+        eprintln!(
+            "{} {what} {}: {:.0} MB/s{}",
+            self.ctx,
+            self.name(),
+            t.mb_per_s(),
+            t.cpu_s_per_gib()
+                .zip(t.server_cpu_s_per_gib())
+                .map(|(c, s)| format!(", {c:.2} cpu s/GiB (server {s:.2}, agent {:.2})", c - s))
+                .unwrap_or_default()
+        );
+        if opt.has(Scenario::Bulk) {
+            self.push(rec, rate, Some(t.mb_per_s()));
+        }
+        if opt.has(Scenario::Cpu) && self.tunneled() {
+            self.push(rec, cpu, t.cpu_s_per_gib());
+            let server_cpu = t.server_cpu_s_per_gib();
+            self.push(rec, server, server_cpu);
+            let agent_cpu = t.cpu_s_per_gib().zip(server_cpu).map(|(c, s)| c - s);
+            self.push(rec, agent, agent_cpu);
+        }
+    }
+
+    /// `--streams` downloads at once: the total rate and Jain's fairness.
+    async fn parallel(&self, rec: &mut Recorder) {
+        let streams = self.opt.streams;
+        match scenarios::download(self.target, self.backends, self.timing, streams).await {
             Ok(w) => {
                 let shares: Vec<f64> = w.per_stream.iter().map(|&b| b as f64).collect();
                 let fairness = stats::jain_index(&shares);
                 eprintln!(
-                    "{ctx} parallel x{} {name}: {:.0} MB/s, fairness {}",
-                    opt.streams,
+                    "{} parallel x{streams} {}: {:.0} MB/s, fairness {}",
+                    self.ctx,
+                    self.name(),
                     w.mb_per_s(),
                     fairness.map_or("n/a".to_owned(), |f| format!("{f:.3}"))
                 );
-                rec.push(&report::PARALLEL_RATE, route, rep, Some(w.mb_per_s()));
-                rec.push(&report::PARALLEL_FAIRNESS, route, rep, fairness);
+                self.push(rec, &report::PARALLEL_RATE, Some(w.mb_per_s()));
+                self.push(rec, &report::PARALLEL_FAIRNESS, fairness);
             }
             Err(e) => {
-                failed("parallel", e);
-                rec.push(&report::PARALLEL_RATE, route, rep, None);
+                self.failed("parallel", e);
+                self.push(rec, &report::PARALLEL_RATE, None);
             }
         }
     }
 
-    if opt.has(Scenario::Hol) && tunneled {
-        match scenarios::head_of_line(target, backends, timing).await {
+    /// Bulk alone and next to a stalled connection, and the server's
+    /// buffered bytes.
+    async fn hol(&self, rec: &mut Recorder) {
+        match scenarios::head_of_line(self.target, self.backends, self.timing).await {
             Ok(h) => {
                 eprintln!(
-                    "{ctx} hol {name}: alone {:.0} MB/s, next to stalled {:.0} MB/s, buffered {}",
+                    "{} hol {}: alone {:.0} MB/s, next to stalled {:.0} MB/s, buffered {}",
+                    self.ctx,
+                    self.name(),
                     h.solo,
                     h.stalled,
                     h.buffered.map_or("n/a".to_owned(), |b| format!("{b:.0} B"))
                 );
-                rec.push(&report::HOL_SOLO, route, rep, Some(h.solo));
-                rec.push(&report::HOL_STALLED, route, rep, Some(h.stalled));
+                self.push(rec, &report::HOL_SOLO, Some(h.solo));
+                self.push(rec, &report::HOL_STALLED, Some(h.stalled));
                 let ratio = Some(h.stalled / h.solo).filter(|r| r.is_finite());
-                rec.push(&report::HOL_RATIO, route, rep, ratio);
-                rec.push(&report::HOL_BUFFERED, route, rep, h.buffered);
+                self.push(rec, &report::HOL_RATIO, ratio);
+                self.push(rec, &report::HOL_BUFFERED, h.buffered);
             }
             Err(e) => {
-                failed("hol", e);
-                rec.push(&report::HOL_RATIO, route, rep, None);
+                self.failed("hol", e);
+                self.push(rec, &report::HOL_RATIO, None);
             }
         }
     }
 
-    if opt.has(Scenario::Pingpong) {
-        match scenarios::pingpong(target, backends, opt.round_trips).await {
+    /// Round trips on one connection: p50 and p99.
+    async fn pingpong(&self, rec: &mut Recorder) {
+        match scenarios::pingpong(self.target, self.backends, self.opt.round_trips).await {
             Ok(h) => {
                 let (p50, p99) = (stats::quantile_us(&h, 0.5), stats::quantile_us(&h, 0.99));
-                eprintln!("{ctx} pingpong {name}: p50 {p50:.1} us, p99 {p99:.1} us");
-                rec.push(&report::PING_P50, route, rep, Some(p50));
-                rec.push(&report::PING_P99, route, rep, Some(p99));
+                eprintln!(
+                    "{} pingpong {}: p50 {p50:.1} us, p99 {p99:.1} us",
+                    self.ctx,
+                    self.name()
+                );
+                self.push(rec, &report::PING_P50, Some(p50));
+                self.push(rec, &report::PING_P99, Some(p99));
             }
             Err(e) => {
-                failed("pingpong", e);
-                rec.push(&report::PING_P50, route, rep, None);
+                self.failed("pingpong", e);
+                self.push(rec, &report::PING_P50, None);
             }
         }
     }
 
-    if opt.has(Scenario::Dial) {
+    /// Single-use tunnels with our client and, in gRPC mode, with
+    /// grpc-go (new connections, then one reused); the errors of all.
+    async fn dial(&self, rec: &mut Recorder) {
+        let mut errors = self.dials_ours(rec).await;
+        if let (true, Some(go)) = (self.grpc(), self.go) {
+            errors += self.dials_go(go, rec).await;
+            errors += self.reused_dials(go, rec).await;
+        }
+        if self.route() == Route::Direct {
+            // The grpc-go rows' ratios are to the same direct run.
+            for (ours, go) in [
+                (&report::DIAL1_RATE, &report::DIAL1_RATE_GO),
+                (&report::DIAL8_RATE, &report::DIAL8_RATE_GO),
+                (&report::DIAL1_RATE, &report::DIAL1_RATE_REUSE),
+                (&report::DIAL8_RATE, &report::DIAL8_RATE_REUSE),
+            ] {
+                let direct = rec.get(ours, self.route(), self.rep);
+                self.push(rec, go, direct);
+            }
+        }
+        self.push(rec, &report::DIAL_ERRORS, Some(errors as f64));
+    }
+
+    /// Our client's single-use tunnels, one and eight at a time; the
+    /// errors.
+    async fn dials_ours(&self, rec: &mut Recorder) -> u64 {
         let mut errors = 0;
         for (concurrency, defs) in DIAL_CONCURRENCY.into_iter().zip([
             [&report::DIAL1_RATE, &report::DIAL1_P50, &report::DIAL1_P99],
             [&report::DIAL8_RATE, &report::DIAL8_P50, &report::DIAL8_P99],
         ]) {
-            match scenarios::dial_rate(target, backends, concurrency, timing.duration).await {
+            let duration = self.timing.duration;
+            match scenarios::dial_rate(self.target, self.backends, concurrency, duration).await {
                 Ok(d) => {
                     let (p50, p99) = (
                         stats::quantile_us(&d.latency, 0.5),
                         stats::quantile_us(&d.latency, 0.99),
                     );
                     eprintln!(
-                        "{ctx} dial c={concurrency} {name}: {:.0} dials/s, p50 {p50:.0} us, \
+                        "{} dial c={concurrency} {}: {:.0} dials/s, p50 {p50:.0} us, \
                          p99 {p99:.0} us, {} errors{}",
+                        self.ctx,
+                        self.name(),
                         d.rate,
                         d.errors,
                         d.first_error
@@ -922,83 +1203,133 @@ async fn run_rep(
                             .unwrap_or_default()
                     );
                     let some = !d.latency.is_empty();
-                    rec.push(defs[0], route, rep, Some(d.rate));
-                    rec.push(defs[1], route, rep, some.then_some(p50));
-                    rec.push(defs[2], route, rep, some.then_some(p99));
+                    self.push(rec, defs[0], Some(d.rate));
+                    self.push(rec, defs[1], some.then_some(p50));
+                    self.push(rec, defs[2], some.then_some(p99));
                     if concurrency == 8 {
-                        push_cpu(rec, DIAL8_CPU_ROWS, route, rep, d.cpu_us);
+                        push_cpu(rec, DIAL8_CPU_ROWS, self.route(), self.rep, d.cpu_us);
                     }
                     errors += d.errors;
                 }
                 Err(e) => {
-                    failed("dial", e);
-                    rec.push(defs[0], route, rep, None);
+                    self.failed("dial", e);
+                    self.push(rec, defs[0], None);
                 }
             }
         }
-        let grpc = target
-            .dialer
-            .as_ref()
-            .is_some_and(|d| d.mode == client::dial::Mode::Grpc);
-        if let (true, Some(go)) = (grpc, go) {
-            for (concurrency, defs) in DIAL_CONCURRENCY.into_iter().zip([
-                [
-                    &report::DIAL1_RATE_GO,
-                    &report::DIAL1_P50_GO,
-                    &report::DIAL1_P99_GO,
-                ],
-                [
-                    &report::DIAL8_RATE_GO,
-                    &report::DIAL8_P50_GO,
-                    &report::DIAL8_P99_GO,
-                ],
-            ]) {
-                match go
-                    .dials(target, backends, concurrency, timing.duration, false)
-                    .await
-                {
-                    Ok(d) => {
-                        eprintln!(
-                            "{ctx} dial c={concurrency} {name} (grpc-go): {:.0} dials/s, p50 {:.0} us, \
-                             p99 {:.0} us, {} errors{}",
-                            d.rate,
-                            d.p50_us,
-                            d.p99_us,
-                            d.errors,
-                            d.first_error
-                                .as_deref()
-                                .map(|e| format!(" (first: {e})"))
-                                .unwrap_or_default()
-                        );
-                        rec.push(defs[0], route, rep, Some(d.rate));
-                        rec.push(defs[1], route, rep, Some(d.p50_us));
-                        rec.push(defs[2], route, rep, Some(d.p99_us));
-                        if concurrency == 8 {
-                            push_cpu(rec, DIAL8_CPU_GO_ROWS, route, rep, d.cpu_us);
-                        }
-                        errors += d.errors;
+        errors
+    }
+
+    /// grpc-go's single-use tunnels (a connection each), one and eight at
+    /// a time; the errors.
+    async fn dials_go(&self, go: &grpc_go::GoFrontend, rec: &mut Recorder) -> u64 {
+        let mut errors = 0;
+        for (concurrency, defs) in DIAL_CONCURRENCY.into_iter().zip([
+            [
+                &report::DIAL1_RATE_GO,
+                &report::DIAL1_P50_GO,
+                &report::DIAL1_P99_GO,
+            ],
+            [
+                &report::DIAL8_RATE_GO,
+                &report::DIAL8_P50_GO,
+                &report::DIAL8_P99_GO,
+            ],
+        ]) {
+            match go
+                .dials(
+                    self.target,
+                    self.backends,
+                    concurrency,
+                    self.timing.duration,
+                    false,
+                )
+                .await
+            {
+                Ok(d) => {
+                    eprintln!(
+                        "{} dial c={concurrency} {} (grpc-go): {:.0} dials/s, p50 {:.0} us, \
+                         p99 {:.0} us, {} errors{}",
+                        self.ctx,
+                        self.name(),
+                        d.rate,
+                        d.p50_us,
+                        d.p99_us,
+                        d.errors,
+                        d.first_error
+                            .as_deref()
+                            .map(|e| format!(" (first: {e})"))
+                            .unwrap_or_default()
+                    );
+                    self.push(rec, defs[0], Some(d.rate));
+                    self.push(rec, defs[1], Some(d.p50_us));
+                    self.push(rec, defs[2], Some(d.p99_us));
+                    if concurrency == 8 {
+                        push_cpu(rec, DIAL8_CPU_GO_ROWS, self.route(), self.rep, d.cpu_us);
                     }
-                    Err(e) => {
-                        failed("dial (grpc-go)", e);
-                        rec.push(defs[0], route, rep, None);
-                    }
+                    errors += d.errors;
+                }
+                Err(e) => {
+                    self.failed("dial (grpc-go)", e);
+                    self.push(rec, defs[0], None);
                 }
             }
-            errors += reused_dials(go, target, backends, timing, &ctx, rep, rec).await;
         }
-        if route == Route::Direct {
-            // The grpc-go rows' ratios are to the same direct run.
-            for (ours, go) in [
-                (&report::DIAL1_RATE, &report::DIAL1_RATE_GO),
-                (&report::DIAL8_RATE, &report::DIAL8_RATE_GO),
-                (&report::DIAL1_RATE, &report::DIAL1_RATE_REUSE),
-                (&report::DIAL8_RATE, &report::DIAL8_RATE_REUSE),
-            ] {
-                let direct = rec.get(ours, route, rep);
-                rec.push(go, route, rep, direct);
+        errors
+    }
+
+    /// Dials on grpc-go's reusable tunnel (one connection, a Proxy stream
+    /// each), one and eight at a time; the errors.
+    async fn reused_dials(&self, go: &grpc_go::GoFrontend, rec: &mut Recorder) -> u64 {
+        let route = self.route();
+        let mut errors = 0;
+        for concurrency in DIAL_CONCURRENCY {
+            match go
+                .dials(
+                    self.target,
+                    self.backends,
+                    concurrency,
+                    self.timing.duration,
+                    true,
+                )
+                .await
+            {
+                Ok(d) => {
+                    eprintln!(
+                        "{} dial c={concurrency} {} (grpc-go, reused conn): {:.0} dials/s, p50 {:.0} us, \
+                         p99 {:.0} us, {} errors{}",
+                        self.ctx,
+                        route.name(),
+                        d.rate,
+                        d.p50_us,
+                        d.p99_us,
+                        d.errors,
+                        d.cpu_us
+                            .map(|(s, a)| format!(
+                                ", CPU per dial server {s:.0} us, agent {a:.0} us"
+                            ))
+                            .unwrap_or_default()
+                    );
+                    if concurrency == 1 {
+                        self.push(rec, &report::DIAL1_RATE_REUSE, Some(d.rate));
+                    } else {
+                        self.push(rec, &report::DIAL8_RATE_REUSE, Some(d.rate));
+                        self.push(rec, &report::DIAL8_P50_REUSE, Some(d.p50_us));
+                        self.push(rec, &report::DIAL8_P99_REUSE, Some(d.p99_us));
+                        push_cpu(rec, DIAL8_CPU_REUSE_ROWS, route, self.rep, d.cpu_us);
+                    }
+                    errors += d.errors;
+                }
+                Err(e) => {
+                    eprintln!(
+                        "{} dial (grpc-go, reused conn) {}: FAILED: {e:#}",
+                        self.ctx,
+                        route.name()
+                    );
+                }
             }
         }
-        rec.push(&report::DIAL_ERRORS, route, rep, Some(errors as f64));
+        errors
     }
 }
 
@@ -1052,58 +1383,6 @@ fn push_cpu(
         rec.push(rows[0], route, rep, Some(server));
         rec.push(rows[1], route, rep, Some(agent));
     }
-}
-
-/// Dials on grpc-go's reusable tunnel (one connection, a Proxy stream
-/// each), one and eight at a time; the errors.
-async fn reused_dials(
-    go: &grpc_go::GoFrontend,
-    target: &Target,
-    backends: &Backends,
-    timing: Timing,
-    ctx: &str,
-    rep: usize,
-    rec: &mut Recorder,
-) -> u64 {
-    let route = target.route;
-    let mut errors = 0;
-    for concurrency in DIAL_CONCURRENCY {
-        match go
-            .dials(target, backends, concurrency, timing.duration, true)
-            .await
-        {
-            Ok(d) => {
-                eprintln!(
-                    "{ctx} dial c={concurrency} {} (grpc-go, reused conn): {:.0} dials/s, p50 {:.0} us, \
-                     p99 {:.0} us, {} errors{}",
-                    route.name(),
-                    d.rate,
-                    d.p50_us,
-                    d.p99_us,
-                    d.errors,
-                    d.cpu_us
-                        .map(|(s, a)| format!(", CPU per dial server {s:.0} us, agent {a:.0} us"))
-                        .unwrap_or_default()
-                );
-                if concurrency == 1 {
-                    rec.push(&report::DIAL1_RATE_REUSE, route, rep, Some(d.rate));
-                } else {
-                    rec.push(&report::DIAL8_RATE_REUSE, route, rep, Some(d.rate));
-                    rec.push(&report::DIAL8_P50_REUSE, route, rep, Some(d.p50_us));
-                    rec.push(&report::DIAL8_P99_REUSE, route, rep, Some(d.p99_us));
-                    push_cpu(rec, DIAL8_CPU_REUSE_ROWS, route, rep, d.cpu_us);
-                }
-                errors += d.errors;
-            }
-            Err(e) => {
-                eprintln!(
-                    "{ctx} dial (grpc-go, reused conn) {}: FAILED: {e:#}",
-                    route.name()
-                );
-            }
-        }
-    }
-    errors
 }
 
 /// N long-lived tunnels on one grpc-go connection (the reusable tunnel):
