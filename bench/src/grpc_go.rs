@@ -6,7 +6,7 @@
 //! konnectivity-client's `Write`.
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::Stdio,
     sync::{
         Arc,
@@ -25,7 +25,7 @@ use tokio::{
 use crate::{
     backends::{Backends, EXCHANGE_BYTES},
     scenarios::{self, Target, Timing, Transfer},
-    system::CpuSpan,
+    system::{self, CpuSpan},
 };
 
 /// The built frontend.
@@ -42,24 +42,7 @@ impl GoFrontend {
     /// # Errors
     /// It does not exist; the message says how to build it.
     pub fn locate(given: Option<PathBuf>) -> anyhow::Result<Self> {
-        let path = match given {
-            Some(path) => path,
-            None => std::env::current_exe()
-                .context("finding the bench executable")?
-                .parent()
-                .and_then(Path::parent)
-                .context("the bench executable has no target directory")?
-                .join("go-frontend"),
-        };
-        if !path.is_file() {
-            bail!(
-                "{} not found: `scripts/test` builds it, or `GOPATH=/usr/share/gocode \
-                 GO111MODULE=off go build -o target/go-frontend ./tests/go/frontend` with \
-                 Debian's golang-go, golang-google-grpc-dev and golang-google-protobuf-dev \
-                 (or pass --go-frontend)",
-                path.display()
-            );
-        }
+        let path = system::locate_go(given, "frontend")?;
         Ok(Self { path })
     }
 

@@ -36,6 +36,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use integration_tests::process::metric_value;
 use serde::Deserialize;
 use tokio::{
     io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
@@ -421,7 +422,7 @@ impl Rig {
 
     /// One series (`name{labels}` exactly) of the server, 0 if absent.
     async fn metric(&self, series: &str) -> anyhow::Result<f64> {
-        Ok(series_value(&self.scrape().await?, series))
+        Ok(metric_value(&self.scrape().await?, series))
     }
 
     /// Waits until the server counts `n` agents.
@@ -439,17 +440,6 @@ impl Rig {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-}
-
-/// The value of `series` (`name{labels}` exactly as exposed), 0 if absent.
-fn series_value(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or(0.0)
 }
 
 /// One tunnel's line from the frontend.
@@ -689,7 +679,7 @@ async fn slow_run(
 async fn dials_of(agent: &Agent) -> anyhow::Result<f64> {
     let health = agent.health.context("an agent without a health port")?;
     let text = probe::http_get(health, "/metrics").await?.1;
-    Ok(series_value(
+    Ok(metric_value(
         &text,
         "konnectivity_network_proxy_agent_dial_duration_seconds_count",
     ))

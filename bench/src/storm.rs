@@ -106,24 +106,7 @@ impl GoAgents {
     /// # Errors
     /// It does not exist; the message says how to build it.
     pub fn locate(given: Option<PathBuf>) -> anyhow::Result<Self> {
-        let path = match given {
-            Some(path) => path,
-            None => std::env::current_exe()
-                .context("finding the bench executable")?
-                .parent()
-                .and_then(Path::parent)
-                .context("the bench executable has no target directory")?
-                .join("go-agents"),
-        };
-        if !path.is_file() {
-            bail!(
-                "{} not found: `scripts/test` builds it, or `GOPATH=/usr/share/gocode \
-                 GO111MODULE=off go build -o target/go-agents ./tests/go/agents` with \
-                 Debian's golang-go, golang-google-grpc-dev and golang-google-protobuf-dev \
-                 (or pass --go-agents)",
-                path.display()
-            );
-        }
+        let path = system::locate_go(given, "agents")?;
         Ok(Self { path })
     }
 }

@@ -70,6 +70,34 @@ impl Binaries {
     }
 }
 
+/// A grpc-go program of `tests/go/<program>` (`scripts/test` builds it):
+/// `given` (its `--go-<program>` flag), else `target/go-<program>` beside
+/// this executable's `target/<profile>/`.
+///
+/// # Errors
+/// It does not exist; the message says how to build it.
+pub fn locate_go(given: Option<PathBuf>, program: &str) -> anyhow::Result<PathBuf> {
+    let path = match given {
+        Some(path) => path,
+        None => std::env::current_exe()
+            .context("finding the bench executable")?
+            .parent()
+            .and_then(Path::parent)
+            .context("the bench executable has no target directory")?
+            .join(format!("go-{program}")),
+    };
+    if !path.is_file() {
+        bail!(
+            "{} not found: `scripts/test` builds it, or `GOPATH=/usr/share/gocode \
+             GO111MODULE=off go build -o target/go-{program} ./tests/go/{program}` with \
+             Debian's golang-go, golang-google-grpc-dev and golang-google-protobuf-dev \
+             (or pass --go-{program})",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// A child process killed (SIGKILL) and reaped on drop.
 pub struct Process {
     /// The child.
