@@ -645,38 +645,9 @@ fn handshake_against(proxy: &Proxy, host: &str, reply: Vec<u8>) -> Result<(), Pr
 
 #[cfg(test)]
 mod tests {
-    use std::path::{Path, PathBuf};
-
     use super::*;
 
-    /// The committed inputs of `target`: its corpus
-    /// (`fuzz/corpus/<target>/`) and the inputs of the crashes it found
-    /// (`fuzz/regressions/<target>/`, kept whatever their coverage).
-    fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-        let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
-        let dir = fuzz.join("corpus").join(target);
-        let mut files: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-            .map(|entry| entry.unwrap().path())
-            .collect();
-        assert!(
-            files.len() >= 4,
-            "{}: only {} inputs",
-            dir.display(),
-            files.len()
-        );
-        if let Ok(found) = std::fs::read_dir(fuzz.join("regressions").join(target)) {
-            files.extend(found.map(|entry| entry.unwrap().path()));
-        }
-        files.sort();
-        files
-            .into_iter()
-            .map(|path| {
-                let bytes = std::fs::read(&path).unwrap();
-                (path, bytes)
-            })
-            .collect()
-    }
+    include!("../../fuzz/replay.rs");
 
     /// Every input of the `agent_table` corpus, replayed.
     #[test]

@@ -1,0 +1,34 @@
+// The committed inputs of a fuzz target, for the tests that replay them on
+// stable: `include!("../../fuzz/replay.rs")` in the `tests` module of the
+// `fuzzing` module of proto, authority, ops, proxy-server and proxy-agent
+// (one file rather than a crate: those five share no dependency, and the
+// corpora it reads sit beside it).
+
+/// The committed inputs of `target`: its corpus
+/// (`fuzz/corpus/<target>/`) and the inputs of the crashes it found
+/// (`fuzz/regressions/<target>/`, kept whatever their coverage).
+fn corpus(target: &str) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let fuzz = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
+    let dir = fuzz.join("corpus").join(target);
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert!(
+        files.len() >= 4,
+        "{}: only {} inputs",
+        dir.display(),
+        files.len()
+    );
+    if let Ok(found) = std::fs::read_dir(fuzz.join("regressions").join(target)) {
+        files.extend(found.map(|entry| entry.unwrap().path()));
+    }
+    files.sort();
+    files
+        .into_iter()
+        .map(|path| {
+            let bytes = std::fs::read(&path).unwrap();
+            (path, bytes)
+        })
+        .collect()
+}
