@@ -32,3 +32,18 @@ fn corpus(target: &str) -> Vec<(std::path::PathBuf, Vec<u8>)> {
         })
         .collect()
 }
+
+/// A test per target, `$test`, that runs the harness `$target` on each of
+/// the target's committed inputs (its corpus is named as the harness).
+macro_rules! replay {
+    ($($test:ident => $target:ident),+ $(,)?) => {$(
+        #[doc = concat!("Every input of the `", stringify!($target), "` corpus, replayed.")]
+        #[test]
+        fn $test() {
+            for (path, input) in corpus(stringify!($target)) {
+                eprintln!("{}", path.display());
+                $target(&input);
+            }
+        }
+    )+};
+}

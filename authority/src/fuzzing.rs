@@ -56,12 +56,5 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    /// Every input of the `hpack` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_hpack() {
-        for (path, input) in corpus("hpack") {
-            eprintln!("{}", path.display());
-            hpack(&input);
-        }
-    }
+    replay!(fuzz_corpus_hpack => hpack);
 }

@@ -126,27 +126,7 @@ pub fn session_ticket_alloc_bound(len: usize) -> usize {
     16 * len + 64 * 1024
 }
 
-/// Reads fuzz bytes as choices; past the end every choice is 0.
-struct Input<'a>(&'a [u8]);
-
-impl<'a> Input<'a> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((first, rest)) => {
-                self.0 = rest;
-                *first
-            }
-            None => 0,
-        }
-    }
-
-    fn bytes(&mut self, max: usize) -> &'a [u8] {
-        let len = (usize::from(self.byte()) % (max + 1)).min(self.0.len());
-        let (taken, rest) = self.0.split_at(len);
-        self.0 = rest;
-        taken
-    }
-}
+include!("../../fuzz/input.rs");
 
 /// Session tickets (`--tls-session-ticket-key`): keys from a secret and a
 /// binding, a clock and a rotation chosen by the bytes, then tickets a
@@ -233,23 +213,10 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    /// Every input of the `tls_files` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_tls_files() {
-        for (path, input) in corpus("tls_files") {
-            eprintln!("{}", path.display());
-            tls_files(&input);
-        }
-    }
-
-    /// Every input of the `session_ticket` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_session_ticket() {
-        for (path, input) in corpus("session_ticket") {
-            eprintln!("{}", path.display());
-            session_ticket(&input);
-        }
-    }
+    replay!(
+        fuzz_corpus_tls_files => tls_files,
+        fuzz_corpus_session_ticket => session_ticket,
+    );
 
     /// The harness reaches a configuration from a real certificate and key.
     #[test]

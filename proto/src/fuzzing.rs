@@ -105,14 +105,7 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    /// Every input of the `grpc_packets` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_grpc_packets() {
-        for (path, input) in corpus("grpc_packets") {
-            eprintln!("{}", path.display());
-            grpc_packets(&input);
-        }
-    }
+    replay!(fuzz_corpus_grpc_packets => grpc_packets);
 
     /// A message header claiming more than the limit is a `Status`.
     #[test]

@@ -22,45 +22,7 @@ use tunnel::{
 
 use crate::table::{DialTicket, Dialed, Step, StreamTable};
 
-/// Reads fuzz bytes as choices; past the end every choice is 0.
-struct Input<'a>(&'a [u8]);
-
-impl<'a> Input<'a> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((first, rest)) => {
-                self.0 = rest;
-                *first
-            }
-            None => 0,
-        }
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        usize::from(self.byte()) % n.max(1)
-    }
-
-    fn bytes(&mut self, max: usize) -> &'a [u8] {
-        let len = self.below(max + 1).min(self.0.len());
-        let (taken, rest) = self.0.split_at(len);
-        self.0 = rest;
-        taken
-    }
-
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// A protocol id: mostly small (so that ids meet), sometimes extreme.
-    fn id(&mut self) -> i64 {
-        match self.byte() {
-            250 => i64::MAX,
-            251 => i64::MIN,
-            252 => -1,
-            b => i64::from(b % 8),
-        }
-    }
-}
+include!("../../fuzz/input.rs");
 
 /// The heap an [`agent_table`] run may use at its peak for `len` bytes.
 pub fn agent_table_alloc_bound(len: usize) -> usize {
@@ -649,32 +611,11 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    /// Every input of the `agent_table` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_agent_table() {
-        for (path, input) in corpus("agent_table") {
-            eprintln!("{}", path.display());
-            agent_table(&input);
-        }
-    }
-
-    /// Every input of the `flow_control` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_flow_control() {
-        for (path, input) in corpus("flow_control") {
-            eprintln!("{}", path.display());
-            flow_control(&input);
-        }
-    }
-
-    /// Every input of the `proxy_reply` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_proxy_reply() {
-        for (path, input) in corpus("proxy_reply") {
-            eprintln!("{}", path.display());
-            proxy_reply(&input);
-        }
-    }
+    replay!(
+        fuzz_corpus_agent_table => agent_table,
+        fuzz_corpus_flow_control => flow_control,
+        fuzz_corpus_proxy_reply => proxy_reply,
+    );
 
     /// The harness reaches success: a proxy that grants the tunnel.
     #[test]

@@ -34,45 +34,7 @@ use crate::{
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
 
-/// Reads fuzz bytes as choices; past the end every choice is 0.
-struct Input<'a>(&'a [u8]);
-
-impl<'a> Input<'a> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((first, rest)) => {
-                self.0 = rest;
-                *first
-            }
-            None => 0,
-        }
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        usize::from(self.byte()) % n.max(1)
-    }
-
-    fn bytes(&mut self, max: usize) -> &'a [u8] {
-        let len = self.below(max + 1).min(self.0.len());
-        let (taken, rest) = self.0.split_at(len);
-        self.0 = rest;
-        taken
-    }
-
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// A protocol id: mostly small (so that ids meet), sometimes extreme.
-    fn id(&mut self) -> i64 {
-        match self.byte() {
-            250 => i64::MAX,
-            251 => i64::MIN,
-            252 => -1,
-            b => i64::from(b % 8),
-        }
-    }
-}
+include!("../../fuzz/input.rs");
 
 /// The heap a [`router`] run may use at its peak for `len` input bytes: a
 /// few hundred bytes of tables and outputs per step, each step at least a
@@ -619,32 +581,11 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    /// Every input of the `router` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_router() {
-        for (path, input) in corpus("router") {
-            eprintln!("{}", path.display());
-            router(&input);
-        }
-    }
-
-    /// Every input of the `connect_head` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_connect_head() {
-        for (path, input) in corpus("connect_head") {
-            eprintln!("{}", path.display());
-            connect_head(&input);
-        }
-    }
-
-    /// Every input of the `token_review` corpus, replayed.
-    #[test]
-    fn fuzz_corpus_token_review() {
-        for (path, input) in corpus("token_review") {
-            eprintln!("{}", path.display());
-            token_review(&input);
-        }
-    }
+    replay!(
+        fuzz_corpus_router => router,
+        fuzz_corpus_connect_head => connect_head,
+        fuzz_corpus_token_review => token_review,
+    );
 
     /// The harnesses see what they claim: a valid CONNECT head in pieces,
     /// an admitting TokenReview answer, a dial through the router.
