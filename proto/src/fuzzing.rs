@@ -62,7 +62,10 @@ pub fn grpc_packets(data: &[u8]) {
     }
 }
 
-fn check_packet(packet: Packet, input: usize) {
+/// What a packet decoded from `input` bytes must be: no larger than they
+/// were, re-encoded no longer, round-tripping, nameable; panics otherwise.
+/// Also run by `packet.rs`'s property test.
+pub(crate) fn check_packet(packet: Packet, input: usize) {
     let size = match &packet.payload {
         Some(Payload::Data(d)) => d.data.len() + d.error.len(),
         Some(Payload::DialRequest(r)) => r.address.len() + r.protocol.len(),
