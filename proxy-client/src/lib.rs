@@ -227,22 +227,8 @@ pub async fn request(
     ca: &str,
     out: &mut (impl tokio::io::AsyncWrite + Unpin),
 ) -> Result<StatusCode, RequestError> {
-    let uri: http::Uri = url.parse().map_err(|_| RequestError::Url(url.to_owned()))?;
-    let https = match uri.scheme_str() {
-        Some("http") => false,
-        Some("https") => true,
-        _ => return Err(RequestError::Url(url.to_owned())),
-    };
-    let host = uri
-        .host()
-        .ok_or_else(|| RequestError::Url(url.to_owned()))?;
-    let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    let address = if bare.contains(':') {
-        format!("[{bare}]:{port}")
-    } else {
-        format!("{bare}:{port}")
-    };
+    let target = Target::parse(url)?;
+    let address = target.address.clone();
     let io = dialer
         .dial(&address)
         .await
@@ -250,22 +236,8 @@ pub async fn request(
             address: address.clone(),
             source,
         })?;
-    let io: Box<dyn client::dial::Io> = if https {
-        if ca.is_empty() {
-            return Err(RequestError::NoCa);
-        }
-        let mut config = (*tls::client_config(std::path::Path::new(ca), None, &[])
-            .map_err(RequestError::Tls)?)
-        .clone();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let name = rustls_pki_types::ServerName::try_from(bare.to_owned())
-            .map_err(|_| RequestError::Url(url.to_owned()))?;
-        Box::new(
-            tokio_rustls::TlsConnector::from(Arc::new(config))
-                .connect(name, io)
-                .await
-                .map_err(|e| RequestError::Handshake(address.clone(), e))?,
-        )
+    let io = if target.https {
+        secure(io, ca, &target).await?
     } else {
         io
     };
@@ -274,20 +246,96 @@ pub async fn request(
         .await
         .map_err(http_err)?;
     tokio::spawn(conn);
+    let uri = &target.uri;
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let host = uri.authority().map_or(target.host.as_str(), |a| a.as_str());
     let request = Request::builder()
         .method(method)
         .uri(path)
-        .header(
-            hyper::header::HOST,
-            uri.authority().map_or(host, |a| a.as_str()),
-        )
+        .header(hyper::header::HOST, host)
         .header(hyper::header::USER_AGENT, "proxy-client")
         .body(Empty::<Bytes>::new())
         .map_err(|_| RequestError::Url(url.to_owned()))?;
     let response = sender.send_request(request).await.map_err(http_err)?;
     let status = response.status();
-    let mut head = format!("{:?} {status}\n", response.version());
+    write_response(response, out, &address).await?;
+    Ok(status)
+}
+
+/// Where a request's URL points.
+struct Target {
+    /// The URL as given.
+    url: String,
+    uri: http::Uri,
+    https: bool,
+    /// The host as the URL writes it (an IPv6 address in brackets).
+    host: String,
+    /// The host without brackets: the TLS server name.
+    bare: String,
+    /// `host:port` to dial.
+    address: String,
+}
+
+impl Target {
+    fn parse(url: &str) -> Result<Self, RequestError> {
+        let bad = || RequestError::Url(url.to_owned());
+        let uri: http::Uri = url.parse().map_err(|_| bad())?;
+        let https = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => return Err(bad()),
+        };
+        let host = uri.host().ok_or_else(bad)?.to_owned();
+        let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let bare = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let address = if bare.contains(':') {
+            format!("[{bare}]:{port}")
+        } else {
+            format!("{bare}:{port}")
+        };
+        Ok(Self {
+            url: url.to_owned(),
+            uri,
+            https,
+            host,
+            bare,
+            address,
+        })
+    }
+}
+
+/// TLS over `io` to `target`, trusting the CA bundle at `ca`.
+async fn secure(
+    io: Box<dyn client::dial::Io>,
+    ca: &str,
+    target: &Target,
+) -> Result<Box<dyn client::dial::Io>, RequestError> {
+    if ca.is_empty() {
+        return Err(RequestError::NoCa);
+    }
+    let mut config = (*tls::client_config(std::path::Path::new(ca), None, &[])
+        .map_err(RequestError::Tls)?)
+    .clone();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let name = rustls_pki_types::ServerName::try_from(target.bare.clone())
+        .map_err(|_| RequestError::Url(target.url.clone()))?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, io)
+        .await
+        .map_err(|e| RequestError::Handshake(target.address.clone(), e))?;
+    Ok(Box::new(tls))
+}
+
+/// Writes `response`'s status line, headers and body to `out`.
+async fn write_response(
+    response: hyper::Response<hyper::body::Incoming>,
+    out: &mut (impl tokio::io::AsyncWrite + Unpin),
+    address: &str,
+) -> Result<(), RequestError> {
+    let mut head = format!("{:?} {}\n", response.version(), response.status());
     for (name, value) in response.headers() {
         head.push_str(&format!(
             "{name}: {}\n",
@@ -300,13 +348,12 @@ pub async fn request(
         .map_err(RequestError::Output)?;
     let mut body = response.into_body();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(http_err)?;
+        let frame = frame.map_err(|e| RequestError::Http(address.to_owned(), e))?;
         if let Some(data) = frame.data_ref() {
             out.write_all(data).await.map_err(RequestError::Output)?;
         }
     }
-    out.flush().await.map_err(RequestError::Output)?;
-    Ok(status)
+    out.flush().await.map_err(RequestError::Output)
 }
 
 /// The SOCKS5 reply for a failed dial.
