@@ -784,6 +784,12 @@ pub fn register_process(metrics: &mut Metrics) {
         MetricType::Gauge,
         || limit(|l| &l.max_address_space.soft_limit),
     );
+    register_runtime(metrics);
+}
+
+/// Ours beside the process metrics: the runtime's alive tasks, and the
+/// allocator's figures where the binary exposed them.
+fn register_runtime(metrics: &mut Metrics) {
     // Read on the runtime that serves the scrape, which is the process's
     // only one; absent when scraped from outside a runtime.
     metrics.probe(
