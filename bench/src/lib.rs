@@ -1184,38 +1184,20 @@ impl<'a> Rep<'a> {
             [&report::DIAL8_RATE, &report::DIAL8_P50, &report::DIAL8_P99],
         ]) {
             let duration = self.timing.duration;
-            match scenarios::dial_rate(self.target, self.backends, concurrency, duration).await {
-                Ok(d) => {
-                    let (p50, p99) = (
-                        stats::quantile_us(&d.latency, 0.5),
-                        stats::quantile_us(&d.latency, 0.99),
-                    );
-                    eprintln!(
-                        "{} dial c={concurrency} {}: {:.0} dials/s, p50 {p50:.0} us, \
-                         p99 {p99:.0} us, {} errors{}",
-                        self.ctx,
-                        self.name(),
-                        d.rate,
-                        d.errors,
-                        d.first_error
-                            .as_deref()
-                            .map(|e| format!(" (first: {e})"))
-                            .unwrap_or_default()
-                    );
-                    let some = !d.latency.is_empty();
-                    self.push(rec, defs[0], Some(d.rate));
-                    self.push(rec, defs[1], some.then_some(p50));
-                    self.push(rec, defs[2], some.then_some(p99));
-                    if concurrency == 8 {
-                        push_cpu(rec, DIAL8_CPU_ROWS, self.route(), self.rep, d.cpu_us);
-                    }
-                    errors += d.errors;
+            let run = scenarios::dial_rate(self.target, self.backends, concurrency, duration).await;
+            let figures = run.map(|d| {
+                let some = !d.latency.is_empty();
+                DialFigures {
+                    rate: d.rate,
+                    p50_us: some.then(|| stats::quantile_us(&d.latency, 0.5)),
+                    p99_us: some.then(|| stats::quantile_us(&d.latency, 0.99)),
+                    errors: d.errors,
+                    first_error: d.first_error,
+                    cpu_us: d.cpu_us,
                 }
-                Err(e) => {
-                    self.failed("dial", e);
-                    self.push(rec, defs[0], None);
-                }
-            }
+            });
+            let rows = (defs, DIAL8_CPU_ROWS);
+            errors += self.record_dials(rec, concurrency, "", rows, figures);
         }
         errors
     }
@@ -1236,46 +1218,64 @@ impl<'a> Rep<'a> {
                 &report::DIAL8_P99_GO,
             ],
         ]) {
-            match go
-                .dials(
-                    self.target,
-                    self.backends,
-                    concurrency,
-                    self.timing.duration,
-                    false,
-                )
-                .await
-            {
-                Ok(d) => {
-                    eprintln!(
-                        "{} dial c={concurrency} {} (grpc-go): {:.0} dials/s, p50 {:.0} us, \
-                         p99 {:.0} us, {} errors{}",
-                        self.ctx,
-                        self.name(),
-                        d.rate,
-                        d.p50_us,
-                        d.p99_us,
-                        d.errors,
-                        d.first_error
-                            .as_deref()
-                            .map(|e| format!(" (first: {e})"))
-                            .unwrap_or_default()
-                    );
-                    self.push(rec, defs[0], Some(d.rate));
-                    self.push(rec, defs[1], Some(d.p50_us));
-                    self.push(rec, defs[2], Some(d.p99_us));
-                    if concurrency == 8 {
-                        push_cpu(rec, DIAL8_CPU_GO_ROWS, self.route(), self.rep, d.cpu_us);
-                    }
-                    errors += d.errors;
-                }
-                Err(e) => {
-                    self.failed("dial (grpc-go)", e);
-                    self.push(rec, defs[0], None);
-                }
-            }
+            let duration = self.timing.duration;
+            let run = go
+                .dials(self.target, self.backends, concurrency, duration, false)
+                .await;
+            let figures = run.map(|d| DialFigures {
+                rate: d.rate,
+                p50_us: Some(d.p50_us),
+                p99_us: Some(d.p99_us),
+                errors: d.errors,
+                first_error: d.first_error,
+                cpu_us: d.cpu_us,
+            });
+            let rows = (defs, DIAL8_CPU_GO_ROWS);
+            errors += self.record_dials(rec, concurrency, " (grpc-go)", rows, figures);
         }
         errors
+    }
+
+    /// Logs and records one single-use dial run of `concurrency` (rate,
+    /// p50, p99 in `rows.0`; CPU per tunnel at eight in `rows.1`); its
+    /// errors. `client` follows "dial" in the log (empty for ours).
+    fn record_dials(
+        &self,
+        rec: &mut Recorder,
+        concurrency: usize,
+        client: &str,
+        rows: ([&'static report::Def; 3], TunnelCpuRows),
+        figures: anyhow::Result<DialFigures>,
+    ) -> u64 {
+        let (defs, cpu_rows) = rows;
+        let d = match figures {
+            Ok(d) => d,
+            Err(e) => {
+                self.failed(&format!("dial{client}"), e);
+                self.push(rec, defs[0], None);
+                return 0;
+            }
+        };
+        let (p50, p99) = (d.p50_us.unwrap_or(0.0), d.p99_us.unwrap_or(0.0));
+        eprintln!(
+            "{} dial c={concurrency} {}{client}: {:.0} dials/s, p50 {p50:.0} us, \
+             p99 {p99:.0} us, {} errors{}",
+            self.ctx,
+            self.name(),
+            d.rate,
+            d.errors,
+            d.first_error
+                .as_deref()
+                .map(|e| format!(" (first: {e})"))
+                .unwrap_or_default()
+        );
+        self.push(rec, defs[0], Some(d.rate));
+        self.push(rec, defs[1], d.p50_us);
+        self.push(rec, defs[2], d.p99_us);
+        if concurrency == 8 {
+            push_cpu(rec, cpu_rows, self.route(), self.rep, d.cpu_us);
+        }
+        d.errors
     }
 
     /// Dials on grpc-go's reusable tunnel (one connection, a Proxy stream
@@ -1370,6 +1370,16 @@ const DIAL8_CPU_REUSE_ROWS: TunnelCpuRows = [
     &report::DIAL8_SERVER_US_REUSE,
     &report::DIAL8_AGENT_US_REUSE,
 ];
+
+/// What one run of single-use dials measured, whoever's client made it.
+struct DialFigures {
+    rate: f64,
+    p50_us: Option<f64>,
+    p99_us: Option<f64>,
+    errors: u64,
+    first_error: Option<String>,
+    cpu_us: Option<(f64, f64)>,
+}
 
 /// Records CPU per tunnel, (server, agent) in µs.
 fn push_cpu(
