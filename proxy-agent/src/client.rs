@@ -455,41 +455,10 @@ impl Client {
             scheme,
             metrics: metrics.clone(),
         };
-        let probe = transport.probe(probe_interval);
-        tokio::pin!(probe);
-        loop {
-            let packet = tokio::select! {
-                () = cancel.cancelled() => break,
-                () = &mut probe => {
-                    warn!(server.id = %server_id, "connection to the server is closed; dropping it");
-                    break;
-                }
-                packet = inbound.message() => packet,
-            };
-            match packet {
-                // Handling waits only for room on a connection's queue
-                // (without flow control); a cancel must still get through.
-                Ok(Some(packet)) => {
-                    metrics.packets.count(Segment::ToAgent, packet.r#type);
-                    let handled = when_blocked(dispatcher.handle(packet), || {
-                        BlockedTimer(std::time::Instant::now(), &metrics)
-                    });
-                    tokio::select! {
-                        () = cancel.cancelled() => break,
-                        () = handled => {}
-                    }
-                }
-                Ok(None) => {
-                    debug!(server.id = %server_id, "server closed the stream");
-                    break;
-                }
-                Err(status) => {
-                    metrics.receive_failed(status.code());
-                    warn!(server.id = %server_id, error = %status, "server stream failed");
-                    break;
-                }
-            }
-        }
+        let end = dispatcher
+            .read(&mut inbound, &transport, probe_interval, &cancel)
+            .await;
+        debug!(server.id = %server_id, ?end, "server stream ended");
         cancel.cancel();
         // Dials and connections leave the table now; their tasks end with
         // `cancel` (their tokens are its children) and answer nothing.
@@ -582,6 +551,20 @@ fn response_headers(
     Ok((server_id, server_count, scheme))
 }
 
+/// Why a server stream's reader stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StreamEnd {
+    /// The agent ended the stream (`cancel`: it is stopping, or the server
+    /// stopped reading).
+    Cancelled,
+    /// The server ended the stream with an OK status (grpc-go's `io.EOF`,
+    /// which ANP does not count).
+    Closed,
+    /// Receiving failed, with this code; counted, as ANP counts every
+    /// failed `Recv`.
+    Failed(tonic::Code),
+}
+
 /// Carries out the connection table's steps for one server stream: the
 /// stream reader hands it each packet; dial and connection tasks report to
 /// the table themselves.
@@ -608,6 +591,70 @@ impl Drop for BlockedTimer<'_> {
 }
 
 impl Dispatcher {
+    /// Reads `inbound` (the stream from the server, whose connection
+    /// `transport` is) and handles each packet, until the stream ends, the
+    /// probe finds the connection closed (every `probe_interval`), or
+    /// `cancel` fires; why it stopped.
+    ///
+    /// A server that dies (a crash, a SIGKILL) fails the stream however the
+    /// agent learns of it: by the stream's error, or by the probe when that
+    /// looks first (its tick and the error can be due at the same poll, and
+    /// `select!` takes either). Both count as the failed `Recv` that ANP's
+    /// agent sees then, with grpc-go's code for a connection that is gone,
+    /// `Unavailable` (tonic's code only says how the bytes stopped:
+    /// `Unknown` for TLS cut without close_notify).
+    async fn read<S>(
+        &self,
+        inbound: &mut S,
+        transport: &TransportEnd,
+        probe_interval: Duration,
+        cancel: &CancellationToken,
+    ) -> StreamEnd
+    where
+        S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Unpin,
+    {
+        let probe = transport.probe(probe_interval);
+        tokio::pin!(probe);
+        let end = loop {
+            let packet = tokio::select! {
+                () = cancel.cancelled() => break StreamEnd::Cancelled,
+                () = &mut probe => {
+                    warn!("connection to the server is closed; dropping it");
+                    break StreamEnd::Failed(tonic::Code::Unavailable);
+                }
+                packet = inbound.next() => packet,
+            };
+            match packet {
+                // Handling waits only for room on a connection's queue
+                // (without flow control); a cancel must still get through.
+                Some(Ok(packet)) => {
+                    self.metrics.packets.count(Segment::ToAgent, packet.r#type);
+                    let handled = when_blocked(self.handle(packet), || {
+                        BlockedTimer(std::time::Instant::now(), &self.metrics)
+                    });
+                    tokio::select! {
+                        () = cancel.cancelled() => break StreamEnd::Cancelled,
+                        () = handled => {}
+                    }
+                }
+                None => break StreamEnd::Closed,
+                Some(Err(status)) => {
+                    warn!(error = %status, "server stream failed");
+                    let code = if transport.is_open() {
+                        status.code()
+                    } else {
+                        tonic::Code::Unavailable
+                    };
+                    break StreamEnd::Failed(code);
+                }
+            }
+        };
+        if let StreamEnd::Failed(code) = end {
+            self.metrics.receive_failed(code);
+        }
+        end
+    }
+
     async fn handle(&self, packet: Packet) {
         // One lock of this stream's table: the step and the handle it needs.
         let (step, handle) = {
@@ -916,5 +963,121 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(5), probe)
             .await
             .expect("the probe missed the drop");
+    }
+
+    /// A dispatcher of a stream without credit, as the agent makes one.
+    fn dispatcher(metrics: &Arc<AgentMetrics>, cancel: &CancellationToken) -> Dispatcher {
+        let scheme = Scheme::Compat {
+            ours: Window::default(),
+        };
+        let (tx, _) = tunnel::queue::queue(1 << 20, CONTROL_RESERVE);
+        Dispatcher {
+            conns: Connections::new(scheme, cancel),
+            to_server: ToServer::new(tx, cancel.clone(), metrics.clone()),
+            tasks: TaskTracker::new(),
+            scheme,
+            metrics: metrics.clone(),
+        }
+    }
+
+    /// The series of one failed receive with `code`, as ANP's agent counts
+    /// a failed `Recv`.
+    fn receive_failure(code: &str) -> [String; 2] {
+        [
+            "konnectivity_network_proxy_agent_server_connection_failure_count{direction=\"from_server\"} 1\n"
+                .to_owned(),
+            format!(
+                "konnectivity_network_proxy_agent_stream_errors_total{{code=\"{code}\",packet_type=\"Unknown\",segment=\"to_agent\"}} 1\n"
+            ),
+        ]
+    }
+
+    /// The CI failure of `anp_surface::both_binaries_export_every_anp_metric`:
+    /// the server was SIGKILLed, the agent's probe saw the connection closed
+    /// before the stream's error was read, and nothing was counted. Here
+    /// the stream never says anything, so only the probe can see it.
+    #[tokio::test]
+    async fn a_connection_the_probe_finds_closed_counts_as_a_failed_receive() {
+        let metrics = Arc::new(AgentMetrics::unattached());
+        let cancel = CancellationToken::new();
+        let transport = TransportEnd::default();
+        drop(transport.watch(tokio::io::empty()));
+        let end = dispatcher(&metrics, &cancel)
+            .read(
+                &mut futures_util::stream::pending(),
+                &transport,
+                TICK,
+                &cancel,
+            )
+            .await;
+        assert_eq!(end, StreamEnd::Failed(tonic::Code::Unavailable));
+        let text = metrics.render();
+        for series in receive_failure("Unavailable") {
+            assert!(text.contains(&series), "{series}{text}");
+        }
+    }
+
+    /// How each way a stream can end is counted: a failed receive always,
+    /// with grpc-go's `Unavailable` once the connection is gone (a dead
+    /// server) and the stream's own code while it is open (a reset
+    /// stream); a clean end and the agent's own cancel never (ANP counts
+    /// neither `io.EOF` nor its own shutdown as the server's failure).
+    #[tokio::test]
+    async fn every_failed_receive_is_counted_and_a_clean_end_is_not() {
+        enum Then {
+            Fails(tonic::Status),
+            Ends,
+            IsCancelled,
+        }
+        let cases = [
+            (
+                Then::Fails(tonic::Status::unknown("tls eof")),
+                false,
+                StreamEnd::Failed(tonic::Code::Unavailable),
+                Some("Unavailable"),
+            ),
+            (
+                Then::Fails(tonic::Status::cancelled("reset")),
+                true,
+                StreamEnd::Failed(tonic::Code::Cancelled),
+                Some("Canceled"),
+            ),
+            (Then::Ends, true, StreamEnd::Closed, None),
+            (Then::IsCancelled, true, StreamEnd::Cancelled, None),
+        ];
+        for (then, open, want, counted) in cases {
+            let metrics = Arc::new(AgentMetrics::unattached());
+            let cancel = CancellationToken::new();
+            let transport = TransportEnd::default();
+            let (ours, _theirs) = tokio::io::duplex(64);
+            // The connection: open while this lives, else ended.
+            let _connection = open.then_some(transport.watch(ours));
+            let mut inbound: futures_util::stream::BoxStream<'_, Result<Packet, tonic::Status>> =
+                match then {
+                    Then::Fails(status) => futures_util::stream::iter([Err(status)]).boxed(),
+                    Then::Ends => futures_util::stream::empty().boxed(),
+                    Then::IsCancelled => {
+                        cancel.cancel();
+                        futures_util::stream::pending().boxed()
+                    }
+                };
+            let end = dispatcher(&metrics, &cancel)
+                .read(&mut inbound, &transport, TICK, &cancel)
+                .await;
+            assert_eq!(end, want);
+            let text = metrics.render();
+            match counted {
+                Some(code) => {
+                    for series in receive_failure(code) {
+                        assert!(text.contains(&series), "{want:?}: {series}{text}");
+                    }
+                }
+                None => assert!(
+                    !text.contains("server_connection_failure_count{")
+                        && !text.contains("stream_errors_total{"),
+                    "{want:?}: {text}"
+                ),
+            }
+        }
     }
 }

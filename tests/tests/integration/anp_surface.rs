@@ -427,7 +427,7 @@ impl Started {
     }
 
     /// Polls `/metrics` until `done` holds for it; panics with the last
-    /// text after `limit`.
+    /// text and the end of the log after `limit`.
     async fn wait_for_metrics(&self, what: &str, limit: Duration, done: impl Fn(&str) -> bool) {
         let start = std::time::Instant::now();
         loop {
@@ -435,7 +435,11 @@ impl Started {
             if done(&text) {
                 return;
             }
-            assert!(start.elapsed() < limit, "waiting for {what}:\n{text}");
+            if start.elapsed() >= limit {
+                let lines = self.process.lines();
+                let tail = &lines[lines.len().saturating_sub(40)..];
+                panic!("waiting for {what}:\n{text}\nlog: {tail:#?}");
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -519,6 +523,16 @@ const WRITE_QUEUES: [&str; 2] = [
 const CONNECT_STREAMS: &str =
     "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}";
 
+/// Agents (by agent id) the server's `default` strategy holds.
+const DEFAULT_BACKENDS: &str =
+    "konnectivity_network_proxy_server_ready_backends{proxy_strategy=\"default\"}";
+
+/// The agent's series that its server's death adds: a failed receive.
+const KILL_FAILURES: [&str; 2] = [
+    "konnectivity_network_proxy_agent_server_connection_failure_count{direction=\"from_server\"}",
+    "konnectivity_network_proxy_agent_stream_errors_total{code=\"Unavailable\",packet_type=\"Unknown\",segment=\"to_agent\"}",
+];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manifest_with_every_anp_flag_starts_both_binaries() {
     for layout in [Layout::UdsCertificates, Layout::TcpTokens] {
@@ -568,14 +582,6 @@ fn missing(text: &str, names: &[String]) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_binaries_export_every_anp_metric() {
-    // Flaky: once in CI (2026-11-27) the agent's
-    // server_connection_failure_count and stream_errors_total did not
-    // appear within 30 s of the server's SIGKILL. Until that is understood
-    // it runs only when asked for.
-    if std::env::var_os("KONNECTIVITY_RUN_FLAKY").is_none() {
-        eprintln!("skipped (flaky, see the comment): set KONNECTIVITY_RUN_FLAKY=1 to run it");
-        return;
-    }
     let files = Files::new(Layout::UdsCertificates).await;
     // Without flow control (as an ANP agent), so that a client that does
     // not read holds up the agent's stream, as in ANP.
@@ -616,11 +622,15 @@ async fn both_binaries_export_every_anp_metric() {
                 .all(|name| exposes(text, name) && metric_value(text, name) == 0.0)
         })
         .await;
-    // An agent stream that breaks: a second agent, killed.
-    let mut second = AgentProcess::spawn(agent_port, &[]);
+    // An agent stream that breaks: a second agent, killed once the server
+    // has its stream. Its own agent id tells it from the first agent's
+    // `--sync-forever` connections, which come and go all the time (they
+    // count in `grpc_connections` from the start of the call, and waiting
+    // for that to read 2 once killed the second agent before it connected).
+    let mut second = AgentProcess::spawn(agent_port, &["--agent-id=anp-flags-second-agent"]);
     server
-        .wait_for_metrics("the second agent", DEADLINE * 3, |text| {
-            metric_value(text, CONNECT_STREAMS) == 2.0
+        .wait_for_metrics("the second agent's stream", DEADLINE * 3, |text| {
+            metric_value(text, DEFAULT_BACKENDS) == 2.0
         })
         .await;
     second.kill();
@@ -641,13 +651,36 @@ async fn both_binaries_export_every_anp_metric() {
         missing(&text, &names)
     );
 
-    // The agent's view of a server that dies.
-    server.process.signal("KILL");
+    // The agent's view of a server that dies: every other metric first
+    // (the lease watch's come in their own time), then the failed receive
+    // that the kill causes, counted as ANP's agent counts it (grpc-go's
+    // `Recv` fails with `Unavailable`), whichever way the agent learns of
+    // it (the stream's error or the connection probe).
     let names = fixture("agent-metrics.txt");
+    let (by_kill, before): (Vec<String>, Vec<String>) = names.into_iter().partition(|name| {
+        KILL_FAILURES
+            .iter()
+            .any(|series| series.starts_with(&format!("{name}{{")))
+    });
+    assert_eq!(by_kill.len(), KILL_FAILURES.len(), "{by_kill:?}");
     agent
-        .wait_for_metrics("every ANP agent metric", DEADLINE * 3, |text| {
-            missing(text, &names).is_empty()
-        })
+        .wait_for_metrics(
+            "the agent's metrics but its failures",
+            DEADLINE * 3,
+            |text| missing(text, &before).is_empty(),
+        )
+        .await;
+    server.process.signal("KILL");
+    agent
+        .wait_for_metrics(
+            "the failed receive of a killed server",
+            DEADLINE * 3,
+            |text| {
+                KILL_FAILURES
+                    .iter()
+                    .all(|series| metric_value(text, series) >= 1.0)
+            },
+        )
         .await;
     let _ = server.process.has_exited();
 }
