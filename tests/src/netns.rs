@@ -58,10 +58,14 @@ struct Pair {
 
 impl Pair {
     fn create(tag: &str) -> Self {
+        // Unique on the machine: the process, and the pair within it (cargo
+        // test runs tests whose tags agree in one process).
+        static PAIRS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = std::process::id();
         let pair = Self {
-            hub: format!("krs-{tag}-h{id}"),
-            node: format!("krs-{tag}-n{id}"),
+            hub: format!("krs-{tag}-h{id}-{n}"),
+            node: format!("krs-{tag}-n{id}-{n}"),
         };
         ip(&["netns", "add", &pair.hub]);
         ip(&["netns", "add", &pair.node]);

@@ -665,15 +665,35 @@ fn soft_open_files(pid: u32) -> u64 {
 /// agent, thousands of them, and a container's soft limit may be 1,024).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_binaries_raise_their_open_file_limit_to_the_hard_limit() {
-    // nextest runs each test in a process of its own: the lowered limit is
-    // this test's and its children's only.
     let (_, hard) = rlimit::Resource::NOFILE.get().unwrap();
     assert!(hard > 512, "the hard limit is {hard}: nothing to raise");
-    rlimit::Resource::NOFILE.set(512, hard).unwrap();
-    let server = integration_tests::process::ServerProcess::start("grpc", &[]).await;
-    let agent = integration_tests::AgentProcess::spawn(server.agent_addr.port(), &[]);
+    // Each binary starts under a shell that lowers the soft limit for it
+    // alone (this process's limit is shared with the tests cargo test runs
+    // beside this one).
+    let dir = tempfile::tempdir().unwrap();
+    let lowered = |name: &str| {
+        let path = dir.path().join(name);
+        let script = format!(
+            "#!/bin/sh\nulimit -Sn 512 || exit 1\nexec {} \"$@\"\n",
+            binary(name).display()
+        );
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    };
+    let server = integration_tests::process::ServerProcess::start_binary(
+        &lowered("proxy-server"),
+        Pki::get().dir.path(),
+        "grpc",
+        &[],
+    )
+    .await;
+    let agent = integration_tests::AgentProcess::spawn_binary(
+        &lowered("proxy-agent"),
+        server.agent_addr.port(),
+        &[],
+    );
     server.wait_for_agents(1).await;
-    assert_eq!(soft_open_files(std::process::id()), 512, "this test's own");
     assert_eq!(soft_open_files(server.pid()), hard, "proxy-server");
     assert_eq!(soft_open_files(agent.pid()), hard, "proxy-agent");
 }

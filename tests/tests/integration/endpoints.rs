@@ -205,8 +205,14 @@ async fn every_endpoint_answers_as_anps_before_and_after_an_agent_connects() {
     );
 }
 
+/// A process has one CPU profiler: the two tests that take a profile from
+/// a server or agent running in this process take turns (cargo test runs
+/// them in one process; nextest in one each).
+static PROFILER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enable_profiling_serves_cpu_profiles_on_the_server_admin_port() {
+    let _profiler = PROFILER.lock().await;
     let server = TestServer::start_with(ServerOpts {
         profiling: true,
         ..ServerOpts::default()
@@ -225,6 +231,7 @@ async fn enable_profiling_serves_cpu_profiles_on_the_server_admin_port() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enable_profiling_serves_cpu_profiles_on_the_agent_admin_port() {
+    let _profiler = PROFILER.lock().await;
     let agent = TestAgent::start_with(
         destination::closed_port(),
         AgentOpts {
