@@ -297,6 +297,7 @@ impl Control {
                     });
                 }
                 None => state.router.dial_not_forwarded(
+                    Instant::now(),
                     frontend,
                     dial,
                     backend,
@@ -498,7 +499,7 @@ impl Control {
             }
             Err(why) => {
                 self.with_router(|router, out| {
-                    router.dial_not_forwarded(frontend, dial, id, why, out);
+                    router.dial_not_forwarded(Instant::now(), frontend, dial, id, why, out);
                 })
                 .works
             }

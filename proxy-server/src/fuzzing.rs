@@ -310,7 +310,7 @@ impl RouterRun {
                     };
                     let dial = DialId(input.id());
                     self.router
-                        .dial_not_forwarded(fe, dial, be, why, &mut self.out);
+                        .dial_not_forwarded(now, fe, dial, be, why, &mut self.out);
                 }
             }
         }

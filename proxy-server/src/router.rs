@@ -33,7 +33,7 @@ use tunnel::{
     ids::{AgentId, ConnId, DialId},
 };
 
-use self::dials::{Attempt, AttemptEnd, Cancelled, Latencies, PendingDial, retryable};
+use self::dials::{Attempt, AttemptEnd, Cancelled, Latencies, PeakEwma, PendingDial, retryable};
 pub use self::dials::{DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
@@ -233,12 +233,22 @@ struct BackendEntry {
     conns: HashMap<ConnId, ConnEntry>,
     /// Pending dials in flight on it.
     pending: usize,
+    /// How long its dials take.
+    latency: PeakEwma,
 }
 
 impl BackendEntry {
-    /// What the least-loaded pick weighs.
+    /// Open connections and dials in flight.
     fn load(&self) -> usize {
         self.conns.len() + self.pending
+    }
+
+    /// What the less-loaded pick weighs: one more than its load, times
+    /// its dial latency (`typical` until it has one), in microseconds.
+    fn cost(&self, now: Instant, typical: Duration) -> usize {
+        let latency = self.latency.get(now).unwrap_or(typical);
+        let micros = usize::try_from(latency.as_micros()).unwrap_or(usize::MAX);
+        (self.load() + 1).saturating_mul(micros.max(1))
     }
 }
 
@@ -342,6 +352,7 @@ impl Router {
                 info,
                 conns: HashMap::new(),
                 pending: 0,
+                latency: PeakEwma::default(),
             },
         );
         id
@@ -467,7 +478,7 @@ impl Router {
     fn dial(&mut self, now: Instant, fe: FrontendId, req: DialRequest, out: &mut Vec<Out>) {
         let id = DialId(req.random);
         let kind = self.frontends.get(&fe).map(|e| e.kind);
-        let Some(backend) = self.pick(&req.address, &[]) else {
+        let Some(backend) = self.pick(now, &req.address, &[]) else {
             // ANP counts it for gRPC frontends only; HTTP CONNECT answers 500.
             if kind == Some(FrontendKind::Grpc) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
@@ -511,11 +522,17 @@ impl Router {
     }
 
     /// The backend for a dial to `address`, other than `tried`: by the
-    /// strategies, the less loaded of two.
-    fn pick(&mut self, address: &str, tried: &[BackendId]) -> Option<BackendId> {
+    /// strategies, the less loaded of two, load weighed by latency (an
+    /// agent not dialed yet counts the median of the latest dials).
+    fn pick(&mut self, now: Instant, address: &str, tried: &[BackendId]) -> Option<BackendId> {
+        let typical = self.latencies.delay(HedgeDelay::Percentile(50));
         let backends = &self.backends;
-        let load = |b: BackendId| backends.get(&b).map_or(usize::MAX, BackendEntry::load);
-        self.manager.pick(address, tried, &load)
+        let cost = |b: BackendId| {
+            backends
+                .get(&b)
+                .map_or(usize::MAX, |entry| entry.cost(now, typical))
+        };
+        self.manager.pick(address, tried, &cost)
     }
 
     /// Sends a pending dial to `backend` too.
@@ -572,6 +589,7 @@ impl Router {
     /// and the dial fails; a closed one's dial is retried.
     pub(crate) fn dial_not_forwarded(
         &mut self,
+        now: Instant,
         fe: FrontendId,
         dial: DialId,
         backend: BackendId,
@@ -596,7 +614,7 @@ impl Router {
                 AttemptEnd::Final(DialFailure::BackendDialTimeout, DialError::TimedOut)
             }
         };
-        self.attempt_failed(dial, backend, end, out);
+        self.attempt_failed(now, dial, backend, end, out);
     }
 
     /// An agent's attempt at a dial ended without a connection: the dial
@@ -604,6 +622,7 @@ impl Router {
     /// allows and the budget has room, or fails.
     fn attempt_failed(
         &mut self,
+        now: Instant,
         id: DialId,
         backend: BackendId,
         end: AttemptEnd,
@@ -626,7 +645,7 @@ impl Router {
             AttemptEnd::Retry(reason, failure, error) => {
                 if dial.retries_left > 0 {
                     let (address, tried) = (dial.address.clone(), dial.tried.clone());
-                    if let Some(next) = self.pick(&address, &tried) {
+                    if let Some(next) = self.pick(now, &address, &tried) {
                         if let Some(dial) = self.pending.get_mut(&id) {
                             dial.retries_left -= 1;
                         }
@@ -780,7 +799,7 @@ impl Router {
             } else {
                 AttemptEnd::Final(DialFailure::ErrorResponse, DialError::Agent(rsp.error))
             };
-            self.attempt_failed(id, be, end, out);
+            self.attempt_failed(now, id, be, end, out);
             return;
         }
         let Some(dial) = self.settle_if(id, |_| true, out) else {
@@ -835,10 +854,16 @@ impl Router {
         out: &mut Vec<Out>,
     ) {
         for attempt in &dial.attempts {
+            let took = attempt
+                .forwarded
+                .map(|forwarded| now.saturating_duration_since(forwarded));
+            if let (Some(took), Some(entry)) = (took, self.backends.get_mut(&attempt.backend)) {
+                // The loser's: how long it had taken so far.
+                entry.latency.observe(now, took);
+            }
             if attempt.backend == be {
-                if let Some(forwarded) = attempt.forwarded {
-                    self.latencies
-                        .observe(now.saturating_duration_since(forwarded));
+                if let Some(took) = took {
+                    self.latencies.observe(took);
                 }
             } else {
                 self.cancelled.insert(id, attempt.backend);
@@ -1075,7 +1100,7 @@ impl Router {
                 DialFailure::BackendClose,
                 DialError::AgentGone(agent.clone()),
             );
-            self.attempt_failed(id, be, end, out);
+            self.attempt_failed(now, id, be, end, out);
         }
     }
 
@@ -1115,13 +1140,13 @@ impl Router {
                 break;
             }
             self.hedges.remove(&(at, id));
-            self.hedge(id, out);
+            self.hedge(now, id, out);
         }
     }
 
     /// A dial's hedge delay passed without a DIAL_RSP: a second agent is
     /// asked, if the strategies offer one.
-    fn hedge(&mut self, id: DialId, out: &mut Vec<Out>) {
+    fn hedge(&mut self, now: Instant, id: DialId, out: &mut Vec<Out>) {
         let Some(dial) = self.pending.get_mut(&id) else {
             return;
         };
@@ -1130,7 +1155,7 @@ impl Router {
             return;
         }
         let (address, tried) = (dial.address.clone(), dial.tried.clone());
-        let Some(second) = self.pick(&address, &tried) else {
+        let Some(second) = self.pick(now, &address, &tried) else {
             return;
         };
         if let Some(dial) = self.pending.get_mut(&id) {

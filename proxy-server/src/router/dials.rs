@@ -175,6 +175,50 @@ pub(crate) fn retryable(error: &str) -> bool {
     ELSEWHERE.iter().any(|text| error.contains(text))
 }
 
+/// How fast an agent's latency estimate forgets: a sample this old weighs
+/// 1/e of a new one, and an agent not dialed for that long looks that
+/// much faster (so a slow agent is tried again once it may have healed).
+pub(crate) const DECAY: Duration = Duration::from_secs(10);
+
+/// One agent's dial latency as the less-loaded pick weighs it ("peak
+/// EWMA", as Finagle's and linkerd's balancers): a slower sample is taken
+/// at once, a faster one averaged in over [`DECAY`]; between samples the
+/// estimate decays towards zero. An attempt another agent won is a sample
+/// too (how long it had taken so far, a lower bound): without it, an agent
+/// whose dials are always hedged away would look idle and fast.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PeakEwma {
+    /// The estimate at `stamp`, in seconds; `None` until the first sample.
+    estimate: Option<(f64, Instant)>,
+}
+
+impl PeakEwma {
+    /// Weight of the estimate `since` after its stamp.
+    fn kept(since: Duration) -> f64 {
+        (-since.as_secs_f64() / DECAY.as_secs_f64()).exp()
+    }
+
+    /// A dial attempt took `latency` (or at least that long) by `now`.
+    pub(crate) fn observe(&mut self, now: Instant, latency: Duration) {
+        let sample = latency.as_secs_f64();
+        let next = match self.estimate {
+            Some((cost, stamp)) if sample < cost => {
+                let kept = Self::kept(now.saturating_duration_since(stamp));
+                cost * kept + sample * (1.0 - kept)
+            }
+            _ => sample,
+        };
+        self.estimate = Some((next, now));
+    }
+
+    /// The estimate at `now`; `None` before any sample.
+    pub(crate) fn get(&self, now: Instant) -> Option<Duration> {
+        let (cost, stamp) = self.estimate?;
+        let decayed = cost * Self::kept(now.saturating_duration_since(stamp));
+        Some(Duration::from_secs_f64(decayed))
+    }
+}
+
 /// Attempts closed because another agent answered first: their late
 /// DIAL_RSP is closed on the agent, not counted as unrecognized. Bounded:
 /// the oldest is forgotten (its late answer is then counted, and closed
@@ -222,6 +266,33 @@ impl Cancelled {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_latency_estimate_takes_a_slower_sample_at_once_and_a_faster_one_over_time() {
+        let t0 = Instant::now();
+        let mut e = PeakEwma::default();
+        assert_eq!(e.get(t0), None, "no sample yet");
+        e.observe(t0, Duration::from_millis(10));
+        assert_eq!(e.get(t0), Some(Duration::from_millis(10)));
+        e.observe(t0, Duration::from_millis(50));
+        assert_eq!(
+            e.get(t0),
+            Some(Duration::from_millis(50)),
+            "the peak at once"
+        );
+        // A faster sample right away barely moves it; one a DECAY later
+        // weighs 1 - 1/e.
+        e.observe(t0, Duration::from_millis(1));
+        assert_eq!(e.get(t0), Some(Duration::from_millis(50)));
+        e.observe(t0 + DECAY, Duration::from_millis(1));
+        let kept = (-1f64).exp();
+        let want = 0.050 * kept + 0.001 * (1.0 - kept);
+        let got = e.get(t0 + DECAY).unwrap().as_secs_f64();
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+        // Without samples it decays towards zero.
+        let later = e.get(t0 + 6 * DECAY).unwrap().as_secs_f64();
+        assert!((later - want * (-5f64).exp()).abs() < 1e-9, "{later}");
+    }
 
     #[test]
     fn the_hedge_delay_is_the_percentile_of_the_latest_dials() {

@@ -324,7 +324,14 @@ fn a_dial_that_cannot_go_out_is_answered_agent_stream_closed() {
     let fe = b.frontend();
     b.fe(fe, dial(7));
     assert_eq!(
-        b.step(|r, _, out| r.dial_not_forwarded(fe, DialId(7), be, ForwardFailure::Closed, out)),
+        b.step(|r, now, out| r.dial_not_forwarded(
+            now,
+            fe,
+            DialId(7),
+            be,
+            ForwardFailure::Closed,
+            out
+        )),
         strings(&[
             "count dial_failed backend_close",
             "fe2 <- DIAL_RSP(7,0,agent stream closed)"
@@ -340,7 +347,8 @@ fn a_dial_that_times_out_going_out_retires_its_agent_stream() {
     let fe = b.frontend();
     b.fe(fe, dial(7));
     assert_eq!(
-        b.step(|r, _, out| r.dial_not_forwarded(
+        b.step(|r, now, out| r.dial_not_forwarded(
+            now,
             fe,
             DialId(7),
             stuck,
@@ -749,6 +757,41 @@ fn a_slow_dial_is_hedged_and_the_first_answer_wins() {
         strings(&[&format!("be{slow} <- CLOSE_REQ(5)")])
     );
     assert_eq!(b.router.established_count(), 1);
+}
+
+#[test]
+fn an_agent_whose_dials_are_hedged_away_is_not_picked_as_if_idle() {
+    let mut b = retrying(true);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let slow = b.dial_out(fe, 7);
+    b.now += Duration::from_secs(1);
+    b.step(|r, now, out| r.handle_timeout(now, out));
+    let fast = b.attempts(7)[1];
+    b.router.dial_forwarded(b.now, DialId(7), fast);
+    b.now += Duration::from_millis(2);
+    b.be(fast, Packet::dial_response(7, 3, ""));
+    // By load alone, the slow agent (no dial in flight now) would take the
+    // next dial over the fast one (one open connection); weighed by how
+    // long its dials take, the fast one does.
+    assert_eq!(b.router.backends[&slow].load(), 0);
+    assert_eq!(b.router.backends[&fast].load(), 1);
+    // The loser's attempt counts as a latency of its own: as long as it
+    // had taken when cancelled.
+    let took = |be: BackendId| b.router.backends[&be].latency.get(b.now);
+    assert_eq!(took(slow), Some(Duration::from_millis(1002)));
+    assert_eq!(took(fast), Some(Duration::from_millis(2)));
+    assert_eq!(b.dial_out(fe, 8), fast);
+    // Estimates decay between samples: once the fast agent's is fresh
+    // again and the slow one's has decayed below it, the slow agent is
+    // tried again (it may have healed).
+    b.be(fast, Packet::dial_response(8, 4, ""));
+    b.now += 10 * dials::DECAY;
+    assert_eq!(b.dial_out(fe, 9), fast, "both decayed: by load and latency");
+    b.now += Duration::from_millis(2);
+    b.be(fast, Packet::dial_response(9, 5, ""));
+    assert_eq!(b.dial_out(fe, 10), slow);
 }
 
 #[test]
@@ -1493,7 +1536,7 @@ proptest! {
                     if b.router.pending.get(&DialId(r)).is_some_and(|d| d.frontend == f) {
                         watch.agent_done(x, r);
                     }
-                    b.router.dial_not_forwarded(f, DialId(r), x, why, &mut out);
+                    b.router.dial_not_forwarded(now, f, DialId(r), x, why, &mut out);
                 },
                 Step::FrontendData(f, c) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, data(c, b"f"), &mut out) },
                 Step::FrontendClose(f, c) => if let Some(f) = fe(f) { b.router.frontend_packet(now, f, Packet::close_request(c), &mut out) },
