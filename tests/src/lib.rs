@@ -88,3 +88,34 @@ pub fn workspace() -> &'static Path {
         .parent()
         .expect("the tests crate sits in the workspace")
 }
+
+/// Checks that the generated document `relative` (to the workspace root)
+/// is `fresh`, what `source` ("what clap says") gives now; with `UPDATE_DOCS` set, rewrites it
+/// instead. Panics naming the first line that differs and `update`, the
+/// command that rewrites it.
+pub fn check_generated_doc(relative: &str, fresh: &str, source: &str, update: &str) {
+    let path = workspace().join(relative);
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    if fresh == committed {
+        return;
+    }
+    if std::env::var_os("UPDATE_DOCS").is_some() {
+        std::fs::write(&path, fresh).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        return;
+    }
+    let lines = committed.lines().count().max(fresh.lines().count());
+    let (line, (old, new)) = committed
+        .lines()
+        .chain(std::iter::repeat("<end of file>"))
+        .zip(fresh.lines().chain(std::iter::repeat("<end of file>")))
+        .take(lines)
+        .enumerate()
+        .find(|(_, (old, new))| old != new)
+        .unwrap_or((lines, ("<line ends differ>", "")));
+    panic!(
+        "{relative} differs from {source}, first at line {}:\n  \
+         committed: {old}\n  now:       {new}\n\
+         It changed without the reference: run `{update}` to rewrite it.",
+        line + 1
+    );
+}

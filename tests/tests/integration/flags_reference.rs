@@ -59,28 +59,7 @@ fn docs_flags_md_is_what_clap_says() {
     let committed = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let fresh = splice(&committed, &regions()).unwrap_or_else(|e| panic!("{e}"));
-    if fresh == committed {
-        return;
-    }
-    if std::env::var_os("UPDATE_DOCS").is_some() {
-        std::fs::write(&path, &fresh).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-        return;
-    }
-    let lines = committed.lines().count().max(fresh.lines().count());
-    let (line, (old, new)) = committed
-        .lines()
-        .chain(std::iter::repeat("<end of file>"))
-        .zip(fresh.lines().chain(std::iter::repeat("<end of file>")))
-        .take(lines)
-        .enumerate()
-        .find(|(_, (old, new))| old != new)
-        .unwrap_or((lines, ("<line ends differ>", "")));
-    panic!(
-        "docs/flags.md differs from what clap says, first at line {}:\n  \
-         committed: {old}\n  clap:      {new}\n\
-         The flags changed without the reference: run `{UPDATE}` to rewrite it.",
-        line + 1
-    );
+    integration_tests::check_generated_doc("docs/flags.md", &fresh, "what clap says", UPDATE);
 }
 
 #[test]

@@ -147,31 +147,8 @@ fn render(binaries: &[(&str, Vec<Descriptor>)]) -> String {
 
 #[test]
 fn docs_metrics_md_is_what_the_registries_say() {
-    let path = workspace().join("docs/metrics.md");
     let fresh = render(&binaries());
-    let committed = std::fs::read_to_string(&path).unwrap_or_default();
-    if fresh == committed {
-        return;
-    }
-    if std::env::var_os("UPDATE_DOCS").is_some() {
-        std::fs::write(&path, &fresh).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-        return;
-    }
-    let lines = committed.lines().count().max(fresh.lines().count());
-    let (line, (old, new)) = committed
-        .lines()
-        .chain(std::iter::repeat("<end of file>"))
-        .zip(fresh.lines().chain(std::iter::repeat("<end of file>")))
-        .take(lines)
-        .enumerate()
-        .find(|(_, (old, new))| old != new)
-        .unwrap_or((lines, ("<line ends differ>", "")));
-    panic!(
-        "docs/metrics.md differs from what the binaries register, first at line {}:\n  \
-         committed:  {old}\n  registries: {new}\n\
-         The metrics changed without the reference: run `{UPDATE}` to rewrite it.",
-        line + 1
-    );
+    integration_tests::check_generated_doc("docs/metrics.md", &fresh, "the registries", UPDATE);
 }
 
 #[test]
