@@ -70,10 +70,11 @@ const RECOMPUTE: usize = 32;
 pub(crate) struct Latencies {
     /// Oldest first.
     recent: VecDeque<Duration>,
-    /// Latencies seen since `cached` was computed.
+    /// Latencies seen since `sorted` was taken.
     fresh: usize,
-    /// The last percentile computed, and which.
-    cached: Option<(u8, Duration)>,
+    /// `recent` sorted, as it was `fresh` latencies ago: every percentile
+    /// (the hedge delay's, the pick's median) reads it.
+    sorted: Vec<Duration>,
 }
 
 impl Latencies {
@@ -96,18 +97,14 @@ impl Latencies {
         if self.recent.len() < MIN_SAMPLES {
             return BOOTSTRAP;
         }
-        match self.cached {
-            Some((p, delay)) if p == percentile && self.fresh < RECOMPUTE => delay,
-            _ => {
-                let mut sorted: Vec<Duration> = self.recent.iter().copied().collect();
-                sorted.sort_unstable();
-                let rank = (sorted.len() * usize::from(percentile)).div_ceil(100);
-                let delay = sorted[rank.clamp(1, sorted.len()) - 1].max(FLOOR);
-                self.cached = Some((percentile, delay));
-                self.fresh = 0;
-                delay
-            }
+        if self.sorted.is_empty() || self.fresh >= RECOMPUTE {
+            self.sorted.clear();
+            self.sorted.extend(self.recent.iter().copied());
+            self.sorted.sort_unstable();
+            self.fresh = 0;
         }
+        let rank = (self.sorted.len() * usize::from(percentile)).div_ceil(100);
+        self.sorted[rank.clamp(1, self.sorted.len()) - 1].max(FLOOR)
     }
 }
 
