@@ -325,6 +325,24 @@ def session_ticket():
     seed("clock-zero", tls13, clock=(0,) * 6, presented=b"\x00")
 
 
+# --- lanes: ops [conn 0-2, op, args...] ----------------------------------------
+# op 0/1 DATA [len kind: 0 empty, 1 below 8 [n], 2-3 up to 3 KiB [n]] then one
+# byte per chunk: even, uploaded at once; odd, it waits (the lane opens);
+# 2 CLOSE_REQ; 3/4 the upload in flight ends [byte: 0 mod 8 the connection is
+# gone, else done]; 5 the lane is cut [ms to advance].
+
+
+def lanes():
+    # The issue-43 sequence: a waiting chunk, an empty DATA, "abc", close.
+    write("lanes", "empty-data-in-a-lane", [0, 0, 1, 5, 1, 0, 0, 0, 0, 0, 1, 3, 0, 2])
+    write("lanes", "chunks-then-wait", [0, 0, 2, 255, 0, 1, 0, 0, 2, 100, 0, 3, 1, 0, 2, 0, 3, 1, 0, 3, 1])
+    write("lanes", "close-twice", [1, 0, 1, 4, 1, 1, 2, 1, 2, 1, 3, 1])
+    write("lanes", "cut-with-close", [2, 0, 1, 6, 1, 2, 0, 1, 2, 2, 2, 5, 9])
+    write("lanes", "upload-fails", [0, 0, 1, 6, 1, 0, 2, 0, 3, 8])
+    write("lanes", "three-connections", [0, 0, 1, 7, 1, 1, 0, 1, 7, 0, 2, 0, 1, 7, 1, 1, 3, 1,
+                                         0, 2, 2, 3, 1, 1, 2, 0, 3, 1])
+
+
 if __name__ == "__main__":
     grpc_packets()
     router()
@@ -336,3 +354,4 @@ if __name__ == "__main__":
     hpack()
     tls_files()
     session_ticket()
+    lanes()

@@ -602,7 +602,7 @@ impl ConnTable {
 
 /// An agent stream's link over a fresh queue of `limit` bytes and as much
 /// reserve (tests), with the queue's receiver.
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
 fn test_backend(
     scheme: flow::Scheme,
     limit: usize,
@@ -622,7 +622,7 @@ fn test_backend(
 
 /// A connection over a fresh agent stream to a fresh frontend (tests),
 /// with the receivers of both queues.
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn test_conn(
     id: i64,
     scheme: flow::Scheme,

@@ -575,6 +575,212 @@ pub fn token_review(data: &[u8]) {
     assert!(admitted, "admitted on an answer that does not say so");
 }
 
+/// The heap a [`lanes`] run may use at its peak for `len` input bytes: a
+/// step of two bytes may queue a payload of up to [`LANE_PAYLOAD`] bytes.
+pub fn lanes_alloc_bound(len: usize) -> usize {
+    (LANE_PAYLOAD + 256) * len + 256 * 1024
+}
+
+/// The largest DATA payload the [`lanes`] harness sends: a few chunks.
+const LANE_PAYLOAD: usize = 3 * flow::MIN_CHUNK + 7;
+
+/// One connection as the [`lanes`] harness follows it.
+#[derive(Default)]
+struct LaneModel {
+    /// Bytes the frontend sent, in order.
+    sent: Vec<u8>,
+    /// Bytes that reached the agent, in order.
+    uploaded: Vec<u8>,
+    /// The chunk whose upload waits.
+    in_flight: Option<Bytes>,
+    /// The frontend sent its CLOSE_REQ.
+    closed: bool,
+    /// Its CLOSE_REQ reached the control core.
+    close_delivered: bool,
+    /// The connection is gone (its upload failed, or its lane was cut).
+    gone: bool,
+}
+
+/// A `Proxy` stream's read-ahead ([`Lanes`](crate::frontend::lanes::Lanes))
+/// driven as its driver drives it, by frontend packets (DATA of any
+/// length, empty included; CLOSE_REQ, repeated too) for three connections,
+/// uploads that finish, fail or wait, and lanes cut. After every step,
+/// each connection's uploaded bytes are a prefix of what its frontend
+/// sent, its close reaches the control core only after every byte before
+/// it (and once), and the lanes count exactly the bytes they hold. At the
+/// end, with every upload let through, every byte sent arrived, in order,
+/// followed by the close, and the lanes hold nothing.
+pub fn lanes(data: &[u8]) {
+    use crate::frontend::lanes::{Lanes, Next};
+
+    let scheme = flow::Scheme::Credit {
+        ours: flow::Window::V1,
+        theirs: flow::Window::new(flow::MIN_WINDOW, flow::MIN_CHUNK).expect("in range"),
+    };
+    let conns: Vec<_> = (1..=3)
+        .map(|id| crate::conn::test_conn(id, scheme).0)
+        .collect();
+    let mut models: Vec<LaneModel> = conns.iter().map(|_| LaneModel::default()).collect();
+    let mut ahead = Lanes::default();
+    let mut now = Instant::now();
+    let mut input = Input(data);
+    // What the driver does with a lane's next step.
+    let next = |model: &mut LaneModel, step: Option<Next>| match step {
+        None => {}
+        Some(Next::Upload(_, chunk)) => {
+            assert!(!chunk.is_empty(), "an empty chunk in flight");
+            model.in_flight = Some(chunk);
+        }
+        Some(Next::Close(_)) => deliver_close(model),
+    };
+    while !input.is_empty() {
+        let c = input.below(conns.len());
+        let (conn, model) = (&conns[c], &mut models[c]);
+        match input.below(6) {
+            // DATA, as `FrontendDriver::data` takes it.
+            0 | 1 if !model.gone && !model.closed => {
+                let len = match input.below(4) {
+                    0 => 0,
+                    1 => input.below(8),
+                    _ => usize::from(input.byte()) * LANE_PAYLOAD / 255,
+                };
+                let start = model.sent.len();
+                let payload: Vec<u8> = (start..start + len).map(|i| (i % 251) as u8).collect();
+                model.sent.extend_from_slice(&payload);
+                let payload = Bytes::from(payload);
+                if ahead.has_lane(conn.id) {
+                    ahead.queue(conn.id, payload);
+                } else {
+                    let mut chunks = conn.flow.chunks(payload);
+                    while let Some(piece) = chunks.next() {
+                        if input.byte() % 2 == 0 {
+                            model.uploaded.extend_from_slice(&piece);
+                        } else {
+                            ahead.open(conn.clone(), piece.len(), chunks.rest(), now);
+                            model.in_flight = Some(piece);
+                            break;
+                        }
+                    }
+                }
+            }
+            // CLOSE_REQ, maybe a second one (without a lane it goes to the
+            // control core, which ignores a close for a closed connection).
+            2 if !model.gone => {
+                model.closed = true;
+                if ahead
+                    .close(conn.id, Packet::close_request(conn.id.0))
+                    .is_some()
+                    && !model.close_delivered
+                {
+                    deliver_close(model);
+                }
+            }
+            // The upload in flight finishes, or the connection is gone.
+            3 | 4 => {
+                let Some(chunk) = model.in_flight.take() else {
+                    continue;
+                };
+                let ok = input.byte() % 8 != 0;
+                if ok {
+                    model.uploaded.extend_from_slice(&chunk);
+                } else {
+                    model.gone = true;
+                }
+                let step = ahead.uploaded(conn.id, ok, now);
+                next(model, step);
+            }
+            // The lane is cut.
+            5 => {
+                if let Some((cut, close)) = ahead.cut(conn.id) {
+                    assert_eq!(cut.id, conn.id);
+                    model.gone = true;
+                    model.in_flight = None;
+                    if close.is_some() {
+                        deliver_close(model);
+                    }
+                }
+                now += Duration::from_millis(u64::from(input.byte()));
+            }
+            _ => {}
+        }
+        check_lanes(&conns, &models, &ahead);
+    }
+    // Every upload let through: everything arrives, then the close.
+    for (conn, model) in conns.iter().zip(&mut models) {
+        while let Some(chunk) = model.in_flight.take() {
+            model.uploaded.extend_from_slice(&chunk);
+            let step = ahead.uploaded(conn.id, true, now);
+            next(model, step);
+        }
+        assert!(!ahead.has_lane(conn.id), "conn {}: a lane left", conn.id);
+        if !model.gone {
+            assert!(
+                model.uploaded == model.sent,
+                "conn {}: {} of {} bytes arrived",
+                conn.id,
+                model.uploaded.len(),
+                model.sent.len()
+            );
+            assert_eq!(
+                model.close_delivered, model.closed,
+                "conn {}: close",
+                conn.id
+            );
+        }
+    }
+    assert_eq!(ahead.bytes(), 0, "bytes counted in no lane");
+    assert_eq!(ahead.closing(), 0, "closes counted in no lane");
+}
+
+/// A connection's CLOSE_REQ reaches the control core: once, and only
+/// after every byte sent before it.
+fn deliver_close(model: &mut LaneModel) {
+    assert!(model.closed, "a close the frontend never sent");
+    assert!(!model.close_delivered, "a close delivered twice");
+    assert!(
+        model.gone || model.uploaded == model.sent,
+        "the close overtook {} bytes",
+        model.sent.len() - model.uploaded.len()
+    );
+    model.close_delivered = true;
+}
+
+/// What holds after every step of [`lanes`].
+fn check_lanes(
+    conns: &[std::sync::Arc<crate::conn::Conn>],
+    models: &[LaneModel],
+    ahead: &crate::frontend::lanes::Lanes,
+) {
+    let mut held = 0;
+    for (conn, model) in conns.iter().zip(models) {
+        assert!(
+            model.sent.starts_with(&model.uploaded),
+            "conn {}: bytes uploaded out of order",
+            conn.id
+        );
+        if ahead.has_lane(conn.id) {
+            assert!(
+                !model.gone,
+                "conn {}: a gone connection keeps its lane",
+                conn.id
+            );
+            assert!(
+                model.in_flight.is_some(),
+                "conn {}: a lane with nothing in flight",
+                conn.id
+            );
+            held += model.sent.len() - model.uploaded.len();
+        } else {
+            assert!(
+                model.in_flight.is_none(),
+                "conn {}: in flight without a lane",
+                conn.id
+            );
+        }
+    }
+    assert_eq!(ahead.bytes(), held, "the lanes miscount their bytes");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -585,6 +791,7 @@ mod tests {
         fuzz_corpus_router => router,
         fuzz_corpus_connect_head => connect_head,
         fuzz_corpus_token_review => token_review,
+        fuzz_corpus_lanes => lanes,
     );
 
     /// The harnesses see what they claim: a valid CONNECT head in pieces,

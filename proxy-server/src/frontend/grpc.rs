@@ -267,6 +267,11 @@ impl FrontendDriver {
             return;
         };
         let data = data.data;
+        if data.is_empty() {
+            // Carries nothing: dropped before the lanes, where it could
+            // only stand in the way of what follows it.
+            return;
+        }
         conn.count_upload(data.len());
         if self.ahead.has_lane(conn.id) {
             self.ahead.queue(conn.id, data);

@@ -65,13 +65,9 @@ struct Lane {
     in_flight: usize,
     /// Since when the lane has made no progress.
     since: Instant,
-}
-
-impl Lane {
-    /// Whether it holds the frontend's CLOSE_REQ.
-    fn has_close(&self) -> bool {
-        self.items.iter().any(|item| matches!(item, Item::Close(_)))
-    }
+    /// Whether it holds the frontend's CLOSE_REQ (its last item: nothing
+    /// is queued behind it).
+    closing: bool,
 }
 
 /// What the driver does next for a lane.
@@ -115,9 +111,15 @@ impl Lanes {
     }
 
     /// Bytes held.
-    #[cfg(test)]
-    fn bytes(&self) -> usize {
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Lanes that hold a CLOSE_REQ.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn closing(&self) -> usize {
+        self.closing
     }
 
     /// Opens `conn`'s lane with a chunk whose upload is waiting and `rest`
@@ -136,32 +138,40 @@ impl Lanes {
                 items,
                 in_flight,
                 since: now,
+                closing: false,
             },
         );
     }
 
     /// Queues DATA behind `conn`'s uploads (its lane exists: see
-    /// [`Lanes::has_lane`]; the caller checked [`Lanes::has_room`]).
+    /// [`Lanes::has_lane`]; the caller checked [`Lanes::has_room`]). An
+    /// empty DATA carries nothing and is dropped, as is DATA the frontend
+    /// sent after its CLOSE_REQ.
     pub(crate) fn queue(&mut self, conn: ConnId, data: Bytes) {
-        if let Some(lane) = self.lanes.get_mut(&conn) {
+        if data.is_empty() {
+            return;
+        }
+        if let Some(lane) = self.lanes.get_mut(&conn)
+            && !lane.closing
+        {
             self.bytes += data.len();
             lane.items.push_back(Item::Data(data));
         }
     }
 
-    /// Queues the frontend's CLOSE_REQ for `conn` behind its DATA; gives it
-    /// back if `conn` has no lane (it acts at once).
+    /// Queues the frontend's CLOSE_REQ for `conn` behind its DATA (a
+    /// second one is dropped: the first closes it); gives it back if
+    /// `conn` has no lane (it acts at once).
     pub(crate) fn close(&mut self, conn: ConnId, packet: Packet) -> Option<Packet> {
-        match self.lanes.get_mut(&conn) {
-            Some(lane) => {
-                if !lane.has_close() {
-                    self.closing += 1;
-                }
-                lane.items.push_back(Item::Close(packet));
-                None
-            }
-            None => Some(packet),
+        let Some(lane) = self.lanes.get_mut(&conn) else {
+            return Some(packet);
+        };
+        if !lane.closing {
+            lane.closing = true;
+            self.closing += 1;
+            lane.items.push_back(Item::Close(packet));
         }
+        None
     }
 
     /// The chunk in flight on `conn` was uploaded (`ok`) or its connection
@@ -180,9 +190,12 @@ impl Lanes {
             None => None,
             Some(Item::Close(packet)) => {
                 self.closing -= 1;
+                lane.closing = false;
                 Some(Next::Close(packet))
             }
             Some(Item::Data(mut data)) => {
+                // Never empty (`queue`, `open`): an empty chunk would end
+                // the lane with items behind it.
                 let chunk = data.split_to(data.len().min(lane.conn.flow.send_chunk()));
                 if !data.is_empty() {
                     lane.items.push_front(Item::Data(data));
@@ -191,9 +204,10 @@ impl Lanes {
                 Some(Next::Upload(lane.conn.clone(), chunk))
             }
         };
-        // A lane with nothing in flight is done: a CLOSE_REQ is its last
-        // item (DATA a frontend sent after its CLOSE_REQ is dropped).
+        // A lane with nothing in flight is done: it held nothing else (a
+        // CLOSE_REQ is its last item).
         if lane.in_flight == 0 {
+            debug_assert!(lane.items.is_empty(), "a lane ended with items queued");
             let lane = self.lanes.remove(&conn).expect("looked up above");
             self.bytes -= queued_bytes(&lane.items);
         }
@@ -216,7 +230,7 @@ impl Lanes {
         }
         self.lanes
             .values()
-            .filter(|lane| lane.has_close())
+            .filter(|lane| lane.closing)
             .map(|lane| (lane.conn.id, lane.since))
             .min_by_key(|(_, since)| *since)
     }
@@ -236,7 +250,7 @@ impl Lanes {
     /// Forgets a removed lane's bytes; its CLOSE_REQ, if it held one.
     fn drop_lane(&mut self, lane: Lane) -> Option<Next> {
         self.bytes -= lane.in_flight + queued_bytes(&lane.items);
-        if lane.has_close() {
+        if lane.closing {
             self.closing -= 1;
         }
         lane.items.into_iter().find_map(|item| match item {
@@ -380,5 +394,46 @@ mod tests {
         let later = t0 + UPLOAD_GRACE;
         assert!(ahead.uploaded(conn.id, true, later).is_some());
         assert_eq!(ahead.most_stalled(), Some((conn.id, later)));
+    }
+
+    /// An empty DATA in a lane holds nothing back: what was queued behind
+    /// it is uploaded, then the close.
+    #[test]
+    fn an_empty_data_never_drops_what_is_queued_behind_it() {
+        let (conn, _agent, _fe) = test_conn(5, compat());
+        let now = Instant::now();
+        let mut ahead = Lanes::default();
+        ahead.open(conn.clone(), 10, Bytes::new(), now);
+        ahead.queue(conn.id, Bytes::new());
+        ahead.queue(conn.id, Bytes::from_static(b"abc"));
+        assert!(ahead.close(conn.id, Packet::close_request(5)).is_none());
+        match ahead.uploaded(conn.id, true, now) {
+            Some(Next::Upload(c, data)) => {
+                assert_eq!(c.id, conn.id);
+                assert_eq!(data, Bytes::from_static(b"abc"));
+            }
+            other => panic!("want Upload(abc), got {other:?}"),
+        }
+        assert!(
+            matches!(ahead.uploaded(conn.id, true, now), Some(Next::Close(_))),
+            "then the close"
+        );
+        assert!(!ahead.has_lane(conn.id));
+        assert_eq!(ahead.bytes(), 0);
+        assert_eq!(ahead.closing, 0);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+
+        /// Any sequence of DATA (empty too), closes (repeated too),
+        /// uploads that end or fail, and cuts: every byte queued is
+        /// uploaded, in order, then the close (`fuzzing::lanes` checks).
+        #[test]
+        fn any_sequence_uploads_every_byte_in_order_then_the_close(
+            ops in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+        ) {
+            crate::fuzzing::lanes(&ops);
+        }
     }
 }

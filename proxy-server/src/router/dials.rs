@@ -30,7 +30,7 @@ pub struct DialPolicy {
 
 impl DialPolicy {
     /// ANP's behaviour: no retry, no hedge.
-    #[cfg(any(test, feature = "fuzzing"))]
+    #[cfg(test)]
     pub(crate) fn plain(timeout: Option<Duration>) -> Self {
         Self {
             timeout,
