@@ -142,6 +142,17 @@ def router():
           + [2, 0, 0, 1, 0, 1, 2, 0, 0, 2, 0, 0])
     raw = dial_req(4)
     write("router", "raw-packet", head + fe + be + [2, 0, 0, 0, 8, len(raw)] + list(raw))
+    # destHost,default with one retry: agent a (ipv4=10.0.0.1) refuses, agent
+    # b (no identifiers) must not get the retry; then a's stream ends.
+    ipv4 = list(b"ipv4=10.0.0.1")
+    write("router", "dest-host-refused", [1, 0, 1, 0, 0] + [0, 0]
+          + [1, 0, 0, len(ipv4)] + ipv4 + [1, 0, 0, 1, 0]
+          + [2, 0, 0, 5, 0, 0] + [10, 0, 0, 5] + [6, 0, 0, 5, 1, 0, 0]
+          + [2, 0, 0, 6, 0, 0] + [10, 0, 0, 6] + [14, 0, 0])
+    # The same with hedging after a second: a silent past the delay.
+    write("router", "dest-host-hedge", [1, 0, 1, 1, 0] + [0, 0]
+          + [1, 0, 0, len(ipv4)] + ipv4 + [1, 0, 0, 1, 0]
+          + [2, 0, 0, 5, 0, 0] + [10, 0, 0, 5] + [15, 0, 0, 2])
 
 
 # --- connect_head: [cuts, cut..., err len, err..., repeat] then the stream ---

@@ -72,6 +72,15 @@ ops::label_enum! {
     }
 }
 
+impl DialRetry {
+    /// Whether the agent is gone: the dial may then be picked afresh,
+    /// through the whole strategy list, as a new dial would; any other
+    /// retry stays among the candidates of the first pick.
+    pub(crate) fn agent_gone(self) -> bool {
+        matches!(self, Self::AgentGone | Self::NotForwarded)
+    }
+}
+
 ops::label_enum! {
     /// An admission limit of ours (`konnectivity_rs_server_limit_reached_total`).
     pub(crate) enum Limit {

@@ -55,6 +55,17 @@ struct Watch {
     answers: HashMap<(FrontendId, i64), usize>,
     /// Backends connected and neither ended nor retired.
     live: HashSet<BackendId>,
+    /// With destHost first: each backend's exact keys (host, ipv4, ipv6).
+    keys: Option<HashMap<BackendId, Vec<String>>>,
+    /// The DIAL_REQ a frontend sent in this step: its random and
+    /// destination host.
+    request: Option<(i64, String)>,
+    /// Each pending dial's destination host, its agents so far, and
+    /// whether its first DIAL_REQ went to an agent whose key is that host.
+    sent_to: HashMap<i64, (String, Vec<BackendId>, bool)>,
+    /// Pending dials one of whose agents ended or closed before its
+    /// DIAL_REQ went out: only they may leave their destHost key.
+    agent_gone: HashSet<i64>,
 }
 
 impl Watch {
@@ -80,10 +91,17 @@ impl Watch {
                         "DATA of {sender:?} sent on conn {conn} of be{backend}, owned by {owner:?}"
                     );
                 }
-                Out::Forward { backend, .. } => assert!(
-                    self.live.contains(backend),
-                    "a dial forwarded to be{backend}, which is gone or retired"
-                ),
+                Out::Forward { backend, dial, .. } => {
+                    assert!(
+                        self.live.contains(backend),
+                        "a dial forwarded to be{backend}, which is gone or retired"
+                    );
+                    self.stays_in_dest_host(*backend, dial.0);
+                }
+                Out::Settled(dial) => {
+                    self.sent_to.remove(&dial.0);
+                    self.agent_gone.remove(&dial.0);
+                }
                 Out::EndBackend(backend) => {
                     self.live.remove(backend);
                 }
@@ -115,6 +133,46 @@ impl Watch {
     fn answer(&mut self, fe: FrontendId, random: i64) {
         *self.answers.entry((fe, random)).or_default() += 1;
     }
+
+    /// With destHost first, a dial whose first agent had its destination
+    /// as a key is retried and hedged only on agents with that key, unless
+    /// one of its agents went away.
+    fn stays_in_dest_host(&mut self, backend: BackendId, random: i64) {
+        let Some(keys) = &self.keys else {
+            return;
+        };
+        let has_key = |host: &str| {
+            keys.get(&backend)
+                .is_some_and(|k| k.iter().any(|k| k == host))
+        };
+        let (host, agents, first_exact) = match self.sent_to.entry(random) {
+            std::collections::hash_map::Entry::Occupied(dial) => dial.into_mut(),
+            std::collections::hash_map::Entry::Vacant(new) => {
+                // A dial's first DIAL_REQ goes out in the step its frontend
+                // sent it.
+                let Some((_, host)) = self.request.take().filter(|(r, _)| *r == random) else {
+                    return;
+                };
+                let exact = has_key(&host);
+                new.insert((host, Vec::new(), exact))
+            }
+        };
+        let exact = has_key(host);
+        assert!(
+            !*first_exact || exact || self.agent_gone.contains(&random),
+            "dial {random} to {host} left its destHost key for be{backend} with its agents alive"
+        );
+        agents.push(backend);
+    }
+
+    /// An agent went away: the dials it was sent may be picked afresh.
+    fn agent_went_away(&mut self, backend: BackendId, random: Option<i64>) {
+        for (dial, (_, agents, _)) in &self.sent_to {
+            if agents.contains(&backend) && random.is_none_or(|r| r == *dial) {
+                self.agent_gone.insert(*dial);
+            }
+        }
+    }
 }
 
 /// A packet from `input`: built from a few choices, or decoded from raw
@@ -128,10 +186,10 @@ fn packet(input: &mut Input<'_>) -> Option<Packet> {
         }
         1 => {
             let conn = input.id();
-            let error = if input.byte().is_multiple_of(4) {
-                "refused"
-            } else {
-                ""
+            let error = match input.byte() % 8 {
+                0 => "dial tcp 10.0.0.1:443: connect: connection refused",
+                1 => "dial tcp 10.0.0.1:443: i/o timeout",
+                _ => "",
             };
             Packet::dial_response(id, conn, error)
         }
@@ -198,12 +256,16 @@ impl RouterRun {
             },
         };
         let seed = u64::from(input.byte());
+        let watch = Watch {
+            keys: (strategies[0] == ProxyStrategy::DestHost).then(HashMap::new),
+            ..Watch::default()
+        };
         Self {
             router: Router::new(strategies, policy, fastrand::Rng::with_seed(seed)),
             now: Instant::now(),
             frontends: Vec::new(),
             backends: Vec::new(),
-            watch: Watch::default(),
+            watch,
             out: Vec::new(),
         }
     }
@@ -239,6 +301,7 @@ impl RouterRun {
             }
         };
         self.watch.see(sender, &self.out);
+        self.watch.request = None;
         self.router.check();
         assert_eq!(self.watch.open.len(), self.router.established_count());
         if let Some(at) = self.router.poll_timeout() {
@@ -262,10 +325,15 @@ impl RouterRun {
         }
         let agent = ["a", "b", "c"][input.below(3)];
         let query = String::from_utf8_lossy(input.bytes(40)).into_owned();
+        let identifiers = AgentIdentifiers::parse(&query);
+        let keys: Vec<String> = identifiers.dest_host_keys().map(str::to_owned).collect();
         let id = self.router.add_backend(AgentInfo {
             agent_id: AgentId(agent.to_owned()),
-            identifiers: AgentIdentifiers::parse(&query),
+            identifiers,
         });
+        if let Some(all) = &mut self.watch.keys {
+            all.insert(id, keys);
+        }
         self.watch.live.insert(id);
         self.backends.push(id);
     }
@@ -287,6 +355,8 @@ impl RouterRun {
                 };
                 if let proto::packet::PacketKind::DialReq(r) = packet.clone().into_kind() {
                     *self.watch.requests.entry((fe, r.random)).or_default() += 1;
+                    let host = crate::strategy::host_of(&r.address).to_owned();
+                    self.watch.request = Some((r.random, host));
                 }
                 self.router.frontend_packet(now, fe, packet, &mut self.out);
                 return Some(fe);
@@ -309,6 +379,9 @@ impl RouterRun {
                         ForwardFailure::TimedOut
                     };
                     let dial = DialId(input.id());
+                    if why == ForwardFailure::Closed {
+                        self.watch.agent_went_away(be, Some(dial.0));
+                    }
                     self.router
                         .dial_not_forwarded(now, fe, dial, be, why, &mut self.out);
                 }
@@ -337,6 +410,7 @@ impl RouterRun {
                 self.frontends.retain(|f| *f != fe);
             }
             (14, _, Some(be)) => {
+                self.watch.agent_went_away(be, None);
                 self.router.backend_closed(self.now, be, &mut self.out);
                 self.backends.retain(|b| *b != be);
                 self.watch.live.remove(&be);

@@ -35,6 +35,29 @@ fn remove_from<K>(list: &mut Vec<(K, Vec<BackendId>)>, backend: BackendId) {
     list.retain(|(_, backends)| !backends.is_empty());
 }
 
+/// The candidates a pick chose among: a retry or a hedge of its dial
+/// stays among them, so that it never reaches an agent the operator's
+/// strategies would not have given that destination.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Scope {
+    /// The strategy's place in `--proxy-strategies`.
+    strategy: usize,
+    /// Within it: every backend (`default`, `defaultRoute`), or the
+    /// destHost key (host or network) that matched.
+    key: Key,
+}
+
+/// The part of a strategy's backends a pick chose among.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Key {
+    /// Every backend of the strategy.
+    Any,
+    /// The backends that announced this host, IPv4 or IPv6 address.
+    Host(String),
+    /// The backends that announced this network (`cidr=`).
+    Net(IpNet),
+}
+
 /// What a pick avoids and weighs.
 pub(crate) struct Pick<'a> {
     /// Backends that announced DRAIN: taken only when nothing else fits.
@@ -101,22 +124,38 @@ impl Store {
 
     /// destHost: the exact host key (ANP), else — for an IP destination —
     /// the networks containing it, longest prefix first; within a key, the
-    /// better of two.
-    fn pick_dest(&self, address: &str, pick: &mut Pick<'_>) -> Option<BackendId> {
+    /// better of two. The key that gave the backend comes with it.
+    fn pick_dest(&self, address: &str, pick: &mut Pick<'_>) -> Option<(BackendId, Key)> {
         let host = host_of(address);
-        let exact = self
-            .entries
-            .iter()
-            .filter(|(k, _)| k == host)
-            .map(|(_, list)| list.as_slice());
-        if let Some(backend) = pick_first(exact, pick) {
-            return Some(backend);
+        if let Some(backend) = self.pick_host(host, pick) {
+            return Some((backend, Key::Host(host.to_owned())));
         }
         let ip = host.parse::<IpAddr>().ok()?;
         let mut nets: Vec<_> = self.nets.iter().filter(|(n, _)| n.contains(&ip)).collect();
         // Stable: equal prefixes keep insertion order.
         nets.sort_by_key(|(n, _)| std::cmp::Reverse(n.prefix_len()));
-        pick_first(nets.into_iter().map(|(_, list)| list.as_slice()), pick)
+        let lists = nets.into_iter().map(|(net, list)| (*net, list.as_slice()));
+        pick_first(lists, pick).map(|(backend, net)| (backend, Key::Net(net)))
+    }
+
+    /// The better of two of the backends that announced `host`.
+    fn pick_host(&self, host: &str, pick: &mut Pick<'_>) -> Option<BackendId> {
+        let lists = self
+            .entries
+            .iter()
+            .filter(|(k, _)| k == host)
+            .map(|(_, list)| ((), list.as_slice()));
+        pick_first(lists, pick).map(|(backend, ())| backend)
+    }
+
+    /// The better of two of the backends that announced `net`.
+    fn pick_net(&self, net: IpNet, pick: &mut Pick<'_>) -> Option<BackendId> {
+        let lists = self
+            .nets
+            .iter()
+            .filter(|(n, _)| *n == net)
+            .map(|(_, list)| ((), list.as_slice()));
+        pick_first(lists, pick).map(|(backend, ())| backend)
     }
 
     /// The better of two random keys by load ("power of two choices";
@@ -162,15 +201,15 @@ impl Store {
 }
 
 /// Within the first of `lists` with a backend the pick allows, the better
-/// of two; else the same among draining backends.
-fn pick_first<'a>(
-    lists: impl Iterator<Item = &'a [BackendId]> + Clone,
+/// of two, and that list's key; else the same among draining backends.
+fn pick_first<'a, K>(
+    lists: impl Iterator<Item = (K, &'a [BackendId])> + Clone,
     pick: &mut Pick<'_>,
-) -> Option<BackendId> {
+) -> Option<(BackendId, K)> {
     for draining in [false, true] {
-        for list in lists.clone() {
+        for (key, list) in lists.clone() {
             if let Some(backend) = pick.two_choices(list, draining) {
-                return Some(backend);
+                return Some((backend, key));
             }
         }
     }
@@ -246,13 +285,15 @@ impl BackendManager {
     /// The backend for a dial to `address`, other than those in
     /// `exclude` (already tried): the strategies in order, the first that
     /// has one wins; among the backends a strategy offers, the less loaded
-    /// of two random ones (`load`: open connections and pending dials).
+    /// of two random ones (`load`: open connections and pending dials,
+    /// weighed). With it, the candidates it was chosen among: a retry or a
+    /// hedge of the dial goes only to them ([`BackendManager::pick_within`]).
     pub(crate) fn pick(
         &mut self,
         address: &str,
         exclude: &[BackendId],
         load: &dyn Fn(BackendId) -> usize,
-    ) -> Option<BackendId> {
+    ) -> Option<(BackendId, Scope)> {
         let Self {
             stores,
             draining,
@@ -264,10 +305,46 @@ impl BackendManager {
             load,
             rng,
         };
-        stores.iter().find_map(|(strategy, store)| match strategy {
-            ProxyStrategy::Default | ProxyStrategy::DefaultRoute => store.pick_random(&mut pick),
-            ProxyStrategy::DestHost => store.pick_dest(address, &mut pick),
-        })
+        stores
+            .iter()
+            .enumerate()
+            .find_map(|(strategy, (kind, store))| {
+                let (backend, key) = match kind {
+                    ProxyStrategy::Default | ProxyStrategy::DefaultRoute => {
+                        (store.pick_random(&mut pick)?, Key::Any)
+                    }
+                    ProxyStrategy::DestHost => store.pick_dest(address, &mut pick)?,
+                };
+                Some((backend, Scope { strategy, key }))
+            })
+    }
+
+    /// Another backend among the candidates of `scope` (a pick's), other
+    /// than those in `exclude`, as [`BackendManager::pick`] weighs them;
+    /// `None` when none is left there, whatever other strategies offer.
+    pub(crate) fn pick_within(
+        &mut self,
+        scope: &Scope,
+        exclude: &[BackendId],
+        load: &dyn Fn(BackendId) -> usize,
+    ) -> Option<BackendId> {
+        let Self {
+            stores,
+            draining,
+            rng,
+        } = self;
+        let (_, store) = stores.get(scope.strategy)?;
+        let mut pick = Pick {
+            draining,
+            exclude,
+            load,
+            rng,
+        };
+        match &scope.key {
+            Key::Any => store.pick_random(&mut pick),
+            Key::Host(host) => store.pick_host(host, &mut pick),
+            Key::Net(net) => store.pick_net(*net, &mut pick),
+        }
     }
 
     /// Every backend indexed under a strategy or marked draining, for
@@ -282,6 +359,30 @@ impl BackendManager {
                 keys.chain(nets).flatten().copied()
             })
             .chain(self.draining.iter().copied())
+    }
+
+    /// Whether a strategy indexes `backend` (a retired one is not).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn is_indexed(&self, backend: BackendId) -> bool {
+        self.stores.iter().any(|(_, store)| {
+            let keys = store.entries.iter().map(|(_, list)| list);
+            let nets = store.nets.iter().map(|(_, list)| list);
+            keys.chain(nets).any(|list| list.contains(&backend))
+        })
+    }
+
+    /// Whether `backend` is among the candidates of `scope` (a pick's).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn in_scope(&self, scope: &Scope, backend: BackendId) -> bool {
+        let Some((_, store)) = self.stores.get(scope.strategy) else {
+            return false;
+        };
+        let has = |list: &Vec<BackendId>| list.contains(&backend);
+        match &scope.key {
+            Key::Any => store.entries.iter().any(|(_, list)| has(list)),
+            Key::Host(host) => store.entries.iter().any(|(k, list)| k == host && has(list)),
+            Key::Net(net) => store.nets.iter().any(|(n, list)| n == net && has(list)),
+        }
     }
 
     /// Ready when the first strategy has at least one backend (ANP).
@@ -310,7 +411,7 @@ mod tests {
 
     /// A pick with nothing excluded and every backend idle.
     fn pick(m: &mut BackendManager, address: &str) -> Option<BackendId> {
-        m.pick(address, &[], &|_| 0)
+        m.pick(address, &[], &|_| 0).map(|(backend, _)| backend)
     }
 
     fn add(m: &mut BackendManager, id: u64, agent: &str, ids: &str) -> BackendId {
@@ -401,12 +502,14 @@ mod tests {
         let idle = [add(&mut m, 2, "a", ""), add(&mut m, 3, "b", "")];
         let load = |b: BackendId| if b == busy { 100 } else { 0 };
         let to_busy = (0..900)
-            .filter(|_| m.pick("x:1", &[], &load) == Some(busy))
+            .filter(|_| m.pick("x:1", &[], &load).map(|(b, _)| b) == Some(busy))
             .count();
         // Only when both random choices are the busy agent's: never, as
         // two distinct keys are drawn.
         assert_eq!(to_busy, 0);
-        let picks: HashSet<_> = (0..64).filter_map(|_| m.pick("x:1", &[], &load)).collect();
+        let picks: HashSet<_> = (0..64)
+            .filter_map(|_| m.pick("x:1", &[], &load).map(|(b, _)| b))
+            .collect();
         assert_eq!(
             picks,
             HashSet::from(idle),
@@ -419,12 +522,51 @@ mod tests {
         let mut m = manager(&[ProxyStrategy::DestHost, ProxyStrategy::Default]);
         let host = add(&mut m, 1, "a", "host=node-1");
         let other = add(&mut m, 2, "b", "");
-        assert_eq!(m.pick("node-1:10250", &[], &|_| 0), Some(host));
-        // Its one destHost candidate tried: default, after it, serves.
-        assert_eq!(m.pick("node-1:10250", &[host], &|_| 0), Some(other));
-        assert_eq!(m.pick("node-1:10250", &[host, other], &|_| 0), None);
+        let idle = |_| 0;
+        let picked = |m: &mut BackendManager, exclude: &[BackendId]| {
+            m.pick("node-1:10250", exclude, &idle).map(|(b, _)| b)
+        };
+        assert_eq!(picked(&mut m, &[]), Some(host));
+        // A fresh pick with its one destHost candidate tried: default,
+        // after it, serves.
+        assert_eq!(picked(&mut m, &[host]), Some(other));
+        assert_eq!(picked(&mut m, &[host, other]), None);
         // A draining agent still serves when nothing else is left.
         m.set_draining(other);
-        assert_eq!(m.pick("x:1", &[host], &|_| 0), Some(other));
+        assert_eq!(pick(&mut m, "x:1"), Some(host));
+        assert_eq!(m.pick("x:1", &[host], &idle).map(|(b, _)| b), Some(other));
+    }
+
+    #[test]
+    fn a_pick_within_its_scope_never_leaves_the_strategy_and_key() {
+        let mut m = manager(&[ProxyStrategy::DestHost, ProxyStrategy::Default]);
+        let a = add(&mut m, 1, "a", "ipv4=10.0.0.5");
+        let twin = add(&mut m, 2, "twin", "ipv4=10.0.0.5");
+        let wide = add(&mut m, 3, "wide", "cidr=10.0.0.0/8");
+        let narrow = add(&mut m, 4, "narrow", "cidr=10.1.0.0/16");
+        let narrow_twin = add(&mut m, 5, "narrow-twin", "cidr=10.1.0.0/16");
+        let other = add(&mut m, 6, "other", "");
+        let idle = |_| 0;
+        let (first, scope) = m.pick("10.0.0.5:443", &[], &idle).unwrap();
+        assert!([a, twin].contains(&first));
+        let second = m.pick_within(&scope, &[first], &idle);
+        assert!(second.is_some() && second != Some(first));
+        assert_eq!(
+            m.pick_within(&scope, &[a, twin], &idle),
+            None,
+            "not wide, not default"
+        );
+        // A network key: only its own network's agents, not a wider one.
+        let (first, scope) = m.pick("10.1.2.3:443", &[], &idle).unwrap();
+        assert!([narrow, narrow_twin].contains(&first));
+        assert_eq!(m.pick_within(&scope, &[narrow, narrow_twin], &idle), None);
+        // `default`'s scope is every agent.
+        let (first, scope) = m.pick("192.168.0.1:80", &[], &idle).unwrap();
+        let rest: HashSet<_> = (0..64)
+            .filter_map(|_| m.pick_within(&scope, &[first], &idle))
+            .collect();
+        assert!(!rest.contains(&first));
+        assert!(rest.len() >= 2, "{rest:?}");
+        let _ = (wide, other);
     }
 }

@@ -33,12 +33,15 @@ use tunnel::{
     ids::{AgentId, ConnId, DialId},
 };
 
-use self::dials::{Attempt, AttemptEnd, Cancelled, Latencies, PeakEwma, PendingDial, retryable};
+use self::dials::{
+    Attempt, AttemptEnd, Cancelled, FAILURE_COST, Latencies, Median, PeakEwma, PendingDial,
+    retryable,
+};
 pub use self::dials::{DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
     events::{CloseReason, DialError, DialFailure, DialRetry},
-    manager::BackendManager,
+    manager::{BackendManager, Scope},
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
 
@@ -233,6 +236,9 @@ struct BackendEntry {
     conns: HashMap<ConnId, ConnEntry>,
     /// Pending dials in flight on it.
     pending: usize,
+    /// Of those, the ones whose DIAL_REQ went out, by when it did: the
+    /// oldest one's age weighs in its latency.
+    forwarded: BTreeSet<(Instant, DialId)>,
     /// How long its dials take.
     latency: PeakEwma,
 }
@@ -244,11 +250,30 @@ impl BackendEntry {
     }
 
     /// What the less-loaded pick weighs: one more than its load, times
-    /// its dial latency (`typical` until it has one), in microseconds.
-    fn cost(&self, now: Instant, typical: Duration) -> usize {
-        let latency = self.latency.get(now).unwrap_or(typical);
+    /// its dial latency (`typical` until it has one), raised to how long
+    /// its oldest pending dial has waited, and never below `floor` (the
+    /// agents' median), in microseconds.
+    fn cost(&self, now: Instant, typical: Duration, floor: Duration) -> usize {
+        let waiting = self
+            .forwarded
+            .first()
+            .map_or(Duration::ZERO, |(at, _)| now.saturating_duration_since(*at));
+        let latency = self
+            .latency
+            .get(now)
+            .unwrap_or(typical)
+            .max(waiting)
+            .max(floor);
         let micros = usize::try_from(latency.as_micros()).unwrap_or(usize::MAX);
         (self.load() + 1).saturating_mul(micros.max(1))
+    }
+
+    /// An attempt at `dial` on it ended, whichever way.
+    fn release(&mut self, dial: DialId, attempt: &Attempt) {
+        self.pending -= 1;
+        if let Some(at) = attempt.forwarded {
+            self.forwarded.remove(&(at, dial));
+        }
     }
 }
 
@@ -291,6 +316,9 @@ pub(crate) struct Router {
     policy: DialPolicy,
     /// The latest dials' latencies, for the hedge delay.
     latencies: Latencies,
+    /// The agents' median dial latency: no agent weighs less, no hedge
+    /// delay is shorter.
+    median: Median,
     /// Attempts closed because another agent answered first.
     cancelled: Cancelled,
     /// Next frontend or backend id.
@@ -314,6 +342,7 @@ impl Router {
             hedges: BTreeSet::new(),
             policy,
             latencies: Latencies::default(),
+            median: Median::default(),
             cancelled: Cancelled::default(),
             next_id: 1,
         }
@@ -352,6 +381,7 @@ impl Router {
                 info,
                 conns: HashMap::new(),
                 pending: 0,
+                forwarded: BTreeSet::new(),
                 latency: PeakEwma::default(),
             },
         );
@@ -416,6 +446,7 @@ impl Router {
             PacketKind::DialCls(cls) => {
                 let id = DialId(cls.random);
                 if let Some(dial) = self.settle_if(id, |d| d.frontend == fe, out) {
+                    self.sample_cut_short(now, &dial);
                     out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
                     // ANP's agent ignores DIAL_CLS; ours stops dialing.
                     for attempt in &dial.attempts {
@@ -478,7 +509,7 @@ impl Router {
     fn dial(&mut self, now: Instant, fe: FrontendId, req: DialRequest, out: &mut Vec<Out>) {
         let id = DialId(req.random);
         let kind = self.frontends.get(&fe).map(|e| e.kind);
-        let Some(backend) = self.pick(now, &req.address, &[]) else {
+        let Some((backend, scope)) = self.pick(now, &req.address, &[]) else {
             // ANP counts it for gRPC frontends only; HTTP CONNECT answers 500.
             if kind == Some(FrontendKind::Grpc) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
@@ -510,6 +541,7 @@ impl Router {
                 address: req.address,
                 attempts: Vec::with_capacity(1),
                 tried: Vec::with_capacity(1),
+                scope,
                 retries_left: self.policy.retries,
                 hedge: None,
                 hedge_at: None,
@@ -523,16 +555,78 @@ impl Router {
 
     /// The backend for a dial to `address`, other than `tried`: by the
     /// strategies, the less loaded of two, load weighed by latency (an
-    /// agent not dialed yet counts the median of the latest dials).
-    fn pick(&mut self, now: Instant, address: &str, tried: &[BackendId]) -> Option<BackendId> {
-        let typical = self.latencies.delay(HedgeDelay::Percentile(50));
+    /// agent not dialed yet counts the median of the latest dials); and
+    /// the candidates it was chosen among.
+    fn pick(
+        &mut self,
+        now: Instant,
+        address: &str,
+        tried: &[BackendId],
+    ) -> Option<(BackendId, Scope)> {
+        let (typical, floor) = self.weights(now);
         let backends = &self.backends;
         let cost = |b: BackendId| {
             backends
                 .get(&b)
-                .map_or(usize::MAX, |entry| entry.cost(now, typical))
+                .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
         };
         self.manager.pick(address, tried, &cost)
+    }
+
+    /// Another backend among the candidates of `scope`, other than
+    /// `tried`, weighed as [`Router::pick`] weighs them: a retry's or a
+    /// hedge's, which never leaves the strategy and key of the first pick.
+    fn pick_within(
+        &mut self,
+        now: Instant,
+        scope: &Scope,
+        tried: &[BackendId],
+    ) -> Option<BackendId> {
+        let (typical, floor) = self.weights(now);
+        let backends = &self.backends;
+        let cost = |b: BackendId| {
+            backends
+                .get(&b)
+                .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
+        };
+        self.manager.pick_within(scope, tried, &cost)
+    }
+
+    /// What a pick weighs an agent with no estimate yet (the median of
+    /// the latest dials), and the floor of every agent's latency (the
+    /// agents' median, recomputed when stale).
+    fn weights(&mut self, now: Instant) -> (Duration, Duration) {
+        if self.median.is_stale(now) {
+            self.median
+                .recompute(now, self.backends.values().map(|b| &b.latency));
+        }
+        let floor = self.median.get();
+        let typical = self.latencies.delay(HedgeDelay::Percentile(50), floor);
+        (typical, floor)
+    }
+
+    /// A sample of `backend`'s dial latency: `took`, or with `at_least`
+    /// a lower bound that only raises its estimate.
+    fn sample(&mut self, now: Instant, backend: BackendId, took: Duration, at_least: bool) {
+        if let Some(entry) = self.backends.get_mut(&backend) {
+            if at_least {
+                entry.latency.observe_at_least(now, took);
+            } else {
+                entry.latency.observe(now, took);
+            }
+            self.median.sampled();
+        }
+    }
+
+    /// Samples every attempt of a dial cut short (timed out, cancelled):
+    /// each took at least as long as it has waited.
+    fn sample_cut_short(&mut self, now: Instant, dial: &PendingDial) {
+        for attempt in &dial.attempts {
+            if let Some(forwarded) = attempt.forwarded {
+                let waited = now.saturating_duration_since(forwarded);
+                self.sample(now, attempt.backend, waited, true);
+            }
+        }
     }
 
     /// Sends a pending dial to `backend` too.
@@ -566,7 +660,12 @@ impl Router {
         let Some(attempt) = pending.attempts.iter_mut().find(|a| a.backend == backend) else {
             return;
         };
-        attempt.forwarded.get_or_insert(now);
+        if attempt.forwarded.is_none() {
+            attempt.forwarded = Some(now);
+            if let Some(entry) = self.backends.get_mut(&backend) {
+                entry.forwarded.insert((now, dial));
+            }
+        }
         if let Some(limit) = self.policy.timeout
             && pending.deadline.is_none()
         {
@@ -578,7 +677,7 @@ impl Router {
             && pending.hedge.is_none()
             && pending.hedge_at.is_none()
         {
-            let at = now + self.latencies.delay(hedge);
+            let at = now + self.latencies.delay(hedge, self.median.get());
             pending.hedge_at = Some(at);
             self.hedges.insert((at, dial));
         }
@@ -634,25 +733,17 @@ impl Router {
         let Some(at) = dial.attempts.iter().position(|a| a.backend == backend) else {
             return;
         };
-        dial.attempts.swap_remove(at);
+        let attempt = dial.attempts.swap_remove(at);
         if let Some(entry) = self.backends.get_mut(&backend) {
-            entry.pending -= 1;
+            entry.release(id, &attempt);
         }
         if !dial.attempts.is_empty() {
             return;
         }
         let (failure, error) = match end {
             AttemptEnd::Retry(reason, failure, error) => {
-                if dial.retries_left > 0 {
-                    let (address, tried) = (dial.address.clone(), dial.tried.clone());
-                    if let Some(next) = self.pick(now, &address, &tried) {
-                        if let Some(dial) = self.pending.get_mut(&id) {
-                            dial.retries_left -= 1;
-                        }
-                        out.push(Out::Count(Event::DialRetried(reason)));
-                        self.send_attempt(id, next, out);
-                        return;
-                    }
+                if dial.retries_left > 0 && self.retry(now, id, reason, out) {
+                    return;
                 }
                 (failure, error)
             }
@@ -666,6 +757,38 @@ impl Router {
                 error,
             });
         }
+    }
+
+    /// Sends a dial whose last attempt failed to another agent, if one
+    /// fits: among the candidates of its first pick, or, when its agent is
+    /// gone, by a fresh pick (which may fall through the strategy list, as
+    /// a new dial would). Whether it did.
+    fn retry(&mut self, now: Instant, id: DialId, reason: DialRetry, out: &mut Vec<Out>) -> bool {
+        let Some(dial) = self.pending.get(&id) else {
+            return false;
+        };
+        let tried = dial.tried.clone();
+        let next = if reason.agent_gone() {
+            let address = dial.address.clone();
+            self.pick(now, &address, &tried).map(|(next, scope)| {
+                if let Some(dial) = self.pending.get_mut(&id) {
+                    dial.scope = scope;
+                }
+                next
+            })
+        } else {
+            let scope = dial.scope.clone();
+            self.pick_within(now, &scope, &tried)
+        };
+        let Some(next) = next else {
+            return false;
+        };
+        if let Some(dial) = self.pending.get_mut(&id) {
+            dial.retries_left -= 1;
+        }
+        out.push(Out::Count(Event::DialRetried(reason)));
+        self.send_attempt(id, next, out);
+        true
     }
 
     /// Takes a backend out of service: no new dials, its stream ended.
@@ -696,7 +819,7 @@ impl Router {
         }
         for attempt in &dial.attempts {
             if let Some(entry) = self.backends.get_mut(&attempt.backend) {
-                entry.pending -= 1;
+                entry.release(id, attempt);
             }
         }
         if let Some(entry) = self.frontends.get_mut(&dial.frontend) {
@@ -748,6 +871,10 @@ impl Router {
                     .pending
                     .get(&id)
                     .is_some_and(|d| d.on(be) && d.attempts.len() == 1);
+                if self.pending.get(&id).is_some_and(|d| d.on(be)) {
+                    // The agent gave the dial up: a failure of its own.
+                    self.sample(now, be, FAILURE_COST, true);
+                }
                 if last {
                     if let Some(dial) = self.settle_if(id, |_| true, out) {
                         out.push(Out::ToFrontend(dial.frontend, Packet::close_dial(id.0)));
@@ -755,9 +882,9 @@ impl Router {
                 } else if let Some(dial) = self.pending.get_mut(&id)
                     && let Some(at) = dial.attempts.iter().position(|a| a.backend == be)
                 {
-                    dial.attempts.swap_remove(at);
+                    let attempt = dial.attempts.swap_remove(at);
                     if let Some(entry) = self.backends.get_mut(&be) {
-                        entry.pending -= 1;
+                        entry.release(id, &attempt);
                     }
                 }
             }
@@ -790,6 +917,15 @@ impl Router {
             return;
         }
         if !rsp.error.is_empty() {
+            // A failure weighs at least FAILURE_COST: an agent that fails
+            // dials at once must not look fast.
+            let took = self
+                .pending
+                .get(&id)
+                .and_then(|d| d.attempts.iter().find(|a| a.backend == be))
+                .and_then(|a| a.forwarded)
+                .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+            self.sample(now, be, took.max(FAILURE_COST), false);
             let end = if retryable(&rsp.error) {
                 AttemptEnd::Retry(
                     DialRetry::Refused,
@@ -857,9 +993,9 @@ impl Router {
             let took = attempt
                 .forwarded
                 .map(|forwarded| now.saturating_duration_since(forwarded));
-            if let (Some(took), Some(entry)) = (took, self.backends.get_mut(&attempt.backend)) {
-                // The loser's: how long it had taken so far.
-                entry.latency.observe(now, took);
+            if let Some(took) = took {
+                // The loser's is how long it had taken so far: a lower bound.
+                self.sample(now, attempt.backend, took, attempt.backend != be);
             }
             if attempt.backend == be {
                 if let Some(took) = took {
@@ -1037,6 +1173,7 @@ impl Router {
         pending.sort_unstable();
         for id in pending {
             if let Some(dial) = self.settle_if(id, |d| d.frontend == fe, out) {
+                self.sample_cut_short(now, &dial);
                 // ANP counts a gRPC frontend's pending dials only on DIAL_CLS.
                 if entry.kind == FrontendKind::HttpConnect {
                     out.push(Out::Count(Event::DialFailed(DialFailure::FrontendClose)));
@@ -1122,6 +1259,7 @@ impl Router {
             }
             self.deadlines.remove(&(at, id));
             if let Some(dial) = self.settle_if(id, |_| true, out) {
+                self.sample_cut_short(now, &dial);
                 out.push(Out::Count(Event::DialFailed(
                     DialFailure::BackendDialTimeout,
                 )));
@@ -1154,8 +1292,8 @@ impl Router {
         if dial.hedge.is_some() || dial.attempts.len() != 1 {
             return;
         }
-        let (address, tried) = (dial.address.clone(), dial.tried.clone());
-        let Some(second) = self.pick(now, &address, &tried) else {
+        let (scope, tried) = (dial.scope.clone(), dial.tried.clone());
+        let Some(second) = self.pick_within(now, &scope, &tried) else {
             return;
         };
         if let Some(dial) = self.pending.get_mut(&id) {
@@ -1173,7 +1311,10 @@ impl Router {
     ///   has none;
     /// - a pending dial is in its frontend's pending set and in flight on
     ///   one or (hedged) two connected backends, each tried once, within
-    ///   its retry budget; a frontend's pending set names only its own
+    ///   its retry budget, each a candidate of the strategy and key of the
+    ///   pick that chose it (a retry or hedge never leaves them; only a new
+    ///   pick after an agent is gone may); the dials forwarded on a
+    ///   backend are in flight there; a frontend's pending set names only its own
     ///   dials; a backend's load counts exactly the dials in flight on it;
     /// - the deadlines and hedge timers are exactly the pending dials';
     /// - the strategies index connected backends only;
@@ -1245,6 +1386,15 @@ impl Router {
                     "dial {id} pending on a gone be{}",
                     attempt.backend
                 );
+                // A retired agent is no longer indexed; any other is one of
+                // the candidates of the pick that chose it.
+                assert!(
+                    !self.manager.is_indexed(attempt.backend)
+                        || self.manager.in_scope(&dial.scope, attempt.backend),
+                    "dial {id} in flight on be{} outside its strategy and key {:?}",
+                    attempt.backend,
+                    dial.scope
+                );
                 assert!(
                     dial.tried.contains(&attempt.backend),
                     "dial {id}: attempt not tried"
@@ -1294,7 +1444,25 @@ impl Router {
                 loads.get(be).copied().unwrap_or(0),
                 "be{be}: pending dials miscounted"
             );
+            for (at, id) in &backend.forwarded {
+                assert!(
+                    self.pending.get(id).is_some_and(|d| d
+                        .attempts
+                        .iter()
+                        .any(|a| a.backend == *be && a.forwarded == Some(*at))),
+                    "be{be}: dial {id} counted as forwarded, not in flight there"
+                );
+            }
+            assert!(backend.forwarded.len() <= backend.pending);
         }
+    }
+
+    /// The hedge delay a dial forwarded at `now` would get.
+    #[cfg(test)]
+    pub(crate) fn hedge_delay(&mut self, now: Instant) -> Duration {
+        let hedge = self.policy.hedge.unwrap_or(HedgeDelay::Percentile(95));
+        let (_, floor) = self.weights(now);
+        self.latencies.delay(hedge, floor)
     }
 
     /// Connected agent streams.

@@ -13,6 +13,7 @@ use tunnel::ids::DialId;
 use crate::{
     events::{DialError, DialFailure, DialRetry},
     ids::{BackendId, FrontendId},
+    manager::Scope,
 };
 
 /// How the router bounds, retries and hedges dials.
@@ -47,8 +48,8 @@ pub enum HedgeDelay {
     /// Always this long.
     Fixed(Duration),
     /// This percentile of the latest [`WINDOW`] established dials'
-    /// latencies, at least [`FLOOR`]; [`BOOTSTRAP`] until [`MIN_SAMPLES`]
-    /// were seen.
+    /// latencies, at least [`FLOOR`] and the agents' median ([`Median`]);
+    /// [`BOOTSTRAP`] until [`MIN_SAMPLES`] were seen.
     Percentile(u8),
 }
 
@@ -88,14 +89,15 @@ impl Latencies {
         self.fresh += 1;
     }
 
-    /// The hedge delay `hedge` gives now.
-    pub(crate) fn delay(&mut self, hedge: HedgeDelay) -> Duration {
+    /// The hedge delay `hedge` gives now; a percentile is never below
+    /// `floor` (the agents' median: [`Median`]).
+    pub(crate) fn delay(&mut self, hedge: HedgeDelay, floor: Duration) -> Duration {
         let percentile = match hedge {
             HedgeDelay::Fixed(delay) => return delay,
             HedgeDelay::Percentile(p) => p,
         };
         if self.recent.len() < MIN_SAMPLES {
-            return BOOTSTRAP;
+            return BOOTSTRAP.max(floor);
         }
         if self.sorted.is_empty() || self.fresh >= RECOMPUTE {
             self.sorted.clear();
@@ -104,7 +106,70 @@ impl Latencies {
             self.fresh = 0;
         }
         let rank = (self.sorted.len() * usize::from(percentile)).div_ceil(100);
-        self.sorted[rank.clamp(1, self.sorted.len()) - 1].max(FLOOR)
+        self.sorted[rank.clamp(1, self.sorted.len()) - 1]
+            .max(FLOOR)
+            .max(floor)
+    }
+}
+
+/// The median of the agents' dial latencies, one vote per agent: no
+/// agent's estimate counts for less (a pick weighs at least this), and
+/// the hedge delay is no shorter. An agent that answers at once (it lies,
+/// or dials nothing) is one vote among all: it cannot drag the floor down,
+/// nor the hedge delay, by winning many dials.
+#[derive(Debug, Default)]
+pub(crate) struct Median {
+    /// The median as last computed.
+    value: Duration,
+    /// When it was computed (`None`: never).
+    at: Option<Instant>,
+    /// Agent samples since.
+    samples: usize,
+}
+
+/// Agents whose latest sample is older than this have no vote: the
+/// median is of agents dialed lately.
+pub(crate) const VOTE_WINDOW: Duration = Duration::from_secs(30);
+/// The median is recomputed at most this often, or after [`RECOMPUTE`]
+/// agent samples, whichever comes first (a pass over every agent).
+const MEDIAN_REFRESH: Duration = Duration::from_secs(1);
+
+impl Median {
+    /// An agent's estimate changed.
+    pub(crate) fn sampled(&mut self) {
+        self.samples += 1;
+    }
+
+    /// Whether it should be recomputed at `now`.
+    pub(crate) fn is_stale(&self, now: Instant) -> bool {
+        self.samples >= RECOMPUTE
+            || self
+                .at
+                .is_none_or(|at| now.saturating_duration_since(at) >= MEDIAN_REFRESH)
+    }
+
+    /// Recomputes it from the agents' estimates.
+    pub(crate) fn recompute<'a>(
+        &mut self,
+        now: Instant,
+        estimates: impl Iterator<Item = &'a PeakEwma>,
+    ) {
+        let mut votes: Vec<Duration> = estimates.filter_map(|e| e.latest(now)).collect();
+        self.value = if votes.is_empty() {
+            Duration::ZERO
+        } else {
+            // The lower median: of two agents, the faster one, so that
+            // with two the slower is still shed.
+            let mid = (votes.len() - 1) / 2;
+            *votes.select_nth_unstable(mid).1
+        };
+        self.at = Some(now);
+        self.samples = 0;
+    }
+
+    /// The median as last computed (zero before any agent sample).
+    pub(crate) fn get(&self) -> Duration {
+        self.value
     }
 }
 
@@ -130,6 +195,10 @@ pub(crate) struct PendingDial {
     pub(crate) attempts: Vec<Attempt>,
     /// Every agent stream it was sent to, which a retry or a hedge avoids.
     pub(crate) tried: Vec<BackendId>,
+    /// The candidates its agent was chosen among (a strategy and key): a
+    /// retry or a hedge goes only to them; a new pick after its agent is
+    /// gone may choose others (and replaces it).
+    pub(crate) scope: Scope,
     /// Retries left.
     pub(crate) retries_left: u32,
     /// The agent stream asked second by hedging, once it was.
@@ -174,15 +243,28 @@ pub(crate) fn retryable(error: &str) -> bool {
 
 /// How fast an agent's latency estimate forgets: a sample this old weighs
 /// 1/e of a new one, and an agent not dialed for that long looks that
-/// much faster (so a slow agent is tried again once it may have healed).
+/// much faster (so a slow agent is tried again once it may have healed),
+/// down to the agents' median ([`Median`]).
 pub(crate) const DECAY: Duration = Duration::from_secs(10);
+
+/// What an attempt that failed weighs in its agent's estimate, at least:
+/// an error answer (a refusal included) or the agent's DIAL_CLS. Well past
+/// any healthy dial (tens of ms), so that an agent that fails dials at
+/// once is not taken for a fast one: it is tried again once its estimate
+/// has decayed to the others' (about 40 s against 20 ms agents).
+pub(crate) const FAILURE_COST: Duration = Duration::from_secs(1);
 
 /// One agent's dial latency as the less-loaded pick weighs it ("peak
 /// EWMA", as Finagle's and linkerd's balancers): a slower sample is taken
 /// at once, a faster one averaged in over [`DECAY`]; between samples the
-/// estimate decays towards zero. An attempt another agent won is a sample
-/// too (how long it had taken so far, a lower bound): without it, an agent
-/// whose dials are always hedged away would look idle and fast.
+/// estimate decays towards zero. Failures count (at least
+/// [`FAILURE_COST`]), as do timeouts and cancellations (what the attempt
+/// had taken so far, a lower bound that only raises it: an attempt
+/// another agent won, one the frontend cancelled, one that timed out):
+/// without them, an agent whose dials are always hedged away, that fails
+/// them or never answers would look idle and fast. The pick also weighs a
+/// dial still pending on the agent by its age, and never less than the
+/// agents' median.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct PeakEwma {
     /// The estimate at `stamp`, in seconds; `None` until the first sample.
@@ -195,7 +277,7 @@ impl PeakEwma {
         (-since.as_secs_f64() / DECAY.as_secs_f64()).exp()
     }
 
-    /// A dial attempt took `latency` (or at least that long) by `now`.
+    /// A dial attempt took `latency` by `now`.
     pub(crate) fn observe(&mut self, now: Instant, latency: Duration) {
         let sample = latency.as_secs_f64();
         let next = match self.estimate {
@@ -208,11 +290,26 @@ impl PeakEwma {
         self.estimate = Some((next, now));
     }
 
+    /// A dial attempt took at least `latency` by `now` (it was cut short):
+    /// raises the estimate to it if it is higher, else changes nothing.
+    pub(crate) fn observe_at_least(&mut self, now: Instant, latency: Duration) {
+        if self.get(now).is_none_or(|estimate| latency > estimate) {
+            self.estimate = Some((latency.as_secs_f64(), now));
+        }
+    }
+
     /// The estimate at `now`; `None` before any sample.
     pub(crate) fn get(&self, now: Instant) -> Option<Duration> {
         let (cost, stamp) = self.estimate?;
         let decayed = cost * Self::kept(now.saturating_duration_since(stamp));
         Some(Duration::from_secs_f64(decayed))
+    }
+
+    /// The estimate as its latest sample left it, if that was within
+    /// [`VOTE_WINDOW`] of `now` (the agent's vote in [`Median`]).
+    fn latest(&self, now: Instant) -> Option<Duration> {
+        let (cost, stamp) = self.estimate?;
+        (now.saturating_duration_since(stamp) < VOTE_WINDOW).then(|| Duration::from_secs_f64(cost))
     }
 }
 
@@ -292,32 +389,98 @@ mod tests {
     }
 
     #[test]
+    fn a_lower_bound_only_raises_an_estimate() {
+        let t0 = Instant::now();
+        let mut e = PeakEwma::default();
+        e.observe_at_least(t0, Duration::from_millis(5));
+        assert_eq!(
+            e.get(t0),
+            Some(Duration::from_millis(5)),
+            "the first sample"
+        );
+        e.observe_at_least(t0, Duration::from_millis(1));
+        assert_eq!(
+            e.get(t0),
+            Some(Duration::from_millis(5)),
+            "shorter: no news"
+        );
+        e.observe_at_least(t0, Duration::from_secs(3));
+        assert_eq!(e.get(t0), Some(Duration::from_secs(3)), "longer: taken");
+    }
+
+    #[test]
+    fn the_median_is_one_vote_per_agent_dialed_lately() {
+        let t0 = Instant::now();
+        let agent = |ms: u64, at: Instant| {
+            let mut e = PeakEwma::default();
+            e.observe(at, Duration::from_millis(ms));
+            e
+        };
+        let mut m = Median::default();
+        assert!(m.is_stale(t0));
+        m.recompute(t0, [].iter());
+        assert_eq!(m.get(), Duration::ZERO, "no agent sampled");
+        let agents = [agent(0, t0), agent(10, t0), agent(12, t0), agent(500, t0)];
+        m.recompute(t0, agents.iter());
+        assert_eq!(m.get(), Duration::from_millis(10), "the lower median");
+        assert!(!m.is_stale(t0));
+        let two = [agent(2, t0), agent(1002, t0)];
+        m.recompute(t0, two.iter());
+        assert_eq!(m.get(), Duration::from_millis(2), "of two, the faster");
+        // Votes are the latest samples, undecayed, of agents sampled
+        // within VOTE_WINDOW.
+        let t1 = t0 + VOTE_WINDOW;
+        let later = t1 + VOTE_WINDOW / 2;
+        let mixed = [agent(10, t1), agent(10, t1), agent(1, t0)];
+        m.recompute(later, mixed.iter());
+        assert_eq!(m.get(), Duration::from_millis(10));
+        for _ in 0..RECOMPUTE {
+            m.sampled();
+        }
+        assert!(m.is_stale(later), "stale after enough samples");
+        assert!(m.is_stale(later + MEDIAN_REFRESH));
+    }
+
+    #[test]
     fn the_hedge_delay_is_the_percentile_of_the_latest_dials() {
         let mut l = Latencies::default();
         let p95 = HedgeDelay::Percentile(95);
-        assert_eq!(l.delay(p95), BOOTSTRAP, "too few dials seen");
+        assert_eq!(
+            l.delay(p95, Duration::ZERO),
+            BOOTSTRAP,
+            "too few dials seen"
+        );
         for ms in 1..=100 {
             l.observe(Duration::from_millis(ms));
         }
-        assert_eq!(l.delay(p95), Duration::from_millis(95));
+        assert_eq!(l.delay(p95, Duration::ZERO), Duration::from_millis(95));
         assert_eq!(
-            l.delay(HedgeDelay::Percentile(50)),
+            l.delay(HedgeDelay::Percentile(50), Duration::ZERO),
             Duration::from_millis(50)
         );
         assert_eq!(
-            l.delay(HedgeDelay::Fixed(Duration::from_secs(3))),
-            Duration::from_secs(3)
+            l.delay(HedgeDelay::Percentile(50), Duration::from_millis(70)),
+            Duration::from_millis(70),
+            "never below the agents' median"
+        );
+        assert_eq!(
+            l.delay(
+                HedgeDelay::Fixed(Duration::from_secs(3)),
+                Duration::from_secs(9)
+            ),
+            Duration::from_secs(3),
+            "a fixed delay is the operator's"
         );
         // The window forgets: a slower regime takes over.
         for _ in 0..WINDOW {
             l.observe(Duration::from_millis(400));
         }
-        assert_eq!(l.delay(p95), Duration::from_millis(400));
+        assert_eq!(l.delay(p95, Duration::ZERO), Duration::from_millis(400));
         let mut fast = Latencies::default();
         for _ in 0..MIN_SAMPLES {
             fast.observe(Duration::from_micros(50));
         }
-        assert_eq!(fast.delay(p95), FLOOR);
+        assert_eq!(fast.delay(p95, Duration::ZERO), FLOOR);
     }
 
     #[test]

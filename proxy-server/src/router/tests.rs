@@ -833,6 +833,377 @@ fn a_dial_is_hedged_only_where_there_is_another_agent() {
     assert_eq!(b.attempts(7).len(), 1);
 }
 
+// --- Retries and hedges stay inside the strategy that picked ----------------------
+
+/// Strategies `destHost,default`, one retry, hedging after a second (if
+/// `hedge`); agent A says `ipv4=10.0.0.5`, agent B says nothing: a dial to
+/// 10.0.0.5 is A's, by destHost.
+fn dest_host_and_default(hedge: bool) -> (Bench, BackendId, BackendId) {
+    let mut b = Bench::with_policy(
+        &[ProxyStrategy::DestHost, ProxyStrategy::Default],
+        DialPolicy {
+            timeout: Some(LIMIT),
+            retries: 1,
+            hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(1))),
+        },
+    );
+    let a = b.router.add_backend(AgentInfo {
+        agent_id: AgentId("a".to_owned()),
+        identifiers: AgentIdentifiers::parse("ipv4=10.0.0.5"),
+    });
+    let other = b.backend("b");
+    (b, a, other)
+}
+
+fn dial_to(random: i64, address: &str) -> Packet {
+    Packet::dial_request("tcp", address, random)
+}
+
+#[test]
+fn a_refused_dest_host_dial_is_never_retried_on_another_strategy() {
+    let (mut b, a, other) = dest_host_and_default(false);
+    let fe = b.frontend();
+    for random in 1..=20 {
+        let sent = b.fe(fe, dial_to(random, "10.0.0.5:443"));
+        assert!(
+            sent.contains(&format!(
+                "forward fe{fe} -> be{a} dial {random}: DIAL_REQ({random},10.0.0.5:443)"
+            )),
+            "{sent:?}"
+        );
+        b.router.dial_forwarded(b.now, DialId(random), a);
+        let refused = "dial tcp 10.0.0.5:443: connect: connection refused";
+        let answered = b.be(a, Packet::dial_response(random, 0, refused));
+        assert!(
+            !answered.iter().any(|o| o.contains(&format!("be{other}"))),
+            "dial {random} left destHost for be{other}: {answered:?}"
+        );
+        assert!(
+            answered.contains(&format!("fe{fe} <- DIAL_RSP({random},0,{refused})")),
+            "{answered:?}"
+        );
+    }
+    assert_eq!(b.router.pending_count(), 0);
+}
+
+#[test]
+fn a_slow_dest_host_dial_is_never_hedged_on_another_strategy() {
+    let (mut b, a, _other) = dest_host_and_default(true);
+    let fe = b.frontend();
+    b.fe(fe, dial_to(7, "10.0.0.5:443"));
+    b.router.dial_forwarded(b.now, DialId(7), a);
+    b.now += Duration::from_secs(2);
+    assert!(
+        b.step(|r, now, out| r.handle_timeout(now, out)).is_empty(),
+        "no other candidate of destHost 10.0.0.5: no hedge"
+    );
+    assert_eq!(b.attempts(7), [a]);
+}
+
+#[test]
+fn a_dest_host_dial_is_hedged_and_retried_within_its_key() {
+    let (mut b, a, other) = dest_host_and_default(true);
+    let twin = b.router.add_backend(AgentInfo {
+        agent_id: AgentId("twin".to_owned()),
+        identifiers: AgentIdentifiers::parse("ipv4=10.0.0.5"),
+    });
+    let fe = b.frontend();
+    b.fe(fe, dial_to(7, "10.0.0.5:443"));
+    let [first] = b.attempts(7)[..] else {
+        panic!("one attempt")
+    };
+    assert!([a, twin].contains(&first));
+    b.router.dial_forwarded(b.now, DialId(7), first);
+    b.now += Duration::from_secs(1);
+    b.step(|r, now, out| r.handle_timeout(now, out));
+    let hedged = b.attempts(7);
+    assert_eq!(hedged.len(), 2, "hedged within destHost 10.0.0.5");
+    assert!(!hedged.contains(&other));
+    let second = hedged[1];
+    b.router.dial_forwarded(b.now, DialId(7), second);
+    // Both refuse: the budget allows one retry, but no candidate of the
+    // key is left untried, so the dial fails rather than reach `default`.
+    let refused = "dial tcp 10.0.0.5:443: connect: connection refused";
+    b.be(first, Packet::dial_response(7, 0, refused));
+    let last = b.be(second, Packet::dial_response(7, 0, refused));
+    assert!(
+        last.contains(&format!("fe{fe} <- DIAL_RSP(7,0,{refused})")),
+        "{last:?}"
+    );
+}
+
+#[test]
+fn a_dest_host_dial_whose_agent_is_gone_may_fall_through_to_default() {
+    let (mut b, a, other) = dest_host_and_default(true);
+    let fe = b.frontend();
+    b.fe(fe, dial_to(7, "10.0.0.5:443"));
+    b.router.dial_forwarded(b.now, DialId(7), a);
+    let retried = b.step(|r, now, out| r.backend_closed(now, a, out));
+    assert_eq!(
+        retried,
+        strings(&[
+            "count retried agent_gone",
+            &format!("forward fe{fe} -> be{other} dial 7: DIAL_REQ(7,10.0.0.5:443)"),
+        ])
+    );
+    // Now `default`'s: a refusal there is retried within `default` only.
+    let third = b.backend("c");
+    b.router.dial_forwarded(b.now, DialId(7), other);
+    let refused = "dial tcp 10.0.0.5:443: connect: connection refused";
+    b.be(other, Packet::dial_response(7, 0, refused));
+    assert_eq!(
+        b.attempts(7),
+        Vec::<BackendId>::new(),
+        "budget spent by the first retry"
+    );
+    let _ = third;
+}
+
+// --- A pick cannot be won by failing or lying --------------------------------------
+
+/// How a simulated agent answers its dials.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Answers {
+    /// Established after this long; the connection closes after [`HOLD`].
+    After(Duration),
+    /// Established after this long, the first `n` dials; then never answered.
+    ThenSilent(Duration, usize),
+    /// Refused at once.
+    Refused,
+}
+
+/// How long a simulated connection stays open.
+const HOLD: Duration = Duration::from_millis(50);
+
+/// Something a simulated agent does at a given time.
+#[derive(Debug)]
+enum Act {
+    Answer(BackendId, i64),
+    Close(BackendId, i64),
+}
+
+/// A router driven by agents that answer as told, dials arriving at a
+/// steady rate, on a simulated clock.
+struct Sim {
+    b: Bench,
+    fe: FrontendId,
+    agents: Map<BackendId, Answers>,
+    acts: std::collections::BTreeMap<(Instant, u64), Act>,
+    seq: u64,
+    got: Map<BackendId, usize>,
+    next_conn: i64,
+}
+
+impl Sim {
+    fn new(policy: DialPolicy, agents: &[Answers]) -> (Self, Vec<BackendId>) {
+        let mut b = Bench::with_policy(&[ProxyStrategy::Default], policy);
+        let ids: Vec<BackendId> = (0..agents.len())
+            .map(|n| b.backend(&format!("agent-{n}")))
+            .collect();
+        let fe = b.frontend();
+        let sim = Self {
+            b,
+            fe,
+            agents: ids.iter().copied().zip(agents.iter().copied()).collect(),
+            acts: std::collections::BTreeMap::new(),
+            seq: 0,
+            got: Map::new(),
+            next_conn: 1,
+        };
+        (sim, ids)
+    }
+
+    fn at(&mut self, when: Instant, act: Act) {
+        self.seq += 1;
+        self.acts.insert((when, self.seq), act);
+    }
+
+    /// Carries out the router's outputs as the transports would: every
+    /// DIAL_REQ goes out at once, and its agent's answer is scheduled.
+    fn carry(&mut self, out: Vec<Out>) {
+        self.b.track(&out);
+        for o in out {
+            let Out::Forward { backend, dial, .. } = o else {
+                continue;
+            };
+            let n = self.got.entry(backend).or_default();
+            *n += 1;
+            let nth = *n;
+            self.b.router.dial_forwarded(self.b.now, dial, backend);
+            let now = self.b.now;
+            match self.agents[&backend] {
+                Answers::After(took) => self.at(now + took, Act::Answer(backend, dial.0)),
+                Answers::ThenSilent(took, n) if nth <= n => {
+                    self.at(now + took, Act::Answer(backend, dial.0));
+                }
+                Answers::ThenSilent(..) => {}
+                Answers::Refused => {
+                    let refused = "dial tcp 10.0.0.1:80: connect: connection refused";
+                    let mut out = Vec::new();
+                    let rsp = Packet::dial_response(dial.0, 0, refused);
+                    self.b.router.backend_packet(now, backend, rsp, &mut out);
+                    self.carry(out);
+                }
+            }
+        }
+    }
+
+    fn act(&mut self, act: Act) {
+        let now = self.b.now;
+        let mut out = Vec::new();
+        match act {
+            Act::Answer(be, random) => {
+                let conn = self.next_conn;
+                self.next_conn += 1;
+                let rsp = Packet::dial_response(random, conn, "");
+                self.b.router.backend_packet(now, be, rsp, &mut out);
+                if out.iter().any(|o| matches!(o, Out::Established { .. })) {
+                    self.at(now + HOLD, Act::Close(be, conn));
+                }
+            }
+            Act::Close(be, conn) => {
+                let rsp = Packet::close_response(conn, "");
+                self.b.router.backend_packet(now, be, rsp, &mut out);
+            }
+        }
+        self.carry(out);
+    }
+
+    /// Runs `dials` dials, one every `every`, and everything they cause.
+    fn run(&mut self, dials: i64, every: Duration) {
+        let mut next_dial = self.b.now;
+        let mut sent = 0;
+        while sent < dials || !self.acts.is_empty() {
+            let act_at = self.acts.keys().next().map(|(at, _)| *at);
+            let timer = self.b.router.poll_timeout();
+            let dial_at = (sent < dials).then_some(next_dial);
+            let Some(now) = [act_at, timer, dial_at].into_iter().flatten().min() else {
+                break;
+            };
+            self.b.now = self.b.now.max(now);
+            if act_at == Some(now) {
+                let key = *self.acts.keys().next().expect("an act is due");
+                let act = self.acts.remove(&key).expect("looked up");
+                self.act(act);
+            } else if timer == Some(now) {
+                let mut out = Vec::new();
+                self.b.router.handle_timeout(now, &mut out);
+                self.carry(out);
+            } else {
+                sent += 1;
+                let mut out = Vec::new();
+                let packet = Packet::dial_request("tcp", "10.0.0.1:80", sent);
+                self.b
+                    .router
+                    .frontend_packet(now, self.fe, packet, &mut out);
+                self.carry(out);
+                next_dial = now + every;
+            }
+        }
+    }
+}
+
+#[test]
+fn an_agent_that_stops_answering_stops_winning_dials() {
+    let fast = Duration::from_millis(10);
+    let (mut sim, ids) = Sim::new(
+        DialPolicy {
+            timeout: Some(LIMIT),
+            retries: 0,
+            hedge: None,
+        },
+        &[
+            Answers::ThenSilent(Duration::from_millis(1), 1),
+            Answers::After(fast),
+            Answers::After(fast),
+        ],
+    );
+    // Fifty a second for a minute: 3,000 dials, 1,000 each if shared
+    // evenly; each dial it takes is pending until LIMIT.
+    sim.run(3000, Duration::from_millis(20));
+    let silent = sim.got.get(&ids[0]).copied().unwrap_or(0);
+    assert!(
+        silent <= 10,
+        "an agent that never answers got {silent} of 3000 dials: {:?}",
+        sim.got
+    );
+}
+
+#[test]
+fn an_agent_that_refuses_every_dial_at_once_gets_no_more_than_its_share() {
+    let fast = Duration::from_millis(10);
+    let (mut sim, ids) = Sim::new(
+        DialPolicy {
+            timeout: Some(LIMIT),
+            retries: 1,
+            hedge: None,
+        },
+        &[Answers::Refused, Answers::After(fast), Answers::After(fast)],
+    );
+    sim.run(3000, Duration::from_millis(20));
+    let refusing = sim.got.get(&ids[0]).copied().unwrap_or(0);
+    // Its fair share is 1,000; each refusal weighs as a dial that took
+    // `dials::FAILURE_COST`, so it is tried again only once that decayed.
+    assert!(
+        refusing <= 10,
+        "an agent that refuses every dial got {refusing} of 3000: {:?}",
+        sim.got
+    );
+}
+
+#[test]
+fn an_agent_that_answers_instantly_gets_a_bounded_share() {
+    let fast = Duration::from_millis(10);
+    let (mut sim, ids) = Sim::new(
+        DialPolicy {
+            timeout: Some(LIMIT),
+            retries: 1,
+            hedge: Some(HedgeDelay::Percentile(95)),
+        },
+        &[
+            Answers::After(Duration::ZERO),
+            Answers::After(fast),
+            Answers::After(fast),
+            Answers::After(fast),
+        ],
+    );
+    sim.run(2000, Duration::from_millis(20));
+    let liar = sim.got.get(&ids[0]).copied().unwrap_or(0);
+    let total: usize = sim.got.values().sum();
+    // Fair: a quarter (500 of 2000). Without the floor it would win every
+    // pair it is in (7/16 of the dials, 875).
+    assert!(
+        liar * 4 <= total * 5 / 4,
+        "an agent that answers at once got {liar} of {total}: {:?}",
+        sim.got
+    );
+}
+
+#[test]
+fn the_hedge_delay_never_falls_below_the_agents_median() {
+    let fast = Duration::from_millis(10);
+    let (mut sim, _ids) = Sim::new(
+        DialPolicy {
+            timeout: Some(LIMIT),
+            retries: 0,
+            hedge: Some(HedgeDelay::Percentile(50)),
+        },
+        &[
+            Answers::After(Duration::ZERO),
+            Answers::After(fast),
+            Answers::After(fast),
+            Answers::After(fast),
+        ],
+    );
+    sim.run(2000, Duration::from_millis(20));
+    let now = sim.b.now;
+    let delay = sim.b.router.hedge_delay(now);
+    assert!(
+        delay >= fast,
+        "the hedge delay fell to {delay:?}, below the agents' median {fast:?}"
+    );
+}
+
 // --- DIAL_CLS -----------------------------------------------------------------
 
 #[test]
@@ -1305,7 +1676,9 @@ fn unknown_packet_types_are_ignored_on_both_sides() {
 #[derive(Debug, Clone)]
 enum Step {
     Frontend(bool),
-    Backend,
+    /// An agent; with `true`, it announces `ipv4=10.0.0.1`, every dial's
+    /// destination.
+    Backend(bool),
     Dial(usize, i64),
     Forwarded(usize, i64),
     /// Every DIAL_REQ waiting to go out goes (as the drivers do).
@@ -1334,7 +1707,7 @@ fn step() -> impl Strategy<Value = Step> {
     let conn = 0i64..5;
     prop_oneof![
         any::<bool>().prop_map(Step::Frontend),
-        Just(Step::Backend),
+        any::<bool>().prop_map(Step::Backend),
         (slot.clone(), random.clone()).prop_map(|(f, r)| Step::Dial(f, r)),
         (slot.clone(), random.clone()).prop_map(|(b, r)| Step::Forwarded(b, r)),
         Just(Step::ForwardAll),
@@ -1371,6 +1744,13 @@ struct Watch {
     /// The agents each dial (by random) was sent to and neither answered,
     /// cancelled nor ended.
     inflight: Map<i64, Set<BackendId>>,
+    /// Agents that announced the dials' destination (destHost's).
+    matching: Set<BackendId>,
+    /// Whether each pending dial's first DIAL_REQ went to one of them.
+    first_matching: Map<i64, bool>,
+    /// Pending dials one of whose agents went away (ended, or closed
+    /// before its DIAL_REQ went out): only they may leave destHost.
+    agent_gone: Set<i64>,
 }
 
 impl Watch {
@@ -1389,6 +1769,23 @@ impl Watch {
                         dial,
                         backend
                     );
+                    let matching = self.matching.contains(backend);
+                    match self.first_matching.get(&dial.0) {
+                        None => {
+                            self.first_matching.insert(dial.0, matching);
+                        }
+                        Some(true) => prop_assert!(
+                            matching || self.agent_gone.contains(&dial.0),
+                            "dial {} left destHost for be{} with its agent alive",
+                            dial,
+                            backend
+                        ),
+                        Some(false) => {}
+                    }
+                }
+                Out::Settled(dial) => {
+                    self.first_matching.remove(&dial.0);
+                    self.agent_gone.remove(&dial.0);
                 }
                 Out::ToBackend(be, packet) => {
                     if let PacketKind::DialCls(cls) = packet.clone().into_kind() {
@@ -1478,13 +1875,19 @@ proptest! {
         steps in proptest::collection::vec(step(), 1..120),
         retries in 0u32..3,
         hedge in any::<bool>(),
+        dest_host in any::<bool>(),
     ) {
         let policy = DialPolicy {
             timeout: Some(LIMIT),
             retries,
             hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(2))),
         };
-        let mut b = Bench::with_policy(&[ProxyStrategy::Default], policy);
+        let strategies: &[ProxyStrategy] = if dest_host {
+            &[ProxyStrategy::DestHost, ProxyStrategy::Default]
+        } else {
+            &[ProxyStrategy::Default]
+        };
+        let mut b = Bench::with_policy(strategies, policy);
         let mut frontends: Vec<FrontendId> = Vec::new();
         let mut backends: Vec<BackendId> = Vec::new();
         let mut watch = Watch::default();
@@ -1500,7 +1903,17 @@ proptest! {
             let now = b.now;
             match s {
                 Step::Frontend(connect) => frontends.push(if connect { b.connect_frontend() } else { b.frontend() }),
-                Step::Backend => backends.push(b.router.add_backend(info("agent"))),
+                Step::Backend(matching) => {
+                    let ids = if matching { "ipv4=10.0.0.1" } else { "" };
+                    let x = b.router.add_backend(AgentInfo {
+                        agent_id: AgentId("agent".to_owned()),
+                        identifiers: AgentIdentifiers::parse(ids),
+                    });
+                    if matching && dest_host {
+                        watch.matching.insert(x);
+                    }
+                    backends.push(x);
+                }
                 Step::Dial(f, r) => if let Some(f) = fe(f) {
                     *watch.requests.entry((f, r)).or_default() += 1;
                     b.router.frontend_packet(now, f, dial(r), &mut out);
@@ -1533,8 +1946,11 @@ proptest! {
                 },
                 Step::NotForwarded(f, i, r, timed_out) => if let (Some(f), Some(x)) = (fe(f), be(i)) {
                     let why = if timed_out { ForwardFailure::TimedOut } else { ForwardFailure::Closed };
-                    if b.router.pending.get(&DialId(r)).is_some_and(|d| d.frontend == f) {
+                    if b.router.pending.get(&DialId(r)).is_some_and(|d| d.frontend == f && d.on(x)) {
                         watch.agent_done(x, r);
+                        if !timed_out {
+                            watch.agent_gone.insert(r);
+                        }
                     }
                     b.router.dial_not_forwarded(now, f, DialId(r), x, why, &mut out);
                 },
@@ -1559,6 +1975,11 @@ proptest! {
                     frontends.retain(|x| *x != f);
                 },
                 Step::BackendEnds(i) => if let Some(x) = be(i) {
+                    for (random, agents) in &watch.inflight {
+                        if agents.contains(&x) {
+                            watch.agent_gone.insert(*random);
+                        }
+                    }
                     b.router.backend_closed(b.now, x, &mut out);
                     backends.retain(|y| *y != x);
                     watch.owners.retain(|(owner, _), _| *owner != x);
