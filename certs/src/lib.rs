@@ -161,6 +161,26 @@ impl Ca {
         )
     }
 
+    /// TLS client certificate (clientAuth EKU) naming `sans` as
+    /// [`server_cert`](Self::server_cert) does: an agent's names and
+    /// addresses, to which proxy-server's `--verify-agent-identifiers`
+    /// binds the identifiers it announces.
+    ///
+    /// # Errors
+    ///
+    /// As [`server_cert`](Self::server_cert).
+    pub fn client_cert_naming(
+        &self,
+        common_name: &str,
+        sans: &[String],
+    ) -> Result<CertKey, rcgen::Error> {
+        self.leaf(
+            common_name,
+            sans.to_vec(),
+            ExtendedKeyUsagePurpose::ClientAuth,
+        )
+    }
+
     /// TLS client certificate (clientAuth EKU), no SANs.
     ///
     /// # Errors

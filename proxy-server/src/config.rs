@@ -134,6 +134,12 @@ pub struct Args {
     /// Ordered, comma-separated backend selection strategies: default, destHost, defaultRoute.
     #[arg(long, default_value = "default")]
     pub proxy_strategies: String,
+    /// With client certificates (--cluster-ca-cert): accept an agent's
+    /// host=, ipv4= and ipv6= identifiers only when its certificate names
+    /// them among its subject alternative names (DNS names, IP addresses),
+    /// and no cidr=; an agent that claims more is refused (konnectivity-rs).
+    #[arg(long, go_bool = Some(false))]
+    pub verify_agent_identifiers: bool,
     /// Comma-separated TLS cipher suites (IANA names) of both listeners;
     /// repeating the flag appends.
     #[arg(long, default_value = "[]", action = ArgAction::Append)]
@@ -424,6 +430,8 @@ pub struct Config {
     pub strategies: Vec<ProxyStrategy>,
     /// `--max-agent-queue-bytes`.
     pub max_agent_queue_bytes: usize,
+    /// `--verify-agent-identifiers`.
+    pub verify_agent_identifiers: bool,
     /// `--max-tls-handshakes`.
     pub max_tls_handshakes: usize,
     /// `--max-http-connections`.
@@ -564,6 +572,12 @@ impl TryFrom<Args> for Config {
         let lease = lease(&args)?;
         let strategies = parse_strategies(&args.proxy_strategies)
             .map_err(|reason| invalid("proxy-strategies", reason))?;
+        if args.verify_agent_identifiers && given_path(args.cluster_ca_cert.as_ref()).is_none() {
+            return Err(invalid(
+                "verify-agent-identifiers",
+                "requires --cluster-ca-cert: without client certificates there is nothing to bind agent identifiers to",
+            ));
+        }
         let server_id = if args.server_id.is_empty() {
             ServerId(uuid::Uuid::new_v4().to_string())
         } else {
@@ -582,6 +596,7 @@ impl TryFrom<Args> for Config {
             server_count: args.server_count,
             strategies,
             max_agent_queue_bytes: args.max_agent_queue_bytes,
+            verify_agent_identifiers: args.verify_agent_identifiers,
             max_tls_handshakes: args.max_tls_handshakes,
             max_http_connections: args.max_http_connections,
             frontend_stall_timeout: nonzero(args.frontend_stall_timeout),
@@ -1022,6 +1037,10 @@ mod tests {
                 "--enable-contention-profiling",
             ),
             (with(&["--proxy-strategies=random"]), "--proxy-strategies"),
+            (
+                with(&["--verify-agent-identifiers=true"]),
+                "--verify-agent-identifiers: requires --cluster-ca-cert",
+            ),
             (with(&["--server-count=0"]), "--server-count"),
             (with(&["--lease-label="]), "--lease-label"),
             (

@@ -433,6 +433,7 @@ fn agent_server(
         flow_version: config.flow_version,
         token_auth,
         queue_bytes: config.max_agent_queue_bytes,
+        verify_identifiers: config.verify_agent_identifiers,
     });
     let metrics = control.metrics.clone();
     let handshakes = tls.clone();

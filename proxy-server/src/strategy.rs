@@ -102,6 +102,36 @@ impl AgentIdentifiers {
     }
 }
 
+impl AgentIdentifiers {
+    /// With `--verify-agent-identifiers`: the first identifier that the
+    /// agent's certificate, whose names are `names`, does not name, as the
+    /// agent wrote it (`host=…`, `ipv4=…`, `ipv6=…`, `cidr=…`); `None` when
+    /// it names them all. A `host=` must be one of its DNS names (ASCII
+    /// case aside), an `ipv4=`/`ipv6=` one of its IP addresses; a `cidr=` is
+    /// never named (no standard name type holds a range).
+    /// `default-route=` claims no address and is not checked.
+    pub fn uncertified(&self, names: &ops::tls::files::AltNames) -> Option<String> {
+        if let Some(host) = self
+            .hosts
+            .iter()
+            .find(|host| !names.dns.iter().any(|dns| dns.eq_ignore_ascii_case(host)))
+        {
+            return Some(format!("host={host}"));
+        }
+        let named = |ip: &String| {
+            ip.parse::<IpAddr>()
+                .is_ok_and(|addr| names.ips.contains(&addr))
+        };
+        if let Some(ip) = self.ipv4.iter().find(|ip| !named(ip)) {
+            return Some(format!("ipv4={ip}"));
+        }
+        if let Some(ip) = self.ipv6.iter().find(|ip| !named(ip)) {
+            return Some(format!("ipv6={ip}"));
+        }
+        self.cidrs.first().map(|net| format!("cidr={net}"))
+    }
+}
+
 /// The host part of a dial address as ANP's `RemovePortFromHost` gives it:
 /// `[v6]:port` → `v6`, a bare IPv6 address unchanged, else up to the first `:`.
 pub fn host_of(address: &str) -> &str {
@@ -156,6 +186,35 @@ mod tests {
             ["node-1", "node-a", "10.0.0.1", "::1"]
         );
         assert!(!AgentIdentifiers::parse("default-route=maybe").default_route);
+    }
+
+    #[test]
+    fn only_identifiers_the_certificate_names_are_certified() {
+        let names = ops::tls::files::AltNames {
+            dns: vec!["Node-A".to_owned()],
+            ips: vec!["10.0.0.5".parse().unwrap(), "fd00::5".parse().unwrap()],
+        };
+        let check = |query: &str| AgentIdentifiers::parse(query).uncertified(&names);
+        assert_eq!(check(""), None);
+        assert_eq!(check("host=node-a&ipv4=10.0.0.5&ipv6=fd00::5"), None);
+        assert_eq!(check("default-route=true"), None, "claims no address");
+        assert_eq!(check("host=node-b"), Some("host=node-b".to_owned()));
+        assert_eq!(check("ipv4=10.0.0.6"), Some("ipv4=10.0.0.6".to_owned()));
+        assert_eq!(
+            check("ipv4=010.0.0.5"),
+            Some("ipv4=010.0.0.5".to_owned()),
+            "as written"
+        );
+        assert_eq!(check("ipv6=fd00::6"), Some("ipv6=fd00::6".to_owned()));
+        assert_eq!(
+            check("host=node-a&cidr=10.0.0.0/24"),
+            Some("cidr=10.0.0.0/24".to_owned())
+        );
+        assert_eq!(
+            AgentIdentifiers::parse("host=node-a").uncertified(&Default::default()),
+            Some("host=node-a".to_owned()),
+            "a certificate without names names nothing"
+        );
     }
 
     #[test]

@@ -192,6 +192,7 @@ impl TestServer {
             server_count: opts.server_count,
             strategies: opts.strategies.clone(),
             max_agent_queue_bytes: opts.max_agent_queue_bytes,
+            verify_agent_identifiers: false,
             max_tls_handshakes: opts.max_tls_handshakes,
             max_http_connections: 65_536,
             frontend_stall_timeout: opts.frontend_stall_timeout,

@@ -384,6 +384,42 @@ pub fn earliest_expiry(certs: &[CertificateDer<'_>]) -> Option<i64> {
         .min()
 }
 
+/// The subject alternative names of a certificate that name a peer: its
+/// DNS names and IP addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AltNames {
+    /// DNS names, as written.
+    pub dns: Vec<String>,
+    /// IP addresses.
+    pub ips: Vec<std::net::IpAddr>,
+}
+
+/// The DNS and IP subject alternative names of `cert` (none without the
+/// extension); `None` if it does not parse as X.509.
+pub fn alt_names(cert: &CertificateDer<'_>) -> Option<AltNames> {
+    use x509_parser::extensions::GeneralName;
+
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let mut names = AltNames::default();
+    let Ok(Some(san)) = parsed.subject_alternative_name() else {
+        return Some(names);
+    };
+    for name in &san.value.general_names {
+        match name {
+            GeneralName::DNSName(dns) => names.dns.push((*dns).to_owned()),
+            GeneralName::IPAddress(bytes) => {
+                if let Ok(v4) = <[u8; 4]>::try_from(*bytes) {
+                    names.ips.push(v4.into());
+                } else if let Ok(v6) = <[u8; 16]>::try_from(*bytes) {
+                    names.ips.push(v6.into());
+                }
+            }
+            _ => {}
+        }
+    }
+    Some(names)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -547,5 +583,37 @@ mod tests {
             .unwrap()
             .as_secs();
         assert!(expiry("cluster.crt") > i64::try_from(now).unwrap());
+    }
+
+    #[test]
+    fn alt_names_are_a_certificates_dns_names_and_addresses() {
+        let ca = certs::Ca::new("ca").unwrap();
+        let leaf = ca
+            .client_cert_naming(
+                "node-a",
+                &[
+                    "node-a".to_owned(),
+                    "10.0.0.5".to_owned(),
+                    "fd00::5".to_owned(),
+                ],
+            )
+            .unwrap();
+        let der = rustls_pki_types::pem::PemObject::from_pem_slice(leaf.cert_pem.as_bytes())
+            .map(|c: CertificateDer<'static>| c)
+            .unwrap();
+        let names = alt_names(&der).unwrap();
+        assert_eq!(names.dns, ["node-a"]);
+        assert_eq!(
+            names.ips,
+            [
+                "10.0.0.5".parse::<std::net::IpAddr>().unwrap(),
+                "fd00::5".parse().unwrap()
+            ]
+        );
+        let plain = ca.client_cert("proxy-agent").unwrap();
+        let der: CertificateDer<'static> =
+            rustls_pki_types::pem::PemObject::from_pem_slice(plain.cert_pem.as_bytes()).unwrap();
+        assert_eq!(alt_names(&der), Some(AltNames::default()), "no SANs");
+        assert_eq!(alt_names(&CertificateDer::from(vec![1, 2, 3])), None);
     }
 }

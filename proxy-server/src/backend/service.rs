@@ -46,6 +46,9 @@ pub(crate) struct AgentServiceImpl {
     /// Bytes queued towards one agent before its senders wait
     /// (`--max-agent-queue-bytes`).
     pub(crate) queue_bytes: usize,
+    /// Accept only identifiers the agent's certificate names
+    /// (`--verify-agent-identifiers`).
+    pub(crate) verify_identifiers: bool,
 }
 
 /// Reads the single value of a metadata key that must appear exactly once.
@@ -81,6 +84,28 @@ fn identifiers(request: &Request<Streaming<Packet>>) -> Result<AgentIdentifiers,
         many => Err(Status::invalid_argument(format!(
             "expected at most one agent identifiers value, got {}",
             many.len()
+        ))),
+    }
+}
+
+/// With `--verify-agent-identifiers`: refuses identifiers the agent's
+/// client certificate does not name.
+fn certified(
+    request: &Request<Streaming<Packet>>,
+    identifiers: &AgentIdentifiers,
+) -> Result<(), Status> {
+    let certs = request.peer_certs();
+    let Some(leaf) = certs.as_deref().and_then(|chain| chain.first()) else {
+        return Err(Status::permission_denied(
+            "--verify-agent-identifiers: the agent presented no client certificate",
+        ));
+    };
+    let names = ops::tls::files::alt_names(leaf).unwrap_or_default();
+    match identifiers.uncertified(&names) {
+        None => Ok(()),
+        Some(claim) => Err(Status::permission_denied(format!(
+            "agent identifier {claim} is not named by the agent's client certificate (--verify-agent-identifiers: its subject alternative names are DNS {:?}, IP {:?})",
+            names.dns, names.ips
         ))),
     }
 }
@@ -139,6 +164,14 @@ impl AgentServiceImpl {
                 },
                 scheme(request, self.flow_window, self.flow_version)?,
             ))
+        });
+        let checked = checked.and_then(|(info, scheme)| {
+            if self.verify_identifiers {
+                certified(request, &info.identifiers).inspect_err(|status| {
+                    warn!(peer.addr = ?peer, agent.id = %info.agent_id, error = %status.message(), "agent refused");
+                })?;
+            }
+            Ok((info, scheme))
         });
         if let Err(status) = &checked {
             debug!(peer.addr = ?peer, error = %status.message(), "agent refused");

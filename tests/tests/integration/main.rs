@@ -10,6 +10,7 @@ mod agent_protocol;
 mod agent_proxy;
 mod anp_surface;
 mod cert_rotation;
+mod certified_identifiers;
 mod cli;
 mod data_path;
 mod data_path_modules;
