@@ -26,7 +26,7 @@ pub mod header;
 pub mod packet;
 
 pub use generated::{
-    CloseDial, CloseRequest, CloseResponse, Data, DialRequest, DialResponse, Drain, Packet,
-    PacketType, agent_service_client, agent_service_server, packet::Payload, proxy_service_client,
-    proxy_service_server,
+    CloseDial, CloseRequest, CloseResponse, Data, DialErrorClass, DialRequest, DialResponse, Drain,
+    Packet, PacketType, agent_service_client, agent_service_server, packet::Payload,
+    proxy_service_client, proxy_service_server,
 };

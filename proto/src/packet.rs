@@ -8,8 +8,8 @@
 use bytes::Bytes;
 
 use crate::{
-    CloseDial, CloseRequest, CloseResponse, Data, DialRequest, DialResponse, Drain, Packet,
-    PacketType, Payload,
+    CloseDial, CloseRequest, CloseResponse, Data, DialErrorClass, DialRequest, DialResponse, Drain,
+    Packet, PacketType, Payload,
 };
 
 /// The names of ANP's packet types (`PacketType`'s enum names) by their
@@ -39,12 +39,19 @@ impl Packet {
 
     /// `DIAL_RSP{random, connectID, error}`; an empty `error` means success.
     pub fn dial_response(random: i64, connect_id: i64, error: &str) -> Self {
+        Self::dial_failure(random, connect_id, error, DialErrorClass::Unspecified)
+    }
+
+    /// `DIAL_RSP{random, connectID, error, errorClass}`: a failed dial's
+    /// text and, for servers that read it (ours), its class.
+    pub fn dial_failure(random: i64, connect_id: i64, error: &str, class: DialErrorClass) -> Self {
         Self::new(
             PacketType::DialRsp,
             Payload::DialResponse(DialResponse {
                 error: error.to_owned(),
                 connect_id,
                 random,
+                error_class: class as i32,
             }),
         )
     }
@@ -251,6 +258,14 @@ mod tests {
                 ],
             ),
             (
+                // type 1; field 3 (dialResponse) = { 1:"e", 3:5, 100:1 }:
+                // the error class is field 100 (tag 800, varint a0 06).
+                Packet::dial_failure(5, 0, "e", DialErrorClass::Refused),
+                vec![
+                    0x08, 0x01, 0x1a, 0x08, 0x0a, 0x01, b'e', 0x18, 0x05, 0xa0, 0x06, 0x01,
+                ],
+            ),
+            (
                 // type 2; field 5 (closeRequest) = { 1:7 }
                 Packet::close_request(7),
                 vec![0x08, 0x02, 0x2a, 0x02, 0x08, 0x07],
@@ -281,6 +296,49 @@ mod tests {
             let decoded = Packet::decode(bytes.as_slice()).unwrap();
             assert_eq!(decoded, packet, "decoding {}", packet.type_name());
         }
+    }
+
+    /// ANP's DialResponse, as its own `.proto` declares it: three fields.
+    #[derive(Clone, PartialEq, ::prost::Message)]
+    struct AnpDialResponse {
+        #[prost(string, tag = "1")]
+        error: String,
+        #[prost(int64, tag = "2")]
+        connect_id: i64,
+        #[prost(int64, tag = "3")]
+        random: i64,
+    }
+
+    /// An ANP server reading our DIAL_RSP skips the error class (an
+    /// unknown field) and sees the same answer; ours reading an ANP
+    /// agent's sees no class, and reads the text.
+    #[test]
+    fn the_error_class_is_invisible_to_anp_and_absent_from_its_agents() {
+        let ours = DialResponse {
+            error: "dial tcp 10.0.0.1:80: connect: connection refused".to_owned(),
+            connect_id: 0,
+            random: 9,
+            error_class: DialErrorClass::Refused as i32,
+        };
+        let anp = AnpDialResponse::decode(ours.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(
+            anp,
+            AnpDialResponse {
+                error: ours.error.clone(),
+                connect_id: 0,
+                random: 9
+            }
+        );
+        let back = DialResponse::decode(anp.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(back.error_class(), DialErrorClass::Unspecified);
+        assert_eq!(back.error, ours.error);
+        // A class this build does not know reads as unspecified.
+        let mut future = ours.encode_to_vec();
+        let last = future.len() - 1;
+        future[last] = 0x63;
+        let read = DialResponse::decode(future.as_slice()).unwrap();
+        assert_eq!(read.error_class, 0x63);
+        assert_eq!(read.error_class(), DialErrorClass::Unspecified);
     }
 
     #[test]

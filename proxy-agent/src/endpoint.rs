@@ -286,6 +286,24 @@ impl EndpointDialError {
         }
     }
 
+    /// Its class, as the server is told it beside the text.
+    pub fn class(&self) -> proto::DialErrorClass {
+        use proto::DialErrorClass as Class;
+        match self {
+            Self::Connect { source, .. } => match source.kind() {
+                io::ErrorKind::ConnectionRefused => Class::Refused,
+                io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => {
+                    Class::Unreachable
+                }
+                io::ErrorKind::TimedOut => Class::Timeout,
+                _ => Class::Other,
+            },
+            Self::Timeout { .. } => Class::Timeout,
+            Self::NoSuchHost { .. } => Class::NoSuchHost,
+            Self::UnknownNetwork { .. } | Self::MissingPort { .. } => Class::Other,
+        }
+    }
+
     /// How `endpoint_dial_failure_total` counts it.
     pub(crate) fn failure(&self) -> EndpointDialFailure {
         if self.is_timeout() {
@@ -293,6 +311,12 @@ impl EndpointDialError {
         } else {
             EndpointDialFailure::Unknown
         }
+    }
+}
+
+impl crate::table::DialFailed for EndpointDialError {
+    fn class(&self) -> proto::DialErrorClass {
+        Self::class(self)
     }
 }
 
@@ -636,6 +660,42 @@ mod tests {
             err.to_string(),
             format!("dial tcp {addr}: connect: connection refused")
         );
+        assert_eq!(err.class(), proto::DialErrorClass::Refused);
+    }
+
+    #[test]
+    fn each_failure_has_its_class() {
+        use proto::DialErrorClass as Class;
+        let connect = |kind| EndpointDialError::Connect {
+            addr: "10.0.0.1:80".parse().unwrap(),
+            source: io::Error::from(kind),
+        };
+        let address = "10.0.0.1:80".to_owned();
+        for (error, class) in [
+            (connect(io::ErrorKind::ConnectionRefused), Class::Refused),
+            (connect(io::ErrorKind::HostUnreachable), Class::Unreachable),
+            (
+                connect(io::ErrorKind::NetworkUnreachable),
+                Class::Unreachable,
+            ),
+            (connect(io::ErrorKind::TimedOut), Class::Timeout),
+            (connect(io::ErrorKind::PermissionDenied), Class::Other),
+            (
+                EndpointDialError::Timeout {
+                    address: address.clone(),
+                },
+                Class::Timeout,
+            ),
+            (
+                EndpointDialError::NoSuchHost {
+                    address: address.clone(),
+                },
+                Class::NoSuchHost,
+            ),
+            (EndpointDialError::MissingPort { address }, Class::Other),
+        ] {
+            assert_eq!(error.class(), class, "{error}");
+        }
     }
 
     #[tokio::test]

@@ -35,6 +35,28 @@ use tunnel::{
     ids::{ConnId, DialId},
 };
 
+/// A failed dial as the server is told it: its text (what ANP's agents
+/// send) and its class (`DialResponse.errorClass`, which ours add).
+pub trait DialFailed: std::fmt::Display {
+    /// Its class; the server retries a refused or unreachable dial on
+    /// another agent by it.
+    fn class(&self) -> proto::DialErrorClass;
+}
+
+/// A bare text: no class, as ANP's agents answer.
+impl DialFailed for String {
+    fn class(&self) -> proto::DialErrorClass {
+        proto::DialErrorClass::Unspecified
+    }
+}
+
+/// A bare text: no class, as ANP's agents answer.
+impl DialFailed for &str {
+    fn class(&self) -> proto::DialErrorClass {
+        proto::DialErrorClass::Unspecified
+    }
+}
+
 /// What the stream's reader does for one packet.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Step<D, C> {
@@ -216,12 +238,8 @@ impl<D: Clone, C> StreamTable<D, C> {
     }
 
     /// The dial of `ticket` ended with `outcome` (the connection's handle,
-    /// or why it failed, whose text goes to the server).
-    pub fn dialed<E: std::fmt::Display>(
-        &mut self,
-        ticket: DialTicket,
-        outcome: Result<C, E>,
-    ) -> Dialed {
+    /// or why it failed, whose text and class go to the server).
+    pub fn dialed<E: DialFailed>(&mut self, ticket: DialTicket, outcome: Result<C, E>) -> Dialed {
         let dial = ticket.dial;
         if self
             .dials
@@ -241,7 +259,7 @@ impl<D: Clone, C> StreamTable<D, C> {
                 }
             }
             Err(error) => Dialed::Failed {
-                reply: Packet::dial_response(dial.0, 0, &error.to_string()),
+                reply: Packet::dial_failure(dial.0, 0, &error.to_string(), error.class()),
             },
         }
     }

@@ -926,7 +926,7 @@ impl Router {
                 .and_then(|a| a.forwarded)
                 .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
             self.sample(now, be, took.max(FAILURE_COST), false);
-            let end = if retryable(&rsp.error) {
+            let end = if retryable(&rsp) {
                 AttemptEnd::Retry(
                     DialRetry::Refused,
                     DialFailure::ErrorResponse,

@@ -26,6 +26,12 @@ pub struct DialResponse {
     /// The dial id of the DialRequest this answers.
     #[prost(int64, tag = "3")]
     pub random: i64,
+    /// konnectivity-rs: the class of a failed dial, beside its text, for the
+    /// server's retry decision. ANP's agents never set it (the server then
+    /// reads the text) and ANP's servers skip it as an unknown field. Numbered
+    /// far from ANP's fields so that one ANP adds cannot collide with it.
+    #[prost(enumeration = "DialErrorClass", tag = "100")]
+    pub error_class: i32,
 }
 /// Asks to close an established connection.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -126,6 +132,51 @@ impl PacketType {
             "DATA" => Some(Self::Data),
             "DIAL_CLS" => Some(Self::DialCls),
             "DRAIN" => Some(Self::Drain),
+            _ => None,
+        }
+    }
+}
+/// Why a dial failed (DialResponse.errorClass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum DialErrorClass {
+    /// Not given (an ANP agent, or a success): the text is all there is.
+    Unspecified = 0,
+    /// The destination refused the connection (ECONNREFUSED).
+    Refused = 1,
+    /// This node has no route to the destination (EHOSTUNREACH, ENETUNREACH).
+    Unreachable = 2,
+    /// The dial took too long.
+    Timeout = 3,
+    /// The name did not resolve.
+    NoSuchHost = 4,
+    /// Any other failure.
+    Other = 5,
+}
+impl DialErrorClass {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "DIAL_ERROR_CLASS_UNSPECIFIED",
+            Self::Refused => "DIAL_ERROR_CLASS_REFUSED",
+            Self::Unreachable => "DIAL_ERROR_CLASS_UNREACHABLE",
+            Self::Timeout => "DIAL_ERROR_CLASS_TIMEOUT",
+            Self::NoSuchHost => "DIAL_ERROR_CLASS_NO_SUCH_HOST",
+            Self::Other => "DIAL_ERROR_CLASS_OTHER",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "DIAL_ERROR_CLASS_UNSPECIFIED" => Some(Self::Unspecified),
+            "DIAL_ERROR_CLASS_REFUSED" => Some(Self::Refused),
+            "DIAL_ERROR_CLASS_UNREACHABLE" => Some(Self::Unreachable),
+            "DIAL_ERROR_CLASS_TIMEOUT" => Some(Self::Timeout),
+            "DIAL_ERROR_CLASS_NO_SUCH_HOST" => Some(Self::NoSuchHost),
+            "DIAL_ERROR_CLASS_OTHER" => Some(Self::Other),
             _ => None,
         }
     }

@@ -124,6 +124,22 @@ fn a_failed_dial_is_answered_with_its_error_and_opens_nothing() {
     assert_eq!(t.dials_in_progress(), 0);
     // As ANP, the id was taken before dialing: the next one gets 2.
     assert_eq!(open(&mut t, 10, "a"), ConnId(2));
+    // Our endpoint's errors carry their class, for the server's retry.
+    let ticket = dial(&mut t, 11);
+    let refused = crate::endpoint::EndpointDialError::Connect {
+        addr: "10.0.0.1:443".parse().unwrap(),
+        source: std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+    };
+    match t.dialed::<crate::endpoint::EndpointDialError>(ticket, Err(refused)) {
+        Dialed::Failed { reply } => match reply.into_kind() {
+            PacketKind::DialRsp(rsp) => {
+                assert_eq!(rsp.error_class(), proto::DialErrorClass::Refused);
+                assert_eq!(rsp.error, error);
+            }
+            other => panic!("not a DIAL_RSP: {other:?}"),
+        },
+        other => panic!("unexpected {other:?}"),
+    }
 }
 
 #[test]

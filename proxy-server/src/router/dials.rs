@@ -228,17 +228,28 @@ pub(crate) enum AttemptEnd {
     Final(DialFailure, DialError),
 }
 
-/// Whether an agent's DIAL_RSP error is one another node may not have:
-/// Go's texts for ECONNREFUSED, EHOSTUNREACH and ENETUNREACH (ANP's agents
-/// and ours send them alike). A timeout is not: a retry would double the
+/// Whether an agent's failed DIAL_RSP is one another node may not have:
+/// the destination refused, or this node has no route to it. Our agents
+/// say so in the answer's class (`errorClass`); ANP's send only the text,
+/// read as Go writes these errors (`dial tcp <addr>: connect: connection
+/// refused`, `…: no route to host`, `…: network is unreachable`), at its
+/// end only, so that a destination's name that contains these words is
+/// not taken for them. A timeout is not retried: a retry would double the
 /// wait its caller already spent.
-pub(crate) fn retryable(error: &str) -> bool {
-    const ELSEWHERE: [&str; 3] = [
-        "connection refused",
-        "no route to host",
-        "network is unreachable",
-    ];
-    ELSEWHERE.iter().any(|text| error.contains(text))
+pub(crate) fn retryable(rsp: &proto::DialResponse) -> bool {
+    use proto::DialErrorClass as Class;
+    match rsp.error_class() {
+        Class::Refused | Class::Unreachable => true,
+        Class::Timeout | Class::NoSuchHost | Class::Other => false,
+        Class::Unspecified => {
+            const ELSEWHERE: [&str; 3] = [
+                ": connection refused",
+                ": no route to host",
+                ": network is unreachable",
+            ];
+            ELSEWHERE.iter().any(|text| rsp.error.ends_with(text))
+        }
+    }
 }
 
 /// How fast an agent's latency estimate forgets: a sample this old weighs
@@ -485,20 +496,43 @@ mod tests {
 
     #[test]
     fn refusals_and_unreachable_nodes_are_retried_timeouts_are_not() {
-        assert!(retryable(
+        use proto::DialErrorClass as Class;
+        let text = |error: &str| proto::DialResponse {
+            error: error.to_owned(),
+            ..Default::default()
+        };
+        let classed = |error: &str, class: Class| proto::DialResponse {
+            error_class: class as i32,
+            ..text(error)
+        };
+        // ANP's agents: Go's texts, at their end.
+        assert!(retryable(&text(
             "dial tcp 10.0.0.1:443: connect: connection refused"
-        ));
-        assert!(retryable(
+        )));
+        assert!(retryable(&text(
             "dial tcp 10.0.0.1:443: connect: no route to host"
-        ));
-        assert!(retryable(
+        )));
+        assert!(retryable(&text(
             "dial tcp 10.0.0.1:443: connect: network is unreachable"
-        ));
-        assert!(!retryable("dial tcp 10.0.0.1:443: i/o timeout"));
-        assert!(!retryable(
+        )));
+        assert!(!retryable(&text("dial tcp 10.0.0.1:443: i/o timeout")));
+        assert!(!retryable(&text(
             "dial tcp 10.0.0.1:443: connect: connection timed out"
-        ));
-        assert!(!retryable("dial tcp: lookup nowhere: no such host"));
+        )));
+        assert!(!retryable(&text("dial tcp: lookup nowhere: no such host")));
+        assert!(
+            !retryable(&text(
+                "dial tcp: lookup connection refused.example: no such host"
+            )),
+            "the words inside a name are not the error"
+        );
+        // Ours: the class decides, whatever the text says.
+        assert!(retryable(&classed("anything", Class::Refused)));
+        assert!(retryable(&classed("anything", Class::Unreachable)));
+        let refused = "dial tcp 10.0.0.1:443: connect: connection refused";
+        for class in [Class::Timeout, Class::NoSuchHost, Class::Other] {
+            assert!(!retryable(&classed(refused, class)), "{class:?}");
+        }
     }
 
     #[test]
