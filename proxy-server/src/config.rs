@@ -308,9 +308,30 @@ pub struct ListenerTls {
     pub alpn: &'static [u8],
     /// `--cipher-suites` and `--tls-min-version`.
     pub policy: tls::TlsPolicy,
-    /// Session tickets (`--tls-session-tickets`), how often their key
-    /// changes (`--tls-session-ticket-rotation`).
-    pub tickets: Option<Duration>,
+    /// Whether and how sessions resume.
+    pub resumption: Resumption,
+}
+
+/// Whether and how a TLS listener resumes sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resumption {
+    /// Never: no session cache, no tickets; every handshake is a full one
+    /// that verifies the client's chain. The TCP frontend: kube-apiserver's
+    /// client (grpc-go over Go's `crypto/tls`, no `ClientSessionCache`)
+    /// never resumes, so a cache there would only keep chains that nothing
+    /// checks again.
+    Off,
+    /// From rustls's in-memory cache of this process's sessions, each
+    /// resumed chain verified again: the agent listener with
+    /// `--tls-session-tickets=false`.
+    Cache,
+    /// From session tickets (`--tls-session-tickets`) whose key changes
+    /// every `rotation` (`--tls-session-ticket-rotation`), each resumed
+    /// chain verified again: the agent listener.
+    Tickets {
+        /// How long each ticket key is used.
+        rotation: Duration,
+    },
 }
 
 impl ListenerTls {
@@ -325,7 +346,9 @@ impl ListenerTls {
             },
             alpn: tls::ALPN_H2,
             policy: tls::TlsPolicy::default(),
-            tickets: Some(DEFAULT_TICKET_ROTATION),
+            resumption: Resumption::Tickets {
+                rotation: DEFAULT_TICKET_ROTATION,
+            },
         }
     }
 
@@ -345,7 +368,7 @@ impl ListenerTls {
                 Mode::HttpConnect => tls::ALPN_HTTP11,
             },
             policy: tls::TlsPolicy::default(),
-            tickets: None,
+            resumption: Resumption::Off,
         }
     }
 
@@ -380,7 +403,7 @@ impl ListenerTls {
             files,
             alpn,
             policy,
-            tickets,
+            resumption,
         } = self.clone();
         move || {
             let ((_, cert), (_, key)) = files
@@ -389,11 +412,15 @@ impl ListenerTls {
                 .expect("a listener has a certificate");
             let client_ca = files.ca.as_ref().map(|(_, ca)| ca.as_path());
             // The secret: the ticket key file, else the serving key.
-            let tickets = tickets.map(|rotation| tls::TicketSettings {
-                secret: files.secret.as_ref().map_or(key, |(_, path)| path),
-                rotation,
-            });
-            let config = tls::listener_config(cert, key, client_ca, &[alpn], &policy, tickets)?;
+            let resumption = match resumption {
+                Resumption::Off => tls::Resumption::Off,
+                Resumption::Cache => tls::Resumption::Cache,
+                Resumption::Tickets { rotation } => tls::Resumption::Tickets(tls::TicketSettings {
+                    secret: files.secret.as_ref().map_or(key, |(_, path)| path),
+                    rotation,
+                }),
+            };
+            let config = tls::listener_config(cert, key, client_ca, &[alpn], &policy, resumption)?;
             Ok(Arc::new(config))
         }
     }
@@ -725,9 +752,13 @@ fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, Config
     }
     let mut tls = ListenerTls {
         policy: policy.clone(),
-        tickets: args
-            .tls_session_tickets
-            .then_some(args.tls_session_ticket_rotation),
+        resumption: if args.tls_session_tickets {
+            Resumption::Tickets {
+                rotation: args.tls_session_ticket_rotation,
+            }
+        } else {
+            Resumption::Cache
+        },
         ..ListenerTls::agent(cert, key, given_path(args.cluster_ca_cert.as_ref()))
     };
     tls.files.secret = given_path(args.tls_session_ticket_key.as_ref())

@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use client::dial::{TunnelConn, dial, uds_channel};
 use proxy_server::{
     DialPolicy, HedgeDelay,
-    config::{Config, FrontendListen, ListenerTls, Mode},
+    config::{Config, FrontendListen, ListenerTls, Mode, Resumption},
     server::{ProxyServer, ServerHandle},
     strategy::ProxyStrategy,
 };
@@ -174,7 +174,13 @@ impl TestServer {
             frontend,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
             agent_tls: ListenerTls {
-                tickets: opts.session_tickets.then_some(opts.ticket_rotation),
+                resumption: if opts.session_tickets {
+                    Resumption::Tickets {
+                        rotation: opts.ticket_rotation,
+                    }
+                } else {
+                    Resumption::Cache
+                },
                 ..ListenerTls::agent(
                     pki.path("cluster.crt"),
                     pki.path("cluster.key"),
