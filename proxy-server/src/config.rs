@@ -173,7 +173,7 @@ pub struct Args {
     /// before any DIAL_RSP established it: its stream ended, or it answered
     /// connection refused, no route to host or network unreachable (never
     /// after a timeout, the frontend's DIAL_CLS or past
-    /// --backend-dial-timeout; konnectivity-rs; 0: as ANP).
+    /// --backend-dial-timeout; konnectivity-rs; 0: as ANP; at most 8).
     #[arg(long, default_value_t = 1)]
     pub backend_dial_retries: u32,
     /// Ask a second agent when the first has not answered a dial within
@@ -815,10 +815,29 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
     }))
 }
 
-/// The queue, handshake and connection caps.
+/// `--backend-dial-retries`' largest value: one dial reaches at most
+/// this many agents after the first (and one more when hedged). A retry
+/// is for an agent that went away, or a refusal another agent may not
+/// give; even with half the agents going at once (a node pool replaced),
+/// eight retries all land on departing agents once in 256 dials, while
+/// a destination that every agent refuses costs at most nine dials for
+/// one request, not one per agent of the cluster.
+pub const MAX_BACKEND_DIAL_RETRIES: u32 = 8;
+
+/// The queue, handshake, connection and retry caps.
 fn limits(args: &Args) -> Result<(), ConfigError> {
     if args.xfr_channel_size == Some(0) {
         return Err(invalid("xfr-channel-size", "must be greater than 0"));
+    }
+    if args.backend_dial_retries > MAX_BACKEND_DIAL_RETRIES {
+        return Err(invalid(
+            "backend-dial-retries",
+            format!(
+                "{} is more than {MAX_BACKEND_DIAL_RETRIES}: a dial would reach up to {} agents",
+                args.backend_dial_retries,
+                u64::from(args.backend_dial_retries) + 1
+            ),
+        ));
     }
     for (flag, value) in [
         ("max-agent-queue-bytes", args.max_agent_queue_bytes),
@@ -1021,6 +1040,8 @@ mod tests {
         let c = parse(&uds_args(dir.path())).unwrap();
         assert_eq!(c.dial_policy.timeout, None);
         assert!(!c.server_id.0.is_empty(), "a random id by default");
+        args.push(format!("--backend-dial-retries={MAX_BACKEND_DIAL_RETRIES}"));
+        assert_eq!(parse(&args).unwrap().dial_policy.retries, 8, "the bound");
     }
 
     #[test]
@@ -1037,6 +1058,10 @@ mod tests {
             (with(&["--server-cert=/x"]), "--server-cert"),
             (with(&["--server-ca-cert=/x"]), "--server-ca-cert"),
             (with(&["--xfr-channel-size=0"]), "--xfr-channel-size"),
+            (
+                with(&["--backend-dial-retries=9"]),
+                "--backend-dial-retries: 9 is more than 8",
+            ),
             (
                 with(&["--max-agent-queue-bytes=0"]),
                 "--max-agent-queue-bytes",

@@ -73,6 +73,16 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
             ],
             "--tls-session-ticket-rotation",
         ),
+        (
+            vec![
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".to_owned(),
+                pki_arg("cluster-cert", "cluster.crt"),
+                pki_arg("cluster-key", "cluster.key"),
+                "--backend-dial-retries=9".to_owned(),
+            ],
+            "--backend-dial-retries: 9 is more than 8",
+        ),
     ];
     for (args, needle) in cases {
         let (code, stderr) = run("proxy-server", &args);
