@@ -48,7 +48,9 @@ pub struct Args {
     /// Frontend protocol.
     #[arg(long, value_enum, default_value_t = Mode::Grpc)]
     pub mode: Mode,
-    /// Unix socket path of the frontend; when set, --server-port must be 0.
+    /// Unix socket path of the frontend, mode 0770 from the moment it
+    /// exists (bound in a private directory beside it, then renamed into
+    /// place); when set, --server-port must be 0.
     #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
     pub uds_name: Option<PathBuf>,
     /// Remove a stale file at --uds-name before listening.

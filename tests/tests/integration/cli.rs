@@ -252,6 +252,134 @@ impl SocketLike for std::fs::FileType {
     }
 }
 
+/// What inotify saw happen to the entry `name` of the directory `watch`
+/// watches, in order (`watch` is non-blocking: what is queued now).
+fn entry_events(watch: &impl std::os::fd::AsFd, name: &str) -> Vec<rustix::fs::inotify::ReadFlags> {
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
+    let mut reader = rustix::fs::inotify::Reader::new(watch, &mut buf);
+    let mut seen = Vec::new();
+    loop {
+        match reader.next() {
+            Ok(event) => {
+                if event
+                    .file_name()
+                    .is_some_and(|n| n.to_bytes() == name.as_bytes())
+                {
+                    seen.push(event.events());
+                }
+            }
+            Err(rustix::io::Errno::AGAIN) => return seen,
+            Err(e) => panic!("reading inotify events: {e}"),
+        }
+    }
+}
+
+/// The frontend socket is never at its path with a mode wider than 0770,
+/// even under umask 0 (where a socket is bound 0777): it is bound and
+/// given its mode in a private directory, then moved (or, with
+/// `--delete-existing-uds-file=false`, linked) into place. Watched with
+/// inotify, its name appears once, as a socket that is already 0770, and
+/// its attributes never change at that path: a chmod after binding there
+/// (the old way) shows as IN_ATTRIB on a socket that was there 0777 until
+/// then. Nothing is left beside it; with `false`, a file in the way is an
+/// error naming the path, and the file stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_socket_is_never_at_its_path_with_a_wider_mode() {
+    use rustix::fs::inotify::{self, ReadFlags, WatchFlags};
+    const NAME: &str = "konnectivity-server.socket";
+    for delete_existing in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join(NAME);
+        if delete_existing {
+            std::fs::write(&socket, "stale").unwrap();
+        }
+        let watch =
+            inotify::init(inotify::CreateFlags::NONBLOCK | inotify::CreateFlags::CLOEXEC).unwrap();
+        inotify::add_watch(
+            &watch,
+            dir.path(),
+            WatchFlags::CREATE | WatchFlags::ATTRIB | WatchFlags::MOVED_TO | WatchFlags::DELETE,
+        )
+        .unwrap();
+        let args = vec![
+            format!("--uds-name={}", socket.display()),
+            format!("--delete-existing-uds-file={delete_existing}"),
+            "--server-port=0".to_owned(),
+            pki_arg("cluster-cert", "cluster.crt"),
+            pki_arg("cluster-key", "cluster.key"),
+            pki_arg("cluster-ca-cert", "agent-ca.crt"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            "--agent-port=0".to_owned(),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            "--health-port=0".to_owned(),
+            "--admin-port=0".to_owned(),
+        ];
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(r#"umask 0 && exec "$0" "$@""#)
+            .arg(binary("proxy-server"))
+            .args(&args);
+        let mut server = LoggedProcess::spawn(command, "proxy-server");
+        server
+            .wait_for("frontend listening", 1, Duration::from_secs(30))
+            .await;
+        let events = entry_events(&watch, NAME);
+        let meta = std::fs::symlink_metadata(&socket).unwrap();
+        assert!(meta.file_type().is_socket_like());
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o770);
+        assert!(
+            !events.iter().any(|e| e.contains(ReadFlags::ATTRIB)),
+            "the socket's mode changed at its path (delete_existing={delete_existing}): {events:?}"
+        );
+        let appeared = if delete_existing {
+            ReadFlags::MOVED_TO
+        } else {
+            ReadFlags::CREATE
+        };
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| !e.contains(ReadFlags::DELETE))
+                .collect::<Vec<_>>(),
+            [&appeared],
+            "delete_existing={delete_existing}"
+        );
+        let entries: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(entries, [NAME], "the private directory is left");
+        drop(server);
+
+        if !delete_existing {
+            // A file in the way: the bind fails, naming the path.
+            let stale = dir.path().join("stale.socket");
+            std::fs::write(&stale, "stale").unwrap();
+            let mut args = args.clone();
+            args[0] = format!("--uds-name={}", stale.display());
+            let (code, stderr) = run("proxy-server", &args);
+            assert_ne!(code, 0, "{stderr}");
+            assert!(
+                stderr.contains(&format!("unix socket {}", stale.display())),
+                "{stderr}"
+            );
+            assert_eq!(std::fs::read(&stale).unwrap(), b"stale");
+            let left = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .starts_with(".k")
+                })
+                .count();
+            assert_eq!(left, 0, "the private directory is left after a failure");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flags_without_effect_are_named_at_start_up() {
     let dir = tempfile::tempdir().unwrap();
