@@ -119,6 +119,14 @@ pub struct Args {
     /// Audience the agents' tokens must carry.
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
+    /// Start although the agent port authenticates no agent (neither
+    /// --cluster-ca-cert nor service-account token auth): anyone who can
+    /// reach it can register as an agent and be sent kube-apiserver's
+    /// traffic to nodes. Without this flag such a start is refused; with
+    /// it, a warning says so at start-up (konnectivity-rs; ANP starts
+    /// without a word).
+    #[arg(long, go_bool = Some(false))]
+    pub allow_unauthenticated_agents: bool,
     /// Kubeconfig for TokenReview and leases; empty means in-cluster config.
     #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
     pub kubeconfig: Option<PathBuf>,
@@ -482,6 +490,10 @@ pub struct Config {
     pub graceful_shutdown_timeout: Option<Duration>,
     /// Service-account token authentication of agents, if on.
     pub token_auth: Option<TokenAuthConfig>,
+    /// `--allow-unauthenticated-agents`: start although the agent port
+    /// has neither client certificates nor token auth (see
+    /// [`check_agent_auth`](Self::check_agent_auth)).
+    pub allow_unauthenticated_agents: bool,
     /// This server's Lease (`--enable-lease-controller`), if on.
     pub lease: Option<LeaseConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
@@ -547,6 +559,31 @@ fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, Co
 }
 
 impl Config {
+    /// Whether the agent port authenticates no one: no client
+    /// certificates required (`--cluster-ca-cert`) and no token auth.
+    pub fn agents_unauthenticated(&self) -> bool {
+        self.agent_tls.files.ca.is_none() && self.token_auth.is_none()
+    }
+
+    /// Refuses an agent port that authenticates no one, unless
+    /// `--allow-unauthenticated-agents` says it is meant.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the flags that would authenticate
+    /// agents, and the one that allows none.
+    pub fn check_agent_auth(&self) -> Result<(), ConfigError> {
+        if self.agents_unauthenticated() && !self.allow_unauthenticated_agents {
+            return Err(invalid(
+                "cluster-ca-cert",
+                "empty, and token auth is off: the agent port would admit anyone as an agent. \
+                 Set --cluster-ca-cert (client certificates), or --agent-namespace, \
+                 --agent-service-account and --authentication-audience (service-account \
+                 tokens), or --allow-unauthenticated-agents if that is meant",
+            ));
+        }
+        Ok(())
+    }
+
     /// Reads every certificate and key the flags name, as the server does
     /// when it binds: for a start-up that fails before anything is bound.
     ///
@@ -599,7 +636,7 @@ impl TryFrom<Args> for Config {
             ServerId(args.server_id.clone())
         };
         let nonzero = |d: Duration| (!d.is_zero()).then_some(d);
-        Ok(Self {
+        let config = Self {
             mode: args.mode,
             frontend,
             agent_addr,
@@ -630,6 +667,7 @@ impl TryFrom<Args> for Config {
             },
             graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
             token_auth,
+            allow_unauthenticated_agents: args.allow_unauthenticated_agents,
             dial_policy: DialPolicy {
                 timeout: nonzero(args.backend_dial_timeout),
                 retries: args.backend_dial_retries,
@@ -641,7 +679,9 @@ impl TryFrom<Args> for Config {
             not_implemented: not_implemented(&args),
             deprecated: deprecated(&args),
             notices,
-        })
+        };
+        config.check_agent_auth()?;
+        Ok(config)
     }
 }
 
@@ -957,12 +997,14 @@ mod tests {
         Ok(config)
     }
 
+    /// A server on a Unix socket whose agents need client certificates.
     fn uds_args(dir: &std::path::Path) -> Vec<String> {
         vec![
             format!("--uds-name={}", dir.join("s.sock").display()),
             "--server-port=0".to_owned(),
             format!("--cluster-cert={}", dir.join("cluster.crt").display()),
             format!("--cluster-key={}", dir.join("cluster.key").display()),
+            format!("--cluster-ca-cert={}", dir.join("agent-ca.crt").display()),
         ]
     }
 
@@ -1110,6 +1152,7 @@ mod tests {
             (
                 with(&[
                     "--token-review-max-pending=0",
+                    "--cluster-ca-cert=",
                     "--agent-namespace=a",
                     "--agent-service-account=b",
                     "--authentication-audience=c",
@@ -1123,6 +1166,7 @@ mod tests {
             (
                 with(&[
                     "--token-review-max-inflight=0",
+                    "--cluster-ca-cert=",
                     "--agent-namespace=a",
                     "--agent-service-account=b",
                     "--authentication-audience=c",
@@ -1194,16 +1238,60 @@ mod tests {
         }
     }
 
+    /// An agent port with neither client certificates nor token auth is
+    /// refused, naming the flags that would authenticate agents, unless
+    /// `--allow-unauthenticated-agents` says it is meant.
+    #[test]
+    fn an_agent_port_without_authentication_needs_the_flag_that_allows_it() {
+        let dir = pki();
+        let mut open = uds_args(dir.path());
+        open.push("--cluster-ca-cert=".to_owned());
+        let err = parse(&open).expect_err("refused").to_string();
+        for flag in [
+            "--cluster-ca-cert",
+            "--agent-namespace",
+            "--allow-unauthenticated-agents",
+        ] {
+            assert!(err.contains(flag), "{flag} not named: {err}");
+        }
+        let mut allowed = open.clone();
+        allowed.push("--allow-unauthenticated-agents".to_owned());
+        let config = parse(&allowed).unwrap();
+        assert!(config.agents_unauthenticated());
+        assert!(config.allow_unauthenticated_agents);
+        // A config built directly is held to the same rule.
+        let built = Config {
+            allow_unauthenticated_agents: false,
+            ..config
+        };
+        assert!(built.check_agent_auth().is_err());
+
+        let mtls = parse(&uds_args(dir.path())).unwrap();
+        assert!(!mtls.agents_unauthenticated());
+        let mut token = open.clone();
+        token.extend([
+            "--agent-namespace=kube-system".to_owned(),
+            "--agent-service-account=konnectivity-agent".to_owned(),
+            "--authentication-audience=system:konnectivity-server".to_owned(),
+        ]);
+        assert!(!parse(&token).unwrap().agents_unauthenticated());
+    }
+
     /// Parsing checks the flags and reads no certificate; loading reads the
     /// files and names the flag of the one that fails.
     #[test]
     fn certificates_are_read_after_the_flags_are_checked() {
+        let dir = pki();
         let args = Args::try_parse_from([
-            "proxy-server",
-            "--uds-name=/tmp/x.sock",
-            "--server-port=0",
-            "--cluster-cert=/nonexistent/cluster.crt",
-            "--cluster-key=/nonexistent/cluster.key",
+            "proxy-server".to_owned(),
+            "--uds-name=/tmp/x.sock".to_owned(),
+            "--server-port=0".to_owned(),
+            "--cluster-cert=/nonexistent/cluster.crt".to_owned(),
+            "--cluster-key=/nonexistent/cluster.key".to_owned(),
+            format!(
+                "--cluster-ca-cert={}",
+                dir.path().join("agent-ca.crt").display()
+            ),
         ])
         .unwrap();
         let config = Config::try_from(args).unwrap();
@@ -1449,6 +1537,7 @@ mod tests {
             format!("--server-ca-cert={}", p("frontend-ca.crt")),
             format!("--cluster-cert={}", p("cluster.crt")),
             format!("--cluster-key={}", p("cluster.key")),
+            format!("--cluster-ca-cert={}", p("agent-ca.crt")),
             "--server-bind-address=127.0.0.1".to_owned(),
         ])
         .unwrap();
@@ -1468,6 +1557,7 @@ mod tests {
             format!("--server-ca-cert={}", p("frontend-ca.crt")),
             format!("--cluster-cert={}", p("cluster.crt")),
             format!("--cluster-key={}", p("cluster.key")),
+            format!("--cluster-ca-cert={}", p("agent-ca.crt")),
         ])
         .unwrap();
         match c.frontend {

@@ -76,6 +76,10 @@ pub enum ServerError {
     /// A certificate or key file cannot be used; the error names its flag.
     #[error(transparent)]
     Tls(#[from] crate::config::ConfigError),
+    /// The agent port would authenticate no one, and
+    /// `--allow-unauthenticated-agents` was not given.
+    #[error(transparent)]
+    Unauthenticated(crate::config::ConfigError),
     /// Token authentication could not be set up.
     #[error("setting up agent token authentication")]
     Auth(#[from] crate::auth::AuthSetupError),
@@ -159,6 +163,18 @@ impl ProxyServer {
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
         // Before anything can fail, so an operator sees them either way.
         ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &config.notices);
+        config
+            .check_agent_auth()
+            .map_err(ServerError::Unauthenticated)?;
+        if config.agents_unauthenticated() {
+            warn!(
+                agent.addr = %config.agent_addr,
+                "the agent port authenticates no one (--allow-unauthenticated-agents): \
+                 neither client certificates (--cluster-ca-cert) nor service-account tokens \
+                 (--agent-namespace) are required, so anyone who can reach it can register \
+                 as an agent and be sent kube-apiserver's traffic to nodes"
+            );
+        }
         let metrics = Arc::new(ServerMetrics::new(&config.strategies));
         // The certificates, before any port is taken; from then on each
         // handshake uses the files as they are, or the last good ones.

@@ -80,6 +80,9 @@ pub struct ServerOpts {
     pub ticket_rotation: Duration,
     /// `--max-agent-queue-bytes`.
     pub max_agent_queue_bytes: usize,
+    /// `--allow-unauthenticated-agents` (needed with neither `mtls` nor
+    /// `token_auth`).
+    pub allow_unauthenticated_agents: bool,
 }
 
 impl Default for ServerOpts {
@@ -108,6 +111,7 @@ impl Default for ServerOpts {
             session_tickets: true,
             ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
             max_agent_queue_bytes: 4 << 20,
+            allow_unauthenticated_agents: false,
         }
     }
 }
@@ -216,6 +220,7 @@ impl TestServer {
             flow_version: opts.flow_version,
             graceful_shutdown_timeout: opts.graceful_shutdown_timeout,
             token_auth: opts.token_auth.clone(),
+            allow_unauthenticated_agents: opts.allow_unauthenticated_agents,
             lease: opts.lease.clone(),
             not_implemented: Vec::new(),
             deprecated: Vec::new(),

@@ -47,6 +47,7 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=8090".to_owned(),
                 pki_arg("cluster-cert", "cluster.crt"),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
             ],
             "--server-port",
         ),
@@ -56,6 +57,7 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=0".to_owned(),
                 "--cluster-cert=/nonexistent/cluster.crt".to_owned(),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
             ],
             "/nonexistent/cluster.crt",
         ),
@@ -69,6 +71,7 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=0".to_owned(),
                 pki_arg("cluster-cert", "cluster.crt"),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
                 "--tls-session-ticket-rotation=169h".to_owned(),
             ],
             "--tls-session-ticket-rotation",
@@ -79,6 +82,7 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=0".to_owned(),
                 pki_arg("cluster-cert", "cluster.crt"),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
                 "--backend-dial-retries=9".to_owned(),
             ],
             "--backend-dial-retries: 9 is more than 8",
@@ -252,6 +256,50 @@ impl SocketLike for std::fs::FileType {
     }
 }
 
+/// An agent port that authenticates no one (no `--cluster-ca-cert`, no
+/// token auth) is refused at start-up: exit 2 before anything is bound,
+/// naming the flags that would authenticate agents and the one that allows
+/// none. With `--allow-unauthenticated-agents` the server starts, and says
+/// at `warn` that anyone can register as an agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_agent_port_needs_allow_unauthenticated_agents() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let args = vec![
+        format!("--uds-name={}", socket.display()),
+        "--server-port=0".to_owned(),
+        pki_arg("cluster-cert", "cluster.crt"),
+        pki_arg("cluster-key", "cluster.key"),
+        "--agent-bind-address=127.0.0.1".to_owned(),
+        "--agent-port=0".to_owned(),
+        "--health-bind-address=127.0.0.1".to_owned(),
+        "--health-port=0".to_owned(),
+        "--admin-port=0".to_owned(),
+    ];
+    let (code, stderr) = run("proxy-server", &args);
+    assert_eq!(code, 2, "{stderr}");
+    for flag in [
+        "--cluster-ca-cert",
+        "--agent-namespace",
+        "--allow-unauthenticated-agents",
+    ] {
+        assert!(stderr.contains(flag), "{flag} not named: {stderr}");
+    }
+    assert!(!socket.exists(), "a socket was bound despite the refusal");
+
+    let mut command = Command::new(binary("proxy-server"));
+    command.args(&args).arg("--allow-unauthenticated-agents");
+    let mut server = LoggedProcess::spawn(command, "proxy-server");
+    server
+        .wait_for("frontend listening", 1, Duration::from_secs(30))
+        .await;
+    let line = server
+        .find("the agent port authenticates no one")
+        .expect("no warning");
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("--allow-unauthenticated-agents"), "{line}");
+}
+
 /// What inotify saw happen to the entry `name` of the directory `watch`
 /// watches, in order (`watch` is non-blocking: what is queued now).
 fn entry_events(watch: &impl std::os::fd::AsFd, name: &str) -> Vec<rustix::fs::inotify::ReadFlags> {
@@ -393,6 +441,7 @@ async fn flags_without_effect_are_named_at_start_up() {
         "--admin-port=0".to_owned(),
         pki_arg("cluster-cert", "cluster.crt"),
         pki_arg("cluster-key", "cluster.key"),
+        pki_arg("cluster-ca-cert", "agent-ca.crt"),
         "--enable-profiling".to_owned(),
         "--enable-contention-profiling".to_owned(),
         "--log-dir=/var/log/konnectivity".to_owned(),
@@ -702,6 +751,7 @@ fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_
             "--server-port=0".to_owned(),
             pki_arg("cluster-cert", "cluster.crt"),
             pki_arg("cluster-key", "cluster.key"),
+            pki_arg("cluster-ca-cert", "agent-ca.crt"),
             "--agent-bind-address=127.0.0.1".to_owned(),
             format!("--agent-port={}", taken.local_addr().unwrap().port()),
             "--health-port=0".to_owned(),
