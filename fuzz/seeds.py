@@ -334,6 +334,12 @@ def session_ticket():
     seed("forged", tls13, presented=bytes(8) + bytes(12) + bytes(32))
     seed("short-rotation", tls13, rotation=0, clock=(0xFF,) * 6)
     seed("clock-zero", tls13, clock=(0,) * 6, presented=b"\x00")
+    # presented[2..4] picks how far ahead a second ticket is sealed: bit 15
+    # clear, within the clock skew (opens); set, beyond it (never opens).
+    seed("future-within-skew", tls13, presented=b"\x05\x01\x00\x3c")
+    seed("future-past-skew", tls13, presented=b"\x05\x01\x80\x00")
+    seed("future-next-period", tls13, rotation=1, presented=b"\x05\x01\x8e\x0f")
+    seed("forged-future", tls13, presented=struct.pack(">Q", 0x6600000000 + 3600) + bytes(12) + bytes(32))
 
 
 # --- lanes: ops [conn 0-2, op, args...] ----------------------------------------

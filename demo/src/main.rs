@@ -161,6 +161,7 @@ fn server_config(mode: Mode, name: &str, socket: &Path, dir: &Path) -> Result<Co
         flow_version: tunnel::flow::Version::V2,
         graceful_shutdown_timeout: None,
         token_auth: None,
+        allow_unauthenticated_agents: false,
         lease: None,
         not_implemented: Vec::new(),
         deprecated: Vec::new(),

@@ -16,7 +16,10 @@ use std::{
 
 use rustls::server::ProducesTickets;
 
-use crate::tls::{self, TlsError, tickets::TicketKeys};
+use crate::tls::{
+    self, TlsError,
+    tickets::{MAX_CLOCK_SKEW, TicketKeys},
+};
 
 /// The heap a [`tls_files`] run may use at its peak for `len` bytes: the
 /// files' bytes, their decoded DER, the parsed certificates and a rustls
@@ -131,10 +134,11 @@ include!("../../fuzz/input.rs");
 /// Session tickets (`--tls-session-ticket-key`): keys from a secret and a
 /// binding, a clock and a rotation chosen by the bytes, then tickets a
 /// client presents, which it controls entirely. Checks: a ticket we did
-/// not seal never opens (whatever its bytes, period or length); one we
+/// not seal never opens (whatever its bytes, issue time or length); one we
 /// sealed opens to the same session in its period and the next, and not
 /// two periods later, nor under another binding, nor with any byte
-/// changed; what opens is never longer than the ticket.
+/// changed, nor when it is dated further in the future than the clock
+/// skew allows; what opens is never longer than the ticket.
 pub fn session_ticket(data: &[u8]) {
     let mut input = Input(data);
     let secret = input.bytes(64);
@@ -192,6 +196,34 @@ pub fn session_ticket(data: &[u8]) {
         None,
         "a ticket opened past a CA rotation"
     );
+    // Sealed by a clock `ahead` seconds on (a replica ahead, or whoever
+    // holds the secret dating a ticket in the future): it opens now only
+    // within the clock skew, and never beyond it, whatever the period.
+    let choice = u16::from_be_bytes([
+        presented.get(2).copied().unwrap_or(0),
+        presented.get(3).copied().unwrap_or(0),
+    ]);
+    let skew = MAX_CLOCK_SKEW.as_secs();
+    let ahead = if choice & 0x8000 == 0 {
+        u64::from(choice) % (skew + 1)
+    } else {
+        skew + 1 + u64::from(choice & 0x7fff) % (3 * rotation)
+    };
+    if let Some(at) = start.checked_add(ahead) {
+        clock.store(at, Ordering::Relaxed);
+        let future = keys.encrypt(&session).expect("sealed above");
+        clock.store(start, Ordering::Relaxed);
+        let opened = keys.decrypt(&future);
+        if ahead > skew {
+            assert_eq!(opened, None, "a ticket dated {ahead} s ahead opened");
+        } else {
+            assert_eq!(
+                opened.as_deref(),
+                Some(session.as_slice()),
+                "{ahead} s ahead"
+            );
+        }
+    }
     // The next period still opens it, the one after does not.
     if let Some(next) = start.checked_add(rotation) {
         clock.store(next, Ordering::Relaxed);

@@ -393,7 +393,7 @@ pub fn server_config_with_policy(
     alpn: &[&[u8]],
     policy: &TlsPolicy,
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    Ok(listener_config(cert, key, client_ca, alpn, policy, None)?.server)
+    Ok(listener_config(cert, key, client_ca, alpn, policy, Resumption::Cache)?.server)
 }
 
 /// Session tickets of a listener (see [`tickets`]).
@@ -403,6 +403,22 @@ pub struct TicketSettings<'a> {
     pub secret: &'a Path,
     /// How long each key is used.
     pub rotation: std::time::Duration,
+}
+
+/// Whether and how a listener resumes TLS sessions.
+#[derive(Debug, Clone, Copy)]
+pub enum Resumption<'a> {
+    /// Never: no session cache, no tickets, so every handshake is a full
+    /// one and every client certificate chain is verified by it.
+    Off,
+    /// rustls's default: an in-memory cache of this process's sessions
+    /// (TLS 1.2 session ids, TLS 1.3 tickets naming a cache entry). A
+    /// resumed session's chain is not verified again by rustls: the
+    /// listener must ([`tickets::verify_resumed`]).
+    Cache,
+    /// TLS 1.3 session tickets sealed with keys derived from a secret (see
+    /// [`tickets`]); the same re-verification applies.
+    Tickets(TicketSettings<'a>),
 }
 
 /// What a TLS listener hands each handshake, and what it checks after one:
@@ -421,9 +437,10 @@ pub struct ListenerConfig {
 
 /// A listener presenting `cert`/`key`, offering `alpn`, restricted by
 /// `policy`; with `client_ca`, clients must present a certificate that
-/// chains to it (mTLS); with `tickets`, it issues and resumes TLS 1.3
-/// session tickets sealed with keys derived from their secret and bound
-/// to the bytes of `client_ca`. Each file is read once.
+/// chains to it (mTLS); resuming sessions as `resumption` says: with
+/// tickets, it issues and resumes TLS 1.3 session tickets sealed with keys
+/// derived from their secret and bound to the bytes of `client_ca`. Each
+/// file is read once.
 ///
 /// # Errors
 /// Any file problem, a key that does not match the certificate, or a ticket
@@ -434,7 +451,7 @@ pub fn listener_config(
     client_ca: Option<&Path>,
     alpn: &[&[u8]],
     policy: &TlsPolicy,
-    tickets: Option<TicketSettings<'_>>,
+    resumption: Resumption<'_>,
 ) -> Result<ListenerConfig, TlsError> {
     let versions: &[&rustls::SupportedProtocolVersion] = if policy.tls13_only {
         &[&rustls::version::TLS13]
@@ -469,11 +486,18 @@ pub fn listener_config(
         .with_single_cert(load_certs(cert)?, load_key(key)?)
         .map_err(|source| pair_error(cert, key, source))?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    if let Some(tickets) = tickets {
-        let binding = client_ca
-            .as_ref()
-            .map_or(&[][..], |(_, pem)| pem.as_slice());
-        config.ticketer = ticket_keys(tickets, binding)?;
+    match resumption {
+        Resumption::Off => {
+            config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+            config.send_tls13_tickets = 0;
+        }
+        Resumption::Cache => {}
+        Resumption::Tickets(tickets) => {
+            let binding = client_ca
+                .as_ref()
+                .map_or(&[][..], |(_, pem)| pem.as_slice());
+            config.ticketer = ticket_keys(tickets, binding)?;
+        }
     }
     Ok(ListenerConfig {
         server: Arc::new(config),
@@ -789,7 +813,7 @@ mod tests {
                 Some(&client_ca),
                 &[ALPN_H2],
                 &policy,
-                Some(tickets),
+                Resumption::Tickets(tickets),
             )
             .unwrap()
             .server
@@ -866,7 +890,7 @@ mod tests {
                 None,
                 &[ALPN_H2],
                 &TlsPolicy::default(),
-                Some(tickets),
+                Resumption::Tickets(tickets),
             )
             .unwrap()
             .server
@@ -885,6 +909,65 @@ mod tests {
         let tls13 = client(&[&rustls::version::TLS13]);
         assert_eq!(exchange(server(), tls13.clone()).await, Ok(Full));
         assert_eq!(exchange(server(), tls13).await, Ok(Resumed));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Without resumption, a second connection on the same configuration
+    /// is a full handshake again, in TLS 1.2 and 1.3 alike; rustls's
+    /// default in-memory cache (what a listener without tickets had) would
+    /// resume both without verifying the client's chain again.
+    #[tokio::test]
+    async fn a_listener_without_resumption_resumes_nothing() {
+        use rustls::HandshakeKind::{Full, Resumed};
+        let dir = tempfile_dir();
+        certs::ClusterPki::generate(&[])
+            .unwrap()
+            .write_to(&dir)
+            .unwrap();
+        let (cert, key) = (dir.join("cluster.crt"), dir.join("cluster.key"));
+        let client_ca = dir.join("agent-ca.crt");
+        let server = |resumption| {
+            listener_config(
+                &cert,
+                &key,
+                Some(&client_ca),
+                &[ALPN_H2],
+                &TlsPolicy::default(),
+                resumption,
+            )
+            .unwrap()
+            .server
+        };
+        let client = |version: &'static rustls::SupportedProtocolVersion| {
+            let config = ClientConfig::builder_with_provider(provider())
+                .with_protocol_versions(&[version])
+                .unwrap()
+                .with_root_certificates(load_roots(&dir.join("agent-ca.crt")).unwrap())
+                .with_client_auth_cert(
+                    load_certs(&dir.join("proxy-agent.crt")).unwrap(),
+                    load_key(&dir.join("proxy-agent.key")).unwrap(),
+                )
+                .unwrap();
+            Arc::new(config)
+        };
+        for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+            let cached = server(Resumption::Cache);
+            let resuming = client(version);
+            assert_eq!(exchange(cached.clone(), resuming.clone()).await, Ok(Full));
+            assert_eq!(
+                exchange(cached, resuming).await,
+                Ok(Resumed),
+                "{version:?}: the cache resumes"
+            );
+            let off = server(Resumption::Off);
+            let resuming = client(version);
+            assert_eq!(exchange(off.clone(), resuming.clone()).await, Ok(Full));
+            assert_eq!(
+                exchange(off, resuming).await,
+                Ok(Full),
+                "{version:?}: resumed without resumption"
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -956,8 +1039,15 @@ mod tests {
             rotation: hour,
         };
         let policy = TlsPolicy::default();
-        let listener =
-            listener_config(&cert, &key, Some(&ca), &[ALPN_H2], &policy, Some(tickets)).unwrap();
+        let listener = listener_config(
+            &cert,
+            &key,
+            Some(&ca),
+            &[ALPN_H2],
+            &policy,
+            Resumption::Tickets(tickets),
+        )
+        .unwrap();
         let verifier = listener.client_verifier.clone().unwrap();
         let now = rustls_pki_types::UnixTime::now();
         // The forger's server: the secret, the CA's bytes, and a client CA
@@ -1034,7 +1124,7 @@ mod tests {
                 None,
                 &[ALPN_H2],
                 &TlsPolicy::default(),
-                Some(tickets),
+                Resumption::Tickets(tickets),
             )
         };
         let short = dir.join("short");

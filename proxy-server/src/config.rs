@@ -48,7 +48,9 @@ pub struct Args {
     /// Frontend protocol.
     #[arg(long, value_enum, default_value_t = Mode::Grpc)]
     pub mode: Mode,
-    /// Unix socket path of the frontend; when set, --server-port must be 0.
+    /// Unix socket path of the frontend, mode 0770 from the moment it
+    /// exists (bound in a private directory beside it, then renamed into
+    /// place); when set, --server-port must be 0.
     #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
     pub uds_name: Option<PathBuf>,
     /// Remove a stale file at --uds-name before listening.
@@ -117,6 +119,14 @@ pub struct Args {
     /// Audience the agents' tokens must carry.
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
+    /// Start although the agent port authenticates no agent (neither
+    /// --cluster-ca-cert nor service-account token auth): anyone who can
+    /// reach it can register as an agent and be sent kube-apiserver's
+    /// traffic to nodes. Without this flag such a start is refused; with
+    /// it, a warning says so at start-up (konnectivity-rs; ANP starts
+    /// without a word).
+    #[arg(long, go_bool = Some(false))]
+    pub allow_unauthenticated_agents: bool,
     /// Kubeconfig for TokenReview and leases; empty means in-cluster config.
     #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
     pub kubeconfig: Option<PathBuf>,
@@ -179,7 +189,7 @@ pub struct Args {
     /// before any DIAL_RSP established it: its stream ended, or it answered
     /// connection refused, no route to host or network unreachable (never
     /// after a timeout, the frontend's DIAL_CLS or past
-    /// --backend-dial-timeout; konnectivity-rs; 0: as ANP).
+    /// --backend-dial-timeout; konnectivity-rs; 0: as ANP; at most 8).
     #[arg(long, default_value_t = 1)]
     pub backend_dial_retries: u32,
     /// Ask a second agent when the first has not answered a dial within
@@ -314,9 +324,30 @@ pub struct ListenerTls {
     pub alpn: &'static [u8],
     /// `--cipher-suites` and `--tls-min-version`.
     pub policy: tls::TlsPolicy,
-    /// Session tickets (`--tls-session-tickets`), how often their key
-    /// changes (`--tls-session-ticket-rotation`).
-    pub tickets: Option<Duration>,
+    /// Whether and how sessions resume.
+    pub resumption: Resumption,
+}
+
+/// Whether and how a TLS listener resumes sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resumption {
+    /// Never: no session cache, no tickets; every handshake is a full one
+    /// that verifies the client's chain. The TCP frontend: kube-apiserver's
+    /// client (grpc-go over Go's `crypto/tls`, no `ClientSessionCache`)
+    /// never resumes, so a cache there would only keep chains that nothing
+    /// checks again.
+    Off,
+    /// From rustls's in-memory cache of this process's sessions, each
+    /// resumed chain verified again: the agent listener with
+    /// `--tls-session-tickets=false`.
+    Cache,
+    /// From session tickets (`--tls-session-tickets`) whose key changes
+    /// every `rotation` (`--tls-session-ticket-rotation`), each resumed
+    /// chain verified again: the agent listener.
+    Tickets {
+        /// How long each ticket key is used.
+        rotation: Duration,
+    },
 }
 
 impl ListenerTls {
@@ -331,7 +362,9 @@ impl ListenerTls {
             },
             alpn: tls::ALPN_H2,
             policy: tls::TlsPolicy::default(),
-            tickets: Some(DEFAULT_TICKET_ROTATION),
+            resumption: Resumption::Tickets {
+                rotation: DEFAULT_TICKET_ROTATION,
+            },
         }
     }
 
@@ -351,7 +384,7 @@ impl ListenerTls {
                 Mode::HttpConnect => tls::ALPN_HTTP11,
             },
             policy: tls::TlsPolicy::default(),
-            tickets: None,
+            resumption: Resumption::Off,
         }
     }
 
@@ -386,7 +419,7 @@ impl ListenerTls {
             files,
             alpn,
             policy,
-            tickets,
+            resumption,
         } = self.clone();
         move || {
             let ((_, cert), (_, key)) = files
@@ -395,11 +428,15 @@ impl ListenerTls {
                 .expect("a listener has a certificate");
             let client_ca = files.ca.as_ref().map(|(_, ca)| ca.as_path());
             // The secret: the ticket key file, else the serving key.
-            let tickets = tickets.map(|rotation| tls::TicketSettings {
-                secret: files.secret.as_ref().map_or(key, |(_, path)| path),
-                rotation,
-            });
-            let config = tls::listener_config(cert, key, client_ca, &[alpn], &policy, tickets)?;
+            let resumption = match resumption {
+                Resumption::Off => tls::Resumption::Off,
+                Resumption::Cache => tls::Resumption::Cache,
+                Resumption::Tickets { rotation } => tls::Resumption::Tickets(tls::TicketSettings {
+                    secret: files.secret.as_ref().map_or(key, |(_, path)| path),
+                    rotation,
+                }),
+            };
+            let config = tls::listener_config(cert, key, client_ca, &[alpn], &policy, resumption)?;
             Ok(Arc::new(config))
         }
     }
@@ -461,6 +498,10 @@ pub struct Config {
     pub graceful_shutdown_timeout: Option<Duration>,
     /// Service-account token authentication of agents, if on.
     pub token_auth: Option<TokenAuthConfig>,
+    /// `--allow-unauthenticated-agents`: start although the agent port
+    /// has neither client certificates nor token auth (see
+    /// [`check_agent_auth`](Self::check_agent_auth)).
+    pub allow_unauthenticated_agents: bool,
     /// This server's Lease (`--enable-lease-controller`), if on.
     pub lease: Option<LeaseConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
@@ -526,6 +567,31 @@ fn bind_addr(flag: &'static str, host: &str, port: u16) -> Result<SocketAddr, Co
 }
 
 impl Config {
+    /// Whether the agent port authenticates no one: no client
+    /// certificates required (`--cluster-ca-cert`) and no token auth.
+    pub fn agents_unauthenticated(&self) -> bool {
+        self.agent_tls.files.ca.is_none() && self.token_auth.is_none()
+    }
+
+    /// Refuses an agent port that authenticates no one, unless
+    /// `--allow-unauthenticated-agents` says it is meant.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the flags that would authenticate
+    /// agents, and the one that allows none.
+    pub fn check_agent_auth(&self) -> Result<(), ConfigError> {
+        if self.agents_unauthenticated() && !self.allow_unauthenticated_agents {
+            return Err(invalid(
+                "cluster-ca-cert",
+                "empty, and token auth is off: the agent port would admit anyone as an agent. \
+                 Set --cluster-ca-cert (client certificates), or --agent-namespace, \
+                 --agent-service-account and --authentication-audience (service-account \
+                 tokens), or --allow-unauthenticated-agents if that is meant",
+            ));
+        }
+        Ok(())
+    }
+
     /// Reads every certificate and key the flags name, as the server does
     /// when it binds: for a start-up that fails before anything is bound.
     ///
@@ -584,7 +650,7 @@ impl TryFrom<Args> for Config {
             ServerId(args.server_id.clone())
         };
         let nonzero = |d: Duration| (!d.is_zero()).then_some(d);
-        Ok(Self {
+        let config = Self {
             mode: args.mode,
             frontend,
             agent_addr,
@@ -616,6 +682,7 @@ impl TryFrom<Args> for Config {
             },
             graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
             token_auth,
+            allow_unauthenticated_agents: args.allow_unauthenticated_agents,
             dial_policy: DialPolicy {
                 timeout: nonzero(args.backend_dial_timeout),
                 retries: args.backend_dial_retries,
@@ -627,7 +694,9 @@ impl TryFrom<Args> for Config {
             not_implemented: not_implemented(&args),
             deprecated: deprecated(&args),
             notices,
-        })
+        };
+        config.check_agent_auth()?;
+        Ok(config)
     }
 }
 
@@ -740,9 +809,13 @@ fn agent_tls(args: &Args, policy: &tls::TlsPolicy) -> Result<ListenerTls, Config
     }
     let mut tls = ListenerTls {
         policy: policy.clone(),
-        tickets: args
-            .tls_session_tickets
-            .then_some(args.tls_session_ticket_rotation),
+        resumption: if args.tls_session_tickets {
+            Resumption::Tickets {
+                rotation: args.tls_session_ticket_rotation,
+            }
+        } else {
+            Resumption::Cache
+        },
         ..ListenerTls::agent(cert, key, given_path(args.cluster_ca_cert.as_ref()))
     };
     tls.files.secret = given_path(args.tls_session_ticket_key.as_ref())
@@ -799,10 +872,29 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
     }))
 }
 
-/// The queue, handshake and connection caps.
+/// `--backend-dial-retries`' largest value: one dial reaches at most
+/// this many agents after the first (and one more when hedged). A retry
+/// is for an agent that went away, or a refusal another agent may not
+/// give; even with half the agents going at once (a node pool replaced),
+/// eight retries all land on departing agents once in 256 dials, while
+/// a destination that every agent refuses costs at most nine dials for
+/// one request, not one per agent of the cluster.
+pub const MAX_BACKEND_DIAL_RETRIES: u32 = 8;
+
+/// The queue, handshake, connection and retry caps.
 fn limits(args: &Args) -> Result<(), ConfigError> {
     if args.xfr_channel_size == Some(0) {
         return Err(invalid("xfr-channel-size", "must be greater than 0"));
+    }
+    if args.backend_dial_retries > MAX_BACKEND_DIAL_RETRIES {
+        return Err(invalid(
+            "backend-dial-retries",
+            format!(
+                "{} is more than {MAX_BACKEND_DIAL_RETRIES}: a dial would reach up to {} agents",
+                args.backend_dial_retries,
+                u64::from(args.backend_dial_retries) + 1
+            ),
+        ));
     }
     for (flag, value) in [
         ("max-agent-queue-bytes", args.max_agent_queue_bytes),
@@ -920,12 +1012,14 @@ mod tests {
         Ok(config)
     }
 
+    /// A server on a Unix socket whose agents need client certificates.
     fn uds_args(dir: &std::path::Path) -> Vec<String> {
         vec![
             format!("--uds-name={}", dir.join("s.sock").display()),
             "--server-port=0".to_owned(),
             format!("--cluster-cert={}", dir.join("cluster.crt").display()),
             format!("--cluster-key={}", dir.join("cluster.key").display()),
+            format!("--cluster-ca-cert={}", dir.join("agent-ca.crt").display()),
         ]
     }
 
@@ -1005,6 +1099,8 @@ mod tests {
         let c = parse(&uds_args(dir.path())).unwrap();
         assert_eq!(c.dial_policy.timeout, None);
         assert!(!c.server_id.0.is_empty(), "a random id by default");
+        args.push(format!("--backend-dial-retries={MAX_BACKEND_DIAL_RETRIES}"));
+        assert_eq!(parse(&args).unwrap().dial_policy.retries, 8, "the bound");
     }
 
     #[test]
@@ -1021,6 +1117,10 @@ mod tests {
             (with(&["--server-cert=/x"]), "--server-cert"),
             (with(&["--server-ca-cert=/x"]), "--server-ca-cert"),
             (with(&["--xfr-channel-size=0"]), "--xfr-channel-size"),
+            (
+                with(&["--backend-dial-retries=9"]),
+                "--backend-dial-retries: 9 is more than 8",
+            ),
             (
                 with(&["--max-agent-queue-bytes=0"]),
                 "--max-agent-queue-bytes",
@@ -1071,6 +1171,7 @@ mod tests {
             (
                 with(&[
                     "--token-review-max-pending=0",
+                    "--cluster-ca-cert=",
                     "--agent-namespace=a",
                     "--agent-service-account=b",
                     "--authentication-audience=c",
@@ -1084,6 +1185,7 @@ mod tests {
             (
                 with(&[
                     "--token-review-max-inflight=0",
+                    "--cluster-ca-cert=",
                     "--agent-namespace=a",
                     "--agent-service-account=b",
                     "--authentication-audience=c",
@@ -1155,16 +1257,60 @@ mod tests {
         }
     }
 
+    /// An agent port with neither client certificates nor token auth is
+    /// refused, naming the flags that would authenticate agents, unless
+    /// `--allow-unauthenticated-agents` says it is meant.
+    #[test]
+    fn an_agent_port_without_authentication_needs_the_flag_that_allows_it() {
+        let dir = pki();
+        let mut open = uds_args(dir.path());
+        open.push("--cluster-ca-cert=".to_owned());
+        let err = parse(&open).expect_err("refused").to_string();
+        for flag in [
+            "--cluster-ca-cert",
+            "--agent-namespace",
+            "--allow-unauthenticated-agents",
+        ] {
+            assert!(err.contains(flag), "{flag} not named: {err}");
+        }
+        let mut allowed = open.clone();
+        allowed.push("--allow-unauthenticated-agents".to_owned());
+        let config = parse(&allowed).unwrap();
+        assert!(config.agents_unauthenticated());
+        assert!(config.allow_unauthenticated_agents);
+        // A config built directly is held to the same rule.
+        let built = Config {
+            allow_unauthenticated_agents: false,
+            ..config
+        };
+        assert!(built.check_agent_auth().is_err());
+
+        let mtls = parse(&uds_args(dir.path())).unwrap();
+        assert!(!mtls.agents_unauthenticated());
+        let mut token = open.clone();
+        token.extend([
+            "--agent-namespace=kube-system".to_owned(),
+            "--agent-service-account=konnectivity-agent".to_owned(),
+            "--authentication-audience=system:konnectivity-server".to_owned(),
+        ]);
+        assert!(!parse(&token).unwrap().agents_unauthenticated());
+    }
+
     /// Parsing checks the flags and reads no certificate; loading reads the
     /// files and names the flag of the one that fails.
     #[test]
     fn certificates_are_read_after_the_flags_are_checked() {
+        let dir = pki();
         let args = Args::try_parse_from([
-            "proxy-server",
-            "--uds-name=/tmp/x.sock",
-            "--server-port=0",
-            "--cluster-cert=/nonexistent/cluster.crt",
-            "--cluster-key=/nonexistent/cluster.key",
+            "proxy-server".to_owned(),
+            "--uds-name=/tmp/x.sock".to_owned(),
+            "--server-port=0".to_owned(),
+            "--cluster-cert=/nonexistent/cluster.crt".to_owned(),
+            "--cluster-key=/nonexistent/cluster.key".to_owned(),
+            format!(
+                "--cluster-ca-cert={}",
+                dir.path().join("agent-ca.crt").display()
+            ),
         ])
         .unwrap();
         let config = Config::try_from(args).unwrap();
@@ -1410,6 +1556,7 @@ mod tests {
             format!("--server-ca-cert={}", p("frontend-ca.crt")),
             format!("--cluster-cert={}", p("cluster.crt")),
             format!("--cluster-key={}", p("cluster.key")),
+            format!("--cluster-ca-cert={}", p("agent-ca.crt")),
             "--server-bind-address=127.0.0.1".to_owned(),
         ])
         .unwrap();
@@ -1429,6 +1576,7 @@ mod tests {
             format!("--server-ca-cert={}", p("frontend-ca.crt")),
             format!("--cluster-cert={}", p("cluster.crt")),
             format!("--cluster-key={}", p("cluster.key")),
+            format!("--cluster-ca-cert={}", p("agent-ca.crt")),
         ])
         .unwrap();
         match c.frontend {

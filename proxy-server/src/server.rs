@@ -76,6 +76,10 @@ pub enum ServerError {
     /// A certificate or key file cannot be used; the error names its flag.
     #[error(transparent)]
     Tls(#[from] crate::config::ConfigError),
+    /// The agent port would authenticate no one, and
+    /// `--allow-unauthenticated-agents` was not given.
+    #[error(transparent)]
+    Unauthenticated(crate::config::ConfigError),
     /// Token authentication could not be set up.
     #[error("setting up agent token authentication")]
     Auth(#[from] crate::auth::AuthSetupError),
@@ -159,6 +163,18 @@ impl ProxyServer {
     pub async fn bind(config: Config) -> Result<Bound, ServerError> {
         // Before anything can fail, so an operator sees them either way.
         ops::flags::warn_flags(&config.not_implemented, &config.deprecated, &config.notices);
+        config
+            .check_agent_auth()
+            .map_err(ServerError::Unauthenticated)?;
+        if config.agents_unauthenticated() {
+            warn!(
+                agent.addr = %config.agent_addr,
+                "the agent port authenticates no one (--allow-unauthenticated-agents): \
+                 neither client certificates (--cluster-ca-cert) nor service-account tokens \
+                 (--agent-namespace) are required, so anyone who can reach it can register \
+                 as an agent and be sent kube-apiserver's traffic to nodes"
+            );
+        }
         let metrics = Arc::new(ServerMetrics::new(&config.strategies));
         // The certificates, before any port is taken; from then on each
         // handshake uses the files as they are, or the last good ones.
@@ -219,17 +235,77 @@ impl ProxyServer {
     }
 }
 
-/// Creates the frontend socket with mode 0770, as ANP does with umask 0007.
+/// The frontend socket's mode (ANP: umask 0007 around its bind).
+const UDS_MODE: u32 = 0o770;
+
+/// Creates the frontend socket at `path` with mode 0770 from the moment it
+/// is there: bound in a private directory (0700) made beside it, given its
+/// mode there, then moved into place: renamed over `path` (which replaces a
+/// stale file at once) or, with `delete_existing` false, linked to it,
+/// which fails if something is there (as a bind there would). A socket bound
+/// at `path` itself and chmod-ed after would be open to every user for a
+/// moment under umask 0; setting the umask around the bind instead would
+/// change it for every thread of the process.
 fn bind_uds(path: &Path, delete_existing: bool) -> io::Result<UnixListener> {
-    if delete_existing {
-        match std::fs::remove_file(path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-            _ => {}
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let private = private_dir(parent)?;
+    // One letter: the staged path is no longer than the final one for any
+    // socket name of ten bytes or more (a socket path holds 107).
+    let staged = private.join("s");
+    let bound = (|| {
+        let listener = UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(UDS_MODE))?;
+        if delete_existing {
+            std::fs::rename(&staged, path)?;
+        } else {
+            std::fs::hard_link(&staged, path).map_err(|e| {
+                if e.kind() == io::ErrorKind::AlreadyExists {
+                    io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        "a file is in the way (--delete-existing-uds-file=false)",
+                    )
+                } else {
+                    e
+                }
+            })?;
+        }
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    bound
+}
+
+/// A new directory in `parent` that only this user can enter (0700,
+/// whatever the umask), named `.k` and six random letters.
+fn private_dir(parent: &Path) -> io::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let mut tries = 0;
+    loop {
+        let name: String = std::iter::repeat_with(fastrand::alphanumeric)
+            .take(6)
+            .collect();
+        let dir = parent.join(format!(".k{name}"));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {
+                // The umask can only have taken bits away: the directory
+                // was never more open than 0700. Give back the owner's.
+                return match std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                {
+                    Ok(()) => Ok(dir),
+                    Err(e) => {
+                        let _ = std::fs::remove_dir(&dir);
+                        Err(e)
+                    }
+                };
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
+            Err(e) => return Err(e),
         }
     }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o770))?;
-    Ok(listener)
 }
 
 /// The bound frontend listener.

@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use client::dial::{TunnelConn, dial, uds_channel};
 use proxy_server::{
     DialPolicy, HedgeDelay,
-    config::{Config, FrontendListen, ListenerTls, Mode},
+    config::{Config, FrontendListen, ListenerTls, Mode, Resumption},
     server::{ProxyServer, ServerHandle},
     strategy::ProxyStrategy,
 };
@@ -80,6 +80,9 @@ pub struct ServerOpts {
     pub ticket_rotation: Duration,
     /// `--max-agent-queue-bytes`.
     pub max_agent_queue_bytes: usize,
+    /// `--allow-unauthenticated-agents` (needed with neither `mtls` nor
+    /// `token_auth`).
+    pub allow_unauthenticated_agents: bool,
 }
 
 impl Default for ServerOpts {
@@ -108,6 +111,7 @@ impl Default for ServerOpts {
             session_tickets: true,
             ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
             max_agent_queue_bytes: 4 << 20,
+            allow_unauthenticated_agents: false,
         }
     }
 }
@@ -174,7 +178,13 @@ impl TestServer {
             frontend,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], opts.agent_port)),
             agent_tls: ListenerTls {
-                tickets: opts.session_tickets.then_some(opts.ticket_rotation),
+                resumption: if opts.session_tickets {
+                    Resumption::Tickets {
+                        rotation: opts.ticket_rotation,
+                    }
+                } else {
+                    Resumption::Cache
+                },
                 ..ListenerTls::agent(
                     pki.path("cluster.crt"),
                     pki.path("cluster.key"),
@@ -211,6 +221,7 @@ impl TestServer {
             flow_version: opts.flow_version,
             graceful_shutdown_timeout: opts.graceful_shutdown_timeout,
             token_auth: opts.token_auth.clone(),
+            allow_unauthenticated_agents: opts.allow_unauthenticated_agents,
             lease: opts.lease.clone(),
             not_implemented: Vec::new(),
             deprecated: Vec::new(),

@@ -14,8 +14,12 @@
 //! - and the rotation period the ticket was issued in.
 //!
 //! A ticket is opened in the period it was issued in and the next one, never
-//! later: its lifetime is kept by the keys, not by a date inside it (as
-//! [`rustls::server::ProducesTickets`] asks). Each is sealed with
+//! later: its lifetime is kept by the keys (as
+//! [`rustls::server::ProducesTickets`] asks). It also carries the second it
+//! was issued at, authenticated, and is not opened before that second less
+//! [`MAX_CLOCK_SKEW`]: a ticket dated in the future (by a replica whose clock
+//! runs ahead, or by whoever holds the secret) would otherwise open for up
+//! to three periods. Each is sealed with
 //! AES-256-GCM under a fresh random nonce. A resumed TLS 1.3 handshake still
 //! does an (EC)DHE key exchange (rustls resumes only in `psk_dhe_ke` mode),
 //! so traffic keeps forward secrecy; what the secret protects is the
@@ -44,13 +48,20 @@ use rustls::server::danger::ClientCertVerifier;
 use rustls_pki_types::UnixTime;
 
 /// What the key derivation says it is for (HKDF salt, with the binding).
-const LABEL: &[u8] = b"konnectivity-rs TLS session tickets v1";
-/// Bytes of the period number at the start of a ticket.
-const PERIOD_LEN: usize = 8;
+/// v2: a ticket starts with the second it was issued at (v1: its period).
+const LABEL: &[u8] = b"konnectivity-rs TLS session tickets v2";
+/// Bytes of the issue time (seconds since the Unix epoch) at the start of a
+/// ticket.
+const ISSUED_LEN: usize = 8;
 /// The shortest secret accepted: one AES-256 key's worth.
 pub const MIN_SECRET_LEN: usize = 32;
 /// The longest a ticket may be offered for (RFC 8446 4.6.1: 7 days).
 pub const MAX_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How far in the future a ticket's issue time may be and still open: the
+/// clock difference tolerated between the replica that sealed it and the
+/// one that opens it. Replicas' clocks are synchronised (NTP keeps them
+/// within milliseconds); a ticket refused costs one full handshake.
+pub const MAX_CLOCK_SKEW: Duration = Duration::from_secs(60);
 
 /// Seconds since the Unix epoch; tests give their own.
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -94,11 +105,6 @@ impl TicketKeys {
         }
     }
 
-    /// The rotation period `now` falls in.
-    fn period(&self) -> u64 {
-        (self.clock)() / self.rotation
-    }
-
     /// The key of `period`.
     fn key(&self, period: u64) -> aead::LessSafeKey {
         let info = period.to_be_bytes();
@@ -123,8 +129,8 @@ impl rustls::server::ProducesTickets for TicketKeys {
         u32::try_from(self.rotation.min(MAX_LIFETIME.as_secs())).unwrap_or(u32::MAX)
     }
 
-    /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated; a
-    /// session other than TLS 1.3 is not sealed.
+    /// `issued ‖ nonce ‖ AES-256-GCM(plain)`, the issue time
+    /// authenticated; a session other than TLS 1.3 is not sealed.
     fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
         if !is_tls13(plain) {
             return None;
@@ -132,32 +138,33 @@ impl rustls::server::ProducesTickets for TicketKeys {
         self.seal(plain)
     }
 
-    /// Opens a ticket of this period or the one before, of a TLS 1.3
-    /// session; anything else, whatever its bytes, is `None` (a full
-    /// handshake).
+    /// Opens a ticket of this period or the one before, not dated in the
+    /// future, of a TLS 1.3 session; anything else, whatever its bytes, is
+    /// `None` (a full handshake).
     fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
         self.open(cipher).filter(|plain| is_tls13(plain))
     }
 }
 
 impl TicketKeys {
-    /// `period ‖ nonce ‖ AES-256-GCM(plain)`, the period authenticated.
+    /// `issued ‖ nonce ‖ AES-256-GCM(plain)` under the key of the period
+    /// `issued` falls in, the issue time authenticated.
     fn seal(&self, plain: &[u8]) -> Option<Vec<u8>> {
-        // One reading of the clock: the period named and the key used
-        // must be the same at a boundary.
-        let now = self.period();
-        let period = now.to_be_bytes();
+        // One reading of the clock: the time named and the key used must
+        // be the same at a boundary.
+        let now = (self.clock)();
+        let issued = now.to_be_bytes();
         let mut nonce = [0u8; aead::NONCE_LEN];
         ring::rand::SystemRandom::new().fill(&mut nonce).ok()?;
         let mut out =
-            Vec::with_capacity(PERIOD_LEN + nonce.len() + plain.len() + aead::MAX_TAG_LEN);
-        out.extend_from_slice(&period);
+            Vec::with_capacity(ISSUED_LEN + nonce.len() + plain.len() + aead::MAX_TAG_LEN);
+        out.extend_from_slice(&issued);
         out.extend_from_slice(&nonce);
         let mut sealed = plain.to_vec();
-        self.key(now)
+        self.key(now / self.rotation)
             .seal_in_place_append_tag(
                 aead::Nonce::assume_unique_for_key(nonce),
-                aead::Aad::from(period),
+                aead::Aad::from(issued),
                 &mut sealed,
             )
             .ok()?;
@@ -165,23 +172,30 @@ impl TicketKeys {
         Some(out)
     }
 
-    /// Opens a ticket of this period or the one before.
+    /// Opens a ticket issued in this period or the one before, and not
+    /// after now plus [`MAX_CLOCK_SKEW`].
     fn open(&self, cipher: &[u8]) -> Option<Vec<u8>> {
-        let (period, rest) = cipher.split_first_chunk::<PERIOD_LEN>()?;
+        let (issued_bytes, rest) = cipher.split_first_chunk::<ISSUED_LEN>()?;
         let (nonce, sealed) = rest.split_first_chunk::<{ aead::NONCE_LEN }>()?;
-        let issued = u64::from_be_bytes(*period);
-        let now = self.period();
-        // The period before is still open; the next one too, for a replica
-        // whose clock is a little ahead at a boundary.
-        if issued.saturating_add(1) < now || issued > now.saturating_add(1) {
+        let issued = u64::from_be_bytes(*issued_bytes);
+        let now = (self.clock)();
+        // Dated in the future: refused, beyond the clock skew between
+        // replicas (which also covers a replica a little ahead at a
+        // period boundary).
+        if issued > now.saturating_add(MAX_CLOCK_SKEW.as_secs()) {
+            return None;
+        }
+        // Issued two periods ago or earlier: refused.
+        let period = issued / self.rotation;
+        if period.saturating_add(1) < now / self.rotation {
             return None;
         }
         let mut plain = sealed.to_vec();
         let opened = self
-            .key(issued)
+            .key(period)
             .open_in_place(
                 aead::Nonce::assume_unique_for_key(*nonce),
-                aead::Aad::from(*period),
+                aead::Aad::from(*issued_bytes),
                 &mut plain,
             )
             .ok()?
@@ -319,10 +333,39 @@ mod tests {
         );
         now.store(12 * 3600, Ordering::Relaxed);
         assert_eq!(keys.decrypt(&ticket), None, "two periods on");
-        now.store(9 * 3600, Ordering::Relaxed);
-        assert!(keys.decrypt(&ticket).is_some(), "a clock one period behind");
-        now.store(8 * 3600, Ordering::Relaxed);
-        assert_eq!(keys.decrypt(&ticket), None, "two periods behind");
+    }
+
+    /// A ticket issued later than now (by a replica whose clock is ahead,
+    /// or by whoever holds the secret) opens only within the clock skew:
+    /// it would otherwise live for up to three periods.
+    #[test]
+    fn a_ticket_dated_in_the_future_is_refused() {
+        let now = Arc::new(AtomicU64::new(10 * 3600 + 100));
+        let keys = keys(SECRET, b"ca", &now);
+        let skew = MAX_CLOCK_SKEW.as_secs();
+        let sealed_at = |at: u64| {
+            now.store(at, Ordering::Relaxed);
+            let ticket = keys.encrypt(SESSION).unwrap();
+            now.store(10 * 3600 + 100, Ordering::Relaxed);
+            ticket
+        };
+        // One period ahead, and one second past the skew in this period.
+        assert_eq!(keys.decrypt(&sealed_at(11 * 3600 + 100)), None);
+        assert_eq!(keys.decrypt(&sealed_at(10 * 3600 + 101 + skew)), None);
+        // Within the skew, in this period and across its end.
+        assert!(keys.decrypt(&sealed_at(10 * 3600 + 100 + skew)).is_some());
+        now.store(11 * 3600 + 5, Ordering::Relaxed);
+        let boundary = keys.encrypt(SESSION).unwrap();
+        now.store(11 * 3600 - 10, Ordering::Relaxed);
+        assert!(
+            keys.decrypt(&boundary).is_some(),
+            "a replica 15 s ahead, across a period's end"
+        );
+        // An issue time moved forward in the bytes is refused too (its
+        // tag no longer matches, or it is past the skew).
+        let mut moved = sealed_at(10 * 3600 + 100);
+        moved[..ISSUED_LEN].copy_from_slice(&(11u64 * 3600).to_be_bytes());
+        assert_eq!(keys.decrypt(&moved), None);
     }
 
     #[test]

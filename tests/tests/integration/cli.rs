@@ -47,6 +47,7 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=8090".to_owned(),
                 pki_arg("cluster-cert", "cluster.crt"),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
             ],
             "--server-port",
         ),
@@ -56,6 +57,7 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=0".to_owned(),
                 "--cluster-cert=/nonexistent/cluster.crt".to_owned(),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
             ],
             "/nonexistent/cluster.crt",
         ),
@@ -69,9 +71,21 @@ fn bad_server_flags_exit_2_naming_the_flag_before_binding() {
                 "--server-port=0".to_owned(),
                 pki_arg("cluster-cert", "cluster.crt"),
                 pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
                 "--tls-session-ticket-rotation=169h".to_owned(),
             ],
             "--tls-session-ticket-rotation",
+        ),
+        (
+            vec![
+                format!("--uds-name={}", socket.display()),
+                "--server-port=0".to_owned(),
+                pki_arg("cluster-cert", "cluster.crt"),
+                pki_arg("cluster-key", "cluster.key"),
+                pki_arg("cluster-ca-cert", "agent-ca.crt"),
+                "--backend-dial-retries=9".to_owned(),
+            ],
+            "--backend-dial-retries: 9 is more than 8",
         ),
     ];
     for (args, needle) in cases {
@@ -242,6 +256,178 @@ impl SocketLike for std::fs::FileType {
     }
 }
 
+/// An agent port that authenticates no one (no `--cluster-ca-cert`, no
+/// token auth) is refused at start-up: exit 2 before anything is bound,
+/// naming the flags that would authenticate agents and the one that allows
+/// none. With `--allow-unauthenticated-agents` the server starts, and says
+/// at `warn` that anyone can register as an agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_agent_port_needs_allow_unauthenticated_agents() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("s.sock");
+    let args = vec![
+        format!("--uds-name={}", socket.display()),
+        "--server-port=0".to_owned(),
+        pki_arg("cluster-cert", "cluster.crt"),
+        pki_arg("cluster-key", "cluster.key"),
+        "--agent-bind-address=127.0.0.1".to_owned(),
+        "--agent-port=0".to_owned(),
+        "--health-bind-address=127.0.0.1".to_owned(),
+        "--health-port=0".to_owned(),
+        "--admin-port=0".to_owned(),
+    ];
+    let (code, stderr) = run("proxy-server", &args);
+    assert_eq!(code, 2, "{stderr}");
+    for flag in [
+        "--cluster-ca-cert",
+        "--agent-namespace",
+        "--allow-unauthenticated-agents",
+    ] {
+        assert!(stderr.contains(flag), "{flag} not named: {stderr}");
+    }
+    assert!(!socket.exists(), "a socket was bound despite the refusal");
+
+    let mut command = Command::new(binary("proxy-server"));
+    command.args(&args).arg("--allow-unauthenticated-agents");
+    let mut server = LoggedProcess::spawn(command, "proxy-server");
+    server
+        .wait_for("frontend listening", 1, Duration::from_secs(30))
+        .await;
+    let line = server
+        .find("the agent port authenticates no one")
+        .expect("no warning");
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("--allow-unauthenticated-agents"), "{line}");
+}
+
+/// What inotify saw happen to the entry `name` of the directory `watch`
+/// watches, in order (`watch` is non-blocking: what is queued now).
+fn entry_events(watch: &impl std::os::fd::AsFd, name: &str) -> Vec<rustix::fs::inotify::ReadFlags> {
+    let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 4096];
+    let mut reader = rustix::fs::inotify::Reader::new(watch, &mut buf);
+    let mut seen = Vec::new();
+    loop {
+        match reader.next() {
+            Ok(event) => {
+                if event
+                    .file_name()
+                    .is_some_and(|n| n.to_bytes() == name.as_bytes())
+                {
+                    seen.push(event.events());
+                }
+            }
+            Err(rustix::io::Errno::AGAIN) => return seen,
+            Err(e) => panic!("reading inotify events: {e}"),
+        }
+    }
+}
+
+/// The frontend socket is never at its path with a mode wider than 0770,
+/// even under umask 0 (where a socket is bound 0777): it is bound and
+/// given its mode in a private directory, then moved (or, with
+/// `--delete-existing-uds-file=false`, linked) into place. Watched with
+/// inotify, its name appears once, as a socket that is already 0770, and
+/// its attributes never change at that path: a chmod after binding there
+/// (the old way) shows as IN_ATTRIB on a socket that was there 0777 until
+/// then. Nothing is left beside it; with `false`, a file in the way is an
+/// error naming the path, and the file stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_socket_is_never_at_its_path_with_a_wider_mode() {
+    use rustix::fs::inotify::{self, ReadFlags, WatchFlags};
+    const NAME: &str = "konnectivity-server.socket";
+    for delete_existing in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join(NAME);
+        if delete_existing {
+            std::fs::write(&socket, "stale").unwrap();
+        }
+        let watch =
+            inotify::init(inotify::CreateFlags::NONBLOCK | inotify::CreateFlags::CLOEXEC).unwrap();
+        inotify::add_watch(
+            &watch,
+            dir.path(),
+            WatchFlags::CREATE | WatchFlags::ATTRIB | WatchFlags::MOVED_TO | WatchFlags::DELETE,
+        )
+        .unwrap();
+        let args = vec![
+            format!("--uds-name={}", socket.display()),
+            format!("--delete-existing-uds-file={delete_existing}"),
+            "--server-port=0".to_owned(),
+            pki_arg("cluster-cert", "cluster.crt"),
+            pki_arg("cluster-key", "cluster.key"),
+            pki_arg("cluster-ca-cert", "agent-ca.crt"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            "--agent-port=0".to_owned(),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            "--health-port=0".to_owned(),
+            "--admin-port=0".to_owned(),
+        ];
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(r#"umask 0 && exec "$0" "$@""#)
+            .arg(binary("proxy-server"))
+            .args(&args);
+        let mut server = LoggedProcess::spawn(command, "proxy-server");
+        server
+            .wait_for("frontend listening", 1, Duration::from_secs(30))
+            .await;
+        let events = entry_events(&watch, NAME);
+        let meta = std::fs::symlink_metadata(&socket).unwrap();
+        assert!(meta.file_type().is_socket_like());
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o770);
+        assert!(
+            !events.iter().any(|e| e.contains(ReadFlags::ATTRIB)),
+            "the socket's mode changed at its path (delete_existing={delete_existing}): {events:?}"
+        );
+        let appeared = if delete_existing {
+            ReadFlags::MOVED_TO
+        } else {
+            ReadFlags::CREATE
+        };
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| !e.contains(ReadFlags::DELETE))
+                .collect::<Vec<_>>(),
+            [&appeared],
+            "delete_existing={delete_existing}"
+        );
+        let entries: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(entries, [NAME], "the private directory is left");
+        drop(server);
+
+        if !delete_existing {
+            // A file in the way: the bind fails, naming the path.
+            let stale = dir.path().join("stale.socket");
+            std::fs::write(&stale, "stale").unwrap();
+            let mut args = args.clone();
+            args[0] = format!("--uds-name={}", stale.display());
+            let (code, stderr) = run("proxy-server", &args);
+            assert_ne!(code, 0, "{stderr}");
+            assert!(
+                stderr.contains(&format!("unix socket {}", stale.display())),
+                "{stderr}"
+            );
+            assert_eq!(std::fs::read(&stale).unwrap(), b"stale");
+            let left = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .starts_with(".k")
+                })
+                .count();
+            assert_eq!(left, 0, "the private directory is left after a failure");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flags_without_effect_are_named_at_start_up() {
     let dir = tempfile::tempdir().unwrap();
@@ -255,6 +441,7 @@ async fn flags_without_effect_are_named_at_start_up() {
         "--admin-port=0".to_owned(),
         pki_arg("cluster-cert", "cluster.crt"),
         pki_arg("cluster-key", "cluster.key"),
+        pki_arg("cluster-ca-cert", "agent-ca.crt"),
         "--enable-profiling".to_owned(),
         "--enable-contention-profiling".to_owned(),
         "--log-dir=/var/log/konnectivity".to_owned(),
@@ -564,6 +751,7 @@ fn the_server_names_flags_without_effect_and_deprecated_ones_even_when_start_up_
             "--server-port=0".to_owned(),
             pki_arg("cluster-cert", "cluster.crt"),
             pki_arg("cluster-key", "cluster.key"),
+            pki_arg("cluster-ca-cert", "agent-ca.crt"),
             "--agent-bind-address=127.0.0.1".to_owned(),
             format!("--agent-port={}", taken.local_addr().unwrap().port()),
             "--health-port=0".to_owned(),
