@@ -8,8 +8,8 @@
 //!   processes against one server).
 //! - [`storm`]: restart storms of grpc-go agents (`tests/go/agents`) with
 //!   and without admission, idle, on shared CPUs, and far away.
-//! - [`retries`]: dials through three agents while one is killed or slow
-//!   (retries, hedging) and where new dials go (P2C).
+//! - [`retries`]: dials through three agents while one is killed, slow or
+//!   hung (retries, hedging, the pick) and where new dials go (P2C).
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
 //!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
@@ -100,8 +100,9 @@ pub enum Scenario {
     /// --retries-kills times, with --backend-dial-retries=1 and 0 (ANP);
     /// one slowed (its node drops each connection's first SYN) for
     /// --retries-duration with hedging off and on; new dials beside an
-    /// agent holding 100 tunnels (P2C). Not in the default set; needs root
-    /// (a network namespace, nftables).
+    /// agent holding 100 tunnels (P2C); one agent hung (SIGSTOP) under a
+    /// 3 s dial timeout, dials one and 8 at a time. Not in the default set;
+    /// needs root (a network namespace, nftables).
     Retries,
     /// --soak-duration of faults under load (two servers behind haproxy,
     /// --soak-agents agents, every kind of frontend), every byte checked

@@ -519,6 +519,19 @@ pub const RETRIES_SLOW_WON: Def = def("retries", "slow: hedges won", "count", fa
 pub const RETRIES_SLOW_FAILED: Def = def("retries", "slow: failed tunnels", "count", false);
 /// Share of 300 new dials the two idle agents got.
 pub const RETRIES_P2C_IDLE: Def = def("retries", "p2c: new dials to the 2 idle agents", "%", false);
+/// Dials that timed out on the hung agent, one dial at a time for a minute.
+pub const RETRIES_HUNG_SERIAL_FAILED: Def = def(
+    "retries",
+    "hung: timed-out dials, one at a time for 60 s",
+    "count",
+    false,
+);
+/// Share of that minute the caller spent waiting on those timeouts.
+pub const RETRIES_HUNG_SERIAL_WAITED: Def =
+    def("retries", "hung: time spent on timeouts, one at a time", "%", false);
+/// Share of the dials, 8 at a time, sent to the hung agent.
+pub const RETRIES_HUNG_PARALLEL_SHARE: Def =
+    def("retries", "hung: dials to the hung agent, 8 at a time", "%", false);
 
 /// Until all N agents are connected; idle, cold, admission.
 pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =
@@ -953,6 +966,9 @@ const ALL: &[&Def] = &[
     &RETRIES_SLOW_WON,
     &RETRIES_SLOW_FAILED,
     &RETRIES_P2C_IDLE,
+    &RETRIES_HUNG_SERIAL_FAILED,
+    &RETRIES_HUNG_SERIAL_WAITED,
+    &RETRIES_HUNG_PARALLEL_SHARE,
     &STORM_IDLE_COLD_TIME_ADMISSION,
     &STORM_IDLE_COLD_THROWN_ADMISSION,
     &STORM_IDLE_COLD_FAILED_ADMISSION,

@@ -25,6 +25,12 @@
 //! - **p2c**: one agent holding 100 long-lived tunnels, two holding none;
 //!   300 new tunnels, 4 at a time: the share the two idle agents get, by
 //!   the agents' own dial counts.
+//! - **hung** (issue 43): one agent of three stopped (SIGSTOP) for the
+//!   whole part, its connection up, as a hung node's is, under
+//!   `--backend-dial-timeout=3s`: the frontend's `dials` mode one at a
+//!   time for [`HUNG_SERIAL`], then 8 at a time for [`HUNG_PARALLEL`]. Every
+//!   dial the hung agent is sent times out (a timeout is not retried), so
+//!   the frontend's failed dials are the hung agent's share.
 //!
 //! Needs root (`ip netns`, `nft`); the namespace is removed at the end.
 
@@ -804,7 +810,113 @@ async fn new_dials(go: &GoFrontend, uds: &str, addr: &str) -> anyhow::Result<()>
     Ok(())
 }
 
-/// Runs the three parts and records their rows (grpc column); returns the
+/// How long the hung part dials one at a time.
+pub const HUNG_SERIAL: Duration = Duration::from_secs(60);
+/// How long the hung part dials 8 at a time.
+pub const HUNG_PARALLEL: Duration = Duration::from_secs(6);
+/// The hung part's `--backend-dial-timeout`.
+const HUNG_DIAL_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// What the frontend's `dials` mode reports.
+#[derive(Debug, Deserialize)]
+struct DialsReport {
+    /// Dials that worked.
+    dials: u64,
+    /// Dials that failed.
+    errors: u64,
+}
+
+/// Single-use tunnels `concurrency` at a time for `duration`, with the
+/// grpc-go frontend's `dials` mode; what it reports.
+async fn dials_for(
+    go: &GoFrontend,
+    uds: &str,
+    addr: &str,
+    concurrency: usize,
+    duration: Duration,
+) -> anyhow::Result<DialsReport> {
+    let out = Command::new(&go.path)
+        .args([
+            uds,
+            "dials",
+            addr,
+            &format!("-concurrency={concurrency}"),
+            &format!("-duration={}ms", duration.as_millis()),
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .context("running the grpc-go frontend (dials)")?;
+    if !out.status.success() {
+        bail!("the grpc-go frontend's dials failed ({})", out.status);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().context("the dials mode printed nothing")?;
+    serde_json::from_str(line).with_context(|| format!("reading the dials report {line:?}"))
+}
+
+/// The hung part: (one at a time, 8 at a time) with one agent of three
+/// stopped.
+async fn hung_run(
+    bins: &Binaries,
+    dir: &Path,
+    opt: &RetriesOpt,
+    host_ip: Ipv4Addr,
+) -> anyhow::Result<(DialsReport, DialsReport)> {
+    let echo = Echo::start(host_ip).await?;
+    let timeout = format!("--backend-dial-timeout={}s", HUNG_DIAL_TIMEOUT.as_secs());
+    let mut rig = Rig::server(bins, dir, host_ip, "hung", &[timeout]).await?;
+    for _ in 0..3 {
+        rig.add_agent(bins, None)?;
+    }
+    rig.wait_agents(3).await?;
+    for agent in &rig.agents {
+        wait_dials_answer(agent, "a hung-part agent").await?;
+    }
+    let uds = format!("-uds={}", rig.uds.display());
+    let addr = format!("-addr={}", echo.addr);
+    let hung = rig.agents[0].process.pid();
+    signal(hung, "STOP")?;
+    let serial = dials_for(&opt.go, &uds, &addr, 1, HUNG_SERIAL).await;
+    let parallel = dials_for(&opt.go, &uds, &addr, 8, HUNG_PARALLEL).await;
+    signal(hung, "CONT")?;
+    Ok((serial?, parallel?))
+}
+
+async fn hung_part(
+    bins: &Binaries,
+    pki: &Path,
+    opt: &RetriesOpt,
+    host_ip: Ipv4Addr,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    eprintln!(
+        "retries hung: one agent of three stopped, {HUNG_SERIAL:?} one dial at a time, {HUNG_PARALLEL:?} 8 at a time ..."
+    );
+    let (serial, parallel) = hung_run(bins, pki, opt, host_ip).await?;
+    eprintln!(
+        "retries hung: one at a time {} ok, {} timed out; 8 at a time {} ok, {} timed out",
+        serial.dials, serial.errors, parallel.dials, parallel.errors
+    );
+    push(rec, &report::RETRIES_HUNG_SERIAL_FAILED, count(serial.errors as usize));
+    let waited = serial.errors as f64 * HUNG_DIAL_TIMEOUT.as_secs_f64();
+    push(
+        rec,
+        &report::RETRIES_HUNG_SERIAL_WAITED,
+        Some(waited / HUNG_SERIAL.as_secs_f64() * 100.0),
+    );
+    let sent = (parallel.dials + parallel.errors).max(1) as f64;
+    push(
+        rec,
+        &report::RETRIES_HUNG_PARALLEL_SHARE,
+        Some(parallel.errors as f64 / sent * 100.0),
+    );
+    Ok(())
+}
+
+/// Runs the four parts and records their rows (grpc column); returns the
 /// notes for the report.
 ///
 /// # Errors
@@ -825,6 +937,7 @@ pub async fn run(
     kill_part(bins, &pki, opt, node.host_ip, rec).await?;
     slow_part(bins, &pki, opt, &node, rec).await?;
     p2c_part(bins, &pki, opt, node.host_ip, rec).await?;
+    hung_part(bins, &pki, opt, node.host_ip, rec).await?;
     Ok(vec![note(opt)])
 }
 
@@ -1057,12 +1170,17 @@ fn note(opt: &RetriesOpt) -> String {
          and on (--backend-dial-hedge, delay p95), in alternating rounds of {round:?}, each \
          on a fresh server; latency = until DIAL_RSP as the frontend \
          sees it (a new grpc-go connection included); p2c = 100 tunnels held on one agent, then \
-         300 new ones 4 at a time, counted by the agents' dial counters",
+         300 new ones 4 at a time, counted by the agents' dial counters; hung = one agent of \
+         three stopped (SIGSTOP, its connection up) under --backend-dial-timeout=3s, single-use \
+         tunnels one at a time for {serial:?}, then 8 at a time for {parallel:?}: each dial \
+         sent to it times out",
         rate = opt.rate,
         kills = opt.kills,
         hang = HANG,
         waited = WAITED,
         dur = opt.duration,
         round = SLOW_ROUND,
+        serial = HUNG_SERIAL,
+        parallel = HUNG_PARALLEL,
     )
 }
