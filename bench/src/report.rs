@@ -527,11 +527,19 @@ pub const RETRIES_HUNG_SERIAL_FAILED: Def = def(
     false,
 );
 /// Share of that minute the caller spent waiting on those timeouts.
-pub const RETRIES_HUNG_SERIAL_WAITED: Def =
-    def("retries", "hung: time spent on timeouts, one at a time", "%", false);
+pub const RETRIES_HUNG_SERIAL_WAITED: Def = def(
+    "retries",
+    "hung: time spent on timeouts, one at a time",
+    "%",
+    false,
+);
 /// Share of the dials, 8 at a time, sent to the hung agent.
-pub const RETRIES_HUNG_PARALLEL_SHARE: Def =
-    def("retries", "hung: dials to the hung agent, 8 at a time", "%", false);
+pub const RETRIES_HUNG_PARALLEL_SHARE: Def = def(
+    "retries",
+    "hung: dials to the hung agent, 8 at a time",
+    "%",
+    false,
+);
 
 /// Until all N agents are connected; idle, cold, admission.
 pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =

@@ -853,7 +853,10 @@ async fn dials_for(
         bail!("the grpc-go frontend's dials failed ({})", out.status);
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().last().context("the dials mode printed nothing")?;
+    let line = text
+        .lines()
+        .last()
+        .context("the dials mode printed nothing")?;
     serde_json::from_str(line).with_context(|| format!("reading the dials report {line:?}"))
 }
 
@@ -900,7 +903,11 @@ async fn hung_part(
         "retries hung: one at a time {} ok, {} timed out; 8 at a time {} ok, {} timed out",
         serial.dials, serial.errors, parallel.dials, parallel.errors
     );
-    push(rec, &report::RETRIES_HUNG_SERIAL_FAILED, count(serial.errors as usize));
+    push(
+        rec,
+        &report::RETRIES_HUNG_SERIAL_FAILED,
+        count(serial.errors as usize),
+    );
     let waited = serial.errors as f64 * HUNG_DIAL_TIMEOUT.as_secs_f64();
     push(
         rec,

@@ -1138,7 +1138,20 @@ mod tests {
             ),
             (with(&["--proxy-strategies=random"]), "--proxy-strategies"),
             (
-                with(&["--verify-agent-identifiers=true"]),
+                {
+                    // Token auth instead of client certificates.
+                    let mut a = base[..4].to_vec();
+                    a.extend(
+                        [
+                            "--agent-namespace=kube-system",
+                            "--agent-service-account=konnectivity-agent",
+                            "--authentication-audience=system:konnectivity-server",
+                            "--verify-agent-identifiers=true",
+                        ]
+                        .map(str::to_owned),
+                    );
+                    a
+                },
                 "--verify-agent-identifiers: requires --cluster-ca-cert",
             ),
             (with(&["--server-count=0"]), "--server-count"),
