@@ -32,6 +32,13 @@ const SAME_CONCEPT: &[(&str, &[&str], &str)] = &[
         "a binary with its sockets bound, ready to serve (house style rule 2: bind, then serve)",
     ),
     (
+        "Resumption",
+        &["ops", "proxy-server"],
+        "whether and how a TLS listener resumes sessions (off, cache, tickets): the server's \
+         setting validated from its flags, and the form ops builds a listener from, which \
+         borrows the ticket secret once it is loaded",
+    ),
+    (
         "Mode",
         &["konnectivity-client", "proxy-server"],
         "the frontend protocol, ANP's --mode: the server's flag value and what the client's \
