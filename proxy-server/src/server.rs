@@ -196,10 +196,8 @@ impl ProxyServer {
         let token_auth = match &config.token_auth {
             Some(auth) => {
                 let metrics = control.metrics.clone();
-                let on_review: crate::auth::OnReview = Arc::new(move |source| match source {
-                    Some(source) => metrics.reviewed(source),
-                    None => metrics.limit_reached(Limit::TokenReviews),
-                });
+                let on_review: crate::auth::OnReview =
+                    Arc::new(move |checked| metrics.checked(checked));
                 Some(Arc::new(
                     crate::auth::TokenAuth::new(auth.clone(), on_review).await?,
                 ))

@@ -116,14 +116,17 @@ impl AgentServiceImpl {
         // stream is reset or its connection ends) or at shutdown.
         if let Some(auth) = &self.token_auth {
             let verdict = tokio::select! {
-                verdict = auth.authenticate(request.metadata()) => verdict,
+                verdict = auth.authenticate(request.metadata(), peer.map(|p| p.ip())) => verdict,
                 () = self.shutdown.cancelled() => {
                     return Err(Status::unavailable("proxy-server is shutting down"));
                 }
             };
             if let Err(error) = verdict {
-                // Refusals under load are logged once where the limit is.
-                if error.is_load() {
+                // Refusals under load are logged once where the limit is;
+                // those without a review come as fast as a peer sends
+                // them, and are counted
+                // (konnectivity_rs_server_token_reviews_skipped_total).
+                if error.is_load() || matches!(error, crate::auth::AuthError::Claims(_)) {
                     debug!(peer.addr = ?peer, %error, "agent refused");
                 } else {
                     warn!(peer.addr = ?peer, %error, "agent refused");
