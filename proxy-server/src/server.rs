@@ -455,6 +455,10 @@ fn agent_server(
             .max_concurrent_streams(config.agent_max_concurrent_streams)
             .http2_keepalive_interval(Some(config.keepalive_time))
             .http2_keepalive_timeout(Some(edge::h2::keepalive_timeout(config.keepalive_time)))
+            // A stream waiting for its token review holds none of its
+            // data: the handler reads it, and data is an error until the
+            // stream is admitted.
+            .layer(edge::gate::GateLayer)
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, ends.accept_stop.clone().cancelled_owned()),
     )

@@ -675,6 +675,63 @@ async fn a_review_wait_ends_with_its_stream_its_connection_and_shutdown() {
     assert!(status.message().contains("shutting down"), "{status:?}");
 }
 
+/// A stream waiting for its token review holds none of its peer's data:
+/// an agent sends nothing before the server's headers (ours, ANP's), so
+/// data before admission ends the stream at once, and its review wait with
+/// it, instead of sitting in the connection's HTTP/2 windows (4 MiB a
+/// stream, 8 MiB a connection) for as long as the review takes.
+#[tokio::test]
+async fn data_sent_before_admission_ends_the_stream_at_once() {
+    use proto::agent_service_client::AgentServiceClient;
+    let stub = TokenReviewStub::start().await;
+    stub.hold();
+    let server = server(&stub).await;
+    let conn = AgentConnection::open(&server).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<proto::Packet>(64);
+    // 4 MiB of DATA, queued before the call: all of it may go out at once.
+    for n in 0..16 {
+        let chunk = proto::Packet {
+            r#type: proto::PacketType::Data as i32,
+            payload: Some(proto::Payload::Data(proto::Data {
+                connect_id: n,
+                data: vec![7u8; 256 * 1024].into(),
+                ..Default::default()
+            })),
+        };
+        tx.send(chunk).await.unwrap();
+    }
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request
+        .metadata_mut()
+        .insert("agentid", "eager-agent".parse().unwrap());
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", sa("eager")).parse().unwrap(),
+    );
+    let answer = tokio::time::timeout(
+        DEADLINE,
+        AgentServiceClient::new(conn.channel.clone()).connect(request),
+    )
+    .await
+    .expect("the stream waited for its review with its data unread");
+    let Err(status) = answer else {
+        panic!("admitted")
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("before it was admitted"),
+        "{status:?}"
+    );
+    wait_pending(&server, 0).await;
+    drop(tx);
+    // A stream that sends nothing first still waits for its review.
+    let waiting = conn.connect(&sa("patient"));
+    wait_pending(&server, 1).await;
+    stub.release();
+    let status = waiting.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+}
+
 /// One agent connection carries at most `--agent-max-concurrent-streams`
 /// streams (an agent needs one): the server's first SETTINGS say so, and a
 /// client may not open more, each waiting for a review.
