@@ -190,7 +190,7 @@ impl Peers {
     }
 
     /// Peers remembered now.
-    #[cfg(any(test, feature = "fuzzing"))]
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.peers.len()
     }
@@ -254,8 +254,44 @@ impl Peers {
         !was && peer.slowed()
     }
 
-    /// Whether `key` is slowed now.
+    /// Panics unless the records are whole: indexed by age exactly, within
+    /// the capacity, counts within [`MAX_COUNT`], no more calls than
+    /// checks waiting.
     #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn check(&self) {
+        assert!(
+            self.peers.len() <= self.capacity,
+            "{} records",
+            self.peers.len()
+        );
+        assert_eq!(self.by_age.len(), self.peers.len());
+        for (key, peer) in &self.peers {
+            assert!(
+                self.by_age.contains(&(peer.seen, *key)),
+                "{key} not indexed"
+            );
+            assert!(
+                peer.failed <= MAX_COUNT && peer.passed <= MAX_COUNT,
+                "{peer:?}"
+            );
+            assert!(peer.calling <= peer.waiting, "{key}: {peer:?}");
+            assert!(
+                peer.born <= peer.seen && peer.seen <= self.clock,
+                "{peer:?}"
+            );
+        }
+    }
+
+    /// Whether no check is counted in any record.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn idle(&self) -> bool {
+        self.peers
+            .values()
+            .all(|peer| peer.waiting == 0 && peer.calling == 0)
+    }
+
+    /// Whether `key` is slowed now.
+    #[cfg(test)]
     pub(crate) fn is_slowed(&mut self, key: PeerKey, now: Instant) -> bool {
         self.peers.get_mut(&key).is_some_and(|peer| {
             peer.decay(now);
