@@ -197,6 +197,70 @@ def token_review():
     write("token_review", "not-json", ok + list(b"<html>s3cr3t-fuzz-token</html>"))
 
 
+# --- token_claims: [audience?, clock hi, clock lo] then the token -----------
+# The clock is 1,700,000,000 s plus the signed 16-bit number; an even first
+# byte requires the audience system:konnectivity-server.
+
+
+def token_claims():
+    import base64
+    import json
+
+    def b64(data):
+        return base64.urlsafe_b64encode(data).rstrip(b"=")
+
+    def jwt(claims, header=None, signature=b"sig"):
+        header = header if header is not None else {"alg": "RS256", "kid": "k"}
+        return b".".join([b64(json.dumps(header).encode()), b64(json.dumps(claims).encode()), b64(signature)])
+
+    now = 1_700_000_000
+    aud = "system:konnectivity-server"
+    sa = {"aud": ["https://kubernetes.default.svc", aud], "exp": now + 3600, "iat": now, "nbf": now,
+          "iss": "https://kubernetes.default.svc", "sub": "system:serviceaccount:kube-system:konnectivity-agent",
+          "kubernetes.io": {"namespace": "kube-system", "serviceaccount": {"name": "konnectivity-agent"}}}
+    required, none = [0, 0, 0], [1, 0, 0]
+    seed = lambda name, choices, token: write("token_claims", name, choices + list(token))
+    seed("service-account", required, jwt(sa))
+    seed("aud-string", required, jwt({"aud": aud, "exp": now + 60.5}))
+    seed("padded", required, jwt(sa) + b"==")
+    seed("no-audience-required", none, jwt({"aud": "api"}))
+    seed("legacy-no-aud", required, jwt({"iss": "kubernetes/serviceaccount", "sub": "x"}))
+    seed("other-audience", required, jwt({**sa, "aud": ["api"]}))
+    seed("expired", required, jwt({**sa, "exp": now - 1000}))
+    seed("expired-within-skew", [0, 0xFF, 0x00], jwt({**sa, "exp": now - 200}))
+    seed("not-yet-valid", required, jwt({**sa, "nbf": now + 1000}))
+    seed("exp-string", required, jwt({**sa, "exp": "soon"}))
+    seed("aud-numbers", required, jwt({**sa, "aud": [1, 2]}))
+    seed("header-array", required, jwt(sa, header=[1]))
+    seed("no-signature", required, jwt(sa, signature=b""))
+    seed("two-segments", required, b".".join(jwt(sa).split(b".")[:2]))
+    seed("four-segments", required, jwt(sa) + b".c2ln")
+    seed("payload-not-json", required, b64(b'{"alg":"RS256"}') + b"." + b64(b"{aud") + b".c2ln")
+    seed("random-bearer", required, b"random-bearer-text-0123456789")
+    seed("bad-base64", required, b"eyJ!.eyJ.c2ln")
+
+
+# --- review_peers: [capacity] then ops [peer, op, args] -----------------------
+# peers 0-5 (10.0.0.1, 10.0.0.2, ::ffff:10.0.0.1, 2001:db8::1, 2001:db8::2,
+# 2001:db8:0:1::1); ops: 0 enter; 1-2 a ticket [index] calls, or its call
+# ends [index, outcome: 0 pass, 1 fail, 2 nothing]; 3 a ticket [index]
+# leaves (its call abandoned); 4 a failure; 5 the clock [seconds]; 6 a pass.
+
+
+def review_peers():
+    seed = lambda name, capacity, ops: write("review_peers", name, [capacity] + ops)
+    fail = lambda peer, n: [peer, 4] * n
+    seed("flood", 7, fail(0, 10) + [0, 0] * 6 + [0, 1, 0] * 4 + [0, 1, 0, 1])
+    storm = []
+    for _ in range(8):
+        storm += [0, 0, 0, 1, 0, 0, 1, 0, 0]  # enter, call, pass
+    seed("storm-passes", 7, fail(0, 12) + storm)
+    seed("eviction", 0, [0, 0, 1, 4, 0, 0, 0, 3, 0])
+    seed("decay", 7, fail(3, 40) + [3, 5, 255] * 9 + [3, 0] * 6)
+    seed("abandoned", 7, ([1, 0, 1, 1, 0, 1, 3, 0]) * 9 + [1, 0] * 6)
+    seed("ipv6-64", 7, fail(3, 9) + [4, 0] * 6 + [5, 0] * 3)
+
+
 # --- agent_table: [flow control] then ops -----------------------------------
 # ops: 0-3 a server packet [id, kind, args] (0-1 DIAL_REQ, 2 DATA [len, bytes],
 # 3 CLOSE_REQ, 4 DIAL_CLS, 5 credit [amount], 6 agent-only [which], 8 raw);
@@ -365,6 +429,8 @@ if __name__ == "__main__":
     router()
     connect_head()
     token_review()
+    token_claims()
+    review_peers()
     agent_table()
     flow_control()
     proxy_reply()

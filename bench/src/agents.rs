@@ -724,7 +724,10 @@ async fn token_storms(
     let tokens = dir.join(TOKENS);
     std::fs::create_dir_all(&tokens).context("creating the token directory")?;
     for k in 0..n {
-        let token = format!("bench-agent-token-{k}");
+        let token = integration_tests::kube_stub::service_account_token(
+            AUDIENCE,
+            &format!("bench-agent-token-{k}"),
+        );
         std::fs::write(tokens.join(format!("token-{k}")), &token).context("writing a token")?;
         stub.allow(
             &token,

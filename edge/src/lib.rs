@@ -12,6 +12,8 @@
 //!   drops at the cap.
 //! - [`h2`]: HTTP/2 frame size, windows and keepalive as both binaries set
 //!   them; a gRPC channel over a connection already made.
+//! - [`gate`]: request bodies whose data is an error until their stream is
+//!   admitted, so that a stream waiting for admission holds none.
 //! - [`read_ahead`]: up to 64 KiB per read system call under TLS, no
 //!   buffer while idle.
 //! - [`egress`]: reaching the server through SOCKS5/HTTP proxies.
@@ -19,6 +21,7 @@
 
 pub mod admission;
 pub mod egress;
+pub mod gate;
 pub mod h2;
 pub mod io;
 pub mod listen;

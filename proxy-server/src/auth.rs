@@ -2,13 +2,28 @@
 //! `authorization: Bearer <token>`, checked with a TokenReview against the
 //! kube API (`--agent-namespace`, `--agent-service-account`,
 //! `--authentication-audience`, `--kubeconfig`). Tokens are never logged.
-//! Answers are cached, and concurrent reviews of one token coalesced and
-//! bounded ([`reviews`]: `--token-review-cache-ttl`,
-//! `--token-review-max-inflight`, `--token-review-max-pending`).
+//! A token that cannot be a valid service-account token is refused before
+//! any review ([`claims`], `--token-review-local-checks`). Answers are
+//! cached, and concurrent reviews of one token coalesced and bounded
+//! ([`reviews`]: `--token-review-cache-ttl`, `--token-review-max-inflight`,
+//! `--token-review-max-pending`); a peer whose tokens keep failing review
+//! is slowed ([`peers`]).
+//!
+//! # Layout
+//! - [`claims`]: the local checks of a token's shape and claims.
+//! - [`peers`]: which peers' tokens keep failing, and their caps.
+//! - [`reviews`]: the cache, coalescing and bounds of the reviews.
 
+pub mod claims;
+pub mod peers;
 pub mod reviews;
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{
+    net::IpAddr,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use http_body_util::BodyExt;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
@@ -37,6 +52,9 @@ pub struct TokenAuthConfig {
     pub max_in_flight: usize,
     /// `--token-review-max-pending`: connects waiting for a review at once.
     pub max_pending: usize,
+    /// `--token-review-local-checks`: refuse tokens that cannot be valid
+    /// service-account tokens before a review ([`claims`]).
+    pub local_checks: bool,
 }
 
 /// `--token-review-cache-ttl`'s default (kube-apiserver's own webhook token
@@ -107,6 +125,23 @@ pub enum AuthError {
         /// The limit.
         limit: usize,
     },
+    /// Refused before a review: the token cannot be a valid service-account
+    /// token.
+    #[error("{0} (refused without a TokenReview; --token-review-local-checks)")]
+    Claims(claims::ClaimsError),
+    /// The peer's tokens keep failing review, and it has its share of
+    /// connects waiting for one.
+    #[error(
+        "token reviews of connects from {peer} keep failing ({failed} recently); at most {limit} of its connects may wait for a review at once; retry later"
+    )]
+    PeerSlowed {
+        /// The peer (an address, or an IPv6 /64).
+        peer: String,
+        /// Its failed reviews, counted as [`peers`] does.
+        failed: u32,
+        /// How many of its connects may wait.
+        limit: usize,
+    },
     /// No TokenReview call could start in time: `--token-review-max-inflight`
     /// calls were in flight all along.
     #[error(
@@ -122,7 +157,10 @@ impl AuthError {
     /// Whether the agent was refused because the server was busy with
     /// other reviews, not for anything about its token: it is to retry.
     pub fn is_load(&self) -> bool {
-        matches!(self, Self::TooManyPending { .. } | Self::NoPermit { .. })
+        matches!(
+            self,
+            Self::TooManyPending { .. } | Self::NoPermit { .. } | Self::PeerSlowed { .. }
+        )
     }
 
     /// The gRPC status of the refusal: `Unavailable` under load (clients
@@ -137,9 +175,36 @@ impl AuthError {
     }
 }
 
-/// Says what answered each check (the server's metrics); `None` for a
-/// check refused under load ([`AuthError::is_load`]).
-pub(crate) type OnReview = Arc<dyn Fn(Option<reviews::Source>) + Send + Sync>;
+ops::label_enum! {
+    /// Why a check was answered without a TokenReview (`reason` of
+    /// `konnectivity_rs_server_token_reviews_skipped_total`).
+    pub(crate) enum Skipped {
+        /// Not a JWT, or claims of the wrong type.
+        Malformed = "malformed",
+        /// Its `aud` does not name `--authentication-audience`.
+        Audience = "audience",
+        /// Its `exp` is past.
+        Expired = "expired",
+        /// Its `nbf` is ahead.
+        NotYetValid = "not_yet_valid",
+        /// Its peer is slowed, at its cap.
+        PeerSlowed = "peer_slowed",
+    }
+}
+
+/// How a check ended, for the server's metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Checked {
+    /// Answered by the cache, a call, or another check's call.
+    Answered(reviews::Source),
+    /// Refused under load (`--token-review-max-pending`, no permit).
+    Load,
+    /// Refused without a review.
+    Skipped(Skipped),
+}
+
+/// Told how each check ended (the server's metrics).
+pub(crate) type OnReview = Arc<dyn Fn(Checked) + Send + Sync>;
 
 /// Checks agent tokens with TokenReview.
 pub struct TokenAuth {
@@ -180,7 +245,7 @@ impl TokenAuth {
         self.reviews.pending()
     }
 
-    /// Authenticates one `Connect` by its metadata.
+    /// Authenticates one `Connect` by its metadata, from `peer`.
     ///
     /// # Errors
     /// See [`AuthError`].
@@ -188,7 +253,11 @@ impl TokenAuth {
     /// # Cancel safety
     /// Dropping the future (the stream or its connection ended, shutdown)
     /// ends its wait and gives back what it held ([`reviews`]).
-    pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<(), AuthError> {
+    pub async fn authenticate(
+        &self,
+        metadata: &MetadataMap,
+        peer: Option<IpAddr>,
+    ) -> Result<(), AuthError> {
         let values: Vec<_> = metadata.get_all(header::AUTHORIZATION).iter().collect();
         let value = match values.as_slice() {
             [] => return Err(AuthError::NoToken),
@@ -200,11 +269,23 @@ impl TokenAuth {
             .ok()
             .and_then(|v| v.strip_prefix(header::BEARER_PREFIX))
             .ok_or(AuthError::NoBearer)?;
+        if self.config.local_checks
+            && let Err(error) = claims::Claims::read(token)
+                .and_then(|claims| claims.check(&self.config.audience, SystemTime::now()))
+        {
+            (self.on_review)(Checked::Skipped(skipped(&error)));
+            return Err(AuthError::Claims(error));
+        }
+        let peer = peer.map(peers::PeerKey::of);
         let (verdict, source) = self
             .reviews
-            .check(token, async || self.review_token(token).await)
+            .check_from(token, peer, async || self.review_token(token).await)
             .await;
-        (self.on_review)(source);
+        (self.on_review)(match (source, &verdict) {
+            (Some(source), _) => Checked::Answered(source),
+            (None, Err(AuthError::PeerSlowed { .. })) => Checked::Skipped(Skipped::PeerSlowed),
+            (None, _) => Checked::Load,
+        });
         verdict
     }
 
@@ -251,6 +332,16 @@ impl TokenAuth {
             .map_err(|e| format!("reading the answer: {e}"))?
             .to_bytes();
         read_answer(code, &body)
+    }
+}
+
+/// The metric reason of a local refusal.
+fn skipped(error: &claims::ClaimsError) -> Skipped {
+    match error {
+        claims::ClaimsError::Malformed(_) => Skipped::Malformed,
+        claims::ClaimsError::Audience { .. } => Skipped::Audience,
+        claims::ClaimsError::Expired { .. } => Skipped::Expired,
+        claims::ClaimsError::NotYetValid { .. } => Skipped::NotYetValid,
     }
 }
 

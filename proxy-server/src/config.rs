@@ -264,6 +264,14 @@ pub struct Args {
     /// for one of --token-review-max-inflight.
     #[arg(long, default_value_t = crate::auth::DEFAULT_MAX_PENDING)]
     pub token_review_max_pending: usize,
+    /// Refuse, without a TokenReview, agent tokens that cannot be valid
+    /// service-account tokens: not a JWT, an aud claim without
+    /// --authentication-audience, exp past or nbf ahead by more than 5
+    /// minutes (no signature check: the review stays the authority). Set
+    /// false if the cluster's authenticators admit agents with other tokens
+    /// (webhook, static, legacy tokens without aud) (konnectivity-rs).
+    #[arg(long, go_bool = Some(true))]
+    pub token_review_local_checks: bool,
     /// HTTP-CONNECT client connections open at once (konnectivity-rs);
     /// more are answered 503 and closed.
     #[arg(long, default_value_t = 65_536)]
@@ -869,6 +877,7 @@ fn token_auth(args: &Args) -> Result<Option<TokenAuthConfig>, ConfigError> {
         cache_ttl: args.token_review_cache_ttl,
         max_in_flight: args.token_review_max_inflight,
         max_pending: args.token_review_max_pending,
+        local_checks: args.token_review_local_checks,
     }))
 }
 
@@ -1044,6 +1053,7 @@ mod tests {
         assert_eq!(a.max_http_connections, 65_536);
         assert_eq!(a.agent_max_concurrent_streams, 16);
         assert_eq!(a.token_review_max_pending, 16_384);
+        assert!(a.token_review_local_checks);
         assert_eq!(
             a.tls_session_ticket_rotation,
             Duration::from_secs(24 * 3600)
@@ -1348,6 +1358,30 @@ mod tests {
         tcp[1] = "--server-port=8090".to_owned();
         let err = parse(&tcp).err().unwrap().to_string();
         assert!(err.contains("--server-ca-cert"), "{err}");
+    }
+
+    /// Token auth checks tokens locally before a review unless told not to.
+    #[test]
+    fn local_token_checks_are_on_unless_turned_off() {
+        let dir = pki();
+        let local_checks = |extra: &[&str]| {
+            // Token auth in place of the client CA.
+            let mut args = uds_args(dir.path())[..4].to_vec();
+            args.extend(
+                [
+                    "--agent-namespace=kube-system",
+                    "--agent-service-account=konnectivity-agent",
+                    "--authentication-audience=system:konnectivity-server",
+                ]
+                .iter()
+                .chain(extra)
+                .map(|a| (*a).to_owned()),
+            );
+            parse(&args).unwrap().token_auth.unwrap().local_checks
+        };
+        assert!(local_checks(&[]));
+        assert!(!local_checks(&["--token-review-local-checks=false"]));
+        assert!(local_checks(&["--token-review-local-checks"]));
     }
 
     /// A value accepted with a caveat is a notice for the start-up log, not

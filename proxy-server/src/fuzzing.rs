@@ -24,7 +24,7 @@ use tunnel::{
 };
 
 use crate::{
-    auth::{self, AuthError},
+    auth::{self, AuthError, claims::ClaimsError},
     events::DialError,
     frontend::http_connect::head::{self, HeadError},
     router::{
@@ -649,6 +649,217 @@ pub fn token_review(data: &[u8]) {
     assert!(admitted, "admitted on an answer that does not say so");
 }
 
+/// The heap a [`token_claims`] run may use at its peak for `len` bytes:
+/// the decoded segments and the claims as JSON values.
+pub fn token_claims_alloc_bound(len: usize) -> usize {
+    64 * len + 64 * 1024
+}
+
+/// A bearer token (the input after three bytes of choices: whether an
+/// audience is required, and the clock) through the checks made before a
+/// TokenReview (`auth::claims`). Checks: a bad token is an error, never a
+/// panic; the error holds nothing read from the token; a token passes only if,
+/// re-read independently, it is three base64url segments, a JSON object
+/// header, JSON object claims, a non-empty signature, an `aud` naming the
+/// audience (when one is required), `exp` not past and `nbf` not ahead
+/// beyond the skew; its expiry is its `exp`. Returns whether it passed.
+pub fn token_claims(data: &[u8]) -> bool {
+    use base64::Engine as _;
+    use serde_json::Value;
+    let mut input = Input(data);
+    let audience = if input.byte() % 2 == 0 {
+        EXPECTED.audience
+    } else {
+        ""
+    };
+    // Around 2023-11-14, up to 9 hours either way, by the second.
+    let offset = i64::from(i16::from_be_bytes([input.byte(), input.byte()]));
+    let now_secs = 1_700_000_000 + offset;
+    let now = std::time::SystemTime::UNIX_EPOCH
+        + Duration::from_secs(u64::try_from(now_secs).unwrap_or_default());
+    let token = String::from_utf8_lossy(input.0);
+    let claims = auth::claims::Claims::read(&token);
+    let verdict = claims
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|claims| claims.check(audience, now));
+    let Err(error) = verdict else {
+        // Passed: re-read it.
+        let decode = |segment: &str| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(segment.trim_end_matches('='))
+                .expect("a segment that passed is base64url")
+        };
+        let parts: Vec<&str> = token.split('.').collect();
+        assert_eq!(parts.len(), 3, "passed without three segments");
+        let header: Value = serde_json::from_slice(&decode(parts[0])).expect("header JSON");
+        assert!(header.is_object(), "the header is not an object");
+        assert!(!decode(parts[2]).is_empty(), "passed without a signature");
+        let claims: Value = serde_json::from_slice(&decode(parts[1])).expect("claims JSON");
+        assert!(claims.is_object(), "the claims are not an object");
+        if !audience.is_empty() {
+            let aud = &claims["aud"];
+            assert!(
+                aud == audience
+                    || aud
+                        .as_array()
+                        .is_some_and(|a| a.iter().any(|a| a == audience)),
+                "passed with aud {aud}"
+            );
+        }
+        let skew = auth::claims::CLOCK_SKEW.as_secs_f64();
+        #[allow(clippy::cast_precision_loss)] // seconds since 1970 fit
+        let now_f = now_secs as f64;
+        for name in ["exp", "nbf"] {
+            match &claims[name] {
+                Value::Null => {}
+                Value::Number(n) => {
+                    let t = n.as_f64().expect("a JSON number is an f64");
+                    let ok = if name == "exp" {
+                        t + skew >= now_f
+                    } else {
+                        t - skew <= now_f
+                    };
+                    assert!(ok, "passed with {name} {t} at {now_f}");
+                }
+                other => panic!("passed with {name} {other}"),
+            }
+        }
+        let expiry = claims["exp"]
+            .as_f64()
+            .and_then(|exp| Duration::try_from_secs_f64(exp).ok())
+            .and_then(|exp| std::time::SystemTime::UNIX_EPOCH.checked_add(exp));
+        assert_eq!(auth::claims::expiry(&token), expiry);
+        return true;
+    };
+    // The error holds nothing read from the token: static reasons, our own
+    // audience, whole seconds. (A check of its text against the token
+    // fails when the token is our own message, as the fuzzer found.)
+    match &error {
+        ClaimsError::Malformed(_)
+        | ClaimsError::Expired { .. }
+        | ClaimsError::NotYetValid { .. } => {}
+        ClaimsError::Audience { want } => assert_eq!(want, audience),
+    }
+    assert!(!AuthError::Claims(error.clone()).to_string().is_empty());
+    let refused = AuthError::Claims(error).status();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated);
+    false
+}
+
+/// The heap a [`review_peers`] run may use at its peak for `len` bytes:
+/// a ticket per step, and at most 8 records.
+pub fn review_peers_alloc_bound(len: usize) -> usize {
+    64 * len + 64 * 1024
+}
+
+/// Checks of agent tokens from a few peers (IPv4 addresses, and IPv6
+/// addresses of which two share a /64) entering, calling, ending with a
+/// pass, a failure or nothing, leaving, in the order the bytes say, the
+/// clock moving, at most 1-8 peers remembered (`auth::peers`). Checks: the
+/// records stay whole after every step (`Peers::check`); a peer none of
+/// whose reviews ever failed is never refused; a refusal names a peer with
+/// at least `SLOW_AFTER` failures counted, and a cap of at least
+/// `SLOWED_PENDING`; once every check has left, no record counts one.
+/// Returns how many checks were refused.
+pub fn review_peers(data: &[u8]) -> usize {
+    use auth::peers::{Outcome, PeerKey, Peers, SLOW_AFTER, SLOWED_PENDING};
+    let mut input = Input(data);
+    let mut peers = Peers::with_capacity(1 + input.below(8));
+    let keys: Vec<PeerKey> = [
+        "10.0.0.1",
+        "10.0.0.2",
+        "::ffff:10.0.0.1",
+        "2001:db8::1",
+        "2001:db8::2",
+        "2001:db8:0:1::1",
+    ]
+    .iter()
+    .map(|ip| PeerKey::of(ip.parse().expect("an address")))
+    .collect();
+    let mut failed = HashMap::<PeerKey, u32>::new();
+    // Checks counted: (ticket, calling).
+    let mut tickets = Vec::new();
+    let mut now = tokio::time::Instant::now();
+    let mut refusals = 0;
+    let mut refused =
+        |failed: &HashMap<PeerKey, u32>, key: PeerKey, slowed: auth::peers::Slowed| {
+            let count = failed.get(&key).copied().unwrap_or(0);
+            assert!(count >= SLOW_AFTER, "{key} refused after {count} failures");
+            assert!(slowed.limit >= SLOWED_PENDING && slowed.failed >= SLOW_AFTER);
+            refusals += 1;
+        };
+    while !input.is_empty() {
+        let key = keys[input.below(keys.len())];
+        match input.below(7) {
+            0 => match peers.enter(key, now) {
+                Ok(ticket) => tickets.push((ticket, false)),
+                Err(slowed) => refused(&failed, key, slowed),
+            },
+            1 | 2 => {
+                if tickets.is_empty() {
+                    continue;
+                }
+                let i = input.below(tickets.len());
+                let (ticket, calling) = tickets[i];
+                if calling {
+                    // The answer: a pass, a failure, or nothing said.
+                    peers.end_call(ticket);
+                    tickets[i].1 = false;
+                    let outcome =
+                        [Some(Outcome::Passed), Some(Outcome::Failed), None][input.below(3)];
+                    if let Some(outcome) = outcome {
+                        if outcome == Outcome::Failed {
+                            *failed.entry(ticket.key).or_default() += 1;
+                        }
+                        peers.count(ticket.key, outcome, now);
+                    }
+                } else {
+                    match peers.start_call(ticket, now) {
+                        Ok(()) => tickets[i].1 = true,
+                        Err(slowed) => {
+                            refused(&failed, ticket.key, slowed);
+                            peers.leave(ticket);
+                            tickets.swap_remove(i);
+                        }
+                    }
+                }
+            }
+            3 => {
+                if tickets.is_empty() {
+                    continue;
+                }
+                let (ticket, calling) = tickets.swap_remove(input.below(tickets.len()));
+                if calling {
+                    // Abandoned while the API had it.
+                    peers.end_call(ticket);
+                    *failed.entry(ticket.key).or_default() += 1;
+                    peers.count(ticket.key, Outcome::Failed, now);
+                }
+                peers.leave(ticket);
+            }
+            4 => {
+                *failed.entry(key).or_default() += 1;
+                peers.count(key, Outcome::Failed, now);
+            }
+            5 => now += Duration::from_secs(u64::from(input.byte())),
+            _ => {
+                peers.count(key, Outcome::Passed, now);
+            }
+        }
+        peers.check();
+    }
+    for (ticket, calling) in tickets {
+        if calling {
+            peers.end_call(ticket);
+        }
+        peers.leave(ticket);
+    }
+    peers.check();
+    assert!(peers.idle(), "a record still counts a check");
+    refusals
+}
+
 /// The heap a [`lanes`] run may use at its peak for `len` input bytes: a
 /// step of two bytes may queue a payload of up to [`LANE_PAYLOAD`] bytes.
 pub fn lanes_alloc_bound(len: usize) -> usize {
@@ -859,6 +1070,8 @@ fn check_lanes(
 mod tests {
     use super::*;
 
+    use base64::Engine as _;
+
     include!("../../fuzz/replay.rs");
 
     replay!(
@@ -866,6 +1079,8 @@ mod tests {
         fuzz_corpus_connect_head => connect_head,
         fuzz_corpus_token_review => token_review,
         fuzz_corpus_lanes => lanes,
+        fuzz_corpus_token_claims => token_claims,
+        fuzz_corpus_review_peers => review_peers,
     );
 
     /// The harnesses see what they claim: a valid CONNECT head in pieces,
@@ -880,5 +1095,26 @@ mod tests {
         let mut input = vec![0u8, 100];
         input.extend_from_slice(body);
         token_review(&input);
+        // A token that passes the local checks.
+        let claims = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .encode(br#"{"aud":["system:konnectivity-server"],"exp":1700003600}"#);
+        let token = format!("eyJhbGciOiJSUzI1NiJ9.{claims}.c2ln");
+        let claims = auth::claims::Claims::read(&token).unwrap();
+        let now = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        assert_eq!(claims.check(EXPECTED.audience, now), Ok(()));
+        let mut input = vec![0u8, 0, 0];
+        input.extend_from_slice(token.as_bytes());
+        assert!(token_claims(&input));
+        assert!(!token_claims(b"\0\0\0not-a-jwt"));
+        // Ten failures of one peer, then six of its checks: two refused.
+        let mut flood = vec![7u8];
+        flood.extend([0, 4].repeat(10));
+        flood.extend([0, 0].repeat(6));
+        assert_eq!(review_peers(&flood), 2);
+        // The same with a pass first: the cap is one higher.
+        let mut lifted = vec![7u8, 0, 6];
+        lifted.extend([0, 4].repeat(10));
+        lifted.extend([0, 0].repeat(6));
+        assert_eq!(review_peers(&lifted), 1);
     }
 }

@@ -27,7 +27,7 @@ use prometheus_client::{
 };
 
 use crate::{
-    auth::reviews::Source as Review,
+    auth::{Checked, Skipped, reviews::Source as Review},
     events::{CloseReason, DialFailure, DialRetry, Limit},
     strategy::ProxyStrategy,
 };
@@ -214,6 +214,7 @@ pub(crate) struct ServerMetrics {
     handshakes: ByLabel<Handshake, Counter>,
     handshake_drops: ByLabel<HandshakeDrop, Counter>,
     reviews: ByLabel<Review, Counter>,
+    skipped: ByLabel<Skipped, Counter>,
     retries: ByLabel<DialRetry, Counter>,
     hedges: Counter,
     hedges_won: Counter,
@@ -353,6 +354,7 @@ struct Ours {
     handshakes: ByLabel<Handshake, Counter>,
     handshake_drops: ByLabel<HandshakeDrop, Counter>,
     reviews: ByLabel<Review, Counter>,
+    skipped: ByLabel<Skipped, Counter>,
     retries: ByLabel<DialRetry, Counter>,
     hedges: Counter,
     hedges_won: Counter,
@@ -412,6 +414,12 @@ impl Ours {
                 "konnectivity_rs_server_token_reviews_total",
                 "Agent tokens checked, by what answered (api: a TokenReview call; coalesced: the answer to a call already in flight for the same token; cache: a cached review)",
                 "source",
+            ),
+            skipped: ByLabel::register(
+                m,
+                "konnectivity_rs_server_token_reviews_skipped_total",
+                "Agent connects refused without a TokenReview, by reason (malformed: the token is not a JWT; audience: its aud claim does not name --authentication-audience; expired: its exp is past; not_yet_valid: its nbf is ahead; peer_slowed: the connect's source address had its share of connects waiting for a review while its tokens kept failing review)",
+                "reason",
             ),
             retries: ByLabel::register(
                 m,
@@ -501,6 +509,7 @@ impl ServerMetrics {
             hedges_won: ours.hedges_won,
             handshake_drops: ours.handshake_drops,
             reviews: ours.reviews,
+            skipped: ours.skipped,
         }
     }
 
@@ -529,8 +538,12 @@ impl ServerMetrics {
     }
 
     /// An agent's token was checked.
-    pub(crate) fn reviewed(&self, source: Review) {
-        self.reviews.get(source).inc();
+    pub(crate) fn checked(&self, checked: Checked) {
+        match checked {
+            Checked::Answered(source) => self.reviews.get(source).inc(),
+            Checked::Load => self.limit_reached(Limit::TokenReviews),
+            Checked::Skipped(reason) => self.skipped.get(reason).inc(),
+        }
     }
 
     /// The exposition text, with the live-state gauges set from `live`.

@@ -212,10 +212,8 @@ impl ProxyServer {
         let token_auth = match &config.token_auth {
             Some(auth) => {
                 let metrics = control.metrics.clone();
-                let on_review: crate::auth::OnReview = Arc::new(move |source| match source {
-                    Some(source) => metrics.reviewed(source),
-                    None => metrics.limit_reached(Limit::TokenReviews),
-                });
+                let on_review: crate::auth::OnReview =
+                    Arc::new(move |checked| metrics.checked(checked));
                 Some(Arc::new(
                     crate::auth::TokenAuth::new(auth.clone(), on_review).await?,
                 ))
@@ -534,6 +532,10 @@ fn agent_server(
             .max_concurrent_streams(config.agent_max_concurrent_streams)
             .http2_keepalive_interval(Some(config.keepalive_time))
             .http2_keepalive_timeout(Some(edge::h2::keepalive_timeout(config.keepalive_time)))
+            // A stream waiting for its token review holds none of its
+            // data: the handler reads it, and data is an error until the
+            // stream is admitted.
+            .layer(edge::gate::GateLayer)
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, ends.accept_stop.clone().cancelled_owned()),
     )

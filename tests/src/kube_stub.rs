@@ -3,7 +3,7 @@
 //! server's own kubeconfig, and a kubeconfig file pointing at it.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     net::SocketAddr,
     path::{Path, PathBuf},
     sync::{
@@ -87,6 +87,9 @@ pub struct TokenReviewStub {
     down: Arc<AtomicBool>,
     /// Reviews answered so far.
     reviews: Arc<std::sync::atomic::AtomicUsize>,
+    /// Every token reviewed so far (the tests send at most tens of
+    /// thousands).
+    seen: Arc<Mutex<HashSet<String>>>,
     /// How slowly it answers, and how many reviews it has had at once.
     load: Arc<Load>,
     /// Stops it.
@@ -121,6 +124,7 @@ impl TokenReviewStub {
         let echoes: Arc<Mutex<HashMap<String, Echo>>> = Arc::default();
         let down = Arc::new(AtomicBool::new(false));
         let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen: Arc<Mutex<HashSet<String>>> = Arc::default();
         let load = Arc::new(Load::default());
         let mut incoming = edge::listen::tls_incoming(
             listener,
@@ -131,11 +135,12 @@ impl TokenReviewStub {
             std::sync::Arc::new(|| {}),
         );
         {
-            let (tokens, echoes, down, reviews, load, stop) = (
+            let (tokens, echoes, down, reviews, seen, load, stop) = (
                 tokens.clone(),
                 echoes.clone(),
                 down.clone(),
                 reviews.clone(),
+                seen.clone(),
                 load.clone(),
                 stop.clone(),
             );
@@ -150,11 +155,12 @@ impl TokenReviewStub {
                             None => return,
                         },
                     };
-                    let (tokens, echoes, down, reviews, load) = (
+                    let (tokens, echoes, down, reviews, seen, load) = (
                         tokens.clone(),
                         echoes.clone(),
                         down.clone(),
                         reviews.clone(),
+                        seen.clone(),
                         load.clone(),
                     );
                     tokio::spawn(async move {
@@ -164,7 +170,10 @@ impl TokenReviewStub {
                                 tokens.clone(),
                                 echoes.clone(),
                                 down.clone(),
-                                reviews.clone(),
+                                Counted {
+                                    reviews: reviews.clone(),
+                                    seen: seen.clone(),
+                                },
                                 load.clone(),
                             )
                         });
@@ -184,6 +193,7 @@ impl TokenReviewStub {
             echoes,
             down,
             reviews,
+            seen,
             load,
             stop,
             _dir: dir,
@@ -236,6 +246,11 @@ impl TokenReviewStub {
         self.reviews.load(Ordering::SeqCst)
     }
 
+    /// Whether `token` was ever reviewed.
+    pub fn reviewed(&self, token: &str) -> bool {
+        self.seen.lock().expect("lock").contains(token)
+    }
+
     /// The most reviews it was answering at once so far.
     pub fn most_in_flight(&self) -> usize {
         self.load.most.load(Ordering::SeqCst)
@@ -245,6 +260,33 @@ impl TokenReviewStub {
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
     }
+}
+
+/// A token shaped as a bound service-account token: a JWT whose claims
+/// name `audience` and expire in 2100, told apart by `id` (its `jti`).
+/// The same arguments make the same token. Its signature is not one: the
+/// stub knows tokens by their text, as [`TokenReviewStub::allow`] was
+/// given them.
+pub fn service_account_token(audience: &str, id: &str) -> String {
+    jwt(&serde_json::json!({
+        "aud": [audience],
+        "exp": 4_102_444_800_u64,
+        "iat": 1_700_000_000_u64,
+        "nbf": 1_700_000_000_u64,
+        "iss": "https://kubernetes.default.svc.cluster.local",
+        "jti": id,
+        "sub": "system:serviceaccount:kube-system:konnectivity-agent",
+    }))
+}
+
+/// A JWT with `claims`, an RS256 header and a signature that is not one.
+pub fn jwt(claims: &serde_json::Value) -> String {
+    use base64::Engine as _;
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    let header = encode(br#"{"alg":"RS256","kid":"stub"}"#);
+    let payload = encode(claims.to_string().as_bytes());
+    let signature = encode(format!("sig:{payload}").as_bytes());
+    format!("{header}.{payload}.{signature}")
 }
 
 /// Writes `<dir>/kubeconfig` pointing at a stub on `addr`: the test CA, and
@@ -283,12 +325,20 @@ fn api_status(code: StatusCode, reason: &str, message: &str) -> Response<Full<By
     )
 }
 
+/// What the stub counts of the reviews it answers.
+struct Counted {
+    /// How many.
+    reviews: Arc<std::sync::atomic::AtomicUsize>,
+    /// Which tokens.
+    seen: Arc<Mutex<HashSet<String>>>,
+}
+
 async fn answer(
     req: Request<Incoming>,
     tokens: Arc<Mutex<HashMap<String, Identity>>>,
     echoes: Arc<Mutex<HashMap<String, Echo>>>,
     down: Arc<AtomicBool>,
-    reviews: Arc<std::sync::atomic::AtomicUsize>,
+    counted: Counted,
     load: Arc<Load>,
 ) -> Result<Response<Full<Bytes>>, hyper::Error> {
     if down.load(Ordering::SeqCst) {
@@ -327,16 +377,17 @@ async fn answer(
             "invalid JSON",
         ));
     };
-    reviews.fetch_add(1, Ordering::SeqCst);
+    counted.reviews.fetch_add(1, Ordering::SeqCst);
+    let token = review["spec"]["token"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    counted.seen.lock().expect("lock").insert(token.clone());
     let _answering = Answering::new(&load);
     let delay = *load.delay.lock().expect("lock");
     tokio::time::sleep(delay).await;
     // Until the test releases it (its runtime's end drops it otherwise).
     let _ = load.held.subscribe().wait_for(|held| !held).await;
-    let token = review["spec"]["token"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
     let wanted: Vec<String> = review["spec"]["audiences"]
         .as_array()
         .map(|a| {

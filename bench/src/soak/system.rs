@@ -14,7 +14,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use integration_tests::{
-    kube_stub::{Identity, TokenReviewStub},
+    kube_stub::{Identity, TokenReviewStub, service_account_token},
     proxies::{self, ProxyProcess},
 };
 
@@ -38,7 +38,7 @@ pub const DEST_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 1, 1);
 pub const NS_NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 1, 2);
 /// The audience of agent tokens in token mode.
 const AUDIENCE: &str = "system:konnectivity-server";
-/// The agents' token in token mode.
+/// The agents' token in token mode (its `jti`: the token is a JWT).
 const AGENT_TOKEN: &str = "soak-agent-token";
 /// How long a process may take to start listening or connecting.
 const START_LIMIT: Duration = Duration::from_secs(30);
@@ -270,15 +270,16 @@ impl Tokens {
     /// The token file cannot be written.
     pub async fn start(root: &Path) -> anyhow::Result<Self> {
         let stub = TokenReviewStub::start().await;
+        let token = service_account_token(AUDIENCE, AGENT_TOKEN);
         stub.allow(
-            AGENT_TOKEN,
+            &token,
             Identity {
                 username: "system:serviceaccount:kube-system:konnectivity-agent".to_owned(),
                 audiences: vec![AUDIENCE.to_owned()],
             },
         );
         let path = root.join("agent-token");
-        std::fs::write(&path, AGENT_TOKEN).context("writing the agents' token")?;
+        std::fs::write(&path, token).context("writing the agents' token")?;
         Ok(Self { stub, path })
     }
 }

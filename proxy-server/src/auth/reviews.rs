@@ -19,6 +19,9 @@
 //! - At most `max_pending` checks (`--token-review-max-pending`) wait at
 //!   once, for a permit, a call or another stream's call; more are refused
 //!   at once. Both refusals tell the agent to retry ([`AuthError::is_load`]).
+//! - A peer whose tokens keep failing review is slowed ([`super::peers`]):
+//!   its checks past its cap are refused at once, on entering and again
+//!   when a permit comes to them. Both refusals tell the agent to retry.
 //! - A check is a future its stream owns: when the stream or its connection
 //!   ends (or the server shuts down), the check is dropped, and with it its
 //!   place among the waiting, its permit and its call.
@@ -34,7 +37,6 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use base64::Engine as _;
 use ring::digest;
 use tokio::{
     sync::{Semaphore, watch},
@@ -42,7 +44,10 @@ use tokio::{
 };
 use tracing::warn;
 
-use super::AuthError;
+use super::{
+    AuthError,
+    peers::{Outcome, PeerKey, Peers, Slowed, Ticket},
+};
 
 /// How long a refusal from the API is reused.
 pub const REFUSAL_TTL: Duration = Duration::from_secs(5);
@@ -112,6 +117,8 @@ struct State {
     /// Whether a call waited out [`PERMIT_TIMEOUT`] since one last got a
     /// permit in time (logged once).
     starved: bool,
+    /// Which peers' tokens keep failing review.
+    peers: Peers,
 }
 
 impl State {
@@ -149,8 +156,11 @@ enum Enter {
     Cached(Verdict),
     /// `max_pending` checks are waiting.
     Refused,
-    /// Counted among the waiting until the guard drops.
-    Waiting,
+    /// The check's peer is slowed, at its cap.
+    Slowed(PeerKey, Slowed),
+    /// Counted among the waiting (and in its peer's record) until the
+    /// guard drops.
+    Waiting(Option<Ticket>),
 }
 
 /// What a waiting check is to do.
@@ -206,14 +216,29 @@ impl Reviews {
         self.lock().waiting
     }
 
-    /// The verdict on `token`: cached, from a call in flight, or from
-    /// `review`, called at most once and only with a permit; and what
-    /// answered, `None` for a refusal under load ([`AuthError::is_load`]).
+    /// [`check_from`](Self::check_from) with no peer.
+    #[cfg(test)]
+    pub(crate) async fn check<R>(&self, token: &str, review: R) -> (Verdict, Option<Source>)
+    where
+        R: AsyncFnOnce() -> Verdict,
+    {
+        self.check_from(token, None, review).await
+    }
+
+    /// The verdict on `token`, presented by `peer`: cached, from a call in
+    /// flight, or from `review`, called at most once and only with a
+    /// permit; and what answered, `None` for a refusal under load or of a
+    /// slowed peer ([`AuthError::is_load`]).
     ///
     /// # Cancel safety
     /// Dropping the future gives back everything it held: its place among
     /// the waiting, its permit, its call (the next waiter calls again).
-    pub(crate) async fn check<R>(&self, token: &str, review: R) -> (Verdict, Option<Source>)
+    pub(crate) async fn check_from<R>(
+        &self,
+        token: &str,
+        peer: Option<PeerKey>,
+        review: R,
+    ) -> (Verdict, Option<Source>)
     where
         R: AsyncFnOnce() -> Verdict,
     {
@@ -221,15 +246,16 @@ impl Reviews {
             .as_ref()
             .try_into()
             .expect("SHA-256 is 32 bytes");
-        match self.enter(key) {
+        let ticket = match self.enter(key, peer) {
             Enter::Cached(verdict) => return (verdict, Some(Source::Cache)),
             Enter::Refused => {
                 let limit = self.max_pending;
                 return (Err(AuthError::TooManyPending { limit }), None);
             }
-            Enter::Waiting => {}
-        }
-        let _waiting = Waiting(self);
+            Enter::Slowed(peer, slowed) => return (Err(slowed_error(peer, slowed)), None),
+            Enter::Waiting(ticket) => ticket,
+        };
+        let _waiting = Waiting(self, ticket);
         loop {
             match self.join(key) {
                 Join::Cached(verdict) => return (verdict, Some(Source::Cache)),
@@ -247,7 +273,7 @@ impl Reviews {
                         key,
                         id,
                     };
-                    let verdict = self.call(review).await;
+                    let verdict = self.call(review, ticket).await;
                     self.settle(key, id, &verdict, token);
                     let _ = answer.send(Some(verdict.clone()));
                     let source = (!is_load(&verdict)).then_some(Source::Api);
@@ -257,8 +283,10 @@ impl Reviews {
         }
     }
 
-    /// `review`, once a permit is had within [`PERMIT_TIMEOUT`].
-    async fn call<R>(&self, review: R) -> Verdict
+    /// `review`, once a permit is had within [`PERMIT_TIMEOUT`] and unless
+    /// `ticket`'s peer is slowed with that many calls in flight; the
+    /// answer counts for the peer.
+    async fn call<R>(&self, review: R, ticket: Option<Ticket>) -> Verdict
     where
         R: AsyncFnOnce() -> Verdict,
     {
@@ -276,17 +304,44 @@ impl Reviews {
                 waited: PERMIT_TIMEOUT,
             });
         };
-        self.lock().starved = false;
-        review().await
+        let peer_call = {
+            let mut state = self.lock();
+            state.starved = false;
+            match ticket {
+                Some(ticket) => match state.peers.start_call(ticket, Instant::now()) {
+                    Ok(()) => Some(PeerCall {
+                        reviews: self,
+                        ticket,
+                        answered: false,
+                    }),
+                    Err(slowed) => return Err(slowed_error(ticket.key, slowed)),
+                },
+                None => None,
+            }
+        };
+        let verdict = review().await;
+        if let Some(call) = peer_call {
+            call.answered(&verdict);
+        }
+        verdict
     }
 
-    /// A cached answer, a refusal at the cap, or a place among the waiting.
-    fn enter(&self, key: Key) -> Enter {
+    /// A cached answer, a refusal at a cap, or a place among the waiting.
+    fn enter(&self, key: Key, peer: Option<PeerKey>) -> Enter {
         let mut state = self.lock();
-        if let Some(verdict) = state.cached(key, Instant::now()) {
+        let now = Instant::now();
+        if let Some(verdict) = state.cached(key, now) {
             return Enter::Cached(verdict);
         }
+        let ticket = match peer.map(|peer| (peer, state.peers.enter(peer, now))) {
+            Some((peer, Err(slowed))) => return Enter::Slowed(peer, slowed),
+            Some((_, Ok(ticket))) => Some(ticket),
+            None => None,
+        };
         if state.waiting >= self.max_pending {
+            if let Some(ticket) = ticket {
+                state.peers.leave(ticket);
+            }
             if !state.at_cap {
                 warn!(
                     limit = self.max_pending,
@@ -297,7 +352,7 @@ impl Reviews {
             return Enter::Refused;
         }
         state.waiting += 1;
-        Enter::Waiting
+        Enter::Waiting(ticket)
     }
 
     /// What a waiting check of `key` is to do now.
@@ -391,12 +446,16 @@ fn end_call(state: &mut State, key: Key, id: u64) {
     }
 }
 
-/// A check counted among the waiting, until dropped.
-struct Waiting<'a>(&'a Reviews);
+/// A check counted among the waiting, and in its peer's record, until
+/// dropped.
+struct Waiting<'a>(&'a Reviews, Option<Ticket>);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let mut state = self.0.lock();
+        if let Some(ticket) = self.1 {
+            state.peers.leave(ticket);
+        }
         state.waiting -= 1;
         if state.waiting < self.0.max_pending {
             state.at_cap = false;
@@ -421,16 +480,73 @@ impl Drop for Calling<'_> {
     }
 }
 
+/// A call of a peer's check in flight: counted in its record until
+/// dropped; if it was not answered, the API had it for nothing, and it
+/// counts as failed.
+struct PeerCall<'a> {
+    /// Whose call.
+    reviews: &'a Reviews,
+    /// The check's place in its peer's record.
+    ticket: Ticket,
+    /// Whether the API answered (and the answer was counted).
+    answered: bool,
+}
+
+impl PeerCall<'_> {
+    /// The API answered `verdict`: counted for the peer, if it says
+    /// anything of the token.
+    fn answered(mut self, verdict: &Verdict) {
+        self.answered = true;
+        if let Some(outcome) = outcome(verdict) {
+            count(&mut self.reviews.lock(), self.ticket.key, outcome);
+        }
+    }
+}
+
+impl Drop for PeerCall<'_> {
+    fn drop(&mut self) {
+        let mut state = self.reviews.lock();
+        state.peers.end_call(self.ticket);
+        if !self.answered {
+            count(&mut state, self.ticket.key, Outcome::Failed);
+        }
+    }
+}
+
+/// Counts `outcome` for `peer`; logs when that slows it.
+fn count(state: &mut State, peer: PeerKey, outcome: Outcome) {
+    if state.peers.count(peer, outcome, Instant::now()) {
+        warn!(
+            peer.addr = %peer,
+            "token reviews of connects from this peer keep failing; slowing it"
+        );
+    }
+}
+
+/// What `verdict` counts for its peer: a pass, a failure, or nothing (the
+/// call failed, or never started).
+fn outcome(verdict: &Verdict) -> Option<Outcome> {
+    match verdict {
+        Ok(()) => Some(Outcome::Passed),
+        Err(AuthError::Review(_)) => None,
+        Err(error) if error.is_load() => None,
+        Err(_) => Some(Outcome::Failed),
+    }
+}
+
+/// The refusal of a connect of `peer`, slowed and at its cap.
+fn slowed_error(peer: PeerKey, slowed: Slowed) -> AuthError {
+    AuthError::PeerSlowed {
+        peer: peer.to_string(),
+        failed: slowed.failed,
+        limit: slowed.limit,
+    }
+}
+
 /// The `exp` claim of a JWT, read without checking its signature (the API
 /// checked the token; this only bounds how long its answer is reused).
 fn token_expiry(token: &str) -> Option<SystemTime> {
-    let payload = token.split('.').nth(1)?;
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(payload.trim_end_matches('='))
-        .ok()?;
-    let claims: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-    let exp = claims.get("exp")?.as_u64()?;
-    SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(exp))
+    super::claims::expiry(token)
 }
 
 #[cfg(test)]
@@ -439,6 +555,8 @@ mod tests {
         Arc,
         atomic::{AtomicUsize, Ordering},
     };
+
+    use base64::Engine as _;
 
     use super::*;
 
@@ -831,5 +949,180 @@ mod tests {
         let state = reviews.lock();
         assert_eq!(state.answers.len(), 10, "only the new answers are left");
         assert_eq!(state.expiries.len(), 10);
+    }
+
+    fn peer(n: u8) -> PeerKey {
+        PeerKey::of(std::net::IpAddr::from([10, 0, 0, n]))
+    }
+
+    /// A check of `token` from `peer` against an API that answers
+    /// `verdict` after 50 ms.
+    fn ask_from(
+        reviews: &Arc<Reviews>,
+        api: &Arc<Api>,
+        peer: PeerKey,
+        token: String,
+        verdict: Verdict,
+    ) -> tokio::task::JoinHandle<(Verdict, Option<Source>)> {
+        let (reviews, api) = (reviews.clone(), api.clone());
+        tokio::spawn(async move {
+            reviews
+                .check_from(&token, Some(peer), async || {
+                    api.review(Duration::from_millis(50), verdict).await
+                })
+                .await
+        })
+    }
+
+    /// 16,000 checks of bad tokens from one peer, all at once: once a
+    /// few reviews have failed, the peer keeps a handful of calls, those
+    /// waiting give their places up when a permit comes to them, and a
+    /// check from another peer is answered within a few reviews' time.
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_from_one_peer_keeps_a_handful_of_reviews() {
+        let reviews = Arc::new(Reviews::new(TTL, 32, 16_384));
+        let api = Arc::new(Api::default());
+        let flood: Vec<_> = (0..16_000)
+            .map(|n| {
+                let bad = Err(AuthError::NotAuthenticated);
+                ask_from(&reviews, &api, peer(1), format!("bad-{n}"), bad)
+            })
+            .collect();
+        while reviews.pending() < 16_000 {
+            tokio::task::yield_now().await;
+        }
+        let started = Instant::now();
+        let good = ask_from(&reviews, &api, peer(2), "good".to_owned(), Ok(()));
+        assert_eq!(good.await.unwrap(), (Ok(()), Some(Source::Api)));
+        let waited = started.elapsed();
+        assert!(waited <= Duration::from_millis(150), "waited {waited:?}");
+        let mut slowed = 0;
+        for check in flood {
+            match check.await.unwrap().0 {
+                Err(AuthError::PeerSlowed { .. }) => slowed += 1,
+                Err(AuthError::NotAuthenticated) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        // The first 32 calls, then at most SLOWED_PENDING at a time.
+        assert!(api.calls() <= 64, "{} calls", api.calls());
+        assert_eq!(
+            slowed + api.calls(),
+            16_000 + 1,
+            "each flood check, and the good one"
+        );
+        eprintln!(
+            "{} calls, {slowed} refused slowed, the good check waited {waited:?}",
+            api.calls()
+        );
+        assert_eq!(reviews.pending(), 0);
+        // Past its cap, new connects of the peer are refused at once.
+        let slow: Vec<_> = (0..4)
+            .map(|n| ask_from(&reviews, &api, peer(1), format!("bad-y{n}"), Ok(())))
+            .collect();
+        while reviews.pending() < 4 {
+            tokio::task::yield_now().await;
+        }
+        let refused = ask_from(&reviews, &api, peer(1), "bad-z".to_owned(), Ok(()));
+        let (verdict, source) = refused.await.unwrap();
+        assert!(
+            matches!(verdict, Err(AuthError::PeerSlowed { limit: 4, .. })),
+            "{verdict:?}"
+        );
+        assert_eq!(source, None);
+        assert!(verdict.unwrap_err().is_load());
+        for check in slow {
+            assert!(check.await.unwrap().0.is_ok());
+        }
+    }
+
+    /// Agents behind one address with a flood of bad tokens from the same
+    /// address: every agent, retrying as agents do, is admitted, and each
+    /// pass lets more of them through.
+    #[tokio::test(start_paused = true)]
+    async fn agents_sharing_a_flooding_address_converge() {
+        const AGENTS: usize = 200;
+        let reviews = Arc::new(Reviews::new(TTL, 32, 16_384));
+        let api = Arc::new(Api::default());
+        let stop = tokio_util::sync::CancellationToken::new();
+        // 100 flooders, each a bad token every 10 ms: 10,000 a second.
+        let flood: Vec<_> = (0..100)
+            .map(|f| {
+                let (reviews, api, stop) = (reviews.clone(), api.clone(), stop.clone());
+                tokio::spawn(async move {
+                    for n in 0.. {
+                        let bad = Err(AuthError::NotAuthenticated);
+                        let check = ask_from(&reviews, &api, peer(1), format!("bad-{f}-{n}"), bad);
+                        tokio::select! {
+                            () = stop.cancelled() => return,
+                            () = tokio::time::sleep(Duration::from_millis(10)) => {}
+                        }
+                        drop(check);
+                    }
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let started = Instant::now();
+        let agents: Vec<_> = (0..AGENTS)
+            .map(|a| {
+                let (reviews, api) = (reviews.clone(), api.clone());
+                tokio::spawn(async move {
+                    let mut tries = 0;
+                    loop {
+                        tries += 1;
+                        let token = format!("agent-{a}");
+                        match ask_from(&reviews, &api, peer(1), token, Ok(()))
+                            .await
+                            .unwrap()
+                        {
+                            (Ok(()), _) => return tries,
+                            (Err(error), _) => assert!(error.is_load(), "{error:?}"),
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                })
+            })
+            .collect();
+        let mut tries = 0;
+        for agent in agents {
+            tries += agent.await.unwrap();
+        }
+        let converged = started.elapsed();
+        stop.cancel();
+        for flooder in flood {
+            flooder.await.unwrap();
+        }
+        eprintln!(
+            "{AGENTS} agents admitted in {converged:?}, {tries} connects, {} reviews",
+            api.calls()
+        );
+        assert!(converged <= Duration::from_secs(60), "{converged:?}");
+    }
+
+    /// What counts against a peer: a refusal, or a call its stream gave up
+    /// while the API had it (a peer could otherwise make the API work and
+    /// leave before the answer); not a call that failed (API unreachable).
+    #[tokio::test(start_paused = true)]
+    async fn calls_abandoned_while_the_api_has_them_count_as_failed() {
+        let reviews = Arc::new(Reviews::new(TTL, 32, 1000));
+        let api = Arc::new(Api::default());
+        let slowed = |reviews: &Reviews| reviews.lock().peers.is_slowed(peer(1), Instant::now());
+        for n in 0..20 {
+            let down = Err(AuthError::Review("the API answered 503".to_owned()));
+            let _ = ask_from(&reviews, &api, peer(1), format!("down-{n}"), down).await;
+        }
+        assert_eq!(api.calls(), 20);
+        assert!(!slowed(&reviews), "slowed by an outage");
+        for n in 0..super::super::peers::SLOW_AFTER {
+            let check = ask_from(&reviews, &api, peer(1), format!("gone-{n}"), Ok(()));
+            while api.calls() == 20 + n as usize {
+                tokio::task::yield_now().await;
+            }
+            check.abort();
+            let _ = check.await;
+        }
+        assert!(slowed(&reviews), "not slowed by abandoned calls");
+        assert_eq!(reviews.pending(), 0);
     }
 }

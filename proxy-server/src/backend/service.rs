@@ -130,25 +130,42 @@ fn scheme(
 
 impl AgentServiceImpl {
     /// Checks a `Connect` call: its token, its agent id, its identifiers,
-    /// its flow-control numbers.
+    /// its flow-control numbers; then lets its data through
+    /// ([`edge::gate`]).
     async fn admit(
         &self,
-        request: &Request<Streaming<Packet>>,
+        request: &mut Request<Streaming<Packet>>,
         peer: Option<SocketAddr>,
     ) -> Result<(AgentInfo, Scheme), Status> {
         // Authenticate first, as ANP does; the token itself is never logged.
         // The wait ends with the stream (tonic drops this future when the
-        // stream is reset or its connection ends) or at shutdown.
+        // stream is reset or its connection ends), at shutdown, or when the
+        // agent sends data before it is admitted (it holds none meanwhile).
         if let Some(auth) = &self.token_auth {
+            let (metadata, body) = (request.metadata().clone(), request.get_mut());
             let verdict = tokio::select! {
-                verdict = auth.authenticate(request.metadata()) => verdict,
+                verdict = auth.authenticate(&metadata, peer.map(|p| p.ip())) => verdict,
+                early = body.message() => {
+                    let status = match early {
+                        Err(status) => status,
+                        Ok(Some(_)) => Status::invalid_argument(edge::gate::EARLY_DATA),
+                        Ok(None) => Status::invalid_argument(
+                            "the agent ended its stream before it was admitted",
+                        ),
+                    };
+                    debug!(peer.addr = ?peer, error = %status.message(), "agent refused");
+                    return Err(status);
+                }
                 () = self.shutdown.cancelled() => {
                     return Err(Status::unavailable("proxy-server is shutting down"));
                 }
             };
             if let Err(error) = verdict {
-                // Refusals under load are logged once where the limit is.
-                if error.is_load() {
+                // Refusals under load are logged once where the limit is;
+                // those without a review come as fast as a peer sends
+                // them, and are counted
+                // (konnectivity_rs_server_token_reviews_skipped_total).
+                if error.is_load() || matches!(error, crate::auth::AuthError::Claims(_)) {
                     debug!(peer.addr = ?peer, %error, "agent refused");
                 } else {
                     warn!(peer.addr = ?peer, %error, "agent refused");
@@ -175,6 +192,9 @@ impl AgentServiceImpl {
         });
         if let Err(status) = &checked {
             debug!(peer.addr = ?peer, error = %status.message(), "agent refused");
+        }
+        if let Some(gate) = request.extensions().get::<edge::gate::Gate>() {
+            gate.open();
         }
         checked
     }
@@ -205,13 +225,13 @@ impl AgentService for AgentServiceImpl {
 
     async fn connect(
         &self,
-        request: Request<Streaming<Packet>>,
+        mut request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
         let peer = request.remote_addr();
         let metrics = self.control.metrics.clone();
         // Counted from the start of the call, refused ones too (ANP).
         let live = metrics.grpc_stream(Method::Connect);
-        let (info, scheme) = self.admit(&request, peer).await?;
+        let (info, scheme) = self.admit(&mut request, peer).await?;
         let agent_id = info.agent_id.clone();
         let (tx, rx) = tunnel::queue::queue(self.queue_bytes, BACKEND_CONTROL_RESERVE);
         let end = StreamEnd::new(self.shutdown.child_token());

@@ -17,7 +17,7 @@ use std::{
 
 use integration_tests::{
     AgentProcess, Binary, DEADLINE, LoggedProcess, Pki, destination, http_get,
-    kube_stub::{Identity, TokenReviewStub},
+    kube_stub::{Identity, TokenReviewStub, service_account_token},
     lease_stub::LeaseStub,
     process::metric_value,
     wait_for, workspace,
@@ -174,7 +174,8 @@ struct Files {
 const NAMESPACE: &str = "kube-system";
 const LABEL: &str = "k8s-app=konnectivity-server";
 const SERVER_ID: &str = "anp-flags";
-/// The agent's token, and whose it is for the TokenReview stand-in.
+/// The agent's token (a JWT with this `jti`), and whose it is for the
+/// TokenReview stand-in.
 const TOKEN: &str = "anp-flags-agent-token";
 const AGENT_SA: &str = "konnectivity-agent";
 const AUDIENCE: &str = "system:konnectivity-server";
@@ -182,7 +183,8 @@ const AUDIENCE: &str = "system:konnectivity-server";
 impl Files {
     async fn new(layout: Layout) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+        let token = service_account_token(AUDIENCE, TOKEN);
+        std::fs::write(dir.path().join("token"), &token).unwrap();
         let (leases, reviews) = match layout {
             Layout::UdsCertificates => {
                 let stub = LeaseStub::start().await;
@@ -193,7 +195,7 @@ impl Files {
             Layout::TcpTokens => {
                 let stub = TokenReviewStub::start().await;
                 stub.allow(
-                    TOKEN,
+                    &token,
                     Identity {
                         username: format!("system:serviceaccount:{NAMESPACE}:{AGENT_SA}"),
                         audiences: vec![AUDIENCE.to_owned()],

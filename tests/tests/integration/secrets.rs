@@ -22,15 +22,17 @@ use base64::Engine;
 use clap::Parser;
 use integration_tests::{
     LoggedProcess, Pki, binary, destination,
-    kube_stub::{Echo, Identity, SERVER_TOKEN, TokenReviewStub},
+    kube_stub::{Echo, Identity, SERVER_TOKEN, TokenReviewStub, service_account_token},
     proxies::{microsocks, tinyproxy},
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The agent tokens: JWTs with these `jti`s (what local checks pass).
 const GOOD_TOKEN: &str = "g00d-agent-token-7f3a9c";
 const BAD_TOKEN: &str = "b4d-agent-token-19e2d0";
 const GARBLED_TOKEN: &str = "garbl3d-agent-token-c81e";
 const ECHOED_TOKEN: &str = "ech0ed-agent-token-4d2b";
+const AUDIENCE: &str = "system:konnectivity-server";
 const PROXY_USER: &str = "konnectivity";
 const PROXY_PASSWORD: &str = "pr0xy-passw0rd-55ab";
 const WRONG_PASSWORD: &str = "wr0ng-passw0rd-93cd";
@@ -104,18 +106,19 @@ fn token_file(dir: &Path, name: &str, token: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_token_password_key_or_payload_is_ever_logged() {
+    let jwt = |id| service_account_token(AUDIENCE, id);
     let stub = TokenReviewStub::start().await;
     stub.allow(
-        GOOD_TOKEN,
+        &jwt(GOOD_TOKEN),
         Identity {
             username: "system:serviceaccount:kube-system:konnectivity-agent".to_owned(),
             audiences: vec!["system:konnectivity-server".to_owned()],
         },
     );
-    stub.echo(GARBLED_TOKEN, Echo::Garbled);
-    stub.echo(ECHOED_TOKEN, Echo::PlainError);
+    stub.echo(&jwt(GARBLED_TOKEN), Echo::Garbled);
+    stub.echo(&jwt(ECHOED_TOKEN), Echo::PlainError);
     let dir = tempfile::tempdir().unwrap();
-    let good = token_file(dir.path(), "good", GOOD_TOKEN);
+    let good = token_file(dir.path(), "good", &jwt(GOOD_TOKEN));
     let socket = dir.path().join("s.sock");
 
     // The server: JSON, to a file and (all of it) to standard error.
@@ -179,7 +182,7 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
         port,
         &[
             "-v=9".to_owned(),
-            token_file(dir.path(), "bad", BAD_TOKEN),
+            token_file(dir.path(), "bad", &jwt(BAD_TOKEN)),
             "--logtostderr=false".to_owned(),
             format!("--log-file={}", refused_log.display()),
         ],
@@ -190,7 +193,7 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
         port,
         &[
             "-v=9".to_owned(),
-            token_file(dir.path(), "garbled", GARBLED_TOKEN),
+            token_file(dir.path(), "garbled", &jwt(GARBLED_TOKEN)),
         ],
         None,
     );
@@ -199,7 +202,7 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
         port,
         &[
             "--log-format=json".to_owned(),
-            token_file(dir.path(), "echoed", ECHOED_TOKEN),
+            token_file(dir.path(), "echoed", &jwt(ECHOED_TOKEN)),
             "--logtostderr=false".to_owned(),
             format!("--log-file={}", echoed_log.display()),
             "--alsologtostderr".to_owned(),
@@ -285,6 +288,10 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
         BAD_TOKEN,
         GARBLED_TOKEN,
         ECHOED_TOKEN,
+        &jwt(GOOD_TOKEN),
+        &jwt(BAD_TOKEN),
+        &jwt(GARBLED_TOKEN),
+        &jwt(ECHOED_TOKEN),
         PROXY_PASSWORD,
         WRONG_PASSWORD,
         SOCKS_PASSWORD,

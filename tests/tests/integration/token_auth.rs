@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use integration_tests::{
     AgentOpts, DEADLINE, ServerOpts, TestAgent, TestServer, agent_config, destination,
-    kube_stub::{Identity, TokenReviewStub},
+    kube_stub::{Identity, TokenReviewStub, jwt, service_account_token},
     wait_for,
 };
 use proxy_agent::client::{Client, ConnectError};
@@ -49,6 +49,17 @@ async fn server_bounded(
     max_in_flight: usize,
     max_pending: usize,
 ) -> TestServer {
+    server_checking(stub, cache_ttl, max_in_flight, max_pending, true).await
+}
+
+/// [`server_bounded`], with `--token-review-local-checks` as given.
+async fn server_checking(
+    stub: &TokenReviewStub,
+    cache_ttl: Duration,
+    max_in_flight: usize,
+    max_pending: usize,
+    local_checks: bool,
+) -> TestServer {
     TestServer::start_with(ServerOpts {
         mtls: false,
         token_auth: Some(TokenAuthConfig {
@@ -59,6 +70,7 @@ async fn server_bounded(
             cache_ttl,
             max_in_flight,
             max_pending,
+            local_checks,
         }),
         ..Default::default()
     })
@@ -158,6 +170,12 @@ async fn reconnect(server: &TestServer, agent: &TestAgent) {
     .await;
 }
 
+/// The token named `id`: a JWT for our audience, as the kubelet makes
+/// them (the local checks pass it; the review decides).
+fn sa(id: &str) -> String {
+    service_account_token(AUDIENCE, id)
+}
+
 fn identity(username: &str, audience: &str) -> Identity {
     Identity {
         username: username.to_owned(),
@@ -168,13 +186,13 @@ fn identity(username: &str, audience: &str) -> Identity {
 #[tokio::test]
 async fn a_good_token_connects_and_tunnels() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("good-token"), identity(AGENT_SA, AUDIENCE));
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
     let _agent = TestAgent::start_with(
         server.agent_addr,
         AgentOpts {
-            token_path: Some(token_file(&dir, "good-token")),
+            token_path: Some(token_file(&dir, &sa("good-token"))),
             no_client_cert: true,
             ..Default::default()
         },
@@ -192,33 +210,33 @@ async fn a_good_token_connects_and_tunnels() {
 #[tokio::test]
 async fn each_failed_check_is_refused_with_its_reason() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("other-audience", identity(AGENT_SA, "someone-else"));
+    stub.allow(&sa("other-audience"), identity(AGENT_SA, "someone-else"));
     stub.allow(
-        "other-namespace",
+        &sa("other-namespace"),
         identity("system:serviceaccount:default:konnectivity-agent", AUDIENCE),
     );
     stub.allow(
-        "other-sa",
+        &sa("other-sa"),
         identity("system:serviceaccount:kube-system:default", AUDIENCE),
     );
-    stub.allow("a-user", identity("alice", AUDIENCE));
+    stub.allow(&sa("a-user"), identity("alice", AUDIENCE));
     let server = server(&stub).await;
 
-    let text = refusal(&server, "other-audience").await;
+    let text = refusal(&server, &sa("other-audience")).await;
     assert!(text.contains("audiences"), "{text}");
-    let text = refusal(&server, "other-namespace").await;
+    let text = refusal(&server, &sa("other-namespace")).await;
     assert!(
         text.contains("namespace \"default\" is not \"kube-system\""),
         "{text}"
     );
-    let text = refusal(&server, "other-sa").await;
+    let text = refusal(&server, &sa("other-sa")).await;
     assert!(
         text.contains("service account \"default\" is not \"konnectivity-agent\""),
         "{text}"
     );
-    let text = refusal(&server, "a-user").await;
+    let text = refusal(&server, &sa("a-user")).await;
     assert!(text.contains("not a service account"), "{text}");
-    let text = refusal(&server, "unknown-token").await;
+    let text = refusal(&server, &sa("unknown-token")).await;
     assert!(text.contains("invalid bearer token"), "{text}");
 
     // No token at all.
@@ -248,14 +266,81 @@ async fn each_failed_check_is_refused_with_its_reason() {
     assert_eq!(server.handle.backend_count(), 0);
 }
 
+/// Tokens no review could pass are refused at once, each with its reason,
+/// and the API never sees them; with `--token-review-local-checks=false`,
+/// the API decides (a cluster whose authenticators take other tokens).
+#[tokio::test]
+async fn tokens_that_cannot_be_valid_are_refused_without_a_review() {
+    let stub = TokenReviewStub::start().await;
+    let server = server(&stub).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let cases = [
+        ("random-bearer-text", "not a JWT", "malformed"),
+        (
+            &jwt(&serde_json::json!({"aud": "api", "exp": now + 600})),
+            "aud claim does not name \"system:konnectivity-server\"",
+            "audience",
+        ),
+        (
+            &jwt(&serde_json::json!({"aud": [AUDIENCE], "exp": now - 3600})),
+            "the token expired",
+            "expired",
+        ),
+        (
+            &jwt(&serde_json::json!({"aud": [AUDIENCE], "nbf": now + 3600})),
+            "is not valid for another",
+            "not_yet_valid",
+        ),
+        (
+            &jwt(&serde_json::json!({"aud": [AUDIENCE], "exp": "soon"})),
+            "its exp claim is not a number",
+            "malformed",
+        ),
+    ];
+    for (token, reason, _) in &cases {
+        let text = refusal(&server, token).await;
+        assert!(text.contains(reason), "{text}");
+        assert!(text.contains("--token-review-local-checks"), "{text}");
+    }
+    assert_eq!(stub.review_count(), 0, "a review was made");
+    for (reason, count) in [
+        ("malformed", 2.0),
+        ("audience", 1.0),
+        ("expired", 1.0),
+        ("not_yet_valid", 1.0),
+    ] {
+        let series =
+            format!("konnectivity_rs_server_token_reviews_skipped_total{{reason=\"{reason}\"}}");
+        assert_eq!(server.metric(&series).await, count, "{series}");
+    }
+    // With the checks off, the API reviews them all.
+    let server = server_checking(
+        &stub,
+        proxy_server::auth::DEFAULT_CACHE_TTL,
+        proxy_server::auth::DEFAULT_MAX_IN_FLIGHT,
+        proxy_server::auth::DEFAULT_MAX_PENDING,
+        false,
+    )
+    .await;
+    for (token, _, _) in &cases {
+        let text = refusal(&server, token).await;
+        assert!(text.contains("invalid bearer token"), "{text}");
+        assert!(stub.reviewed(token));
+    }
+    assert_eq!(stub.review_count(), cases.len());
+}
+
 #[tokio::test]
 async fn an_api_outage_refuses_new_agents_but_keeps_serving_and_recovers() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("good-token"), identity(AGENT_SA, AUDIENCE));
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
     let opts = AgentOpts {
-        token_path: Some(token_file(&dir, "good-token")),
+        token_path: Some(token_file(&dir, &sa("good-token"))),
         no_client_cert: true,
         ..Default::default()
     };
@@ -265,12 +350,12 @@ async fn an_api_outage_refuses_new_agents_but_keeps_serving_and_recovers() {
     stub.set_down(true);
     // A token reviewed before the outage is still admitted from the cache;
     // one never reviewed is refused.
-    assert!(admitted(&server, "good-token").await);
-    stub.allow("new-token", identity(AGENT_SA, AUDIENCE));
-    let text = refusal(&server, "new-token").await;
+    assert!(admitted(&server, &sa("good-token")).await);
+    stub.allow(&sa("new-token"), identity(AGENT_SA, AUDIENCE));
+    let text = refusal(&server, &sa("new-token")).await;
     assert!(text.contains("TokenReview failed"), "{text}");
     // A second agent keeps retrying; the first keeps serving.
-    let second = TestAgent::start_with(server.agent_addr, with_token(&dir, "new-token")).await;
+    let second = TestAgent::start_with(server.agent_addr, with_token(&dir, &sa("new-token"))).await;
     let echo = destination::echo().await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     conn.write_all(b"x").await.unwrap();
@@ -289,10 +374,10 @@ async fn an_api_outage_refuses_new_agents_but_keeps_serving_and_recovers() {
 #[tokio::test]
 async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("token-one", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("token-one"), identity(AGENT_SA, AUDIENCE));
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
-    let path = token_file(&dir, "token-one");
+    let path = token_file(&dir, &sa("token-one"));
     let agent = TestAgent::start_with(
         server.agent_addr,
         AgentOpts {
@@ -305,9 +390,9 @@ async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
     wait_connected(&server, &agent).await;
 
     // The kubelet rotates the token: the old one stops working, the file changes.
-    stub.revoke("token-one");
-    stub.allow("token-two", identity(AGENT_SA, AUDIENCE));
-    std::fs::write(&path, "token-two").unwrap();
+    stub.revoke(&sa("token-one"));
+    stub.allow(&sa("token-two"), identity(AGENT_SA, AUDIENCE));
+    std::fs::write(&path, sa("token-two")).unwrap();
     let reviews = stub.review_count();
     // Only token-two can open the new stream.
     reconnect(&server, &agent).await;
@@ -319,10 +404,10 @@ async fn a_token_rotated_on_disk_is_used_on_the_next_connect() {
 #[tokio::test]
 async fn a_reconnect_reuses_the_cached_review() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("good-token"), identity(AGENT_SA, AUDIENCE));
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = TestAgent::start_with(server.agent_addr, with_token(&dir, "good-token")).await;
+    let agent = TestAgent::start_with(server.agent_addr, with_token(&dir, &sa("good-token"))).await;
     wait_connected(&server, &agent).await;
     assert_eq!(stub.review_count(), 1);
     reconnect(&server, &agent).await;
@@ -335,15 +420,16 @@ async fn a_reconnect_reuses_the_cached_review() {
 #[tokio::test]
 async fn concurrent_connects_with_one_token_make_one_review() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("shared-token", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("shared-token"), identity(AGENT_SA, AUDIENCE));
     // The first review waits until all 8 agents are waiting for it.
     stub.hold();
     let server = server(&stub).await;
     let dir = tempfile::tempdir().unwrap();
-    let agents = futures_util::future::join_all(
-        (0..8).map(|_| TestAgent::start_with(server.agent_addr, with_token(&dir, "shared-token"))),
-    )
-    .await;
+    let agents =
+        futures_util::future::join_all((0..8).map(|_| {
+            TestAgent::start_with(server.agent_addr, with_token(&dir, &sa("shared-token")))
+        }))
+        .await;
     wait_pending(&server, 8).await;
     wait_for("the first review at the stub", || stub.in_flight() >= 1).await;
     stub.release();
@@ -366,9 +452,10 @@ async fn reviews_in_flight_stay_within_the_bound() {
     let dir = tempfile::tempdir().unwrap();
     let mut agents = Vec::new();
     for n in 0..8 {
-        let token = format!("token-{n}");
+        let name = format!("token-{n}");
+        let token = sa(&name);
         stub.allow(&token, identity(AGENT_SA, AUDIENCE));
-        let path = dir.path().join(&token);
+        let path = dir.path().join(&name);
         std::fs::write(&path, &token).unwrap();
         let opts = AgentOpts {
             token_path: Some(path),
@@ -393,20 +480,20 @@ async fn reviews_in_flight_stay_within_the_bound() {
 async fn a_revoked_token_is_refused_within_the_cache_ttl() {
     const TTL: Duration = Duration::from_secs(2);
     let stub = TokenReviewStub::start().await;
-    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("good-token"), identity(AGENT_SA, AUDIENCE));
     let server = server_with(&stub, TTL, 4).await;
     // The review is answered between these two instants, and its cache
     // entry lasts TTL from then.
     let reviewing = Instant::now();
-    assert!(admitted(&server, "good-token").await);
+    assert!(admitted(&server, &sa("good-token")).await);
     let reviewed = Instant::now();
-    stub.revoke("good-token");
-    assert!(admitted(&server, "good-token").await, "not cached");
+    stub.revoke(&sa("good-token"));
+    assert!(admitted(&server, &sa("good-token")).await, "not cached");
     assert_eq!(stub.review_count(), 1);
     let refused = tokio::time::timeout(DEADLINE + TTL, async {
         loop {
             let started = Instant::now();
-            if !admitted(&server, "good-token").await {
+            if !admitted(&server, &sa("good-token")).await {
                 break reviewing.elapsed();
             }
             // A connect that began after the entry's end was not cached.
@@ -457,16 +544,19 @@ async fn wait_pending(server: &TestServer, n: usize) {
 #[tokio::test]
 async fn connects_past_the_pending_bound_are_refused_unavailable() {
     let stub = TokenReviewStub::start().await;
-    stub.allow("good-token", identity(AGENT_SA, AUDIENCE));
+    stub.allow(&sa("good-token"), identity(AGENT_SA, AUDIENCE));
     stub.set_delay(Duration::from_secs(3600));
     let server = server_bounded(&stub, Duration::from_secs(60), 1, 3).await;
     let waiting: Vec<_> = (0..3)
-        .map(|n| connect_in_background(&server, &format!("bogus-{n}")))
+        .map(|n| connect_in_background(&server, &sa(&format!("bogus-{n}"))))
         .collect();
     wait_pending(&server, 3).await;
-    let refused = tokio::time::timeout(Duration::from_secs(20), connect_with(&server, "bogus-x"))
-        .await
-        .expect("the connect past the bound waited");
+    let refused = tokio::time::timeout(
+        Duration::from_secs(20),
+        connect_with(&server, &sa("bogus-x")),
+    )
+    .await
+    .expect("the connect past the bound waited");
     match refused {
         Err(ConnectError::Refused { status, .. }) => {
             assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
@@ -490,7 +580,7 @@ async fn connects_past_the_pending_bound_are_refused_unavailable() {
     }
     wait_pending(&server, 0).await;
     stub.set_delay(Duration::ZERO);
-    assert!(admitted(&server, "good-token").await);
+    assert!(admitted(&server, &sa("good-token")).await);
 }
 
 /// A TLS connection to the agent port that the test can cut under its
@@ -561,7 +651,7 @@ async fn a_review_wait_ends_with_its_stream_its_connection_and_shutdown() {
     let server = server_bounded(&stub, Duration::from_secs(60), 1, 100).await;
     let conn = AgentConnection::open(&server).await;
     let streams: Vec<_> = (0..4)
-        .map(|n| conn.connect(&format!("bogus-{n}")))
+        .map(|n| conn.connect(&sa(&format!("bogus-{n}"))))
         .collect();
     wait_pending(&server, 4).await;
     // Two streams are cancelled (RST_STREAM); the connection stays.
@@ -573,7 +663,7 @@ async fn a_review_wait_ends_with_its_stream_its_connection_and_shutdown() {
     wait_pending(&server, 0).await;
 
     let conn = AgentConnection::open(&server).await;
-    let stream = conn.connect("bogus-late");
+    let stream = conn.connect(&sa("bogus-late"));
     wait_pending(&server, 1).await;
     server.begin_shutdown();
     let status = tokio::time::timeout(Duration::from_secs(20), stream)
@@ -583,6 +673,63 @@ async fn a_review_wait_ends_with_its_stream_its_connection_and_shutdown() {
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     assert!(status.message().contains("shutting down"), "{status:?}");
+}
+
+/// A stream waiting for its token review holds none of its peer's data:
+/// an agent sends nothing before the server's headers (ours, ANP's), so
+/// data before admission ends the stream at once, and its review wait with
+/// it, instead of sitting in the connection's HTTP/2 windows (4 MiB a
+/// stream, 8 MiB a connection) for as long as the review takes.
+#[tokio::test]
+async fn data_sent_before_admission_ends_the_stream_at_once() {
+    use proto::agent_service_client::AgentServiceClient;
+    let stub = TokenReviewStub::start().await;
+    stub.hold();
+    let server = server(&stub).await;
+    let conn = AgentConnection::open(&server).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<proto::Packet>(64);
+    // 4 MiB of DATA, queued before the call: all of it may go out at once.
+    for n in 0..16 {
+        let chunk = proto::Packet {
+            r#type: proto::PacketType::Data as i32,
+            payload: Some(proto::Payload::Data(proto::Data {
+                connect_id: n,
+                data: vec![7u8; 256 * 1024].into(),
+                ..Default::default()
+            })),
+        };
+        tx.send(chunk).await.unwrap();
+    }
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request
+        .metadata_mut()
+        .insert("agentid", "eager-agent".parse().unwrap());
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", sa("eager")).parse().unwrap(),
+    );
+    let answer = tokio::time::timeout(
+        DEADLINE,
+        AgentServiceClient::new(conn.channel.clone()).connect(request),
+    )
+    .await
+    .expect("the stream waited for its review with its data unread");
+    let Err(status) = answer else {
+        panic!("admitted")
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("before it was admitted"),
+        "{status:?}"
+    );
+    wait_pending(&server, 0).await;
+    drop(tx);
+    // A stream that sends nothing first still waits for its review.
+    let waiting = conn.connect(&sa("patient"));
+    wait_pending(&server, 1).await;
+    stub.release();
+    let status = waiting.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
 }
 
 /// One agent connection carries at most `--agent-max-concurrent-streams`
@@ -628,5 +775,210 @@ async fn the_agent_port_bounds_streams_per_connection() {
     assert_eq!(
         max_streams,
         Some(proxy_server::config::DEFAULT_AGENT_MAX_CONCURRENT_STREAMS)
+    );
+}
+
+/// Where the flood of [`flood`] comes from: another loopback address than
+/// the agents', so that the server sees another peer.
+const FLOOD_PEER: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2));
+
+/// What the `Connect`s of a flood were answered.
+#[derive(Debug, Default)]
+struct FloodOutcome {
+    /// Refused `Unauthenticated`.
+    unauthenticated: usize,
+    /// Refused `Unavailable` (retry later).
+    unavailable: usize,
+    /// Anything else (admitted, a transport error).
+    other: usize,
+    /// How long the whole flood took.
+    took: Duration,
+}
+
+/// Opens `connections` TLS connections to the agent port from `source`,
+/// then sends one `Connect` per token, as many at once as the
+/// connections carry (16 streams each, the server's bound), each waiting
+/// for its answer; counts the answers in `answered` as they come.
+async fn flood(
+    agent_addr: std::net::SocketAddr,
+    source: std::net::IpAddr,
+    tokens: Vec<String>,
+    connections: usize,
+    answered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> FloodOutcome {
+    use futures_util::StreamExt;
+    use proto::agent_service_client::AgentServiceClient;
+    let started = Instant::now();
+    let tls = agent_config(
+        agent_addr,
+        &AgentOpts {
+            no_client_cert: true,
+            ..Default::default()
+        },
+    )
+    .tls
+    .load()
+    .unwrap();
+    let channels: Vec<tonic::transport::Channel> = futures_util::stream::iter(0..connections)
+        .map(|_| {
+            let tls = tls.clone();
+            async move {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.bind(std::net::SocketAddr::new(source, 0)).unwrap();
+                let tcp = socket.connect(agent_addr).await.unwrap();
+                let tls = tokio_rustls::TlsConnector::from(tls)
+                    .connect(
+                        rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap(),
+                        tcp,
+                    )
+                    .await
+                    .unwrap();
+                let endpoint = tonic::transport::Endpoint::from_static("http://agent-port.invalid");
+                edge::h2::channel_over(endpoint, tls).await.unwrap()
+            }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let outcome = std::sync::Mutex::new(FloodOutcome::default());
+    futures_util::stream::iter(tokens.into_iter().enumerate())
+        .for_each_concurrent(connections * 16, |(n, token)| {
+            let channel = channels[n % connections].clone();
+            let (outcome, answered) = (&outcome, &answered);
+            async move {
+                let (_tx, rx) = tokio::sync::mpsc::channel::<proto::Packet>(1);
+                let mut request =
+                    tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+                let metadata = request.metadata_mut();
+                metadata.insert("agentid", "flooding-agent".parse().unwrap());
+                metadata.insert("authorization", format!("Bearer {token}").parse().unwrap());
+                let answer = AgentServiceClient::new(channel).connect(request).await;
+                answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut outcome = outcome.lock().unwrap();
+                match answer.map_err(|status| status.code()) {
+                    Err(tonic::Code::Unauthenticated) => outcome.unauthenticated += 1,
+                    Err(tonic::Code::Unavailable) => outcome.unavailable += 1,
+                    _ => outcome.other += 1,
+                }
+            }
+        })
+        .await;
+    let mut outcome = outcome.into_inner().unwrap();
+    outcome.took = started.elapsed();
+    outcome
+}
+
+/// A random string of `len` base64url characters.
+fn random_text(len: usize) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    (0..len)
+        .map(|_| char::from(ALPHABET[fastrand_index(ALPHABET.len())]))
+        .collect()
+}
+
+fn fastrand_index(n: usize) -> usize {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // A xorshift seeded from the clock: random enough for distinct tokens.
+    static STATE: AtomicU64 = AtomicU64::new(0);
+    let mut x = STATE.load(Ordering::Relaxed);
+    if x == 0 {
+        x = u64::from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos(),
+        ) | 1;
+    }
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    STATE.store(x, Ordering::Relaxed);
+    usize::try_from(x % n as u64).unwrap()
+}
+
+/// 20,000 `Connect`s from one peer, each with a token of its own that no
+/// review passes: an eighth not JWTs at all, an eighth for another
+/// audience, the rest shaped as our service-account tokens, as an attacker
+/// would make them. They come 16,384 at a time (1,024 connections of 16
+/// streams: `--token-review-max-pending`'s worth), against a TokenReview
+/// API that takes 50 ms a review. An agent with a good token, connecting
+/// from another address once 2,000 of them were answered, is admitted
+/// within 5 s; the API never sees a token that could not be valid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_flood_from_one_peer_does_not_keep_an_agent_out() {
+    const FLOOD: usize = 20_000;
+    const CONNECTIONS: usize = 1_024;
+    const ADMITTED_WITHIN: Duration = Duration::from_secs(5);
+    let stub = TokenReviewStub::start().await;
+    stub.set_delay(Duration::from_millis(50));
+    let good = service_account_token(AUDIENCE, "the-legitimate-agent");
+    stub.allow(&good, identity(AGENT_SA, AUDIENCE));
+    let server = server(&stub).await;
+
+    let tokens: Vec<String> = (0..FLOOD)
+        .map(|n| match n % 8 {
+            0 => format!("flood-{n}-{}", random_text(40)),
+            1 => service_account_token("another-audience", &random_text(24)),
+            _ => service_account_token(AUDIENCE, &random_text(24)),
+        })
+        .collect();
+    let impossible: Vec<String> = tokens
+        .iter()
+        .enumerate()
+        .filter(|(n, _)| n % 8 < 2)
+        .map(|(_, t)| t.clone())
+        .collect();
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let flooding = tokio::spawn(flood(
+        server.agent_addr,
+        FLOOD_PEER,
+        tokens,
+        CONNECTIONS,
+        answered.clone(),
+    ));
+    // Under way: its connections are open, its streams sent, the first
+    // thousands answered.
+    let progress = answered.clone();
+    tokio::time::timeout(Duration::from_secs(60), async move {
+        while progress.load(std::sync::atomic::Ordering::Relaxed) < 2_000 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the flood did not get under way");
+
+    let started = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let _agent = TestAgent::start_with(server.agent_addr, with_token(&dir, &good)).await;
+    // Measured up to a minute, so that a failure says how late it was.
+    while server.handle.backend_count() == 0 && started.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let admitted = started.elapsed();
+    let during_flood = !flooding.is_finished();
+    let reviews_then = stub.review_count();
+    assert!(
+        admitted <= ADMITTED_WITHIN,
+        "the agent was admitted after {admitted:?} (reviews by then: {reviews_then})"
+    );
+    let outcome = tokio::time::timeout(Duration::from_secs(120), flooding)
+        .await
+        .expect("the flood never ended")
+        .unwrap();
+    eprintln!(
+        "agent admitted after {admitted:?} (flood still running: {during_flood}); \
+         flood of {FLOOD}: {outcome:?}; reviews at the API: {}",
+        stub.review_count()
+    );
+    assert_eq!(
+        outcome.unauthenticated + outcome.unavailable,
+        FLOOD,
+        "{outcome:?}"
+    );
+    let reviewed: Vec<&String> = impossible.iter().filter(|t| stub.reviewed(t)).collect();
+    assert!(
+        reviewed.is_empty(),
+        "{} malformed or wrong-audience tokens were reviewed",
+        reviewed.len()
     );
 }
