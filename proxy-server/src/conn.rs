@@ -23,7 +23,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -34,6 +34,7 @@ use proto::Packet;
 use tonic::Status;
 use tracing::warn;
 use tunnel::{
+    budget::{Account, Budget},
     flow::{self, Flow, Offer, Refused, Scheme},
     ids::{AgentId, ConnId, DialId},
     queue::{self, Closed, QueueRx, QueueTx, Unread},
@@ -78,7 +79,11 @@ pub(crate) enum Delivery {
     Queued,
     /// No room yet: the agent has no credit, wait with [`Conn::deliver_wait`].
     Wait,
-    /// The frontend fell a window behind: close the connection.
+    /// Within the window, but the buffer budget is full: wait with
+    /// [`Conn::deliver_wait`], `admitted`.
+    NoBudget,
+    /// The frontend fell a window behind, or the budget stayed full for
+    /// `flow::COMPAT_STALL`: close the connection.
     Overflow,
     /// The connection or its frontend is gone.
     Gone,
@@ -156,13 +161,18 @@ impl Conn {
     }
 
     /// Queues agent DATA for the frontend without waiting: with credit the
-    /// agent stays within the window, so this never waits (past the window
-    /// is [`Delivery::Overflow`]); without, a full window is
-    /// [`Delivery::Wait`].
+    /// agent stays within the window, so this never waits for the window
+    /// (past it is [`Delivery::Overflow`]); without, a full window is
+    /// [`Delivery::Wait`]. DATA that queues behind other DATA of the
+    /// frontend's stream takes its cost from the buffer budget; with the
+    /// budget full it is [`Delivery::NoBudget`].
     pub(crate) fn deliver(self: &Arc<Self>, data: &Bytes) -> Delivery {
         let cost = flow::cost(data.len());
         match self.flow.offer(cost) {
-            Offer::Admitted => self.push(data.clone(), cost),
+            Offer::Admitted => match self.to_frontend.charge(cost) {
+                Ok(charge) => self.push(data.clone(), cost, charge),
+                Err(NoBudget) => Delivery::NoBudget,
+            },
             Offer::Wait(_) => Delivery::Wait,
             Offer::Overflow => Delivery::Overflow,
             Offer::Closed => Delivery::Gone,
@@ -170,20 +180,57 @@ impl Conn {
     }
 
     /// Queues agent DATA for the frontend, waiting while the frontend
-    /// drains (an agent without credit), up to `flow::COMPAT_STALL` without
-    /// progress; the wait ends when the connection closes.
-    pub(crate) async fn deliver_wait(self: &Arc<Self>, data: Bytes) -> Delivery {
+    /// drains (an agent without credit; not if the window already
+    /// `admitted` it), up to `flow::COMPAT_STALL` without progress, then
+    /// for the buffer budget, up to `flow::COMPAT_STALL` too; the waits end
+    /// when the connection closes.
+    pub(crate) async fn deliver_wait(self: &Arc<Self>, data: Bytes, admitted: bool) -> Delivery {
         let cost = flow::cost(data.len());
-        match self.flow.admit(cost).await {
-            Ok(()) => self.push(data, cost),
-            Err(Refused::Overflow) => Delivery::Overflow,
-            Err(Refused::Closed) => Delivery::Gone,
+        if !admitted {
+            match self.flow.admit(cost).await {
+                Ok(()) => {}
+                Err(Refused::Overflow) => return Delivery::Overflow,
+                Err(Refused::Closed) => return Delivery::Gone,
+            }
+        }
+        let charge = match self.to_frontend.charge(cost) {
+            Ok(charge) => charge,
+            Err(NoBudget) => match self.wait_for_budget(cost).await {
+                Ok(account) => Some(account),
+                Err(delivery) => return delivery,
+            },
+        };
+        self.push(data, cost, charge)
+    }
+
+    /// Waits, behind the others, for `cost` of the buffer budget, up to
+    /// `flow::COMPAT_STALL` ([`Delivery::Overflow`] after), or until the
+    /// connection closes ([`Delivery::Gone`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is taken if the future is dropped.
+    async fn wait_for_budget(&self, cost: usize) -> Result<Account, Delivery> {
+        let budget = &self.to_frontend.budget;
+        if budget.waiting() == 0 {
+            warn!(conn.id = %self.id, held = budget.held(), "the buffer budget for agents' DATA is full: agent streams wait (--buffer-budget-bytes)");
+        }
+        self.to_frontend.metrics.limit_reached(Limit::BufferBudget);
+        tokio::select! {
+            biased;
+            () = self.flow.closed() => Err(Delivery::Gone),
+            () = budget.take(cost) => {
+                let mut account = Account::new(budget.clone());
+                account.taken_more(cost);
+                Ok(account)
+            }
+            () = tokio::time::sleep(flow::COMPAT_STALL) => Err(Delivery::Overflow),
         }
     }
 
     /// Pushes DATA the window admitted onto the frontend's queue (the
-    /// window, not the queue's reserve, bounds DATA).
-    fn push(self: &Arc<Self>, data: Bytes, cost: usize) -> Delivery {
+    /// window, not the queue's reserve, bounds DATA), with what it took
+    /// from the budget.
+    fn push(self: &Arc<Self>, data: Bytes, cost: usize, charge: Option<Account>) -> Delivery {
         let metrics = &self.to_frontend.metrics;
         metrics
             .bytes
@@ -194,7 +241,9 @@ impl Conn {
             packet: Packet::data(self.id.0, data),
             conn: self.clone(),
             cost,
+            charge,
         };
+        self.to_frontend.data.fetch_add(cost, Ordering::AcqRel);
         let pushed = self.to_frontend.push(item, 0);
         metrics
             .frontend_write
@@ -203,7 +252,9 @@ impl Conn {
         if pushed {
             Delivery::Queued
         } else {
-            // Refused: the window gets its cost back.
+            // Refused: the window gets its cost back (the budget got its
+            // back with the item).
+            self.to_frontend.data.fetch_sub(cost, Ordering::AcqRel);
             let _ = self.flow.drained(cost);
             Delivery::Gone
         }
@@ -212,6 +263,7 @@ impl Conn {
     /// The frontend took `cost` of this connection's DATA: its window is
     /// released and, when enough has drained, credit goes to the agent.
     fn taken(&self, cost: usize) {
+        self.to_frontend.data.fetch_sub(cost, Ordering::AcqRel);
         if let Some(credit) = self.flow.drained(cost) {
             self.agent
                 .send_control(flow::credit_packet(self.id.0, credit));
@@ -338,6 +390,9 @@ pub(crate) enum FrontendItem {
         conn: Arc<Conn>,
         /// Its cost.
         cost: usize,
+        /// What it took from the buffer budget (DATA queued behind other
+        /// DATA); given back when the item is taken or dropped.
+        charge: Option<Account>,
     },
 }
 
@@ -351,8 +406,14 @@ impl FrontendItem {
             Self::DialFailed { dial, error } => {
                 Packet::dial_response(dial.0, 0, &error.to_string())
             }
-            Self::Data { packet, conn, cost } => {
+            Self::Data {
+                packet,
+                conn,
+                cost,
+                charge,
+            } => {
                 conn.taken(cost);
+                drop(charge);
                 packet
             }
         }
@@ -387,6 +448,10 @@ pub(crate) fn frontend_queue() -> (QueueTx<FrontendItem>, QueueRx<FrontendItem>)
     queue::queue(0, FRONTEND_CONTROL_RESERVE)
 }
 
+/// The buffer budget is full.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NoBudget;
+
 /// Where packets for one frontend stream go.
 #[derive(Clone)]
 pub(crate) struct FrontendTx {
@@ -400,6 +465,13 @@ pub(crate) struct FrontendTx {
     pub(crate) end: Arc<StreamEnd>,
     /// Where writes to the frontend are timed and lost packets counted.
     pub(crate) metrics: Arc<ServerMetrics>,
+    /// The budget agents' DATA queued for frontends takes its cost from.
+    budget: Arc<Budget>,
+    /// Cost of the DATA on the queue, not yet taken (the stream's own, as
+    /// its queue is: its agents' drivers and its writer touch it). DATA
+    /// pushed onto a queue without DATA goes to a writer that takes it at
+    /// once and costs the budget nothing; DATA behind it waits, and does.
+    data: Arc<AtomicUsize>,
 }
 
 impl FrontendTx {
@@ -409,6 +481,7 @@ impl FrontendTx {
         tx: QueueTx<FrontendItem>,
         end: Arc<StreamEnd>,
         metrics: Arc<ServerMetrics>,
+        budget: Arc<Budget>,
     ) -> Self {
         Self {
             id,
@@ -416,7 +489,21 @@ impl FrontendTx {
             tx,
             end,
             metrics,
+            budget,
+            data: Arc::default(),
         }
+    }
+
+    /// What queueing `cost` more DATA takes from the budget: nothing while
+    /// the queue holds no DATA (the fast path: no shared counter touched),
+    /// else `cost` ([`NoBudget`] if the budget is full).
+    fn charge(&self, cost: usize) -> Result<Option<Account>, NoBudget> {
+        if self.data.load(Ordering::Acquire) == 0 {
+            return Ok(None);
+        }
+        Account::try_new(&self.budget, cost)
+            .map(Some)
+            .ok_or(NoBudget)
     }
 
     /// Queues a control packet without waiting; `false` if it could not be
@@ -636,6 +723,7 @@ pub(crate) fn test_conn(
         fe_tx,
         StreamEnd::new(tokio_util::sync::CancellationToken::new()),
         metrics,
+        Arc::new(Budget::new(usize::MAX)),
     );
     let conn = Arc::new(Conn::new(ConnId(id), BackendId(1), agent, frontend));
     (conn, agent_rx, fe_rx)
@@ -693,11 +781,18 @@ mod tests {
     }
 
     fn frontend(kind: FrontendKind) -> (FrontendTx, Arc<ServerMetrics>, QueueRx<FrontendItem>) {
+        frontend_with_budget(kind, Arc::new(Budget::new(usize::MAX)))
+    }
+
+    fn frontend_with_budget(
+        kind: FrontendKind,
+        budget: Arc<Budget>,
+    ) -> (FrontendTx, Arc<ServerMetrics>, QueueRx<FrontendItem>) {
         let metrics = Arc::new(ServerMetrics::new(&[]));
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(CancellationToken::new());
         (
-            FrontendTx::new(FrontendId(1), kind, tx, end, metrics.clone()),
+            FrontendTx::new(FrontendId(1), kind, tx, end, metrics.clone(), budget),
             metrics,
             rx,
         )
@@ -779,6 +874,67 @@ mod tests {
         assert_eq!(conn.flow.queued(), 0);
         let credit = agent_rx.recv().await.expect("a credit packet");
         assert_eq!(flow::parse_credit(&credit), Some((3, flow::cost(5))));
+    }
+
+    /// Agent DATA that goes to a frontend whose queue holds no DATA costs
+    /// the budget nothing (its writer takes it at once); DATA behind it
+    /// takes its cost, given back as the frontend takes it, or when its
+    /// item is dropped untaken (the stream ended).
+    #[tokio::test]
+    async fn agent_data_queued_behind_other_data_takes_from_the_budget() {
+        let budget = Arc::new(Budget::new(1 << 20));
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, _metrics, mut rx) = frontend_with_budget(FrontendKind::Grpc, budget.clone());
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        let data = Bytes::from(vec![0u8; 1000]);
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert_eq!(budget.held(), 0, "the first item is free");
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert_eq!(budget.held(), 2 * flow::cost(1000));
+        rx.recv().await.unwrap().taken();
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), flow::cost(1000));
+        drop(rx);
+        assert_eq!(budget.held(), 0, "a dropped item gives its charge back");
+    }
+
+    /// With the budget full, agent DATA waits for room (the agent's stream
+    /// waits with it), gets it in order of arrival, and gives up after
+    /// `COMPAT_STALL`, so that the connection is closed as an overflow.
+    #[tokio::test(start_paused = true)]
+    async fn agent_data_waits_for_a_full_budget_then_overflows() {
+        let budget = Arc::new(Budget::new(flow::cost(1000)));
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, metrics, mut rx) = frontend_with_budget(FrontendKind::Grpc, budget.clone());
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        let data = Bytes::from(vec![0u8; 1000]);
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert!(budget.is_full());
+        assert_eq!(conn.deliver(&data), Delivery::NoBudget);
+        // Room comes: the wait goes on.
+        let waiting = tokio::spawn({
+            let (conn, data) = (conn.clone(), data.clone());
+            async move { conn.deliver_wait(data, true).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(budget.waiting(), 1);
+        rx.recv().await.unwrap().taken();
+        rx.recv().await.unwrap().taken();
+        assert_eq!(waiting.await.unwrap(), Delivery::Queued);
+        assert!(
+            metrics.text().contains(
+                "konnectivity_rs_server_limit_reached_total{limit=\"buffer_budget\"} 1\n"
+            )
+        );
+        // What it queued holds the budget; no room for COMPAT_STALL: an
+        // overflow.
+        assert_eq!(conn.deliver(&data), Delivery::NoBudget);
+        let started = tokio::time::Instant::now();
+        assert_eq!(conn.deliver_wait(data, true).await, Delivery::Overflow);
+        assert_eq!(started.elapsed(), flow::COMPAT_STALL);
+        assert_eq!(budget.waiting(), 0);
     }
 
     #[tokio::test]

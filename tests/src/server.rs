@@ -80,6 +80,8 @@ pub struct ServerOpts {
     pub ticket_rotation: Duration,
     /// `--max-agent-queue-bytes`.
     pub max_agent_queue_bytes: usize,
+    /// `--buffer-budget-bytes`.
+    pub buffer_budget_bytes: usize,
 }
 
 impl Default for ServerOpts {
@@ -108,6 +110,7 @@ impl Default for ServerOpts {
             session_tickets: true,
             ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
             max_agent_queue_bytes: 4 << 20,
+            buffer_budget_bytes: proxy_server::config::DEFAULT_BUFFER_BUDGET,
         }
     }
 }
@@ -192,6 +195,7 @@ impl TestServer {
             server_count: opts.server_count,
             strategies: opts.strategies.clone(),
             max_agent_queue_bytes: opts.max_agent_queue_bytes,
+            buffer_budget_bytes: opts.buffer_budget_bytes,
             max_tls_handshakes: opts.max_tls_handshakes,
             max_http_connections: 65_536,
             frontend_stall_timeout: opts.frontend_stall_timeout,
