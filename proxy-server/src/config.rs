@@ -206,12 +206,12 @@ pub struct Args {
     /// Bytes of DATA the whole server holds for peers that are not taking
     /// them, over every stream and connection (konnectivity-rs): half for
     /// what frontends' streams read ahead of uploads waiting for their
-    /// agents, half for agents' DATA queued for frontends behind other
-    /// DATA; each queued packet counts a fixed overhead beyond its bytes.
-    /// At the limit a frontend stream stops reading and an agent stream
-    /// waits (plain backpressure), and a connection whose upload or
-    /// download made no progress for 5 s is closed with an error at both
-    /// ends. Data that goes straight on costs nothing.
+    /// agents, half for agents' DATA queued for frontends; each queued
+    /// packet counts a fixed overhead beyond its bytes. At the limit a
+    /// frontend stream stops reading and an agent stream waits (plain
+    /// backpressure), and a connection whose upload or download made no
+    /// progress for 5 s is closed with an error at both ends. An upload
+    /// that goes straight on costs nothing.
     #[arg(long, default_value_t = DEFAULT_BUFFER_BUDGET)]
     pub buffer_budget_bytes: usize,
     /// Connections whose TLS handshake has not finished, per TLS listener

@@ -23,7 +23,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -70,6 +70,23 @@ pub(crate) struct Conn {
     agent: BackendLink,
     /// Where the agent's DATA goes.
     to_frontend: FrontendTx,
+    /// Its agent's DATA on the frontend's queue, and what that took from
+    /// the buffer budget (taken by its two streams: the agent's driver
+    /// queues, the frontend's writer takes).
+    charged: tunnel::sync::Mutex<Charged>,
+}
+
+/// A connection's agent DATA queued for its frontend, and what it took
+/// from the buffer budget: at least what is queued, given back down to it
+/// once the account holds more than twice that (or anything, with nothing
+/// queued), so that the shared budget is touched about once per doubling
+/// or halving of the queue, not per packet, and an idle connection holds
+/// none of it.
+struct Charged {
+    /// Cost of the DATA queued.
+    queued: usize,
+    /// What it took.
+    account: Account,
 }
 
 /// Why agent DATA was not queued towards the frontend.
@@ -98,12 +115,17 @@ impl Conn {
         agent: BackendLink,
         to_frontend: FrontendTx,
     ) -> Self {
+        let charged = tunnel::sync::Mutex::new(Charged {
+            queued: 0,
+            account: Account::new(to_frontend.budget.clone()),
+        });
         Self {
             id,
             backend,
             flow: Flow::new(agent.scheme),
             agent,
             to_frontend,
+            charged,
         }
     }
 
@@ -163,15 +185,14 @@ impl Conn {
     /// Queues agent DATA for the frontend without waiting: with credit the
     /// agent stays within the window, so this never waits for the window
     /// (past it is [`Delivery::Overflow`]); without, a full window is
-    /// [`Delivery::Wait`]. DATA that queues behind other DATA of the
-    /// frontend's stream takes its cost from the buffer budget; with the
-    /// budget full it is [`Delivery::NoBudget`].
+    /// [`Delivery::Wait`]. What it queues is taken from the buffer budget
+    /// ([`Charged`]); with the budget full it is [`Delivery::NoBudget`].
     pub(crate) fn deliver(self: &Arc<Self>, data: &Bytes) -> Delivery {
         let cost = flow::cost(data.len());
         match self.flow.offer(cost) {
-            Offer::Admitted => match self.to_frontend.charge(cost) {
-                Ok(charge) => self.push(data.clone(), cost, charge),
-                Err(NoBudget) => Delivery::NoBudget,
+            Offer::Admitted => match self.charge(cost) {
+                Ok(()) => self.push(data.clone(), cost),
+                Err(_) => Delivery::NoBudget,
             },
             Offer::Wait(_) => Delivery::Wait,
             Offer::Overflow => Delivery::Overflow,
@@ -193,23 +214,53 @@ impl Conn {
                 Err(Refused::Closed) => return Delivery::Gone,
             }
         }
-        let charge = match self.to_frontend.charge(cost) {
-            Ok(charge) => charge,
-            Err(NoBudget) => match self.wait_for_budget(cost).await {
-                Ok(account) => Some(account),
-                Err(delivery) => return delivery,
-            },
-        };
-        self.push(data, cost, charge)
+        if let Err(owed) = self.charge(cost) {
+            if let Err(delivery) = self.wait_for_budget(owed).await {
+                return delivery;
+            }
+            let mut charged = self.charged.lock();
+            charged.account.taken_more(owed);
+            charged.queued += cost;
+        }
+        self.push(data, cost)
     }
 
-    /// Waits, behind the others, for `cost` of the buffer budget, up to
+    /// Counts `cost` more DATA queued for the frontend, taking what its
+    /// account lacks from the buffer budget; what it lacks if the budget is
+    /// full (nothing taken).
+    fn charge(&self, cost: usize) -> Result<(), usize> {
+        let mut charged = self.charged.lock();
+        let want = charged.queued + cost;
+        if want > charged.account.taken() {
+            let owed = charged.account.settle(want);
+            if owed > 0 {
+                return Err(owed);
+            }
+        }
+        charged.queued = want;
+        Ok(())
+    }
+
+    /// `cost` of this connection's DATA left the frontend's queue (taken,
+    /// or dropped with it): the account gives back down to what is still
+    /// queued once it holds more than twice that.
+    fn uncharge(&self, cost: usize) {
+        let mut charged = self.charged.lock();
+        charged.queued -= cost;
+        let queued = charged.queued;
+        if queued == 0 || charged.account.taken() > 2 * queued {
+            charged.account.settle(queued);
+        }
+    }
+
+    /// Waits, behind the others, for `owed` of the buffer budget, up to
     /// `flow::COMPAT_STALL` ([`Delivery::Overflow`] after), or until the
-    /// connection closes ([`Delivery::Gone`]).
+    /// connection closes ([`Delivery::Gone`]); the caller adds it to the
+    /// connection's account.
     ///
     /// # Cancel safety
     /// Cancel safe: nothing is taken if the future is dropped.
-    async fn wait_for_budget(&self, cost: usize) -> Result<Account, Delivery> {
+    async fn wait_for_budget(&self, owed: usize) -> Result<(), Delivery> {
         let budget = &self.to_frontend.budget;
         if budget.waiting() == 0 {
             warn!(conn.id = %self.id, held = budget.held(), "the buffer budget for agents' DATA is full: agent streams wait (--buffer-budget-bytes)");
@@ -218,19 +269,14 @@ impl Conn {
         tokio::select! {
             biased;
             () = self.flow.closed() => Err(Delivery::Gone),
-            () = budget.take(cost) => {
-                let mut account = Account::new(budget.clone());
-                account.taken_more(cost);
-                Ok(account)
-            }
+            () = budget.take(owed) => Ok(()),
             () = tokio::time::sleep(flow::COMPAT_STALL) => Err(Delivery::Overflow),
         }
     }
 
-    /// Pushes DATA the window admitted onto the frontend's queue (the
-    /// window, not the queue's reserve, bounds DATA), with what it took
-    /// from the budget.
-    fn push(self: &Arc<Self>, data: Bytes, cost: usize, charge: Option<Account>) -> Delivery {
+    /// Pushes DATA the window admitted and the budget counted onto the
+    /// frontend's queue (the window, not the queue's reserve, bounds DATA).
+    fn push(self: &Arc<Self>, data: Bytes, cost: usize) -> Delivery {
         let metrics = &self.to_frontend.metrics;
         metrics
             .bytes
@@ -239,11 +285,11 @@ impl Conn {
         let started = Instant::now();
         let item = FrontendItem::Data {
             packet: Packet::data(self.id.0, data),
-            conn: self.clone(),
-            cost,
-            charge,
+            queued: Queued {
+                conn: self.clone(),
+                cost,
+            },
         };
-        self.to_frontend.data.fetch_add(cost, Ordering::AcqRel);
         let pushed = self.to_frontend.push(item, 0);
         metrics
             .frontend_write
@@ -254,7 +300,6 @@ impl Conn {
         } else {
             // Refused: the window gets its cost back (the budget got its
             // back with the item).
-            self.to_frontend.data.fetch_sub(cost, Ordering::AcqRel);
             let _ = self.flow.drained(cost);
             Delivery::Gone
         }
@@ -263,7 +308,6 @@ impl Conn {
     /// The frontend took `cost` of this connection's DATA: its window is
     /// released and, when enough has drained, credit goes to the agent.
     fn taken(&self, cost: usize) {
-        self.to_frontend.data.fetch_sub(cost, Ordering::AcqRel);
         if let Some(credit) = self.flow.drained(cost) {
             self.agent
                 .send_control(flow::credit_packet(self.id.0, credit));
@@ -382,18 +426,31 @@ pub(crate) enum FrontendItem {
         /// Why.
         error: DialError,
     },
-    /// Agent DATA of a connection, whose cost its window admitted.
+    /// Agent DATA of a connection, whose cost its window admitted and its
+    /// account counts.
     Data {
         /// The DATA packet.
         packet: Packet,
-        /// Its connection.
-        conn: Arc<Conn>,
-        /// Its cost.
-        cost: usize,
-        /// What it took from the buffer budget (DATA queued behind other
-        /// DATA); given back when the item is taken or dropped.
-        charge: Option<Account>,
+        /// Its connection and cost, uncounted when the item is taken or
+        /// dropped.
+        queued: Queued,
     },
+}
+
+/// Agent DATA of `conn` on its frontend's queue: its cost leaves the
+/// connection's account when this is dropped (the item taken, or dropped
+/// with the queue when the stream ends).
+pub(crate) struct Queued {
+    /// The connection.
+    pub(crate) conn: Arc<Conn>,
+    /// Its cost.
+    cost: usize,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.conn.uncharge(self.cost);
+    }
 }
 
 impl FrontendItem {
@@ -406,14 +463,8 @@ impl FrontendItem {
             Self::DialFailed { dial, error } => {
                 Packet::dial_response(dial.0, 0, &error.to_string())
             }
-            Self::Data {
-                packet,
-                conn,
-                cost,
-                charge,
-            } => {
-                conn.taken(cost);
-                drop(charge);
+            Self::Data { packet, queued } => {
+                queued.conn.taken(queued.cost);
                 packet
             }
         }
@@ -448,10 +499,6 @@ pub(crate) fn frontend_queue() -> (QueueTx<FrontendItem>, QueueRx<FrontendItem>)
     queue::queue(0, FRONTEND_CONTROL_RESERVE)
 }
 
-/// The buffer budget is full.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct NoBudget;
-
 /// Where packets for one frontend stream go.
 #[derive(Clone)]
 pub(crate) struct FrontendTx {
@@ -467,11 +514,6 @@ pub(crate) struct FrontendTx {
     pub(crate) metrics: Arc<ServerMetrics>,
     /// The budget agents' DATA queued for frontends takes its cost from.
     budget: Arc<Budget>,
-    /// Cost of the DATA on the queue, not yet taken (the stream's own, as
-    /// its queue is: its agents' drivers and its writer touch it). DATA
-    /// pushed onto a queue without DATA goes to a writer that takes it at
-    /// once and costs the budget nothing; DATA behind it waits, and does.
-    data: Arc<AtomicUsize>,
 }
 
 impl FrontendTx {
@@ -490,20 +532,7 @@ impl FrontendTx {
             end,
             metrics,
             budget,
-            data: Arc::default(),
         }
-    }
-
-    /// What queueing `cost` more DATA takes from the budget: nothing while
-    /// the queue holds no DATA (the fast path: no shared counter touched),
-    /// else `cost` ([`NoBudget`] if the budget is full).
-    fn charge(&self, cost: usize) -> Result<Option<Account>, NoBudget> {
-        if self.data.load(Ordering::Acquire) == 0 {
-            return Ok(None);
-        }
-        Account::try_new(&self.budget, cost)
-            .map(Some)
-            .ok_or(NoBudget)
     }
 
     /// Queues a control packet without waiting; `false` if it could not be
@@ -876,25 +905,35 @@ mod tests {
         assert_eq!(flow::parse_credit(&credit), Some((3, flow::cost(5))));
     }
 
-    /// Agent DATA that goes to a frontend whose queue holds no DATA costs
-    /// the budget nothing (its writer takes it at once); DATA behind it
-    /// takes its cost, given back as the frontend takes it, or when its
-    /// item is dropped untaken (the stream ended).
+    /// Agent DATA queued for a frontend takes its cost from the budget;
+    /// what the frontend takes gives it back once the account holds more
+    /// than twice what is still queued, and all of it when nothing is (or
+    /// when the items are dropped with their queue): the shared budget is
+    /// touched about once per doubling or halving, not per packet.
     #[tokio::test]
-    async fn agent_data_queued_behind_other_data_takes_from_the_budget() {
+    async fn agent_data_queued_for_a_frontend_takes_from_the_budget_and_gives_it_back() {
         let budget = Arc::new(Budget::new(1 << 20));
         let (agent, _agent_rx) = agent(credit());
         let (fe, _metrics, mut rx) = frontend_with_budget(FrontendKind::Grpc, budget.clone());
         let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
         let data = Bytes::from(vec![0u8; 1000]);
+        let cost = flow::cost(1000);
+        for _ in 0..4 {
+            assert_eq!(conn.deliver(&data), Delivery::Queued);
+        }
+        assert_eq!(budget.held(), 4 * cost);
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), 4 * cost, "3 queued: no more than twice");
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), 4 * cost, "2 queued: no more than twice");
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), cost, "1 queued: given back down to it");
         assert_eq!(conn.deliver(&data), Delivery::Queued);
-        assert_eq!(budget.held(), 0, "the first item is free");
-        assert_eq!(conn.deliver(&data), Delivery::Queued);
-        assert_eq!(conn.deliver(&data), Delivery::Queued);
-        assert_eq!(budget.held(), 2 * flow::cost(1000));
+        assert_eq!(budget.held(), 2 * cost);
         rx.recv().await.unwrap().taken();
         rx.recv().await.unwrap().taken();
-        assert_eq!(budget.held(), flow::cost(1000));
+        assert_eq!(budget.held(), 0, "nothing queued, nothing held");
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
         drop(rx);
         assert_eq!(budget.held(), 0, "a dropped item gives its charge back");
     }
@@ -910,7 +949,6 @@ mod tests {
         let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
         let data = Bytes::from(vec![0u8; 1000]);
         assert_eq!(conn.deliver(&data), Delivery::Queued);
-        assert_eq!(conn.deliver(&data), Delivery::Queued);
         assert!(budget.is_full());
         assert_eq!(conn.deliver(&data), Delivery::NoBudget);
         // Room comes: the wait goes on.
@@ -920,7 +958,6 @@ mod tests {
         });
         tokio::task::yield_now().await;
         assert_eq!(budget.waiting(), 1);
-        rx.recv().await.unwrap().taken();
         rx.recv().await.unwrap().taken();
         assert_eq!(waiting.await.unwrap(), Delivery::Queued);
         assert!(

@@ -63,7 +63,7 @@ struct State {
 /// The process-wide buffer budget (`--buffer-budget-bytes`), in two halves
 /// so that a flood one way never stops the other: what frontends' streams
 /// read ahead of their waiting uploads, and agents' DATA queued for
-/// frontends behind other DATA.
+/// frontends.
 #[derive(Debug, Clone)]
 pub(crate) struct Budgets {
     /// Frontends' read-ahead (`frontend::lanes`).

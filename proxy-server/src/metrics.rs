@@ -60,7 +60,7 @@ ops::label_enum! {
     pub(crate) enum Pool {
         /// What frontends' streams read ahead of their waiting uploads.
         ReadAhead = "read_ahead",
-        /// Agents' DATA queued for frontends behind other DATA.
+        /// Agents' DATA queued for frontends.
         ToFrontend = "to_frontend",
     }
 }
@@ -410,7 +410,7 @@ impl Ours {
             budget: ByLabel::register(
                 m,
                 "konnectivity_rs_server_buffer_budget_bytes",
-                "Bytes of the buffer budget, by pool (read_ahead: what frontends' streams read ahead of their waiting uploads; to_frontend: agents' DATA queued for frontends behind other DATA), half of --buffer-budget-bytes each",
+                "Bytes of the buffer budget, by pool (read_ahead: what frontends' streams read ahead of their waiting uploads; to_frontend: agents' DATA queued for frontends), half of --buffer-budget-bytes each",
                 "pool",
             ),
             budget_held: ByLabel::register(

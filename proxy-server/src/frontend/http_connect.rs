@@ -251,9 +251,8 @@ impl mover::Downstream for FromAgent<'_> {
             let packet = match item {
                 FrontendItem::Data {
                     ref packet,
-                    ref conn,
-                    ..
-                } if conn.id == self.conn => {
+                    ref queued,
+                } if queued.conn.id == self.conn => {
                     let Some(proto::Payload::Data(data)) = &packet.payload else {
                         continue;
                     };
