@@ -100,9 +100,10 @@ impl ProxyService for ProxyServiceImpl {
     }
 }
 
-/// How often a stream with a lane stalled past the grace that may not be
-/// cut yet looks again: whether it carries others now (a dial may have
-/// completed), whether the buffer budget filled.
+/// How often a stream stopped for its read-ahead, with a lane stalled past
+/// the grace that may not be cut yet, looks again: whether it carries
+/// others now (a dial may have completed), whether the buffer budget
+/// filled. A stream that reads on looks again after [`UPLOAD_GRACE`].
 const STOPPED_RECHECK: Duration = Duration::from_secs(1);
 
 /// A wait the driver runs beside reading its stream.
@@ -237,7 +238,11 @@ impl FrontendDriver {
             None => None,
             Some((_, since)) if since + UPLOAD_GRACE > now => Some(since + UPLOAD_GRACE),
             Some(_) if self.may_cut(full) => Some(now),
-            Some(_) => Some(now + STOPPED_RECHECK),
+            // Not reading: whether it carries others now. Reading: whether
+            // the budget filled (rarely, so that thousands of streams with
+            // a stalled lane do not wake every second).
+            Some(_) if full => Some(now + STOPPED_RECHECK),
+            Some(_) => Some(now + UPLOAD_GRACE),
         };
         let closing = self
             .ahead
