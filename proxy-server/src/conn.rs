@@ -262,8 +262,8 @@ impl Conn {
     /// Cancel safe: nothing is taken if the future is dropped.
     async fn wait_for_budget(&self, owed: usize) -> Result<(), Delivery> {
         let budget = &self.to_frontend.budget;
-        if budget.waiting() == 0 {
-            warn!(conn.id = %self.id, held = budget.held(), "the buffer budget for agents' DATA is full: agent streams wait (--buffer-budget-bytes)");
+        if budget.first_wait() {
+            warn!(conn.id = %self.id, held = budget.held(), "the buffer budget for agents' DATA is full: agent streams wait until it has room (--buffer-budget-bytes; logged once, counted in limit_reached_total)");
         }
         self.to_frontend.metrics.limit_reached(Limit::BufferBudget);
         tokio::select! {

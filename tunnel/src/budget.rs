@@ -18,7 +18,13 @@
 //! item): it keeps what it took and gives it all back when dropped, so a
 //! holder that ends in any way (error, cancel, panic) leaves nothing taken.
 
-use std::{future::Future, sync::Arc as StdArc};
+use std::{
+    future::Future,
+    sync::{
+        Arc as StdArc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
 
 use crate::queue::Gate;
 
@@ -28,6 +34,8 @@ pub struct Budget {
     gate: Gate,
     /// The limit.
     limit: usize,
+    /// Whether a holder has waited yet ([`Budget::first_wait`]).
+    waited: AtomicBool,
 }
 
 impl std::fmt::Debug for Budget {
@@ -46,7 +54,14 @@ impl Budget {
         Self {
             gate: Gate::new(limit, 0),
             limit,
+            waited: AtomicBool::new(false),
         }
+    }
+
+    /// `true` the first time it is called: for logging the first wait for
+    /// room once (waits are counted elsewhere).
+    pub fn first_wait(&self) -> bool {
+        !self.waited.swap(true, Ordering::Relaxed)
     }
 
     /// Its limit.

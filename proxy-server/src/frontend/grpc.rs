@@ -217,8 +217,8 @@ impl FrontendDriver {
             self.owed = None;
         } else if self.owed.is_none() {
             let budget = self.account.budget().clone();
-            if budget.waiting() == 0 {
-                warn!(frontend = %self.link.id(), held = budget.held(), "the buffer budget for read-ahead is full: frontend streams stop reading (--buffer-budget-bytes)");
+            if budget.first_wait() {
+                warn!(frontend = %self.link.id(), held = budget.held(), "the buffer budget for read-ahead is full: frontend streams stop reading until it has room (--buffer-budget-bytes; logged once, counted in limit_reached_total)");
             }
             self.control.metrics.limit_reached(Limit::BufferBudget);
             self.owed = Some(Box::pin(async move {
