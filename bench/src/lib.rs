@@ -10,6 +10,8 @@
 //!   and without admission, idle, on shared CPUs, and far away.
 //! - [`retries`]: dials through three agents while one is killed, slow or
 //!   hung (retries, hedging, the pick) and where new dials go (P2C).
+//! - [`budget`]: the server's memory under the floods of issue 43,
+//!   driven by Python's grpcio.
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
 //!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
@@ -25,6 +27,7 @@
 
 pub mod agents;
 pub mod backends;
+pub mod budget;
 pub mod grpc_go;
 pub mod probe;
 pub mod report;
@@ -104,6 +107,12 @@ pub enum Scenario {
     /// 3 s dial timeout, dials one and 8 at a time. Not in the default set;
     /// needs root (a network namespace, nftables).
     Retries,
+    /// The server's memory under floods (issue 43): 1-byte and padded DATA
+    /// behind a stalled upload, --budget-streams stalled streams beside a
+    /// connection making round trips; peak RSS, allocated bytes. Frontend:
+    /// Python's grpcio from `target/interop-venv` (`scripts/test`). Not in
+    /// the default set.
+    Budget,
     /// --soak-duration of faults under load (two servers behind haproxy,
     /// --soak-agents agents, every kind of frontend), every byte checked
     /// and the books balanced; fails on a violated invariant. Runs alone
@@ -220,6 +229,12 @@ pub struct Opt {
     /// Kills of each kill run of the retries scenario.
     #[arg(long, default_value_t = 12)]
     pub retries_kills: usize,
+    /// Streams of the budget scenario.
+    #[arg(long, default_value_t = 10_000)]
+    pub budget_streams: usize,
+    /// Empty, and 1-byte, DATA packets of the budget scenario's tiny flood.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub budget_packets: u64,
     /// The grpc-go agent swarm (default: `target/go-agents`, which
     /// `scripts/test` builds).
     #[arg(long)]
@@ -731,7 +746,7 @@ async fn run_once(
 }
 
 /// The scenarios that start systems of their own, after the repetitions:
-/// agents, storm, retries; their notes.
+/// agents, storm, retries, budget; their notes.
 async fn run_apart(
     opt: &Opt,
     extras: &Extras,
@@ -774,6 +789,16 @@ async fn run_apart(
         let more = retries::run(bins, dir, retries, rec)
             .await
             .context("retries scenario")?;
+        notes.extend(more);
+    }
+    if opt.has(Scenario::Budget) {
+        let budget = budget::BudgetOpt {
+            streams: opt.budget_streams,
+            packets: opt.budget_packets,
+        };
+        let more = budget::run(bins, dir, &system.backends, &budget, rec)
+            .await
+            .context("budget scenario")?;
         notes.extend(more);
     }
     Ok(())

@@ -541,6 +541,40 @@ pub const RETRIES_HUNG_PARALLEL_SHARE: Def = def(
     false,
 );
 
+/// jemalloc's allocated bytes grown under the tiny part's flood.
+pub const BUDGET_TINY_GROWN: Def = def("budget", "tiny DATA flood: allocated grown", "MB", false);
+/// 1-byte DATA the server read before it stopped reading the stream.
+pub const BUDGET_TINY_READ: Def = def("budget", "tiny DATA flood: 1-byte read", "count", false);
+/// jemalloc's allocated bytes grown under the padded part's flood.
+pub const BUDGET_PADDED_GROWN: Def = def(
+    "budget",
+    "100 DATA padded to 4 MiB: allocated grown",
+    "MB",
+    false,
+);
+/// The server's peak RSS under the streams part.
+pub const BUDGET_STREAMS_PEAK: Def = def("budget", "stalled streams: peak RSS", "MB", false);
+/// Per stream, the peak beyond the read-ahead's budget and HTTP/2's
+/// window.
+pub const BUDGET_STREAMS_BEYOND: Def = def(
+    "budget",
+    "stalled streams: beyond budget+window",
+    "KiB/stream",
+    false,
+);
+/// Round trips made beside the stalled streams.
+pub const BUDGET_STREAMS_TRIPS: Def = def(
+    "budget",
+    "stalled streams: round trips beside",
+    "count",
+    false,
+);
+/// The slowest of them.
+pub const BUDGET_STREAMS_SLOWEST: Def =
+    def("budget", "stalled streams: slowest round trip", "ms", false);
+/// Until every stream was read to its end.
+pub const BUDGET_STREAMS_DRAINED: Def = def("budget", "stalled streams: all read", "s", false);
+
 /// Until all N agents are connected; idle, cold, admission.
 pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =
     def("storm", "idle cold: all connected, admission", "s", false);
@@ -977,6 +1011,14 @@ const ALL: &[&Def] = &[
     &RETRIES_HUNG_SERIAL_FAILED,
     &RETRIES_HUNG_SERIAL_WAITED,
     &RETRIES_HUNG_PARALLEL_SHARE,
+    &BUDGET_TINY_GROWN,
+    &BUDGET_TINY_READ,
+    &BUDGET_PADDED_GROWN,
+    &BUDGET_STREAMS_PEAK,
+    &BUDGET_STREAMS_BEYOND,
+    &BUDGET_STREAMS_TRIPS,
+    &BUDGET_STREAMS_SLOWEST,
+    &BUDGET_STREAMS_DRAINED,
     &STORM_IDLE_COLD_TIME_ADMISSION,
     &STORM_IDLE_COLD_THROWN_ADMISSION,
     &STORM_IDLE_COLD_FAILED_ADMISSION,

@@ -144,6 +144,7 @@ fn server_config(mode: Mode, name: &str, socket: &Path, dir: &Path) -> Result<Co
         strategies: vec![ProxyStrategy::Default],
         max_agent_queue_bytes: 4 << 20,
         verify_agent_identifiers: false,
+        buffer_budget_bytes: proxy_server::config::DEFAULT_BUFFER_BUDGET,
         max_tls_handshakes: 8192,
         max_http_connections: 65_536,
         frontend_stall_timeout: Some(Duration::from_secs(300)),

@@ -36,7 +36,8 @@ pub fn grpc_packets_alloc_bound(len: usize) -> usize {
 /// tonic) decoded by our codec into [`Packet`]s, as both services read
 /// every frontend and agent stream. Checks: the stream ends with a
 /// message, the end, or a `Status` (never a panic); no packet holds more
-/// bytes than its message had; every packet is looked at as the receivers
+/// bytes than its message had; a DATA payload under the copy threshold
+/// owns exactly its bytes; every packet is looked at as the receivers
 /// do ([`Packet::into_kind`], [`Packet::type_name`]) and round-trips
 /// through its wire form.
 pub fn grpc_packets(data: &[u8]) {
@@ -48,9 +49,10 @@ pub fn grpc_packets(data: &[u8]) {
     loop {
         let next = ready(stream.message());
         match next {
-            Ok(Some(packet)) => {
+            Ok(Some(mut packet)) => {
                 assert!(left > 0, "more packets than the input has message headers");
                 left -= 1;
+                check_owned(&mut packet);
                 check_packet(packet, data.len());
             }
             Ok(None) => break,
@@ -90,6 +92,27 @@ pub(crate) fn check_packet(packet: Packet, input: usize) {
     if let PacketKind::Unknown(t) = kind {
         assert!(crate::PacketType::try_from(t).is_err());
     }
+}
+
+/// A DATA payload under the copy threshold owns exactly its bytes: it
+/// pins no part of the decode buffer ([`crate::codec::OwnPayload`]).
+fn check_owned(packet: &mut Packet) {
+    let Some(Payload::Data(data)) = &mut packet.payload else {
+        return;
+    };
+    let len = data.data.len();
+    if len == 0 || len >= crate::codec::COPY_BELOW {
+        return;
+    }
+    let owned = std::mem::take(&mut data.data)
+        .try_into_mut()
+        .expect("a small payload shares the decode buffer");
+    assert_eq!(
+        owned.capacity(),
+        len,
+        "a small payload pins more than itself"
+    );
+    data.data = owned.freeze();
 }
 
 /// Polls a future that never waits (every byte is in memory) to its end.

@@ -219,6 +219,17 @@ pub struct Args {
     /// stopped reading, and its stream is closed.
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     pub max_agent_queue_bytes: usize,
+    /// Bytes of DATA the whole server holds for peers that are not taking
+    /// them, over every stream and connection (konnectivity-rs): half for
+    /// what frontends' streams read ahead of uploads waiting for their
+    /// agents, half for agents' DATA queued for frontends; each queued
+    /// packet counts a fixed overhead beyond its bytes. At the limit a
+    /// frontend stream stops reading and an agent stream waits (plain
+    /// backpressure), and a connection whose upload or download made no
+    /// progress for 5 s is closed with an error at both ends. An upload
+    /// that goes straight on costs nothing.
+    #[arg(long, default_value_t = DEFAULT_BUFFER_BUDGET)]
+    pub buffer_budget_bytes: usize,
     /// Connections whose TLS handshake has not finished, per TLS listener
     /// (agents, TCP frontend) (konnectivity-rs). At the cap new connections
     /// wait in the listen backlog, and while no handshake waits for its
@@ -477,6 +488,8 @@ pub struct Config {
     pub max_agent_queue_bytes: usize,
     /// `--verify-agent-identifiers`.
     pub verify_agent_identifiers: bool,
+    /// `--buffer-budget-bytes`.
+    pub buffer_budget_bytes: usize,
     /// `--max-tls-handshakes`.
     pub max_tls_handshakes: usize,
     /// `--max-http-connections`.
@@ -671,6 +684,7 @@ impl TryFrom<Args> for Config {
             strategies,
             max_agent_queue_bytes: args.max_agent_queue_bytes,
             verify_agent_identifiers: args.verify_agent_identifiers,
+            buffer_budget_bytes: args.buffer_budget_bytes,
             max_tls_handshakes: args.max_tls_handshakes,
             max_http_connections: args.max_http_connections,
             frontend_stall_timeout: nonzero(args.frontend_stall_timeout),
@@ -788,6 +802,14 @@ fn frontend(args: &Args, policy: &tls::TlsPolicy) -> Result<FrontendListen, Conf
 /// How long a session-ticket key is used by default
 /// (`--tls-session-ticket-rotation`).
 pub const DEFAULT_TICKET_ROTATION: Duration = Duration::from_secs(24 * 3600);
+
+/// `--buffer-budget-bytes`'s default, 256 MiB: a control-plane node's
+/// kube-apiserver and etcd want most of its memory, and this server's own
+/// steady state is tens of MiB. Healthy traffic holds next to none of it
+/// (its DATA goes straight on); 128 MiB of read-ahead is 128 uploads
+/// stalled with a full 1 MiB read-ahead each, or thousands holding a few
+/// packets, before any stream has to wait.
+pub const DEFAULT_BUFFER_BUDGET: usize = 256 * 1024 * 1024;
 
 /// `--agent-max-concurrent-streams`'s default: an agent needs one stream per
 /// connection; a few more let a new `Connect` start while an ended one is
@@ -907,6 +929,7 @@ fn limits(args: &Args) -> Result<(), ConfigError> {
     }
     for (flag, value) in [
         ("max-agent-queue-bytes", args.max_agent_queue_bytes),
+        ("buffer-budget-bytes", args.buffer_budget_bytes),
         ("max-tls-handshakes", args.max_tls_handshakes),
         ("max-http-connections", args.max_http_connections),
     ] {
@@ -1049,6 +1072,7 @@ mod tests {
         assert_eq!(a.proxy_strategies, "default");
         assert_eq!(a.xfr_channel_size, None, "10, not named");
         assert_eq!(a.max_agent_queue_bytes, 4 << 20);
+        assert_eq!(a.buffer_budget_bytes, 256 << 20);
         assert_eq!(a.max_tls_handshakes, 8192);
         assert_eq!(a.max_http_connections, 65_536);
         assert_eq!(a.agent_max_concurrent_streams, 16);
@@ -1135,6 +1159,7 @@ mod tests {
                 with(&["--max-agent-queue-bytes=0"]),
                 "--max-agent-queue-bytes",
             ),
+            (with(&["--buffer-budget-bytes=0"]), "--buffer-budget-bytes"),
             (with(&["--max-tls-handshakes=0"]), "--max-tls-handshakes"),
             (
                 with(&["--max-http-connections=0"]),

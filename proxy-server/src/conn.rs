@@ -34,6 +34,7 @@ use proto::Packet;
 use tonic::Status;
 use tracing::warn;
 use tunnel::{
+    budget::{Account, Budget},
     flow::{self, Flow, Offer, Refused, Scheme},
     ids::{AgentId, ConnId, DialId},
     queue::{self, Closed, QueueRx, QueueTx, Unread},
@@ -69,6 +70,23 @@ pub(crate) struct Conn {
     agent: BackendLink,
     /// Where the agent's DATA goes.
     to_frontend: FrontendTx,
+    /// Its agent's DATA on the frontend's queue, and what that took from
+    /// the buffer budget (taken by its two streams: the agent's driver
+    /// queues, the frontend's writer takes).
+    charged: tunnel::sync::Mutex<Charged>,
+}
+
+/// A connection's agent DATA queued for its frontend, and what it took
+/// from the buffer budget: at least what is queued, given back down to it
+/// once the account holds more than twice that (or anything, with nothing
+/// queued), so that the shared budget is touched about once per doubling
+/// or halving of the queue, not per packet, and an idle connection holds
+/// none of it.
+struct Charged {
+    /// Cost of the DATA queued.
+    queued: usize,
+    /// What it took.
+    account: Account,
 }
 
 /// Why agent DATA was not queued towards the frontend.
@@ -78,7 +96,11 @@ pub(crate) enum Delivery {
     Queued,
     /// No room yet: the agent has no credit, wait with [`Conn::deliver_wait`].
     Wait,
-    /// The frontend fell a window behind: close the connection.
+    /// Within the window, but the buffer budget is full: wait with
+    /// [`Conn::deliver_wait`], `admitted`.
+    NoBudget,
+    /// The frontend fell a window behind, or the budget stayed full for
+    /// `flow::COMPAT_STALL`: close the connection.
     Overflow,
     /// The connection or its frontend is gone.
     Gone,
@@ -93,12 +115,17 @@ impl Conn {
         agent: BackendLink,
         to_frontend: FrontendTx,
     ) -> Self {
+        let charged = tunnel::sync::Mutex::new(Charged {
+            queued: 0,
+            account: Account::new(to_frontend.budget.clone()),
+        });
         Self {
             id,
             backend,
             flow: Flow::new(agent.scheme),
             agent,
             to_frontend,
+            charged,
         }
     }
 
@@ -156,13 +183,17 @@ impl Conn {
     }
 
     /// Queues agent DATA for the frontend without waiting: with credit the
-    /// agent stays within the window, so this never waits (past the window
-    /// is [`Delivery::Overflow`]); without, a full window is
-    /// [`Delivery::Wait`].
+    /// agent stays within the window, so this never waits for the window
+    /// (past it is [`Delivery::Overflow`]); without, a full window is
+    /// [`Delivery::Wait`]. What it queues is taken from the buffer budget
+    /// ([`Charged`]); with the budget full it is [`Delivery::NoBudget`].
     pub(crate) fn deliver(self: &Arc<Self>, data: &Bytes) -> Delivery {
         let cost = flow::cost(data.len());
         match self.flow.offer(cost) {
-            Offer::Admitted => self.push(data.clone(), cost),
+            Offer::Admitted => match self.charge(cost) {
+                Ok(()) => self.push(data.clone(), cost),
+                Err(_) => Delivery::NoBudget,
+            },
             Offer::Wait(_) => Delivery::Wait,
             Offer::Overflow => Delivery::Overflow,
             Offer::Closed => Delivery::Gone,
@@ -170,19 +201,81 @@ impl Conn {
     }
 
     /// Queues agent DATA for the frontend, waiting while the frontend
-    /// drains (an agent without credit), up to `flow::COMPAT_STALL` without
-    /// progress; the wait ends when the connection closes.
-    pub(crate) async fn deliver_wait(self: &Arc<Self>, data: Bytes) -> Delivery {
+    /// drains (an agent without credit; not if the window already
+    /// `admitted` it), up to `flow::COMPAT_STALL` without progress, then
+    /// for the buffer budget, up to `flow::COMPAT_STALL` too; the waits end
+    /// when the connection closes.
+    pub(crate) async fn deliver_wait(self: &Arc<Self>, data: Bytes, admitted: bool) -> Delivery {
         let cost = flow::cost(data.len());
-        match self.flow.admit(cost).await {
-            Ok(()) => self.push(data, cost),
-            Err(Refused::Overflow) => Delivery::Overflow,
-            Err(Refused::Closed) => Delivery::Gone,
+        if !admitted {
+            match self.flow.admit(cost).await {
+                Ok(()) => {}
+                Err(Refused::Overflow) => return Delivery::Overflow,
+                Err(Refused::Closed) => return Delivery::Gone,
+            }
+        }
+        if let Err(owed) = self.charge(cost) {
+            if let Err(delivery) = self.wait_for_budget(owed).await {
+                return delivery;
+            }
+            let mut charged = self.charged.lock();
+            charged.account.taken_more(owed);
+            charged.queued += cost;
+        }
+        self.push(data, cost)
+    }
+
+    /// Counts `cost` more DATA queued for the frontend, taking what its
+    /// account lacks from the buffer budget; what it lacks if the budget is
+    /// full (nothing taken).
+    fn charge(&self, cost: usize) -> Result<(), usize> {
+        let mut charged = self.charged.lock();
+        let want = charged.queued + cost;
+        if want > charged.account.taken() {
+            let owed = charged.account.settle(want);
+            if owed > 0 {
+                return Err(owed);
+            }
+        }
+        charged.queued = want;
+        Ok(())
+    }
+
+    /// `cost` of this connection's DATA left the frontend's queue (taken,
+    /// or dropped with it): the account gives back down to what is still
+    /// queued once it holds more than twice that.
+    fn uncharge(&self, cost: usize) {
+        let mut charged = self.charged.lock();
+        charged.queued -= cost;
+        let queued = charged.queued;
+        if queued == 0 || charged.account.taken() > 2 * queued {
+            charged.account.settle(queued);
         }
     }
 
-    /// Pushes DATA the window admitted onto the frontend's queue (the
-    /// window, not the queue's reserve, bounds DATA).
+    /// Waits, behind the others, for `owed` of the buffer budget, up to
+    /// `flow::COMPAT_STALL` ([`Delivery::Overflow`] after), or until the
+    /// connection closes ([`Delivery::Gone`]); the caller adds it to the
+    /// connection's account.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is taken if the future is dropped.
+    async fn wait_for_budget(&self, owed: usize) -> Result<(), Delivery> {
+        let budget = &self.to_frontend.budget;
+        if budget.first_wait() {
+            warn!(conn.id = %self.id, held = budget.held(), "the buffer budget for agents' DATA is full: agent streams wait until it has room (--buffer-budget-bytes; logged once, counted in limit_reached_total)");
+        }
+        self.to_frontend.metrics.limit_reached(Limit::BufferBudget);
+        tokio::select! {
+            biased;
+            () = self.flow.closed() => Err(Delivery::Gone),
+            () = budget.take(owed) => Ok(()),
+            () = tokio::time::sleep(flow::COMPAT_STALL) => Err(Delivery::Overflow),
+        }
+    }
+
+    /// Pushes DATA the window admitted and the budget counted onto the
+    /// frontend's queue (the window, not the queue's reserve, bounds DATA).
     fn push(self: &Arc<Self>, data: Bytes, cost: usize) -> Delivery {
         let metrics = &self.to_frontend.metrics;
         metrics
@@ -192,8 +285,10 @@ impl Conn {
         let started = Instant::now();
         let item = FrontendItem::Data {
             packet: Packet::data(self.id.0, data),
-            conn: self.clone(),
-            cost,
+            queued: Queued {
+                conn: self.clone(),
+                cost,
+            },
         };
         let pushed = self.to_frontend.push(item, 0);
         metrics
@@ -203,7 +298,8 @@ impl Conn {
         if pushed {
             Delivery::Queued
         } else {
-            // Refused: the window gets its cost back.
+            // Refused: the window gets its cost back (the budget got its
+            // back with the item).
             let _ = self.flow.drained(cost);
             Delivery::Gone
         }
@@ -330,15 +426,31 @@ pub(crate) enum FrontendItem {
         /// Why.
         error: DialError,
     },
-    /// Agent DATA of a connection, whose cost its window admitted.
+    /// Agent DATA of a connection, whose cost its window admitted and its
+    /// account counts.
     Data {
         /// The DATA packet.
         packet: Packet,
-        /// Its connection.
-        conn: Arc<Conn>,
-        /// Its cost.
-        cost: usize,
+        /// Its connection and cost, uncounted when the item is taken or
+        /// dropped.
+        queued: Queued,
     },
+}
+
+/// Agent DATA of `conn` on its frontend's queue: its cost leaves the
+/// connection's account when this is dropped (the item taken, or dropped
+/// with the queue when the stream ends).
+pub(crate) struct Queued {
+    /// The connection.
+    pub(crate) conn: Arc<Conn>,
+    /// Its cost.
+    cost: usize,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.conn.uncharge(self.cost);
+    }
 }
 
 impl FrontendItem {
@@ -351,8 +463,8 @@ impl FrontendItem {
             Self::DialFailed { dial, error } => {
                 Packet::dial_response(dial.0, 0, &error.to_string())
             }
-            Self::Data { packet, conn, cost } => {
-                conn.taken(cost);
+            Self::Data { packet, queued } => {
+                queued.conn.taken(queued.cost);
                 packet
             }
         }
@@ -400,6 +512,8 @@ pub(crate) struct FrontendTx {
     pub(crate) end: Arc<StreamEnd>,
     /// Where writes to the frontend are timed and lost packets counted.
     pub(crate) metrics: Arc<ServerMetrics>,
+    /// The budget agents' DATA queued for frontends takes its cost from.
+    budget: Arc<Budget>,
 }
 
 impl FrontendTx {
@@ -409,6 +523,7 @@ impl FrontendTx {
         tx: QueueTx<FrontendItem>,
         end: Arc<StreamEnd>,
         metrics: Arc<ServerMetrics>,
+        budget: Arc<Budget>,
     ) -> Self {
         Self {
             id,
@@ -416,6 +531,7 @@ impl FrontendTx {
             tx,
             end,
             metrics,
+            budget,
         }
     }
 
@@ -636,6 +752,7 @@ pub(crate) fn test_conn(
         fe_tx,
         StreamEnd::new(tokio_util::sync::CancellationToken::new()),
         metrics,
+        Arc::new(Budget::new(usize::MAX)),
     );
     let conn = Arc::new(Conn::new(ConnId(id), BackendId(1), agent, frontend));
     (conn, agent_rx, fe_rx)
@@ -693,11 +810,18 @@ mod tests {
     }
 
     fn frontend(kind: FrontendKind) -> (FrontendTx, Arc<ServerMetrics>, QueueRx<FrontendItem>) {
+        frontend_with_budget(kind, Arc::new(Budget::new(usize::MAX)))
+    }
+
+    fn frontend_with_budget(
+        kind: FrontendKind,
+        budget: Arc<Budget>,
+    ) -> (FrontendTx, Arc<ServerMetrics>, QueueRx<FrontendItem>) {
         let metrics = Arc::new(ServerMetrics::new(&[]));
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(CancellationToken::new());
         (
-            FrontendTx::new(FrontendId(1), kind, tx, end, metrics.clone()),
+            FrontendTx::new(FrontendId(1), kind, tx, end, metrics.clone(), budget),
             metrics,
             rx,
         )
@@ -779,6 +903,75 @@ mod tests {
         assert_eq!(conn.flow.queued(), 0);
         let credit = agent_rx.recv().await.expect("a credit packet");
         assert_eq!(flow::parse_credit(&credit), Some((3, flow::cost(5))));
+    }
+
+    /// Agent DATA queued for a frontend takes its cost from the budget;
+    /// what the frontend takes gives it back once the account holds more
+    /// than twice what is still queued, and all of it when nothing is (or
+    /// when the items are dropped with their queue): the shared budget is
+    /// touched about once per doubling or halving, not per packet.
+    #[tokio::test]
+    async fn agent_data_queued_for_a_frontend_takes_from_the_budget_and_gives_it_back() {
+        let budget = Arc::new(Budget::new(1 << 20));
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, _metrics, mut rx) = frontend_with_budget(FrontendKind::Grpc, budget.clone());
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        let data = Bytes::from(vec![0u8; 1000]);
+        let cost = flow::cost(1000);
+        for _ in 0..4 {
+            assert_eq!(conn.deliver(&data), Delivery::Queued);
+        }
+        assert_eq!(budget.held(), 4 * cost);
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), 4 * cost, "3 queued: no more than twice");
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), 4 * cost, "2 queued: no more than twice");
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), cost, "1 queued: given back down to it");
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert_eq!(budget.held(), 2 * cost);
+        rx.recv().await.unwrap().taken();
+        rx.recv().await.unwrap().taken();
+        assert_eq!(budget.held(), 0, "nothing queued, nothing held");
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        drop(rx);
+        assert_eq!(budget.held(), 0, "a dropped item gives its charge back");
+    }
+
+    /// With the budget full, agent DATA waits for room (the agent's stream
+    /// waits with it), gets it in order of arrival, and gives up after
+    /// `COMPAT_STALL`, so that the connection is closed as an overflow.
+    #[tokio::test(start_paused = true)]
+    async fn agent_data_waits_for_a_full_budget_then_overflows() {
+        let budget = Arc::new(Budget::new(flow::cost(1000)));
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, metrics, mut rx) = frontend_with_budget(FrontendKind::Grpc, budget.clone());
+        let conn = Arc::new(Conn::new(ConnId(3), BackendId(1), agent, fe));
+        let data = Bytes::from(vec![0u8; 1000]);
+        assert_eq!(conn.deliver(&data), Delivery::Queued);
+        assert!(budget.is_full());
+        assert_eq!(conn.deliver(&data), Delivery::NoBudget);
+        // Room comes: the wait goes on.
+        let waiting = tokio::spawn({
+            let (conn, data) = (conn.clone(), data.clone());
+            async move { conn.deliver_wait(data, true).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(budget.waiting(), 1);
+        rx.recv().await.unwrap().taken();
+        assert_eq!(waiting.await.unwrap(), Delivery::Queued);
+        assert!(
+            metrics.text().contains(
+                "konnectivity_rs_server_limit_reached_total{limit=\"buffer_budget\"} 1\n"
+            )
+        );
+        // What it queued holds the budget; no room for COMPAT_STALL: an
+        // overflow.
+        assert_eq!(conn.deliver(&data), Delivery::NoBudget);
+        let started = tokio::time::Instant::now();
+        assert_eq!(conn.deliver_wait(data, true).await, Delivery::Overflow);
+        assert_eq!(started.elapsed(), flow::COMPAT_STALL);
+        assert_eq!(budget.waiting(), 0);
     }
 
     #[tokio::test]

@@ -29,6 +29,7 @@ use proto::Packet;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
+    budget::Budget,
     compact,
     ids::{AgentId, ConnId, DialId},
     sync::{Latch as Settled, Mutex, MutexGuard, Signal, audit::LockAudit},
@@ -59,6 +60,29 @@ struct State {
     settles: HashMap<DialId, Arc<Settled>>,
 }
 
+/// The process-wide buffer budget (`--buffer-budget-bytes`), in two halves
+/// so that a flood one way never stops the other: what frontends' streams
+/// read ahead of their waiting uploads, and agents' DATA queued for
+/// frontends.
+#[derive(Debug, Clone)]
+pub(crate) struct Budgets {
+    /// Frontends' read-ahead (`frontend::lanes`).
+    pub(crate) read_ahead: Arc<Budget>,
+    /// Agents' DATA waiting for its frontends.
+    pub(crate) to_frontend: Arc<Budget>,
+}
+
+impl Budgets {
+    /// `total` bytes, half each way.
+    pub(crate) fn new(total: usize) -> Self {
+        let half = (total / 2).max(1);
+        Self {
+            read_ahead: Arc::new(Budget::new(half)),
+            to_frontend: Arc::new(Budget::new(half)),
+        }
+    }
+}
+
 /// See the module documentation.
 pub(crate) struct Control {
     /// The router and the links, under the shared lock (held only to
@@ -66,6 +90,8 @@ pub(crate) struct Control {
     state: Mutex<State>,
     /// What the server records.
     pub(crate) metrics: Arc<ServerMetrics>,
+    /// The buffer budget every stream takes from.
+    pub(crate) budgets: Budgets,
     /// Woken when a dial deadline is armed, for the timer task.
     clock: Notify,
     /// Which streams take which lock (debug builds, when started): the
@@ -121,6 +147,7 @@ impl Control {
         strategies: &[ProxyStrategy],
         policy: DialPolicy,
         metrics: Arc<ServerMetrics>,
+        budgets: Budgets,
     ) -> Self {
         Self {
             state: Mutex::shared(State {
@@ -131,6 +158,7 @@ impl Control {
                 settles: HashMap::new(),
             }),
             metrics,
+            budgets,
             clock: Notify::new(),
             audit: LockAudit::new(),
             dial_timeout: policy.timeout,
@@ -576,6 +604,14 @@ impl Control {
             established,
             max_buffered: queued.iter().copied().max().unwrap_or(0),
             buffered: queued.iter().sum(),
+            read_ahead: (
+                self.budgets.read_ahead.held(),
+                self.budgets.read_ahead.limit(),
+            ),
+            to_frontend: (
+                self.budgets.to_frontend.held(),
+                self.budgets.to_frontend.limit(),
+            ),
         }
     }
 

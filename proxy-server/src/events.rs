@@ -100,6 +100,10 @@ ops::label_enum! {
         /// review, or its review waited too long for one of
         /// `--token-review-max-inflight`.
         TokenReviews = "token_reviews",
+        /// `--buffer-budget-bytes`: a stream had to wait for room in the
+        /// process-wide buffer budget (a frontend's read-ahead, or an
+        /// agent's DATA for its frontends).
+        BufferBudget = "buffer_budget",
     }
 }
 

@@ -889,13 +889,19 @@ struct LaneModel {
 /// A `Proxy` stream's read-ahead ([`Lanes`](crate::frontend::lanes::Lanes))
 /// driven as its driver drives it, by frontend packets (DATA of any
 /// length, empty included; CLOSE_REQ, repeated too) for three connections,
-/// uploads that finish, fail or wait, and lanes cut. After every step,
-/// each connection's uploaded bytes are a prefix of what its frontend
-/// sent, its close reaches the control core only after every byte before
-/// it (and once), and the lanes count exactly the bytes they hold. At the
-/// end, with every upload let through, every byte sent arrived, in order,
-/// followed by the close, and the lanes hold nothing.
+/// uploads that finish, fail or wait, and lanes cut, its cost settled
+/// after every step with a small buffer budget that another stream takes
+/// from and gives back to. After every step, each connection's uploaded
+/// bytes are a prefix of what its frontend sent, its close reaches the
+/// control core only after every byte before it (and once), the lanes
+/// count exactly the bytes they hold, and the budget holds exactly what
+/// the two streams took: the lanes' cost, less what they still owe, owed
+/// only while the budget is full. At the end, with every upload let
+/// through, every byte sent arrived, in order, followed by the close, and
+/// the lanes and the budget hold nothing.
 pub fn lanes(data: &[u8]) {
+    use tunnel::budget::{Account, Budget};
+
     use crate::frontend::lanes::{Lanes, Next};
 
     let scheme = flow::Scheme::Credit {
@@ -909,6 +915,9 @@ pub fn lanes(data: &[u8]) {
     let mut ahead = Lanes::default();
     let mut now = Instant::now();
     let mut input = Input(data);
+    let budget = std::sync::Arc::new(Budget::new(256 * (1 + input.below(64))));
+    let mut account = Account::new(budget.clone());
+    let mut other: Option<Account> = None;
     // What the driver does with a lane's next step.
     let next = |model: &mut LaneModel, step: Option<Next>| match step {
         None => {}
@@ -921,7 +930,7 @@ pub fn lanes(data: &[u8]) {
     while !input.is_empty() {
         let c = input.below(conns.len());
         let (conn, model) = (&conns[c], &mut models[c]);
-        match input.below(6) {
+        match input.below(7) {
             // DATA, as `FrontendDriver::data` takes it.
             0 | 1 if !model.gone && !model.closed => {
                 let len = match input.below(4) {
@@ -986,9 +995,17 @@ pub fn lanes(data: &[u8]) {
                 }
                 now += Duration::from_millis(u64::from(input.byte()));
             }
+            // Another stream takes from the budget, or gives back.
+            6 => {
+                other = match other {
+                    Some(_) => None,
+                    None => Account::try_new(&budget, 64 * input.below(16)),
+                };
+            }
             _ => {}
         }
         check_lanes(&conns, &models, &ahead);
+        check_budget(&ahead, &mut account, other.as_ref());
     }
     // Every upload let through: everything arrives, then the close.
     for (conn, model) in conns.iter().zip(&mut models) {
@@ -1015,6 +1032,41 @@ pub fn lanes(data: &[u8]) {
     }
     assert_eq!(ahead.bytes(), 0, "bytes counted in no lane");
     assert_eq!(ahead.closing(), 0, "closes counted in no lane");
+    assert_eq!((ahead.cost(), ahead.items()), (0, 0), "cost in no lane");
+    drop(other);
+    check_budget(&ahead, &mut account, None);
+    drop(account);
+    assert_eq!(budget.held(), 0, "the budget kept bytes nobody holds");
+}
+
+/// The read-ahead's account settled to its cost, as the driver does after
+/// every step: the budget holds what the two streams took, the lanes'
+/// cost less what they owe, and they owe only while it is full.
+fn check_budget(
+    ahead: &crate::frontend::lanes::Lanes,
+    account: &mut tunnel::budget::Account,
+    other: Option<&tunnel::budget::Account>,
+) {
+    let budget = account.budget().clone();
+    let owed = account.settle(ahead.cost());
+    assert!(ahead.cost() >= ahead.bytes(), "a cost below the bytes");
+    assert_eq!(
+        account.taken() + owed,
+        ahead.cost(),
+        "the account miscounts"
+    );
+    let others = other.map_or(0, tunnel::budget::Account::taken);
+    assert_eq!(
+        budget.held(),
+        account.taken() + others,
+        "the budget miscounts"
+    );
+    if owed > 0 {
+        assert!(
+            budget.held() >= budget.limit(),
+            "owed with room in the budget"
+        );
+    }
 }
 
 /// A connection's CLOSE_REQ reaches the control core: once, and only

@@ -56,6 +56,16 @@ ops::label_enum! {
 }
 
 ops::label_enum! {
+    /// Which half of the buffer budget (`pool`; `--buffer-budget-bytes`).
+    pub(crate) enum Pool {
+        /// What frontends' streams read ahead of their waiting uploads.
+        ReadAhead = "read_ahead",
+        /// Agents' DATA queued for frontends.
+        ToFrontend = "to_frontend",
+    }
+}
+
+ops::label_enum! {
     /// How an agent's TLS handshake went (`kind`).
     pub(crate) enum Handshake {
         /// A full handshake: the server signed with its key.
@@ -171,6 +181,10 @@ pub(crate) struct Live {
     pub(crate) max_buffered: usize,
     /// Bytes queued towards frontends in all.
     pub(crate) buffered: usize,
+    /// The read-ahead half of the buffer budget: what is held, its limit.
+    pub(crate) read_ahead: (usize, usize),
+    /// The half for agents' DATA: what is held, its limit.
+    pub(crate) to_frontend: (usize, usize),
 }
 
 /// The lease garbage collection's calls.
@@ -210,6 +224,8 @@ pub(crate) struct ServerMetrics {
     blocked: ByLabel<Method, Counter>,
     max_buffered: Gauge,
     buffered: Gauge,
+    budget: ByLabel<Pool, Gauge>,
+    budget_held: ByLabel<Pool, Gauge>,
     limits: ByLabel<Limit, Counter>,
     handshakes: ByLabel<Handshake, Counter>,
     handshake_drops: ByLabel<HandshakeDrop, Counter>,
@@ -350,6 +366,8 @@ struct Ours {
     blocked: ByLabel<Method, Counter>,
     max_buffered: Gauge,
     buffered: Gauge,
+    budget: ByLabel<Pool, Gauge>,
+    budget_held: ByLabel<Pool, Gauge>,
     limits: ByLabel<Limit, Counter>,
     handshakes: ByLabel<Handshake, Counter>,
     handshake_drops: ByLabel<HandshakeDrop, Counter>,
@@ -391,10 +409,22 @@ impl Ours {
                 "Bytes queued towards frontends over all connections",
                 Gauge::default(),
             ),
+            budget: ByLabel::register(
+                m,
+                "konnectivity_rs_server_buffer_budget_bytes",
+                "Bytes of the buffer budget, by pool (read_ahead: what frontends' streams read ahead of their waiting uploads; to_frontend: agents' DATA queued for frontends), half of --buffer-budget-bytes each",
+                "pool",
+            ),
+            budget_held: ByLabel::register(
+                m,
+                "konnectivity_rs_server_buffer_budget_held_bytes",
+                "Bytes of the buffer budget held now, by pool (read_ahead, to_frontend; what is held, with a fixed overhead per queued item)",
+                "pool",
+            ),
             limits: ByLabel::register(
                 m,
                 "konnectivity_rs_server_limit_reached_total",
-                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused; token_reviews: an agent was refused Unavailable, too many connects waiting for a token review or none started in time)",
+                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused; token_reviews: an agent was refused Unavailable, too many connects waiting for a token review or none started in time; buffer_budget: a stream waited for room in the buffer budget)",
                 "limit",
             ),
             handshakes: ByLabel::register(
@@ -502,6 +532,8 @@ impl ServerMetrics {
             blocked: ours.blocked,
             max_buffered: ours.max_buffered,
             buffered: ours.buffered,
+            budget: ours.budget,
+            budget_held: ours.budget_held,
             limits: ours.limits,
             handshakes: ours.handshakes,
             retries: ours.retries,
@@ -559,6 +591,13 @@ impl ServerMetrics {
         self.established.peek().set(as_i64(live.established));
         self.max_buffered.set(as_i64(live.max_buffered));
         self.buffered.set(as_i64(live.buffered));
+        for (pool, (held, limit)) in [
+            (Pool::ReadAhead, live.read_ahead),
+            (Pool::ToFrontend, live.to_frontend),
+        ] {
+            self.budget.get(pool).set(as_i64(limit));
+            self.budget_held.get(pool).set(as_i64(held));
+        }
         self.exposition.render()
     }
 

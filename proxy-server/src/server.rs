@@ -29,7 +29,7 @@ use tunnel::flow;
 use crate::{
     backend::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
-    control::Control,
+    control::{Budgets, Control},
     events::Limit,
     frontend::{grpc::ProxyServiceImpl, http_connect},
     health,
@@ -46,6 +46,21 @@ const FRONTEND_STREAM_WINDOW: u32 = flow::WINDOW as u32;
 /// readers all wait (destinations that stopped reading), each holding its
 /// stream window, to hold up the connection's other uploads.
 const FRONTEND_CONNECTION_WINDOW: u32 = 128 * FRONTEND_STREAM_WINDOW;
+
+/// The largest gRPC message a frontend may send: ANP's (grpc-go's default
+/// receive limit). kube-apiserver's konnectivity-client sends each write of
+/// its caller as one DATA packet, whatever its size (its writes are TLS
+/// records or 4–32 KiB copies in practice), so a drop-in replacement takes
+/// what ANP takes. Each payload under 64 KiB is copied out of the decode
+/// buffer (`proto::codec`), and a stream waiting for room holds at most one
+/// such message beyond the buffer budget.
+pub const MAX_FRONTEND_MESSAGE: usize = 4 * 1024 * 1024;
+/// The largest gRPC message an agent may send: a DATA packet of the largest
+/// chunk a server may ask for (`flow::MAX_CHUNK_LIMIT`, 1 MiB; ours
+/// announces `--flow-control-max-chunk`, and sends agents without credit
+/// 256 KiB chunks, which they answer in kind; ANP agents read 4 KiB at a
+/// time) with 64 KiB to spare for its framing and for an error text.
+pub const MAX_AGENT_MESSAGE: usize = flow::MAX_CHUNK_LIMIT + 64 * 1024;
 
 /// How often stalled connections are looked for: a tenth of the timeout,
 /// between 10 ms and 1 s.
@@ -208,6 +223,7 @@ impl ProxyServer {
             &config.strategies,
             config.dial_policy,
             metrics,
+            Budgets::new(config.buffer_budget_bytes),
         ));
         let token_auth = match &config.token_auth {
             Some(auth) => {
@@ -508,7 +524,8 @@ fn agent_server(
         token_auth,
         queue_bytes: config.max_agent_queue_bytes,
         verify_identifiers: config.verify_agent_identifiers,
-    });
+    })
+    .max_decoding_message_size(MAX_AGENT_MESSAGE);
     let metrics = control.metrics.clone();
     let handshakes = tls.clone();
     // A resumed session's chain is verified in its connection's task, so
@@ -660,7 +677,8 @@ fn grpc_frontend(
         control: control.clone(),
         tasks: ends.tasks.clone(),
         shutdown: ends.token.clone(),
-    });
+    })
+    .max_decoding_message_size(MAX_FRONTEND_MESSAGE);
     Server::builder()
         .max_frame_size(edge::h2::MAX_FRAME_SIZE)
         .max_concurrent_streams(config.frontend_max_concurrent_streams)
@@ -703,8 +721,7 @@ fn http_servers(
 }
 
 /// The dial timers (`--backend-dial-timeout`, hedging), the dialer of
-/// retried and hedged dials and, with `--frontend-stall-timeout`, the
-/// stall scan.
+/// retried and hedged dials and the stall scan.
 fn spawn_timers(config: &Config, control: &Arc<Control>, ends: &Ends) {
     ends.tasks.spawn({
         let control = control.clone();
@@ -716,20 +733,34 @@ fn spawn_timers(config: &Config, control: &Arc<Control>, ends: &Ends) {
         let token = ends.token.clone();
         async move { control.run_dialer(token).await }
     });
-    if let Some(limit) = config.frontend_stall_timeout {
-        let control = control.clone();
-        let token = ends.token.clone();
-        ends.tasks.spawn(async move {
-            let mut ticks = tokio::time::interval(stall_check_interval(limit));
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    () = token.cancelled() => return,
-                    _ = ticks.tick() => control.close_stalled(limit),
+    // Connections whose frontend takes none of their data are closed after
+    // --frontend-stall-timeout (if set), and after `flow::COMPAT_STALL`
+    // while agents' DATA fills its half of the buffer budget: what they
+    // hold is what other connections wait for.
+    let limit = config.frontend_stall_timeout;
+    let pressed = flow::COMPAT_STALL.min(limit.unwrap_or(Duration::MAX));
+    let control = control.clone();
+    let token = ends.token.clone();
+    ends.tasks.spawn(async move {
+        let mut ticks = tokio::time::interval(stall_check_interval(pressed));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                () = token.cancelled() => return,
+                now = ticks.tick() => {
+                    if control.budgets.to_frontend.is_full() {
+                        control.close_stalled(pressed);
+                    } else if let Some(limit) = limit
+                        && now - last >= stall_check_interval(limit)
+                    {
+                        last = now;
+                        control.close_stalled(limit);
+                    }
                 }
             }
-        });
-    }
+        }
+    });
 }
 
 /// The servers' tasks.

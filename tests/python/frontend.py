@@ -21,6 +21,20 @@ Cases:
                 --bytes, then sends CLOSE_REQ; meanwhile the other, to the
                 echo --address, makes --round-trips round trips. Reports
                 the round trips made and the stalled one's CLOSE_RSP error
+  flood         one connection to --address on one Proxy stream; once its
+                standard input gives a line (the test stalled the
+                connection), --upload-bytes in 32 KiB DATA, then --empty
+                empty DATA, --tiny 1-byte DATA and --padded 1-byte DATA
+                each carrying an unknown field of --padding bytes (packets
+                built by hand: protobuf skips fields it does not know);
+                then waits for its standard input to close, and reports
+                what it sent
+  streams       --streams Proxy streams on one channel, each dialing
+                --stalled-address; at a first line on standard input (the
+                test stalled them), each uploads --bytes in 16 KiB DATA;
+                at a second, a connection of its own to --address makes
+                --round-trips echo round trips beside them; then waits for
+                its standard input to close (grpc.aio, one event loop)
   authority     the :authority grpcio sends for --target/--authority, read
                 off a socket this script listens on (no proxy involved)
   connect-echo  HTTP CONNECT over --socket to an echo backend, byte-exact
@@ -418,6 +432,231 @@ def case_multi_stream(args):
         channel.close()
 
 
+# --- flood and streams: the server's memory under load --------------------
+
+
+def varint(n):
+    """n as a protobuf varint."""
+    out = bytearray()
+    while True:
+        low = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def data_wire(pb, connect_id, data, padding=0):
+    """A DATA packet's wire form, built by hand; with `padding`, its Data
+    message carries an unknown field (number 15) of that many bytes, which
+    a receiver must skip."""
+    inner = pb.Data(connectID=connect_id, data=data).SerializeToString()
+    if padding:
+        inner += varint((15 << 3) | 2) + varint(padding) + bytes(padding)
+    # Packet: type (field 1), then data (field 4, length-delimited).
+    return pb.Packet(type=pb.DATA).SerializeToString() + varint((4 << 3) | 2) + varint(len(inner)) + inner
+
+
+def wait_for_stdin_to_close():
+    """Blocks until the test closes this process's standard input."""
+    sys.stdin.buffer.read()
+
+
+def case_flood(args):
+    """See the module docstring (flood)."""
+    frontend = Frontend(args)
+    pb = frontend.pb
+    channel = frontend.channel()
+    proxy = channel.stream_stream(
+        "/ProxyService/Proxy", request_serializer=None, response_deserializer=pb.Packet.FromString
+    )
+    random_id = SYSRAND.getrandbits(63)
+    dialed = threading.Event()
+    go = threading.Event()
+    finish = threading.Event()
+    state = {"connect_id": None, "dial_error": None, "end": None}
+    sent = {"upload": 0, "empty": 0, "tiny": 0, "padded": 0}
+
+    def requests():
+        dial = pb.Packet(
+            type=pb.DIAL_REQ,
+            dialRequest=pb.DialRequest(protocol="tcp", address=args.address, random=random_id),
+        )
+        yield dial.SerializeToString()
+        if not dialed.wait(args.timeout) or state["connect_id"] is None:
+            return
+        go.wait()
+        if finish.is_set():
+            return
+        conn = state["connect_id"]
+        block = data_wire(pb, conn, payload(CHUNK, 9))
+        while sent["upload"] < args.upload_bytes:
+            yield block
+            sent["upload"] += CHUNK
+        floods = (
+            ("empty", args.empty, data_wire(pb, conn, b"")),
+            ("tiny", args.tiny, data_wire(pb, conn, b"x")),
+            ("padded", args.padded, data_wire(pb, conn, b"x", args.padding)),
+        )
+        for kind, count, message in floods:
+            for _ in range(count):
+                if finish.is_set():
+                    return
+                yield message
+                sent[kind] += 1
+        finish.wait()
+
+    call = proxy(requests())
+
+    def read():
+        grpc = sys.modules["grpc"]
+        try:
+            for packet in call:
+                if packet.type == pb.DIAL_RSP and packet.dialResponse.random == random_id:
+                    if packet.dialResponse.error:
+                        state["dial_error"] = packet.dialResponse.error
+                    else:
+                        state["connect_id"] = packet.dialResponse.connectID
+                    dialed.set()
+            state["end"] = "OK"
+        except grpc.RpcError as e:
+            state["end"] = e.code().name
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if not dialed.wait(args.timeout):
+            raise Failure(f"no DIAL_RSP within {args.timeout}s")
+        if state["dial_error"]:
+            raise Failure(f"dial {args.address} failed: {state['dial_error']}")
+        sys.stdin.buffer.readline()
+        go.set()
+        wait_for_stdin_to_close()
+    finally:
+        finish.set()
+        go.set()
+        call.cancel()
+        channel.close()
+    return {"connect_id": state["connect_id"], "sent": sent, "stream_end": state["end"]}
+
+
+def case_streams(args):
+    """See the module docstring (streams)."""
+    import asyncio
+
+    return asyncio.run(streams(args))
+
+
+async def streams(args):
+    import asyncio
+
+    import grpc
+
+    pb, _ = load_stubs()
+    loop = asyncio.get_running_loop()
+
+    async def stdin_line():
+        return await loop.run_in_executor(None, sys.stdin.buffer.readline)
+
+    block = 16 * 1024
+
+    def aio_channel():
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        return grpc.aio.insecure_channel(args.target, options=options)
+
+    def proxy(channel):
+        return channel.stream_stream(
+            "/ProxyService/Proxy",
+            request_serializer=pb.Packet.SerializeToString,
+            response_deserializer=pb.Packet.FromString,
+        )
+
+    async def dial(call, address):
+        random_id = SYSRAND.getrandbits(63)
+        await call.write(
+            pb.Packet(
+                type=pb.DIAL_REQ,
+                dialRequest=pb.DialRequest(protocol="tcp", address=address, random=random_id),
+            )
+        )
+        while True:
+            packet = await asyncio.wait_for(call.read(), args.timeout)
+            if packet is grpc.aio.EOF:
+                raise Failure(f"stream ended waiting for the DIAL_RSP of {address}")
+            if packet.type == pb.DIAL_RSP and packet.dialResponse.random == random_id:
+                if packet.dialResponse.error:
+                    raise Failure(f"dial {address} failed: {packet.dialResponse.error}")
+                return packet.dialResponse.connectID
+
+    flood_channel = aio_channel()
+    sent = {"bytes": 0, "dialed": 0}
+    calls = []
+    data = payload(block, 11)
+    go = asyncio.Event()
+
+    async def upload():
+        call = proxy(flood_channel)()
+        calls.append(call)
+        conn = await dial(call, args.stalled_address)
+        sent["dialed"] += 1
+        await go.wait()
+        message = pb.Packet(type=pb.DATA, data=pb.Data(connectID=conn, data=data))
+        for _ in range(args.bytes // block):
+            await call.write(message)
+            sent["bytes"] += block
+
+    def failed(tasks):
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise Failure(f"a flood stream failed: {task.exception()!r}")
+
+    uploads = [asyncio.ensure_future(upload()) for _ in range(args.streams)]
+    await stdin_line()
+    failed(uploads)
+    go.set()
+    await stdin_line()
+    failed(uploads)
+    # The streams stay open and held up: a healthy connection on a stream
+    # (and an HTTP/2 connection) of its own makes its round trips beside
+    # them.
+    healthy_channel = aio_channel()
+    call = proxy(healthy_channel)()
+    conn = await dial(call, args.address)
+    trips = []
+    for i in range(args.round_trips):
+        message = payload(100, 2000 + i)
+        started = time.monotonic()
+        await call.write(pb.Packet(type=pb.DATA, data=pb.Data(connectID=conn, data=message)))
+        got = b""
+        while len(got) < len(message):
+            packet = await asyncio.wait_for(call.read(), args.timeout)
+            if packet is grpc.aio.EOF:
+                raise Failure(f"the healthy stream ended in round trip {i}")
+            if packet.type != pb.DATA:
+                raise Failure(f"the healthy connection got {pb.PacketType.Name(packet.type)} in round trip {i}")
+            got += packet.data.data
+        if got != message:
+            raise Failure(f"round trip {i} echoed other bytes")
+        trips.append(time.monotonic() - started)
+    call.cancel()
+    await loop.run_in_executor(None, wait_for_stdin_to_close)
+    failed(uploads)
+    for task in uploads:
+        task.cancel()
+    for flood in calls:
+        flood.cancel()
+    await healthy_channel.close()
+    await flood_channel.close()
+    return {
+        "streams_dialed": sent["dialed"],
+        "bytes_sent": sent["bytes"],
+        "round_trips": len(trips),
+        "slowest_round_trip": round(max(trips), 3) if trips else None,
+    }
+
+
 # --- authority: what grpcio puts in :authority, read off the wire ---------
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -756,6 +995,8 @@ CASES = {
     "multi-stream": case_multi_stream,
     "authority": case_authority,
     "shared-stream": case_shared_stream,
+    "flood": case_flood,
+    "streams": case_streams,
     "connect-echo": case_connect_echo,
     "connect-error": case_connect_error,
 }
@@ -776,7 +1017,12 @@ def parse_args(argv):
     p.add_argument("--tunnels", type=int, default=50, help="concurrent: how many tunnels")
     p.add_argument("--streams", type=int, default=8, help="multi-stream: streams per phase")
     p.add_argument("--stalled-address", help="shared-stream: a destination that never reads")
-    p.add_argument("--round-trips", type=int, default=20, help="shared-stream: echo round trips")
+    p.add_argument("--round-trips", type=int, default=20, help="shared-stream, streams: echo round trips")
+    p.add_argument("--upload-bytes", type=int, default=0, help="flood: bytes uploaded first")
+    p.add_argument("--empty", type=int, default=0, help="flood: empty DATA packets")
+    p.add_argument("--tiny", type=int, default=0, help="flood: 1-byte DATA packets")
+    p.add_argument("--padded", type=int, default=0, help="flood: padded 1-byte DATA packets")
+    p.add_argument("--padding", type=int, default=0, help="flood: bytes of each padded packet's unknown field")
     p.add_argument(
         "--timeout", type=float, default=30.0, help="seconds any one wait, or one stream in all, may take"
     )

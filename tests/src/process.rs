@@ -234,6 +234,11 @@ impl ServerProcess {
         rss_bytes(self.pid())
     }
 
+    /// The most memory it has had resident (`VmHWM`).
+    pub fn peak_rss(&self) -> u64 {
+        peak_rss_bytes(self.pid())
+    }
+
     /// Sends `SIGTERM` and returns how long the process took to exit;
     /// panics if it is still running after `limit`.
     pub async fn terminate(&mut self, limit: Duration) -> Duration {
@@ -262,13 +267,23 @@ pub fn metric_value(text: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// `VmHWM` of a process in bytes: the most it was ever resident.
+pub fn peak_rss_bytes(pid: u32) -> u64 {
+    status_bytes(pid, "VmHWM:")
+}
+
 /// `VmRSS` of a process in bytes.
 pub fn rss_bytes(pid: u32) -> u64 {
+    status_bytes(pid, "VmRSS:")
+}
+
+/// A `kB` field of `/proc/PID/status`, in bytes.
+fn status_bytes(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_else(|e| panic!("reading /proc/{pid}/status: {e}"));
     status
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| {
             rest.trim()
                 .trim_end_matches("kB")
@@ -277,5 +292,20 @@ pub fn rss_bytes(pid: u32) -> u64 {
                 .ok()
         })
         .map(|kib| kib * 1024)
-        .unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status"))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// Waits until the process is stopped (`T` in `/proc/PID/stat`: a
+/// `SIGSTOP` took effect).
+pub async fn wait_stopped(pid: u32) {
+    crate::wait_for("the process to stop", || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let (_, after) = stat.rsplit_once(") ")?;
+                after.chars().next()
+            })
+            == Some('T')
+    })
+    .await;
 }

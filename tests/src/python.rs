@@ -49,6 +49,33 @@ pub fn script(name: &str) -> PathBuf {
     path
 }
 
+/// `frontend.py <args>` started with its standard input piped, for a case
+/// that holds its streams open until the test closes it
+/// ([`report::Started::finish`] with [`RUN_LIMIT`] and
+/// [`Verdict::OkField`]: see [`HeldFrontend::finish`]).
+pub fn start_frontend<I, S>(args: I) -> HeldFrontend
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    HeldFrontend(report::Started::with_stdin(command(args), "frontend.py"))
+}
+
+/// A `frontend.py` run that waits for the test (see [`start_frontend`]).
+pub struct HeldFrontend(report::Started);
+
+impl HeldFrontend {
+    /// Tells it to go on to its next step (a line on its standard input).
+    pub fn signal(&mut self, step: &str) {
+        self.0.send_line(step);
+    }
+
+    /// Lets it finish (closes its standard input) and returns its report.
+    pub async fn finish(self) -> FrontendReport {
+        self.0.finish(RUN_LIMIT, Verdict::OkField).await
+    }
+}
+
 /// Runs `frontend.py <args>` and returns its report. Reading and waiting run
 /// off the test's runtime thread, which the in-process server needs.
 ///
@@ -56,6 +83,15 @@ pub fn script(name: &str) -> PathBuf {
 /// If the interpreter is missing, the run exceeds [`RUN_LIMIT`], or no JSON
 /// line comes out.
 pub async fn frontend<I, S>(args: I) -> FrontendReport
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    report::run(command(args), "frontend.py", RUN_LIMIT, Verdict::OkField).await
+}
+
+/// The command line of `frontend.py <args>`.
+fn command<I, S>(args: I) -> Command
 where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
@@ -72,5 +108,5 @@ where
         .env_remove("grpc_proxy")
         .env_remove("HTTP_PROXY")
         .env_remove("HTTPS_PROXY");
-    report::run(command, "frontend.py", RUN_LIMIT, Verdict::OkField).await
+    command
 }

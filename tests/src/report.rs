@@ -94,67 +94,135 @@ impl Drop for KillOnDrop {
 /// If it cannot start, runs past `limit`, or (with [`Verdict::OkField`])
 /// prints no JSON line.
 pub async fn run(
-    mut command: Command,
+    command: Command,
     who: &'static str,
     limit: Duration,
     verdict: Verdict,
 ) -> FrontendReport {
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {who}: {e}"));
-    let mut stdout = child.stdout.take().expect("piped stdout");
-    let mut stderr = child.stderr.take().expect("piped stderr");
-    let child = Arc::new(Mutex::new(child));
-    let guard = KillOnDrop(child.clone());
-    let finished = async move {
-        let out = tokio::task::spawn_blocking(move || {
+    Started::new(command, who, Stdio::null())
+        .finish(limit, verdict)
+        .await
+}
+
+/// A child started with its output pipes being read, until
+/// [`Started::finish`]: with its standard input piped, it can wait for the
+/// test to close it (a frontend that holds its streams open while the test
+/// looks at the server).
+pub struct Started {
+    /// The child.
+    child: Arc<Mutex<Child>>,
+    /// Its standard input, if piped; closed by [`Started::finish`].
+    stdin: Option<std::process::ChildStdin>,
+    /// Reads its standard output to the end.
+    stdout: tokio::task::JoinHandle<String>,
+    /// Reads its standard error to the end.
+    stderr: tokio::task::JoinHandle<String>,
+    /// Kills it if the test ends first.
+    guard: KillOnDrop,
+    /// The program, for messages.
+    who: &'static str,
+}
+
+impl Started {
+    /// Starts `command` with its standard input piped; see
+    /// [`Started::finish`].
+    ///
+    /// # Panics
+    /// If it cannot start.
+    pub fn with_stdin(command: Command, who: &'static str) -> Self {
+        Self::new(command, who, Stdio::piped())
+    }
+
+    fn new(mut command: Command, who: &'static str, stdin: Stdio) -> Self {
+        let mut child = command
+            .stdin(stdin)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {who}: {e}"));
+        let stdin = child.stdin.take();
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        let mut stderr = child.stderr.take().expect("piped stderr");
+        let stdout = tokio::task::spawn_blocking(move || {
             let mut s = String::new();
             let _ = stdout.read_to_string(&mut s);
             s
         });
-        let err = tokio::task::spawn_blocking(move || {
+        let stderr = tokio::task::spawn_blocking(move || {
             let mut s = String::new();
             let _ = stderr.read_to_string(&mut s);
             s
         });
-        let (out, err) = (out.await, err.await);
-        // Both pipes are at EOF: the process has exited (or closed them).
-        let status =
-            tokio::task::spawn_blocking(move || child.lock().expect("child lock").wait()).await;
-        (
-            out.expect("stdout reader"),
-            err.expect("stderr reader"),
-            status
-                .expect("waiter")
-                .unwrap_or_else(|e| panic!("waiting for {who}: {e}")),
-        )
-    };
-    let (stdout, stderr, status) = tokio::time::timeout(limit, finished)
-        .await
-        .unwrap_or_else(|_| panic!("{who} ran longer than {limit:?}"));
-    drop(guard);
-    let json = match verdict {
-        Verdict::OkField => stdout
-            .lines()
-            .rev()
-            .find_map(|line| serde_json::from_str::<Value>(line).ok())
-            .unwrap_or_else(|| {
-                panic!("{who} printed no JSON ({status}); stdout:\n{stdout}\nstderr:\n{stderr}")
-            }),
-        Verdict::ExitStatus => stdout
-            .lines()
-            .last()
-            .and_then(|line| serde_json::from_str(line).ok())
-            .unwrap_or(Value::Null),
-    };
-    FrontendReport {
-        json,
-        status,
-        stderr,
-        who,
-        verdict,
+        let child = Arc::new(Mutex::new(child));
+        Self {
+            guard: KillOnDrop(child.clone()),
+            child,
+            stdin,
+            stdout,
+            stderr,
+            who,
+        }
+    }
+
+    /// Writes `line` to its standard input (a signal it waits for).
+    ///
+    /// # Panics
+    /// If its standard input is not piped or it is gone.
+    pub fn send_line(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().expect("a piped standard input");
+        writeln!(stdin, "{line}")
+            .and_then(|()| stdin.flush())
+            .unwrap_or_else(|e| panic!("writing to {}: {e}", self.who));
+    }
+
+    /// Closes its standard input and waits, within `limit`, for its end;
+    /// its report.
+    ///
+    /// # Panics
+    /// If it runs past `limit`, or (with [`Verdict::OkField`]) prints no
+    /// JSON line.
+    pub async fn finish(mut self, limit: Duration, verdict: Verdict) -> FrontendReport {
+        drop(self.stdin.take());
+        let who = self.who;
+        let child = self.child.clone();
+        let finished = async move {
+            let (out, err) = (self.stdout.await, self.stderr.await);
+            // Both pipes are at EOF: the process has exited (or closed them).
+            let status =
+                tokio::task::spawn_blocking(move || child.lock().expect("child lock").wait()).await;
+            (
+                out.expect("stdout reader"),
+                err.expect("stderr reader"),
+                status
+                    .expect("waiter")
+                    .unwrap_or_else(|e| panic!("waiting for {who}: {e}")),
+            )
+        };
+        let (stdout, stderr, status) = tokio::time::timeout(limit, finished)
+            .await
+            .unwrap_or_else(|_| panic!("{who} ran longer than {limit:?}"));
+        drop(self.guard);
+        let json = match verdict {
+            Verdict::OkField => stdout
+                .lines()
+                .rev()
+                .find_map(|line| serde_json::from_str::<Value>(line).ok())
+                .unwrap_or_else(|| {
+                    panic!("{who} printed no JSON ({status}); stdout:\n{stdout}\nstderr:\n{stderr}")
+                }),
+            Verdict::ExitStatus => stdout
+                .lines()
+                .last()
+                .and_then(|line| serde_json::from_str(line).ok())
+                .unwrap_or(Value::Null),
+        };
+        FrontendReport {
+            json,
+            status,
+            stderr,
+            who,
+            verdict,
+        }
     }
 }

@@ -83,6 +83,8 @@ pub struct ServerOpts {
     /// `--allow-unauthenticated-agents` (needed with neither `mtls` nor
     /// `token_auth`).
     pub allow_unauthenticated_agents: bool,
+    /// `--buffer-budget-bytes`.
+    pub buffer_budget_bytes: usize,
 }
 
 impl Default for ServerOpts {
@@ -112,6 +114,7 @@ impl Default for ServerOpts {
             ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
             max_agent_queue_bytes: 4 << 20,
             allow_unauthenticated_agents: false,
+            buffer_budget_bytes: proxy_server::config::DEFAULT_BUFFER_BUDGET,
         }
     }
 }
@@ -203,6 +206,7 @@ impl TestServer {
             strategies: opts.strategies.clone(),
             max_agent_queue_bytes: opts.max_agent_queue_bytes,
             verify_agent_identifiers: false,
+            buffer_budget_bytes: opts.buffer_budget_bytes,
             max_tls_handshakes: opts.max_tls_handshakes,
             max_http_connections: 65_536,
             frontend_stall_timeout: opts.frontend_stall_timeout,

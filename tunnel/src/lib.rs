@@ -8,6 +8,8 @@
 //! - [`flow`]: per-connection windows, credit and bounded receive queues.
 //! - [`queue`]: byte-bounded outbound queues of shared streams; waiting
 //!   senders get room in order of arrival.
+//! - [`budget`]: a process-wide byte budget over every stream, on the
+//!   same accounting.
 //! - [`sync`]: the primitives under the queues and flow waits (std's, or
 //!   loom's with the `loom` feature), and the audit of which streams take
 //!   which lock.
@@ -17,6 +19,7 @@
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
 pub mod blocked;
+pub mod budget;
 pub mod flow;
 pub mod ids;
 pub mod mover;

@@ -1,8 +1,9 @@
 //! Model checks, under `loom`, of the waits where a lost wake-up would hang
 //! a connection: every interleaving of two or three threads over the real
 //! [`Gate`] (the byte queue's admit, release, wait list, close and dropped
-//! waiters), the real [`Flow`] (a sender's wait for credit, the close), and
-//! the [`Signal`] and [`Latch`] under them. With the `loom` feature, the
+//! waiters; the budget's take without waiting), the real [`Flow`] (a
+//! sender's wait for credit, the close), and the [`Signal`] and [`Latch`]
+//! under them. With the `loom` feature, the
 //! primitives of `crate::sync` are loom's; loom reports a wake-up that never
 //! comes as a deadlock.
 //!
@@ -17,6 +18,7 @@ use std::{
 use loom::{future::block_on, thread};
 
 use crate::{
+    budget::Budget,
     flow::{Flow, Scheme, Window},
     queue::Gate,
     sync::{Arc, Latch, Signal},
@@ -105,6 +107,38 @@ fn a_sender_that_gives_up_passes_its_room_on() {
         waiter.join().expect("the waiter");
         assert_eq!(gate.queued(), 0);
         assert_eq!(gate.waiting(), 0);
+    });
+}
+
+/// A budget at its limit: one holder waits for room while another takes
+/// without waiting and gives back, and the first holder's bytes are
+/// released: the waiter gets room whichever goes first, nothing stays
+/// taken.
+#[test]
+fn a_take_without_waiting_never_strands_a_waiting_holder() {
+    check(|| {
+        let budget = Arc::new(Budget::new(1));
+        assert!(budget.try_take(1));
+        let waiter = {
+            let budget = budget.clone();
+            thread::spawn(move || {
+                block_on(budget.take(1));
+                budget.release(1);
+            })
+        };
+        let taker = {
+            let budget = budget.clone();
+            thread::spawn(move || {
+                if budget.try_take(1) {
+                    budget.release(1);
+                }
+            })
+        };
+        budget.release(1);
+        waiter.join().expect("the waiter");
+        taker.join().expect("the taker");
+        assert_eq!(budget.held(), 0);
+        assert_eq!(budget.waiting(), 0);
     });
 }
 

@@ -129,6 +129,13 @@ impl Gate {
         self.admit(cost, self.limit.saturating_add(self.reserve))
     }
 
+    /// Admits `cost` without waiting if nobody waits and less than
+    /// `limit` is queued (a budget's take: it goes behind waiters, never
+    /// ahead of them).
+    pub(crate) fn try_admit(&self, cost: usize) -> bool {
+        self.waiting.load(Ordering::SeqCst) == 0 && self.admit(cost, self.limit)
+    }
+
     /// Waits until `cost` is admitted, behind the senders already waiting.
     ///
     /// # Cancel safety

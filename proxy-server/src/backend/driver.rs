@@ -29,12 +29,15 @@ pub(super) struct BackendDriver {
 }
 
 /// A wait a packet needs: DATA for a frontend, from an agent without
-/// credit, waiting for room in its connection's window.
+/// credit, waiting for room in its connection's window, or with the buffer
+/// budget full, for room there.
 struct Wait {
     /// The connection.
     conn: Arc<Conn>,
     /// The payload.
     data: bytes::Bytes,
+    /// The window admitted it already: only the budget is waited for.
+    admitted: bool,
 }
 
 impl BackendDriver {
@@ -117,14 +120,22 @@ impl BackendDriver {
             Delivery::Wait => Some(Wait {
                 conn,
                 data: data.data.clone(),
+                admitted: false,
+            }),
+            Delivery::NoBudget => Some(Wait {
+                conn,
+                data: data.data.clone(),
+                admitted: true,
             }),
         }
     }
 
     /// Waits for room for DATA from an agent without credit (its frontend
-    /// must drain within `COMPAT_STALL`).
+    /// must drain within `COMPAT_STALL`), and for room in the buffer budget
+    /// (within `COMPAT_STALL` too): the stream is not read meanwhile, as a
+    /// stream without per-connection credit would not be.
     async fn deliver_wait(&self, wait: Wait) {
-        if wait.conn.deliver_wait(wait.data).await == Delivery::Overflow {
+        if wait.conn.deliver_wait(wait.data, wait.admitted).await == Delivery::Overflow {
             self.control.overflow(self.id, wait.conn.id);
         }
     }

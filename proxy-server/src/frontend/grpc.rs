@@ -10,8 +10,10 @@
 //! goes to the control core. While uploads wait, the driver reads on into
 //! a bounded read-ahead ([`lanes`](super::lanes)), so that one
 //! connection whose destination stopped reading does not stop the others
-//! on the stream. tonic drains the stream's outbound queue, each item taken
-//! releasing its window ([`taken_by_frontend`]).
+//! on the stream; what the read-ahead holds is taken from the process-wide
+//! buffer budget ([`Account`]), and the stream stops reading while it waits
+//! for room there. tonic drains the stream's outbound queue, each item
+//! taken releasing its window ([`taken_by_frontend`]).
 
 use std::{
     future::Future,
@@ -25,12 +27,13 @@ use futures_util::{FutureExt, StreamExt, stream::FuturesUnordered};
 use proto::{Packet, proxy_service_server::ProxyService};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tonic::{Request, Response, Status, Streaming};
-use tracing::debug_span;
-use tunnel::ids::ConnId;
+use tracing::{debug_span, warn};
+use tunnel::{budget::Account, ids::ConnId};
 
 use crate::{
     conn::{Conn, ConnTable, FrontendLink, FrontendTx, Lookup, frontend_queue, taken_by_frontend},
     control::{Control, Work},
+    events::Limit,
     frontend::{
         FrontendGuard,
         lanes::{Lanes, Next, UPLOAD_GRACE},
@@ -62,8 +65,16 @@ impl ProxyService for ProxyServiceImpl {
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
         let metrics = self.control.metrics.clone();
+        let budget = self.control.budgets.to_frontend.clone();
         let link = self.control.add_frontend(FrontendKind::Grpc, |id| {
-            FrontendTx::new(id, FrontendKind::Grpc, tx, end.clone(), metrics.clone())
+            FrontendTx::new(
+                id,
+                FrontendKind::Grpc,
+                tx,
+                end.clone(),
+                metrics.clone(),
+                budget,
+            )
         });
         let live = metrics.grpc_stream(Method::Proxy);
         let span = debug_span!("frontend", frontend = %link.id());
@@ -89,8 +100,10 @@ impl ProxyService for ProxyServiceImpl {
     }
 }
 
-/// How often a stream stopped for its read-ahead, carrying one connection,
-/// looks again at whether it carries others (a dial may have completed).
+/// How often a stream stopped for its read-ahead, with a lane stalled past
+/// the grace that may not be cut yet, looks again: whether it carries
+/// others now (a dial may have completed), whether the buffer budget
+/// filled. A stream that reads on looks again after [`UPLOAD_GRACE`].
 const STOPPED_RECHECK: Duration = Duration::from_secs(1);
 
 /// A wait the driver runs beside reading its stream.
@@ -105,6 +118,9 @@ enum Waited {
     Forwarded,
 }
 
+/// A wait for room in the buffer budget: the bytes it waits for.
+type Owed = Pin<Box<dyn Future<Output = usize> + Send>>;
+
 /// One frontend stream's driver; see the module documentation.
 struct FrontendDriver {
     /// The stream.
@@ -115,6 +131,12 @@ struct FrontendDriver {
     conns: ConnTable,
     /// DATA read and not yet uploaded, by connection.
     ahead: Lanes,
+    /// What the read-ahead took from the buffer budget: its cost, once
+    /// settled; all of it goes back when the driver ends.
+    account: Account,
+    /// The wait for what the read-ahead holds beyond what it took, while
+    /// the budget is full: the stream is not read meanwhile.
+    owed: Option<Owed>,
     /// Uploads and dials waiting for their agent.
     waits: FuturesUnordered<Wait>,
     /// Counts the stream as blocked while the read-ahead is full.
@@ -123,11 +145,14 @@ struct FrontendDriver {
 
 impl FrontendDriver {
     fn new(link: FrontendLink, control: Arc<Control>) -> Self {
+        let account = Account::new(control.budgets.read_ahead.clone());
         Self {
             link,
             control,
             conns: ConnTable::default(),
             ahead: Lanes::default(),
+            account,
+            owed: None,
             waits: FuturesUnordered::new(),
             blocked: None,
         }
@@ -147,7 +172,8 @@ impl FrontendDriver {
         // The select below races `gone` itself.
         let mut never = std::pin::pin!(std::future::pending::<()>());
         loop {
-            let full = !self.ahead.has_room();
+            self.settle();
+            let full = !self.ahead.has_room() || self.owed.is_some();
             if full != self.blocked.is_some() {
                 self.blocked = full.then(|| metrics.blocked(Method::Proxy));
             }
@@ -160,6 +186,10 @@ impl FrontendDriver {
                 () = &mut gone => return,
                 Some(waited) = self.waits.next(), if !self.waits.is_empty() => {
                     self.waited(waited);
+                }
+                taken = owed(&mut self.owed), if self.owed.is_some() => {
+                    self.owed = None;
+                    self.account.taken_more(taken);
                 }
                 packet = next_packet(
                     &mut inbound,
@@ -176,22 +206,56 @@ impl FrontendDriver {
         }
     }
 
-    /// When a lane may have to be cut: with the read-ahead full, the end
-    /// of its most stalled lane's grace (once that has passed, now if the
-    /// stream carries other connections, else at the next recheck); the end
-    /// of the grace of the most stalled lane holding a CLOSE_REQ.
+    /// Brings what the read-ahead took from the buffer budget to what it
+    /// holds: gives back what it no longer holds; takes what it holds more,
+    /// or, with the budget full, waits for it (in order of arrival, the
+    /// stream not read meanwhile). A wait that is no longer needed is
+    /// dropped (its place passes on).
+    fn settle(&mut self) {
+        let owed = self.account.settle(self.ahead.cost());
+        if owed == 0 {
+            self.owed = None;
+        } else if self.owed.is_none() {
+            let budget = self.account.budget().clone();
+            if budget.first_wait() {
+                warn!(frontend = %self.link.id(), held = budget.held(), "the buffer budget for read-ahead is full: frontend streams stop reading until it has room (--buffer-budget-bytes; logged once, counted in limit_reached_total)");
+            }
+            self.control.metrics.limit_reached(Limit::BufferBudget);
+            self.owed = Some(Box::pin(async move {
+                budget.take(owed).await;
+                owed
+            }));
+        }
+    }
+
+    /// When a lane may have to be cut: the end of the most stalled lane's
+    /// grace (once that has passed, now if it may be cut, see
+    /// [`FrontendDriver::may_cut`], else at the next recheck); the end of
+    /// the grace of the most stalled lane holding a CLOSE_REQ.
     fn cut_check(&mut self, full: bool) -> Option<Instant> {
         let now = Instant::now();
-        let when_full = full.then(|| match self.ahead.most_stalled() {
-            Some((_, since)) if since + UPLOAD_GRACE > now => since + UPLOAD_GRACE,
-            Some(_) if self.carries_others() => now,
-            _ => now + STOPPED_RECHECK,
-        });
+        let stalled = match self.ahead.most_stalled() {
+            None => None,
+            Some((_, since)) if since + UPLOAD_GRACE > now => Some(since + UPLOAD_GRACE),
+            Some(_) if self.may_cut(full) => Some(now),
+            // Not reading: whether it carries others now. Reading: whether
+            // the budget filled (rarely, so that thousands of streams with
+            // a stalled lane do not wake every second).
+            Some(_) if full => Some(now + STOPPED_RECHECK),
+            Some(_) => Some(now + UPLOAD_GRACE),
+        };
         let closing = self
             .ahead
             .most_stalled_closing()
             .map(|(_, since)| since + UPLOAD_GRACE);
-        when_full.into_iter().chain(closing).min()
+        stalled.into_iter().chain(closing).min()
+    }
+
+    /// Whether a lane stalled past the grace may be cut: the buffer budget
+    /// is full (what it holds is what other streams wait for), or the
+    /// stream stopped reading for it and carries other connections.
+    fn may_cut(&mut self, full: bool) -> bool {
+        self.owed.is_some() || self.account.budget().is_full() || (full && self.carries_others())
     }
 
     /// Whether the stream carries more than one open connection.
@@ -307,25 +371,34 @@ impl FrontendDriver {
     }
 
     /// Cuts a lane that made no progress for [`UPLOAD_GRACE`] and holds
-    /// the frontend's CLOSE_REQ, or, with the read-ahead full on a stream
-    /// that carries other connections, the one stalled longest, so that
-    /// the stream reads on.
+    /// the frontend's CLOSE_REQ, or, when a stalled lane may be cut (see
+    /// [`FrontendDriver::may_cut`]), the one stalled longest, so that the
+    /// stream reads on and the budget gets its bytes back.
     fn cut_stalled(&mut self, full: bool) {
         let now = Instant::now();
         let past_grace =
             |(id, since): (ConnId, Instant)| (since + UPLOAD_GRACE <= now).then_some(id);
         let mut stalled = self.ahead.most_stalled_closing().and_then(past_grace);
-        if stalled.is_none() && full && self.carries_others() {
+        if stalled.is_none() && self.may_cut(full) {
             stalled = self.ahead.most_stalled().and_then(past_grace);
         }
         let Some((conn, close)) = stalled.and_then(|id| self.ahead.cut(id)) else {
             return;
         };
-        tracing::warn!(conn.id = %conn.id, "connection closed: its destination took none of its upload for {UPLOAD_GRACE:?} while it held up its stream or its close");
+        warn!(conn.id = %conn.id, "connection closed: its destination took none of its upload for {UPLOAD_GRACE:?} while it held up its stream, its close or the buffer budget");
         self.control.upload_stalled(&conn);
         if let Some(close) = close {
             self.control_packet(close);
         }
+    }
+}
+
+/// Waits for the budget the read-ahead owes (never, for `None`); the bytes
+/// taken.
+async fn owed(owed: &mut Option<Owed>) -> usize {
+    match owed {
+        Some(wait) => wait.await,
+        None => std::future::pending().await,
     }
 }
 

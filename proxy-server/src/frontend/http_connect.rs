@@ -99,8 +99,9 @@ where
     let metrics = control.metrics.clone();
     let _live = metrics.http_connection();
     let end = StreamEnd::new(shutdown.child_token());
+    let budget = control.budgets.to_frontend.clone();
     let link = control.add_frontend(FrontendKind::HttpConnect, |id| {
-        FrontendTx::new(id, FrontendKind::HttpConnect, tx, end, metrics)
+        FrontendTx::new(id, FrontendKind::HttpConnect, tx, end, metrics, budget)
     });
     let _guard = FrontendGuard {
         control: control.clone(),
@@ -250,9 +251,8 @@ impl mover::Downstream for FromAgent<'_> {
             let packet = match item {
                 FrontendItem::Data {
                     ref packet,
-                    ref conn,
-                    ..
-                } if conn.id == self.conn => {
+                    ref queued,
+                } if queued.conn.id == self.conn => {
                     let Some(proto::Payload::Data(data)) = &packet.payload else {
                         continue;
                     };
@@ -347,6 +347,7 @@ mod tests {
             &[ProxyStrategy::Default],
             crate::router::DialPolicy::plain(None),
             metrics.clone(),
+            crate::control::Budgets::new(usize::MAX),
         );
         let (agent_tx, mut agent_rx) = tunnel::queue::queue(1 << 20, 1 << 16);
         let agent = tunnel::ids::AgentId("agent".to_owned());
@@ -374,6 +375,7 @@ mod tests {
                 tx,
                 StreamEnd::new(CancellationToken::new()),
                 metrics.clone(),
+                control.budgets.to_frontend.clone(),
             )
         });
         send(

@@ -8,22 +8,32 @@
 //! room on its agent's queue), the driver keeps reading the stream: that
 //! connection's DATA (and a CLOSE_REQ behind it, kept in order) goes into
 //! its lane, while packets for other connections and other control packets
-//! act at once. The lanes hold at most [`LANES_MAX_BYTES`] bytes in all (a
-//! packet is admitted while less is held, so one packet more at most);
-//! past that the driver stops reading the stream:
+//! act at once. What the lanes hold is counted as its cost
+//! ([`Lanes::cost`]): the bytes, and a fixed overhead for every queued
+//! item ([`ITEM_OVERHEAD`]) and every lane ([`LANE_OVERHEAD`]), so that
+//! many tiny packets are bounded too. A stream's lanes hold at most
+//! [`LANES_MAX_BYTES`] (a packet is admitted while less is held, so one
+//! packet more at most), and all streams' lanes together what the
+//! process-wide budget allows (`--buffer-budget-bytes`, taken by the
+//! driver for the cost its lanes hold). When either is full the driver
+//! stops reading the stream, as a stream without read-ahead would:
 //! - on a stream that carries only one connection, until the upload goes
-//!   on: plain backpressure (a slow `kubectl cp` is slowed, never cut);
-//! - on a stream that carries others, a lane whose upload made no progress
-//!   for [`UPLOAD_GRACE`] is cut: its connection is closed with an error at
-//!   both ends, its queued bytes and later DATA are dropped, and the
-//!   stream reads on.
+//!   on: plain backpressure (a slow `kubectl cp` is slowed, never cut),
+//!   unless the budget is full;
+//! - on a stream that carries others, or with the budget full, a lane
+//!   whose upload made no progress for [`UPLOAD_GRACE`] is cut: its
+//!   connection is closed with an error at both ends, its queued bytes and
+//!   later DATA are dropped, and the stream reads on.
 //!
-//! A lane that holds the frontend's CLOSE_REQ and makes no progress for
-//! [`UPLOAD_GRACE`] is cut too, full or not: the frontend is closing, and a
-//! destination that stopped reading must not keep its close unanswered.
+//! While the budget is full, a stalled lane is cut after [`UPLOAD_GRACE`]
+//! on any stream, stopped or not: what it holds is what other streams
+//! wait for. A lane that holds the frontend's CLOSE_REQ and makes no
+//! progress for [`UPLOAD_GRACE`] is cut too, full or not: the frontend is
+//! closing, and a destination that stopped reading must not keep its
+//! close unanswered.
 //!
 //! Plain data with the clock given; the driver (`grpc.rs`) runs the
-//! uploads and the waits.
+//! uploads and the waits, and takes the budget.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -37,9 +47,17 @@ use tunnel::{flow, ids::ConnId};
 
 use crate::conn::Conn;
 
-/// Bytes a stream's lanes hold at most (one connection window): what a
+/// Cost a stream's lanes hold at most (one connection window): what a
 /// stream may have read ahead of its waiting uploads.
 pub(crate) const LANES_MAX_BYTES: usize = flow::WINDOW;
+/// What a queued item costs beyond its bytes: its slot in its lane's
+/// queue (twice over: a queue grows by doubling), and what its payload
+/// costs beyond its length (the allocator's rounding, the shared header
+/// a payload gets when it is cut into chunks).
+pub(crate) const ITEM_OVERHEAD: usize = 2 * std::mem::size_of::<Item>() + 64;
+/// What a lane costs beyond its items: its entry in the table, its queue,
+/// and the upload in flight (a boxed future with the chunk).
+pub(crate) const LANE_OVERHEAD: usize = 1024;
 /// How long a lane may make no progress, on a stream stopped for it that
 /// carries other connections, before its connection is cut. ANP's agents
 /// and ours give a destination that stopped reading as long
@@ -95,6 +113,8 @@ pub(crate) struct Lanes {
     lanes: HashMap<ConnId, Lane>,
     /// Bytes the lanes hold (queued and in flight).
     bytes: usize,
+    /// Items queued in all lanes.
+    items: usize,
     /// Lanes that hold a CLOSE_REQ.
     closing: usize,
 }
@@ -107,13 +127,25 @@ impl Lanes {
 
     /// Whether a packet may be read into the lanes now.
     pub(crate) fn has_room(&self) -> bool {
-        self.bytes < LANES_MAX_BYTES
+        self.cost() < LANES_MAX_BYTES
+    }
+
+    /// What the lanes hold: their bytes, [`ITEM_OVERHEAD`] per queued item
+    /// and [`LANE_OVERHEAD`] per lane.
+    pub(crate) fn cost(&self) -> usize {
+        self.bytes + self.items * ITEM_OVERHEAD + self.lanes.len() * LANE_OVERHEAD
     }
 
     /// Bytes held.
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Items queued.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn items(&self) -> usize {
+        self.items
     }
 
     /// Lanes that hold a CLOSE_REQ.
@@ -131,6 +163,7 @@ impl Lanes {
             items.push_back(Item::Data(rest));
         }
         self.bytes += in_flight + queued;
+        self.items += items.len();
         self.lanes.insert(
             conn.id,
             Lane {
@@ -155,6 +188,7 @@ impl Lanes {
             && !lane.closing
         {
             self.bytes += data.len();
+            self.items += 1;
             lane.items.push_back(Item::Data(data));
         }
     }
@@ -169,6 +203,7 @@ impl Lanes {
         if !lane.closing {
             lane.closing = true;
             self.closing += 1;
+            self.items += 1;
             lane.items.push_back(Item::Close(packet));
         }
         None
@@ -190,6 +225,7 @@ impl Lanes {
             None => None,
             Some(Item::Close(packet)) => {
                 self.closing -= 1;
+                self.items -= 1;
                 lane.closing = false;
                 Some(Next::Close(packet))
             }
@@ -197,7 +233,9 @@ impl Lanes {
                 // Never empty (`queue`, `open`): an empty chunk would end
                 // the lane with items behind it.
                 let chunk = data.split_to(data.len().min(lane.conn.flow.send_chunk()));
-                if !data.is_empty() {
+                if data.is_empty() {
+                    self.items -= 1;
+                } else {
                     lane.items.push_front(Item::Data(data));
                 }
                 lane.in_flight = chunk.len();
@@ -210,6 +248,7 @@ impl Lanes {
             debug_assert!(lane.items.is_empty(), "a lane ended with items queued");
             let lane = self.lanes.remove(&conn).expect("looked up above");
             self.bytes -= queued_bytes(&lane.items);
+            self.items -= lane.items.len();
         }
         next
     }
@@ -250,6 +289,7 @@ impl Lanes {
     /// Forgets a removed lane's bytes; its CLOSE_REQ, if it held one.
     fn drop_lane(&mut self, lane: Lane) -> Option<Next> {
         self.bytes -= lane.in_flight + queued_bytes(&lane.items);
+        self.items -= lane.items.len();
         if lane.closing {
             self.closing -= 1;
         }
@@ -318,6 +358,7 @@ mod tests {
         assert_eq!(got, [chunk, 5, 3, 0]);
         assert!(!ahead.has_lane(conn.id));
         assert_eq!(ahead.bytes(), 0);
+        assert_eq!(ahead.cost(), 0);
     }
 
     #[test]
@@ -326,9 +367,12 @@ mod tests {
         let (b, _agent_b, _fe_b) = test_conn(2, compat());
         let t0 = Instant::now();
         let mut ahead = Lanes::default();
-        ahead.open(a.clone(), 100, bytes(LANES_MAX_BYTES - 200, 1), t0);
+        let rest = LANES_MAX_BYTES - 300 - 2 * LANE_OVERHEAD - ITEM_OVERHEAD;
+        ahead.open(a.clone(), 100, bytes(rest, 1), t0);
         assert!(ahead.has_room());
         ahead.open(b.clone(), 100, Bytes::new(), t0 + Duration::from_secs(1));
+        assert_eq!(ahead.cost(), LANES_MAX_BYTES - 100);
+        assert!(ahead.has_room());
         // Admitted while less than LANES_MAX_BYTES was held: one packet over.
         ahead.queue(a.id, bytes(5000, 1));
         assert!(!ahead.has_room());
@@ -339,10 +383,38 @@ mod tests {
         assert!(close.is_some(), "its CLOSE_REQ comes back");
         assert!(ahead.has_room());
         assert_eq!(ahead.bytes(), 100);
+        assert_eq!(ahead.cost(), 100 + LANE_OVERHEAD);
         assert_eq!(
             ahead.most_stalled(),
             Some((b.id, t0 + Duration::from_secs(1)))
         );
+    }
+
+    /// Tiny packets cost their overhead: a flood of 1-byte DATA behind a
+    /// stalled upload fills the lanes after about a thousandth of the
+    /// packets their bytes alone would allow. Before, each counted 1 byte:
+    /// a million of them fitted in 1 MiB.
+    #[test]
+    fn tiny_packets_fill_the_lanes_by_their_overhead() {
+        let (conn, _agent, _fe) = test_conn(8, compat());
+        let mut ahead = Lanes::default();
+        ahead.open(conn.clone(), 1, Bytes::new(), Instant::now());
+        let mut queued = 0;
+        while ahead.has_room() {
+            ahead.queue(conn.id, Bytes::from_static(b"x"));
+            queued += 1;
+            assert!(queued <= LANES_MAX_BYTES / ITEM_OVERHEAD, "{queued} queued");
+        }
+        assert_eq!(ahead.items(), queued);
+        assert_eq!(
+            ahead.cost(),
+            1 + queued * (1 + ITEM_OVERHEAD) + LANE_OVERHEAD
+        );
+        // A CLOSE_REQ costs its overhead too; the lane's end gives all back.
+        ahead.close(conn.id, Packet::close_request(8));
+        assert_eq!(ahead.items(), queued + 1);
+        ahead.cut(conn.id);
+        assert_eq!((ahead.cost(), ahead.items()), (0, 0));
     }
 
     #[test]

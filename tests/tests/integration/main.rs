@@ -29,6 +29,7 @@ mod keepalive;
 mod lease_stub;
 mod leases;
 mod manifests;
+mod memory_budget;
 mod metrics;
 mod metrics_reference;
 mod monitoring;
