@@ -263,8 +263,8 @@ mod tests {
     include!("../../fuzz/replay.rs");
 
     replay!(
-        fuzz_corpus_tls_files => tls_files,
-        fuzz_corpus_session_ticket => session_ticket,
+        fuzz_corpus_tls_files => tls_files within tls_files_alloc_bound,
+        fuzz_corpus_session_ticket => session_ticket within session_ticket_alloc_bound,
     );
 
     /// The harness reaches a configuration from a real certificate and key.

@@ -612,9 +612,9 @@ mod tests {
     include!("../../fuzz/replay.rs");
 
     replay!(
-        fuzz_corpus_agent_table => agent_table,
-        fuzz_corpus_flow_control => flow_control,
-        fuzz_corpus_proxy_reply => proxy_reply,
+        fuzz_corpus_agent_table => agent_table within agent_table_alloc_bound,
+        fuzz_corpus_flow_control => flow_control within flow_control_alloc_bound,
+        fuzz_corpus_proxy_reply => proxy_reply within proxy_reply_alloc_bound,
     );
 
     /// The harness reaches success: a proxy that grants the tunnel.

@@ -1127,12 +1127,12 @@ mod tests {
     include!("../../fuzz/replay.rs");
 
     replay!(
-        fuzz_corpus_router => router,
-        fuzz_corpus_connect_head => connect_head,
-        fuzz_corpus_token_review => token_review,
-        fuzz_corpus_lanes => lanes,
-        fuzz_corpus_token_claims => token_claims,
-        fuzz_corpus_review_peers => review_peers,
+        fuzz_corpus_router => router within router_alloc_bound,
+        fuzz_corpus_connect_head => connect_head within connect_head_alloc_bound,
+        fuzz_corpus_token_review => token_review within token_review_alloc_bound,
+        fuzz_corpus_lanes => lanes within lanes_alloc_bound,
+        fuzz_corpus_token_claims => token_claims within token_claims_alloc_bound,
+        fuzz_corpus_review_peers => review_peers within review_peers_alloc_bound,
     );
 
     /// The harnesses see what they claim: a valid CONNECT head in pieces,
