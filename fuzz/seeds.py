@@ -171,6 +171,10 @@ def connect_head():
     seed("bad-version", b"CONNECT a:1 HTTP/2.0\r\n\r\n")
     seed("timeout-error", b"CONNECT a:1 HTTP/1.1\r\n\r\n", error=b"dial tcp a:1: i/o timeout")
     seed("many-headers", b"CONNECT a:1 HTTP/1.1\r\n" + b"X: y\r\n" * 70 + b"\r\n")
+    # Lines ending with LF alone; tunnel bytes after the head, cut or not.
+    seed("lf-lines", b"CONNECT a:1 HTTP/1.1\nHost: a:1\n\nearly\r\n\r\n")
+    seed("lf-then-crlf", b"CONNECT a:1 HTTP/1.1\n\r\n\x16\x03\x01", cuts=[3, 20])
+    seed("early-bytes-cut", b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)), cuts=[40, 5, 9, 64])
 
 
 # --- token_review: [code hi, code lo] then the body --------------------------

@@ -490,12 +490,15 @@ pub fn connect_head_alloc_bound(len: usize) -> usize {
 
 /// Reads a CONNECT request head from the bytes after a few choices, as
 /// they would arrive cut into pieces (the cuts chosen too), then answers a
-/// failed dial with an agent's error text (also from the bytes). Checks:
-/// the head parses the same however it is cut (a head accepted whole is
-/// accepted in pieces, with the same method and target); the target is
-/// the request line's or the `Host`; what followed the head is kept as it
-/// came, in a buffer of its own size; an error is an error; the error page
-/// repeats at most a bounded prefix of the target and the agent's text.
+/// failed dial with an agent's error text (also from the bytes). Checks,
+/// against the head as [`Reading`] reads it by hand: a head accepted is
+/// complete there; its method is the request line's and its target the
+/// request line's (else the `Host`'s); what followed the head, the bytes
+/// kept with it and those still unread, is exactly what the client sent
+/// after it, in a buffer of its own size; the head parses the same
+/// however it is cut (accepted whole, accepted in pieces; refused alike);
+/// the error page repeats at most a bounded prefix of the target and the
+/// agent's text.
 pub fn connect_head(data: &[u8]) {
     let mut input = Input(data);
     let cuts: Vec<usize> = (0..input.below(8)).map(|_| input.below(64) + 1).collect();
@@ -512,11 +515,7 @@ pub fn connect_head(data: &[u8]) {
     pieces.push(rest);
     let cut = read(pieces);
     match (&whole, &cut) {
-        (Ok(a), Ok(b)) => assert_eq!(
-            (&a.0, &a.1),
-            (&b.0, &b.1),
-            "cut differently, parsed differently"
-        ),
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "cut differently, parsed differently"),
         (Ok(_), Err(e)) => panic!("a head accepted whole is refused in pieces ({e})"),
         (Err(_), Ok(_)) => panic!("a head refused whole is accepted in pieces"),
         (Err(_), Err(_)) => {}
@@ -529,21 +528,23 @@ pub fn connect_head(data: &[u8]) {
     }
 }
 
-/// `read_head` over `pieces`: the method, target and what followed.
+/// `read_head` over `pieces`: the method, the target and every byte the
+/// client sent after the head (those read with it, then those still
+/// unread), each checked against the [`Reading`] of the whole stream.
 fn read(pieces: Vec<&[u8]>) -> Result<(String, String, Vec<u8>), &'static str> {
     let stream: Vec<u8> = pieces.concat();
     let mut reader = Pieces { pieces };
     match ready(head::read_head(&mut reader)) {
         Ok(head) => {
-            let end = stream
-                .windows(4)
-                .position(|w| w == b"\r\n\r\n")
-                .expect("a head without its blank line")
-                + 4;
-            let after = &stream[end..];
+            let reading = Reading::of(&stream).expect("a head accepted before its blank line");
+            let after = [&head.rest[..], &reader.pieces.concat()].concat();
             assert!(
-                after.starts_with(&head.rest),
-                "the bytes after the head were changed"
+                after == stream[reading.end..],
+                "{} bytes after the head, {} sent ({} kept with it, {} unread)",
+                after.len(),
+                stream.len() - reading.end,
+                head.rest.len(),
+                after.len() - head.rest.len()
             );
             assert!(
                 head.rest.capacity() <= head.rest.len().max(64),
@@ -551,23 +552,81 @@ fn read(pieces: Vec<&[u8]>) -> Result<(String, String, Vec<u8>), &'static str> {
                 head.rest.len(),
                 head.rest.capacity()
             );
-            // httparse skips blank lines before the request line (RFC 9112
-            // §2.2 allows it).
-            let start = stream
-                .iter()
-                .position(|b| *b != b'\r' && *b != b'\n')
-                .unwrap_or(0);
-            assert!(!head.method.is_empty());
-            assert!(head.target.len() <= end);
-            assert!(
-                stream[start..].starts_with(head.method.as_bytes()),
+            assert_eq!(
+                head.method.as_bytes(),
+                reading.method,
                 "the method is not the request line's"
             );
-            Ok((head.method, head.target, head.rest.to_vec()))
+            assert!(
+                head.target.as_bytes() == reading.target.as_slice(),
+                "the target {:?} is not the request line's or the Host's, {:?}",
+                head.target,
+                String::from_utf8_lossy(&reading.target)
+            );
+            Ok((head.method, head.target, after))
         }
         Err(HeadError::Gone) => Err("gone"),
         Err(HeadError::Malformed) => Err("malformed"),
         Err(HeadError::TooLarge) => Err("too large"),
+    }
+}
+
+/// A request head read by hand as RFC 9112 lays it out (§2.2, §3, §5),
+/// for the [`connect_head`] oracle: lines end with LF (a CR before it is
+/// dropped), blank lines before the request line are skipped, the request
+/// line is method SP target SP version, and the head ends with the first
+/// empty line after it. It does not judge validity (httparse does, in the
+/// server): it only says where a head ends and what it names.
+struct Reading<'a> {
+    /// The request line's first word.
+    method: &'a [u8],
+    /// The request line's second word; when that is empty, the first
+    /// `Host` header's value without surrounding blanks.
+    target: Vec<u8>,
+    /// Where the head ends: its empty line's LF, plus one.
+    end: usize,
+}
+
+impl<'a> Reading<'a> {
+    /// The head at the start of `stream`, if its empty line has come.
+    fn of(stream: &'a [u8]) -> Option<Self> {
+        let mut at = 0;
+        let mut line = || {
+            let len = stream[at..].iter().position(|b| *b == b'\n')?;
+            let line = &stream[at..at + len];
+            at += len + 1;
+            Some(line.strip_suffix(b"\r").unwrap_or(line))
+        };
+        let request = loop {
+            let request = line()?;
+            if !request.is_empty() {
+                break request;
+            }
+        };
+        let mut words = request.splitn(3, |b| *b == b' ');
+        let method = words.next().unwrap_or_default();
+        let mut target = words.next().unwrap_or_default().to_vec();
+        let mut host = None;
+        loop {
+            let header = line()?;
+            if header.is_empty() {
+                break;
+            }
+            if let Some(colon) = header.iter().position(|b| *b == b':')
+                && header[..colon].eq_ignore_ascii_case(b"host")
+                && host.is_none()
+            {
+                host = Some(header[colon + 1..].trim_ascii().to_vec());
+            }
+        }
+        if target.is_empty() {
+            target = host.unwrap_or_default();
+        }
+        Some(Self {
+            method,
+            target,
+            end: at,
+        })
     }
 }
 
@@ -1134,6 +1193,49 @@ mod tests {
         fuzz_corpus_token_claims => token_claims within token_claims_alloc_bound,
         fuzz_corpus_review_peers => review_peers within review_peers_alloc_bound,
     );
+
+    /// The CONNECT head oracle's own reading: where a head ends (lines
+    /// ending with LF or CRLF, blank lines before the request line
+    /// skipped), its method, its target, else the Host's; no head before
+    /// its empty line.
+    #[test]
+    fn the_connect_head_oracle_reads_heads_by_hand() {
+        type Head<'a> = Option<(&'a [u8], &'a [u8], usize)>;
+        let cases: [(&[u8], Head<'_>); 6] = [
+            (
+                b"CONNECT a:1 HTTP/1.1\r\n\r\nxyz",
+                Some((b"CONNECT", b"a:1", 24)),
+            ),
+            (
+                b"CONNECT a:1 HTTP/1.1\n\r\n\r\n",
+                Some((b"CONNECT", b"a:1", 23)),
+            ),
+            (
+                b"\r\n\nGET /x HTTP/1.1\nHost:  h:2 \n\n",
+                Some((b"GET", b"/x", 32)),
+            ),
+            (
+                b"CONNECT  HTTP/1.1\r\nhOsT: h:2\r\nHost: no\r\n\r\n",
+                Some((b"CONNECT", b"h:2", 42)),
+            ),
+            (b"CONNECT a:1 HTTP/1.1\r\nHost: a:1\r\n", None),
+            (b"\r\n\r\n", None),
+        ];
+        for (stream, expected) in cases {
+            let reading = Reading::of(stream);
+            let got = reading
+                .as_ref()
+                .map(|r| (r.method, r.target.as_slice(), r.end));
+            assert_eq!(got, expected, "{:?}", String::from_utf8_lossy(stream));
+        }
+        // What `read` finds after a head cut anywhere: every byte sent.
+        let stream = b"CONNECT a:1 HTTP/1.1\n\r\nearly\r\n\r\nlate";
+        for cut in 1..stream.len() {
+            let (method, target, after) = read(vec![&stream[..cut], &stream[cut..]]).unwrap();
+            assert_eq!((method.as_str(), target.as_str()), ("CONNECT", "a:1"));
+            assert_eq!(after, b"early\r\n\r\nlate", "cut at {cut}");
+        }
+    }
 
     /// The harnesses see what they claim: a valid CONNECT head in pieces,
     /// an admitting TokenReview answer, a dial through the router.
