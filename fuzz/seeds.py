@@ -181,6 +181,7 @@ def connect_head():
 
 
 def token_review():
+    import json
     ok = [0, 100]  # 100 + 100 = 200
     unauthorized = [1, 45]  # 100 + 301 = 401
     def body(status):
@@ -199,6 +200,25 @@ def token_review():
           "user": {"username": "admin"}})))
     write("token_review", "status-401", unauthorized + list(b'{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Unauthorized","reason":"Unauthorized","code":401}'))
     write("token_review", "not-json", ok + list(b"<html>s3cr3t-fuzz-token</html>"))
+    # The token (proxy-server/src/fuzzing.rs, TOKEN) echoed wherever an
+    # answer can carry text: no error or log line may show it.
+    token = ("eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOlsic3lzdGVtOmtvbm5lY3Rpdml0eS1zZXJ2ZXIiXSwiZXhwIjo0MTAy"
+             "NDQ0ODAwfQ.czNjcjN0LWZ1enotdG9rZW4")
+    forbidden = [1, 46]  # 100 + 303 = 403
+    write("token_review", "status-403-quoting-the-token", forbidden + list(json.dumps(
+        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403,
+         "message": "tokenreviews is forbidden for " + token, "reason": "Forbidden " + token}).encode()))
+    write("token_review", "garbled-answer-echoing-the-token", ok + list(
+        ('{"kind":"TokenReview","spec":{"token":"' + token + '"},"status":{"authenticated":tru').encode()))
+    write("token_review", "error-quoting-the-token", ok + list(body({"error": "invalid bearer token " + token})))
+    write("token_review", "user-is-the-token", ok + list(body({"authenticated": True, "audiences": aud,
+          "user": {"username": token}})))
+    write("token_review", "namespace-is-the-token", ok + list(body({"authenticated": True, "audiences": aud,
+          "user": {"username": "system:serviceaccount:" + token + ":konnectivity-agent"}})))
+    write("token_review", "audience-is-the-token", ok + list(body({"authenticated": True, "audiences": [token],
+          "user": user})))
+    write("token_review", "no-answer", [0, 0] + list(body({"authenticated": True})))  # 100: times out
+    write("token_review", "connection-error-quoting-the-token", [0, 1] + list(("proxy refused " + token).encode()))
 
 
 # --- token_claims: [audience?, clock hi, clock lo] then the token -----------

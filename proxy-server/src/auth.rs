@@ -262,14 +262,24 @@ impl TokenAuth {
         // The agent retries with its own backoff; kube's default retries
         // (up to 15, for minutes) would hold its Connect open instead.
         let client = ops::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
+        Ok(Self::with_client(config, client, on_review))
+    }
+
+    /// [`new`](Self::new) with a kube client made elsewhere (the
+    /// `token_review` fuzz target's stub API).
+    pub(crate) fn with_client(
+        config: TokenAuthConfig,
+        client: Client,
+        on_review: OnReview,
+    ) -> Self {
         let reviews =
             reviews::Reviews::new(config.cache_ttl, config.max_in_flight, config.max_pending);
-        Ok(Self {
+        Self {
             config,
             client,
             reviews,
             on_review,
-        })
+        }
     }
 
     /// Connects waiting for a review now.

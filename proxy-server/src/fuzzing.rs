@@ -630,9 +630,10 @@ impl<'a> Reading<'a> {
     }
 }
 
-/// The heap a [`token_review`] run may use at its peak for `len` bytes.
+/// The heap a [`token_review`] run may use at its peak for `len` bytes:
+/// the body read twice, its log lines, a runtime and a kube client.
 pub fn token_review_alloc_bound(len: usize) -> usize {
-    32 * len + 256 * 1024
+    64 * len + 1024 * 1024
 }
 
 /// Whom the fuzzed reviews must name to admit an agent.
@@ -642,39 +643,177 @@ const EXPECTED: auth::Expected<'static> = auth::Expected {
     audience: "system:konnectivity-server",
 };
 
-/// The token the fuzzed reviews are about; an error must never show it.
-const TOKEN: &str = "s3cr3t-fuzz-token";
+/// The token the fuzzed reviews are about: a JWT that passes the local
+/// checks (our audience, expiring in 2100; its signature segment is
+/// base64url of "s3cr3t-fuzz-token"), so that every check reaches the API.
+/// No error and no log line may show it.
+const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOlsic3lzdGVtOmtvbm5lY3Rpdml0eS1zZXJ2ZXIiXSwiZXhwIjo0MTAyNDQ0ODAwfQ.czNjcjN0LWZ1enotdG9rZW4";
+
+/// A request the [`StubApi`] was sent: its method, path and body.
+type Sent = (http::Method, String, Bytes);
+
+/// The kube API of [`token_review`]: answers every request with one status
+/// code and body, and keeps the requests. A 1xx code stands for no answer:
+/// 100, none ever (the review times out); the others, a failed connection
+/// whose error text is the body.
+#[derive(Clone)]
+struct StubApi {
+    /// The answer's status code.
+    code: StatusCode,
+    /// The answer's body.
+    body: Bytes,
+    /// What was sent, in order.
+    sent: std::sync::Arc<std::sync::Mutex<Vec<Sent>>>,
+}
+
+impl tower::Service<http::Request<kube::client::Body>> for StubApi {
+    type Response = http::Response<http_body_util::Full<Bytes>>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
+        use http_body_util::BodyExt as _;
+        let api = self.clone();
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let sent = (parts.method, parts.uri.path().to_owned(), body);
+            api.sent.lock().expect("not poisoned").push(sent);
+            match api.code.as_u16() {
+                100 => std::future::pending().await,
+                101..=199 => Err(std::io::Error::other(
+                    String::from_utf8_lossy(&api.body).into_owned(),
+                )),
+                _ => Ok(http::Response::builder()
+                    .status(api.code)
+                    .body(http_body_util::Full::new(api.body))
+                    .expect("a status and a body make a response")),
+            }
+        })
+    }
+}
+
+/// Every log line written while it is the writer, as the binaries format
+/// them (`tracing_subscriber::fmt`).
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Self;
+
+    fn make_writer(&'a self) -> Self {
+        self.clone()
+    }
+}
 
 /// A TokenReview answer (the status code from the first two bytes, the
-/// body after them) read and judged as the agent authentication does.
-/// Checks: a bad answer is an error, never a panic; the error never
-/// quotes the body of a 2xx answer, nor the token; an agent is admitted
-/// only if the answer, read independently as plain JSON, says the token
-/// is authenticated, for our audience, as our service account.
+/// body after them) to an agent's `Connect`, through the real path: the
+/// `authorization` metadata, the local checks, the reviews' cache and
+/// bounds (`auth::reviews`), the POST through a kube client, the reading
+/// of the answer and its verdict (`TokenAuth::authenticate`, its kube
+/// client on [`StubApi`]); the agent connects twice. Every log line at
+/// any level is captured. Checks: the token is in no log line and in no
+/// error's text, debug form or gRPC status; the API was asked about this
+/// token, for our audience, once, and again only if its first answer may
+/// not be reused; both connects get the same verdict; a verdict on the
+/// token comes from a 2xx answer only, and an agent is admitted only if
+/// the answer, read independently as plain JSON, says the token is
+/// authenticated, for our audience, as our service account; the reading
+/// alone (`auth::read_answer`) never quotes a 2xx body.
 pub fn token_review(data: &[u8]) {
     let mut input = Input(data);
     let code = 100 + (usize::from(input.byte()) << 8 | usize::from(input.byte())) % 500;
     let code = StatusCode::from_u16(u16::try_from(code).unwrap_or(200)).unwrap_or(StatusCode::OK);
     let body = input.0;
-    let config = EXPECTED;
-    let (verdict, review) = match auth::read_answer(code, body) {
-        Err(reason) => {
-            assert!(!reason.is_empty());
-            if code.is_success() {
-                assert!(
-                    !reason.contains(TOKEN),
-                    "a 2xx answer's body quoted: {reason}"
-                );
-            }
-            let error = AuthError::Review(reason.replace(TOKEN, "MASKED"));
-            assert!(!error.to_string().contains(TOKEN));
+    if code.is_success()
+        && let Err(reason) = auth::read_answer(code, body)
+    {
+        assert!(
+            !reason.contains(TOKEN),
+            "a 2xx answer's body quoted: {reason}"
+        );
+    }
+    let api = StubApi {
+        code,
+        body: Bytes::copy_from_slice(body),
+        sent: std::sync::Arc::default(),
+    };
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .finish();
+    let (verdicts, checked) =
+        tracing::subscriber::with_default(subscriber, || connect_twice(api.clone()));
+    let logs = String::from_utf8_lossy(&logs.0.lock().expect("not poisoned")).into_owned();
+    assert!(!logs.contains(TOKEN), "the token logged:\n{logs}");
+    for error in verdicts.iter().filter_map(|v| v.as_ref().err()) {
+        let shown = format!("{error}\n{error:?}\n{}", error.status().message());
+        assert!(!shown.contains(TOKEN), "the token shown: {shown}");
+    }
+    let sent = api.sent.lock().expect("not poisoned");
+    let first = &verdicts[0];
+    let reused = match first {
+        Ok(()) => true,
+        Err(AuthError::Review(_) | AuthError::StatusError(_)) => false,
+        Err(error) => !error.is_load(),
+    };
+    assert_eq!(
+        sent.len(),
+        if reused { 1 } else { 2 },
+        "TokenReview calls for two connects, after {first:?}"
+    );
+    for (method, path, request) in sent.iter() {
+        assert_eq!(
+            (method, path.as_str()),
+            (
+                &http::Method::POST,
+                "/apis/authentication.k8s.io/v1/tokenreviews"
+            )
+        );
+        let review: k8s_openapi::api::authentication::v1::TokenReview =
+            serde_json::from_slice(request).expect("a TokenReview sent");
+        assert_eq!(review.spec.token.as_deref(), Some(TOKEN));
+        assert_eq!(
+            review.spec.audiences,
+            Some(vec![EXPECTED.audience.to_owned()])
+        );
+    }
+    assert_eq!(
+        checked.first(),
+        Some(&auth::Checked::Answered(auth::reviews::Source::Api))
+    );
+    assert_eq!(verdicts[0], verdicts[1], "the same answer, another verdict");
+    match first {
+        Err(AuthError::Review(_)) => return,
+        Err(_) => {
+            assert!(code.is_success(), "a verdict from a {code} answer");
             return;
         }
-        Ok(review) => (auth::verdict(&config, review.clone()), review),
-    };
-    assert!(code.is_success(), "a review read from a {code} answer");
-    if verdict.is_err() {
-        return;
+        Ok(()) => assert!(code.is_success(), "admitted on a {code} answer"),
     }
     // Admitted: the answer says so, read as plain JSON. serde_json skips
     // an unknown field's string without checking it (bad UTF-8, a lone
@@ -693,6 +832,7 @@ pub fn token_review(data: &[u8]) {
                     .is_some_and(|a| a.iter().any(|a| a == "system:konnectivity-server"))
         }
         Err(_) => {
+            let review = auth::read_answer(code, body).expect("admitted on an unreadable answer");
             let status = review.status.unwrap_or_default();
             status.authenticated == Some(true)
                 && status.error.is_none_or(|e| e.is_empty())
@@ -706,6 +846,49 @@ pub fn token_review(data: &[u8]) {
         }
     };
     assert!(admitted, "admitted on an answer that does not say so");
+}
+
+/// Two `Connect`s with [`TOKEN`] from one agent, checked by a
+/// `TokenAuth` whose kube client is `api`: their verdicts, and what the
+/// metrics were told of each.
+fn connect_twice(api: StubApi) -> (Vec<Result<(), AuthError>>, Vec<auth::Checked>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    runtime.block_on(async {
+        let config = auth::TokenAuthConfig {
+            namespace: EXPECTED.namespace.to_owned(),
+            service_account: EXPECTED.service_account.to_owned(),
+            audience: EXPECTED.audience.to_owned(),
+            kubeconfig: None,
+            cache_ttl: auth::DEFAULT_CACHE_TTL,
+            max_in_flight: auth::DEFAULT_MAX_IN_FLIGHT,
+            max_pending: auth::DEFAULT_MAX_PENDING,
+            local_checks: true,
+        };
+        let checked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let on_review: auth::OnReview = {
+            let checked = checked.clone();
+            std::sync::Arc::new(move |c| checked.lock().expect("not poisoned").push(c))
+        };
+        let auth =
+            auth::TokenAuth::with_client(config, kube::Client::new(api, "default"), on_review);
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        let bearer = format!("{}{TOKEN}", proto::header::BEARER_PREFIX);
+        metadata.insert(
+            proto::header::AUTHORIZATION,
+            bearer.parse().expect("a token is header text"),
+        );
+        let peer = Some(std::net::IpAddr::from([10, 0, 0, 7]));
+        let mut verdicts = Vec::new();
+        for _ in 0..2 {
+            verdicts.push(auth.authenticate(&metadata, peer).await);
+        }
+        let checked = checked.lock().expect("not poisoned").clone();
+        (verdicts, checked)
+    })
 }
 
 /// The heap a [`token_claims`] run may use at its peak for `len` bytes:
