@@ -346,6 +346,19 @@ def proxy_reply():
     write("proxy_reply", "socks5-refused", [socks5h] + [5, 0, 5, 5, 0, 1, 0, 0, 0, 0, 0, 0])
     write("proxy_reply", "socks5-domain", [socks5h] + [5, 0, 5, 0, 0, 3, 4] + list(b"host") + [0, 80])
     write("proxy_reply", "socks5-v6", [socks5] + [5, 0, 5, 0, 0, 4] + [0] * 15 + [1, 0, 80])
+    # Tunnel bytes right after the reply; replies that merely contain a
+    # grant; the leniencies of the parsers (LF lines, a blank line first).
+    early = list(b"\x16\x03\x01 early tunnel bytes")
+    write("proxy_reply", "http-200-early-bytes", [http] + list(b"HTTP/1.1 200 OK\r\n\r\n") + early)
+    write("proxy_reply", "http-101-then-200", [http] + list(b"HTTP/1.1 101 Switching Protocols\r\n\r\nHTTP/1.1 200 OK\r\n\r\n"))
+    write("proxy_reply", "http-407-then-200", [http | 1] + list(b"HTTP/1.1 407 No\r\nContent-Length: 0\r\n\r\nHTTP/1.1 200 OK\r\n\r\n"))
+    write("proxy_reply", "http-lf-lines", [http] + list(b"HTTP/1.0 200 OK\nProxy-Agent: x\n\n") + early)
+    write("proxy_reply", "http-blank-line-first", [http] + list(b"\r\nHTTP/1.1 204\r\n\r\n") + early)
+    write("proxy_reply", "socks5-early-bytes", [socks5h] + [5, 0] + ok_v4 + early)
+    write("proxy_reply", "socks5-auth-domain-early-bytes", [socks5h | 1] + [5, 2, 1, 0, 5, 0, 0, 3, 4] + list(b"host") + [0, 80] + early)
+    write("proxy_reply", "socks5-password-not-offered", [socks5h] + [5, 2, 1, 0] + ok_v4)
+    write("proxy_reply", "socks5-reserved-byte", [socks5h] + [5, 0, 5, 0, 1, 1, 10, 0, 0, 2, 0x1F, 0x90])
+    write("proxy_reply", "socks5-refused-then-ok", [socks5h] + [5, 0, 5, 1, 0, 1, 0, 0, 0, 0, 0, 0] + ok_v4)
 
 
 # --- hpack: [limits] then [len, block]... ------------------------------------
