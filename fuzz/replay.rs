@@ -34,15 +34,26 @@ fn corpus(target: &str) -> Vec<(std::path::PathBuf, Vec<u8>)> {
 }
 
 /// A test per target, `$test`, that runs the harness `$target` on each of
-/// the target's committed inputs (its corpus is named as the harness).
+/// the target's committed inputs (its corpus is named as the harness) and
+/// checks its heap at the peak against `$bound` of the input's length, as
+/// the fuzz runs do (`heap-count`, installed in the crate's test build).
 macro_rules! replay {
-    ($($test:ident => $target:ident),+ $(,)?) => {$(
+    ($($test:ident => $target:ident within $bound:ident),+ $(,)?) => {$(
         #[doc = concat!("Every input of the `", stringify!($target), "` corpus, replayed.")]
         #[test]
         fn $test() {
+            assert!(
+                heap_count::installed(),
+                "the test build does not count its heap (heap_count::Counting)"
+            );
             for (path, input) in corpus(stringify!($target)) {
                 eprintln!("{}", path.display());
-                $target(&input);
+                let bound = $bound(input.len());
+                if let Err(over) = heap_count::within(bound, || {
+                    let _ = $target(&input);
+                }) {
+                    panic!("{}: {over} for {} input bytes", path.display(), input.len());
+                }
             }
         }
     )+};

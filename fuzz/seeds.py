@@ -171,12 +171,17 @@ def connect_head():
     seed("bad-version", b"CONNECT a:1 HTTP/2.0\r\n\r\n")
     seed("timeout-error", b"CONNECT a:1 HTTP/1.1\r\n\r\n", error=b"dial tcp a:1: i/o timeout")
     seed("many-headers", b"CONNECT a:1 HTTP/1.1\r\n" + b"X: y\r\n" * 70 + b"\r\n")
+    # Lines ending with LF alone; tunnel bytes after the head, cut or not.
+    seed("lf-lines", b"CONNECT a:1 HTTP/1.1\nHost: a:1\n\nearly\r\n\r\n")
+    seed("lf-then-crlf", b"CONNECT a:1 HTTP/1.1\n\r\n\x16\x03\x01", cuts=[3, 20])
+    seed("early-bytes-cut", b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)), cuts=[40, 5, 9, 64])
 
 
 # --- token_review: [code hi, code lo] then the body --------------------------
 
 
 def token_review():
+    import json
     ok = [0, 100]  # 100 + 100 = 200
     unauthorized = [1, 45]  # 100 + 301 = 401
     def body(status):
@@ -195,6 +200,25 @@ def token_review():
           "user": {"username": "admin"}})))
     write("token_review", "status-401", unauthorized + list(b'{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Unauthorized","reason":"Unauthorized","code":401}'))
     write("token_review", "not-json", ok + list(b"<html>s3cr3t-fuzz-token</html>"))
+    # The token (proxy-server/src/fuzzing.rs, TOKEN) echoed wherever an
+    # answer can carry text: no error or log line may show it.
+    token = ("eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOlsic3lzdGVtOmtvbm5lY3Rpdml0eS1zZXJ2ZXIiXSwiZXhwIjo0MTAy"
+             "NDQ0ODAwfQ.czNjcjN0LWZ1enotdG9rZW4")
+    forbidden = [1, 46]  # 100 + 303 = 403
+    write("token_review", "status-403-quoting-the-token", forbidden + list(json.dumps(
+        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403,
+         "message": "tokenreviews is forbidden for " + token, "reason": "Forbidden " + token}).encode()))
+    write("token_review", "garbled-answer-echoing-the-token", ok + list(
+        ('{"kind":"TokenReview","spec":{"token":"' + token + '"},"status":{"authenticated":tru').encode()))
+    write("token_review", "error-quoting-the-token", ok + list(body({"error": "invalid bearer token " + token})))
+    write("token_review", "user-is-the-token", ok + list(body({"authenticated": True, "audiences": aud,
+          "user": {"username": token}})))
+    write("token_review", "namespace-is-the-token", ok + list(body({"authenticated": True, "audiences": aud,
+          "user": {"username": "system:serviceaccount:" + token + ":konnectivity-agent"}})))
+    write("token_review", "audience-is-the-token", ok + list(body({"authenticated": True, "audiences": [token],
+          "user": user})))
+    write("token_review", "no-answer", [0, 0] + list(body({"authenticated": True})))  # 100: times out
+    write("token_review", "connection-error-quoting-the-token", [0, 1] + list(("proxy refused " + token).encode()))
 
 
 # --- token_claims: [audience?, clock hi, clock lo] then the token -----------
@@ -322,6 +346,19 @@ def proxy_reply():
     write("proxy_reply", "socks5-refused", [socks5h] + [5, 0, 5, 5, 0, 1, 0, 0, 0, 0, 0, 0])
     write("proxy_reply", "socks5-domain", [socks5h] + [5, 0, 5, 0, 0, 3, 4] + list(b"host") + [0, 80])
     write("proxy_reply", "socks5-v6", [socks5] + [5, 0, 5, 0, 0, 4] + [0] * 15 + [1, 0, 80])
+    # Tunnel bytes right after the reply; replies that merely contain a
+    # grant; the leniencies of the parsers (LF lines, a blank line first).
+    early = list(b"\x16\x03\x01 early tunnel bytes")
+    write("proxy_reply", "http-200-early-bytes", [http] + list(b"HTTP/1.1 200 OK\r\n\r\n") + early)
+    write("proxy_reply", "http-101-then-200", [http] + list(b"HTTP/1.1 101 Switching Protocols\r\n\r\nHTTP/1.1 200 OK\r\n\r\n"))
+    write("proxy_reply", "http-407-then-200", [http | 1] + list(b"HTTP/1.1 407 No\r\nContent-Length: 0\r\n\r\nHTTP/1.1 200 OK\r\n\r\n"))
+    write("proxy_reply", "http-lf-lines", [http] + list(b"HTTP/1.0 200 OK\nProxy-Agent: x\n\n") + early)
+    write("proxy_reply", "http-blank-line-first", [http] + list(b"\r\nHTTP/1.1 204\r\n\r\n") + early)
+    write("proxy_reply", "socks5-early-bytes", [socks5h] + [5, 0] + ok_v4 + early)
+    write("proxy_reply", "socks5-auth-domain-early-bytes", [socks5h | 1] + [5, 2, 1, 0, 5, 0, 0, 3, 4] + list(b"host") + [0, 80] + early)
+    write("proxy_reply", "socks5-password-not-offered", [socks5h] + [5, 2, 1, 0] + ok_v4)
+    write("proxy_reply", "socks5-reserved-byte", [socks5h] + [5, 0, 5, 0, 1, 1, 10, 0, 0, 2, 0x1F, 0x90])
+    write("proxy_reply", "socks5-refused-then-ok", [socks5h] + [5, 0, 5, 1, 0, 1, 0, 0, 0, 0, 0, 0] + ok_v4)
 
 
 # --- hpack: [limits] then [len, block]... ------------------------------------

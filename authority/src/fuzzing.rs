@@ -56,5 +56,5 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    replay!(fuzz_corpus_hpack => hpack);
+    replay!(fuzz_corpus_hpack => hpack within hpack_alloc_bound);
 }

@@ -17,6 +17,13 @@
 //! would refuse, is passed on as it came and the shim steps aside: h2 then
 //! answers the fault itself (GOAWAY) exactly as without the shim.
 
+/// The test build counts each thread's heap, so that the replay of the fuzz
+/// corpora checks each target's heap bound (`fuzz/replay.rs`).
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: heap_count::Counting<std::alloc::System> =
+    heap_count::Counting::new(std::alloc::System);
+
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;

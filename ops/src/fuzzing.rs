@@ -28,11 +28,28 @@ pub fn tls_files_alloc_bound(len: usize) -> usize {
     64 * len + 1024 * 1024
 }
 
-/// A directory of this process for the files of [`tls_files`].
-fn scratch() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("konnectivity-fuzz-tls-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
+/// A directory of its own for the files of one [`tls_files`] run (or one
+/// test), removed when dropped: the tests of one process run at once, and
+/// one must not delete another's files.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "konnectivity-fuzz-tls-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("a scratch directory");
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// An error about a file must name that file.
@@ -67,7 +84,8 @@ pub fn tls_files(data: &[u8]) {
         None => (0, rest),
     };
     let (cert_bytes, key_bytes) = rest.split_at(split.min(rest.len()));
-    let dir = scratch();
+    let scratch = Scratch::new();
+    let dir = &scratch.0;
     let cert = dir.join("cert.pem");
     let key = dir.join("key.pem");
     let ca = dir.join("ca.pem");
@@ -115,7 +133,6 @@ pub fn tls_files(data: &[u8]) {
         }
         Err(error) => names(&error, &[&cert, &key, &ca]),
     }
-    let _ = std::fs::remove_dir_all(&dir);
     // A file that is not there is an error naming it.
     let missing = dir.join("missing.pem");
     match tls::load_certs(&missing) {
@@ -246,8 +263,8 @@ mod tests {
     include!("../../fuzz/replay.rs");
 
     replay!(
-        fuzz_corpus_tls_files => tls_files,
-        fuzz_corpus_session_ticket => session_ticket,
+        fuzz_corpus_tls_files => tls_files within tls_files_alloc_bound,
+        fuzz_corpus_session_ticket => session_ticket within session_ticket_alloc_bound,
     );
 
     /// The harness reaches a configuration from a real certificate and key.
@@ -261,10 +278,24 @@ mod tests {
         input.extend_from_slice(cert);
         input.extend_from_slice(pair.key_pem.as_bytes());
         tls_files(&input);
-        let dir = scratch();
+        let scratch = Scratch::new();
+        let dir = &scratch.0;
         std::fs::write(dir.join("c.pem"), cert).unwrap();
         std::fs::write(dir.join("k.pem"), pair.key_pem.as_bytes()).unwrap();
         assert!(tls::server_config(&dir.join("c.pem"), &dir.join("k.pem"), None).is_ok());
-        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Each run and each test has a directory of its own, gone once it is
+    /// done: under `cargo test` the corpus replay and the test above ran
+    /// at once in one process, and each deleted the other's files.
+    #[test]
+    fn each_run_has_a_scratch_directory_of_its_own() {
+        let (a, b) = (Scratch::new(), Scratch::new());
+        assert_ne!(a.0, b.0);
+        assert!(a.0.is_dir() && b.0.is_dir());
+        let path = a.0.clone();
+        drop(a);
+        assert!(!path.exists(), "{} left behind", path.display());
+        assert!(b.0.is_dir(), "dropping one removed the other");
     }
 }

@@ -18,10 +18,19 @@
 //!   feature only; `docs/fuzzing.md`).
 
 /// The unit tests of `metrics::jemalloc` read the figures of this test
-/// process's own allocator: jemalloc, as in the binaries.
+/// process's own allocator: jemalloc, as in the binaries. The test build
+/// counts each thread's heap, so that the replay of the fuzz corpora checks
+/// each target's heap bound (`fuzz/replay.rs`).
 #[cfg(all(test, feature = "jemalloc"))]
 #[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+static ALLOCATOR: heap_count::Counting<tikv_jemallocator::Jemalloc> =
+    heap_count::Counting::new(tikv_jemallocator::Jemalloc);
+
+/// Without jemalloc, the system allocator, counted as above.
+#[cfg(all(test, not(feature = "jemalloc")))]
+#[global_allocator]
+static ALLOCATOR: heap_count::Counting<std::alloc::System> =
+    heap_count::Counting::new(std::alloc::System);
 
 pub mod cli;
 pub mod duration;

@@ -131,7 +131,7 @@ mod tests {
 
     include!("../../fuzz/replay.rs");
 
-    replay!(fuzz_corpus_grpc_packets => grpc_packets);
+    replay!(fuzz_corpus_grpc_packets => grpc_packets within grpc_packets_alloc_bound);
 
     /// A message header claiming more than the limit is a `Status`.
     #[test]

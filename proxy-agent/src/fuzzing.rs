@@ -507,14 +507,25 @@ pub fn proxy_reply_alloc_bound(len: usize) -> usize {
 /// The password of the fuzzed proxies: no error may show it.
 const PASSWORD: &str = "pr0xy-s3cr3t";
 
+/// What the fuzzed proxies send once their reply is read: the
+/// destination's first bytes, which must reach the agent after whatever
+/// followed the reply.
+const LATER: &[u8] = b"\0the destination speaks\r\n\r\n\xff";
+
 /// A SOCKS5 or HTTP CONNECT proxy (which, with or without credentials,
 /// chosen by the first byte) answering the agent's request with the rest
-/// of the bytes, then closing: the agent's proxy client
-/// ([`egress::handshake`], tokio-socks and hyper underneath) runs
-/// against it over an in-memory pipe. Checks: it ends (a reply cut short
-/// is an error, not a wait); an error names the proxy and never shows the
-/// password; success only on a reply that grants it (a SOCKS5 success
-/// code, an HTTP 2xx status line). Whether a tunnel opened.
+/// of the bytes, then, a second later, [`LATER`], then closing: the
+/// agent's proxy client ([`egress::handshake`], tokio-socks and hyper
+/// underneath) runs against it over an in-memory pipe, and reads what a
+/// tunnel it got carries to its end. Checks: it ends (a reply cut short
+/// is an error, not a wait); a tunnel only on a reply that grants one from
+/// its first byte on, as [`http_grant`] and [`socks5_grant`] read it by
+/// hand (a well-formed 2xx status line after interim 1xx answers; a
+/// SOCKS5 method we offered, the credentials accepted if asked for, a
+/// success reply with a well-formed bound address); what the tunnel
+/// carries is exactly the bytes after that reply, then [`LATER`]; every
+/// SOCKS5 grant gives a tunnel; an error names the proxy and never shows
+/// the password. Whether a tunnel opened.
 pub fn proxy_reply(data: &[u8]) -> bool {
     let mut input = Input(data);
     let choice = input.byte();
@@ -533,25 +544,32 @@ pub fn proxy_reply(data: &[u8]) -> bool {
         port: 3128,
         auth,
     };
-    let result = handshake_against(&proxy, host, input.0.to_vec());
+    let reply = input.0;
+    let result = handshake_against(&proxy, host, reply.to_vec());
     if std::env::var_os("FUZZ_DEBUG").is_some() {
         eprintln!("{result:?}");
     }
-    let opened = result.is_ok();
+    // The client sees one stream: a reply cut short may be completed by
+    // what the proxy sends next.
+    let sent = [reply, LATER].concat();
+    let granted = match kind {
+        egress::ProxyKind::Http => http_grant(&sent),
+        egress::ProxyKind::Socks5 { .. } => socks5_grant(&sent, proxy.auth.is_some()),
+    };
     match result {
-        Ok(()) => match kind {
-            egress::ProxyKind::Http => assert!(
-                input
-                    .0
-                    .windows(10)
-                    .any(|w| w.starts_with(b"HTTP/1.") && w[8] == b' ' && w[9] == b'2'),
-                "a tunnel without a 2xx status line"
-            ),
-            egress::ProxyKind::Socks5 { .. } => assert!(
-                input.0.windows(3).any(|w| w == [5, 0, 0]),
-                "a tunnel without a SOCKS5 success reply"
-            ),
-        },
+        Ok(carried) => {
+            let Some(end) = granted else {
+                panic!("a tunnel on a reply that does not grant one");
+            };
+            assert!(
+                carried == sent[end..],
+                "the tunnel carried {} bytes ({:?}…), the proxy sent {} after its {end}-byte reply",
+                carried.len(),
+                String::from_utf8_lossy(&carried[..carried.len().min(32)]),
+                sent.len() - end
+            );
+            true
+        }
         Err(error) => {
             let shown = format!("{error} {error:?}");
             assert!(!shown.contains(PASSWORD), "the password shown: {shown}");
@@ -562,18 +580,105 @@ pub fn proxy_reply(data: &[u8]) -> bool {
             if let ProxyError::TargetRefused { reason, .. } = &error {
                 assert!(reason.len() <= 4096, "a reason of {} bytes", reason.len());
             }
+            if proxy.kind != egress::ProxyKind::Http {
+                assert!(granted.is_none(), "a SOCKS5 grant refused: {shown}");
+            }
+            false
         }
     }
-    opened
+}
+
+/// The line of `bytes` at `at` (without its LF, nor a CR before it) and
+/// where the next begins; `None` before its LF.
+fn line_at(bytes: &[u8], at: usize) -> Option<(&[u8], usize)> {
+    let len = bytes.get(at..)?.iter().position(|b| *b == b'\n')?;
+    let line = &bytes[at..at + len];
+    Some((line.strip_suffix(b"\r").unwrap_or(line), at + len + 1))
+}
+
+/// Where an HTTP proxy's reply to CONNECT ends, if it grants the tunnel,
+/// read by hand (RFC 9112 §2.2, §4, RFC 9110 §15.2, §9.3.6): heads, each
+/// a status line `HTTP/1.0` or `HTTP/1.1`, SP, three digits, then SP and
+/// a reason or the line end, then header lines up to an empty line; lines
+/// end with LF or CRLF, and empty lines before a status line are skipped
+/// (as httparse does); interim answers (1xx but 101) come before the
+/// final one, which grants the tunnel if it is 2xx. It does not judge the
+/// header lines (hyper does): it says where the reply ends and whether
+/// its final status grants the tunnel.
+fn http_grant(reply: &[u8]) -> Option<usize> {
+    let mut at = 0;
+    loop {
+        let (line, next) = line_at(reply, at)?;
+        at = next;
+        if line.is_empty() {
+            continue;
+        }
+        let status = line
+            .strip_prefix(b"HTTP/1.1 ")
+            .or_else(|| line.strip_prefix(b"HTTP/1.0 "))?;
+        let code = match status {
+            [a, b, c] | [a, b, c, b' ', ..] if [a, b, c].iter().all(|d| d.is_ascii_digit()) => {
+                [a, b, c]
+                    .iter()
+                    .fold(0u16, |n, d| n * 10 + u16::from(**d - b'0'))
+            }
+            _ => return None,
+        };
+        loop {
+            let (header, next) = line_at(reply, at)?;
+            at = next;
+            if header.is_empty() {
+                break;
+            }
+        }
+        match code {
+            100 | 102..=199 => {}
+            200..=299 => return Some(at),
+            _ => return None,
+        }
+    }
+}
+
+/// Where a SOCKS5 proxy's replies end, if they grant the tunnel, read by
+/// hand (RFC 1928 §3, §6, RFC 1929 §2): the method chosen, no
+/// authentication, or username and password if we offered them (`auth`),
+/// and then their status 0 (version 1); then a reply of version 5, code
+/// 0 (succeeded), reserved 0 and a bound address: IPv4, IPv6, or a domain
+/// name (as text: UTF-8), and a port.
+fn socks5_grant(reply: &[u8], auth: bool) -> Option<usize> {
+    let at = match reply.get(..2)? {
+        [5, 0] => 2,
+        [5, 2] if auth => match reply.get(2..4)? {
+            [1, 0] => 4,
+            _ => return None,
+        },
+        _ => return None,
+    };
+    let [5, 0, 0, kind] = *reply.get(at..at + 4)? else {
+        return None;
+    };
+    let address = match kind {
+        1 => 4,
+        4 => 16,
+        3 => {
+            let len = usize::from(*reply.get(at + 4)?);
+            std::str::from_utf8(reply.get(at + 5..at + 5 + len)?).ok()?;
+            1 + len
+        }
+        _ => return None,
+    };
+    let end = at + 4 + address + 2;
+    (end <= reply.len()).then_some(end)
 }
 
 /// The agent's proxy client asking `proxy` for a tunnel to `host`, over
-/// an in-memory pipe to a proxy that answers `reply`, then closes.
-fn handshake_against(proxy: &Proxy, host: &str, reply: Vec<u8>) -> Result<(), ProxyError> {
-    // A paused clock moves only when every task waits: the proxy closes
-    // its side once the client can make no progress with what it has (a
-    // real proxy would keep a granted tunnel open; one that closes at
-    // once makes hyper cancel the upgrade).
+/// an in-memory pipe to a proxy that answers `reply`, a second later sends
+/// [`LATER`], then closes; on success, what the tunnel carried to its end.
+fn handshake_against(proxy: &Proxy, host: &str, reply: Vec<u8>) -> Result<Vec<u8>, ProxyError> {
+    // A paused clock moves only when every task waits: the proxy sends on
+    // and closes its side once the client can make no progress with what
+    // it has (a real proxy would keep a granted tunnel open; one that
+    // closes at once makes hyper cancel the upgrade).
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -595,11 +700,21 @@ fn handshake_against(proxy: &Proxy, host: &str, reply: Vec<u8>) -> Result<(), Pr
             }
             let _ = server.write_all(&reply).await;
             tokio::time::sleep(Duration::from_secs(1)).await;
+            let _ = server.write_all(LATER).await;
             let _ = server.shutdown().await;
             let mut sink = [0u8; 1024];
             while matches!(server.read(&mut sink).await, Ok(n) if n > 0) {}
         });
-        let result = egress::handshake(client, proxy, host, 8132).await.map(drop);
+        let result = match egress::handshake(client, proxy, host, 8132).await {
+            Ok(mut tunnel) => {
+                let mut carried = Vec::new();
+                match tunnel.read_to_end(&mut carried).await {
+                    Ok(_) => Ok(carried),
+                    Err(e) => panic!("a tunnel failed after {} bytes: {e}", carried.len()),
+                }
+            }
+            Err(error) => Err(error),
+        };
         drop(peer);
         result
     })
@@ -612,9 +727,9 @@ mod tests {
     include!("../../fuzz/replay.rs");
 
     replay!(
-        fuzz_corpus_agent_table => agent_table,
-        fuzz_corpus_flow_control => flow_control,
-        fuzz_corpus_proxy_reply => proxy_reply,
+        fuzz_corpus_agent_table => agent_table within agent_table_alloc_bound,
+        fuzz_corpus_flow_control => flow_control within flow_control_alloc_bound,
+        fuzz_corpus_proxy_reply => proxy_reply within proxy_reply_alloc_bound,
     );
 
     /// The harness reaches success: a proxy that grants the tunnel.
@@ -631,6 +746,14 @@ mod tests {
         // bound IPv4 address.
         let socks = [2u8, 5, 0, 5, 0, 0, 1, 127, 0, 0, 1, 0x1f, 0x90];
         assert!(proxy_reply(&socks));
-        assert!(!proxy_reply(&socks[..8]), "cut short");
+        // Cut short, even with what the proxy sends next: an error.
+        assert!(!proxy_reply(&[2, 5, 0, 5, 0, 0, 3, 255, b'h']), "cut short");
+        // Bytes after the reply reach the tunnel (checked inside).
+        let mut early = socks.to_vec();
+        early.extend_from_slice(b"early");
+        assert!(proxy_reply(&early));
+        http[10] = b'2';
+        http.extend_from_slice(b"\x16\x03\x01");
+        assert!(proxy_reply(&http));
     }
 }

@@ -14,6 +14,13 @@
 //! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
 //!   feature only; `docs/fuzzing.md`).
 
+/// The test build counts each thread's heap, so that the replay of the fuzz
+/// corpora checks each target's heap bound (`fuzz/replay.rs`).
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: heap_count::Counting<std::alloc::System> =
+    heap_count::Counting::new(std::alloc::System);
+
 pub mod agent;
 pub mod client;
 pub mod config;

@@ -163,6 +163,38 @@ impl AuthError {
         )
     }
 
+    /// This error with `token` masked in every text an answer of the API
+    /// put in it: an answer may echo the token in `status.error`, the user
+    /// name, the audiences, a Status message or a failed call's text, and
+    /// the error goes to the log and back to the agent.
+    fn masked(self, token: &str) -> Self {
+        let mask = |text: String| {
+            if token.is_empty() || !text.contains(token) {
+                text
+            } else {
+                text.replace(token, "MASKED")
+            }
+        };
+        match self {
+            Self::Review(text) => Self::Review(mask(text)),
+            Self::StatusError(text) => Self::StatusError(mask(text)),
+            Self::Audience { want, got } => Self::Audience {
+                want,
+                got: got.into_iter().map(mask).collect(),
+            },
+            Self::NotServiceAccount(user) => Self::NotServiceAccount(mask(user)),
+            Self::Namespace { want, got } => Self::Namespace {
+                want,
+                got: mask(got),
+            },
+            Self::ServiceAccount { want, got } => Self::ServiceAccount {
+                want,
+                got: mask(got),
+            },
+            other => other,
+        }
+    }
+
     /// The gRPC status of the refusal: `Unavailable` under load (clients
     /// retry it), `Unauthenticated` otherwise.
     pub fn status(&self) -> tonic::Status {
@@ -230,14 +262,24 @@ impl TokenAuth {
         // The agent retries with its own backoff; kube's default retries
         // (up to 15, for minutes) would hold its Connect open instead.
         let client = ops::kube::client(config.kubeconfig.as_deref(), REVIEW_TIMEOUT).await?;
+        Ok(Self::with_client(config, client, on_review))
+    }
+
+    /// [`new`](Self::new) with a kube client made elsewhere (the
+    /// `token_review` fuzz target's stub API).
+    pub(crate) fn with_client(
+        config: TokenAuthConfig,
+        client: Client,
+        on_review: OnReview,
+    ) -> Self {
         let reviews =
             reviews::Reviews::new(config.cache_ttl, config.max_in_flight, config.max_pending);
-        Ok(Self {
+        Self {
             config,
             client,
             reviews,
             on_review,
-        })
+        }
     }
 
     /// Connects waiting for a review now.
@@ -301,13 +343,13 @@ impl TokenAuth {
         let reviewed = tokio::time::timeout(REVIEW_TIMEOUT, self.review(&review))
             .await
             .map_err(|_| AuthError::Review(format!("no answer within {REVIEW_TIMEOUT:?}")))?
-            .map_err(|reason| AuthError::Review(reason.replace(token, "MASKED")))?;
+            .map_err(|reason| AuthError::Review(reason).masked(token))?;
         let expected = Expected {
             namespace: &self.config.namespace,
             service_account: &self.config.service_account,
             audience: &self.config.audience,
         };
-        verdict(&expected, reviewed)
+        verdict(&expected, reviewed).map_err(|error| error.masked(token))
     }
 
     /// POSTs `review` and reads the answer. Not `Api::create`: kube's

@@ -490,12 +490,15 @@ pub fn connect_head_alloc_bound(len: usize) -> usize {
 
 /// Reads a CONNECT request head from the bytes after a few choices, as
 /// they would arrive cut into pieces (the cuts chosen too), then answers a
-/// failed dial with an agent's error text (also from the bytes). Checks:
-/// the head parses the same however it is cut (a head accepted whole is
-/// accepted in pieces, with the same method and target); the target is
-/// the request line's or the `Host`; what followed the head is kept as it
-/// came, in a buffer of its own size; an error is an error; the error page
-/// repeats at most a bounded prefix of the target and the agent's text.
+/// failed dial with an agent's error text (also from the bytes). Checks,
+/// against the head as [`Reading`] reads it by hand: a head accepted is
+/// complete there; its method is the request line's and its target the
+/// request line's (else the `Host`'s); what followed the head, the bytes
+/// kept with it and those still unread, is exactly what the client sent
+/// after it, in a buffer of its own size; the head parses the same
+/// however it is cut (accepted whole, accepted in pieces; refused alike);
+/// the error page repeats at most a bounded prefix of the target and the
+/// agent's text.
 pub fn connect_head(data: &[u8]) {
     let mut input = Input(data);
     let cuts: Vec<usize> = (0..input.below(8)).map(|_| input.below(64) + 1).collect();
@@ -512,11 +515,7 @@ pub fn connect_head(data: &[u8]) {
     pieces.push(rest);
     let cut = read(pieces);
     match (&whole, &cut) {
-        (Ok(a), Ok(b)) => assert_eq!(
-            (&a.0, &a.1),
-            (&b.0, &b.1),
-            "cut differently, parsed differently"
-        ),
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "cut differently, parsed differently"),
         (Ok(_), Err(e)) => panic!("a head accepted whole is refused in pieces ({e})"),
         (Err(_), Ok(_)) => panic!("a head refused whole is accepted in pieces"),
         (Err(_), Err(_)) => {}
@@ -529,21 +528,23 @@ pub fn connect_head(data: &[u8]) {
     }
 }
 
-/// `read_head` over `pieces`: the method, target and what followed.
+/// `read_head` over `pieces`: the method, the target and every byte the
+/// client sent after the head (those read with it, then those still
+/// unread), each checked against the [`Reading`] of the whole stream.
 fn read(pieces: Vec<&[u8]>) -> Result<(String, String, Vec<u8>), &'static str> {
     let stream: Vec<u8> = pieces.concat();
     let mut reader = Pieces { pieces };
     match ready(head::read_head(&mut reader)) {
         Ok(head) => {
-            let end = stream
-                .windows(4)
-                .position(|w| w == b"\r\n\r\n")
-                .expect("a head without its blank line")
-                + 4;
-            let after = &stream[end..];
+            let reading = Reading::of(&stream).expect("a head accepted before its blank line");
+            let after = [&head.rest[..], &reader.pieces.concat()].concat();
             assert!(
-                after.starts_with(&head.rest),
-                "the bytes after the head were changed"
+                after == stream[reading.end..],
+                "{} bytes after the head, {} sent ({} kept with it, {} unread)",
+                after.len(),
+                stream.len() - reading.end,
+                head.rest.len(),
+                after.len() - head.rest.len()
             );
             assert!(
                 head.rest.capacity() <= head.rest.len().max(64),
@@ -551,19 +552,18 @@ fn read(pieces: Vec<&[u8]>) -> Result<(String, String, Vec<u8>), &'static str> {
                 head.rest.len(),
                 head.rest.capacity()
             );
-            // httparse skips blank lines before the request line (RFC 9112
-            // §2.2 allows it).
-            let start = stream
-                .iter()
-                .position(|b| *b != b'\r' && *b != b'\n')
-                .unwrap_or(0);
-            assert!(!head.method.is_empty());
-            assert!(head.target.len() <= end);
-            assert!(
-                stream[start..].starts_with(head.method.as_bytes()),
+            assert_eq!(
+                head.method.as_bytes(),
+                reading.method,
                 "the method is not the request line's"
             );
-            Ok((head.method, head.target, head.rest.to_vec()))
+            assert!(
+                head.target.as_bytes() == reading.target.as_slice(),
+                "the target {:?} is not the request line's or the Host's, {:?}",
+                head.target,
+                String::from_utf8_lossy(&reading.target)
+            );
+            Ok((head.method, head.target, after))
         }
         Err(HeadError::Gone) => Err("gone"),
         Err(HeadError::Malformed) => Err("malformed"),
@@ -571,9 +571,69 @@ fn read(pieces: Vec<&[u8]>) -> Result<(String, String, Vec<u8>), &'static str> {
     }
 }
 
-/// The heap a [`token_review`] run may use at its peak for `len` bytes.
+/// A request head read by hand as RFC 9112 lays it out (§2.2, §3, §5),
+/// for the [`connect_head`] oracle: lines end with LF (a CR before it is
+/// dropped), blank lines before the request line are skipped, the request
+/// line is method SP target SP version, and the head ends with the first
+/// empty line after it. It does not judge validity (httparse does, in the
+/// server): it only says where a head ends and what it names.
+struct Reading<'a> {
+    /// The request line's first word.
+    method: &'a [u8],
+    /// The request line's second word; when that is empty, the first
+    /// `Host` header's value without surrounding blanks.
+    target: Vec<u8>,
+    /// Where the head ends: its empty line's LF, plus one.
+    end: usize,
+}
+
+impl<'a> Reading<'a> {
+    /// The head at the start of `stream`, if its empty line has come.
+    fn of(stream: &'a [u8]) -> Option<Self> {
+        let mut at = 0;
+        let mut line = || {
+            let len = stream[at..].iter().position(|b| *b == b'\n')?;
+            let line = &stream[at..at + len];
+            at += len + 1;
+            Some(line.strip_suffix(b"\r").unwrap_or(line))
+        };
+        let request = loop {
+            let request = line()?;
+            if !request.is_empty() {
+                break request;
+            }
+        };
+        let mut words = request.splitn(3, |b| *b == b' ');
+        let method = words.next().unwrap_or_default();
+        let mut target = words.next().unwrap_or_default().to_vec();
+        let mut host = None;
+        loop {
+            let header = line()?;
+            if header.is_empty() {
+                break;
+            }
+            if let Some(colon) = header.iter().position(|b| *b == b':')
+                && header[..colon].eq_ignore_ascii_case(b"host")
+                && host.is_none()
+            {
+                host = Some(header[colon + 1..].trim_ascii().to_vec());
+            }
+        }
+        if target.is_empty() {
+            target = host.unwrap_or_default();
+        }
+        Some(Self {
+            method,
+            target,
+            end: at,
+        })
+    }
+}
+
+/// The heap a [`token_review`] run may use at its peak for `len` bytes:
+/// the body read twice, its log lines, a runtime and a kube client.
 pub fn token_review_alloc_bound(len: usize) -> usize {
-    32 * len + 256 * 1024
+    64 * len + 1024 * 1024
 }
 
 /// Whom the fuzzed reviews must name to admit an agent.
@@ -583,39 +643,177 @@ const EXPECTED: auth::Expected<'static> = auth::Expected {
     audience: "system:konnectivity-server",
 };
 
-/// The token the fuzzed reviews are about; an error must never show it.
-const TOKEN: &str = "s3cr3t-fuzz-token";
+/// The token the fuzzed reviews are about: a JWT that passes the local
+/// checks (our audience, expiring in 2100; its signature segment is
+/// base64url of "s3cr3t-fuzz-token"), so that every check reaches the API.
+/// No error and no log line may show it.
+const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.eyJhdWQiOlsic3lzdGVtOmtvbm5lY3Rpdml0eS1zZXJ2ZXIiXSwiZXhwIjo0MTAyNDQ0ODAwfQ.czNjcjN0LWZ1enotdG9rZW4";
+
+/// A request the [`StubApi`] was sent: its method, path and body.
+type Sent = (http::Method, String, Bytes);
+
+/// The kube API of [`token_review`]: answers every request with one status
+/// code and body, and keeps the requests. A 1xx code stands for no answer:
+/// 100, none ever (the review times out); the others, a failed connection
+/// whose error text is the body.
+#[derive(Clone)]
+struct StubApi {
+    /// The answer's status code.
+    code: StatusCode,
+    /// The answer's body.
+    body: Bytes,
+    /// What was sent, in order.
+    sent: std::sync::Arc<std::sync::Mutex<Vec<Sent>>>,
+}
+
+impl tower::Service<http::Request<kube::client::Body>> for StubApi {
+    type Response = http::Response<http_body_util::Full<Bytes>>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
+        use http_body_util::BodyExt as _;
+        let api = self.clone();
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let sent = (parts.method, parts.uri.path().to_owned(), body);
+            api.sent.lock().expect("not poisoned").push(sent);
+            match api.code.as_u16() {
+                100 => std::future::pending().await,
+                101..=199 => Err(std::io::Error::other(
+                    String::from_utf8_lossy(&api.body).into_owned(),
+                )),
+                _ => Ok(http::Response::builder()
+                    .status(api.code)
+                    .body(http_body_util::Full::new(api.body))
+                    .expect("a status and a body make a response")),
+            }
+        })
+    }
+}
+
+/// Every log line written while it is the writer, as the binaries format
+/// them (`tracing_subscriber::fmt`).
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Self;
+
+    fn make_writer(&'a self) -> Self {
+        self.clone()
+    }
+}
 
 /// A TokenReview answer (the status code from the first two bytes, the
-/// body after them) read and judged as the agent authentication does.
-/// Checks: a bad answer is an error, never a panic; the error never
-/// quotes the body of a 2xx answer, nor the token; an agent is admitted
-/// only if the answer, read independently as plain JSON, says the token
-/// is authenticated, for our audience, as our service account.
+/// body after them) to an agent's `Connect`, through the real path: the
+/// `authorization` metadata, the local checks, the reviews' cache and
+/// bounds (`auth::reviews`), the POST through a kube client, the reading
+/// of the answer and its verdict (`TokenAuth::authenticate`, its kube
+/// client on [`StubApi`]); the agent connects twice. Every log line at
+/// any level is captured. Checks: the token is in no log line and in no
+/// error's text, debug form or gRPC status; the API was asked about this
+/// token, for our audience, once, and again only if its first answer may
+/// not be reused; both connects get the same verdict; a verdict on the
+/// token comes from a 2xx answer only, and an agent is admitted only if
+/// the answer, read independently as plain JSON, says the token is
+/// authenticated, for our audience, as our service account; the reading
+/// alone (`auth::read_answer`) never quotes a 2xx body.
 pub fn token_review(data: &[u8]) {
     let mut input = Input(data);
     let code = 100 + (usize::from(input.byte()) << 8 | usize::from(input.byte())) % 500;
     let code = StatusCode::from_u16(u16::try_from(code).unwrap_or(200)).unwrap_or(StatusCode::OK);
     let body = input.0;
-    let config = EXPECTED;
-    let (verdict, review) = match auth::read_answer(code, body) {
-        Err(reason) => {
-            assert!(!reason.is_empty());
-            if code.is_success() {
-                assert!(
-                    !reason.contains(TOKEN),
-                    "a 2xx answer's body quoted: {reason}"
-                );
-            }
-            let error = AuthError::Review(reason.replace(TOKEN, "MASKED"));
-            assert!(!error.to_string().contains(TOKEN));
+    if code.is_success()
+        && let Err(reason) = auth::read_answer(code, body)
+    {
+        assert!(
+            !reason.contains(TOKEN),
+            "a 2xx answer's body quoted: {reason}"
+        );
+    }
+    let api = StubApi {
+        code,
+        body: Bytes::copy_from_slice(body),
+        sent: std::sync::Arc::default(),
+    };
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .finish();
+    let (verdicts, checked) =
+        tracing::subscriber::with_default(subscriber, || connect_twice(api.clone()));
+    let logs = String::from_utf8_lossy(&logs.0.lock().expect("not poisoned")).into_owned();
+    assert!(!logs.contains(TOKEN), "the token logged:\n{logs}");
+    for error in verdicts.iter().filter_map(|v| v.as_ref().err()) {
+        let shown = format!("{error}\n{error:?}\n{}", error.status().message());
+        assert!(!shown.contains(TOKEN), "the token shown: {shown}");
+    }
+    let sent = api.sent.lock().expect("not poisoned");
+    let first = &verdicts[0];
+    let reused = match first {
+        Ok(()) => true,
+        Err(AuthError::Review(_) | AuthError::StatusError(_)) => false,
+        Err(error) => !error.is_load(),
+    };
+    assert_eq!(
+        sent.len(),
+        if reused { 1 } else { 2 },
+        "TokenReview calls for two connects, after {first:?}"
+    );
+    for (method, path, request) in sent.iter() {
+        assert_eq!(
+            (method, path.as_str()),
+            (
+                &http::Method::POST,
+                "/apis/authentication.k8s.io/v1/tokenreviews"
+            )
+        );
+        let review: k8s_openapi::api::authentication::v1::TokenReview =
+            serde_json::from_slice(request).expect("a TokenReview sent");
+        assert_eq!(review.spec.token.as_deref(), Some(TOKEN));
+        assert_eq!(
+            review.spec.audiences,
+            Some(vec![EXPECTED.audience.to_owned()])
+        );
+    }
+    assert_eq!(
+        checked.first(),
+        Some(&auth::Checked::Answered(auth::reviews::Source::Api))
+    );
+    assert_eq!(verdicts[0], verdicts[1], "the same answer, another verdict");
+    match first {
+        Err(AuthError::Review(_)) => return,
+        Err(_) => {
+            assert!(code.is_success(), "a verdict from a {code} answer");
             return;
         }
-        Ok(review) => (auth::verdict(&config, review.clone()), review),
-    };
-    assert!(code.is_success(), "a review read from a {code} answer");
-    if verdict.is_err() {
-        return;
+        Ok(()) => assert!(code.is_success(), "admitted on a {code} answer"),
     }
     // Admitted: the answer says so, read as plain JSON. serde_json skips
     // an unknown field's string without checking it (bad UTF-8, a lone
@@ -634,6 +832,7 @@ pub fn token_review(data: &[u8]) {
                     .is_some_and(|a| a.iter().any(|a| a == "system:konnectivity-server"))
         }
         Err(_) => {
+            let review = auth::read_answer(code, body).expect("admitted on an unreadable answer");
             let status = review.status.unwrap_or_default();
             status.authenticated == Some(true)
                 && status.error.is_none_or(|e| e.is_empty())
@@ -647,6 +846,49 @@ pub fn token_review(data: &[u8]) {
         }
     };
     assert!(admitted, "admitted on an answer that does not say so");
+}
+
+/// Two `Connect`s with [`TOKEN`] from one agent, checked by a
+/// `TokenAuth` whose kube client is `api`: their verdicts, and what the
+/// metrics were told of each.
+fn connect_twice(api: StubApi) -> (Vec<Result<(), AuthError>>, Vec<auth::Checked>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    runtime.block_on(async {
+        let config = auth::TokenAuthConfig {
+            namespace: EXPECTED.namespace.to_owned(),
+            service_account: EXPECTED.service_account.to_owned(),
+            audience: EXPECTED.audience.to_owned(),
+            kubeconfig: None,
+            cache_ttl: auth::DEFAULT_CACHE_TTL,
+            max_in_flight: auth::DEFAULT_MAX_IN_FLIGHT,
+            max_pending: auth::DEFAULT_MAX_PENDING,
+            local_checks: true,
+        };
+        let checked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let on_review: auth::OnReview = {
+            let checked = checked.clone();
+            std::sync::Arc::new(move |c| checked.lock().expect("not poisoned").push(c))
+        };
+        let auth =
+            auth::TokenAuth::with_client(config, kube::Client::new(api, "default"), on_review);
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        let bearer = format!("{}{TOKEN}", proto::header::BEARER_PREFIX);
+        metadata.insert(
+            proto::header::AUTHORIZATION,
+            bearer.parse().expect("a token is header text"),
+        );
+        let peer = Some(std::net::IpAddr::from([10, 0, 0, 7]));
+        let mut verdicts = Vec::new();
+        for _ in 0..2 {
+            verdicts.push(auth.authenticate(&metadata, peer).await);
+        }
+        let checked = checked.lock().expect("not poisoned").clone();
+        (verdicts, checked)
+    })
 }
 
 /// The heap a [`token_claims`] run may use at its peak for `len` bytes:
@@ -1127,13 +1369,56 @@ mod tests {
     include!("../../fuzz/replay.rs");
 
     replay!(
-        fuzz_corpus_router => router,
-        fuzz_corpus_connect_head => connect_head,
-        fuzz_corpus_token_review => token_review,
-        fuzz_corpus_lanes => lanes,
-        fuzz_corpus_token_claims => token_claims,
-        fuzz_corpus_review_peers => review_peers,
+        fuzz_corpus_router => router within router_alloc_bound,
+        fuzz_corpus_connect_head => connect_head within connect_head_alloc_bound,
+        fuzz_corpus_token_review => token_review within token_review_alloc_bound,
+        fuzz_corpus_lanes => lanes within lanes_alloc_bound,
+        fuzz_corpus_token_claims => token_claims within token_claims_alloc_bound,
+        fuzz_corpus_review_peers => review_peers within review_peers_alloc_bound,
     );
+
+    /// The CONNECT head oracle's own reading: where a head ends (lines
+    /// ending with LF or CRLF, blank lines before the request line
+    /// skipped), its method, its target, else the Host's; no head before
+    /// its empty line.
+    #[test]
+    fn the_connect_head_oracle_reads_heads_by_hand() {
+        type Head<'a> = Option<(&'a [u8], &'a [u8], usize)>;
+        let cases: [(&[u8], Head<'_>); 6] = [
+            (
+                b"CONNECT a:1 HTTP/1.1\r\n\r\nxyz",
+                Some((b"CONNECT", b"a:1", 24)),
+            ),
+            (
+                b"CONNECT a:1 HTTP/1.1\n\r\n\r\n",
+                Some((b"CONNECT", b"a:1", 23)),
+            ),
+            (
+                b"\r\n\nGET /x HTTP/1.1\nHost:  h:2 \n\n",
+                Some((b"GET", b"/x", 32)),
+            ),
+            (
+                b"CONNECT  HTTP/1.1\r\nhOsT: h:2\r\nHost: no\r\n\r\n",
+                Some((b"CONNECT", b"h:2", 42)),
+            ),
+            (b"CONNECT a:1 HTTP/1.1\r\nHost: a:1\r\n", None),
+            (b"\r\n\r\n", None),
+        ];
+        for (stream, expected) in cases {
+            let reading = Reading::of(stream);
+            let got = reading
+                .as_ref()
+                .map(|r| (r.method, r.target.as_slice(), r.end));
+            assert_eq!(got, expected, "{:?}", String::from_utf8_lossy(stream));
+        }
+        // What `read` finds after a head cut anywhere: every byte sent.
+        let stream = b"CONNECT a:1 HTTP/1.1\n\r\nearly\r\n\r\nlate";
+        for cut in 1..stream.len() {
+            let (method, target, after) = read(vec![&stream[..cut], &stream[cut..]]).unwrap();
+            assert_eq!((method.as_str(), target.as_str()), ("CONNECT", "a:1"));
+            assert_eq!(after, b"early\r\n\r\nlate", "cut at {cut}");
+        }
+    }
 
     /// The harnesses see what they claim: a valid CONNECT head in pieces,
     /// an admitting TokenReview answer, a dial through the router.

@@ -113,16 +113,16 @@ pub(crate) async fn read_head<IO: AsyncRead + Unpin>(io: &mut IO) -> Result<Head
     let mut scanned = 0;
     let mut request_line = RequestLine::default();
     loop {
-        if let Some(i) = find(&buf[scanned..], b"\r\n\r\n") {
-            let len = scanned + i + 4;
-            return parse_head(buf, len);
+        if let Some(end) = head_end(&buf[scanned..]) {
+            return parse_head(buf, scanned + end);
         }
         // Refuse what is clearly not HTTP as soon as its first bytes show
         // it, rather than holding the socket until the header timeout.
         if !request_line.plausible(&buf) {
             return Err(HeadError::Malformed);
         }
-        scanned = buf.len().saturating_sub(3);
+        // The last two bytes may begin the end ("\n\r").
+        scanned = buf.len().saturating_sub(2);
         if buf.len() >= MAX_HEADER_BYTES {
             return Err(HeadError::TooLarge);
         }
@@ -169,19 +169,33 @@ impl RequestLine {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+/// Where a head in `bytes` ends: past its first empty line, a line end
+/// (LF, or CRLF) right after another. Lines may end with LF alone, as
+/// httparse and Go's server read them (RFC 9112 §2.2): looking for CRLF
+/// CRLF only would take the bytes up to a later one for the head, and
+/// lose them.
+fn head_end(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'\n')
+        .find_map(|(i, _)| match &bytes[i + 1..] {
+            [b'\n', ..] => Some(i + 2),
+            [b'\r', b'\n', ..] => Some(i + 3),
+            _ => None,
+        })
 }
 
 /// Parses a complete head (`len` bytes, ending with the blank line).
 fn parse_head(buf: BytesMut, len: usize) -> Result<Head, HeadError> {
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut request = httparse::Request::new(&mut headers);
-    match request.parse(&buf[..len]) {
-        Ok(httparse::Status::Complete(_)) => {}
+    // httparse's own end of the head; the same as `len`, found the same way.
+    let len = match request.parse(&buf[..len]) {
+        Ok(httparse::Status::Complete(parsed)) => parsed,
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
         Ok(httparse::Status::Partial) | Err(_) => return Err(HeadError::Malformed),
-    }
+    };
     let method = request.method.unwrap_or_default().to_owned();
     let mut target = request.path.unwrap_or_default().to_owned();
     if target.is_empty() {
@@ -393,6 +407,37 @@ mod tests {
         assert_eq!(head.method, "CONNECT");
         assert_eq!(head.target, "10.0.0.1:443");
         assert_eq!(&head.rest[..], b"early bytes");
+    }
+
+    /// Lines may end with LF alone (httparse and Go's server read them
+    /// so): the head ends at its first empty line, not at a later CRLF
+    /// CRLF, and what follows is kept whole. Before, the bytes up to the
+    /// next CRLF CRLF were taken for the head and lost, and a head ending
+    /// with LF LF waited for more.
+    #[tokio::test]
+    async fn a_head_whose_lines_end_with_lf_alone_ends_at_its_empty_line() {
+        for (sent, kept) in [
+            (
+                &b"CONNECT a:1 HTTP/1.1\n\r\nearly\r\n\r\n"[..],
+                &b"early\r\n\r\n"[..],
+            ),
+            (b"CONNECT a:1 HTTP/1.1\nHost: a:1\n\n\r\n\r\n", b"\r\n\r\n"),
+            (b"CONNECT a:1 HTTP/1.1\r\nHost: a:1\n\nx", b"x"),
+        ] {
+            let (mut client, mut server) = tokio::io::duplex(1024);
+            // The client stays open: only the bytes end the head.
+            client.write_all(sent).await.unwrap();
+            let head = tokio::time::timeout(Duration::from_secs(5), read_head(&mut server))
+                .await
+                .unwrap_or_else(|_| panic!("{sent:?} was held"))
+                .ok()
+                .unwrap();
+            assert_eq!(
+                (head.method.as_str(), head.target.as_str()),
+                ("CONNECT", "a:1")
+            );
+            assert_eq!(&head.rest[..], kept, "{sent:?}");
+        }
     }
 
     #[tokio::test]
