@@ -324,7 +324,34 @@ def proxy_reply():
     write("proxy_reply", "socks5-v6", [socks5] + [5, 0, 5, 0, 0, 4] + [0] * 15 + [1, 0, 80])
 
 
-# --- hpack: [limits] then [len, block]... ------------------------------------
+# --- hpack: [limits] then [len hi, len lo, block]... --------------------------
+# The blocks grpc-go writes are captured by fuzz/capture_hpack.py (it needs
+# target/go-frontend): fuzz/regressions/hpack/grpc-go-*.
+
+
+def hpack_blocks(hexes):
+    out = []
+    for h in hexes:
+        b = bytes.fromhex(h) if isinstance(h, str) else h
+        out += list(struct.pack(">H", len(b))) + list(b)
+    return out
+
+
+def hpack_int(value, prefix, flags):
+    top = (1 << prefix) - 1
+    if value < top:
+        return bytes([flags | value])
+    out = bytearray([flags | top])
+    value -= top
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def hpack_literal(name, value, flags=0x40, prefix=6):
+    return hpack_int(0, prefix, flags) + hpack_int(len(name), 7, 0) + name + hpack_int(len(value), 7, 0) + value
 
 
 def hpack():
@@ -334,12 +361,7 @@ def hpack():
     c4 = ["828684418cf1e3c2e5f23a6ba0ab90f4ff",
           "828684be5886a8eb10649cbf",
           "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf"]
-    def blocks(hexes):
-        out = []
-        for h in hexes:
-            b = bytes.fromhex(h)
-            out += [len(b)] + list(b)
-        return out
+    blocks = hpack_blocks
     write("hpack", "rfc7541-c3", [13] + blocks(c3))
     write("hpack", "rfc7541-c4-huffman", [13] + blocks(c4))
     write("hpack", "size-update", [3] + blocks(["3f1182"]))
@@ -347,8 +369,19 @@ def hpack():
     write("hpack", "never-indexed", [18] + blocks(["1008706173737764" + "06736563726574"]))
     socket = b"%2Fetc%2Fkubernetes%2Fkonnectivity-server%2Fkonnectivity-server.socket"
     block = bytes.fromhex("8386") + b"\x41" + bytes([len(socket)]) + socket + bytes.fromhex("448a2f50726f78795365727669636550")
-    write("hpack", "grpc-authority", [13] + [len(block)] + list(block))
+    write("hpack", "grpc-authority", [13] + blocks([block]))
     write("hpack", "bad-index", [3] + blocks(["ff7f"]))
+    # RUSTSEC-2023-0085's input: a size update whose integer is cut short.
+    write("hpack", "truncated-size-update", [3] + blocks(["3f"]))
+    write("hpack", "huffman-padding", [13] + blocks(["0081ff0180", "00811f0180"]))
+    # Several KiB: an entry of 4000 bytes indexed again and again, a list
+    # of many fields, a table of 64 KiB filled and evicted.
+    big = hpack_literal(b"x-big", b"v" * 4000)
+    write("hpack", "a-4k-entry-indexed", [18] + blocks([big + bytes([0xBE]) * 3, bytes([0xBE]) * 8]))
+    many = b"".join(hpack_literal(b"x-%d" % i, b"%d" % i) for i in range(300))
+    write("hpack", "300-fields", [19] + blocks([many, bytes([0xBE, 0xBF, 0xC0])]))
+    fill = b"".join(hpack_literal(b"k", b"w" * 1000) for _ in range(7))
+    write("hpack", "64k-table-evicted", [19] + blocks([fill, hpack_int(0, 5, 0x20) + bytes([0x82]), fill]))
 
 
 # --- tls_files: [choice, split hi, split lo] then cert file + key file -------
