@@ -155,6 +155,31 @@ def router():
           + [2, 0, 0, 5, 0, 0] + [10, 0, 0, 5] + [15, 0, 0, 2])
 
 
+    # The transports' sequences (op bytes 240-243 are ops 16-19): op 16 is
+    # [240, fe, be, address, latency, answer] (latency: the byte cubed, in
+    # µs; answer: 0-1 established, 2 refused, 3 timed out, 4 DIAL_CLS, 5
+    # none); 17 [241, fe, be, which, latency, answer]; 18 [242, fe, be,
+    # past]; 19 [243, fe, be].
+    two = [0, 0] + [1, 0, 0, 0] + [1, 0, 0, 1, 0]
+    three = two + [1, 0, 0, 2, 0]
+
+    def dials(n, latency, answer):
+        return [240, 0, 0, 0, latency, answer] * n
+
+    # An agent that refuses at once: it weighs at least FAILURE_COST after.
+    write("router", "refused-at-once", [0, 0, 0, 0, 0] + two + dials(1, 10, 2) + dials(4, 20, 0))
+    # Forty dials of 8 ms: percentile hedges past their bootstrap, then a
+    # silent dial hedged at the p50 and timed out.
+    write("router", "percentile-hedge", [0, 0, 1, 4, 0] + three + dials(40, 20, 0)
+          + dials(1, 0, 5) + [242, 0, 0, 0, 242, 0, 0, 1, 241, 0, 0, 0, 30, 0, 242, 0, 0, 0])
+    # A silent agent: its dial times out when the timer runs.
+    write("router", "silent-times-out", [0, 0, 0, 1, 0] + two + dials(1, 5, 5) + [242, 0, 0, 0, 242, 0, 0, 0])
+    # Fixed 50 ms hedges, one retry: dials refused, answered late, cancelled
+    # by the agent; an agent stream ends with dials in flight.
+    write("router", "fixed-hedge-retries", [0, 0, 1, 3, 0] + three + dials(3, 60, 0) + dials(2, 40, 2)
+          + dials(2, 5, 4) + dials(2, 0, 5) + [242, 0, 0, 0, 241, 0, 0, 0, 80, 0, 14, 0, 1, 243, 0, 0])
+
+
 # --- connect_head: [cuts, cut..., err len, err..., repeat] then the stream ---
 
 
