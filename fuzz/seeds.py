@@ -99,6 +99,20 @@ def grpc_packets():
     write("grpc_packets", "huge-length", b"\x00\xff\xff\xff\xff")
     write("grpc_packets", "unknown-field", grpc_frame(drain() + field_varint(15, 1)))
     write("grpc_packets", "type-payload-mismatch", grpc_frame(packet(2, 4, field_varint(1, 9))))
+    # Sessions through the server (proxy_server::fuzzing::grpc_packets): its
+    # agent establishes a dial (random not 2 mod 3) with connection ids 1,
+    # 2, ..., refuses the others, echoes DATA, closes after DATA that starts
+    # with "!"; DATA after DATA arrives at once, into the uploads' lanes.
+    def session(name, packets):
+        write("grpc_packets", "session-" + name, b"".join(grpc_frame(p) for p in packets))
+    # The second DATA waits for the agent (its queue holds the first): a
+    # lane opens, and the empty DATA and the rest queue in it.
+    session("echo-through-a-lane", [dial_req(1), data(1, b"a" * 300), data(1, b"b" * 200), data(1, b""),
+                                    data(1, b"c"), close_req(1)])
+    session("refused-and-established", [dial_req(2), dial_req(3), data(1, b"hi"), close_dial(2)])
+    session("agent-closes", [dial_req(4), data(1, b"!bye"), data(1, b"late")])
+    session("mismatch", [dial_req(6), data(9, b"not ours"), dial_req(7), data(1, b"x")])
+    session("repeated-random", [dial_req(1), dial_req(1), close_req(1), close_req(1), data(1, b"after")])
 
 
 # --- router: [strategy, timeout, seed] then ops -----------------------------

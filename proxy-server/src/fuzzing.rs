@@ -36,6 +36,9 @@ use crate::{
 
 include!("../../fuzz/input.rs");
 
+mod streams;
+pub use streams::{grpc_packets, grpc_packets_alloc_bound};
+
 /// The heap a [`router`] run may use at its peak for `len` input bytes: a
 /// few hundred bytes of tables and outputs per step, each step at least a
 /// byte.
