@@ -434,6 +434,11 @@ struct RouterRun {
     next_random: i64,
     /// The next connection id the harness's agents answer with.
     next_conn: i64,
+    /// With `default` the only strategy: each agent stream's agent, in
+    /// the order they came (a pick's candidates are each agent's first).
+    agents: Option<HashMap<BackendId, usize>>,
+    /// Agent streams that announced DRAIN.
+    draining: HashSet<BackendId>,
 }
 
 impl RouterRun {
@@ -477,6 +482,8 @@ impl RouterRun {
             out: Vec::new(),
             next_random: 1 << 20,
             next_conn: 1 << 20,
+            agents: (strategies == [ProxyStrategy::Default]).then(HashMap::new),
+            draining: HashSet::new(),
         }
     }
 
@@ -558,6 +565,58 @@ impl RouterRun {
             );
         }
         self.check_costs();
+        self.check_pick();
+    }
+
+    /// With `default` the only strategy and no agent draining, a new
+    /// dial's agent is never costlier than every other candidate (each
+    /// agent's first stream): the pick takes the cheaper of two.
+    fn check_pick(&self) {
+        let Some(agents) = &self.agents else {
+            return;
+        };
+        let mut outs = self.out.iter();
+        if !outs.any(|o| matches!(o, Out::Count(crate::router::Event::DialPending))) {
+            return;
+        }
+        let Some(chosen) = outs.find_map(|o| match o {
+            Out::Forward { backend, .. } => Some(*backend),
+            _ => None,
+        }) else {
+            return;
+        };
+        let live: Vec<BackendId> = self
+            .backends
+            .iter()
+            .copied()
+            .filter(|b| self.watch.live.contains(b))
+            .collect();
+        if live.iter().any(|b| self.draining.contains(b)) {
+            return;
+        }
+        let mut candidates = Vec::new();
+        for agent in 0..3 {
+            if let Some(first) = live.iter().find(|b| agents.get(b) == Some(&agent)) {
+                candidates.push(*first);
+            }
+        }
+        assert!(
+            candidates.contains(&chosen),
+            "the pick chose be{chosen}, not an agent's first stream: {candidates:?}"
+        );
+        if candidates.len() < 2 {
+            return;
+        }
+        let cost = self.router.picked_cost(self.now, chosen, true);
+        let others: Vec<(BackendId, usize)> = candidates
+            .iter()
+            .filter(|b| **b != chosen)
+            .map(|b| (*b, self.router.picked_cost(self.now, *b, false)))
+            .collect();
+        assert!(
+            others.iter().any(|(_, other)| *other >= cost),
+            "the pick chose be{chosen} weighing {cost} over cheaper candidates {others:?}"
+        );
     }
 
     /// No agent stream weighs less in a pick than what the harness knows
@@ -764,7 +823,8 @@ impl RouterRun {
             self.frontends.push(self.router.add_frontend(kind));
             return;
         }
-        let agent = ["a", "b", "c"][input.below(3)];
+        let which = input.below(3);
+        let agent = ["a", "b", "c"][which];
         let query = String::from_utf8_lossy(input.bytes(40)).into_owned();
         let identifiers = AgentIdentifiers::parse(&query);
         let keys: Vec<String> = identifiers.dest_host_keys().map(str::to_owned).collect();
@@ -777,6 +837,9 @@ impl RouterRun {
         }
         self.watch.live.insert(id);
         self.backends.push(id);
+        if let Some(agents) = &mut self.agents {
+            agents.insert(id, which);
+        }
     }
 
     /// Ops 2 to 11: a packet from a frontend or an agent, a DIAL_REQ
@@ -810,6 +873,9 @@ impl RouterRun {
             }
             6..=9 => {
                 if let (Some(be), Some(packet)) = (be, packet(input)) {
+                    if packet.r#type == proto::PacketType::Drain as i32 {
+                        self.draining.insert(be);
+                    }
                     self.watch.agent_sends(be, &packet, now);
                     self.router.backend_packet(now, be, packet, &mut self.out);
                 }

@@ -1469,6 +1469,23 @@ impl Router {
         Some(entry.cost(now, Duration::ZERO, Duration::ZERO))
     }
 
+    /// What the pick that just chose weighed `backend` at `now`, as it
+    /// weighed it (the median and the typical latency as it left them;
+    /// `chosen`: the pick then sent it the dial, one more than it weighed).
+    /// Read only.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn picked_cost(&self, now: Instant, backend: BackendId, chosen: bool) -> usize {
+        let floor = self.median.get();
+        let typical = self.latencies.last_delay(50, floor);
+        self.backends.get(&backend).map_or(usize::MAX, |entry| {
+            let mut cost = entry.cost(now, typical, floor);
+            if chosen {
+                cost = cost / (entry.load() + 1) * entry.load();
+            }
+            cost
+        })
+    }
+
     /// The agents' median as last computed: what a hedge armed now is
     /// floored at.
     #[cfg(any(test, feature = "fuzzing"))]
