@@ -99,6 +99,20 @@ def grpc_packets():
     write("grpc_packets", "huge-length", b"\x00\xff\xff\xff\xff")
     write("grpc_packets", "unknown-field", grpc_frame(drain() + field_varint(15, 1)))
     write("grpc_packets", "type-payload-mismatch", grpc_frame(packet(2, 4, field_varint(1, 9))))
+    # Sessions through the server (proxy_server::fuzzing::grpc_packets): its
+    # agent establishes a dial (random not 2 mod 3) with connection ids 1,
+    # 2, ..., refuses the others, echoes DATA, closes after DATA that starts
+    # with "!"; DATA after DATA arrives at once, into the uploads' lanes.
+    def session(name, packets):
+        write("grpc_packets", "session-" + name, b"".join(grpc_frame(p) for p in packets))
+    # The second DATA waits for the agent (its queue holds the first): a
+    # lane opens, and the empty DATA and the rest queue in it.
+    session("echo-through-a-lane", [dial_req(1), data(1, b"a" * 300), data(1, b"b" * 200), data(1, b""),
+                                    data(1, b"c"), close_req(1)])
+    session("refused-and-established", [dial_req(2), dial_req(3), data(1, b"hi"), close_dial(2)])
+    session("agent-closes", [dial_req(4), data(1, b"!bye"), data(1, b"late")])
+    session("mismatch", [dial_req(6), data(9, b"not ours"), dial_req(7), data(1, b"x")])
+    session("repeated-random", [dial_req(1), dial_req(1), close_req(1), close_req(1), data(1, b"after")])
 
 
 # --- router: [strategy, timeout, seed] then ops -----------------------------
@@ -153,6 +167,31 @@ def router():
     write("router", "dest-host-hedge", [1, 0, 1, 1, 0] + [0, 0]
           + [1, 0, 0, len(ipv4)] + ipv4 + [1, 0, 0, 1, 0]
           + [2, 0, 0, 5, 0, 0] + [10, 0, 0, 5] + [15, 0, 0, 2])
+
+
+    # The transports' sequences (op bytes 240-243 are ops 16-19): op 16 is
+    # [240, fe, be, address, latency, answer] (latency: the byte cubed, in
+    # µs; answer: 0-1 established, 2 refused, 3 timed out, 4 DIAL_CLS, 5
+    # none); 17 [241, fe, be, which, latency, answer]; 18 [242, fe, be,
+    # past]; 19 [243, fe, be].
+    two = [0, 0] + [1, 0, 0, 0] + [1, 0, 0, 1, 0]
+    three = two + [1, 0, 0, 2, 0]
+
+    def dials(n, latency, answer):
+        return [240, 0, 0, 0, latency, answer] * n
+
+    # An agent that refuses at once: it weighs at least FAILURE_COST after.
+    write("router", "refused-at-once", [0, 0, 0, 0, 0] + two + dials(1, 10, 2) + dials(4, 20, 0))
+    # Forty dials of 8 ms: percentile hedges past their bootstrap, then a
+    # silent dial hedged at the p50 and timed out.
+    write("router", "percentile-hedge", [0, 0, 1, 4, 0] + three + dials(40, 20, 0)
+          + dials(1, 0, 5) + [242, 0, 0, 0, 242, 0, 0, 1, 241, 0, 0, 0, 30, 0, 242, 0, 0, 0])
+    # A silent agent: its dial times out when the timer runs.
+    write("router", "silent-times-out", [0, 0, 0, 1, 0] + two + dials(1, 5, 5) + [242, 0, 0, 0, 242, 0, 0, 0])
+    # Fixed 50 ms hedges, one retry: dials refused, answered late, cancelled
+    # by the agent; an agent stream ends with dials in flight.
+    write("router", "fixed-hedge-retries", [0, 0, 1, 3, 0] + three + dials(3, 60, 0) + dials(2, 40, 2)
+          + dials(2, 5, 4) + dials(2, 0, 5) + [242, 0, 0, 0, 241, 0, 0, 0, 80, 0, 14, 0, 1, 243, 0, 0])
 
 
 # --- connect_head: [cuts, cut..., err len, err..., repeat] then the stream ---
@@ -361,7 +400,34 @@ def proxy_reply():
     write("proxy_reply", "socks5-refused-then-ok", [socks5h] + [5, 0, 5, 1, 0, 1, 0, 0, 0, 0, 0, 0] + ok_v4)
 
 
-# --- hpack: [limits] then [len, block]... ------------------------------------
+# --- hpack: [limits] then [len hi, len lo, block]... --------------------------
+# The blocks grpc-go writes are captured by fuzz/capture_hpack.py (it needs
+# target/go-frontend): fuzz/regressions/hpack/grpc-go-*.
+
+
+def hpack_blocks(hexes):
+    out = []
+    for h in hexes:
+        b = bytes.fromhex(h) if isinstance(h, str) else h
+        out += list(struct.pack(">H", len(b))) + list(b)
+    return out
+
+
+def hpack_int(value, prefix, flags):
+    top = (1 << prefix) - 1
+    if value < top:
+        return bytes([flags | value])
+    out = bytearray([flags | top])
+    value -= top
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def hpack_literal(name, value, flags=0x40, prefix=6):
+    return hpack_int(0, prefix, flags) + hpack_int(len(name), 7, 0) + name + hpack_int(len(value), 7, 0) + value
 
 
 def hpack():
@@ -371,12 +437,7 @@ def hpack():
     c4 = ["828684418cf1e3c2e5f23a6ba0ab90f4ff",
           "828684be5886a8eb10649cbf",
           "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf"]
-    def blocks(hexes):
-        out = []
-        for h in hexes:
-            b = bytes.fromhex(h)
-            out += [len(b)] + list(b)
-        return out
+    blocks = hpack_blocks
     write("hpack", "rfc7541-c3", [13] + blocks(c3))
     write("hpack", "rfc7541-c4-huffman", [13] + blocks(c4))
     write("hpack", "size-update", [3] + blocks(["3f1182"]))
@@ -384,8 +445,19 @@ def hpack():
     write("hpack", "never-indexed", [18] + blocks(["1008706173737764" + "06736563726574"]))
     socket = b"%2Fetc%2Fkubernetes%2Fkonnectivity-server%2Fkonnectivity-server.socket"
     block = bytes.fromhex("8386") + b"\x41" + bytes([len(socket)]) + socket + bytes.fromhex("448a2f50726f78795365727669636550")
-    write("hpack", "grpc-authority", [13] + [len(block)] + list(block))
+    write("hpack", "grpc-authority", [13] + blocks([block]))
     write("hpack", "bad-index", [3] + blocks(["ff7f"]))
+    # RUSTSEC-2023-0085's input: a size update whose integer is cut short.
+    write("hpack", "truncated-size-update", [3] + blocks(["3f"]))
+    write("hpack", "huffman-padding", [13] + blocks(["0081ff0180", "00811f0180"]))
+    # Several KiB: an entry of 4000 bytes indexed again and again, a list
+    # of many fields, a table of 64 KiB filled and evicted.
+    big = hpack_literal(b"x-big", b"v" * 4000)
+    write("hpack", "a-4k-entry-indexed", [18] + blocks([big + bytes([0xBE]) * 3, bytes([0xBE]) * 8]))
+    many = b"".join(hpack_literal(b"x-%d" % i, b"%d" % i) for i in range(300))
+    write("hpack", "300-fields", [19] + blocks([many, bytes([0xBE, 0xBF, 0xC0])]))
+    fill = b"".join(hpack_literal(b"k", b"w" * 1000) for _ in range(7))
+    write("hpack", "64k-table-evicted", [19] + blocks([fill, hpack_int(0, 5, 0x20) + bytes([0x82]), fill]))
 
 
 # --- tls_files: [choice, split hi, split lo] then cert file + key file -------

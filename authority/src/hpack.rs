@@ -1,13 +1,17 @@
 //! HPACK (RFC 7541): the decoder that follows a client's header compression,
 //! and the plainest encoder for handing the same fields on.
 //!
-//! Written here because no crate offers a decoder that is safe on untrusted
+//! Written here because no crate offered a decoder that is safe on untrusted
 //! input: `hpack` is unmaintained and panics on one byte (RUSTSEC-2023-0085),
-//! `fluke-hpack`/`loona-hpack` carry the same panic (bearcove/loona#247), and
-//! `httlib-hpack` indexes past the end of a truncated integer; h2's own
-//! decoder is private. Every error here is a value, never a panic, and every
-//! size is bounded (the dynamic table by the size h2 advertises, a decoded
-//! list by the caller's limit).
+//! `fluke-hpack` and `loona-hpack` before 0.4.3 carry the same panic
+//! (bearcove/loona#247), and `httlib-hpack` indexes past the end of a
+//! truncated integer; h2's own decoder is private. `loona-hpack` 0.4.3 is
+//! fixed, but bounds no decoded list and drops the never-indexed flag an
+//! intermediary must keep: it is the independent reference the `hpack` fuzz
+//! target and its tests compare this decoder with (`crate::fuzzing`). Every
+//! error here is a value, never a panic, and every size is bounded (the
+//! dynamic table by the size h2 advertises, a decoded list by the caller's
+//! limit).
 
 use std::{collections::VecDeque, sync::LazyLock};
 

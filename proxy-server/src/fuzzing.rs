@@ -36,6 +36,9 @@ use crate::{
 
 include!("../../fuzz/input.rs");
 
+mod streams;
+pub use streams::{grpc_packets, grpc_packets_alloc_bound};
+
 /// The heap a [`router`] run may use at its peak for `len` input bytes: a
 /// few hundred bytes of tables and outputs per step, each step at least a
 /// byte.
@@ -66,10 +69,43 @@ struct Watch {
     /// Pending dials one of whose agents ended or closed before its
     /// DIAL_REQ went out: only they may leave their destHost key.
     agent_gone: HashSet<i64>,
+    /// Each pending dial's frontend, from its first DIAL_REQ out.
+    owner: HashMap<i64, FrontendId>,
+    /// Each pending dial's attempts as far as the harness is sure of them:
+    /// the agent stream, and when its DIAL_REQ went out (`dial_forwarded`).
+    /// Added when the router sends one, removed on whatever may end it, so
+    /// never one the router does not have.
+    attempts: HashMap<i64, Vec<(BackendId, Option<Instant>)>>,
+    /// When each pending dial forwarded with a `--backend-dial-timeout`
+    /// must be answered by: its first DIAL_REQ out, plus the timeout.
+    deadlines: HashMap<i64, Instant>,
+    /// The earliest each pending dial may be hedged: over every
+    /// `dial_forwarded` of it (any of which may arm the hedge), the least
+    /// of when it came plus the least delay then (a fixed delay, or the
+    /// agents' median and at least [`crate::router::FLOOR`]).
+    hedge_after: HashMap<i64, Instant>,
+    /// Per agent stream, a lower bound of its latency estimate (seconds,
+    /// as of when): the samples the router surely took (a failure weighs
+    /// [`crate::router::FAILURE_COST`], an attempt that ended how long it
+    /// had waited), decayed as a peak EWMA decays, which no later sample
+    /// lowers.
+    estimates: HashMap<BackendId, (f64, Instant)>,
+    /// Frontends that broke the protocol (answered MISMATCHED): their
+    /// dials may settle unanswered.
+    failed: HashSet<FrontendId>,
+    /// This event's DIAL_CLS from a frontend: the dial it settles is not
+    /// answered.
+    cancelling: Option<(FrontendId, i64)>,
+    /// Frontends that end in this event: the dials they settle are not
+    /// answered.
+    closing: HashSet<FrontendId>,
 }
 
 impl Watch {
-    fn see(&mut self, sender: Option<FrontendId>, out: &[Out]) {
+    fn see(&mut self, sender: Option<FrontendId>, out: &[Out], now: Instant) {
+        let mut settled = Vec::new();
+        let mut answered = HashSet::new();
+        let mut hedging = false;
         for o in out {
             match o {
                 Out::Opened {
@@ -91,16 +127,37 @@ impl Watch {
                         "DATA of {sender:?} sent on conn {conn} of be{backend}, owned by {owner:?}"
                     );
                 }
-                Out::Forward { backend, dial, .. } => {
+                Out::Forward {
+                    frontend,
+                    backend,
+                    dial,
+                    ..
+                } => {
                     assert!(
                         self.live.contains(backend),
                         "a dial forwarded to be{backend}, which is gone or retired"
                     );
                     self.stays_in_dest_host(*backend, dial.0);
+                    if std::mem::take(&mut hedging)
+                        && let Some(after) = self.hedge_after.get(&dial.0)
+                    {
+                        assert!(
+                            now >= *after,
+                            "dial {dial} hedged {:?} before its least hedge delay",
+                            after.saturating_duration_since(now)
+                        );
+                    }
+                    self.owner.insert(dial.0, *frontend);
+                    self.attempts
+                        .entry(dial.0)
+                        .or_default()
+                        .push((*backend, None));
                 }
+                Out::Count(crate::router::Event::DialHedged) => hedging = true,
                 Out::Settled(dial) => {
                     self.sent_to.remove(&dial.0);
                     self.agent_gone.remove(&dial.0);
+                    settled.push(dial.0);
                 }
                 Out::EndBackend(backend) => {
                     self.live.remove(backend);
@@ -108,6 +165,9 @@ impl Watch {
                 Out::ToFrontend(fe, packet) => match packet.clone().into_kind() {
                     proto::packet::PacketKind::DialRsp(r) => self.answer(*fe, r.random),
                     proto::packet::PacketKind::DialCls(c) => self.answer(*fe, c.random),
+                    proto::packet::PacketKind::CloseRsp(c) if c.error == crate::MISMATCHED => {
+                        self.failed.insert(*fe);
+                    }
                     _ => {}
                 },
                 Out::Established {
@@ -115,10 +175,21 @@ impl Watch {
                 } => {
                     if let proto::packet::PacketKind::DialRsp(r) = packet.clone().into_kind() {
                         self.answer(*frontend, r.random);
+                        answered.insert((*frontend, r.random));
                     }
                 }
-                Out::DialFailed { frontend, dial, .. } => self.answer(*frontend, dial.0),
+                Out::DialFailed { frontend, dial, .. } => {
+                    self.answer(*frontend, dial.0);
+                    answered.insert((*frontend, dial.0));
+                }
                 _ => {}
+            }
+            if let Out::ToFrontend(fe, packet) = o
+                && let proto::packet::PacketKind::DialRsp(proto::DialResponse { random, .. })
+                | proto::packet::PacketKind::DialCls(proto::CloseDial { random }) =
+                    packet.clone().into_kind()
+            {
+                answered.insert((*fe, random));
             }
         }
         for (dial, answers) in &self.answers {
@@ -128,6 +199,34 @@ impl Watch {
                 "dial {dial:?} answered {answers} times, made {made}"
             );
         }
+        for dial in settled {
+            self.settled(dial, &answered, now);
+        }
+    }
+
+    /// A dial left the router's table: answered to its frontend in the
+    /// same event, unless that frontend cancelled it, ended or broke the
+    /// protocol; the attempts it still had were sampled by how long they
+    /// waited.
+    fn settled(&mut self, dial: i64, answered: &HashSet<(FrontendId, i64)>, now: Instant) {
+        let fe = self
+            .owner
+            .remove(&dial)
+            .unwrap_or_else(|| panic!("dial {dial} settled, never sent"));
+        assert!(
+            answered.contains(&(fe, dial))
+                || self.cancelling == Some((fe, dial))
+                || self.closing.contains(&fe)
+                || self.failed.contains(&fe),
+            "dial {dial} of fe{fe} left the table unanswered"
+        );
+        for (be, forwarded) in self.attempts.remove(&dial).unwrap_or_default() {
+            if let Some(at) = forwarded {
+                self.raise(be, now.saturating_duration_since(at), now);
+            }
+        }
+        self.deadlines.remove(&dial);
+        self.hedge_after.remove(&dial);
     }
 
     fn answer(&mut self, fe: FrontendId, random: i64) {
@@ -173,6 +272,85 @@ impl Watch {
             }
         }
     }
+
+    /// The lower bound of `be`'s latency estimate at `now`, in seconds.
+    fn estimate(&self, be: BackendId, now: Instant) -> f64 {
+        self.estimates.get(&be).map_or(0.0, |(secs, at)| {
+            let since = now.saturating_duration_since(*at);
+            secs * (-since.as_secs_f64() / crate::router::DECAY.as_secs_f64()).exp()
+        })
+    }
+
+    /// The router surely sampled `be` at `now` with at least `sample`.
+    fn raise(&mut self, be: BackendId, sample: Duration, now: Instant) {
+        let kept = self.estimate(be, now);
+        self.estimates
+            .insert(be, (kept.max(sample.as_secs_f64()), now));
+    }
+
+    /// An agent's packet, before the router gets it: an error DIAL_RSP or
+    /// a DIAL_CLS for a dial in flight on it ends that attempt, and is
+    /// sampled as a failure (at least [`crate::router::FAILURE_COST`]).
+    fn agent_sends(&mut self, be: BackendId, packet: &Packet, now: Instant) {
+        if flow::parse_credit(packet).is_some() {
+            return;
+        }
+        let (random, failed) = match packet.clone().into_kind() {
+            proto::packet::PacketKind::DialRsp(r) if !r.error.is_empty() => (r.random, true),
+            proto::packet::PacketKind::DialCls(c) => (c.random, false),
+            _ => return,
+        };
+        let Some(forwarded) = self.end_attempt(be, random) else {
+            return;
+        };
+        let took = forwarded.map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+        let cost = crate::router::FAILURE_COST;
+        self.raise(be, if failed { took.max(cost) } else { cost }, now);
+    }
+
+    /// Forgets the attempt of `random` on `be`, if known: when its
+    /// DIAL_REQ went out.
+    fn end_attempt(&mut self, be: BackendId, random: i64) -> Option<Option<Instant>> {
+        let list = self.attempts.get_mut(&random)?;
+        let at = list.iter().position(|(b, _)| *b == be)?;
+        Some(list.remove(at).1)
+    }
+
+    /// `dial_forwarded` of `random` on `be` at `now`, before the router
+    /// hears it: the attempt's DIAL_REQ went out; the dial's deadline and
+    /// its hedge are armed by the first that finds it.
+    fn forwarded(
+        &mut self,
+        random: i64,
+        be: BackendId,
+        now: Instant,
+        policy: DialPolicy,
+        median: Duration,
+    ) {
+        if !self.owner.contains_key(&random) {
+            return;
+        }
+        if let Some(hedge) = policy.hedge {
+            let least = match hedge {
+                HedgeDelay::Fixed(delay) => delay,
+                HedgeDelay::Percentile(_) => median.max(crate::router::FLOOR),
+            };
+            let at = now + least;
+            let earliest = self.hedge_after.entry(random).or_insert(at);
+            *earliest = (*earliest).min(at);
+        }
+        let Some(attempt) = self
+            .attempts
+            .get_mut(&random)
+            .and_then(|list| list.iter_mut().find(|(b, _)| *b == be))
+        else {
+            return;
+        };
+        attempt.1.get_or_insert(now);
+        if let Some(limit) = policy.timeout {
+            self.deadlines.entry(random).or_insert(now + limit);
+        }
+    }
 }
 
 /// A packet from `input`: built from a few choices, or decoded from raw
@@ -203,16 +381,36 @@ fn packet(input: &mut Input<'_>) -> Option<Packet> {
     })
 }
 
+/// A dial latency chosen by a byte: its cube in microseconds (0 to 16.6
+/// s; 1 ms at 10, 125 ms at 50, 1 s at 100).
+fn latency(input: &mut Input<'_>) -> Duration {
+    Duration::from_micros(u64::from(input.byte()).pow(3))
+}
+
 /// The server's routing core fed a sequence of events chosen by `data`:
 /// frontends and agent streams coming and going (an agent's identifiers
 /// parsed from the bytes, as its metadata is), packets from either side
 /// (built or decoded from raw bytes), dials forwarded or not, overflows,
 /// stalls (of a frontend, of an upload), DIAL_RSPs that cannot be
-/// delivered, and the clock. After every event the router's own
-/// invariants hold ([`Router::check`]) and its outputs keep their
-/// promises: a connection is opened once and closed once, a frontend's
-/// DATA goes only to its own connections, a dial goes only to a connected
-/// agent stream, no dial is answered more often than it was made. Once
+/// delivered, and the clock; and sequences as the transports carry them
+/// (every DIAL_REQ out at once, agents that answer after a latency the
+/// input chooses, the timers when they are due), so that the
+/// latency-weighted pick, retries and hedges with fixed and percentile
+/// delays are reached.
+///
+/// After every event the router's own invariants hold
+/// ([`Router::check`]) and its outputs keep their promises: a connection
+/// is opened once and closed once, a frontend's DATA goes only to its own
+/// connections, a dial goes only to a connected agent stream, no dial is
+/// answered more often than it was made; liveness: a forwarded dial with
+/// a `--backend-dial-timeout` has a timer no later than its deadline,
+/// none is left pending once `handle_timeout` passed it, and no dial
+/// leaves the table unanswered unless its frontend cancelled it, ended or
+/// broke the protocol; fairness on lying agents: no hedge fires before the
+/// least delay armed (a fixed delay, or the agents' median and at least
+/// 1 ms), and no agent weighs less in a pick than what it surely did (a
+/// failure at least `FAILURE_COST`, an attempt that ended what it had
+/// waited, both decayed; a dial pending on it its age; its load). Once
 /// every stream has ended, every table is empty.
 pub fn router(data: &[u8]) {
     let mut input = Input(data);
@@ -227,10 +425,20 @@ pub fn router(data: &[u8]) {
 struct RouterRun {
     router: Router,
     now: Instant,
+    policy: DialPolicy,
     frontends: Vec<FrontendId>,
     backends: Vec<BackendId>,
     watch: Watch,
     out: Vec<Out>,
+    /// The next random of a dial the harness makes (op 16).
+    next_random: i64,
+    /// The next connection id the harness's agents answer with.
+    next_conn: i64,
+    /// With `default` the only strategy: each agent stream's agent, in
+    /// the order they came (a pick's candidates are each agent's first).
+    agents: Option<HashMap<BackendId, usize>>,
+    /// Agent streams that announced DRAIN.
+    draining: HashSet<BackendId>,
 }
 
 impl RouterRun {
@@ -249,10 +457,14 @@ impl RouterRun {
         let policy = DialPolicy {
             timeout,
             retries: u32::from(input.byte() % 3),
-            hedge: match input.byte() % 3 {
-                0 => None,
+            hedge: match input.byte() % 8 {
                 1 => Some(HedgeDelay::Fixed(Duration::from_secs(1))),
-                _ => Some(HedgeDelay::Percentile(95)),
+                2 => Some(HedgeDelay::Percentile(95)),
+                3 => Some(HedgeDelay::Fixed(Duration::from_millis(50))),
+                4 => Some(HedgeDelay::Percentile(50)),
+                5 => Some(HedgeDelay::Percentile(99)),
+                6 => Some(HedgeDelay::Percentile(90)),
+                _ => None,
             },
         };
         let seed = u64::from(input.byte());
@@ -263,21 +475,38 @@ impl RouterRun {
         Self {
             router: Router::new(strategies, policy, fastrand::Rng::with_seed(seed)),
             now: Instant::now(),
+            policy,
             frontends: Vec::new(),
             backends: Vec::new(),
             watch,
             out: Vec::new(),
+            next_random: 1 << 20,
+            next_conn: 1 << 20,
+            agents: (strategies == [ProxyStrategy::Default]).then(HashMap::new),
+            draining: HashSet::new(),
         }
     }
 
-    /// One event drawn from `input`, then every invariant checked.
+    /// One event (ops 0 to 15; bytes 240 to 255 are ops 16 to 19, the
+    /// transports' sequences) drawn from `input`, every invariant checked
+    /// after each event.
     fn step(&mut self, input: &mut Input<'_>) {
-        self.out.clear();
-        let op = input.below(16);
+        let op = match input.byte() {
+            b @ 240.. => 16 + usize::from(b - 240) % 4,
+            b => usize::from(b) % 16,
+        };
         let fe =
             (!self.frontends.is_empty()).then(|| self.frontends[input.below(self.frontends.len())]);
         let be =
             (!self.backends.is_empty()).then(|| self.backends[input.below(self.backends.len())]);
+        match op {
+            16 => return self.full_dial(fe, input),
+            17 => return self.agent_answers(input),
+            18 => return self.timers(input),
+            19 => return self.forward_all(),
+            _ => {}
+        }
+        self.out.clear();
         let sender = match op {
             0..=1 => {
                 self.add_stream(op, input);
@@ -295,20 +524,291 @@ impl RouterRun {
                 None
             }
             _ => {
-                self.now += Duration::from_secs(u64::from(input.byte() % 8));
+                let b = input.byte();
+                self.now += if b < 64 {
+                    Duration::from_secs(u64::from(b % 8))
+                } else {
+                    Duration::from_millis(u64::from(b - 64) * 10)
+                };
                 self.router.handle_timeout(self.now, &mut self.out);
                 None
             }
         };
-        self.watch.see(sender, &self.out);
+        self.after(sender, op == 15);
+    }
+
+    /// What every event is followed by: its outputs seen, the router's
+    /// invariants and the harness's checked; `ticked`: `handle_timeout`
+    /// ran at `now`.
+    fn after(&mut self, sender: Option<FrontendId>, ticked: bool) {
+        self.watch.see(sender, &self.out, self.now);
         self.watch.request = None;
+        self.watch.cancelling = None;
+        self.watch.closing.clear();
         self.router.check();
         assert_eq!(self.watch.open.len(), self.router.established_count());
-        if let Some(at) = self.router.poll_timeout() {
+        let timer = self.router.poll_timeout();
+        if let Some(at) = timer {
             assert!(
-                at > self.now || op != 15,
+                at > self.now || !ticked,
                 "a deadline at or before now survived handle_timeout"
             );
+        }
+        if let Some((dial, deadline)) = self.watch.deadlines.iter().min_by_key(|(_, at)| **at) {
+            assert!(
+                timer.is_some_and(|at| at <= *deadline),
+                "dial {dial} forwarded with a deadline has no timer by then (next: {timer:?})"
+            );
+            assert!(
+                !ticked || *deadline > self.now,
+                "dial {dial} still pending after handle_timeout passed its deadline"
+            );
+        }
+        self.check_costs();
+        self.check_pick();
+    }
+
+    /// With `default` the only strategy and no agent draining, a new
+    /// dial's agent is never costlier than every other candidate (each
+    /// agent's first stream): the pick takes the cheaper of two.
+    fn check_pick(&self) {
+        let Some(agents) = &self.agents else {
+            return;
+        };
+        let mut outs = self.out.iter();
+        if !outs.any(|o| matches!(o, Out::Count(crate::router::Event::DialPending))) {
+            return;
+        }
+        let Some(chosen) = outs.find_map(|o| match o {
+            Out::Forward { backend, .. } => Some(*backend),
+            _ => None,
+        }) else {
+            return;
+        };
+        let live: Vec<BackendId> = self
+            .backends
+            .iter()
+            .copied()
+            .filter(|b| self.watch.live.contains(b))
+            .collect();
+        if live.iter().any(|b| self.draining.contains(b)) {
+            return;
+        }
+        let mut candidates = Vec::new();
+        for agent in 0..3 {
+            if let Some(first) = live.iter().find(|b| agents.get(b) == Some(&agent)) {
+                candidates.push(*first);
+            }
+        }
+        assert!(
+            candidates.contains(&chosen),
+            "the pick chose be{chosen}, not an agent's first stream: {candidates:?}"
+        );
+        if candidates.len() < 2 {
+            return;
+        }
+        let cost = self.router.picked_cost(self.now, chosen, true);
+        let others: Vec<(BackendId, usize)> = candidates
+            .iter()
+            .filter(|b| **b != chosen)
+            .map(|b| (*b, self.router.picked_cost(self.now, *b, false)))
+            .collect();
+        assert!(
+            others.iter().any(|(_, other)| *other >= cost),
+            "the pick chose be{chosen} weighing {cost} over cheaper candidates {others:?}"
+        );
+    }
+
+    /// No agent stream weighs less in a pick than what the harness knows
+    /// it did: its load times the greater of its latency estimate's lower
+    /// bound and the age of its oldest dial out.
+    fn check_costs(&self) {
+        for &be in &self.backends {
+            let cost = self
+                .router
+                .least_cost(self.now, be)
+                .unwrap_or_else(|| panic!("be{be} connected but not in the router"));
+            let mut load = self.watch.open.keys().filter(|(b, _)| *b == be).count();
+            let mut waited = Duration::ZERO;
+            for attempts in self.watch.attempts.values() {
+                for (b, forwarded) in attempts {
+                    if *b == be {
+                        load += 1;
+                        if let Some(at) = forwarded {
+                            waited = waited.max(self.now.saturating_duration_since(*at));
+                        }
+                    }
+                }
+            }
+            let latency = self.watch.estimate(be, self.now).max(waited.as_secs_f64());
+            // Microseconds, less what rounding may take off the router's.
+            let micros = (latency * 1e6 * (1.0 - 1e-9) - 2.0).max(1.0);
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let least = (load + 1).saturating_mul(micros as usize);
+            assert!(
+                cost >= least,
+                "be{be} weighs {cost} in a pick, less than the {least} it surely did ({load} dials and connections, {latency} s)"
+            );
+        }
+    }
+
+    /// Runs one router event at `now`, then what follows every event.
+    fn act(
+        &mut self,
+        sender: Option<FrontendId>,
+        ticked: bool,
+        event: impl FnOnce(&mut Router, Instant, &mut Vec<Out>),
+    ) {
+        self.out.clear();
+        event(&mut self.router, self.now, &mut self.out);
+        self.after(sender, ticked);
+    }
+
+    /// The transport reports a DIAL_REQ out (`dial_forwarded`).
+    fn forward(&mut self, dial: DialId, be: BackendId) {
+        let median = self.router.median();
+        self.watch
+            .forwarded(dial.0, be, self.now, self.policy, median);
+        self.router.dial_forwarded(self.now, dial, be);
+        self.out.clear();
+        self.after(None, false);
+    }
+
+    /// The transports carry the last event's DIAL_REQs out at once.
+    fn carry(&mut self) {
+        let forwards: Vec<(DialId, BackendId)> = self
+            .out
+            .iter()
+            .filter_map(|o| match o {
+                Out::Forward { dial, backend, .. } => Some((*dial, *backend)),
+                _ => None,
+            })
+            .collect();
+        for (dial, be) in forwards {
+            self.forward(dial, be);
+        }
+    }
+
+    /// The clock moves on by `by`; the timers due by then run.
+    fn advance(&mut self, by: Duration) {
+        self.now += by;
+        if self.router.poll_timeout().is_some_and(|at| at <= self.now) {
+            self.act(None, true, |router, now, out| {
+                router.handle_timeout(now, out)
+            });
+            self.carry();
+        }
+    }
+
+    /// An agent's packet as its stream's driver hands it over.
+    fn agent_packet(&mut self, be: BackendId, packet: Packet) {
+        self.watch.agent_sends(be, &packet, self.now);
+        self.act(None, false, |router, now, out| {
+            router.backend_packet(now, be, packet, out);
+        });
+    }
+
+    /// Op 16: a dial as the transports carry it: a frontend's DIAL_REQ
+    /// (a random of its own), its DIAL_REQ out at once, and after a
+    /// latency the input chooses, its agent's answer.
+    fn full_dial(&mut self, fe: Option<FrontendId>, input: &mut Input<'_>) {
+        let Some(fe) = fe else {
+            return;
+        };
+        let random = self.next_random;
+        self.next_random += 1;
+        let address = ["10.0.0.1:443", "node-a:10250"][input.below(2)];
+        *self.watch.requests.entry((fe, random)).or_default() += 1;
+        self.watch.request = Some((random, crate::strategy::host_of(address).to_owned()));
+        let packet = Packet::dial_request("tcp", address, random);
+        self.act(Some(fe), false, |router, now, out| {
+            router.frontend_packet(now, fe, packet, out);
+        });
+        self.carry();
+        let be = self
+            .watch
+            .attempts
+            .get(&random)
+            .and_then(|list| list.first())
+            .map(|(be, _)| *be);
+        if let Some(be) = be {
+            self.answer(random, be, input);
+        }
+    }
+
+    /// Op 17: an agent answers one of the dials in flight on it (the
+    /// input picks which) after a latency the input chooses.
+    fn agent_answers(&mut self, input: &mut Input<'_>) {
+        let mut attempts: Vec<(i64, BackendId)> = self
+            .watch
+            .attempts
+            .iter()
+            .flat_map(|(dial, list)| list.iter().map(|(be, _)| (*dial, *be)))
+            .collect();
+        if attempts.is_empty() {
+            return;
+        }
+        attempts.sort_unstable();
+        let (random, be) = attempts[input.below(attempts.len())];
+        self.answer(random, be, input);
+    }
+
+    /// After a latency the input chooses (the timers due meanwhile run
+    /// first), `be` answers dial `random`: established, refused (another
+    /// agent may serve it), timed out (none would), its own DIAL_CLS, or
+    /// nothing. What the router sends on goes out at once.
+    fn answer(&mut self, random: i64, be: BackendId, input: &mut Input<'_>) {
+        self.advance(latency(input));
+        let packet = match input.below(6) {
+            0 | 1 => {
+                let conn = self.next_conn;
+                self.next_conn += 1;
+                Packet::dial_response(random, conn, "")
+            }
+            2 => Packet::dial_response(
+                random,
+                0,
+                "dial tcp 10.0.0.1:443: connect: connection refused",
+            ),
+            3 => Packet::dial_response(random, 0, "dial tcp 10.0.0.1:443: i/o timeout"),
+            4 => Packet::close_dial(random),
+            _ => return,
+        };
+        if self.backends.contains(&be) {
+            self.agent_packet(be, packet);
+            self.carry();
+        }
+    }
+
+    /// Op 18: the clock moves to the next timer (and up to 2 ms past),
+    /// which runs; what it sends goes out at once.
+    fn timers(&mut self, input: &mut Input<'_>) {
+        let Some(at) = self.router.poll_timeout() else {
+            return;
+        };
+        let past = Duration::from_millis(input.below(3) as u64);
+        self.now = self.now.max(at) + past;
+        self.act(None, true, |router, now, out| {
+            router.handle_timeout(now, out)
+        });
+        self.carry();
+    }
+
+    /// Op 19: every DIAL_REQ not yet reported out is.
+    fn forward_all(&mut self) {
+        let mut waiting: Vec<(i64, BackendId)> = self
+            .watch
+            .attempts
+            .iter()
+            .flat_map(|(dial, list)| {
+                list.iter()
+                    .filter(|(_, at)| at.is_none())
+                    .map(|(be, _)| (*dial, *be))
+            })
+            .collect();
+        waiting.sort_unstable();
+        for (random, be) in waiting {
+            self.forward(DialId(random), be);
         }
     }
 
@@ -323,7 +823,8 @@ impl RouterRun {
             self.frontends.push(self.router.add_frontend(kind));
             return;
         }
-        let agent = ["a", "b", "c"][input.below(3)];
+        let which = input.below(3);
+        let agent = ["a", "b", "c"][which];
         let query = String::from_utf8_lossy(input.bytes(40)).into_owned();
         let identifiers = AgentIdentifiers::parse(&query);
         let keys: Vec<String> = identifiers.dest_host_keys().map(str::to_owned).collect();
@@ -336,6 +837,9 @@ impl RouterRun {
         }
         self.watch.live.insert(id);
         self.backends.push(id);
+        if let Some(agents) = &mut self.agents {
+            agents.insert(id, which);
+        }
     }
 
     /// Ops 2 to 11: a packet from a frontend or an agent, a DIAL_REQ
@@ -353,22 +857,35 @@ impl RouterRun {
                 let (Some(fe), Some(packet)) = (fe, packet(input)) else {
                     return None;
                 };
-                if let proto::packet::PacketKind::DialReq(r) = packet.clone().into_kind() {
-                    *self.watch.requests.entry((fe, r.random)).or_default() += 1;
-                    let host = crate::strategy::host_of(&r.address).to_owned();
-                    self.watch.request = Some((r.random, host));
+                match packet.clone().into_kind() {
+                    proto::packet::PacketKind::DialReq(r) => {
+                        *self.watch.requests.entry((fe, r.random)).or_default() += 1;
+                        let host = crate::strategy::host_of(&r.address).to_owned();
+                        self.watch.request = Some((r.random, host));
+                    }
+                    proto::packet::PacketKind::DialCls(c) => {
+                        self.watch.cancelling = Some((fe, c.random));
+                    }
+                    _ => {}
                 }
                 self.router.frontend_packet(now, fe, packet, &mut self.out);
                 return Some(fe);
             }
             6..=9 => {
                 if let (Some(be), Some(packet)) = (be, packet(input)) {
+                    if packet.r#type == proto::PacketType::Drain as i32 {
+                        self.draining.insert(be);
+                    }
+                    self.watch.agent_sends(be, &packet, now);
                     self.router.backend_packet(now, be, packet, &mut self.out);
                 }
             }
             10 => {
                 if let Some(be) = be {
-                    self.router.dial_forwarded(now, DialId(input.id()), be);
+                    let dial = DialId(input.id());
+                    let median = self.router.median();
+                    self.watch.forwarded(dial.0, be, now, self.policy, median);
+                    self.router.dial_forwarded(now, dial, be);
                 }
             }
             _ => {
@@ -382,6 +899,7 @@ impl RouterRun {
                     if why == ForwardFailure::Closed {
                         self.watch.agent_went_away(be, Some(dial.0));
                     }
+                    self.watch.end_attempt(be, dial.0);
                     self.router
                         .dial_not_forwarded(now, fe, dial, be, why, &mut self.out);
                 }
@@ -406,35 +924,48 @@ impl RouterRun {
     fn end_stream(&mut self, op: usize, fe: Option<FrontendId>, be: Option<BackendId>) {
         match (op, fe, be) {
             (13, Some(fe), _) => {
+                self.watch.closing.insert(fe);
                 self.router.frontend_closed(self.now, fe, &mut self.out);
                 self.frontends.retain(|f| *f != fe);
             }
-            (14, _, Some(be)) => {
-                self.watch.agent_went_away(be, None);
-                self.router.backend_closed(self.now, be, &mut self.out);
-                self.backends.retain(|b| *b != be);
-                self.watch.live.remove(&be);
-            }
+            (14, _, Some(be)) => self.backend_ends(be),
             _ => {}
         }
+    }
+
+    /// An agent stream ends: its attempts end with it.
+    fn backend_ends(&mut self, be: BackendId) {
+        self.watch.agent_went_away(be, None);
+        for list in self.watch.attempts.values_mut() {
+            list.retain(|(b, _)| *b != be);
+        }
+        self.router.backend_closed(self.now, be, &mut self.out);
+        self.backends.retain(|b| *b != be);
+        self.watch.live.remove(&be);
     }
 
     /// Every stream ends: every table must be empty.
     fn finish(mut self) {
         self.out.clear();
         for fe in std::mem::take(&mut self.frontends) {
+            self.watch.closing.insert(fe);
             self.router.frontend_closed(self.now, fe, &mut self.out);
         }
-        for be in std::mem::take(&mut self.backends) {
-            self.router.backend_closed(self.now, be, &mut self.out);
+        for be in self.backends.clone() {
+            self.backend_ends(be);
         }
-        self.watch.see(None, &self.out);
+        self.watch.see(None, &self.out, self.now);
         let router = &self.router;
         router.check();
         assert!(
             self.watch.open.is_empty(),
             "flow state left for {:?}",
             self.watch.open
+        );
+        assert!(
+            self.watch.owner.is_empty() && self.watch.deadlines.is_empty(),
+            "dials left pending for the harness: {:?}",
+            self.watch.owner
         );
         assert_eq!(
             (

@@ -33,10 +33,12 @@ use tunnel::{
     ids::{AgentId, ConnId, DialId},
 };
 
+pub(crate) use self::dials::FAILURE_COST;
 use self::dials::{
-    Attempt, AttemptEnd, Cancelled, FAILURE_COST, Latencies, Median, PeakEwma, PendingDial,
-    retryable,
+    Attempt, AttemptEnd, Cancelled, Latencies, Median, PeakEwma, PendingDial, retryable,
 };
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) use self::dials::{DECAY, FLOOR};
 pub use self::dials::{DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
@@ -1455,6 +1457,40 @@ impl Router {
             }
             assert!(backend.forwarded.len() <= backend.pending);
         }
+    }
+
+    /// The least a pick at `now` can weigh `backend`: its cost with no
+    /// latency for an agent without an estimate and no floor (a pick's
+    /// is never lower); `None` for a backend that is gone. For the fuzz
+    /// target's bounds; it changes nothing (a pick recomputes the median).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn least_cost(&self, now: Instant, backend: BackendId) -> Option<usize> {
+        let entry = self.backends.get(&backend)?;
+        Some(entry.cost(now, Duration::ZERO, Duration::ZERO))
+    }
+
+    /// What the pick that just chose weighed `backend` at `now`, as it
+    /// weighed it (the median and the typical latency as it left them;
+    /// `chosen`: the pick then sent it the dial, one more than it weighed).
+    /// Read only.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn picked_cost(&self, now: Instant, backend: BackendId, chosen: bool) -> usize {
+        let floor = self.median.get();
+        let typical = self.latencies.last_delay(50, floor);
+        self.backends.get(&backend).map_or(usize::MAX, |entry| {
+            let mut cost = entry.cost(now, typical, floor);
+            if chosen {
+                cost = cost / (entry.load() + 1) * entry.load();
+            }
+            cost
+        })
+    }
+
+    /// The agents' median as last computed: what a hedge armed now is
+    /// floored at.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn median(&self) -> Duration {
+        self.median.get()
     }
 
     /// The hedge delay a dial forwarded at `now` would get.

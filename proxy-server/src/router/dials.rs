@@ -105,10 +105,27 @@ impl Latencies {
             self.sorted.sort_unstable();
             self.fresh = 0;
         }
+        self.read(percentile, floor)
+    }
+
+    /// The percentile of the snapshot as it stands (taken: see
+    /// [`Latencies::delay`]), at least [`FLOOR`] and `floor`.
+    fn read(&self, percentile: u8, floor: Duration) -> Duration {
         let rank = (self.sorted.len() * usize::from(percentile)).div_ceil(100);
         self.sorted[rank.clamp(1, self.sorted.len()) - 1]
             .max(FLOOR)
             .max(floor)
+    }
+
+    /// What [`Latencies::delay`] gave last, without taking a new snapshot:
+    /// the same as long as no latency came since (the fuzz target's view
+    /// of a pick it just saw).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn last_delay(&self, percentile: u8, floor: Duration) -> Duration {
+        if self.recent.len() < MIN_SAMPLES || self.sorted.is_empty() {
+            return BOOTSTRAP.max(floor);
+        }
+        self.read(percentile, floor)
     }
 }
 
