@@ -78,6 +78,18 @@ pub const ADVISORY_RESOURCE_WAIT: Duration = Duration::from_secs(3);
 pub const RESOURCE_WINDOW: f64 = 10.0;
 /// Shortest window a rate is measured over.
 const RATE_WINDOW: f64 = 10.0;
+/// Shortest window a rate is measured over when performance is only
+/// reported: the short runs' faults last 6 s and more.
+const ADVISORY_RATE_WINDOW: f64 = 4.0;
+
+/// Shortest window a fault's rates are measured over.
+fn rate_window(opt: &SoakOpt) -> f64 {
+    if opt.performance_fatal {
+        RATE_WINDOW
+    } else {
+        ADVISORY_RATE_WINDOW
+    }
+}
 /// `--backend-dial-timeout` of the servers; a dial slower than this (plus
 /// [`DIAL_SLACK`]) waited past its timeout.
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -256,9 +268,9 @@ pub async fn run(bins: Binaries, opt: SoakOpt) -> anyhow::Result<SoakResult> {
         sabotaged = sabotage::run(&mut world, &mut records).await?;
         let s = lock(&traffic.samples);
         for record in &mut records {
-            record.rates = kind_rates(&s, &baseline, record);
+            record.rates = kind_rates(&s, &baseline, record, rate_window(&opt));
             (record.healthy, record.healthy_what) = {
-                let (h, what) = healthy_rate(&s, &baseline, record);
+                let (h, what) = healthy_rate(&s, &baseline, record, rate_window(&opt));
                 (h, what.to_owned())
             };
         }
@@ -321,7 +333,9 @@ impl World {
             }
             servers.push(server);
         }
+        eprintln!("soak: {:.1} s: both servers answer", clock.now());
         let lb = system::load_balancer(&[&servers[0], &servers[1]]).await;
+        eprintln!("soak: {:.1} s: haproxy up", clock.now());
         let agent_setup = AgentSetup::new(root.path(), &pki.agent_dir, tokens.as_ref(), lb.addr);
         let node = NodeLog::new(agents, clock);
         let dest = node::destination(DEST_IP, node.clone())?;
@@ -361,12 +375,19 @@ impl World {
             self.start_agent(i)?;
         }
         for agent in &self.agents {
-            faults::agent_back(agent).await.with_context(|| {
+            let took = faults::agent_back(agent).await.with_context(|| {
                 format!("agent-{} did not connect to both servers", agent.index)
             })?;
+            eprintln!(
+                "soak: {:.1} s: agent-{} on both servers ({:.1} s)",
+                self.now(),
+                agent.index,
+                took.as_secs_f64()
+            );
         }
         eprintln!(
-            "soak: {} agents connected to both servers",
+            "soak: {:.0} s: {} agents connected to both servers",
+            self.now(),
             self.agents.len()
         );
         Ok(())
@@ -544,7 +565,9 @@ impl Baseline {
                 (total / 12.0).clamp(10.0, 60.0),
             )
         } else {
-            (8.0, RATE_WINDOW)
+            // Performance is only reported: what the faults' healthy rates
+            // are set against, and no more.
+            (5.0, 8.0)
         };
         tokio::time::sleep(Duration::from_secs_f64(warmup + window)).await;
         let (from, to) = (world.now() - window, world.now());
@@ -584,7 +607,9 @@ impl Baseline {
     /// Logs the baseline's rates.
     fn log(&self) {
         eprintln!(
-            "soak: baseline at the destination, exchanges/s per agent: {}",
+            "soak: baseline over {:.0}-{:.0} s at the destination, exchanges/s per agent: {}",
+            self.window.0,
+            self.window.1,
             self.dest
                 .iter()
                 .map(|r| format!("{r:.1}"))
@@ -671,8 +696,14 @@ async fn inject_faults(
         eprintln!("soak: {:.0} s: {} ...", world.now(), fault.name());
         let mut record = world.inject(fault, target).await?;
         wait_resources(world, &traffic.samples, baseline, &mut record, opt).await;
-        record.rates = kind_rates(&lock(&traffic.samples), baseline, &record);
-        let (healthy, what) = healthy_rate(&lock(&traffic.samples), baseline, &record);
+        // A short fault's rates need samples over a window of their own.
+        let window = rate_window(opt);
+        let covered = record.started + window + 1.5;
+        if world.now() < covered {
+            tokio::time::sleep(Duration::from_secs_f64(covered - world.now())).await;
+        }
+        record.rates = kind_rates(&lock(&traffic.samples), baseline, &record, window);
+        let (healthy, what) = healthy_rate(&lock(&traffic.samples), baseline, &record, window);
         record.healthy = healthy;
         record.healthy_what = what.to_owned();
         log_fault(world.now(), &record);
@@ -725,11 +756,16 @@ async fn wait_resources(
 }
 
 /// Per traffic frontend, its rate while the fault was on (at least
-/// [`RATE_WINDOW`]) against its baseline: the lower of exchanges/s and
+/// `window` seconds) against its baseline: the lower of exchanges/s and
 /// bulk bytes/s; `None` for the frontends whose own server the fault
 /// killed.
-fn kind_rates(s: &[Sample], baseline: &Baseline, record: &FaultRecord) -> Vec<Option<f64>> {
-    let to = record.recovered.max(record.started + RATE_WINDOW);
+fn kind_rates(
+    s: &[Sample],
+    baseline: &Baseline,
+    record: &FaultRecord,
+    window: f64,
+) -> Vec<Option<f64>> {
+    let to = record.recovered.max(record.started + window);
     Frontend::TRAFFIC
         .iter()
         .zip(&baseline.rates)
@@ -755,8 +791,9 @@ fn healthy_rate(
     s: &[Sample],
     baseline: &Baseline,
     record: &FaultRecord,
+    window: f64,
 ) -> (Option<f64>, &'static str) {
-    let to = record.recovered.max(record.started + RATE_WINDOW);
+    let to = record.recovered.max(record.started + window);
     match record.hit {
         Hit::Agent(a) => {
             let others = |d: &samples::DestSnap| -> u64 {

@@ -4,9 +4,12 @@
 //! address against that agent's dials, the servers' dials against both.
 //!
 //! A process's counters die with it. A killed process is read just before
-//! its kill, but what it did between that reading and its death is lost:
-//! its *tail*, bounded by what the destination accepted from it (its
-//! address, or its server's exchanges) in that time plus [`ACCEPT_SLACK`].
+//! its kill, a draining one every tenth of a second until it exits, but
+//! what it did between its last reading and its end is lost: its *tail*,
+//! bounded by what the destination accepted from it (its address, or its
+//! server's exchanges) in that time, widened by [`ACCEPT_SLACK`] on both
+//! sides. (Another process of the same slot in that time, a rollout's
+//! successor, only widens it.)
 //! The bounds below are computed from those figures, never set by hand.
 
 use serde::Serialize;
@@ -31,9 +34,11 @@ pub const DRIFT: f64 = 32.0;
 /// shorter life (a probe agent, an agent refused during an outage) may not.
 pub const CARRIES_AFTER: f64 = 20.0;
 
-/// How long after a killed process's death the destination may still
-/// accept a connection it dialed (the accept loop runs in the soak,
-/// behind its other tasks).
+/// How far apart the destination's accept of a connection and the dialing
+/// process's count of it may be: the accept loop runs in the soak behind
+/// its other tasks, the count in the process behind its own. A killed
+/// process's tail reaches this far before its last reading and after its
+/// death.
 pub const ACCEPT_SLACK: f64 = 1.0;
 
 /// One process's books, as the report shows them.
@@ -60,8 +65,8 @@ pub struct LifeBooks {
     /// The largest |opened - closed - open| of any reading.
     pub largest_gap: f64,
     /// What the destination accepted from it after its last reading,
-    /// before its death (+ [`ACCEPT_SLACK`]), for a killed process: what
-    /// its books may have missed.
+    /// before its end (each widened by [`ACCEPT_SLACK`]), for a process
+    /// that ended: what its books may have missed.
     pub tail: u64,
 }
 
@@ -148,8 +153,10 @@ fn life_books(
     l: &Life,
 ) -> LifeBooks {
     let last = l.books.last();
-    let tail = if l.end == LifeEnd::Killed {
-        let after = last.map_or(l.born, |s| s.t);
+    let tail = if l.end != LifeEnd::Running {
+        // From a little before its last reading: a dial the destination
+        // accepted just before it may have been counted just after.
+        let after = last.map_or(l.born, |s| s.t) - ACCEPT_SLACK;
         let window = (after, l.died + ACCEPT_SLACK);
         match l.seat {
             Seat::Server(s) => accepted_in(run, window, &|n| through_server(server_by_id, n, s)),
@@ -245,7 +252,7 @@ pub fn witnesses(run: &ObservedRun, joined: &Joined, books: &[LifeBooks]) -> Vec
             right: opened(books, &mine),
             low: 0.0,
             high: tails(books, &mine),
-            bounds: "0 to the killed processes' tails".to_owned(),
+            bounds: "0 to the ended processes' tails".to_owned(),
         });
     }
     out.push(Witness {

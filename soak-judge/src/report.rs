@@ -401,3 +401,278 @@ fn verdict(out: &mut String, v: &Judgement) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::markdown;
+    use crate::{
+        figures::judge,
+        observe::{
+            BookSample, Books, Carrier, Effect, Exchange, Fault, FaultRecord, Frontend,
+            FrontendEnd, Hit, Life, LifeEnd, Listener, NodeConn, NodeEnd, ObservedRun, Plan, Seat,
+        },
+        samples::{Alloc, DestSnap, ProcSample, Sample},
+    };
+
+    const MIB: u64 = 1024 * 1024;
+
+    fn exchange(id: u64, frontend: Frontend, (from, to): (f64, f64), end: FrontendEnd) -> Exchange {
+        Exchange {
+            id,
+            frontend,
+            server: 0,
+            started: from,
+            ended: to,
+            dial_s: Some(0.012),
+            end,
+            why: (end != FrontendEnd::Ok).then(|| "agent soak-agent-1-1 disconnected".to_owned()),
+        }
+    }
+
+    fn node(id: u64, slot: usize, (from, to): (f64, f64), end: NodeEnd) -> NodeConn {
+        NodeConn {
+            id: Some(id),
+            listener: Listener::Exchanges,
+            carrier: Carrier::Slot(slot),
+            accepted: from + 0.01,
+            ended: to,
+            end,
+        }
+    }
+
+    fn life(
+        name: &str,
+        seat: Seat,
+        (born, died): (f64, f64),
+        end: LifeEnd,
+        readings: &[(f64, [f64; 3])],
+    ) -> Life {
+        Life {
+            name: name.to_owned(),
+            seat,
+            pid: 7,
+            born,
+            died,
+            end,
+            books: readings
+                .iter()
+                .map(|(t, [opened, closed, open])| BookSample {
+                    t: *t,
+                    books: Books {
+                        opened: *opened,
+                        closed: *closed,
+                        open: *open,
+                        cut: 0.0,
+                    },
+                })
+                .collect(),
+        }
+    }
+
+    fn proc(rss_mib: u64, fds: u64, tasks: Option<f64>, allocated: Option<f64>) -> ProcSample {
+        ProcSample {
+            pid: 7,
+            rss: rss_mib * MIB,
+            fds,
+            tasks,
+            books: None,
+            alloc: allocated.map(|a| Alloc {
+                allocated: a * MIB as f64,
+                ..Alloc::default()
+            }),
+        }
+    }
+
+    fn sample(t: f64, procs: Vec<Option<ProcSample>>) -> Sample {
+        Sample {
+            t,
+            procs,
+            counts: Vec::new(),
+            dest: DestSnap::default(),
+        }
+    }
+
+    /// A small run: two exchanges whole, one ended by agent 1's kill (and
+    /// reset at the destination), a recovery probe; the books of every
+    /// process, the killed one's read just before its kill.
+    fn run() -> ObservedRun {
+        let mut kill = FaultRecord::new(Fault::AgentKill, Hit::Agent(1), 31.4);
+        kill.target = "agent-1".to_owned();
+        kill.ended = 34.4;
+        kill.recovered = 36.2;
+        kill.back_s = Some(1.26);
+        kill.dials_s = Some(0.04);
+        kill.rates = vec![Some(0.951), None, Some(1.0), Some(0.5)];
+        kill.healthy = Some(0.876);
+        kill.healthy_what = "through the other agents".to_owned();
+        kill.resources_s = Some(4.5);
+        kill.effect = Effect::Killed { reaped: true };
+        ObservedRun {
+            plan: Plan {
+                auth: "mTLS".to_owned(),
+                agents: 2,
+                required: vec![Fault::AgentKill],
+                performance_fatal: false,
+                dial_limit_s: 7.0,
+                command: "bench --scenarios soak".to_owned(),
+                load: "Load per frontend: LOAD.".to_owned(),
+            },
+            seconds: 90.0,
+            exchanges: vec![
+                exchange(1, Frontend::GrpcOurs, (10.0, 10.2), FrontendEnd::Ok),
+                exchange(2, Frontend::GrpcOurs, (11.0, 11.3), FrontendEnd::Ok),
+                exchange(3, Frontend::GrpcOurs, (31.0, 31.5), FrontendEnd::Error),
+                exchange(4, Frontend::Probe, (36.0, 36.1), FrontendEnd::Ok),
+            ],
+            node: vec![
+                node(1, 0, (10.0, 10.2), NodeEnd::Complete),
+                node(2, 1, (11.0, 11.3), NodeEnd::Complete),
+                node(3, 1, (31.0, 31.5), NodeEnd::Reset),
+                node(4, 1, (36.0, 36.1), NodeEnd::Complete),
+            ],
+            faults: vec![kill],
+            lives: vec![
+                life(
+                    "server-0.1",
+                    Seat::Server(0),
+                    (0.0, 90.0),
+                    LifeEnd::Running,
+                    &[(20.0, [2.0, 2.0, 0.0]), (90.0, [4.0, 4.0, 0.0])],
+                ),
+                life(
+                    "agent-0.1",
+                    Seat::Agent(0),
+                    (0.0, 90.0),
+                    LifeEnd::Running,
+                    &[(90.0, [1.0, 1.0, 0.0])],
+                ),
+                life(
+                    "agent-1.1",
+                    Seat::Agent(1),
+                    (0.0, 31.4),
+                    LifeEnd::Killed,
+                    &[(31.3, [2.0, 1.0, 1.0])],
+                ),
+                life(
+                    "agent-1.2",
+                    Seat::Agent(1),
+                    (34.4, 90.0),
+                    LifeEnd::Running,
+                    &[(90.0, [1.0, 1.0, 0.0])],
+                ),
+            ],
+            started: vec![(Frontend::GrpcOurs, 3, 3_000_000)],
+            frontends_stopped: true,
+            settled_s: Some(0.5),
+            samples: vec![
+                sample(
+                    5.0,
+                    vec![
+                        Some(proc(21, 16, Some(12.0), Some(3.25))),
+                        Some(proc(11, 9, None, None)),
+                    ],
+                ),
+                sample(
+                    30.0,
+                    vec![
+                        Some(proc(25, 20, Some(14.0), Some(4.0))),
+                        Some(proc(12, 10, Some(3.0), Some(1.5))),
+                    ],
+                ),
+                sample(70.0, vec![Some(proc(22, 17, None, None)), None]),
+            ],
+            slot_names: vec!["server-0".to_owned(), "agent-0".to_owned()],
+            baseline: vec![
+                [Some(20.0 * MIB as f64), Some(15.0), Some(12.0)],
+                [Some(10.0 * MIB as f64), None, None],
+            ],
+            baseline_window: (0.0, 20.0),
+        }
+    }
+
+    /// The report of [`run`], pinned so that a change to the Markdown or to
+    /// what the verdict reads shows here: every figure in it agrees with
+    /// its verdict (nothing lost silently, every end excused, every
+    /// witness within its bounds), and the verdict is the last section.
+    const GOLDEN: &str = include_str!("report/golden.md");
+
+    #[test]
+    fn a_healthy_reports_figures_and_its_verdict_agree_byte_for_byte() {
+        let run = run();
+        let found = markdown(&run, &judge(&run));
+        if std::env::var_os("UPDATE_GOLDEN").is_some() {
+            std::fs::write(
+                concat!(env!("CARGO_MANIFEST_DIR"), "/src/report/golden.md"),
+                &found,
+            )
+            .unwrap();
+        }
+        assert_eq!(found, GOLDEN, "found:\n{found}");
+        assert!(found.ends_with(
+            "\nEvery invariant held.\n\nPerformance checks reported, not failed (--soak-performance-advisory):\n\n- agent kill -9 on agent-1 at 31 s: healthy traffic (through the other agents) kept 88 % of its rate\n"
+        ));
+    }
+
+    #[test]
+    fn the_figures_of_a_violation_turn_the_verdict() {
+        // The old golden report printed "3 lost silently, 1 altered" above
+        // "Every invariant held.".
+        let mut run = run();
+        for id in 10..13 {
+            run.exchanges.push(exchange(
+                id,
+                Frontend::GrpcOurs,
+                (50.0, 50.2),
+                FrontendEnd::Silent,
+            ));
+            run.node.push(node(id, 0, (50.0, 50.2), NodeEnd::Complete));
+        }
+        run.exchanges.push(exchange(
+            13,
+            Frontend::GrpcOurs,
+            (51.0, 51.2),
+            FrontendEnd::Error,
+        ));
+        run.node.push(node(13, 0, (51.0, 51.2), NodeEnd::Corrupt));
+        run.started[0].1 += 4;
+        for l in &mut run.lives {
+            if l.name == "agent-0.1" || l.name == "server-0.1" {
+                let last = &mut l.books.last_mut().unwrap().books;
+                last.opened += 4.0;
+                last.closed += 4.0;
+            }
+        }
+        let figures = judge(&run);
+        let found = markdown(&run, &figures);
+        assert!(
+            found.contains("| grpc, ours | 7 | 7 | 2 | 0 | 2 | 0 | 1 | **3** | **0** |"),
+            "{found}"
+        );
+        assert!(found.contains("**1 altered**"), "{found}");
+        assert!(!found.contains("Every invariant held."), "{found}");
+        let verdict = found
+            .split("\nInvariants that did not hold:\n\n")
+            .nth(1)
+            .unwrap();
+        let reasons: Vec<&str> = verdict
+            .lines()
+            .take_while(|l| l.starts_with("- "))
+            .collect();
+        assert_eq!(reasons.len(), 5, "{verdict}");
+        assert!(
+            reasons[..3]
+                .iter()
+                .all(|r| r.contains("lost or altered bytes silently")),
+            "{reasons:#?}"
+        );
+        assert!(
+            reasons[3].contains("grpc, ours: ended with an error at 51.2 s"),
+            "{reasons:#?}"
+        );
+        assert!(
+            reasons[4].contains("reached the destination altered"),
+            "{reasons:#?}"
+        );
+        assert!(!figures.verdict().held());
+    }
+}

@@ -526,6 +526,9 @@ impl World {
         record.target = format!("agent-{target}");
         let health = self.agents[target].health;
         let mut old = self.agents[target].process.take();
+        if let Some(old) = &old {
+            watch::read_books(self.clock, &self.lives, old.pid(), Role::Agent, health).await;
+        }
         let sent = Instant::now();
         if let Some(old) = &old {
             old.terminate()?;
@@ -655,6 +658,7 @@ impl World {
             return;
         };
         let pid = p.pid();
+        watch::read_books(self.clock, &self.lives, pid, Role::Agent, probe.health).await;
         let _ = p.terminate();
         let sent = Instant::now();
         loop {

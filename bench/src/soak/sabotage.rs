@@ -147,8 +147,8 @@ pub async fn run(
         VICTIM,
         &["nft", "-f", "-"],
         Some(&format!(
-            "table inet krs_sabotage {{ chain out {{ type filter hook output priority 0; \
-             ip daddr {DEST_IP} tcp dport {port} drop; }} }}\n"
+            "table inet krs_sabotage {{\n  chain out {{\n    type filter hook output priority 0;\n    \
+             ip daddr {DEST_IP} tcp dport {port} drop\n  }}\n}}\n"
         )),
     )
     .await?;
