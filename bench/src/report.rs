@@ -326,7 +326,7 @@ pub const SOAK_VIOLATIONS: Def = def("soak", "violated invariants (must be 0)", 
 /// Records a soak's rows: per route where they split (the gRPC server's
 /// frontends, the CONNECT server's), whole-run rows in the grpc column.
 pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
-    use soak_judge::{Frontend, Role};
+    use soak_judge::Role;
     const MIB: f64 = 1024.0 * 1024.0;
     let f = &r.figures;
     for route in [Route::Grpc, Route::HttpConnect] {
@@ -356,7 +356,6 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
         rec.push(&SOAK_BYTES, route, 0, Some(bytes / 1e9));
         rec.push(&SOAK_LATE, route, 0, Some(of(|t| t.late)));
     }
-    let _ = Frontend::ALL;
     let max = |it: &mut dyn Iterator<Item = f64>| it.reduce(f64::max);
     let whole = [
         (&SOAK_FAULTS, Some(f.faults.len() as f64)),

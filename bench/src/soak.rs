@@ -55,13 +55,13 @@ use tokio_util::sync::CancellationToken;
 
 use self::{
     faults::FaultTimes,
-    node::{NodeListener, NodeLog, Stall},
+    node::{NodeListener, NodeLog, StallListener},
     system::{
         AgentPod, AgentSetup, Auth, DEST_IP, FrontendMode, Namespaces, RotatingPki, Server,
         ServerSetup, Tokens,
     },
     traffic::{Counts, ExchangeLog, Front, GoSoak, Load, Maker},
-    watch::{Lives, Samples, Slot, Slots, Watched, lock},
+    watch::{Lives, Samples, Slot, Slots, WatchSet, lock},
 };
 use crate::system::Binaries;
 
@@ -100,14 +100,14 @@ const QUIESCE: Duration = Duration::from_secs(60);
 
 /// The run's clock: seconds since the start, for every witness.
 #[derive(Debug, Clone, Copy)]
-pub struct Clock {
+pub struct RunClock {
     /// The start.
     start: Instant,
     /// The start in Unix nanoseconds (for the grpc-go frontend's times).
     start_unix_ns: i128,
 }
 
-impl Clock {
+impl RunClock {
     /// Starts now.
     pub fn new() -> Self {
         let start_unix_ns = SystemTime::now()
@@ -130,7 +130,7 @@ impl Clock {
     }
 }
 
-impl Default for Clock {
+impl Default for RunClock {
     fn default() -> Self {
         Self::new()
     }
@@ -195,7 +195,7 @@ pub struct World {
     /// An endless writer (the stalled frontends' downloads).
     pub source: NodeListener,
     /// A destination that never reads.
-    pub stall: Stall,
+    pub stall: StallListener,
     /// Every exchange's record.
     pub exchanges: ExchangeLog,
     /// Shared with the watcher.
@@ -203,7 +203,7 @@ pub struct World {
     /// Every process's life.
     pub lives: Arc<Lives>,
     /// The run's clock.
-    pub clock: Clock,
+    pub clock: RunClock,
     /// Probe agents started so far.
     pub probes: usize,
     /// The agent slot partitions cut off.
@@ -301,7 +301,7 @@ impl World {
     /// The namespaces, the certificates, the two servers behind haproxy,
     /// the destinations; the agents not started yet.
     async fn start(bins: Binaries, opt: &SoakOpt) -> anyhow::Result<Self> {
-        let clock = Clock::new();
+        let clock = RunClock::new();
         let root = tempfile::Builder::new()
             .prefix("konnectivity-soak-")
             .tempdir()
@@ -340,7 +340,7 @@ impl World {
         let node = NodeLog::new(agents, clock);
         let dest = node::destination(DEST_IP, node.clone())?;
         let source = node::source(DEST_IP, node.clone())?;
-        let stall = Stall::start(DEST_IP, node.clone())?;
+        let stall = StallListener::start(DEST_IP, node.clone())?;
         Ok(Self {
             bins,
             pki,
@@ -407,7 +407,7 @@ struct Traffic {
     /// What the watcher sampled so far.
     samples: Samples,
     /// What the watcher reads.
-    watched: Watched,
+    watched: WatchSet,
     /// Stops the watcher.
     watching: CancellationToken,
     /// The watcher.
@@ -468,7 +468,7 @@ impl Traffic {
             );
         }
         let samples: Samples = Arc::default();
-        let watched = Watched {
+        let watched = WatchSet {
             clock: world.clock,
             slots: world.slots.clone(),
             lives: world.lives.clone(),
@@ -966,7 +966,7 @@ pub fn dial_limit() -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use super::{Clock, Targets};
+    use super::{RunClock, Targets};
     use soak_judge::Fault;
 
     #[test]
@@ -995,7 +995,7 @@ mod tests {
 
     #[test]
     fn the_clock_converts_unix_time_to_the_runs_seconds() {
-        let clock = Clock::new();
+        let clock = RunClock::new();
         let now_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()

@@ -29,7 +29,7 @@ use tokio::{
 };
 
 use super::{
-    Clock,
+    RunClock,
     system::slot_of,
     traffic::{CHUNK, HEADER, Pattern},
     watch::lock,
@@ -61,12 +61,12 @@ pub struct NodeLog {
     /// Which agent slot an address is, if any.
     agents: usize,
     /// The run's clock.
-    clock: Clock,
+    clock: RunClock,
 }
 
 impl NodeLog {
     /// An empty log for `agents` slots.
-    pub fn new(agents: usize, clock: Clock) -> Arc<Self> {
+    pub fn new(agents: usize, clock: RunClock) -> Arc<Self> {
         Arc::new(Self {
             conns: Mutex::new(Vec::new()),
             open_conns: Mutex::new(HashMap::new()),
@@ -259,15 +259,15 @@ pub fn source(ip: std::net::Ipv4Addr, log: Arc<NodeLog>) -> anyhow::Result<NodeL
 }
 
 /// The destination that never reads: holds each connection until
-/// [`Stall::reset_all`].
-pub struct Stall {
+/// [`StallListener::reset_all`].
+pub struct StallListener {
     /// The listener.
     pub listener: NodeListener,
     /// The connections held.
     held: Arc<Mutex<Vec<TcpStream>>>,
 }
 
-impl Stall {
+impl StallListener {
     /// Starts it on `ip`.
     ///
     /// # Errors

@@ -39,7 +39,7 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use super::{Clock, watch::lock};
+use super::{RunClock, watch::lock};
 
 /// A random number (the standard library's per-use random hash keys; no
 /// dependency for what only picks seeds and sizes).
@@ -272,7 +272,7 @@ pub struct Maker {
     /// The server `front` reaches.
     pub server: usize,
     /// The run's clock.
-    pub clock: Clock,
+    pub clock: RunClock,
 }
 
 /// Dials `addr` through `maker` and runs one exchange of `x`; its record.
@@ -292,6 +292,7 @@ pub async fn exchange(maker: &Maker, addr: SocketAddr, x: Shape, counts: &Counts
             Some(format!("no end within {GIVE_UP:?}")),
         ),
     };
+    log_end(maker, end, why.as_deref().unwrap_or(""));
     Exchange {
         id: seed,
         frontend: maker.frontend,
@@ -302,6 +303,23 @@ pub async fn exchange(maker: &Maker, addr: SocketAddr, x: Shape, counts: &Counts
         end,
         why,
     }
+}
+
+/// Logs an end worth reading about as it happens: bytes lost silently, a
+/// stuck exchange, a CONNECT tunnel cut (errors come in hundreds with a
+/// fault; the report lists those no fault explains).
+fn log_end(maker: &Maker, end: FrontendEnd, why: &str) {
+    let what = match end {
+        FrontendEnd::Silent => "LOST SILENTLY",
+        FrontendEnd::Stuck => "an exchange stuck",
+        FrontendEnd::Cut => "an HTTP CONNECT tunnel ended with an EOF",
+        _ => return,
+    };
+    eprintln!(
+        "soak: {:.0} s: {what} ({}): {why}",
+        maker.clock.now(),
+        maker.frontend.name()
+    );
 }
 
 /// The dial and the exchange: its end, how long the dial took, why.
@@ -361,12 +379,6 @@ async fn dial_and_run(
             End::Io(e) => (FrontendEnd::Error, Some(format!("{e}"))),
         },
     };
-    if end != FrontendEnd::Ok {
-        eprintln!(
-            "soak: an exchange ended {end:?}: {}",
-            why.as_deref().unwrap_or("")
-        );
-    }
     (end, Some(dial_s), why)
 }
 
@@ -569,12 +581,7 @@ fn go_record(maker: &Maker, json: &serde_json::Value) -> Option<Exchange> {
         _ => return None,
     };
     let why = json["why"].as_str().filter(|w| !w.is_empty());
-    if end != FrontendEnd::Ok {
-        eprintln!(
-            "soak: a grpc-go exchange ended {end:?}: {}",
-            why.unwrap_or("")
-        );
-    }
+    log_end(maker, end, why.unwrap_or(""));
     Some(Exchange {
         id: json["id"].as_u64()?,
         frontend: maker.frontend,

@@ -16,7 +16,7 @@ use soak_judge::{
 };
 use tokio_util::sync::CancellationToken;
 
-use super::{Clock, node::NodeLog, traffic::Counts};
+use super::{RunClock, node::NodeLog, traffic::Counts};
 use crate::probe;
 
 /// One process slot (a server replica or an agent "pod"), as the
@@ -100,7 +100,7 @@ pub async fn metrics(addr: SocketAddr) -> Option<String> {
 /// Reads the books of process `pid` (a `role`) at `addr` into `lives`; the
 /// books, if it answered with them.
 pub async fn read_books(
-    clock: Clock,
+    clock: RunClock,
     lives: &Lives,
     pid: u32,
     role: Role,
@@ -118,7 +118,7 @@ fn fds(pid: u32) -> Option<u64> {
 }
 
 /// Samples one process; its books go to `lives` too.
-async fn sample_proc(slot: &Slot, clock: Clock, lives: &Lives) -> Option<ProcSample> {
+async fn sample_proc(slot: &Slot, clock: RunClock, lives: &Lives) -> Option<ProcSample> {
     let pid = slot.pid?;
     let rss = probe::rss(pid).ok()?;
     let fds = fds(pid)?;
@@ -145,9 +145,9 @@ async fn sample_proc(slot: &Slot, clock: Clock, lives: &Lives) -> Option<ProcSam
 
 /// What the watcher reads.
 #[derive(Clone)]
-pub struct Watched {
+pub struct WatchSet {
     /// The run's clock.
-    pub clock: Clock,
+    pub clock: RunClock,
     /// The process slots.
     pub slots: Slots,
     /// Every process's life.
@@ -162,7 +162,7 @@ pub struct Watched {
 pub type Samples = Arc<Mutex<Vec<Sample>>>;
 
 /// Takes one sample now.
-pub async fn sample(w: &Watched) -> Sample {
+pub async fn sample(w: &WatchSet) -> Sample {
     let now: Vec<Slot> = lock(&w.slots).clone();
     let t = w.clock.now();
     let mut procs = Vec::with_capacity(now.len());
@@ -178,7 +178,7 @@ pub async fn sample(w: &Watched) -> Sample {
 }
 
 /// Samples every second into `samples` until `stop`.
-pub async fn run(w: Watched, samples: Samples, stop: CancellationToken) {
+pub async fn run(w: WatchSet, samples: Samples, stop: CancellationToken) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
