@@ -299,7 +299,7 @@ pub const SOAK_LATE: Def = def("soak", "dials past the timeout (must be 0)", "co
 /// FIN).
 pub const SOAK_DEST_SILENT: Def = def(
     "soak",
-    "destination: cut short or altered, no agent killed (must be 0)",
+    "destination: cut short or altered, no fault explains (must be 0)",
     "count",
     false,
 );
@@ -326,53 +326,79 @@ pub const SOAK_VIOLATIONS: Def = def("soak", "violated invariants (must be 0)", 
 /// Records a soak's rows: per route where they split (the gRPC server's
 /// frontends, the CONNECT server's), whole-run rows in the grpc column.
 pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
-    use crate::soak::{traffic::Kind, watch::Role};
+    use soak_judge::Role;
     const MIB: f64 = 1024.0 * 1024.0;
+    let f = &r.figures;
     for route in [Route::Grpc, Route::HttpConnect] {
         let server = usize::from(route == Route::HttpConnect);
-        let of = |pick: fn(&crate::soak::traffic::CountsSnap) -> u64| -> f64 {
-            Kind::ALL
+        let of = |pick: fn(&soak_judge::exchanges::FrontendTally) -> u64| -> f64 {
+            f.joined
+                .frontends
                 .iter()
-                .zip(&r.counts)
-                .filter(|(k, _)| k.server() == server)
-                .map(|(_, (_, c))| pick(c) as f64)
+                .filter(|(k, _)| k.server() == Some(server))
+                .map(|(_, t)| pick(t) as f64)
                 .sum()
         };
-        rec.push(&SOAK_OK, route, 0, Some(of(|c| c.ok)));
-        rec.push(&SOAK_ERRORS, route, 0, Some(of(|c| c.errors)));
-        rec.push(&SOAK_SILENT, route, 0, Some(of(|c| c.silent)));
-        rec.push(&SOAK_BYTES, route, 0, Some(of(|c| c.bytes) / 1e9));
-        rec.push(&SOAK_LATE, route, 0, Some(of(|c| c.late)));
+        let bytes: f64 = f
+            .started
+            .iter()
+            .filter(|(k, _, _)| k.server() == Some(server))
+            .map(|(_, _, b)| *b as f64)
+            .sum();
+        rec.push(&SOAK_OK, route, 0, Some(of(|t| t.ok)));
+        rec.push(
+            &SOAK_ERRORS,
+            route,
+            0,
+            Some(of(|t| t.errors + t.dial_failed + t.cut)),
+        );
+        rec.push(&SOAK_SILENT, route, 0, Some(of(|t| t.silent)));
+        rec.push(&SOAK_BYTES, route, 0, Some(bytes / 1e9));
+        rec.push(&SOAK_LATE, route, 0, Some(of(|t| t.late)));
     }
     let max = |it: &mut dyn Iterator<Item = f64>| it.reduce(f64::max);
     let whole = [
-        (&SOAK_FAULTS, Some(r.faults.len() as f64)),
+        (&SOAK_FAULTS, Some(f.faults.len() as f64)),
         (
             &SOAK_DEST_SILENT,
-            Some((r.dest.truncated + r.dest.corrupt).saturating_sub(r.dest_killed) as f64),
+            Some(
+                f.joined
+                    .endings
+                    .iter()
+                    .filter(|e| {
+                        e.excused_by.is_none()
+                            && matches!(
+                                e.ending,
+                                soak_judge::exchanges::Ending::Truncated
+                                    | soak_judge::exchanges::Ending::Corrupt
+                            )
+                    })
+                    .count() as f64,
+            ),
         ),
         (
             &SOAK_BACK_MAX,
-            max(&mut r.faults.iter().filter_map(|f| f.back_s)),
+            max(&mut f.faults.iter().filter_map(|f| f.back_s)),
         ),
         (
             &SOAK_DIALS_MAX,
-            max(&mut r.faults.iter().filter_map(|f| f.dials_s)),
+            max(&mut f.faults.iter().filter_map(|f| f.dials_s)),
         ),
         (
             &SOAK_RATE_MIN,
-            r.faults.iter().filter_map(|f| f.healthy).reduce(f64::min),
+            f.faults.iter().filter_map(|f| f.healthy).reduce(f64::min),
         ),
         (
             &SOAK_RESOURCES_MAX,
-            max(&mut r.faults.iter().filter_map(|f| f.resources_s)),
+            max(&mut f.faults.iter().filter_map(|f| f.resources_s)),
         ),
-        (&SOAK_VIOLATIONS, Some(r.violations.len() as f64)),
+        (&SOAK_VIOLATIONS, Some(r.verdict.failing().count() as f64)),
     ];
     for (def, value) in whole {
         rec.push(def, Route::Grpc, 0, value);
     }
     let roles: Vec<Role> = r
+        .run
         .slot_names
         .iter()
         .map(|n| {
@@ -388,6 +414,7 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
         (&SOAK_AGENT_RSS, Role::Agent),
     ] {
         let largest = r
+            .run
             .samples
             .iter()
             .flat_map(|s| s.procs.iter().zip(&roles))

@@ -155,6 +155,18 @@ impl Process {
         !matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Its exit status once it has exited (reaping it).
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Kills it with SIGKILL and reaps it; whether that signal ended it.
+    pub fn kill_reaped(mut self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        let _ = self.child.kill();
+        matches!(self.child.wait(), Ok(status) if status.signal() == Some(9))
+    }
+
     /// Where its stderr goes.
     pub fn log(&self) -> &Path {
         &self.log

@@ -65,8 +65,8 @@ where
 }
 
 /// [`spawn`] on `ip`, which the caller vouches for: loopback, or an
-/// address on an interface it created (the bench's soak binds its
-/// destinations to a veth of a network namespace it made).
+/// address on an interface it created (a test inside network namespaces
+/// of its own binds its destinations to a veth there).
 pub async fn spawn_on_any<F, Fut>(ip: std::net::Ipv4Addr, serve: F) -> Destination
 where
     F: Fn(TcpStream) -> Fut + Send + Sync + 'static,

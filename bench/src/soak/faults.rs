@@ -1,5 +1,6 @@
-//! The faults the soak injects, and how each one's end and recovery are
-//! told.
+//! The fault driver: injects each fault, records the evidence that it
+//! took effect ([`Effect`]) and waits for its recovery. What the evidence
+//! must show is the judge's (`soak_judge::faults`).
 
 use std::{
     net::SocketAddr,
@@ -7,7 +8,10 @@ use std::{
 };
 
 use anyhow::Context;
-use serde::Serialize;
+use soak_judge::{
+    Effect, Exchange, Fault, FaultRecord, Frontend, FrontendEnd, Hit, LifeEnd, Listener, OldCa,
+    Role, Seat, SlowPeer,
+};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::UnixStream,
@@ -15,152 +19,42 @@ use tokio::{
 
 use super::{
     World,
-    system::{AgentPod, FrontendMode},
-    traffic::{self, Counts, Exchange, Front, Outcome},
-    watch::{Role, sum},
+    system::{AgentPod, AgentSetup, FrontendMode},
+    traffic::{self, Counts, Front, Maker, Shape},
+    watch::{self, lock},
 };
-use crate::probe;
 
-/// How long a stall or outage lasts.
+/// How long a stall or outage lasts in a long run.
 pub const HOLD: Duration = Duration::from_secs(30);
 /// How long the slowloris frontends keep going: past the CONNECT
 /// frontend's 60 s bound on reading a request head.
 pub const SLOW: Duration = Duration::from_secs(75);
-/// How long a partition lasts: past the keepalive bounds on both sides.
+/// How long a partition lasts in a long run: past the keepalive bounds on
+/// both sides (2 s pings, 2 s for their ack).
 pub const PARTITION: Duration = Duration::from_secs(20);
 /// How long a killed process stays down.
 pub const DOWN: Duration = Duration::from_secs(3);
 /// Longest wait for an agent or a server to be back.
 pub const BACK_LIMIT: Duration = Duration::from_secs(120);
+/// How long an agent of a dropped CA is watched for a connection.
+const OLD_CA_WATCH: Duration = Duration::from_secs(5);
 /// Connections of the slowloris frontend, per server.
 const SLOWLORIS: usize = 32;
 
-/// A fault.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Fault {
-    /// An agent killed with SIGKILL, started again.
-    AgentKill,
-    /// A server killed with SIGKILL, started again on the same ports.
-    ServerKill,
-    /// The namespaced agent's link down, then up.
-    Partition,
-    /// Frontends that stop reading a download.
-    FrontendStall,
-    /// A destination that stops reading an upload.
-    DestinationStall,
-    /// Frontends that send their first bytes one a second.
-    Slowloris,
-    /// New leaf certificates on both sides (same CA).
-    CertRotation,
-    /// A new CA: trusted beside the old, leaves switched, old dropped.
-    CaRotation,
-    /// The TokenReview API answers 503 while an agent reconnects.
-    TokenOutage,
-    /// A DaemonSet-style rollout of one agent: SIGTERM (drain), a new
-    /// agent up, the old one exits once drained.
-    Rollout,
+/// How long the faults that hold last.
+#[derive(Debug, Clone, Copy)]
+pub struct FaultTimes {
+    /// A stall or an outage.
+    pub hold: Duration,
+    /// A partition.
+    pub partition: Duration,
 }
 
-impl Fault {
-    /// Its name in the tables.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::AgentKill => "agent kill -9",
-            Self::ServerKill => "server kill -9",
-            Self::Partition => "partition",
-            Self::FrontendStall => "frontend stops reading",
-            Self::DestinationStall => "destination stops reading",
-            Self::Slowloris => "slowloris frontends",
-            Self::CertRotation => "certificate rotation",
-            Self::CaRotation => "CA rotation",
-            Self::TokenOutage => "TokenReview outage",
-            Self::Rollout => "agent rollout",
-        }
-    }
-
-    /// The schedule, repeated: every fault in turn, the kills twice as
-    /// often.
-    pub fn schedule(token: bool) -> Vec<Self> {
-        let mut all = vec![
-            Self::AgentKill,
-            Self::Partition,
-            Self::ServerKill,
-            Self::Rollout,
-            Self::FrontendStall,
-            Self::DestinationStall,
-            Self::CertRotation,
-            Self::ServerKill,
-            Self::Slowloris,
-            Self::AgentKill,
-            Self::CaRotation,
-        ];
-        if token {
-            all.insert(3, Self::TokenOutage);
-        }
-        all
-    }
-}
-
-/// What one injected fault showed.
-#[derive(Debug, Clone, Serialize)]
-pub struct FaultRecord {
-    /// Which.
-    pub fault: Fault,
-    /// Which process or connection.
-    pub target: String,
-    /// Injected at (s since the start).
-    pub started: f64,
-    /// The fault over (process restarted, link up, stall ended) at.
-    pub ended: f64,
-    /// Seconds from the end until the agent(s) concerned were connected
-    /// to both servers again (a restarted server: every agent on it).
-    pub back_s: Option<f64>,
-    /// Seconds from the end until a dial through each server carried an
-    /// exchange again.
-    pub dials_s: Option<f64>,
-    /// Recovered (back and dials) at.
-    pub recovered: f64,
-    /// Per frontend kind: rate during the fault / baseline rate (the lower
-    /// of exchanges/s and bulk bytes/s), all its traffic, that on the
-    /// faulty agent too; `None` where the fault took the kind's own server.
-    pub rates: Vec<Option<f64>>,
-    /// The healthy traffic's rate during the fault / its baseline rate:
-    /// for a fault on an agent, the exchanges completed through the other
-    /// agents (told apart at the destination by their source address);
-    /// for a killed server, the other server's frontends; else every
-    /// frontend (the lowest of [`Self::rates`]).
-    pub healthy: Option<f64>,
-    /// What [`Self::healthy`] measured.
-    pub healthy_what: String,
-    /// The agent slot the fault was on, if one.
-    pub agent: Option<usize>,
-    /// Seconds from recovery until RSS, fds and tasks of every process
-    /// were within 5 % of their baseline; `None`: not within a minute.
-    pub resources_s: Option<f64>,
-    /// The figure that did not come back, if any.
-    pub resources_note: String,
-    /// Anything else worth a note.
-    pub note: String,
-}
-
-impl FaultRecord {
-    /// A fault injected at `started`, nothing measured yet.
-    pub fn new(fault: Fault, started: f64) -> Self {
+impl Default for FaultTimes {
+    fn default() -> Self {
         Self {
-            fault,
-            target: String::new(),
-            started,
-            ended: started,
-            back_s: None,
-            dials_s: None,
-            recovered: started,
-            rates: Vec::new(),
-            healthy: None,
-            healthy_what: String::new(),
-            agent: None,
-            resources_s: None,
-            resources_note: String::new(),
-            note: String::new(),
+            hold: HOLD,
+            partition: PARTITION,
         }
     }
 }
@@ -185,10 +79,7 @@ where
 
 /// One series of a process's `/metrics`, if it answers.
 async fn metric(addr: SocketAddr, name: &str) -> Option<f64> {
-    match tokio::time::timeout(Duration::from_secs(2), probe::http_get(addr, "/metrics")).await {
-        Ok(Ok((200, text))) => Some(sum(&text, name)),
-        _ => None,
-    }
+    Some(soak_judge::samples::sum(&watch::metrics(addr).await?, name))
 }
 
 /// Server connections of the agent at `health`.
@@ -209,19 +100,18 @@ pub async fn agent_back(agent: &AgentPod) -> Option<Duration> {
     .await
 }
 
-/// One small exchange through `front`, Ok or not.
-async fn probe_dial(front: &Front, dest: SocketAddr) -> bool {
-    let x = Exchange {
-        up: 1024,
-        down: 1024,
-        rate: 0,
-        bulk: false,
-    };
-    let counts = Counts::default();
-    matches!(
-        traffic::exchange(front, dest, x, &counts, Duration::from_secs(60)).await,
-        Outcome::Ok
-    )
+/// Handshakes the servers' agent listeners refused so far.
+async fn refusals(world: &World) -> f64 {
+    let mut sum = 0.0;
+    for s in &world.servers {
+        sum += metric(
+            s.health,
+            "konnectivity_rs_server_tls_handshakes_dropped_total{reason=\"failed\"}",
+        )
+        .await
+        .unwrap_or(0.0);
+    }
+    sum
 }
 
 impl World {
@@ -234,20 +124,37 @@ impl World {
         }
     }
 
+    /// One small exchange through server `index`, recorded as a probe's;
+    /// whether it was whole.
+    async fn probe_dial(&self, index: usize) -> bool {
+        let maker = Maker {
+            front: self.front(index),
+            frontend: Frontend::Probe,
+            server: index,
+            clock: self.clock,
+        };
+        let x = Shape {
+            up: 1024,
+            down: 1024,
+            rate: 0,
+            bulk: false,
+        };
+        let record: Exchange =
+            traffic::exchange(&maker, self.dest.addr, x, &Counts::default()).await;
+        let ok = record.end == FrontendEnd::Ok;
+        lock(&self.exchanges).push(record);
+        ok
+    }
+
     /// Waits until a dial through each server carries an exchange.
     async fn dials_served(&self) -> Option<Duration> {
-        let fronts = [self.front(0), self.front(1)];
-        let dest = self.dest.addr;
-        until(BACK_LIMIT, || {
-            let fronts = fronts.clone();
-            async move {
-                for front in &fronts {
-                    if !probe_dial(front, dest).await {
-                        return false;
-                    }
+        until(BACK_LIMIT, || async {
+            for index in 0..self.servers.len() {
+                if !self.probe_dial(index).await {
+                    return false;
                 }
-                true
             }
+            true
         })
         .await
     }
@@ -269,7 +176,88 @@ impl World {
 
     /// Seconds since the start.
     pub fn now(&self) -> f64 {
-        self.start.elapsed().as_secs_f64()
+        self.clock.now()
+    }
+
+    /// Starts a process in agent slot `i`, its life recorded.
+    ///
+    /// # Errors
+    /// It cannot be started.
+    pub fn start_agent(&mut self, i: usize) -> anyhow::Result<()> {
+        self.agents[i].start(&self.bins, &self.agent_setup)?;
+        let agent = &self.agents[i];
+        if let Some(pid) = agent.pid() {
+            self.lives
+                .born(agent.name(), Seat::Agent(i), pid, self.now());
+        }
+        self.update_slots();
+        Ok(())
+    }
+
+    /// Kills agent slot `i`'s process with SIGKILL, its books read just
+    /// before; whether it was reaped dead by that signal.
+    async fn kill_agent_now(&mut self, i: usize) -> bool {
+        let (health, pid) = (self.agents[i].health, self.agents[i].pid());
+        if let Some(pid) = pid {
+            watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await;
+        }
+        let reaped = self.agents[i]
+            .process
+            .take()
+            .is_some_and(|p| p.kill_reaped());
+        if let Some(pid) = pid {
+            self.lives.died(pid, self.now(), LifeEnd::Killed);
+        }
+        self.update_slots();
+        reaped
+    }
+
+    /// Kills agent slot `i`'s process with SIGKILL without a fault
+    /// recorded (the sabotage's crash), starts it again after [`DOWN`] and
+    /// waits until it is back.
+    ///
+    /// # Errors
+    /// It cannot be started again, or is not back.
+    pub async fn crash_agent(&mut self, i: usize) -> anyhow::Result<()> {
+        self.kill_agent_now(i).await;
+        tokio::time::sleep(DOWN).await;
+        self.start_agent(i)?;
+        agent_back(&self.agents[i])
+            .await
+            .with_context(|| format!("agent-{i} did not come back"))?;
+        Ok(())
+    }
+
+    /// Kills server `i` with SIGKILL, its books read just before; whether
+    /// it was reaped dead by that signal.
+    async fn kill_server_now(&mut self, i: usize) -> bool {
+        let (health, pid) = (self.servers[i].health, self.servers[i].pid());
+        if let Some(pid) = pid {
+            watch::read_books(self.clock, &self.lives, pid, Role::Server, health).await;
+        }
+        let reaped = self.servers[i]
+            .process
+            .take()
+            .is_some_and(|p| p.kill_reaped());
+        if let Some(pid) = pid {
+            self.lives.died(pid, self.now(), LifeEnd::Killed);
+        }
+        self.update_slots();
+        reaped
+    }
+
+    /// Starts server `i` again on its ports, its life recorded.
+    ///
+    /// # Errors
+    /// It cannot be started.
+    pub async fn restart_server(&mut self, i: usize) -> anyhow::Result<()> {
+        self.servers[i].restart(&self.bins).await?;
+        if let Some(pid) = self.servers[i].pid() {
+            let name = format!("server-{i}.{}", self.servers[i].starts());
+            self.lives.born(name, Seat::Server(i), pid, self.now());
+        }
+        self.update_slots();
+        Ok(())
     }
 
     /// Injects `fault` on `target` (an agent or server index where it
@@ -280,12 +268,18 @@ impl World {
     /// A process cannot be started again, or a file written.
     pub async fn inject(&mut self, fault: Fault, target: usize) -> anyhow::Result<FaultRecord> {
         let started = self.now();
-        let mut record = FaultRecord::new(fault, started);
+        let hit = match fault {
+            Fault::AgentKill | Fault::TokenOutage | Fault::Rollout => Hit::Agent(target),
+            Fault::ServerKill => Hit::Server(target),
+            Fault::Partition => Hit::Agent(self.partitioned),
+            _ => Hit::Elsewhere,
+        };
+        let mut record = FaultRecord::new(fault, hit, started);
         let back = match fault {
             Fault::AgentKill => self.kill_agent(target, &mut record).await?,
             Fault::ServerKill => self.kill_server(target, &mut record).await?,
             Fault::Partition => self.partition(&mut record).await?,
-            Fault::FrontendStall => self.stall_frontends(&mut record).await?,
+            Fault::FrontendStall => self.stall_frontends(&mut record).await,
             Fault::DestinationStall => self.stall_destination(&mut record).await,
             Fault::Slowloris => self.slow_frontends(&mut record).await,
             Fault::CertRotation => self.rotate_leaves(&mut record).await?,
@@ -307,12 +301,13 @@ impl World {
         record: &mut FaultRecord,
     ) -> anyhow::Result<Option<Duration>> {
         record.target = format!("agent-{target}");
-        record.agent = Some(target);
-        self.agents[target].process = None;
-        self.update_slots();
+        if self.close_before_kill {
+            super::sabotage::close_sockets(self, target).await?;
+        }
+        let reaped = self.kill_agent_now(target).await;
+        record.effect = Effect::Killed { reaped };
         tokio::time::sleep(DOWN).await;
-        self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
-        self.update_slots();
+        self.start_agent(target)?;
         record.ended = self.now();
         Ok(agent_back(&self.agents[target]).await)
     }
@@ -325,68 +320,92 @@ impl World {
         record: &mut FaultRecord,
     ) -> anyhow::Result<Option<Duration>> {
         record.target = format!("server-{target}");
-        self.servers[target].kill();
-        self.update_slots();
+        let reaped = self.kill_server_now(target).await;
+        record.effect = Effect::Killed { reaped };
         tokio::time::sleep(DOWN).await;
-        self.servers[target].restart(&self.bins).await?;
-        self.update_slots();
+        self.restart_server(target).await?;
         record.ended = self.now();
         Ok(self.server_back(target).await)
     }
 
-    /// [`Fault::Partition`]: the namespaced agent's link down for
-    /// [`PARTITION`]; how long until it is back on both servers.
+    /// [`Fault::Partition`]: the partitioned agent's control link down
+    /// for the partition's time, its server connections watched through
+    /// its node link; how long until it is back on both servers.
     async fn partition(&mut self, record: &mut FaultRecord) -> anyhow::Result<Option<Duration>> {
-        let i = self
-            .agents
-            .iter()
-            .position(|a| a.in_namespace)
-            .context("no agent in the namespace")?;
-        record.target = format!("agent-{i} (namespace)");
-        record.agent = Some(i);
-        self.ns.set_link(false)?;
-        tokio::time::sleep(PARTITION).await;
-        self.ns.set_link(true)?;
+        let i = self.partitioned;
+        record.target = format!("agent-{i}");
+        self.ns.set_link(i, false)?;
+        let health = self.agents[i].health;
+        let until_up = Instant::now() + self.times.partition;
+        let mut fewest: Option<f64> = None;
+        while Instant::now() < until_up {
+            if let Some(n) = agent_servers(health).await {
+                fewest = Some(fewest.map_or(n, |f| f.min(n)));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        self.ns.set_link(i, true)?;
+        record.effect = Effect::Partitioned {
+            fewest_servers: fewest,
+        };
         record.ended = self.now();
         Ok(agent_back(&self.agents[i]).await)
     }
 
     /// [`Fault::FrontendStall`]: a download through each server left
-    /// unread for [`HOLD`].
-    async fn stall_frontends(
-        &mut self,
-        record: &mut FaultRecord,
-    ) -> anyhow::Result<Option<Duration>> {
+    /// unread for the hold.
+    async fn stall_frontends(&mut self, record: &mut FaultRecord) -> Option<Duration> {
         record.target = "a gRPC and a CONNECT download".to_owned();
+        let before = self.node.accepted_by(Listener::Source);
         let mut held = Vec::new();
-        for index in 0..2 {
-            held.push(self.stalled_download(index).await?);
+        for index in 0..self.servers.len() {
+            match dial(&self.front(index), self.source.addr).await {
+                Ok(io) => held.push(io),
+                Err(e) => eprintln!("soak: a stalled download through server-{index}: {e:#}"),
+            }
         }
-        tokio::time::sleep(HOLD).await;
+        tokio::time::sleep(self.times.hold).await;
+        record.effect = Effect::Stalled {
+            tunnels: held.len(),
+            reached: self.node.accepted_by(Listener::Source) - before,
+        };
         drop(held);
         record.ended = self.now();
-        Ok(Some(Duration::ZERO))
+        Some(Duration::ZERO)
     }
 
     /// [`Fault::DestinationStall`]: an upload through each server to a
-    /// destination that stops reading, for [`HOLD`].
+    /// destination that stops reading, for the hold.
     async fn stall_destination(&mut self, record: &mut FaultRecord) -> Option<Duration> {
         record.target = "a gRPC and a CONNECT upload".to_owned();
+        let before = self.node.accepted_by(Listener::Stall);
         let mut tasks = tokio::task::JoinSet::new();
-        for index in 0..2 {
+        let (opened_tx, mut opened_rx) = tokio::sync::mpsc::channel(4);
+        for index in 0..self.servers.len() {
             let front = self.front(index);
-            let addr = self.stall.addr;
+            let addr = self.stall.listener.addr;
+            let opened_tx = opened_tx.clone();
             tasks.spawn(async move {
                 let Ok(mut io) = dial(&front, addr).await else {
                     return;
                 };
+                let _ = opened_tx.send(()).await;
                 let chunk = vec![0x5a_u8; 32 * 1024];
                 while io.write_all(&chunk).await.is_ok() {}
             });
         }
-        tokio::time::sleep(HOLD).await;
+        drop(opened_tx);
+        tokio::time::sleep(self.times.hold).await;
+        let mut tunnels = 0;
+        while opened_rx.try_recv().is_ok() {
+            tunnels += 1;
+        }
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
+        record.effect = Effect::Stalled {
+            tunnels,
+            reached: self.node.accepted_by(Listener::Stall) - before,
+        };
         record.note = format!("{} held by the destination", self.stall.held());
         self.stall.reset_all();
         record.ended = self.now();
@@ -397,11 +416,9 @@ impl World {
     /// [`Self::slowloris`]).
     async fn slow_frontends(&mut self, record: &mut FaultRecord) -> Option<Duration> {
         record.target = format!("{SLOWLORIS} connections per server");
-        let closed = self.slowloris().await;
-        record.note = format!(
-            "{} of {SLOWLORIS} closed by the gRPC server, {} of {SLOWLORIS} by the CONNECT server, within {SLOW:?}",
-            closed[0], closed[1]
-        );
+        record.effect = Effect::Slowloris {
+            peers: self.slowloris().await,
+        };
         record.ended = self.now();
         Some(Duration::ZERO)
     }
@@ -415,13 +432,17 @@ impl World {
         record.target = "servers and agents".to_owned();
         self.pki.rotate_leaves()?;
         let back = self.probe_agent().await;
+        record.effect = Effect::Rotated {
+            admitted_s: back.map(|d| d.as_secs_f64()),
+        };
         record.ended = self.now();
         Ok(back)
     }
 
     /// [`Fault::CaRotation`]: a new CA trusted beside the old, the leaves
     /// switched, the old CA dropped, a new agent connecting after each
-    /// step; how long the last one took.
+    /// step; then an agent of the old CA, which must be refused. How long
+    /// the last new agent took.
     async fn rotate_ca(&mut self, record: &mut FaultRecord) -> anyhow::Result<Option<Duration>> {
         record.target = "servers and agents".to_owned();
         let new = self.pki.ca_trust_both()?;
@@ -430,19 +451,48 @@ impl World {
         let second = self.probe_agent().await;
         self.pki.ca_drop_old()?;
         let back = self.probe_agent().await;
-        record.note = format!(
-            "a new agent connected after each step: {}",
-            [first, second, back]
-                .iter()
-                .map(|d| d.map_or("never".to_owned(), |d| format!("{:.1} s", d.as_secs_f64())))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let old_ca = self.old_ca_agent().await;
+        record.effect = Effect::CaRotated {
+            steps: [first, second, back].map(|d| d.map(|d| d.as_secs_f64())),
+            old_ca,
+        };
         record.ended = self.now();
         Ok(back)
     }
 
-    /// [`Fault::TokenOutage`]: the TokenReview API down for [`HOLD`] while
+    /// An agent with the files of the CA just dropped, watched for
+    /// [`OLD_CA_WATCH`]: whether it connected, and how many handshakes the
+    /// servers refused meanwhile.
+    async fn old_ca_agent(&mut self) -> Option<OldCa> {
+        let setup = AgentSetup::new(
+            self.root.path(),
+            &self.pki.old_ca_dir,
+            self.tokens.as_ref(),
+            self.lb.addr,
+        );
+        let before = refusals(self).await;
+        let mut agent = self.probe_pod();
+        if let Err(e) = agent.start(&self.bins, &setup) {
+            eprintln!("soak: the agent of the old CA: {e:#}");
+            return None;
+        }
+        let pid = agent.pid()?;
+        self.lives.born(agent.name(), Seat::Probe, pid, self.now());
+        let health = agent.health;
+        let connected = until(OLD_CA_WATCH, || async move {
+            agent_servers(health).await.is_some_and(|n| n > 0.0)
+        })
+        .await
+        .is_some();
+        let refused = refusals(self).await - before;
+        self.drain_probe(agent).await;
+        Some(OldCa {
+            connected,
+            refusals: refused,
+        })
+    }
+
+    /// [`Fault::TokenOutage`]: the TokenReview API down for the hold while
     /// agent `target` reconnects; how long until it is back on both
     /// servers.
     async fn token_outage(
@@ -451,145 +501,185 @@ impl World {
         record: &mut FaultRecord,
     ) -> anyhow::Result<Option<Duration>> {
         record.target = format!("TokenReview API, agent-{target} reconnecting");
-        record.agent = Some(target);
         let tokens = self.tokens.as_ref().context("token mode only")?;
         tokens.stub.set_down(true);
-        self.agents[target].process = None;
-        self.update_slots();
-        self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
-        self.update_slots();
-        tokio::time::sleep(HOLD).await;
+        let reaped = self.kill_agent_now(target).await;
+        self.start_agent(target)?;
+        tokio::time::sleep(self.times.hold).await;
         let during = agent_servers(self.agents[target].health).await;
         if let Some(tokens) = &self.tokens {
             tokens.stub.set_down(false);
         }
-        record.note = format!(
-            "the reconnecting agent had {} server connections during the outage",
-            during.map_or("?".to_owned(), |n| n.to_string())
-        );
+        record.effect = Effect::TokenOutage { reaped, during };
         record.ended = self.now();
         Ok(agent_back(&self.agents[target]).await)
     }
 
     /// [`Fault::Rollout`]: agent `target` drained (SIGTERM) while its
-    /// successor starts; how long until the successor is back on both
-    /// servers. The note says how long the old one took to exit.
+    /// successor starts, the old one's books read until it exits; how long
+    /// until the successor is back on both servers.
     async fn roll_out(
         &mut self,
         target: usize,
         record: &mut FaultRecord,
     ) -> anyhow::Result<Option<Duration>> {
         record.target = format!("agent-{target}");
-        record.agent = Some(target);
+        let health = self.agents[target].health;
         let mut old = self.agents[target].process.take();
+        if let Some(old) = &old {
+            watch::read_books(self.clock, &self.lives, old.pid(), Role::Agent, health).await;
+        }
+        let sent = Instant::now();
         if let Some(old) = &old {
             old.terminate()?;
         }
-        self.agents[target].start(&self.bins, &self.agent_setup, &self.ns)?;
-        self.update_slots();
-        let back = agent_back(&self.agents[target]).await;
-        let drained = match &mut old {
-            Some(old) => {
-                until(BACK_LIMIT, || {
-                    let exited = old.has_exited();
-                    async move { exited }
-                })
-                .await
+        self.start_agent(target)?;
+        let mut exited = None;
+        let mut cut = None;
+        let mut exit_ok = false;
+        if let Some(p) = &mut old {
+            let pid = p.pid();
+            loop {
+                if let Some(status) = p.exit_status() {
+                    exited = Some(sent.elapsed().as_secs_f64());
+                    exit_ok = status.success();
+                    self.lives
+                        .died(pid, self.now(), LifeEnd::Exited { ok: exit_ok });
+                    break;
+                }
+                if sent.elapsed() >= BACK_LIMIT {
+                    break;
+                }
+                if let Some(books) =
+                    watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await
+                {
+                    cut = Some(books.cut);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            None => Some(Duration::ZERO),
-        };
-        record.note = match drained {
-            Some(d) => format!(
-                "the old agent drained and exited in {:.1} s",
-                d.as_secs_f64()
-            ),
-            None => format!("the old agent had not exited after {BACK_LIMIT:?}"),
-        };
+        }
         drop(old);
+        record.effect = Effect::RolledOut {
+            exited_s: exited,
+            exit_ok,
+            cut,
+        };
+        let back = agent_back(&self.agents[target]).await;
         record.ended = self.now();
         Ok(back)
     }
 
-    /// A download from the endless source through server `index` that is
-    /// never read.
-    async fn stalled_download(&self, index: usize) -> anyhow::Result<Box<dyn client::dial::Io>> {
-        dial(&self.front(index), self.source.addr).await
-    }
-
     /// [`SLOWLORIS`] connections to each server's frontend socket, each
-    /// sending the start of a request one byte a second for [`SLOW`]; how
-    /// many each server closed meanwhile.
-    async fn slowloris(&self) -> [usize; 2] {
+    /// sending the start of a request one byte a second for [`SLOW`]; when
+    /// the server closed each.
+    async fn slowloris(&self) -> Vec<SlowPeer> {
         let mut tasks = tokio::task::JoinSet::new();
         let deadline = tokio::time::Instant::now() + SLOW;
         for server in &self.servers {
-            let opening: &'static [u8] = match server.mode {
-                FrontendMode::Grpc => b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-                FrontendMode::HttpConnect => {
-                    b"CONNECT 10.251.1.1:1 HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
-                }
+            let http_connect = server.mode == FrontendMode::HttpConnect;
+            let opening: &'static [u8] = if http_connect {
+                b"CONNECT 10.251.1.1:1 HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+            } else {
+                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
             };
             for _ in 0..SLOWLORIS {
                 let uds = server.uds.clone();
-                let index = server.index;
                 tasks.spawn(async move {
+                    let began = tokio::time::Instant::now();
+                    let closed = || Some(began.elapsed().as_secs_f64());
                     let Ok(mut io) = UnixStream::connect(&uds).await else {
-                        return (index, false);
+                        return SlowPeer {
+                            http_connect,
+                            closed_after: None,
+                        };
                     };
                     let mut buf = [0u8; 256];
                     for byte in opening.iter().cycle() {
                         if tokio::time::Instant::now() >= deadline {
-                            return (index, false);
+                            break;
                         }
                         if io.write_all(&[*byte]).await.is_err() {
-                            return (index, true);
+                            return SlowPeer {
+                                http_connect,
+                                closed_after: closed(),
+                            };
                         }
                         // The server may answer (an error page) and close.
                         if let Ok(r) =
                             tokio::time::timeout(Duration::from_secs(1), io.read(&mut buf)).await
+                            && matches!(r, Ok(0) | Err(_))
                         {
-                            match r {
-                                Ok(0) | Err(_) => return (index, true),
-                                Ok(_) => {}
-                            }
+                            return SlowPeer {
+                                http_connect,
+                                closed_after: closed(),
+                            };
                         }
                     }
-                    (index, false)
+                    SlowPeer {
+                        http_connect,
+                        closed_after: None,
+                    }
                 });
             }
         }
-        let mut closed = [0; 2];
+        let mut peers = Vec::new();
         while let Some(r) = tasks.join_next().await {
-            if let Ok((index, true)) = r {
-                closed[index] += 1;
+            if let Ok(peer) = r {
+                peers.push(peer);
             }
         }
-        closed
+        peers
+    }
+
+    /// A probe agent's pod, on the host, not started.
+    fn probe_pod(&mut self) -> AgentPod {
+        self.probes += 1;
+        AgentPod::new(self.probes, None)
     }
 
     /// Starts a short-lived agent with the current files, waits until it
     /// is connected to both servers, then drains it away (SIGTERM); how
     /// long connecting took.
     async fn probe_agent(&mut self) -> Option<Duration> {
-        let mut probe = AgentPod::new(self.agents.len(), false);
-        probe.generation = 1000 + self.probes;
-        self.probes += 1;
-        if probe
-            .start(&self.bins, &self.agent_setup, &self.ns)
-            .is_err()
-        {
+        let mut probe = self.probe_pod();
+        if probe.start(&self.bins, &self.agent_setup).is_err() {
             return None;
         }
+        self.lives
+            .born(probe.name(), Seat::Probe, probe.pid()?, self.now());
         let took = agent_back(&probe).await;
-        if let Some(mut p) = probe.process.take() {
-            let _ = p.terminate();
-            let _ = until(BACK_LIMIT, || {
-                let exited = p.has_exited();
-                async move { exited }
-            })
-            .await;
-        }
+        self.drain_probe(probe).await;
         took
+    }
+
+    /// Drains a probe agent (SIGTERM), its books read until it exits.
+    async fn drain_probe(&self, mut probe: AgentPod) {
+        let Some(mut p) = probe.process.take() else {
+            return;
+        };
+        let pid = p.pid();
+        watch::read_books(self.clock, &self.lives, pid, Role::Agent, probe.health).await;
+        let _ = p.terminate();
+        let sent = Instant::now();
+        loop {
+            if let Some(status) = p.exit_status() {
+                self.lives.died(
+                    pid,
+                    self.now(),
+                    LifeEnd::Exited {
+                        ok: status.success(),
+                    },
+                );
+                return;
+            }
+            if sent.elapsed() >= BACK_LIMIT {
+                self.lives
+                    .died(pid, self.now(), LifeEnd::Exited { ok: false });
+                return;
+            }
+            watch::read_books(self.clock, &self.lives, pid, Role::Agent, probe.health).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
@@ -606,12 +696,4 @@ async fn dial(front: &Front, addr: SocketAddr) -> anyhow::Result<Box<dyn client:
         },
     };
     Ok(dialer.dial(&addr.to_string()).await?)
-}
-
-/// Roles of the slots, for the tables.
-pub fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::Server => "server",
-        Role::Agent => "agent",
-    }
 }

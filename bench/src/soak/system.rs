@@ -1,9 +1,12 @@
 //! The soak's deployment: two proxy-servers (one per frontend mode) behind
-//! a haproxy, agents (one of them in a network namespace the soak creates,
-//! joined to the host by a veth pair, so that a partition is a link set
-//! down), the certificates they reload, and the TokenReview stand-in of
-//! token mode. Every process is a child killed on drop; the namespace is
-//! deleted on drop.
+//! a haproxy, and agents, each agent slot in a network namespace of its
+//! own joined to the host by two veth pairs: a control link (to haproxy),
+//! which a partition takes down, and a node link (to the destinations),
+//! never cut. Each slot's node address is its own, so the destination
+//! tells which agent carried a connection from its source address: the
+//! kernel's word, not the agent's. The certificates they reload, and the
+//! TokenReview stand-in of token mode. Every process is a child killed on
+//! drop; the namespaces and links are deleted on drop.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -23,25 +26,21 @@ use crate::{
     system::{Binaries, Process, free_ports},
 };
 
-/// The host's end of the control link (a veth pair): haproxy listens
-/// here, so that every agent, in the namespace or not, reaches it. A
-/// partition takes this link down.
+/// haproxy's address, on a link of the host's own: every agent reaches
+/// it through its own control link.
 pub const HOST_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 0, 1);
-/// The namespace's end of the control link.
-pub const NS_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 0, 2);
-/// The host's end of the node link (a second veth pair, never cut): the
-/// destinations listen here, as node-side servers stay reachable from
-/// their node's agent while the control plane is partitioned away.
+/// The destinations' address, on the same link: every agent reaches
+/// it through its own node link; probe agents, on the host, from this
+/// address itself.
 pub const DEST_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 1, 1);
-/// The namespace's end of the node link (the namespaced agent's health
-/// port, so that it is watched through a partition).
-pub const NS_NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 251, 1, 2);
 /// The audience of agent tokens in token mode.
 const AUDIENCE: &str = "system:konnectivity-server";
 /// The agents' token in token mode (its `jti`: the token is a JWT).
 const AGENT_TOKEN: &str = "soak-agent-token";
 /// How long a process may take to start listening or connecting.
 const START_LIMIT: Duration = Duration::from_secs(30);
+/// The most agent slots (one /30 each in two /16s).
+pub const MAX_SLOTS: usize = 64;
 
 /// How agents authenticate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +49,16 @@ pub enum Auth {
     Mtls,
     /// A service-account token, reviewed by the TokenReview stand-in.
     Token,
+}
+
+impl Auth {
+    /// `mTLS` or `token`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mtls => "mTLS",
+            Self::Token => "token",
+        }
+    }
 }
 
 /// Runs `ip args`.
@@ -68,71 +77,154 @@ fn ip(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A network namespace joined to the host by two veth pairs, the control
-/// link ([`HOST_IP`] ↔ [`NS_IP`]) and the node link ([`DEST_IP`] ↔
-/// [`NS_NODE_IP`]); deleted (with the pairs) on drop.
-pub struct Namespace {
-    /// Its name.
-    pub name: String,
+/// The host's end of slot `slot`'s control link (its namespace's end is
+/// the next address).
+fn control_host(slot: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 252, slot as u8, 1)
 }
 
-impl Namespace {
-    /// Creates it (needs root).
+/// The host's end of slot `slot`'s node link.
+fn node_host(slot: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 253, slot as u8, 1)
+}
+
+/// Slot `slot`'s node address: its agent's source address at the
+/// destinations, and where its health port listens.
+pub fn node_ip(slot: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 253, slot as u8, 2)
+}
+
+/// The agent slot whose node address `ip` is.
+pub fn slot_of(ip: Ipv4Addr) -> Option<usize> {
+    let [a, b, c, d] = ip.octets();
+    (a == 10 && b == 253 && d == 2 && usize::from(c) < MAX_SLOTS).then_some(usize::from(c))
+}
+
+/// The namespaces of the agent slots and the host's link for haproxy's
+/// and the destinations' addresses; deleted (with their links) on drop.
+pub struct Namespaces {
+    /// The host's link (haproxy's and the destinations' addresses).
+    hub: String,
+    /// Each slot's namespace.
+    names: Vec<String>,
+}
+
+impl Namespaces {
+    /// Creates the host's link and `slots` namespaces, each joined to the
+    /// host by its control and node links (needs root).
     ///
     /// # Errors
     /// An `ip` command fails.
-    pub fn create() -> anyhow::Result<Self> {
+    pub fn create(slots: usize) -> anyhow::Result<Self> {
+        anyhow::ensure!(slots <= MAX_SLOTS, "at most {MAX_SLOTS} agents");
         let tag = std::process::id();
-        let ns = Self {
-            name: format!("krs-soak-{tag}"),
+        let mut made = Self {
+            hub: format!("krsh{tag}"),
+            names: Vec::new(),
         };
-        ip(&["netns", "add", &ns.name]).context("creating the soak's network namespace")?;
-        for (host, inner, host_ip, inner_ip) in [
-            (format!("krss{tag}"), "veth-a", HOST_IP, NS_IP),
-            (format!("krsd{tag}"), "veth-n", DEST_IP, NS_NODE_IP),
-        ] {
-            ip(&[
-                "link", "add", &host, "type", "veth", "peer", "name", inner, "netns", &ns.name,
-            ])?;
-            ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &host])?;
-            ip(&["link", "set", &host, "up"])?;
-            ip(&[
-                "-n",
-                &ns.name,
-                "addr",
-                "add",
-                &format!("{inner_ip}/30"),
-                "dev",
-                inner,
-            ])?;
-            ip(&["-n", &ns.name, "link", "set", inner, "up"])?;
+        // A veth pair with both ends on the host (this kernel has no dummy
+        // links): only a place for the two addresses.
+        let peer = format!("krsp{tag}");
+        ip(&[
+            "link", "add", &made.hub, "type", "veth", "peer", "name", &peer,
+        ])
+        .context("creating the soak's links (needs root)")?;
+        for addr in [HOST_IP, DEST_IP] {
+            ip(&["addr", "add", &format!("{addr}/32"), "dev", &made.hub])?;
         }
-        ip(&["-n", &ns.name, "link", "set", "lo", "up"])?;
-        Ok(ns)
+        ip(&["link", "set", &peer, "up"])?;
+        ip(&["link", "set", &made.hub, "up"])?;
+        for slot in 0..slots {
+            let name = format!("krs-soak-{tag}-{slot}");
+            ip(&["netns", "add", &name])?;
+            made.names.push(name.clone());
+            for (host, inner, host_ip, to) in [
+                (
+                    format!("krsc{tag}x{slot}"),
+                    "ctl",
+                    control_host(slot),
+                    HOST_IP,
+                ),
+                (
+                    format!("krsn{tag}x{slot}"),
+                    "node",
+                    node_host(slot),
+                    DEST_IP,
+                ),
+            ] {
+                let inner_ip = Ipv4Addr::from(u32::from(host_ip) + 1);
+                ip(&[
+                    "link", "add", &host, "type", "veth", "peer", "name", inner, "netns", &name,
+                ])?;
+                ip(&["addr", "add", &format!("{host_ip}/30"), "dev", &host])?;
+                ip(&["link", "set", &host, "up"])?;
+                ip(&[
+                    "-n",
+                    &name,
+                    "addr",
+                    "add",
+                    &format!("{inner_ip}/30"),
+                    "dev",
+                    inner,
+                ])?;
+                ip(&["-n", &name, "link", "set", inner, "up"])?;
+                ip(&[
+                    "-n",
+                    &name,
+                    "route",
+                    "add",
+                    &format!("{to}/32"),
+                    "via",
+                    &host_ip.to_string(),
+                ])?;
+            }
+            ip(&["-n", &name, "link", "set", "lo", "up"])?;
+        }
+        Ok(made)
     }
 
-    /// Takes the namespace's end of the control link down (a partition:
+    /// Slot `slot`'s namespace.
+    pub fn name(&self, slot: usize) -> Option<&str> {
+        self.names.get(slot).map(String::as_str)
+    }
+
+    /// Takes slot `slot`'s end of its control link down (a partition:
     /// packets are dropped, nothing is reset) or up again.
     ///
     /// # Errors
-    /// The `ip` command fails.
-    pub fn set_link(&self, up: bool) -> anyhow::Result<()> {
+    /// There is no such slot, or the `ip` command fails.
+    pub fn set_link(&self, slot: usize, up: bool) -> anyhow::Result<()> {
+        let name = self.name(slot).context("no such agent slot")?;
         ip(&[
             "-n",
-            &self.name,
+            name,
             "link",
             "set",
-            "veth-a",
+            "ctl",
             if up { "up" } else { "down" },
-        ])
+        ])?;
+        if up {
+            // The route to haproxy went with the link.
+            ip(&[
+                "-n",
+                name,
+                "route",
+                "replace",
+                &format!("{HOST_IP}/32"),
+                "via",
+                &control_host(slot).to_string(),
+            ])?;
+        }
+        Ok(())
     }
 }
 
-impl Drop for Namespace {
+impl Drop for Namespaces {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.hub]).status();
     }
 }
 
@@ -145,6 +237,10 @@ pub struct RotatingPki {
     pub server_dir: PathBuf,
     /// The agents' files.
     pub agent_dir: PathBuf,
+    /// The files of an agent of the CA dropped by the last CA rotation.
+    pub old_ca_dir: PathBuf,
+    /// The CA before the last switch of leaves.
+    old: Option<certs::Ca>,
     /// Where new files are written before they are installed.
     staging: PathBuf,
     /// The CA that signs the current leaves.
@@ -167,6 +263,8 @@ impl RotatingPki {
         let pki = Self {
             server_dir: root.join("server-pki"),
             agent_dir: root.join("agent-pki"),
+            old_ca_dir: root.join("agent-pki-old-ca"),
+            old: None,
             staging: root.join("pki-staging"),
             ca: certs::Ca::new("soak-agent-ca-1")?,
             cas: 1,
@@ -240,7 +338,7 @@ impl RotatingPki {
     /// Generating or writing fails.
     pub fn ca_switch_leaves(&mut self, new: certs::Ca) -> anyhow::Result<()> {
         let bundle = format!("{}{}", self.ca.cert_pem(), new.cert_pem());
-        self.ca = new;
+        self.old = Some(std::mem::replace(&mut self.ca, new));
         self.install_leaves(&bundle)
     }
 
@@ -251,7 +349,19 @@ impl RotatingPki {
     pub fn ca_drop_old(&self) -> anyhow::Result<()> {
         let bundle = self.ca.cert_pem().to_owned();
         self.install(&self.server_dir, &[(SERVER_FILES[2], &bundle)])?;
-        self.install(&self.agent_dir, &[(AGENT_FILES[0], &bundle)])
+        self.install(&self.agent_dir, &[(AGENT_FILES[0], &bundle)])?;
+        // An agent that missed the rotation: the old CA's leaf, trusting
+        // the old CA only.
+        let old = self.old.as_ref().context("no CA switched yet")?;
+        let agent = old.client_cert("proxy-agent")?;
+        self.install(
+            &self.old_ca_dir,
+            &[
+                (AGENT_FILES[0], old.cert_pem()),
+                (AGENT_FILES[1], &agent.cert_pem),
+                (AGENT_FILES[2], &agent.key_pem),
+            ],
+        )
     }
 }
 
@@ -435,9 +545,9 @@ impl Server {
         }
     }
 
-    /// SIGKILLs the process.
-    pub fn kill(&mut self) {
-        self.process = None;
+    /// Processes started so far (the current one's number).
+    pub fn starts(&self) -> usize {
+        self.starts
     }
 
     /// The process id while it runs.
@@ -455,9 +565,10 @@ pub struct AgentSetup {
 }
 
 impl AgentSetup {
-    /// Agents reaching the servers through haproxy at `lb`.
-    pub fn new(root: &Path, pki: &RotatingPki, tokens: Option<&Tokens>, lb: SocketAddr) -> Self {
-        let file = |f: &str| pki.agent_dir.join(f).display().to_string();
+    /// Agents with the files in `dir` reaching the servers through haproxy
+    /// at `lb`.
+    pub fn new(root: &Path, dir: &Path, tokens: Option<&Tokens>, lb: SocketAddr) -> Self {
+        let file = |f: &str| dir.join(f).display().to_string();
         let mut args = vec![
             format!("--ca-cert={}", file("agent-ca.crt")),
             format!("--proxy-server-host={}", lb.ip()),
@@ -486,12 +597,13 @@ impl AgentSetup {
     }
 }
 
-/// One agent "pod" slot: a process, replaced on restarts and rollouts.
+/// One agent "pod": a slot whose process is replaced on restarts and
+/// rollouts, in the slot's namespace; or a probe agent on the host.
 pub struct AgentPod {
-    /// The slot.
+    /// The slot (for a probe, a number of its own).
     pub index: usize,
-    /// In the soak's namespace (the one partitions cut off).
-    pub in_namespace: bool,
+    /// Its namespace; `None`: on the host (a probe).
+    pub netns: Option<String>,
     /// The process, while it runs.
     pub process: Option<Process>,
     /// Its health port (`/metrics`), which changes with each process.
@@ -501,14 +613,22 @@ pub struct AgentPod {
 }
 
 impl AgentPod {
-    /// A slot with no process yet.
-    pub fn new(index: usize, in_namespace: bool) -> Self {
+    /// A slot with no process yet, in `netns` (`None`: on the host).
+    pub fn new(index: usize, netns: Option<String>) -> Self {
         Self {
             index,
-            in_namespace,
+            netns,
             process: None,
             health: SocketAddr::from(([127, 0, 0, 1], 0)),
             generation: 0,
+        }
+    }
+
+    /// Its name, with its process's generation: `agent-1.2`, `probe-3`.
+    pub fn name(&self) -> String {
+        match self.netns {
+            Some(_) => format!("agent-{}.{}", self.index, self.generation),
+            None => format!("probe-{}", self.index),
         }
     }
 
@@ -517,18 +637,12 @@ impl AgentPod {
     ///
     /// # Errors
     /// The process cannot be started.
-    pub fn start(
-        &mut self,
-        bins: &Binaries,
-        setup: &AgentSetup,
-        ns: &Namespace,
-    ) -> anyhow::Result<()> {
+    pub fn start(&mut self, bins: &Binaries, setup: &AgentSetup) -> anyhow::Result<()> {
         self.generation += 1;
         let (health_port, _) = free_ports()?;
-        let host: IpAddr = if self.in_namespace {
-            NS_NODE_IP.into()
-        } else {
-            Ipv4Addr::LOCALHOST.into()
+        let host: IpAddr = match self.netns {
+            Some(_) => node_ip(self.index).into(),
+            None => Ipv4Addr::LOCALHOST.into(),
         };
         self.health = SocketAddr::new(host, health_port);
         let mut args = setup.args.clone();
@@ -538,22 +652,21 @@ impl AgentPod {
             format!("--health-server-port={health_port}"),
         ]);
         args.extend(bins.extra.iter().cloned());
-        let log = setup
-            .logs
-            .join(format!("agent-{}.{}.log", self.index, self.generation));
-        let name = format!("proxy-agent {}.{}", self.index, self.generation);
-        self.process = Some(if self.in_namespace {
-            // `ip netns exec` execs the agent: the child's pid is the agent's.
-            let mut all = vec![
-                "netns".to_owned(),
-                "exec".to_owned(),
-                ns.name.clone(),
-                bins.agent.display().to_string(),
-            ];
-            all.extend(args);
-            Process::spawn(name, Path::new("ip"), &all, log)?
-        } else {
-            Process::spawn(name, &bins.agent, &args, log)?
+        let name = self.name();
+        let log = setup.logs.join(format!("{name}.log"));
+        self.process = Some(match &self.netns {
+            Some(netns) => {
+                // `ip netns exec` execs the agent: the child's pid is the agent's.
+                let mut all = vec![
+                    "netns".to_owned(),
+                    "exec".to_owned(),
+                    netns.clone(),
+                    bins.agent.display().to_string(),
+                ];
+                all.extend(args);
+                Process::spawn(name, Path::new("ip"), &all, log)?
+            }
+            None => Process::spawn(name, &bins.agent, &args, log)?,
         });
         Ok(())
     }

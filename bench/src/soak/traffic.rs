@@ -4,20 +4,19 @@
 //!
 //! An exchange: the frontend sends a 16-byte header (up length u32, down
 //! length u32, seed u64, big-endian) and `up` bytes of the pattern stream
-//! of `seed`; the [`Destination`] checks them, answers `down` bytes of the
-//! stream of `seed + 1` and closes. The frontend checks every byte, then
-//! waits for a clean end. `tests/go/frontend/soak.go` speaks the same.
+//! of `seed`; the destination ([`super::node`]) checks them, answers
+//! `down` bytes of the stream of `seed + 1` and closes. The frontend checks
+//! every byte, then waits for a clean end. `tests/go/frontend/soak.go`
+//! speaks the same.
 //!
-//! The frontend classifies each exchange: `ok` (every byte, then a clean
-//! end), `error` (the tunnel said it failed: a refused dial, a stream or
-//! CLOSE_RSP error, a reset) or `silent` (a byte that differs, or bytes
-//! missing before an end that said nothing was wrong). HTTP CONNECT on a
-//! Unix socket has no end but the EOF once the 200 is sent, so a CONNECT
-//! tunnel ended by an EOF with bytes missing is `cut`: the orchestrator
-//! accepts it only during a fault that killed its agent or server. The destination
-//! does the same from its side: `complete`, `reset` (a read or write
-//! error), `truncated` (a FIN before the request's last byte) or
-//! `corrupt`.
+//! Each exchange ends as a record ([`Exchange`]): `ok` (every byte, then a
+//! clean end), a failed dial, `error` (the tunnel said it failed: a stream
+//! or CLOSE_RSP error, a reset), `silent` (a byte that differs, or bytes
+//! missing before an end that said nothing was wrong), `cut` (HTTP CONNECT
+//! on a Unix socket has no end but the EOF once the 200 is sent) or
+//! `stuck` (no end within [`GIVE_UP`]). The judge meets each record with
+//! the destination's record of the same seed, which says which agent
+//! carried it.
 
 use std::{
     io,
@@ -25,20 +24,22 @@ use std::{
     path::{Path, PathBuf},
     process::Stdio,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
 
-use serde::Serialize;
+use soak_judge::{Exchange, Frontend, FrontendEnd, samples::CountsSnap};
 use tokio::{
     io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader},
-    net::{TcpListener, TcpStream, UnixStream},
+    net::UnixStream,
     process::{Child, ChildStdin, Command},
     task::JoinSet,
 };
 use tokio_util::sync::CancellationToken;
+
+use super::{RunClock, watch::lock};
 
 /// A random number (the standard library's per-use random hash keys; no
 /// dependency for what only picks seeds and sizes).
@@ -54,120 +55,35 @@ fn size(low: usize, span: usize) -> usize {
     low + (random() % span as u64) as usize
 }
 
-/// When the soak started (for the times of [`CUTS`]).
-pub static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-/// When each HTTP CONNECT tunnel that ended with an EOF, bytes missing,
-/// ended (s since [`START`]).
-pub static CUTS: std::sync::Mutex<Vec<f64>> = std::sync::Mutex::new(Vec::new());
+/// Every exchange's record, as each ends.
+pub type ExchangeLog = Arc<Mutex<Vec<Exchange>>>;
 
 /// Bytes of an exchange's header.
-const HEADER: usize = 16;
+pub const HEADER: usize = 16;
 /// Chunk of reads and writes.
-const CHUNK: usize = 32 * 1024;
-/// Longest a dial may take before the worker gives up on it (far past
-/// every timeout on the way; a dial that reaches it is counted late).
-const DIAL_CAP: Duration = Duration::from_secs(60);
+pub const CHUNK: usize = 32 * 1024;
 /// Request/response exchanges one worker has in flight at most.
 const RR_IN_FLIGHT: usize = 16;
-/// Longest an exchange may sit without progress before the worker gives
-/// up (counted as a frontend-side error, `stuck`).
-const STUCK: Duration = Duration::from_secs(120);
+/// Longest an exchange may take before its frontend gives up on it
+/// (`stuck`): past the judge's bound ([`soak_judge::exchanges::STUCK`]),
+/// which calls any exchange longer than that stuck, however it ended.
+pub const GIVE_UP: Duration = Duration::from_secs(40);
 
-/// The frontends of the soak.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum Kind {
-    /// Our client (konnectivity-client), a single-use gRPC tunnel each.
-    GrpcOurs,
-    /// grpc-go, a gRPC connection per tunnel (kube-apiserver's single-use tunnel).
-    GrpcGoSingle,
-    /// grpc-go, every tunnel a stream of one connection (the reusable tunnel).
-    GrpcGoReused,
-    /// Our client's HTTP CONNECT.
-    ConnectOurs,
-}
-
-impl Kind {
-    /// All of them, in table order.
-    pub const ALL: [Self; 4] = [
-        Self::GrpcOurs,
-        Self::GrpcGoSingle,
-        Self::GrpcGoReused,
-        Self::ConnectOurs,
-    ];
-
-    /// Its name in the tables.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::GrpcOurs => "grpc, ours",
-            Self::GrpcGoSingle => "grpc-go single-use",
-            Self::GrpcGoReused => "grpc-go reused",
-            Self::ConnectOurs => "http-connect, ours",
-        }
-    }
-
-    /// The server it goes through (0: gRPC, 1: HTTP CONNECT).
-    pub fn server(self) -> usize {
-        match self {
-            Self::ConnectOurs => 1,
-            _ => 0,
-        }
-    }
-}
-
-/// A frontend's cumulative counts.
+/// A frontend's cumulative counts (for its rates and bytes; each
+/// exchange's end is in its record).
 #[derive(Debug, Default)]
 pub struct Counts {
     /// Exchanges started.
     pub started: AtomicU64,
-    /// Exchanges that carried every byte.
-    pub ok: AtomicU64,
-    /// Exchanges the tunnel ended with an error.
-    pub errors: AtomicU64,
-    /// Exchanges that lost or altered bytes without an error.
-    pub silent: AtomicU64,
-    /// HTTP CONNECT exchanges that ended with an EOF, bytes missing: on a
-    /// Unix socket CONNECT has no other end to tell of a failure.
-    pub cut: AtomicU64,
     /// Request/response exchanges that carried every byte.
     pub rr_ok: AtomicU64,
     /// Bytes checked on bulk exchanges.
     pub bulk_bytes: AtomicU64,
     /// Bytes checked on all exchanges.
     pub bytes: AtomicU64,
-    /// Dials that took longer than the dial timeout.
-    pub late: AtomicU64,
     /// Request/response ticks skipped: the worker had the most exchanges
     /// in flight.
     pub skipped: AtomicU64,
-    /// The slowest dial so far, µs.
-    pub dial_max_us: AtomicU64,
-}
-
-/// [`Counts`] at one moment.
-#[derive(Debug, Default, Clone, Copy, Serialize)]
-pub struct CountsSnap {
-    /// See [`Counts::started`].
-    pub started: u64,
-    /// See [`Counts::ok`].
-    pub ok: u64,
-    /// See [`Counts::errors`].
-    pub errors: u64,
-    /// See [`Counts::silent`].
-    pub silent: u64,
-    /// See [`Counts::cut`].
-    pub cut: u64,
-    /// See [`Counts::rr_ok`].
-    pub rr_ok: u64,
-    /// See [`Counts::bulk_bytes`].
-    pub bulk_bytes: u64,
-    /// See [`Counts::bytes`].
-    pub bytes: u64,
-    /// See [`Counts::late`].
-    pub late: u64,
-    /// See [`Counts::skipped`].
-    pub skipped: u64,
-    /// See [`Counts::dial_max_us`].
-    pub dial_max_us: u64,
 }
 
 impl Counts {
@@ -176,16 +92,10 @@ impl Counts {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         CountsSnap {
             started: l(&self.started),
-            ok: l(&self.ok),
-            errors: l(&self.errors),
-            silent: l(&self.silent),
-            cut: l(&self.cut),
             rr_ok: l(&self.rr_ok),
             bulk_bytes: l(&self.bulk_bytes),
             bytes: l(&self.bytes),
-            late: l(&self.late),
             skipped: l(&self.skipped),
-            dial_max_us: l(&self.dial_max_us),
         }
     }
 
@@ -197,24 +107,20 @@ impl Counts {
             }
         };
         set(&self.started, "started");
-        set(&self.ok, "ok");
-        set(&self.errors, "errors");
-        set(&self.silent, "silent");
         set(&self.rr_ok, "rr_ok");
         set(&self.bulk_bytes, "bulk_bytes");
         set(&self.bytes, "bytes");
-        set(&self.late, "late_dials");
         set(&self.skipped, "skipped");
-        set(&self.dial_max_us, "dial_max_us");
     }
 }
 
 /// The pattern stream of `tests/src/destination.rs`'s `pattern(len, seed)`,
 /// a byte at a time.
-struct Pattern(u64);
+pub struct Pattern(u64);
 
 impl Pattern {
-    fn new(seed: u64) -> Self {
+    /// The stream of `seed`.
+    pub fn new(seed: u64) -> Self {
         Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
@@ -225,7 +131,8 @@ impl Pattern {
         (self.0 >> 24) as u8
     }
 
-    fn fill(&mut self, buf: &mut [u8]) {
+    /// Writes the stream's next bytes into `buf`.
+    pub fn fill(&mut self, buf: &mut [u8]) {
         for b in buf {
             *b = self.next_byte();
         }
@@ -233,212 +140,13 @@ impl Pattern {
 
     /// Whether `buf` is the stream's next bytes (the stream advances by
     /// all of them either way).
-    fn check(&mut self, buf: &[u8]) -> bool {
+    pub fn check(&mut self, buf: &[u8]) -> bool {
         let mut ok = true;
         for b in buf {
             ok &= self.next_byte() == *b;
         }
         ok
     }
-}
-
-/// The destination's cumulative counts.
-#[derive(Debug, Default)]
-pub struct DestCounts {
-    /// Connections accepted.
-    pub accepted: AtomicU64,
-    /// Connections open now.
-    pub open: AtomicU64,
-    /// Requests checked whole and answered.
-    pub complete: AtomicU64,
-    /// Of them, those that came through the namespaced agent (from
-    /// [`super::system::NS_NODE_IP`]); the rest came through the others.
-    pub complete_ns: AtomicU64,
-    /// Connections that failed with a read or write error (a reset).
-    pub reset: AtomicU64,
-    /// Connections that ended cleanly before the request's last byte.
-    pub truncated: AtomicU64,
-    /// Requests with a byte that differs.
-    pub corrupt: AtomicU64,
-    /// When each truncated or altered request ended (s since the start),
-    /// and whether it was altered.
-    pub silent_at: std::sync::Mutex<Vec<(f64, bool)>>,
-}
-
-/// [`DestCounts`] at one moment.
-#[derive(Debug, Default, Clone, Copy, Serialize)]
-pub struct DestSnap {
-    /// See [`DestCounts::accepted`].
-    pub accepted: u64,
-    /// See [`DestCounts::open`].
-    pub open: u64,
-    /// See [`DestCounts::complete`].
-    pub complete: u64,
-    /// See [`DestCounts::complete_ns`].
-    pub complete_ns: u64,
-    /// See [`DestCounts::reset`].
-    pub reset: u64,
-    /// See [`DestCounts::truncated`].
-    pub truncated: u64,
-    /// See [`DestCounts::corrupt`].
-    pub corrupt: u64,
-}
-
-impl DestCounts {
-    /// The counts now.
-    pub fn snap(&self) -> DestSnap {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        DestSnap {
-            accepted: l(&self.accepted),
-            open: l(&self.open),
-            complete: l(&self.complete),
-            complete_ns: l(&self.complete_ns),
-            reset: l(&self.reset),
-            truncated: l(&self.truncated),
-            corrupt: l(&self.corrupt),
-        }
-    }
-}
-
-/// The node-side end of every exchange, on `ip`; its tasks end on drop.
-pub struct Destination {
-    /// Where it listens.
-    pub addr: SocketAddr,
-    /// Its counts.
-    pub counts: Arc<DestCounts>,
-    /// The accept loop and connections.
-    _tasks: JoinSet<()>,
-}
-
-impl Destination {
-    /// Starts it.
-    ///
-    /// # Errors
-    /// It cannot bind.
-    pub async fn start(ip: std::net::Ipv4Addr, since: Instant) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind((ip, 0)).await?;
-        let addr = listener.local_addr()?;
-        let counts = Arc::new(DestCounts::default());
-        let mut tasks = JoinSet::new();
-        let c = counts.clone();
-        tasks.spawn(async move {
-            let mut conns = JoinSet::new();
-            loop {
-                let Ok((stream, peer)) = listener.accept().await else {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                c.accepted.fetch_add(1, Ordering::Relaxed);
-                c.open.fetch_add(1, Ordering::Relaxed);
-                let c = c.clone();
-                conns.spawn(async move {
-                    let end = answer(stream).await;
-                    if matches!(end, DestEnd::Truncated | DestEnd::Corrupt) {
-                        let at = since.elapsed().as_secs_f64();
-                        eprintln!("soak: {at:.0} s: a request reached the destination truncated or altered");
-                        c.silent_at
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner)
-                            .push((at, matches!(end, DestEnd::Corrupt)));
-                    }
-                    if matches!(end, DestEnd::Complete)
-                        && peer.ip() == std::net::IpAddr::from(super::system::NS_NODE_IP)
-                    {
-                        c.complete_ns.fetch_add(1, Ordering::Relaxed);
-                    }
-                    match end {
-                        DestEnd::Complete => &c.complete,
-                        DestEnd::Reset => &c.reset,
-                        DestEnd::Truncated => &c.truncated,
-                        DestEnd::Corrupt => &c.corrupt,
-                    }
-                    .fetch_add(1, Ordering::Relaxed);
-                    c.open.fetch_sub(1, Ordering::Relaxed);
-                });
-                while conns.try_join_next().is_some() {}
-            }
-        });
-        Ok(Self {
-            addr,
-            counts,
-            _tasks: tasks,
-        })
-    }
-}
-
-/// How a destination connection ended.
-enum DestEnd {
-    Complete,
-    Reset,
-    Truncated,
-    Corrupt,
-}
-
-/// Reads `buf` full; `Ok(false)` on a clean EOF first.
-async fn read_full(io: &mut (impl AsyncRead + Unpin), buf: &mut [u8]) -> io::Result<bool> {
-    let mut got = 0;
-    while got < buf.len() {
-        let n = io.read(&mut buf[got..]).await?;
-        if n == 0 {
-            return Ok(false);
-        }
-        got += n;
-    }
-    Ok(true)
-}
-
-/// Serves one exchange at the destination.
-async fn answer(mut stream: TcpStream) -> DestEnd {
-    let mut header = [0u8; HEADER];
-    match tokio::time::timeout(STUCK, read_full(&mut stream, &mut header)).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => return DestEnd::Truncated,
-        Ok(Err(_)) | Err(_) => return DestEnd::Reset,
-    }
-    let (up, down, seed) = parse_header(&header);
-    let mut pattern = Pattern::new(seed);
-    let mut buf = vec![0u8; CHUNK];
-    let mut left = up;
-    while left > 0 {
-        let want = left.min(CHUNK);
-        let n = match tokio::time::timeout(STUCK, stream.read(&mut buf[..want])).await {
-            Ok(Ok(0)) => return DestEnd::Truncated,
-            Ok(Ok(n)) => n,
-            Ok(Err(_)) | Err(_) => return DestEnd::Reset,
-        };
-        if !pattern.check(&buf[..n]) {
-            return DestEnd::Corrupt;
-        }
-        left -= n;
-    }
-    let mut pattern = Pattern::new(seed.wrapping_add(1));
-    let mut left = down;
-    while left > 0 {
-        let n = left.min(CHUNK);
-        pattern.fill(&mut buf[..n]);
-        match tokio::time::timeout(STUCK, stream.write_all(&buf[..n])).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) | Err(_) => return DestEnd::Reset,
-        }
-        left -= n;
-    }
-    if stream.shutdown().await.is_err() {
-        return DestEnd::Reset;
-    }
-    // The frontend closes once it has read everything.
-    let _ = tokio::time::timeout(STUCK, async {
-        while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {}
-    })
-    .await;
-    DestEnd::Complete
-}
-
-fn parse_header(h: &[u8; HEADER]) -> (usize, usize, u64) {
-    let u32_at = |i: usize| u32::from_be_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]) as usize;
-    let mut seed = [0u8; 8];
-    seed.copy_from_slice(&h[8..16]);
-    (u32_at(0), u32_at(4), u64::from_be_bytes(seed))
 }
 
 /// How our frontends reach their server.
@@ -448,19 +156,6 @@ pub enum Front {
     Grpc(PathBuf),
     /// HTTP CONNECT on the Unix socket.
     Connect(PathBuf),
-}
-
-/// How one exchange ended at the frontend.
-#[derive(Debug)]
-pub enum Outcome {
-    /// Every byte, then a clean end.
-    Ok,
-    /// The tunnel told of an error.
-    Error(String),
-    /// Bytes lost or altered with no error.
-    Silent(String),
-    /// An HTTP CONNECT tunnel that ended with an EOF, bytes missing.
-    Cut(String),
 }
 
 /// How [`run_exchange`] stopped.
@@ -475,9 +170,9 @@ enum End {
     Io(io::Error),
 }
 
-/// One exchange's parameters.
+/// One exchange's sizes and pace.
 #[derive(Debug, Clone, Copy)]
-pub struct Exchange {
+pub struct Shape {
     /// Bytes up.
     pub up: usize,
     /// Bytes down.
@@ -500,10 +195,10 @@ async fn pace(start: Instant, moved: usize, rate: u64) {
 /// Runs one exchange on an established tunnel.
 async fn run_exchange(
     io: &mut (impl AsyncRead + AsyncWrite + Unpin),
-    x: Exchange,
+    seed: u64,
+    x: Shape,
     counts: &Counts,
 ) -> End {
-    let seed = random();
     let mut header = [0u8; HEADER];
     header[0..4].copy_from_slice(&(x.up as u32).to_be_bytes());
     header[4..8].copy_from_slice(&(x.down as u32).to_be_bytes());
@@ -567,102 +262,130 @@ async fn run_exchange(
     }
 }
 
-/// Dials `addr` through `front` and runs one exchange; the outcome.
-pub async fn exchange(
+/// Who makes an exchange, through which server, and its clock.
+#[derive(Debug, Clone)]
+pub struct Maker {
+    /// How it reaches its server.
+    pub front: Front,
+    /// Who it is.
+    pub frontend: Frontend,
+    /// The server `front` reaches.
+    pub server: usize,
+    /// The run's clock.
+    pub clock: RunClock,
+}
+
+/// Dials `addr` through `maker` and runs one exchange of `x`; its record.
+pub async fn exchange(maker: &Maker, addr: SocketAddr, x: Shape, counts: &Counts) -> Exchange {
+    let seed = random();
+    let started = maker.clock.now();
+    let (end, dial_s, why) = match tokio::time::timeout(
+        GIVE_UP,
+        dial_and_run(&maker.front, addr, seed, x, counts),
+    )
+    .await
+    {
+        Ok((end, dial, why)) => (end, dial, why),
+        Err(_) => (
+            FrontendEnd::Stuck,
+            None,
+            Some(format!("no end within {GIVE_UP:?}")),
+        ),
+    };
+    log_end(maker, end, why.as_deref().unwrap_or(""));
+    Exchange {
+        id: seed,
+        frontend: maker.frontend,
+        server: maker.server,
+        started,
+        ended: maker.clock.now(),
+        dial_s,
+        end,
+        why,
+    }
+}
+
+/// Logs an end worth reading about as it happens: bytes lost silently, a
+/// stuck exchange, a CONNECT tunnel cut (errors come in hundreds with a
+/// fault; the report lists those no fault explains).
+fn log_end(maker: &Maker, end: FrontendEnd, why: &str) {
+    let what = match end {
+        FrontendEnd::Silent => "LOST SILENTLY",
+        FrontendEnd::Stuck => "an exchange stuck",
+        FrontendEnd::Cut => "an HTTP CONNECT tunnel ended with an EOF",
+        _ => return,
+    };
+    eprintln!(
+        "soak: {:.0} s: {what} ({}): {why}",
+        maker.clock.now(),
+        maker.frontend.name()
+    );
+}
+
+/// The dial and the exchange: its end, how long the dial took, why.
+async fn dial_and_run(
     front: &Front,
     addr: SocketAddr,
-    x: Exchange,
+    seed: u64,
+    x: Shape,
     counts: &Counts,
-    dial_limit: Duration,
-) -> Outcome {
+) -> (FrontendEnd, Option<f64>, Option<String>) {
     let began = Instant::now();
     let target = addr.to_string();
     let dialed = match front {
-        Front::Grpc(path) => tokio::time::timeout(DIAL_CAP, async {
+        Front::Grpc(path) => async {
             let channel = client::dial::uds_channel(path).await?;
             client::dial::dial(channel, &target).await
-        })
+        }
         .await
-        .map(|r| r.map(Dialed::Grpc).map_err(|e| format!("{e}"))),
-        Front::Connect(path) => tokio::time::timeout(DIAL_CAP, async {
+        .map(Dialed::Grpc)
+        .map_err(|e| format!("{e}")),
+        Front::Connect(path) => async {
             let io = UnixStream::connect(path)
                 .await
                 .map_err(|e| format!("connecting to {}: {e}", path.display()))?;
             client::dial::http_connect(io, &target)
                 .await
                 .map_err(|e| format!("{e}"))
-        })
+        }
         .await
-        .map(|r| r.map(Dialed::Connect)),
+        .map(Dialed::Connect),
     };
-    let took = began.elapsed();
-    counts
-        .dial_max_us
-        .fetch_max(took.as_micros() as u64, Ordering::Relaxed);
-    if took > dial_limit {
-        counts.late.fetch_add(1, Ordering::Relaxed);
-    }
+    let dial_s = began.elapsed().as_secs_f64();
     let dialed = match dialed {
-        Err(_) => return Outcome::Error(format!("the dial took more than {DIAL_CAP:?}")),
-        Ok(Err(e)) => return Outcome::Error(e),
-        Ok(Ok(d)) => d,
+        Err(e) => return (FrontendEnd::DialFailed, None, Some(e)),
+        Ok(d) => d,
     };
-    match dialed {
+    let (end, why) = match dialed {
         Dialed::Grpc(mut conn) => {
-            let Ok(end) = tokio::time::timeout(STUCK, run_exchange(&mut conn, x, counts)).await
-            else {
-                return Outcome::Error("stuck: no end within 120 s".to_owned());
-            };
+            let end = run_exchange(&mut conn, seed, x, counts).await;
             // Our client turns a failed tunnel into an EOF on the pipe and
             // says why through `finish`.
-            let finished = tokio::time::timeout(STUCK, conn.finish()).await;
-            match (end, finished) {
-                (End::Done, _) => Outcome::Ok,
-                (End::Mismatch, _) => Outcome::Silent("a byte differs".to_owned()),
-                (End::Early(_) | End::Io(_), Ok(Err(e))) => Outcome::Error(format!("{e}")),
-                (End::Early(why), Ok(Ok(()))) => Outcome::Silent(why),
-                (End::Io(e), Ok(Ok(()))) => {
-                    Outcome::Silent(format!("{e}, yet the tunnel closed cleanly"))
-                }
-                (_, Err(_)) => Outcome::Error("the tunnel did not end within 120 s".to_owned()),
+            match (end, conn.finish().await) {
+                (End::Done, _) => (FrontendEnd::Ok, None),
+                (End::Mismatch, _) => (FrontendEnd::Silent, Some("a byte differs".to_owned())),
+                (End::Early(_) | End::Io(_), Err(e)) => (FrontendEnd::Error, Some(format!("{e}"))),
+                (End::Early(why), Ok(())) => (FrontendEnd::Silent, Some(why)),
+                (End::Io(e), Ok(())) => (
+                    FrontendEnd::Silent,
+                    Some(format!("{e}, yet the tunnel closed cleanly")),
+                ),
             }
         }
-        Dialed::Connect(mut io) => {
-            match tokio::time::timeout(STUCK, run_exchange(&mut io, x, counts)).await {
-                Err(_) => Outcome::Error("stuck: no end within 120 s".to_owned()),
-                Ok(End::Done) => Outcome::Ok,
-                Ok(End::Mismatch) => Outcome::Silent("a byte differs".to_owned()),
-                Ok(End::Early(why)) => Outcome::Cut(why),
-                Ok(End::Io(e)) => Outcome::Error(format!("{e}")),
-            }
-        }
-    }
+        Dialed::Connect(mut io) => match run_exchange(&mut io, seed, x, counts).await {
+            End::Done => (FrontendEnd::Ok, None),
+            End::Mismatch => (FrontendEnd::Silent, Some("a byte differs".to_owned())),
+            End::Early(why) => (FrontendEnd::Cut, Some(why)),
+            End::Io(e) => (FrontendEnd::Error, Some(format!("{e}"))),
+        },
+    };
+    (end, Some(dial_s), why)
 }
 
 /// A dialed tunnel.
 enum Dialed {
     Grpc(client::dial::TunnelConn),
     Connect(UnixStream),
-}
-
-/// Records `outcome` in `counts`; a silent loss is also printed.
-fn record(kind: Kind, counts: &Counts, outcome: &Outcome) {
-    match outcome {
-        Outcome::Ok => counts.ok.fetch_add(1, Ordering::Relaxed),
-        Outcome::Error(_) => counts.errors.fetch_add(1, Ordering::Relaxed),
-        Outcome::Silent(why) => {
-            eprintln!("soak: LOST SILENTLY ({}): {why}", kind.name());
-            counts.silent.fetch_add(1, Ordering::Relaxed)
-        }
-        Outcome::Cut(why) => {
-            let at = START.get().map_or(0.0, |s| s.elapsed().as_secs_f64());
-            eprintln!("soak: {at:.0} s: an HTTP CONNECT tunnel ended with an EOF: {why}");
-            CUTS.lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(at);
-            counts.cut.fetch_add(1, Ordering::Relaxed)
-        }
-    };
 }
 
 /// The load each frontend offers.
@@ -678,25 +401,24 @@ pub struct Load {
     pub bulk_rate: u64,
     /// Bytes of each bulk exchange.
     pub bulk_bytes: usize,
-    /// A dial slower than this is late.
-    pub dial_limit: Duration,
 }
 
-/// Spawns our frontend's workers on `tasks` until `stop`.
+/// Spawns our frontend's workers on `tasks` until `stop`, their records
+/// into `log`.
 pub fn spawn_ours(
     tasks: &mut JoinSet<()>,
-    kind: Kind,
-    front: Front,
+    maker: &Maker,
     addr: SocketAddr,
     load: Load,
-    counts: Arc<Counts>,
-    stop: CancellationToken,
+    counts: &Arc<Counts>,
+    log: &ExchangeLog,
+    stop: &CancellationToken,
 ) {
     // Open loop: each tick starts an exchange whatever the earlier ones
     // are doing (up to RR_IN_FLIGHT at once per worker), so that exchanges
     // stuck on a faulty agent do not hold back the load on healthy ones.
     for _ in 0..load.rr_workers {
-        let (front, counts, stop) = (front.clone(), counts.clone(), stop.clone());
+        let (maker, counts, log, stop) = (maker.clone(), counts.clone(), log.clone(), stop.clone());
         tasks.spawn(async move {
             let mut in_flight = JoinSet::new();
             let mut tick = tokio::time::interval(load.interval);
@@ -712,26 +434,26 @@ pub fn spawn_ours(
                     continue;
                 }
                 counts.started.fetch_add(1, Ordering::Relaxed);
-                let (front, counts) = (front.clone(), counts.clone());
+                let (maker, counts, log) = (maker.clone(), counts.clone(), log.clone());
                 in_flight.spawn(async move {
-                    let x = Exchange {
+                    let x = Shape {
                         up: size(1024, 15 * 1024),
                         down: size(1024, 63 * 1024),
                         rate: 0,
                         bulk: false,
                     };
-                    let outcome = exchange(&front, addr, x, &counts, load.dial_limit).await;
-                    if matches!(outcome, Outcome::Ok) {
+                    let record = exchange(&maker, addr, x, &counts).await;
+                    if record.end == FrontendEnd::Ok {
                         counts.rr_ok.fetch_add(1, Ordering::Relaxed);
                     }
-                    record(kind, &counts, &outcome);
+                    lock(&log).push(record);
                 });
             }
             while in_flight.join_next().await.is_some() {}
         });
     }
     for w in 0..load.bulk_workers {
-        let (front, counts, stop) = (front.clone(), counts.clone(), stop.clone());
+        let (maker, counts, log, stop) = (maker.clone(), counts.clone(), log.clone(), stop.clone());
         tasks.spawn(async move {
             let mut i = w;
             while !stop.is_cancelled() {
@@ -742,15 +464,16 @@ pub fn spawn_ours(
                 };
                 i += 1;
                 counts.started.fetch_add(1, Ordering::Relaxed);
-                let x = Exchange {
+                let x = Shape {
                     up,
                     down,
                     rate: load.bulk_rate,
                     bulk: true,
                 };
-                let outcome = exchange(&front, addr, x, &counts, load.dial_limit).await;
-                record(kind, &counts, &outcome);
-                if !matches!(outcome, Outcome::Ok) {
+                let record = exchange(&maker, addr, x, &counts).await;
+                let ok = record.end == FrontendEnd::Ok;
+                lock(&log).push(record);
+                if !ok {
                     tokio::time::sleep(load.interval).await;
                 }
             }
@@ -774,16 +497,19 @@ impl GoSoak {
     ///
     /// # Errors
     /// It cannot start.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         go_frontend: &Path,
         uds: &Path,
-        reuse: bool,
+        maker: &Maker,
         addr: SocketAddr,
         load: Load,
         counts: Arc<Counts>,
+        records: ExchangeLog,
         log: &Path,
     ) -> anyhow::Result<Self> {
         let stderr = std::fs::File::create(log)?;
+        let reuse = maker.frontend == Frontend::GrpcGoReused;
         let mut child = Command::new(go_frontend)
             .arg(format!("-uds={}", uds.display()))
             .args(reuse.then_some("-reuse"))
@@ -794,7 +520,7 @@ impl GoSoak {
             .arg(format!("-bulk={}", load.bulk_workers))
             .arg(format!("-rate={}", load.bulk_rate))
             .arg(format!("-bulk-bytes={}", load.bulk_bytes))
-            .arg(format!("-dial-limit={}ms", load.dial_limit.as_millis()))
+            .arg(format!("-stuck={}ms", GIVE_UP.as_millis()))
             .env_remove("GRPC_PROXY")
             .env_remove("grpc_proxy")
             .stdin(Stdio::piped())
@@ -806,10 +532,18 @@ impl GoSoak {
             .stdout
             .take()
             .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let maker = maker.clone();
         let reader = tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                if let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) {
+                let Ok(json) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                if json.get("x").is_some() {
+                    if let Some(record) = go_record(&maker, &json) {
+                        lock(&records).push(record);
+                    }
+                } else {
                     counts.store(&json);
                 }
             }
@@ -832,4 +566,33 @@ impl GoSoak {
         .await;
         matches!(waited, Ok(Ok(status)) if status.success())
     }
+}
+
+/// The record of one exchange a grpc-go frontend reported (its times in
+/// Unix nanoseconds).
+fn go_record(maker: &Maker, json: &serde_json::Value) -> Option<Exchange> {
+    let at = |key: &str| json[key].as_i64().map(|ns| maker.clock.from_unix_nanos(ns));
+    let end = match json["end"].as_str()? {
+        "ok" => FrontendEnd::Ok,
+        "dial" => FrontendEnd::DialFailed,
+        "error" => FrontendEnd::Error,
+        "silent" => FrontendEnd::Silent,
+        "stuck" => FrontendEnd::Stuck,
+        _ => return None,
+    };
+    let why = json["why"].as_str().filter(|w| !w.is_empty());
+    log_end(maker, end, why.unwrap_or(""));
+    Some(Exchange {
+        id: json["id"].as_u64()?,
+        frontend: maker.frontend,
+        server: maker.server,
+        started: at("start_ns")?,
+        ended: at("end_ns")?,
+        dial_s: json["dial_ns"]
+            .as_i64()
+            .filter(|ns| *ns >= 0)
+            .map(|ns| ns as f64 / 1e9),
+        end,
+        why: why.map(str::to_owned),
+    })
 }

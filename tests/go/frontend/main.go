@@ -290,6 +290,12 @@ func (t *transport) connect(ctx context.Context) (*grpc.ClientConn, error) {
 // dial opens a Proxy stream (on a new gRPC connection, or with -reuse on
 // the shared one) and dials address through it.
 func (t *transport) dial(ctx context.Context, address string) (*conn, error) {
+	return t.dialIn(ctx, context.Background(), address)
+}
+
+// dialIn is dial with the stream's life bound to life: once life is done,
+// the stream is cancelled (the soak's stuck exchanges).
+func (t *transport) dialIn(ctx, life context.Context, address string) (*conn, error) {
 	c := &conn{own: !t.reuse}
 	if t.reuse {
 		t.once.Do(func() { t.shared, t.err = t.connect(context.Background()) })
@@ -304,7 +310,7 @@ func (t *transport) dial(ctx context.Context, address string) (*conn, error) {
 		}
 		c.cc = cc
 	}
-	streamCtx, cancel := context.WithCancel(context.Background())
+	streamCtx, cancel := context.WithCancel(life)
 	c.cancel = cancel
 	stream, err := c.cc.NewStream(streamCtx, proxyStream, "/ProxyService/Proxy")
 	if err != nil {
@@ -459,9 +465,15 @@ func fail(format string, args ...interface{}) {
 // the transport of this run, for the reports.
 var current *transport
 
+// stdout serializes the lines written to stdout (the soak writes from
+// many goroutines).
+var stdout sync.Mutex
+
 // report prints v, a map, as one JSON line, with "connections": the gRPC
 // connections dialed so far.
 func report(v interface{}) {
+	stdout.Lock()
+	defer stdout.Unlock()
 	b, err := json.Marshal(v)
 	if err != nil {
 		fail("encoding the result: %v", err)

@@ -4,7 +4,7 @@ package main
 // checked requests with the bench's soak destination until stdin closes,
 // printing their cumulative counts as one JSON line per second.
 //
-//	soak -addr A [-workers W -interval I] [-bulk B -rate R -bulk-bytes N] [-dial-limit D]
+//	soak -addr A [-workers W -interval I] [-bulk B -rate R -bulk-bytes N] [-dial-limit D] [-stuck S]
 //
 // Each exchange is one tunnel (a new gRPC connection, or with -reuse a
 // Proxy stream on the shared one): a 16-byte header (up length u32, down
@@ -20,11 +20,19 @@ package main
 //     DATA or CLOSE_RSP error);
 //   - silent: bytes that differ, bytes missing before a clean end (CLOSE_RSP
 //     without error, or the stream's end with status OK), or bytes past the
-//     end: what the soak must never see.
+//     end: what the soak must never see;
+//   - stuck: no end within -stuck (the tunnel is then cancelled).
+//
+// Besides the counts, each exchange is one JSON line when it ends, which
+// the bench joins with the destination's record of the same exchange (by
+// its seed): {"x": 1, "id": seed, "end": "ok"|"dial"|"error"|"silent"|
+// "stuck", "start_ns": N, "end_ns": N, "dial_ns": N (-1 when the dial did
+// not end), "why": "..."}, times in Unix nanoseconds.
 
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -102,19 +110,79 @@ func pace(start time.Time, moved int64, rate int) {
 	}
 }
 
-// soakExchange runs one exchange; nil, errSilent, or the tunnel's error.
-func soakExchange(t *transport, addr string, up, down int, rate int, counts *soakCounts, dialLimit time.Duration, bulk bool) (int64, error) {
+// errStuck marks an exchange that did not end within its bound.
+var errStuck = errors.New("no end within the stuck bound")
+
+// errDial wraps a failed dial.
+type errDial struct{ err error }
+
+func (e errDial) Error() string { return "dial: " + e.err.Error() }
+
+// soakExchange runs one exchange and prints its line; nil, errSilent,
+// errStuck, errDial, or the tunnel's error.
+func soakExchange(t *transport, addr string, up, down int, rate int, counts *soakCounts, dialLimit, stuck time.Duration, bulk bool) error {
+	seed := uint64(rand.Int63())
+	began := time.Now()
+	life, cancelLife := context.WithTimeout(context.Background(), stuck)
+	defer cancelLife()
+	dialNs := int64(-1)
+	err := soakTunnel(t, addr, seed, up, down, rate, counts, dialLimit, bulk, life, &dialNs)
+	if err != nil && !errors.Is(err, errSilent) && life.Err() == context.DeadlineExceeded {
+		err = errStuck
+	}
+	end, why := "ok", ""
+	var dialErr errDial
+	switch {
+	case err == nil:
+	case errors.Is(err, errSilent):
+		end, why = "silent", err.Error()
+	case errors.Is(err, errStuck):
+		end, why = "stuck", err.Error()
+	case errors.As(err, &dialErr):
+		end, why = "dial", dialErr.err.Error()
+	default:
+		end, why = "error", err.Error()
+	}
+	line, jerr := json.Marshal(soakRecord{
+		X: 1, ID: seed, End: end, StartNs: began.UnixNano(),
+		EndNs: time.Now().UnixNano(), DialNs: dialNs, Why: why,
+	})
+	if jerr != nil {
+		fail("encoding an exchange's record: %v", jerr)
+	}
+	// Written as is: report() would pass the 64-bit id through a float.
+	stdout.Lock()
+	_, werr := os.Stdout.Write(append(line, '\n'))
+	stdout.Unlock()
+	if werr != nil {
+		fail("writing an exchange's record: %v", werr)
+	}
+	return err
+}
+
+// soakRecord is one exchange's line.
+type soakRecord struct {
+	X       int    `json:"x"`
+	ID      uint64 `json:"id"`
+	End     string `json:"end"`
+	StartNs int64  `json:"start_ns"`
+	EndNs   int64  `json:"end_ns"`
+	DialNs  int64  `json:"dial_ns"`
+	Why     string `json:"why"`
+}
+
+// soakTunnel dials and runs one exchange within life.
+func soakTunnel(t *transport, addr string, seed uint64, up, down int, rate int, counts *soakCounts, dialLimit time.Duration, bulk bool, life context.Context, dialNs *int64) error {
 	moved := func(n int) {
 		atomic.AddInt64(&counts.Bytes, int64(n))
 		if bulk {
 			atomic.AddInt64(&counts.BulkBytes, int64(n))
 		}
 	}
-	seed := uint64(rand.Int63())
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(life, time.Minute)
 	defer cancel()
 	began := time.Now()
-	c, err := t.dial(ctx, addr)
+	c, err := t.dialIn(ctx, life, addr)
 	took := time.Since(began)
 	for {
 		old := atomic.LoadInt64(&counts.DialMaxUs)
@@ -126,15 +194,16 @@ func soakExchange(t *transport, addr string, up, down int, rate int, counts *soa
 		atomic.AddInt64(&counts.Late, 1)
 	}
 	if err != nil {
-		return 0, err
+		return errDial{err}
 	}
+	*dialNs = took.Nanoseconds()
 	defer c.drop()
 	var header [soakHeader]byte
 	binary.BigEndian.PutUint32(header[0:], uint32(up))
 	binary.BigEndian.PutUint32(header[4:], uint32(down))
 	binary.BigEndian.PutUint64(header[8:], seed)
 	if _, err := c.Write(header[:]); err != nil {
-		return 0, soakEnd(c, err)
+		return soakEnd(c, err)
 	}
 	out := newSoakStream(seed)
 	buf := make([]byte, copyChunk)
@@ -146,7 +215,7 @@ func soakExchange(t *transport, addr string, up, down int, rate int, counts *soa
 		}
 		out.fill(buf[:n])
 		if _, err := c.Write(buf[:n]); err != nil {
-			return int64(sent), soakEnd(c, err)
+			return soakEnd(c, err)
 		}
 		sent += n
 		if bulk {
@@ -164,32 +233,32 @@ func soakExchange(t *transport, addr string, up, down int, rate int, counts *soa
 		}
 		k, err := c.Read(buf[:n])
 		if k > 0 && !in.check(buf[:k]) {
-			return int64(up + got), errSilent
+			return errSilent
 		}
 		got += k
 		if bulk {
 			moved(k)
 		}
 		if err == io.EOF {
-			return int64(up + got), errSilent
+			return errSilent
 		}
 		if err != nil {
-			return int64(up + got), err
+			return err
 		}
 		pace(start, int64(got), rate)
 	}
 	// The destination closes once it has written: a clean end now.
 	k, err := c.Read(buf[:1])
 	if k > 0 {
-		return int64(up + got), errSilent
+		return errSilent
 	}
 	if err != io.EOF {
-		return int64(up + got), err
+		return err
 	}
 	if !bulk {
 		moved(up + got)
 	}
-	return int64(up + got), nil
+	return nil
 }
 
 // soakEnd is the end of a tunnel whose write failed: the stream's own error,
@@ -217,6 +286,7 @@ func soak(t *transport, argv []string) {
 	rate := fs.Int("rate", 4<<20, "bytes/s of each bulk worker")
 	bulkBytes := fs.Int("bulk-bytes", 16<<20, "bytes of each bulk exchange")
 	dialLimit := fs.Duration("dial-limit", 10*time.Second, "a dial slower than this is late")
+	stuck := fs.Duration("stuck", 40*time.Second, "an exchange not ended within this is given up on (stuck)")
 	if err := fs.Parse(argv); err != nil {
 		fail("%v", err)
 	}
@@ -272,7 +342,7 @@ func soak(t *transport, argv []string) {
 				go func() {
 					defer inFlight.Done()
 					defer func() { <-slots }()
-					_, err := soakExchange(t, *addr, 1024+rand.Intn(15*1024), 1024+rand.Intn(63*1024), 0, &counts, *dialLimit, false)
+					err := soakExchange(t, *addr, 1024+rand.Intn(15*1024), 1024+rand.Intn(63*1024), 0, &counts, *dialLimit, *stuck, false)
 					if err == nil {
 						atomic.AddInt64(&counts.RrOk, 1)
 					}
@@ -291,7 +361,7 @@ func soak(t *transport, argv []string) {
 					up, down = 1024, *bulkBytes
 				}
 				atomic.AddInt64(&counts.Started, 1)
-				_, err := soakExchange(t, *addr, up, down, *rate, &counts, *dialLimit, true)
+				err := soakExchange(t, *addr, up, down, *rate, &counts, *dialLimit, *stuck, true)
 				record(err)
 				if err != nil {
 					time.Sleep(*interval)

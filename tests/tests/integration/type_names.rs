@@ -45,12 +45,6 @@ const SAME_CONCEPT: &[(&str, &[&str], &str)] = &[
          Dialer speaks; the client crate depends on no binary, and the crates both use carry \
          no clap",
     ),
-    (
-        "Destination",
-        &["bench", "integration-tests"],
-        "a node-side server the agents dial (docs/architecture.md): one per test case in the \
-         harness, the soak's counting every exchange in the bench",
-    ),
 ];
 
 /// The name of the public type `line` declares, if it declares one.

@@ -1,0 +1,310 @@
+//! The judge shown failing end to end (`--soak-sabotage`): a short run
+//! that breaks a healthy agent on purpose, in the three ways a bug would,
+//! without telling the judge, and does the same to an agent under a
+//! recorded kill:
+//!
+//! - a spurious close: every destination socket of agent 2 destroyed
+//!   (`ss -K`: the agent sees its sockets aborted, the destination a
+//!   reset), as an agent that closes connections for no reason;
+//! - a truncation: agent 2 killed with SIGKILL and started again without
+//!   a fault recorded (its kernel ends its destination connections with a
+//!   FIN before their last byte), as an agent that crashes;
+//! - a stuck tunnel: every packet of agent 2 to the checked destination
+//!   that carries data dropped (nftables in its namespace; handshakes and
+//!   acknowledgements pass, so every tunnel it dials then reaches the
+//!   destination and hangs there) for longer than the judge's stuck bound,
+//!   as an agent whose connections hang;
+//! - then agent 1 killed as a recorded fault, its destination sockets
+//!   destroyed first: the same symptoms, excused.
+//!
+//! The run passes only when the judge found what was done to agent 2 (in
+//! each window, ends of the kind it causes: an error, a reset or a cut
+//! within 2 s of a close or a crash; a stuck exchange after the drop) and
+//! nothing else (every unexcused end on agent 2, or on an agent not
+//! witnessed, within a window and its aftermath; no other check failed),
+//! and excused everything on agent 1.
+
+use std::{process::Stdio, time::Duration};
+
+use soak_judge::{
+    Carrier, Fault, FaultRecord, Figures, Judgement, Reason,
+    exchanges::{Ending, STUCK},
+    figures::Check,
+};
+use tokio::io::AsyncWriteExt;
+
+use super::{World, faults, system::DEST_IP, traffic::GIVE_UP};
+
+/// The healthy agent that is broken.
+const VICTIM: usize = 2;
+/// The agent killed as a recorded fault.
+const KILLED: usize = 1;
+/// How long after a sabotage's end its symptoms may still surface: a
+/// stuck exchange's frontend gives up after [`GIVE_UP`].
+const AFTERMATH: f64 = GIVE_UP.as_secs_f64() + 5.0;
+
+/// How soon after a close or a crash its ends reach their witnesses.
+const PROMPT: f64 = 2.0;
+
+/// One thing done on purpose.
+#[derive(Debug, Clone)]
+pub struct Sabotaged {
+    /// What.
+    pub what: &'static str,
+    /// The ends it must cause, one at least within its window.
+    pub causes: &'static [Ending],
+    /// How long after its end they may come.
+    pub after: f64,
+    /// On which agent.
+    pub carrier: Carrier,
+    /// From.
+    pub from: f64,
+    /// Until.
+    pub to: f64,
+    /// Under a recorded fault (so excused).
+    pub recorded: bool,
+}
+
+/// Runs `args` in agent slot `slot`'s namespace.
+async fn in_slot(
+    world: &World,
+    slot: usize,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> anyhow::Result<()> {
+    let ns = world
+        .ns
+        .name(slot)
+        .ok_or_else(|| anyhow::anyhow!("no agent slot {slot}"))?;
+    let mut child = tokio::process::Command::new("ip")
+        .args(["netns", "exec", ns])
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let (Some(text), Some(mut input)) = (stdin, child.stdin.take()) {
+        input.write_all(text.as_bytes()).await?;
+    }
+    let out = child.wait_with_output().await?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// Destroys every socket of agent slot `slot` to the destinations.
+pub async fn close_sockets(world: &World, slot: usize) -> anyhow::Result<()> {
+    in_slot(
+        world,
+        slot,
+        &["ss", "-K", "dst", &DEST_IP.to_string()],
+        None,
+    )
+    .await
+}
+
+/// Breaks agent [`VICTIM`] three ways and kills agent [`KILLED`] as a
+/// recorded fault (its sockets destroyed first); what was done, when.
+///
+/// # Errors
+/// A command fails, or an agent cannot be started again.
+pub async fn run(
+    world: &mut World,
+    records: &mut Vec<FaultRecord>,
+) -> anyhow::Result<Vec<Sabotaged>> {
+    let mut done = Vec::new();
+    let victim = Carrier::Slot(VICTIM);
+    eprintln!(
+        "soak: {:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed",
+        world.now()
+    );
+    let from = world.now();
+    close_sockets(world, VICTIM).await?;
+    done.push(Sabotaged {
+        what: "a spurious close",
+        causes: &[Ending::Error, Ending::Reset, Ending::Cut],
+        after: PROMPT,
+        carrier: victim,
+        from,
+        to: world.now(),
+        recorded: false,
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    eprintln!(
+        "soak: {:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault recorded)",
+        world.now()
+    );
+    let from = world.now();
+    world.crash_agent(VICTIM).await?;
+    done.push(Sabotaged {
+        what: "a crash",
+        causes: &[
+            Ending::Error,
+            Ending::Reset,
+            Ending::Cut,
+            Ending::Truncated,
+            Ending::DialFailed,
+        ],
+        after: PROMPT,
+        carrier: victim,
+        from,
+        to: world.now(),
+        recorded: false,
+    });
+
+    eprintln!(
+        "soak: {:.0} s: sabotage: agent-{VICTIM}'s data to the destination dropped",
+        world.now()
+    );
+    let port = world.dest.addr.port();
+    let from = world.now();
+    in_slot(
+        world,
+        VICTIM,
+        &["nft", "-f", "-"],
+        Some(&format!(
+            "table inet krs_sabotage {{\n  chain out {{\n    type filter hook output priority 0;\n    \
+             ip daddr {DEST_IP} tcp dport {port} ip length > 100 drop\n  }}\n}}\n"
+        )),
+    )
+    .await?;
+    // The recorded kill while the tunnels hang.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    eprintln!(
+        "soak: {:.0} s: agent-{KILLED} killed as a recorded fault, its sockets destroyed first",
+        world.now()
+    );
+    world.close_before_kill = true;
+    let kill = world.inject(Fault::AgentKill, KILLED).await;
+    world.close_before_kill = false;
+    let kill = kill?;
+    done.push(Sabotaged {
+        what: "a spurious close and a crash under a recorded kill",
+        causes: &[],
+        after: PROMPT,
+        carrier: Carrier::Slot(KILLED),
+        from: kill.started,
+        to: kill.recovered,
+        recorded: true,
+    });
+    records.push(kill);
+    let hold = (STUCK + 5.0 - (world.now() - from)).max(0.0);
+    tokio::time::sleep(Duration::from_secs_f64(hold)).await;
+    in_slot(
+        world,
+        VICTIM,
+        &["nft", "delete", "table", "inet", "krs_sabotage"],
+        None,
+    )
+    .await?;
+    done.push(Sabotaged {
+        what: "a stuck tunnel",
+        causes: &[Ending::Stuck],
+        after: AFTERMATH,
+        carrier: victim,
+        from,
+        to: world.now(),
+        recorded: false,
+    });
+    if faults::agent_back(&world.agents[VICTIM]).await.is_none() {
+        anyhow::bail!("agent-{VICTIM} did not come back after the sabotage");
+    }
+    Ok(done)
+}
+
+/// The verdict of a sabotaged run: held when the judge failed the run for
+/// exactly what was done to the healthy agent (each sabotage found in its
+/// window; every unexcused end on that agent, or on an agent not
+/// witnessed, within a sabotage's window and its aftermath; no other
+/// check failed) and excused what was done under the recorded kill.
+pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Judgement {
+    let mut reasons = Vec::new();
+    let mut fail = |text: String| {
+        reasons.push(Reason {
+            check: Check::Correctness,
+            text,
+        });
+    };
+    let unexcused: Vec<_> = figures
+        .joined
+        .endings
+        .iter()
+        .filter(|e| e.excused_by.is_none())
+        .collect();
+    let within = |s: &Sabotaged, e: &soak_judge::exchanges::Judged| {
+        e.to >= s.from - 1.0 && e.from <= s.to + AFTERMATH
+    };
+    for s in done.iter().filter(|s| !s.recorded) {
+        let found = unexcused
+            .iter()
+            .filter(|e| {
+                e.carrier == s.carrier
+                    && s.causes.contains(&e.ending)
+                    && e.to >= s.from
+                    && e.to <= s.to + s.after
+            })
+            .count();
+        if found == 0 {
+            fail(format!(
+                "the judge missed {} on {} at {:.0}-{:.0} s",
+                s.what,
+                s.carrier.describe(),
+                s.from,
+                s.to
+            ));
+        }
+        eprintln!(
+            "soak: sabotage: {} on {} at {:.0}-{:.0} s: {found} unexcused ends found",
+            s.what,
+            s.carrier.describe(),
+            s.from,
+            s.to
+        );
+    }
+    for e in &unexcused {
+        let explained = done.iter().any(|s| {
+            !s.recorded && (e.carrier == s.carrier || e.carrier == Carrier::Unknown) && within(s, e)
+        });
+        if !explained {
+            fail(format!(
+                "a violation no sabotage explains: {}",
+                e.describe()
+            ));
+        }
+    }
+    for s in done.iter().filter(|s| s.recorded) {
+        let charged = unexcused
+            .iter()
+            .filter(|e| e.carrier == s.carrier && e.from >= s.from && e.to <= s.to)
+            .count();
+        if charged > 0 {
+            fail(format!(
+                "{charged} end(s) of {} on {} charged to no fault",
+                s.what,
+                s.carrier.describe()
+            ));
+        }
+    }
+    let prefix = "no fault on its agent or server explains";
+    for r in verdict.failing() {
+        if !r.text.starts_with(prefix) && !r.text.starts_with("and ") {
+            fail(format!("a check the sabotage should not fail: {}", r.text));
+        }
+    }
+    if verdict.held() {
+        fail("the judge found nothing wrong".to_owned());
+    }
+    Judgement {
+        reasons,
+        performance_fatal: verdict.performance_fatal,
+    }
+}

@@ -1,0 +1,478 @@
+//! What each fault must show: evidence that it took effect (a fault that
+//! did not happen proves nothing, and does not count as run), its
+//! recovery, and a check of its own that can fail.
+
+use crate::{
+    figures::{Check, Reason},
+    observe::{Effect, Fault, FaultRecord},
+};
+
+/// The share of its rate healthy traffic must keep during a fault
+/// elsewhere (a performance check).
+pub const RATE_KEPT: f64 = 0.9;
+
+/// The share healthy traffic must keep next to slow peers whatever the
+/// machine (a correctness check: slow peers that halve the traffic of
+/// others are a denial of service, not noise).
+pub const SLOWLORIS_FLOOR: f64 = 0.5;
+
+/// The longest the CONNECT server may leave a slow request head open: its
+/// 60 s bound on reading a head (ANP's `ReadHeaderTimeout`), plus 8 s of
+/// scheduling.
+pub const SLOW_HEAD_LIMIT: f64 = 68.0;
+
+/// The longest the gRPC server may leave a slow peer open: the peer's
+/// bytes are the HTTP/2 preface (24 bytes, one a second) and then the
+/// preface again, whose first 9 bytes are a frame header no server may
+/// accept; 33 s plus 12 s of scheduling. (A peer that sends the preface
+/// and then nothing is not bounded by this check.)
+pub const SLOW_PREFACE_LIMIT: f64 = 45.0;
+
+/// Whether `r` shows that its fault took effect.
+pub fn took_effect(r: &FaultRecord) -> bool {
+    match &r.effect {
+        Effect::Unknown => false,
+        Effect::Killed { reaped } | Effect::TokenOutage { reaped, .. } => *reaped,
+        Effect::Partitioned { fewest_servers } => fewest_servers.is_some_and(|n| n < 2.0),
+        Effect::Stalled { tunnels, reached } => *tunnels >= 2 && *reached >= 2,
+        Effect::Slowloris { peers } => !peers.is_empty(),
+        Effect::Rotated { .. } | Effect::CaRotated { .. } => true,
+        Effect::RolledOut { exited_s, .. } => exited_s.is_some(),
+    }
+}
+
+/// The evidence, in words.
+pub fn effect_note(effect: &Effect) -> String {
+    let secs = |s: &Option<f64>| s.map_or("never".to_owned(), |s| format!("{s:.1} s"));
+    match effect {
+        Effect::Unknown => "no effect recorded".to_owned(),
+        Effect::Killed { reaped } => {
+            if *reaped {
+                "killed (reaped, SIGKILL)".to_owned()
+            } else {
+                "not seen dead".to_owned()
+            }
+        }
+        Effect::Partitioned { fewest_servers } => format!(
+            "the agent saw {} server(s) at the least while cut off",
+            fewest_servers.map_or("?".to_owned(), |n| format!("{n:.0}"))
+        ),
+        Effect::Stalled { tunnels, reached } => {
+            format!("{tunnels} tunnel(s) opened, {reached} reached the stalled peer")
+        }
+        Effect::Slowloris { peers } => {
+            let mut parts = Vec::new();
+            for (http_connect, name, limit) in [
+                (false, "gRPC", SLOW_PREFACE_LIMIT),
+                (true, "CONNECT", SLOW_HEAD_LIMIT),
+            ] {
+                let mine: Vec<Option<f64>> = peers
+                    .iter()
+                    .filter(|p| p.http_connect == http_connect)
+                    .map(|p| p.closed_after)
+                    .collect();
+                let closed = mine.iter().flatten().count();
+                let slowest = mine.iter().flatten().copied().fold(0.0, f64::max);
+                parts.push(format!(
+                    "{closed} of {} closed by the {name} server (slowest {slowest:.0} s, bound {limit:.0} s)",
+                    mine.len()
+                ));
+            }
+            parts.join(", ")
+        }
+        Effect::Rotated { admitted_s } => {
+            format!(
+                "an agent with the new files admitted in {}",
+                secs(admitted_s)
+            )
+        }
+        Effect::CaRotated { steps, old_ca } => format!(
+            "an agent with the files of each step admitted in {}; an agent of the old CA {}",
+            steps.iter().map(secs).collect::<Vec<_>>().join(", "),
+            match old_ca {
+                None => "could not be started".to_owned(),
+                Some(o) => format!(
+                    "{} ({:.0} handshake(s) refused)",
+                    if o.connected {
+                        "was admitted"
+                    } else {
+                        "was refused"
+                    },
+                    o.refusals
+                ),
+            }
+        ),
+        Effect::TokenOutage { reaped, during } => format!(
+            "the agent {}, connected to {} server(s) during the outage",
+            if *reaped {
+                "killed to reconnect"
+            } else {
+                "not seen dead"
+            },
+            during.map_or("?".to_owned(), |n| format!("{n:.0}"))
+        ),
+        Effect::RolledOut {
+            exited_s,
+            exit_ok,
+            cut,
+        } => format!(
+            "the old agent exited {} after SIGTERM ({}), {} connection(s) cut",
+            secs(exited_s),
+            if *exit_ok { "status 0" } else { "not status 0" },
+            cut.map_or("?".to_owned(), |c| format!("{c:.0}"))
+        ),
+    }
+}
+
+/// `agent kill -9 on agent-1 at 31 s`.
+pub fn what(r: &FaultRecord) -> String {
+    format!("{} on {} at {:.0} s", r.fault.name(), r.target, r.started)
+}
+
+/// The reasons one fault's record gives against the run.
+pub fn reasons(r: &FaultRecord) -> Vec<Reason> {
+    let what = what(r);
+    let mut out = Vec::new();
+    let mut fail = |check: Check, text: String| out.push(Reason { check, text });
+    if !took_effect(r) {
+        fail(
+            Check::Correctness,
+            format!("{what}: did not take effect ({})", effect_note(&r.effect)),
+        );
+    }
+    if r.back_s.is_none() {
+        fail(Check::Correctness, format!("{what}: not back"));
+    }
+    if r.dials_s.is_none() {
+        fail(
+            Check::Correctness,
+            format!("{what}: dials not served again"),
+        );
+    }
+    if r.resources_s.is_none() {
+        fail(
+            Check::Performance,
+            format!(
+                "{what}: resources not within 5 % of baseline: {}",
+                r.resources_note
+            ),
+        );
+    }
+    match r.healthy {
+        Some(rate) if rate >= RATE_KEPT => {}
+        Some(rate) => fail(
+            Check::Performance,
+            format!(
+                "{what}: healthy traffic ({}) kept {:.0} % of its rate",
+                r.healthy_what,
+                rate * 100.0
+            ),
+        ),
+        None => fail(
+            Check::Correctness,
+            format!("{what}: no rate of healthy traffic measured"),
+        ),
+    }
+    match &r.effect {
+        Effect::Slowloris { peers } => {
+            for p in peers {
+                let limit = if p.http_connect {
+                    SLOW_HEAD_LIMIT
+                } else {
+                    SLOW_PREFACE_LIMIT
+                };
+                if !p.closed_after.is_some_and(|s| s <= limit) {
+                    fail(
+                        Check::Correctness,
+                        format!(
+                            "{what}: a slow peer of the {} server not closed within {limit:.0} s ({})",
+                            if p.http_connect { "CONNECT" } else { "gRPC" },
+                            p.closed_after
+                                .map_or("never".to_owned(), |s| format!("{s:.0} s"))
+                        ),
+                    );
+                }
+            }
+            if r.healthy.is_some_and(|h| h < SLOWLORIS_FLOOR) {
+                fail(
+                    Check::Correctness,
+                    format!(
+                        "{what}: healthy traffic fell below {:.0} % of its rate beside the slow peers",
+                        SLOWLORIS_FLOOR * 100.0
+                    ),
+                );
+            }
+        }
+        Effect::Rotated { admitted_s: None } => fail(
+            Check::Correctness,
+            format!("{what}: no agent with the new files admitted"),
+        ),
+        Effect::CaRotated { steps, old_ca } => {
+            if steps.iter().any(Option::is_none) {
+                fail(
+                    Check::Correctness,
+                    format!("{what}: an agent with the files of a step was not admitted"),
+                );
+            }
+            match old_ca {
+                Some(o) if !o.connected && o.refusals > 0.0 => {}
+                Some(o) if o.connected => fail(
+                    Check::Correctness,
+                    format!("{what}: an agent of the dropped CA was admitted"),
+                ),
+                Some(_) => fail(
+                    Check::Correctness,
+                    format!("{what}: no server refused the agent of the dropped CA"),
+                ),
+                None => fail(
+                    Check::Correctness,
+                    format!("{what}: the agent of the dropped CA could not be started"),
+                ),
+            }
+        }
+        Effect::RolledOut {
+            exited_s,
+            exit_ok,
+            cut,
+        } => {
+            if exited_s.is_none() || !exit_ok {
+                fail(
+                    Check::Correctness,
+                    format!("{what}: the old agent did not exit drained with status 0"),
+                );
+            }
+            if *cut != Some(0.0) {
+                fail(
+                    Check::Correctness,
+                    format!(
+                        "{what}: the old agent cut {} connection(s)",
+                        cut.map_or("an unknown number of".to_owned(), |c| format!("{c:.0}"))
+                    ),
+                );
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// The reasons the run's faults give against it for `required` faults
+/// that never took effect.
+pub fn missing(required: &[Fault], records: &[FaultRecord]) -> Vec<Reason> {
+    required
+        .iter()
+        .filter(|f| !records.iter().any(|r| r.fault == **f && took_effect(r)))
+        .map(|f| Reason {
+            check: Check::Correctness,
+            text: format!("{}: planned, never took effect", f.name()),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{missing, reasons, took_effect};
+    use crate::{
+        figures::Check,
+        observe::{Effect, Fault, FaultRecord, Hit, OldCa, SlowPeer},
+    };
+
+    fn recovered(fault: Fault, effect: Effect) -> FaultRecord {
+        let mut r = FaultRecord::new(fault, Hit::Agent(1), 82.0);
+        r.target = "agent-1".to_owned();
+        r.back_s = Some(0.3);
+        r.dials_s = Some(0.0);
+        r.healthy = Some(1.0);
+        r.resources_s = Some(5.0);
+        r.effect = effect;
+        r
+    }
+
+    fn texts(r: &FaultRecord) -> Vec<String> {
+        reasons(r).into_iter().map(|r| r.text).collect()
+    }
+
+    #[test]
+    fn a_fault_that_took_effect_and_recovered_gives_no_reason() {
+        for (fault, effect) in [
+            (Fault::AgentKill, Effect::Killed { reaped: true }),
+            (
+                Fault::Partition,
+                Effect::Partitioned {
+                    fewest_servers: Some(0.0),
+                },
+            ),
+            (
+                Fault::DestinationStall,
+                Effect::Stalled {
+                    tunnels: 2,
+                    reached: 2,
+                },
+            ),
+            (
+                Fault::Rollout,
+                Effect::RolledOut {
+                    exited_s: Some(1.0),
+                    exit_ok: true,
+                    cut: Some(0.0),
+                },
+            ),
+        ] {
+            assert!(texts(&recovered(fault, effect)).is_empty(), "{fault:?}");
+        }
+    }
+
+    #[test]
+    fn a_fault_without_effect_is_not_run() {
+        let kill = recovered(Fault::AgentKill, Effect::Killed { reaped: false });
+        assert!(!took_effect(&kill));
+        assert_eq!(
+            texts(&kill),
+            ["agent kill -9 on agent-1 at 82 s: did not take effect (not seen dead)"]
+        );
+        let partition = recovered(
+            Fault::Partition,
+            Effect::Partitioned {
+                fewest_servers: Some(2.0),
+            },
+        );
+        assert!(!took_effect(&partition));
+        let required = [Fault::AgentKill, Fault::Partition, Fault::ServerKill];
+        let found: Vec<String> = missing(&required, &[kill, partition])
+            .into_iter()
+            .map(|r| r.text)
+            .collect();
+        assert_eq!(
+            found,
+            [
+                "agent kill -9: planned, never took effect",
+                "partition: planned, never took effect",
+                "server kill -9: planned, never took effect",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_slow_rate_or_resources_are_performance_and_a_missed_recovery_is_correctness() {
+        let mut slow = recovered(Fault::AgentKill, Effect::Killed { reaped: true });
+        slow.healthy = Some(0.88);
+        slow.resources_s = None;
+        let found = reasons(&slow);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found.iter().all(|r| r.check == Check::Performance));
+        assert!(found[1].text.contains("kept 88 % of its rate"), "{found:?}");
+
+        let mut stuck = recovered(Fault::AgentKill, Effect::Killed { reaped: true });
+        stuck.back_s = None;
+        stuck.dials_s = None;
+        stuck.healthy = None;
+        let found = reasons(&stuck);
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(found.iter().all(|r| r.check == Check::Correctness));
+    }
+
+    #[test]
+    fn slow_peers_left_open_or_starving_others_fail() {
+        let peers = vec![
+            SlowPeer {
+                http_connect: false,
+                closed_after: Some(33.0),
+            },
+            SlowPeer {
+                http_connect: true,
+                closed_after: Some(61.0),
+            },
+        ];
+        let fine = recovered(
+            Fault::Slowloris,
+            Effect::Slowloris {
+                peers: peers.clone(),
+            },
+        );
+        assert!(texts(&fine).is_empty());
+        let mut open = peers.clone();
+        open[1].closed_after = None;
+        open[0].closed_after = Some(50.0);
+        let mut starved = recovered(Fault::Slowloris, Effect::Slowloris { peers: open });
+        starved.healthy = Some(0.4);
+        let found = reasons(&starved);
+        let correctness: Vec<&str> = found
+            .iter()
+            .filter(|r| r.check == Check::Correctness)
+            .map(|r| r.text.as_str())
+            .collect();
+        assert_eq!(
+            correctness,
+            [
+                "slowloris frontends on agent-1 at 82 s: a slow peer of the gRPC server not closed within 45 s (50 s)",
+                "slowloris frontends on agent-1 at 82 s: a slow peer of the CONNECT server not closed within 68 s (never)",
+                "slowloris frontends on agent-1 at 82 s: healthy traffic fell below 50 % of its rate beside the slow peers",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_ca_rotation_must_admit_the_new_and_refuse_the_old() {
+        let rotated = |old_ca| {
+            recovered(
+                Fault::CaRotation,
+                Effect::CaRotated {
+                    steps: [Some(0.3); 3],
+                    old_ca,
+                },
+            )
+        };
+        let refused = Some(OldCa {
+            connected: false,
+            refusals: 3.0,
+        });
+        assert!(texts(&rotated(refused)).is_empty());
+        let admitted = Some(OldCa {
+            connected: true,
+            refusals: 0.0,
+        });
+        assert_eq!(
+            texts(&rotated(admitted)),
+            ["CA rotation on agent-1 at 82 s: an agent of the dropped CA was admitted"]
+        );
+        let unseen = Some(OldCa {
+            connected: false,
+            refusals: 0.0,
+        });
+        assert_eq!(
+            texts(&rotated(unseen)),
+            ["CA rotation on agent-1 at 82 s: no server refused the agent of the dropped CA"]
+        );
+        let mut late = rotated(refused);
+        late.effect = Effect::CaRotated {
+            steps: [Some(0.3), None, Some(0.3)],
+            old_ca: refused,
+        };
+        assert_eq!(reasons(&late).len(), 1);
+    }
+
+    #[test]
+    fn a_rollout_that_cut_or_did_not_exit_fails() {
+        let cut = recovered(
+            Fault::Rollout,
+            Effect::RolledOut {
+                exited_s: Some(1.0),
+                exit_ok: true,
+                cut: Some(2.0),
+            },
+        );
+        assert_eq!(
+            texts(&cut),
+            ["agent rollout on agent-1 at 82 s: the old agent cut 2 connection(s)"]
+        );
+        let stayed = recovered(
+            Fault::Rollout,
+            Effect::RolledOut {
+                exited_s: None,
+                exit_ok: false,
+                cut: None,
+            },
+        );
+        assert_eq!(reasons(&stayed).len(), 3, "{:?}", reasons(&stayed));
+    }
+}
