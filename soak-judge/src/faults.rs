@@ -271,7 +271,7 @@ pub fn missing(required: &[Fault], records: &[FaultRecord]) -> Vec<Reason> {
 
 #[cfg(test)]
 mod tests {
-    use super::{missing, reasons, took_effect};
+    use super::{effect_note, missing, reasons, took_effect};
     use crate::{
         figures::Check,
         observe::{Effect, Fault, FaultRecord, Hit, OldCa, SlowPeer},
@@ -474,5 +474,87 @@ mod tests {
             },
         );
         assert_eq!(reasons(&stayed).len(), 3, "{:?}", reasons(&stayed));
+    }
+
+    #[test]
+    fn a_stall_whose_tunnels_did_not_both_reach_the_stalled_peer_did_not_take_effect() {
+        let stall = |tunnels, reached| {
+            took_effect(&recovered(
+                Fault::DestinationStall,
+                Effect::Stalled { tunnels, reached },
+            ))
+        };
+        assert!(stall(2, 2));
+        assert!(!stall(2, 1));
+        assert!(!stall(1, 1));
+    }
+
+    #[test]
+    fn a_slowloris_note_counts_each_servers_peers_apart() {
+        let peers = vec![
+            SlowPeer {
+                http_connect: false,
+                closed_after: Some(33.0),
+            },
+            SlowPeer {
+                http_connect: true,
+                closed_after: None,
+            },
+            SlowPeer {
+                http_connect: true,
+                closed_after: Some(61.0),
+            },
+        ];
+        assert_eq!(
+            effect_note(&Effect::Slowloris { peers }),
+            "1 of 1 closed by the gRPC server (slowest 33 s, bound 45 s), \
+             1 of 2 closed by the CONNECT server (slowest 61 s, bound 68 s)"
+        );
+    }
+
+    #[test]
+    fn a_certificate_rotation_that_admitted_no_agent_with_the_new_files_fails() {
+        let rotated = |admitted_s| recovered(Fault::CertRotation, Effect::Rotated { admitted_s });
+        assert!(texts(&rotated(Some(0.4))).is_empty());
+        assert_eq!(
+            texts(&rotated(None)),
+            ["certificate rotation on agent-1 at 82 s: no agent with the new files admitted"]
+        );
+    }
+
+    #[test]
+    fn slow_peers_may_halve_the_healthy_traffic_and_no_more() {
+        let beside = |healthy| {
+            let peers = vec![SlowPeer {
+                http_connect: false,
+                closed_after: Some(30.0),
+            }];
+            let mut r = recovered(Fault::Slowloris, Effect::Slowloris { peers });
+            r.healthy = Some(healthy);
+            reasons(&r)
+                .into_iter()
+                .filter(|r| r.check == Check::Correctness)
+                .count()
+        };
+        // Half is a performance reason only (below RATE_KEPT), less is
+        // a denial of service.
+        assert_eq!(beside(0.5), 0);
+        assert_eq!(beside(0.49), 1);
+    }
+
+    #[test]
+    fn a_rollout_whose_old_agent_exited_with_a_failure_fails() {
+        let failed = recovered(
+            Fault::Rollout,
+            Effect::RolledOut {
+                exited_s: Some(1.0),
+                exit_ok: false,
+                cut: Some(0.0),
+            },
+        );
+        assert_eq!(
+            texts(&failed),
+            ["agent rollout on agent-1 at 82 s: the old agent did not exit drained with status 0"]
+        );
     }
 }

@@ -618,3 +618,37 @@ pub struct ObservedRun {
     /// The baseline window.
     pub baseline_window: (Secs, Secs),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Fault;
+
+    #[test]
+    fn every_fault_is_found_by_its_own_flag_and_only_by_it() {
+        for f in Fault::ALL {
+            assert_eq!(Fault::from_flag(f.flag()), Some(f), "{f:?}");
+        }
+        assert_eq!(Fault::from_flag("no-such-fault"), None);
+        assert_eq!(Fault::from_flag(""), None);
+        // The faults CI plans (scripts/test's --soak-faults).
+        let ci: Vec<_> = "agent-kill,server-kill,partition,destination-stall"
+            .split(',')
+            .map(Fault::from_flag)
+            .collect();
+        assert_eq!(ci, Fault::CORE.map(Some));
+    }
+
+    #[test]
+    fn a_timed_run_schedules_every_fault_and_the_kills_twice() {
+        let count = |s: &[Fault], f: Fault| s.iter().filter(|g| **g == f).count();
+        let token = Fault::schedule(true);
+        for f in Fault::ALL {
+            let kills = matches!(f, Fault::AgentKill | Fault::ServerKill);
+            assert_eq!(count(&token, f), if kills { 2 } else { 1 }, "{f:?}");
+        }
+        // Without token auth there is no TokenReview to take down.
+        let mtls = Fault::schedule(false);
+        assert_eq!(count(&mtls, Fault::TokenOutage), 0);
+        assert_eq!(mtls.len(), token.len() - 1);
+    }
+}

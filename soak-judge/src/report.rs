@@ -404,7 +404,7 @@ fn verdict(out: &mut String, v: &Judgement) {
 
 #[cfg(test)]
 mod tests {
-    use super::markdown;
+    use super::{LISTED, markdown};
     use crate::{
         figures::judge,
         observe::{
@@ -674,5 +674,50 @@ mod tests {
             "{reasons:#?}"
         );
         assert!(!figures.verdict().held());
+    }
+
+    #[test]
+    fn the_report_counts_each_kind_of_fault_that_took_effect_and_only_those() {
+        let mut run = run();
+        let mut again = run.faults[0].clone();
+        again.started = 60.0;
+        again.ended = 62.0;
+        again.recovered = 63.0;
+        let mut unseen = FaultRecord::new(Fault::ServerKill, Hit::Server(0), 70.0);
+        unseen.effect = Effect::Killed { reaped: false };
+        run.faults.extend([again, unseen]);
+        let found = markdown(&run, &judge(&run));
+        assert!(
+            found.contains(
+                "\n3 faults injected, 2 took effect: agent kill -9 ×2. Planned (each must take effect): agent kill -9.\n"
+            ),
+            "{found}"
+        );
+    }
+
+    #[test]
+    fn ends_past_those_the_report_lists_are_counted_not_dropped() {
+        for n in [LISTED, LISTED + 1] {
+            let mut run = run();
+            // Dials that failed long after the kill.
+            for i in 0..n {
+                run.exchanges.push(exchange(
+                    100 + i as u64,
+                    Frontend::GrpcOurs,
+                    (60.0, 60.5),
+                    FrontendEnd::DialFailed,
+                ));
+            }
+            let found = markdown(&run, &judge(&run));
+            let listed: Vec<&str> = found
+                .lines()
+                .skip_while(|l| !l.starts_with("Ends not whole that no fault"))
+                .skip(1)
+                .take_while(|l| l.starts_with("- "))
+                .collect();
+            let more = usize::from(n > LISTED);
+            assert_eq!(listed.len(), LISTED + more, "{n}");
+            assert_eq!(listed.last() == Some(&"- and 1 more"), n > LISTED, "{n}");
+        }
     }
 }

@@ -339,8 +339,8 @@ pub fn worst_resource(
 #[cfg(test)]
 mod tests {
     use super::{
-        DestSnap, ProcSample, Resource, Role, Sample, least, read_books, sum, typical_least,
-        worst_resource,
+        Alloc, CountsSnap, DestSnap, ProcSample, Resource, Role, Sample, dest_rate, least, rate,
+        read_books, sum, sum_present, typical_least, worst_resource,
     };
 
     /// One process whose RSS follows `rss`, a sample a second.
@@ -421,5 +421,119 @@ mod tests {
             sum(text, "konnectivity_rs_agent_connections_closed_total"),
             6.0
         );
+    }
+
+    #[test]
+    fn the_baseline_is_taken_from_windows_within_its_own_bounds() {
+        // 16 before 30 s but for a dip to 10 at 15 s; 4 from 30 s on.
+        let rss: Vec<u64> = (0..60)
+            .map(|t| match t {
+                15 => 10,
+                t if t >= 30 => 4,
+                _ => 16,
+            })
+            .collect();
+        let samples = series(&rss);
+        // The 5-second windows within [10, 29]: six hold the dip, nine
+        // do not; what comes after 29 s does not lower it.
+        assert_eq!(
+            typical_least(&samples, 0, Resource::Rss, (10.0, 29.0), 5.0),
+            Some(16.0)
+        );
+    }
+
+    /// Samples at `times`, frontend 0 having started `started` exchanges
+    /// and the destination accepted twice as many connections.
+    fn counted(times: &[(f64, u64)]) -> Vec<Sample> {
+        times
+            .iter()
+            .map(|(t, started)| Sample {
+                t: *t,
+                procs: Vec::new(),
+                counts: vec![CountsSnap {
+                    started: *started,
+                    ..CountsSnap::default()
+                }],
+                dest: DestSnap {
+                    accepted: 2 * started,
+                    ..DestSnap::default()
+                },
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_rate_is_taken_between_the_first_and_last_samples_within_its_window() {
+        let samples = counted(&[(0.0, 0), (1.0, 10), (2.0, 30), (3.0, 60)]);
+        let started = |c: &CountsSnap| c.started;
+        let accepted = |d: &DestSnap| d.accepted;
+        // From the sample at 1 s to the one at 3 s: 50 in 2 s.
+        assert_eq!(rate(&samples, 0, 0.5, 3.0, started), Some(25.0));
+        assert_eq!(dest_rate(&samples, 0.5, 3.0, &accepted), Some(50.0));
+        // To the last sample at or before 2.5 s: 20 in 1 s.
+        assert_eq!(rate(&samples, 0, 1.0, 2.5, started), Some(20.0));
+        assert_eq!(dest_rate(&samples, 1.0, 2.5, &accepted), Some(40.0));
+        // No frontend 1.
+        assert_eq!(rate(&samples, 1, 0.0, 3.0, started), None);
+    }
+
+    #[test]
+    fn no_rate_is_taken_over_samples_half_a_second_apart_or_less() {
+        let started = |c: &CountsSnap| c.started;
+        let accepted = |d: &DestSnap| d.accepted;
+        let one = counted(&[(10.0, 5), (11.0, 6)]);
+        assert_eq!(rate(&one, 0, 10.2, 11.0, started), None);
+        assert_eq!(dest_rate(&one, 10.2, 11.0, &accepted), None);
+        let half = counted(&[(10.0, 5), (10.5, 6)]);
+        assert_eq!(rate(&half, 0, 10.0, 10.5, started), None);
+        assert_eq!(dest_rate(&half, 10.0, 10.5, &accepted), None);
+    }
+
+    #[test]
+    fn a_resource_within_the_slack_is_back_and_whole_counts_round_the_bound_up() {
+        // RSS 4 % above its baseline is back.
+        let samples = series(&[100, 104, 104]);
+        let rss = [[Some(100.0), None, None]];
+        assert_eq!(worst_resource(&samples, &rss, (1.0, 2.0), 0.0), None);
+        // 5 % of 10 descriptors is half of one: 11 is back, 12 is not.
+        let fds = |n: u64| {
+            let mut samples = series(&[100]);
+            samples[0].procs[0].as_mut().unwrap().fds = n;
+            worst_resource(&samples, &[[None, Some(10.0), None]], (0.0, 1.0), 0.0)
+        };
+        assert_eq!(fds(11), None);
+        assert_eq!(fds(12).as_deref(), Some("slot 0 fds: 12 vs baseline 10"));
+    }
+
+    #[test]
+    fn the_allocators_figures_are_read_only_when_all_are_there() {
+        let text = "konnectivity_rs_jemalloc_allocated_bytes 1\n\
+            konnectivity_rs_jemalloc_active_bytes 2\n\
+            konnectivity_rs_jemalloc_dirty_bytes 3\n\
+            konnectivity_rs_jemalloc_metadata_bytes 4\n\
+            konnectivity_rs_jemalloc_resident_bytes 5\n\
+            konnectivity_rs_jemalloc_retained_bytes 6\n";
+        assert_eq!(
+            Alloc::read(text),
+            Some(Alloc {
+                allocated: 1.0,
+                active: 2.0,
+                dirty: 3.0,
+                metadata: 4.0,
+                resident: 5.0,
+                retained: 6.0,
+            })
+        );
+        let no_retained = text.replace("retained", "something_else");
+        assert_eq!(Alloc::read(&no_retained), None);
+    }
+
+    #[test]
+    fn a_family_sums_its_labelled_series_and_an_absent_one_prints_as_0() {
+        let text = "x_total{reason=\"a\"} 7\nx_total{reason=\"b\"} 1\n";
+        assert_eq!(sum_present(text, "x_total"), Some(8.0));
+        assert_eq!(sum(text, "x_total"), 8.0);
+        assert_eq!(sum_present(text, "y_total"), None);
+        assert_eq!(format!("{:.0}", sum(text, "y_total")), "0");
     }
 }

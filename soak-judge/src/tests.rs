@@ -7,9 +7,9 @@
 use proptest::prelude::*;
 
 use crate::{
-    books::{ACCEPT_SLACK, DRIFT},
-    exchanges::STUCK,
-    figures::judge,
+    books::{ACCEPT_SLACK, CARRIES_AFTER, DRIFT},
+    exchanges::{FrontendTally, NodeTally, STUCK},
+    figures::{NAMED, judge},
     observe::{
         BookSample, Books, Carrier, Effect, Exchange, Fault, FaultRecord, Frontend, FrontendEnd,
         Hit, Life, LifeEnd, Listener, NodeConn, NodeEnd, ObservedRun, Plan, Seat,
@@ -846,4 +846,398 @@ proptest! {
         run.faults.remove(gone);
         prop_assert!(unexcused(&run) >= with);
     }
+}
+
+/// The process of `run` called `name`.
+fn life_mut<'a>(run: &'a mut ObservedRun, name: &str) -> &'a mut Life {
+    run.lives.iter_mut().find(|l| l.name == name).unwrap()
+}
+
+/// The books the judge made of the process called `name`.
+fn books_of(run: &ObservedRun, name: &str) -> crate::books::LifeBooks {
+    judge(run)
+        .books
+        .into_iter()
+        .find(|b| b.name == name)
+        .unwrap()
+}
+
+/// A connection of slot `slot` the destination saw closed before any
+/// request, at `accepted`.
+fn unused(slot: usize, accepted: f64) -> NodeConn {
+    NodeConn {
+        id: None,
+        listener: Listener::Exchanges,
+        carrier: Carrier::Slot(slot),
+        accepted,
+        ended: accepted + 0.1,
+        end: NodeEnd::Unused,
+    }
+}
+
+#[test]
+fn a_process_that_lived_under_carries_after_need_not_have_carried_traffic() {
+    // A probe agent of 5 s, born late (one refused during an outage).
+    let mut run = run_of(&healthy_traffic());
+    run.lives.push(Life {
+        name: "probe-1".to_owned(),
+        seat: Seat::Probe,
+        pid: 30,
+        born: 50.0,
+        died: 55.0,
+        end: LifeEnd::Exited { ok: true },
+        books: Vec::new(),
+    });
+    let probe = run.lives.last().unwrap();
+    assert!(probe.died - probe.born < CARRIES_AFTER);
+    assert_eq!(failing(&run), Vec::<String>::new(), "books never read");
+    run.lives.last_mut().unwrap().books = vec![BookSample {
+        t: 55.0,
+        books: Books::default(),
+    }];
+    assert_eq!(failing(&run), Vec::<String>::new(), "nothing opened");
+}
+
+#[test]
+fn a_process_that_lived_past_carries_after_must_have_carried_traffic_however_late_it_was_born() {
+    // agent-1.2: born at 33 s, still running at 100 s.
+    let mut unread = run_of(&healthy_traffic());
+    life_mut(&mut unread, "agent-1.2").books.clear();
+    let found = failing(&unread);
+    assert!(
+        found
+            .iter()
+            .any(|r| r == "agent-1.2: lived 67 s without readable books"),
+        "{found:#?}"
+    );
+    let mut idle = run_of(&healthy_traffic());
+    for s in &mut life_mut(&mut idle, "agent-1.2").books {
+        s.books = Books::default();
+    }
+    let found = failing(&idle);
+    assert!(
+        found
+            .iter()
+            .any(|r| r == "agent-1.2: opened no connection in 67 s"),
+        "{found:#?}"
+    );
+}
+
+#[test]
+fn a_tail_runs_from_accept_slack_before_the_last_reading_to_accept_slack_after_death() {
+    // agent-1.1, killed at 30 s, last read at 25 s: its tail is what the
+    // destination accepted from its address over (24 s, 31 s]. Two dials
+    // sit on the window's edges.
+    let mut run = run_of(&healthy_traffic());
+    run.node.push(unused(1, 25.0 - ACCEPT_SLACK));
+    run.node.push(unused(1, 30.0 + ACCEPT_SLACK));
+    fill_books(&mut run);
+    life_mut(&mut run, "agent-1.1")
+        .books
+        .retain(|s| s.t <= 25.0);
+    let inside = run
+        .node
+        .iter()
+        .filter(|n| n.carrier == Carrier::Slot(1) && n.accepted > 24.0 && n.accepted < 31.0)
+        .count() as u64;
+    assert!(inside > 0);
+    assert_eq!(
+        books_of(&run, "agent-1.1").tail,
+        inside + 1,
+        "the dial at 31 s counts, the one at 24 s does not"
+    );
+    assert_eq!(failing(&run), Vec::<String>::new());
+}
+
+#[test]
+fn a_killed_servers_tail_counts_the_dials_through_it_and_not_through_the_other_server() {
+    // server-0.1, killed at 40 s, last read at 35 s: its tail is what the
+    // destination accepted over (34 s, 41 s] of exchanges through it.
+    let mut run = run_of(&healthy_traffic());
+    life_mut(&mut run, "server-0.1")
+        .books
+        .retain(|s| s.t <= 35.0);
+    let through = |s: usize| {
+        run.node
+            .iter()
+            .filter(|n| n.accepted > 34.0 && n.accepted <= 41.0)
+            .filter(|n| {
+                run.exchanges
+                    .iter()
+                    .any(|x| Some(x.id) == n.id && x.server == s)
+            })
+            .count() as u64
+    };
+    assert!(through(0) > 0 && through(1) > 0);
+    assert_eq!(books_of(&run, "server-0.1").tail, through(0));
+    assert_eq!(failing(&run), Vec::<String>::new());
+}
+
+#[test]
+fn the_servers_may_miss_a_killed_servers_tail_plus_the_dials_closed_before_a_request_and_no_more() {
+    let mut run = run_of(&healthy_traffic());
+    // Two exchanges through server 0 just before its kill at 40 s, which
+    // it died before counting; and a dial of agent 2 that its server gave
+    // up on before any request (the agent counted it, no server did).
+    for from in [39.5, 39.7] {
+        add(
+            &mut run,
+            Frontend::GrpcOurs,
+            2,
+            (from, from + 0.2),
+            FrontendEnd::Ok,
+            Some(NodeEnd::Complete),
+        );
+    }
+    run.node.push(unused(2, 85.0));
+    fill_books(&mut run);
+    let miss = |run: &mut ObservedRun, n: f64| {
+        let last = &mut life_mut(run, "server-0.1").books.last_mut().unwrap().books;
+        last.opened -= n;
+        last.closed -= n;
+    };
+    miss(&mut run, 2.0);
+    assert_eq!(books_of(&run, "server-0.1").tail, 2);
+    assert_eq!(failing(&run), Vec::<String>::new());
+    let figures = judge(&run);
+    for name in [
+        "the servers counted no dial the destination did not accept",
+        "the agents' dials and the servers' agree",
+    ] {
+        let w = figures.witnesses.iter().find(|w| w.name == name).unwrap();
+        assert_eq!((w.gap(), w.high), (3.0, 3.0), "{name}: tail 2 + unjoined 1");
+    }
+    // One more dial the servers did not count is past the bound.
+    miss(&mut run, 1.0);
+    let found = failing(&run);
+    assert_eq!(found.len(), 2, "{found:#?}");
+    assert!(
+        found[0].starts_with("the servers counted no dial"),
+        "{found:#?}"
+    );
+    assert!(
+        found[1].starts_with("the agents' dials and the servers' agree"),
+        "{found:#?}"
+    );
+}
+
+#[test]
+fn a_drift_of_exactly_drift_is_within_the_bound() {
+    let mut run = run_of(&healthy_traffic());
+    life_mut(&mut run, "server-0.1").books[2].books.closed -= DRIFT;
+    assert_eq!(books_of(&run, "server-0.1").largest_gap, DRIFT);
+    assert_eq!(failing(&run), Vec::<String>::new());
+}
+
+#[test]
+fn a_process_that_exited_must_have_exited_with_status_0_without_cutting() {
+    // agent-1.1 drained and exited at 30 s, as a rollout's old agent does.
+    let drained = |ok: bool, cut: f64| {
+        let mut run = run_of(&healthy_traffic());
+        life_mut(&mut run, "agent-1.1").end = LifeEnd::Exited { ok };
+        fill_books(&mut run);
+        let last = life_mut(&mut run, "agent-1.1").books.last_mut().unwrap();
+        last.books.cut = cut;
+        run
+    };
+    assert_eq!(failing(&drained(true, 0.0)), Vec::<String>::new());
+    assert_eq!(
+        failing(&drained(false, 0.0)),
+        ["agent-1.1: exited with a failure"]
+    );
+    assert_eq!(
+        failing(&drained(true, 1.0)),
+        ["agent-1.1: cut 1 connection(s)"]
+    );
+}
+
+#[test]
+fn performance_reasons_are_advisory_unless_made_fatal_and_correctness_reasons_never_are() {
+    let mut run = run_of(&healthy_traffic());
+    run.faults[0].healthy = Some(0.5);
+    run.faults[0].back_s = None;
+    let texts = |reasons: &mut dyn Iterator<Item = &crate::Reason>| {
+        reasons.map(|r| r.text.clone()).collect::<Vec<_>>()
+    };
+    let not_back = "agent kill -9 on agent-1 at 30 s: not back";
+    let slow =
+        "agent kill -9 on agent-1 at 30 s: healthy traffic (every frontend) kept 50 % of its rate";
+    let verdict = judge(&run).verdict();
+    assert_eq!(texts(&mut verdict.failing()), [not_back]);
+    assert_eq!(texts(&mut verdict.advisory()), [slow]);
+    run.plan.performance_fatal = true;
+    let verdict = judge(&run).verdict();
+    assert_eq!(texts(&mut verdict.failing()), [not_back, slow]);
+    assert_eq!(texts(&mut verdict.advisory()), Vec::<String>::new());
+}
+
+#[test]
+fn dials_slower_than_the_plans_limit_fail_and_one_at_the_limit_does_not() {
+    let mut run = run_of(&healthy_traffic());
+    let limit = run.plan.dial_limit_s;
+    let ours = |run: &mut ObservedRun, i: usize| {
+        run.exchanges
+            .iter_mut()
+            .filter(|x| x.frontend == Frontend::GrpcOurs)
+            .nth(i)
+            .unwrap()
+            .dial_s = Some(limit + if i == 0 { 0.0 } else { 0.5 });
+    };
+    ours(&mut run, 0);
+    assert_eq!(failing(&run), Vec::<String>::new());
+    ours(&mut run, 1);
+    ours(&mut run, 2);
+    assert_eq!(failing(&run), ["grpc, ours: 2 dials took longer than 7 s"]);
+}
+
+#[test]
+fn ends_past_those_the_verdict_names_are_counted_not_dropped() {
+    for n in [NAMED, NAMED + 1] {
+        let mut run = run_of(&healthy_traffic());
+        // Dials that failed on a healthy agent, long after every fault.
+        for i in 0..n {
+            let from = 85.0 + 0.1 * i as f64;
+            add(
+                &mut run,
+                Frontend::ConnectOurs,
+                2,
+                (from, from + 0.05),
+                FrontendEnd::DialFailed,
+                None,
+            );
+        }
+        let found = failing(&run);
+        assert!(
+            found[..NAMED].iter().all(|r| r.contains("dial failed")),
+            "{n}: {found:#?}"
+        );
+        let more = (n > NAMED).then(|| format!("and {} more ends no fault explains", n - NAMED));
+        assert_eq!(found.get(NAMED), more.as_ref(), "{n}");
+        assert_eq!(found.len(), NAMED + usize::from(n > NAMED), "{n}");
+    }
+}
+
+#[test]
+fn an_exchange_that_took_longer_than_stuck_is_stuck_however_it_ended() {
+    let mut run = run_of(&healthy_traffic());
+    // On agent 2 through server 1, where no fault ever ran.
+    add(
+        &mut run,
+        Frontend::ConnectOurs,
+        2,
+        (2.0, 2.0 + STUCK),
+        FrontendEnd::Ok,
+        Some(NodeEnd::Complete),
+    );
+    assert_eq!(failing(&run), Vec::<String>::new(), "exactly {STUCK} s");
+    add(
+        &mut run,
+        Frontend::ConnectOurs,
+        2,
+        (3.0, 3.5 + STUCK),
+        FrontendEnd::Ok,
+        Some(NodeEnd::Complete),
+    );
+    let found = failing(&run);
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].contains("http-connect, ours: stuck at 33.5 s (from 3.0 s) on agent-2"),
+        "{found:#?}"
+    );
+}
+
+#[test]
+fn each_end_is_counted_under_its_own_kind_at_each_side() {
+    let healthy = judge(&run_of(&healthy_traffic())).joined;
+    let mut run = run_of(&healthy_traffic());
+    let ends = [
+        (
+            Frontend::ConnectOurs,
+            (85.0, 86.0),
+            FrontendEnd::DialFailed,
+            None,
+        ),
+        (
+            Frontend::ConnectOurs,
+            (86.0, 86.3),
+            FrontendEnd::Cut,
+            Some(NodeEnd::Reset),
+        ),
+        (
+            Frontend::GrpcOurs,
+            (87.0, 87.3),
+            FrontendEnd::Error,
+            Some(NodeEnd::Truncated),
+        ),
+        (
+            Frontend::GrpcOurs,
+            (20.0, 20.0 + STUCK + 10.0),
+            FrontendEnd::Stuck,
+            Some(NodeEnd::Stuck),
+        ),
+    ];
+    for (frontend, window, front, node) in ends {
+        add(&mut run, frontend, 2, window, front, node);
+    }
+    run.node.push(unused(2, 88.0));
+    run.node.push(NodeConn {
+        end: NodeEnd::Open,
+        ended: END,
+        ..unused(2, 89.0)
+    });
+    let joined = judge(&run).joined;
+    let tally = |j: &crate::exchanges::Joined, f: Frontend| {
+        j.frontends.iter().find(|(g, _)| *g == f).unwrap().1.clone()
+    };
+    let before = tally(&healthy, Frontend::ConnectOurs);
+    assert_eq!(
+        tally(&joined, Frontend::ConnectOurs),
+        FrontendTally {
+            recorded: before.recorded + 2,
+            dial_failed: 1,
+            cut: 1,
+            ..before
+        }
+    );
+    let before = tally(&healthy, Frontend::GrpcOurs);
+    assert_eq!(
+        tally(&joined, Frontend::GrpcOurs),
+        FrontendTally {
+            recorded: before.recorded + 2,
+            errors: 1,
+            stuck: 1,
+            ..before
+        }
+    );
+    let before = healthy.node;
+    assert_eq!(
+        joined.node,
+        NodeTally {
+            accepted: before.accepted + 5,
+            exchanges: before.exchanges + 5,
+            unused: 1,
+            reset: 1,
+            truncated: 1,
+            stuck: 2,
+            ..before
+        }
+    );
+}
+
+#[test]
+fn a_connection_from_no_agents_address_breaks_a_witness() {
+    let mut run = run_of(&healthy_traffic());
+    run.node.push(NodeConn {
+        listener: Listener::Source,
+        carrier: Carrier::Unknown,
+        ..unused(0, 75.0)
+    });
+    assert_eq!(judge(&run).joined.node.unknown, 1);
+    let found = failing(&run);
+    assert!(
+        found
+            .iter()
+            .any(|r| r.starts_with("the destination knew every address it was dialed from")),
+        "{found:#?}"
+    );
 }
