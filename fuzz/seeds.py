@@ -23,6 +23,16 @@ def write(target, name, data):
         f.write(bytes(data))
 
 
+def keep(target, name, data):
+    """A seed that decides a verdict on its own: kept in regressions/, which
+    the replay runs whatever its coverage (minimising a corpus keeps one
+    input per edge, and drops a seed whose edges another input covers)."""
+    d = os.path.join(HERE, "regressions", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(bytes(data))
+
+
 # --- protobuf, by hand (proto/*.proto field numbers) ------------------------
 
 
@@ -229,13 +239,13 @@ def token_review():
                            "status": status}).encode()
     user = {"username": "system:serviceaccount:kube-system:konnectivity-agent"}
     aud = ["system:konnectivity-server"]
-    write("token_review", "admitted", ok + list(body({"authenticated": True, "audiences": aud, "user": user})))
-    write("token_review", "other-audience", ok + list(body({"authenticated": True, "audiences": ["api"], "user": user})))
-    write("token_review", "not-authenticated", ok + list(body({"authenticated": False})))
-    write("token_review", "error", ok + list(body({"error": "token expired", "authenticated": True, "audiences": aud, "user": user})))
-    write("token_review", "other-namespace", ok + list(body({"authenticated": True, "audiences": aud,
+    keep("token_review", "admitted", ok + list(body({"authenticated": True, "audiences": aud, "user": user})))
+    keep("token_review", "other-audience", ok + list(body({"authenticated": True, "audiences": ["api"], "user": user})))
+    keep("token_review", "not-authenticated", ok + list(body({"authenticated": False})))
+    keep("token_review", "error", ok + list(body({"error": "token expired", "authenticated": True, "audiences": aud, "user": user})))
+    keep("token_review", "other-namespace", ok + list(body({"authenticated": True, "audiences": aud,
           "user": {"username": "system:serviceaccount:default:konnectivity-agent"}})))
-    write("token_review", "not-a-service-account", ok + list(body({"authenticated": True, "audiences": aud,
+    keep("token_review", "not-a-service-account", ok + list(body({"authenticated": True, "audiences": aud,
           "user": {"username": "admin"}})))
     write("token_review", "status-401", unauthorized + list(b'{"kind":"Status","apiVersion":"v1","status":"Failure","message":"Unauthorized","reason":"Unauthorized","code":401}'))
     write("token_review", "not-json", ok + list(b"<html>s3cr3t-fuzz-token</html>"))

@@ -1338,10 +1338,21 @@ pub fn token_review(data: &[u8]) {
         Some(&auth::Checked::Answered(auth::reviews::Source::Api))
     );
     assert_eq!(verdicts[0], verdicts[1], "the same answer, another verdict");
+    let text = String::from_utf8_lossy(body);
+    let json = serde_json::from_str::<serde_json::Value>(&text).ok();
     match first {
-        Err(AuthError::Review(_)) => return,
-        Err(_) => {
-            assert!(code.is_success(), "a verdict from a {code} answer");
+        // A refusal: never on a 2xx answer that, read as plain JSON,
+        // admits (our own agent refused is as much a failure as a
+        // stranger admitted).
+        Err(error) => {
+            assert!(
+                matches!(error, AuthError::Review(_)) || code.is_success(),
+                "a verdict from a {code} answer"
+            );
+            assert!(
+                !(code.is_success() && json.as_ref().is_some_and(json_admits)),
+                "refused ({error}) on a {code} answer that admits"
+            );
             return;
         }
         Ok(()) => assert!(code.is_success(), "admitted on a {code} answer"),
@@ -1350,19 +1361,9 @@ pub fn token_review(data: &[u8]) {
     // an unknown field's string without checking it (bad UTF-8, a lone
     // surrogate escape), where a `Value` refuses the whole body; then the
     // typed answer is read field by field instead.
-    let text = String::from_utf8_lossy(body);
-    let admitted = match serde_json::from_str::<serde_json::Value>(&text) {
-        Ok(json) => {
-            let status = &json["status"];
-            status["authenticated"] == serde_json::Value::Bool(true)
-                && (status["error"].is_null() || status["error"] == "")
-                && status["user"]["username"]
-                    == "system:serviceaccount:kube-system:konnectivity-agent"
-                && status["audiences"]
-                    .as_array()
-                    .is_some_and(|a| a.iter().any(|a| a == "system:konnectivity-server"))
-        }
-        Err(_) => {
+    let admitted = match json {
+        Some(json) => json_admits(&json),
+        None => {
             let review = auth::read_answer(code, body).expect("admitted on an unreadable answer");
             let status = review.status.unwrap_or_default();
             status.authenticated == Some(true)
@@ -1377,6 +1378,18 @@ pub fn token_review(data: &[u8]) {
         }
     };
     assert!(admitted, "admitted on an answer that does not say so");
+}
+
+/// Whether a TokenReview, read as plain JSON, admits our agent: its token
+/// authenticated, no error, our service account, our audience.
+fn json_admits(json: &serde_json::Value) -> bool {
+    let status = &json["status"];
+    status["authenticated"] == serde_json::Value::Bool(true)
+        && (status["error"].is_null() || status["error"] == "")
+        && status["user"]["username"] == "system:serviceaccount:kube-system:konnectivity-agent"
+        && status["audiences"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|a| a == "system:konnectivity-server"))
 }
 
 /// Two `Connect`s with [`TOKEN`] from one agent, checked by a
