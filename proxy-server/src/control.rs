@@ -25,7 +25,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use proto::Packet;
+use proto::{Packet, Payload};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
@@ -43,6 +43,7 @@ use crate::{
         Router, STALLED,
     },
     strategy::ProxyStrategy,
+    traces::Traces,
 };
 
 /// The router and where each of its streams' packets go.
@@ -58,6 +59,8 @@ struct State {
     conns: HashMap<(BackendId, ConnId), Arc<Conn>>,
     /// Pending dials whose DIAL_REQ waits to go out, until they settle.
     settles: HashMap<DialId, Arc<Settled>>,
+    /// The spans of dials and tunnels (`--tracing-config-file`).
+    traces: Traces,
 }
 
 /// The process-wide buffer budget (`--buffer-budget-bytes`), in two halves
@@ -156,6 +159,7 @@ impl Control {
                 backends: HashMap::new(),
                 conns: HashMap::new(),
                 settles: HashMap::new(),
+                traces: Traces::default(),
             }),
             metrics,
             budgets,
@@ -164,6 +168,20 @@ impl Control {
             dial_timeout: policy.timeout,
             dialer: Mutex::new(Vec::new()),
             dialer_wake: Signal::new(),
+        }
+    }
+
+    /// Makes spans with `tracing`.
+    pub(crate) fn with_tracing(self, tracing: ops::otel::Tracing) -> Self {
+        self.state().traces = Traces::new(tracing);
+        self
+    }
+
+    /// A frontend's stream carries the W3C trace context `traceparent`: its
+    /// dials continue that trace.
+    pub(crate) fn frontend_traced(&self, fe: FrontendId, traceparent: Option<&str>) {
+        if traceparent.is_some() {
+            self.state().traces.frontend(fe, traceparent);
         }
     }
 
@@ -196,8 +214,17 @@ impl Control {
     /// A control packet from a frontend (or DATA its driver could not
     /// route); the waits it needs, for the frontend's driver to run.
     pub(crate) fn frontend_packet(&self, fe: FrontendId, packet: Packet) -> Vec<Work> {
-        self.with_router(|router, out| router.frontend_packet(Instant::now(), fe, packet, out))
-            .works
+        let mut state = self.state();
+        let kind = match state.frontends.get(&fe).map(|link| link.tx.kind) {
+            Some(FrontendKind::HttpConnect) => "http-connect",
+            _ => "grpc",
+        };
+        state.traces.frontend_packet(fe, &packet, kind);
+        let mut out = Vec::new();
+        state
+            .router
+            .frontend_packet(Instant::now(), fe, packet, &mut out);
+        self.carry(&mut state, out).works
     }
 
     /// A control packet from an agent (or DATA its driver could not
@@ -215,6 +242,7 @@ impl Control {
         let mut state = self.state();
         let mut out = Vec::new();
         state.router.frontend_closed(Instant::now(), fe, &mut out);
+        state.traces.frontend_closed(fe);
         // Its dials settle: no wait is left.
         let carried = self.carry(&mut state, out);
         debug_assert!(carried.works.is_empty(), "a closed frontend's wait");
@@ -302,6 +330,7 @@ impl Control {
             self.carry_one(state, next, &mut carried, &mut more);
             queue.extend(more);
         }
+        state.traces.flush();
         carried
     }
 
@@ -311,10 +340,14 @@ impl Control {
                 frontend,
                 backend,
                 dial,
-                packet,
+                mut packet,
             } => match state.backends.get(&backend) {
                 Some(link) => {
                     let link = link.clone();
+                    let hedge = state.router.hedged_to(dial) == Some(backend);
+                    state
+                        .traces
+                        .forward(dial, &link.agent_id, hedge, &mut packet);
                     let settled = state.settles.entry(dial).or_default().clone();
                     carried.works.push(Work::Forward {
                         frontend,
@@ -334,6 +367,7 @@ impl Control {
                 ),
             },
             Out::Settled(dial) => {
+                state.traces.settled(dial);
                 if let Some(settled) = state.settles.remove(&dial) {
                     settled.set();
                 }
@@ -359,6 +393,7 @@ impl Control {
             Out::Closed { backend, conn } => {
                 if let Some(conn) = state.conns.remove(&(backend, conn)) {
                     conn.close();
+                    state.traces.closed((backend, conn.id), conn.bytes());
                 }
                 compact(&mut state.conns);
             }
@@ -369,7 +404,27 @@ impl Control {
                 packet,
                 latency,
             } => self.established(state, (frontend, backend, conn), packet, latency, more),
-            Out::Count(event) => self.count(event),
+            Out::Count(event) => {
+                if let Event::Closed(reason, _) = event {
+                    state.traces.close_reason(reason.as_str());
+                }
+                self.count(event);
+            }
+            Out::DialFailed {
+                frontend,
+                dial,
+                error,
+            } => {
+                state.traces.failed(dial, &error.to_string());
+                Self::send(
+                    state,
+                    Out::DialFailed {
+                        frontend,
+                        dial,
+                        error,
+                    },
+                );
+            }
             out => Self::send(state, out),
         }
     }
@@ -423,6 +478,14 @@ impl Control {
         latency: Duration,
         more: &mut Vec<Out>,
     ) {
+        if let (Some(link), Some(Payload::DialResponse(rsp))) =
+            (state.backends.get(&backend), &packet.payload)
+        {
+            let dial = DialId(rsp.random);
+            state
+                .traces
+                .established(dial, (backend, conn), &link.agent_id, latency);
+        }
         let delivered = state
             .frontends
             .get(&frontend)

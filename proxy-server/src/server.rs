@@ -219,12 +219,20 @@ impl ProxyServer {
         };
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
-        let control = Arc::new(Control::new(
-            &config.strategies,
-            config.dial_policy,
-            metrics,
-            Budgets::new(config.buffer_budget_bytes),
-        ));
+        let tracing = match &config.tracing {
+            Some(tracing) => ops::otel::Tracing::start(tracing, "konnectivity-server")
+                .map_err(|e| ops::flags::invalid("tracing-config-file", e))?,
+            None => ops::otel::Tracing::off(),
+        };
+        let control = Arc::new(
+            Control::new(
+                &config.strategies,
+                config.dial_policy,
+                metrics,
+                Budgets::new(config.buffer_budget_bytes),
+            )
+            .with_tracing(tracing),
+        );
         let token_auth = match &config.token_auth {
             Some(auth) => {
                 let metrics = control.metrics.clone();

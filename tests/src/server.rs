@@ -108,6 +108,7 @@ impl Default for ServerOpts {
             keepalive_time: None,
             lease: None,
             profiling: false,
+            tracing: None,
             max_tls_handshakes: 8192,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             session_tickets: true,
