@@ -120,8 +120,8 @@ pub(crate) enum Work {
         dial: DialId,
         /// Where it goes.
         backend: (BackendId, BackendLink),
-        /// The DIAL_REQ.
-        packet: Packet,
+        /// The DIAL_REQ (boxed: the largest variant by far).
+        packet: Box<Packet>,
         /// Set when the dial settles: the DIAL_REQ need not go out.
         settled: Arc<Settled>,
     },
@@ -353,7 +353,7 @@ impl Control {
                         frontend,
                         dial,
                         backend: (backend, link),
-                        packet,
+                        packet: Box::new(packet),
                         settled,
                     });
                 }
@@ -410,22 +410,12 @@ impl Control {
                 }
                 self.count(event);
             }
-            Out::DialFailed {
-                frontend,
-                dial,
-                error,
-            } => {
-                state.traces.failed(dial, &error.to_string());
-                Self::send(
-                    state,
-                    Out::DialFailed {
-                        frontend,
-                        dial,
-                        error,
-                    },
-                );
+            out => {
+                if let Out::DialFailed { dial, error, .. } = &out {
+                    state.traces.failed(*dial, &error.to_string());
+                }
+                Self::send(state, out);
             }
-            out => Self::send(state, out),
         }
     }
 
@@ -542,7 +532,7 @@ impl Control {
                     settled,
                 } => {
                     let mut more = self
-                        .forward(frontend, dial, backend, packet, &settled)
+                        .forward(frontend, dial, backend, *packet, &settled)
                         .await;
                     next = more.pop();
                     self.to_dialer(more);

@@ -108,7 +108,6 @@ impl Default for ServerOpts {
             keepalive_time: None,
             lease: None,
             profiling: false,
-            tracing: None,
             max_tls_handshakes: 8192,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             session_tickets: true,
@@ -198,6 +197,7 @@ impl TestServer {
             health_addr: "127.0.0.1:0".parse().expect("address"),
             admin_addr: "127.0.0.1:0".parse().expect("address"),
             profiling: opts.profiling,
+            tracing: None,
             server_id: ServerId(
                 opts.server_id
                     .clone()
