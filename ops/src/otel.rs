@@ -10,15 +10,16 @@
 //! (whose every span and event would then pass through OpenTelemetry's
 //! layer). Ended spans go to the SDK's batch processor, which exports from
 //! its own thread; what it cannot take (its queue full, a collector down
-//! or slow) is dropped and counted ([`Tracing::dropped`]), never waited
-//! for.
+//! or slow) is dropped and counted ([`Tracing::spans_dropped`], exposed
+//! by each binary as `konnectivity_rs_*_trace_spans_dropped_total`), never
+//! waited for.
 
 use std::{
     fmt,
     path::{Path, PathBuf},
     sync::{
         Arc,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -40,6 +41,8 @@ use opentelemetry_sdk::{
     },
 };
 use serde::Deserialize;
+
+use crate::metrics::Counter;
 
 /// kube-apiserver's default collector endpoint.
 pub const DEFAULT_ENDPOINT: &str = "localhost:4317";
@@ -179,13 +182,18 @@ fn traceparent(context: &SpanContext) -> String {
 /// The process's tracer: off (every span a no-op, free), or exporting.
 #[derive(Clone, Default)]
 pub struct Tracing {
+    /// The provider and its tracer; `None` when traces are off.
     on: Option<On>,
-    dropped: Arc<AtomicU64>,
+    /// Spans ended and never exported.
+    dropped: Counter,
 }
 
+/// A started tracer.
 #[derive(Clone)]
 struct On {
+    /// What exports, and is shut down at the end.
     provider: SdkTracerProvider,
+    /// What makes spans.
     tracer: SdkTracer,
 }
 
@@ -204,19 +212,19 @@ impl Tracing {
         Self::default()
     }
 
-    /// Exports to `config`'s collector as `service` (must be called within
-    /// a tokio runtime: the gRPC channel's worker runs on it).
+    /// Exports to `config`'s collector as `service`, counting in `dropped`
+    /// the spans it could not export (must be called within a tokio
+    /// runtime: the gRPC channel's worker runs on it).
     ///
     /// # Errors
     /// The exporter cannot be built (an endpoint tonic does not take).
-    pub fn start(config: &Config, service: &'static str) -> Result<Self, String> {
+    pub fn start(config: &Config, service: &'static str, dropped: Counter) -> Result<Self, String> {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_endpoint(format!("http://{}", config.endpoint))
             .with_timeout(Duration::from_secs(10))
             .build()
             .map_err(|e| format!("the OTLP exporter for {}: {e}", config.endpoint))?;
-        let dropped = Arc::new(AtomicU64::new(0));
         let in_flight = Arc::new(AtomicUsize::new(0));
         let batch = BatchSpanProcessor::builder(Counted {
             inner: exporter,
@@ -254,8 +262,9 @@ impl Tracing {
     }
 
     /// Spans ended and never exported: the queue was full, or the
-    /// collector did not take them.
-    pub fn dropped(&self) -> Arc<AtomicU64> {
+    /// collector did not take them (a handle on the counter, for a metrics
+    /// registry).
+    pub fn spans_dropped(&self) -> Counter {
         self.dropped.clone()
     }
 
@@ -357,7 +366,7 @@ pub use opentelemetry::KeyValue as Attr;
 struct Admit {
     inner: BatchSpanProcessor,
     in_flight: Arc<AtomicUsize>,
-    dropped: Arc<AtomicU64>,
+    dropped: Counter,
 }
 
 impl SpanProcessor for Admit {
@@ -368,7 +377,7 @@ impl SpanProcessor for Admit {
     fn on_end(&self, span: SpanData) {
         if self.in_flight.fetch_add(1, Ordering::Relaxed) >= QUEUE {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+            self.dropped.inc();
             return;
         }
         self.inner.on_end(span);
@@ -381,6 +390,12 @@ impl SpanProcessor for Admit {
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
         self.inner.shutdown_with_timeout(timeout)
     }
+
+    /// The provider's resource (`service.name`) reaches the exporter only
+    /// through here.
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
 }
 
 /// The OTLP exporter, counting the spans of batches the collector did not
@@ -389,7 +404,7 @@ impl SpanProcessor for Admit {
 struct Counted {
     inner: opentelemetry_otlp::SpanExporter,
     in_flight: Arc<AtomicUsize>,
-    dropped: Arc<AtomicU64>,
+    dropped: Counter,
 }
 
 impl SpanExporter for Counted {
@@ -398,7 +413,7 @@ impl SpanExporter for Counted {
         let result = self.inner.export(batch).await;
         self.in_flight.fetch_sub(spans, Ordering::Relaxed);
         if result.is_err() {
-            self.dropped.fetch_add(spans as u64, Ordering::Relaxed);
+            self.dropped.inc_by(spans as f64);
         }
         result
     }

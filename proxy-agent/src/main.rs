@@ -35,14 +35,16 @@ async fn serve(args: Args) -> std::process::ExitCode {
 
 async fn run(mut config: Config) -> anyhow::Result<()> {
     if let Some(tracing) = &config.tracing_config {
-        config.tracing = ops::otel::Tracing::start(tracing, "konnectivity-agent")
-            .map_err(|e| anyhow::anyhow!("--tracing-config-file: {e}"))?;
+        config.tracing =
+            ops::otel::Tracing::start(tracing, "konnectivity-agent", Default::default())
+                .map_err(|e| anyhow::anyhow!("--tracing-config-file: {e}"))?;
     }
     let tracing = config.tracing.clone();
     let bound = Agent::bind(config).await.context("binding listeners")?;
     // First SIGTERM/SIGINT drains, the second stops at once (as ANP).
     let (first, second) = ops::signal::twice();
     bound.serve_with_drain(first, second).await;
-    tracing.shutdown();
+    // Off the runtime: the flush blocks until the exporter is done.
+    let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
     Ok(())
 }

@@ -177,6 +177,11 @@ impl Control {
         self
     }
 
+    /// The tracer (to flush it at the end).
+    pub(crate) fn tracing(&self) -> ops::otel::Tracing {
+        self.state().traces.tracing()
+    }
+
     /// A frontend's stream carries the W3C trace context `traceparent`: its
     /// dials continue that trace.
     pub(crate) fn frontend_traced(&self, fe: FrontendId, traceparent: Option<&str>) {
@@ -340,32 +345,8 @@ impl Control {
                 frontend,
                 backend,
                 dial,
-                mut packet,
-            } => match state.backends.get(&backend) {
-                Some(link) => {
-                    let link = link.clone();
-                    let hedge = state.router.hedged_to(dial) == Some(backend);
-                    state
-                        .traces
-                        .forward(dial, &link.agent_id, hedge, &mut packet);
-                    let settled = state.settles.entry(dial).or_default().clone();
-                    carried.works.push(Work::Forward {
-                        frontend,
-                        dial,
-                        backend: (backend, link),
-                        packet: Box::new(packet),
-                        settled,
-                    });
-                }
-                None => state.router.dial_not_forwarded(
-                    Instant::now(),
-                    frontend,
-                    dial,
-                    backend,
-                    ForwardFailure::Closed,
-                    more,
-                ),
-            },
+                packet,
+            } => Self::forward_out(state, (frontend, backend, dial), packet, carried, more),
             Out::Settled(dial) => {
                 state.traces.settled(dial);
                 if let Some(settled) = state.settles.remove(&dial) {
@@ -417,6 +398,37 @@ impl Control {
                 Self::send(state, out);
             }
         }
+    }
+
+    /// A DIAL_REQ for `backend`: a wait that sends it, carrying the dial
+    /// span's context; the dial fails over if the backend is gone.
+    fn forward_out(
+        state: &mut State,
+        (frontend, backend, dial): (FrontendId, BackendId, DialId),
+        mut packet: Packet,
+        carried: &mut Carried,
+        more: &mut Vec<Out>,
+    ) {
+        let Some(link) = state.backends.get(&backend).cloned() else {
+            let now = Instant::now();
+            let failure = ForwardFailure::Closed;
+            state
+                .router
+                .dial_not_forwarded(now, frontend, dial, backend, failure, more);
+            return;
+        };
+        let hedge = state.router.hedged_to(dial) == Some(backend);
+        state
+            .traces
+            .forward(dial, &link.agent_id, hedge, &mut packet);
+        let settled = state.settles.entry(dial).or_default().clone();
+        carried.works.push(Work::Forward {
+            frontend,
+            dial,
+            backend: (backend, link),
+            packet: Box::new(packet),
+            settled,
+        });
     }
 
     /// Carries out what goes to one stream and never waits: a control

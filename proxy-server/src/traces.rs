@@ -55,6 +55,11 @@ impl Traces {
         }
     }
 
+    /// The tracer.
+    pub(crate) fn tracing(&self) -> Tracing {
+        self.tracing.clone()
+    }
+
     /// A frontend's stream started with `traceparent`, if it sent one.
     pub(crate) fn frontend(&mut self, fe: FrontendId, traceparent: Option<&str>) {
         if let Some(parent) = traceparent
