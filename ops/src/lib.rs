@@ -12,6 +12,7 @@
 //! - [`telemetry`]: tracing subscriber set-up shared by both binaries.
 //! - [`http`]: the health and admin HTTP servers with ANP's limits and Go's answers.
 //! - [`metrics`]: Prometheus exposition in ANP's format, process metrics.
+//! - [`otel`]: OpenTelemetry traces (`--tracing-config-file`), exported over OTLP.
 //! - [`profiling`]: Go-style `/debug/pprof/` CPU profiles (`--enable-profiling`).
 //! - [`kube`]: the kube API client (TokenReview, Leases), label selector syntax.
 //! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
@@ -42,6 +43,7 @@ pub mod fuzzing;
 pub mod http;
 pub mod kube;
 pub mod metrics;
+pub mod otel;
 pub mod profiling;
 pub mod signal;
 pub mod telemetry;

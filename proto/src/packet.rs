@@ -33,6 +33,7 @@ impl Packet {
                 protocol: protocol.to_owned(),
                 address: address.to_owned(),
                 random,
+                traceparent: String::new(),
             }),
         )
     }
@@ -296,6 +297,64 @@ mod tests {
             let decoded = Packet::decode(bytes.as_slice()).unwrap();
             assert_eq!(decoded, packet, "decoding {}", packet.type_name());
         }
+    }
+
+    /// ANP's DialRequest, as its own `.proto` declares it: three fields.
+    #[derive(Clone, PartialEq, ::prost::Message)]
+    struct AnpDialRequest {
+        #[prost(string, tag = "1")]
+        protocol: String,
+        #[prost(string, tag = "2")]
+        address: String,
+        #[prost(int64, tag = "3")]
+        random: i64,
+    }
+
+    /// ANP's Packet with only the dial request case, as an ANP agent
+    /// decodes a DIAL_REQ.
+    #[derive(Clone, PartialEq, ::prost::Message)]
+    struct AnpPacket {
+        #[prost(int32, tag = "1")]
+        r#type: i32,
+        #[prost(message, optional, tag = "2")]
+        dial_request: Option<AnpDialRequest>,
+    }
+
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    /// The trace context is field 101 of DialRequest: golden bytes, and an
+    /// ANP agent decoding our DIAL_REQ skips it and sees the same dial.
+    #[test]
+    fn the_traceparent_is_invisible_to_anp_agents() {
+        let mut ours = Packet::dial_request("tcp", "a:1", 5);
+        if let Some(Payload::DialRequest(d)) = ours.payload.as_mut() {
+            d.traceparent = TRACEPARENT.to_owned();
+        }
+        let bytes = ours.encode_to_vec();
+        // field 2 (dialRequest) = { 1:"tcp", 2:"a:1", 3:5, 101:"00-…" }:
+        // tag 101<<3|2 = 810 = varint aa 06, then length 55.
+        let mut golden = vec![0x12, 0x0c + 3 + 55];
+        golden.extend([
+            0x0a, 0x03, b't', b'c', b'p', 0x12, 0x03, b'a', b':', b'1', 0x18, 0x05,
+        ]);
+        golden.extend([0xaa, 0x06, 55]);
+        golden.extend(TRACEPARENT.as_bytes());
+        assert_eq!(bytes, golden);
+        let anp = AnpPacket::decode(bytes.as_slice()).unwrap();
+        assert_eq!(
+            anp,
+            AnpPacket {
+                r#type: 0,
+                dial_request: Some(AnpDialRequest {
+                    protocol: "tcp".to_owned(),
+                    address: "a:1".to_owned(),
+                    random: 5,
+                }),
+            }
+        );
+        // An ANP server's DIAL_REQ (none of it) reads as no trace context.
+        let back = Packet::decode(anp.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(back, Packet::dial_request("tcp", "a:1", 5));
     }
 
     /// ANP's DialResponse, as its own `.proto` declares it: three fields.

@@ -278,6 +278,7 @@ impl Agent {
             Arc::downgrade(&live),
             &lease_metrics,
             &certs,
+            &config.tracing.spans_dropped(),
         ));
         Ok(Bound {
             tls,

@@ -191,6 +191,8 @@ pub struct Client {
     transport: TransportEnd,
     /// How often the probe checks it (`--probe-interval`).
     probe_interval: Duration,
+    /// Spans of dials (`--tracing-config-file`).
+    tracing: ops::otel::Tracing,
 }
 
 /// Whether a server connection's TCP/TLS transport has ended (a flag its
@@ -345,6 +347,7 @@ impl Client {
             _channel: channel,
             transport,
             probe_interval: config.probe_interval,
+            tracing: config.tracing.clone(),
         })
     }
 
@@ -445,6 +448,7 @@ impl Client {
             transport,
             probe_interval,
             metrics,
+            tracing,
             ..
         } = self;
         let tasks = TaskTracker::new();
@@ -454,6 +458,7 @@ impl Client {
             tasks: tasks.clone(),
             scheme,
             metrics: metrics.clone(),
+            tracing,
         };
         let end = dispatcher
             .read(&mut inbound, &transport, probe_interval, &cancel)
@@ -579,6 +584,8 @@ struct Dispatcher {
     scheme: Scheme,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
+    /// Spans of dials.
+    tracing: ops::otel::Tracing,
 }
 
 /// Adds the time a reader waited to the blocked-time counter when dropped.
@@ -673,8 +680,12 @@ impl Dispatcher {
                 ticket,
                 protocol,
                 address,
+                traceparent,
                 cancel,
-            } => self.spawn_dial(ticket, protocol, address, cancel),
+            } => {
+                let span = self.dial_span(&protocol, &address, &traceparent);
+                self.spawn_dial(ticket, protocol, address, (cancel, span));
+            }
             Step::Deliver { conn, data } => {
                 let Some((inbound, _)) = handle else { return };
                 self.metrics
@@ -717,12 +728,31 @@ impl Dispatcher {
         self.to_server.control(packet);
     }
 
+    /// The OpenTelemetry span of a dial: the child of the server's dial
+    /// span when the DIAL_REQ carried its context.
+    fn dial_span(&self, protocol: &str, address: &str, traceparent: &str) -> ops::otel::Span {
+        if !self.tracing.is_on() {
+            return ops::otel::Span::none();
+        }
+        let parent = ops::otel::Parent::parse(traceparent);
+        let mut span =
+            self.tracing
+                .span("proxy-agent dial", ops::otel::Kind::Server, parent.as_ref());
+        span.set(|| {
+            vec![
+                ops::otel::Attr::new("konnectivity.destination", address.to_owned()),
+                ops::otel::Attr::new("konnectivity.protocol", protocol.to_owned()),
+            ]
+        });
+        span
+    }
+
     fn spawn_dial(
         &self,
         ticket: DialTicket,
         protocol: String,
         address: String,
-        cancel: CancellationToken,
+        (cancel, otel): (CancellationToken, ops::otel::Span),
     ) {
         let span =
             debug_span!("conn", dial.id = %ticket.dial, %address, conn.id = tracing::field::Empty);
@@ -732,8 +762,10 @@ impl Dispatcher {
             scheme: self.scheme,
             metrics: self.metrics.clone(),
         };
-        self.tasks
-            .spawn(dial.run(ticket, protocol, address, cancel).instrument(span));
+        self.tasks.spawn(
+            dial.run(ticket, (protocol, address), cancel, otel)
+                .instrument(span),
+        );
     }
 }
 
@@ -751,16 +783,37 @@ impl Dial {
     async fn run(
         self,
         ticket: DialTicket,
-        protocol: String,
-        address: String,
+        (protocol, address): (String, String),
         cancel: CancellationToken,
+        mut otel: ops::otel::Span,
     ) {
         let started = std::time::Instant::now();
         let dialed = tokio::select! {
             // DIAL_CLS or the stream's end: it has left the table.
-            () = cancel.cancelled() => return,
+            () = cancel.cancelled() => {
+                otel.set(|| vec![ops::otel::Attr::new("konnectivity.end", "cancelled")]);
+                return;
+            }
             dialed = endpoint::dial(&protocol, &address) => dialed,
         };
+        match &dialed {
+            Ok(socket) => otel.set(|| {
+                vec![
+                    ops::otel::Attr::new(
+                        "konnectivity.resolved_address",
+                        socket
+                            .peer_addr()
+                            .map_or_else(|e| e.to_string(), |a| a.to_string()),
+                    ),
+                    ops::otel::Attr::new("konnectivity.end", "connected"),
+                ]
+            }),
+            Err(error) => {
+                otel.set(|| vec![ops::otel::Attr::new("konnectivity.end", "failed")]);
+                otel.fail(error.to_string());
+            }
+        }
+        otel.end();
         match dialed {
             Ok(socket) => {
                 self.metrics.dial_succeeded(started.elapsed());
@@ -977,6 +1030,7 @@ mod tests {
             tasks: TaskTracker::new(),
             scheme,
             metrics: metrics.clone(),
+            tracing: ops::otel::Tracing::off(),
         }
     }
 

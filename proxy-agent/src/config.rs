@@ -64,6 +64,11 @@ pub struct Args {
     /// Serve pprof-format profiles on the admin port.
     #[arg(long, go_bool = Some(false))]
     pub enable_profiling: bool,
+    /// kube-apiserver's TracingConfiguration file (YAML or JSON: endpoint,
+    /// samplingRatePerMillion): dials as OpenTelemetry spans continuing the
+    /// server's, exported over OTLP/gRPC. Unset: no traces.
+    #[arg(long)]
+    pub tracing_config_file: Option<std::path::PathBuf>,
     /// Enable contention profiling (requires --enable-profiling).
     #[arg(long, go_bool = Some(false))]
     pub enable_contention_profiling: bool,
@@ -250,6 +255,10 @@ pub struct Config {
     pub admin_addr: SocketAddr,
     /// Serve CPU profiles on the admin port (`--enable-profiling`).
     pub profiling: bool,
+    /// `--tracing-config-file`, read and checked.
+    pub tracing_config: Option<ops::otel::TracingConfig>,
+    /// The tracer, started from `tracing_config` by `main` (off until then).
+    pub tracing: ops::otel::Tracing,
     /// Connect loop interval.
     pub sync_interval: Duration,
     /// `--tls-session-refresh-interval`; `None` for never.
@@ -382,6 +391,18 @@ impl TryFrom<Args> for Config {
                 args.admin_server_port,
             )?,
             profiling: args.enable_profiling,
+            tracing_config: args
+                .tracing_config_file
+                .as_deref()
+                .map(ops::otel::TracingConfig::load)
+                .transpose()
+                .map_err(|e| {
+                    ops::flags::invalid(
+                        "tracing-config-file",
+                        format!("{}: {}", e.path.display(), e.what),
+                    )
+                })?,
+            tracing: ops::otel::Tracing::off(),
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
             session_refresh: (!args.tls_session_refresh_interval.is_zero())

@@ -33,10 +33,18 @@ async fn serve(args: Args) -> std::process::ExitCode {
     ops::cli::finish("proxy-agent", run(config).await)
 }
 
-async fn run(config: Config) -> anyhow::Result<()> {
+async fn run(mut config: Config) -> anyhow::Result<()> {
+    if let Some(tracing) = &config.tracing_config {
+        config.tracing =
+            ops::otel::Tracing::start(tracing, "konnectivity-agent", Default::default())
+                .map_err(|e| anyhow::anyhow!("--tracing-config-file: {e}"))?;
+    }
+    let tracing = config.tracing.clone();
     let bound = Agent::bind(config).await.context("binding listeners")?;
     // First SIGTERM/SIGINT drains, the second stops at once (as ANP).
     let (first, second) = ops::signal::twice();
     bound.serve_with_drain(first, second).await;
+    // Off the runtime: the flush blocks until the exporter is done.
+    let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
     Ok(())
 }

@@ -193,7 +193,8 @@ pub struct AgentMetrics {
     limits: Counter,
 }
 
-/// konnectivity-rs's own series.
+/// konnectivity-rs's own series (and the tracer's dropped spans, which
+/// it counts itself).
 struct Ours {
     bytes: ByLabel<Direction, Counter>,
     closed: ByLabel<EndpointCloseReason, Counter>,
@@ -314,11 +315,18 @@ impl AgentMetrics {
             Weak::<Nothing>::new(),
             &LeaseMetrics::default(),
             &CertMetrics::default(),
+            &Counter::default(),
         )
     }
 
-    /// Registers every metric; the gauges read `state` when scraped.
-    pub(crate) fn new(state: Weak<dyn Live>, leases: &LeaseMetrics, certs: &CertMetrics) -> Self {
+    /// Registers every metric; the gauges read `state` when scraped;
+    /// `spans_dropped` is the tracer's count.
+    pub(crate) fn new(
+        state: Weak<dyn Live>,
+        leases: &LeaseMetrics,
+        certs: &CertMetrics,
+        spans_dropped: &Counter,
+    ) -> Self {
         let mut m = Metrics::default();
         let dial_duration = m.register(
             name("dial_duration_seconds"),
@@ -345,6 +353,11 @@ impl AgentMetrics {
         ops::metrics::register_process(&mut m);
         let ours = Ours::register(&mut m);
         certs.register(&mut m, "konnectivity_rs_agent_");
+        m.register(
+            "konnectivity_rs_agent_trace_spans_dropped_total",
+            "OpenTelemetry spans (--tracing-config-file) ended and never exported: the export queue was full or the collector did not take them",
+            spans_dropped.clone(),
+        );
         Self {
             exposition: Arc::new(m),
             dial_duration,
@@ -438,7 +451,8 @@ mod tests {
     fn series_carry_the_labels_described() {
         let leases = LeaseMetrics::default();
         let certs = CertMetrics::default();
-        let metrics = AgentMetrics::new(Weak::<Nothing>::new(), &leases, &certs);
+        let metrics =
+            AgentMetrics::new(Weak::<Nothing>::new(), &leases, &certs, &Counter::default());
         for kind in [CallKind::List, CallKind::Watch] {
             leases.lease_call(&Call {
                 kind,

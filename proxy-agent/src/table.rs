@@ -69,6 +69,8 @@ pub enum Step<D, C> {
         protocol: String,
         /// `host:port`.
         address: String,
+        /// The server's dial span (`DialRequest.traceparent`; empty if none).
+        traceparent: String,
         /// The pending dial's handle, as recorded in the table.
         cancel: D,
     },
@@ -204,6 +206,7 @@ impl<D: Clone, C> StreamTable<D, C> {
                     ticket,
                     protocol: req.protocol,
                     address: req.address,
+                    traceparent: req.traceparent,
                     cancel,
                 }
             }

@@ -101,6 +101,11 @@ pub struct Args {
     /// Serve pprof-format profiles on the admin port.
     #[arg(long, go_bool = Some(false))]
     pub enable_profiling: bool,
+    /// kube-apiserver's TracingConfiguration file (YAML or JSON: endpoint,
+    /// samplingRatePerMillion): dials and tunnels as OpenTelemetry spans,
+    /// exported over OTLP/gRPC. Unset: no traces.
+    #[arg(long)]
+    pub tracing_config_file: Option<std::path::PathBuf>,
     /// Enable contention profiling (requires --enable-profiling).
     #[arg(long, go_bool = Some(false))]
     pub enable_contention_profiling: bool,
@@ -478,6 +483,8 @@ pub struct Config {
     pub admin_addr: SocketAddr,
     /// Serve CPU profiles on the admin port (`--enable-profiling`).
     pub profiling: bool,
+    /// Traces (`--tracing-config-file`), if configured.
+    pub tracing: Option<ops::otel::TracingConfig>,
     /// This server's id.
     pub server_id: ServerId,
     /// Replica count announced to agents.
@@ -557,6 +564,21 @@ fn hedge_delay(text: &str) -> Result<HedgeDelay, String> {
         ),
         delay => Ok(HedgeDelay::Fixed(delay)),
     }
+}
+
+/// `--tracing-config-file`, read and checked.
+fn tracing_config(
+    path: Option<&std::path::Path>,
+) -> Result<Option<ops::otel::TracingConfig>, ConfigError> {
+    path.map(|path| {
+        ops::otel::TracingConfig::load(path).map_err(|e| {
+            ops::flags::invalid(
+                "tracing-config-file",
+                format!("{}: {}", e.path.display(), e.what),
+            )
+        })
+    })
+    .transpose()
 }
 
 fn check_port(flag: &'static str, port: u16) -> Result<u16, ConfigError> {
@@ -646,6 +668,7 @@ impl TryFrom<Args> for Config {
         let agent_tls = agent_tls(&args, &policy)?;
         let token_auth = token_auth(&args)?;
         limits(&args)?;
+        let tracing = tracing_config(args.tracing_config_file.as_deref())?;
         let (admin_addr, health_addr, agent_addr) = addresses(&args)?;
         if args.enable_contention_profiling && !args.enable_profiling {
             return Err(invalid(
@@ -679,6 +702,7 @@ impl TryFrom<Args> for Config {
             health_addr,
             admin_addr,
             profiling: args.enable_profiling,
+            tracing,
             server_id,
             server_count: args.server_count,
             strategies,

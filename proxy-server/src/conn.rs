@@ -23,7 +23,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -74,6 +74,9 @@ pub(crate) struct Conn {
     /// the buffer budget (taken by its two streams: the agent's driver
     /// queues, the frontend's writer takes).
     charged: tunnel::sync::Mutex<Charged>,
+    /// Payload bytes carried (to the agent, to the frontend), for the
+    /// tunnel's span at its end; touched only by its two streams.
+    bytes: [AtomicU64; 2],
 }
 
 /// A connection's agent DATA queued for its frontend, and what it took
@@ -126,7 +129,16 @@ impl Conn {
             agent,
             to_frontend,
             charged,
+            bytes: [AtomicU64::new(0), AtomicU64::new(0)],
         }
+    }
+
+    /// Payload bytes it carried: to the agent, to the frontend.
+    pub(crate) fn bytes(&self) -> (u64, u64) {
+        (
+            self.bytes[0].load(Ordering::Relaxed),
+            self.bytes[1].load(Ordering::Relaxed),
+        )
     }
 
     /// Whether its frontend is an HTTP-CONNECT client.
@@ -151,6 +163,7 @@ impl Conn {
 
     /// Counts `len` bytes of frontend DATA on their way to the agent.
     pub(crate) fn count_upload(&self, len: usize) {
+        self.bytes[0].fetch_add(len as u64, Ordering::Relaxed);
         self.to_frontend
             .metrics
             .bytes
@@ -277,6 +290,7 @@ impl Conn {
     /// Pushes DATA the window admitted and the budget counted onto the
     /// frontend's queue (the window, not the queue's reserve, bounds DATA).
     fn push(self: &Arc<Self>, data: Bytes, cost: usize) -> Delivery {
+        self.bytes[1].fetch_add(data.len() as u64, Ordering::Relaxed);
         let metrics = &self.to_frontend.metrics;
         metrics
             .bytes

@@ -25,7 +25,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use proto::Packet;
+use proto::{Packet, Payload};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
@@ -43,6 +43,7 @@ use crate::{
         Router, STALLED,
     },
     strategy::ProxyStrategy,
+    traces::Traces,
 };
 
 /// The router and where each of its streams' packets go.
@@ -58,6 +59,8 @@ struct State {
     conns: HashMap<(BackendId, ConnId), Arc<Conn>>,
     /// Pending dials whose DIAL_REQ waits to go out, until they settle.
     settles: HashMap<DialId, Arc<Settled>>,
+    /// The spans of dials and tunnels (`--tracing-config-file`).
+    traces: Traces,
 }
 
 /// The process-wide buffer budget (`--buffer-budget-bytes`), in two halves
@@ -117,8 +120,8 @@ pub(crate) enum Work {
         dial: DialId,
         /// Where it goes.
         backend: (BackendId, BackendLink),
-        /// The DIAL_REQ.
-        packet: Packet,
+        /// The DIAL_REQ (boxed: the largest variant by far).
+        packet: Box<Packet>,
         /// Set when the dial settles: the DIAL_REQ need not go out.
         settled: Arc<Settled>,
     },
@@ -156,6 +159,7 @@ impl Control {
                 backends: HashMap::new(),
                 conns: HashMap::new(),
                 settles: HashMap::new(),
+                traces: Traces::default(),
             }),
             metrics,
             budgets,
@@ -164,6 +168,25 @@ impl Control {
             dial_timeout: policy.timeout,
             dialer: Mutex::new(Vec::new()),
             dialer_wake: Signal::new(),
+        }
+    }
+
+    /// Makes spans with `tracing`.
+    pub(crate) fn with_tracing(self, tracing: ops::otel::Tracing) -> Self {
+        self.state().traces = Traces::new(tracing);
+        self
+    }
+
+    /// The tracer (to flush it at the end).
+    pub(crate) fn tracing(&self) -> ops::otel::Tracing {
+        self.state().traces.tracing()
+    }
+
+    /// A frontend's stream carries the W3C trace context `traceparent`: its
+    /// dials continue that trace.
+    pub(crate) fn frontend_traced(&self, fe: FrontendId, traceparent: Option<&str>) {
+        if traceparent.is_some() {
+            self.state().traces.frontend(fe, traceparent);
         }
     }
 
@@ -196,8 +219,17 @@ impl Control {
     /// A control packet from a frontend (or DATA its driver could not
     /// route); the waits it needs, for the frontend's driver to run.
     pub(crate) fn frontend_packet(&self, fe: FrontendId, packet: Packet) -> Vec<Work> {
-        self.with_router(|router, out| router.frontend_packet(Instant::now(), fe, packet, out))
-            .works
+        let mut state = self.state();
+        let kind = match state.frontends.get(&fe).map(|link| link.tx.kind) {
+            Some(FrontendKind::HttpConnect) => "http-connect",
+            _ => "grpc",
+        };
+        state.traces.frontend_packet(fe, &packet, kind);
+        let mut out = Vec::new();
+        state
+            .router
+            .frontend_packet(Instant::now(), fe, packet, &mut out);
+        self.carry(&mut state, out).works
     }
 
     /// A control packet from an agent (or DATA its driver could not
@@ -215,6 +247,7 @@ impl Control {
         let mut state = self.state();
         let mut out = Vec::new();
         state.router.frontend_closed(Instant::now(), fe, &mut out);
+        state.traces.frontend_closed(fe);
         // Its dials settle: no wait is left.
         let carried = self.carry(&mut state, out);
         debug_assert!(carried.works.is_empty(), "a closed frontend's wait");
@@ -302,6 +335,7 @@ impl Control {
             self.carry_one(state, next, &mut carried, &mut more);
             queue.extend(more);
         }
+        state.traces.flush();
         carried
     }
 
@@ -312,28 +346,9 @@ impl Control {
                 backend,
                 dial,
                 packet,
-            } => match state.backends.get(&backend) {
-                Some(link) => {
-                    let link = link.clone();
-                    let settled = state.settles.entry(dial).or_default().clone();
-                    carried.works.push(Work::Forward {
-                        frontend,
-                        dial,
-                        backend: (backend, link),
-                        packet,
-                        settled,
-                    });
-                }
-                None => state.router.dial_not_forwarded(
-                    Instant::now(),
-                    frontend,
-                    dial,
-                    backend,
-                    ForwardFailure::Closed,
-                    more,
-                ),
-            },
+            } => Self::forward_out(state, (frontend, backend, dial), packet, carried, more),
             Out::Settled(dial) => {
+                state.traces.settled(dial);
                 if let Some(settled) = state.settles.remove(&dial) {
                     settled.set();
                 }
@@ -359,6 +374,7 @@ impl Control {
             Out::Closed { backend, conn } => {
                 if let Some(conn) = state.conns.remove(&(backend, conn)) {
                     conn.close();
+                    state.traces.closed((backend, conn.id), conn.bytes());
                 }
                 compact(&mut state.conns);
             }
@@ -369,9 +385,50 @@ impl Control {
                 packet,
                 latency,
             } => self.established(state, (frontend, backend, conn), packet, latency, more),
-            Out::Count(event) => self.count(event),
-            out => Self::send(state, out),
+            Out::Count(event) => {
+                if let Event::Closed(reason, _) = event {
+                    state.traces.close_reason(reason.as_str());
+                }
+                self.count(event);
+            }
+            out => {
+                if let Out::DialFailed { dial, error, .. } = &out {
+                    state.traces.failed(*dial, &error.to_string());
+                }
+                Self::send(state, out);
+            }
         }
+    }
+
+    /// A DIAL_REQ for `backend`: a wait that sends it, carrying the dial
+    /// span's context; the dial fails over if the backend is gone.
+    fn forward_out(
+        state: &mut State,
+        (frontend, backend, dial): (FrontendId, BackendId, DialId),
+        mut packet: Packet,
+        carried: &mut Carried,
+        more: &mut Vec<Out>,
+    ) {
+        let Some(link) = state.backends.get(&backend).cloned() else {
+            let now = Instant::now();
+            let failure = ForwardFailure::Closed;
+            state
+                .router
+                .dial_not_forwarded(now, frontend, dial, backend, failure, more);
+            return;
+        };
+        let hedge = state.router.hedged_to(dial) == Some(backend);
+        state
+            .traces
+            .forward(dial, &link.agent_id, hedge, &mut packet);
+        let settled = state.settles.entry(dial).or_default().clone();
+        carried.works.push(Work::Forward {
+            frontend,
+            dial,
+            backend: (backend, link),
+            packet: Box::new(packet),
+            settled,
+        });
     }
 
     /// Carries out what goes to one stream and never waits: a control
@@ -423,6 +480,14 @@ impl Control {
         latency: Duration,
         more: &mut Vec<Out>,
     ) {
+        if let (Some(link), Some(Payload::DialResponse(rsp))) =
+            (state.backends.get(&backend), &packet.payload)
+        {
+            let dial = DialId(rsp.random);
+            state
+                .traces
+                .established(dial, (backend, conn), &link.agent_id, latency);
+        }
         let delivered = state
             .frontends
             .get(&frontend)
@@ -479,7 +544,7 @@ impl Control {
                     settled,
                 } => {
                     let mut more = self
-                        .forward(frontend, dial, backend, packet, &settled)
+                        .forward(frontend, dial, backend, *packet, &settled)
                         .await;
                     next = more.pop();
                     self.to_dialer(more);

@@ -66,6 +66,7 @@ mod router;
 pub mod server;
 pub mod strategy;
 mod stream;
+mod traces;
 
 pub use events::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT};
 pub use frontend::{http_connect::ESTABLISHED, lanes::UPLOAD_GRACE};

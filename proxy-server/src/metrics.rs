@@ -234,6 +234,9 @@ pub(crate) struct ServerMetrics {
     retries: ByLabel<DialRetry, Counter>,
     hedges: Counter,
     hedges_won: Counter,
+    /// `konnectivity_rs_server_trace_spans_dropped_total`, counted by the
+    /// tracer.
+    spans_dropped: Counter,
     certs: ops::tls::files::CertMetrics,
 }
 
@@ -509,6 +512,11 @@ impl ServerMetrics {
         let ours = Ours::register(&mut m);
         let certs = ops::tls::files::CertMetrics::default();
         certs.register(&mut m, "konnectivity_rs_server_");
+        let spans_dropped = m.register(
+            "konnectivity_rs_server_trace_spans_dropped_total",
+            "OpenTelemetry spans (--tracing-config-file) ended and never exported: the export queue was full or the collector did not take them",
+            Counter::default(),
+        );
         Self {
             exposition: Arc::new(m),
             certs,
@@ -539,10 +547,16 @@ impl ServerMetrics {
             retries: ours.retries,
             hedges: ours.hedges,
             hedges_won: ours.hedges_won,
+            spans_dropped,
             handshake_drops: ours.handshake_drops,
             reviews: ours.reviews,
             skipped: ours.skipped,
         }
+    }
+
+    /// The counter of trace spans never exported, for the tracer.
+    pub(crate) fn trace_spans_dropped(&self) -> Counter {
+        self.spans_dropped.clone()
     }
 
     /// The certificate expiry gauges and reload-failure counters.

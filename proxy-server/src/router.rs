@@ -631,6 +631,11 @@ impl Router {
         }
     }
 
+    /// The agent stream a pending dial was hedged to, if it was.
+    pub(crate) fn hedged_to(&self, dial: DialId) -> Option<BackendId> {
+        self.pending.get(&dial)?.hedge
+    }
+
     /// Sends a pending dial to `backend` too.
     fn send_attempt(&mut self, id: DialId, backend: BackendId, out: &mut Vec<Out>) {
         let Some(dial) = self.pending.get_mut(&id) else {

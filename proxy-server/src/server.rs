@@ -219,12 +219,16 @@ impl ProxyServer {
         };
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
-        let control = Arc::new(Control::new(
-            &config.strategies,
-            config.dial_policy,
-            metrics,
-            Budgets::new(config.buffer_budget_bytes),
-        ));
+        let tracing = start_tracing(config.tracing.as_ref(), &metrics)?;
+        let control = Arc::new(
+            Control::new(
+                &config.strategies,
+                config.dial_policy,
+                metrics,
+                Budgets::new(config.buffer_budget_bytes),
+            )
+            .with_tracing(tracing),
+        );
         let token_auth = match &config.token_auth {
             Some(auth) => {
                 let metrics = control.metrics.clone();
@@ -470,6 +474,20 @@ impl Bound {
             uds_path,
         }
     }
+}
+
+/// The tracer `--tracing-config-file` asks for (off without one), counting
+/// its dropped spans in `metrics`.
+fn start_tracing(
+    config: Option<&ops::otel::TracingConfig>,
+    metrics: &ServerMetrics,
+) -> Result<ops::otel::Tracing, ServerError> {
+    let Some(config) = config else {
+        return Ok(ops::otel::Tracing::off());
+    };
+    let dropped = metrics.trace_spans_dropped();
+    ops::otel::Tracing::start(config, "konnectivity-server", dropped)
+        .map_err(|e| ops::flags::invalid("tracing-config-file", e).into())
 }
 
 /// One tree of ends: `token` ends every stream and connection, and with
@@ -794,7 +812,8 @@ impl Running {
     /// stop counting us), then accepting stops; open connections get
     /// `--graceful-shutdown-timeout` to finish; then everything is ended
     /// and the servers get [`STOP_GRACE`] to wind down before they are
-    /// aborted.
+    /// aborted; the spans not yet exported get the tracer's flush (2 s at
+    /// most).
     async fn stop(self) -> Result<(), ServerError> {
         let Self {
             ends,
@@ -817,6 +836,10 @@ impl Running {
         if let Some(path) = uds_path {
             let _ = std::fs::remove_file(path);
         }
+        // The spans of the last tunnels, ended just above, go out before
+        // the process does (off the runtime: the flush blocks).
+        let tracing = control.tracing();
+        let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
         info!("stopped");
         result
     }

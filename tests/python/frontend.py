@@ -155,7 +155,11 @@ class Tunnel:
         self.inbox = queue.Queue()
         self.connect_id = None
         stub = frontend.services.ProxyServiceStub(channel)
-        self.call = stub.Proxy(self._requests(), timeout=self.timeout)
+        metadata = None
+        if frontend.args.traceparent:
+            # What kube-apiserver's gRPC client sends when its tracing is on.
+            metadata = [("traceparent", frontend.args.traceparent)]
+        self.call = stub.Proxy(self._requests(), timeout=self.timeout, metadata=metadata)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -903,7 +907,9 @@ def connect_request(args):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(args.timeout)
     sock.connect(args.socket)
-    sock.sendall(f"CONNECT {args.address} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    # kube-apiserver adds a W3C traceparent header when its tracing is on.
+    trace = f"traceparent: {args.traceparent}\r\n" if args.traceparent else ""
+    sock.sendall(f"CONNECT {args.address} HTTP/1.1\r\nHost: 127.0.0.1\r\n{trace}\r\n".encode())
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = sock.recv(4096)
@@ -1013,6 +1019,7 @@ def parse_args(argv):
     p.add_argument("--server-name", help="channel option grpc.ssl_target_name_override")
     p.add_argument("--socket", help="Unix socket of a server in http-connect mode")
     p.add_argument("--address", help="host:port to dial through the tunnel")
+    p.add_argument("--traceparent", help="a W3C traceparent sent with each Proxy stream or CONNECT")
     p.add_argument("--bytes", type=int, default=1 << 20, help="bytes to echo per tunnel")
     p.add_argument("--tunnels", type=int, default=50, help="concurrent: how many tunnels")
     p.add_argument("--streams", type=int, default=8, help="multi-stream: streams per phase")

@@ -92,6 +92,8 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         health_addr: "127.0.0.1:0".parse().expect("address"),
         admin_addr: "127.0.0.1:0".parse().expect("address"),
         profiling: opts.profiling,
+        tracing_config: None,
+        tracing: ops::otel::Tracing::off(),
         sync_interval: Duration::from_millis(100),
         sync_interval_cap: Duration::from_secs(1),
         session_refresh: opts.session_refresh,

@@ -20,6 +20,8 @@
 //! - [`lease_stub`]: a coordination.k8s.io/v1 Lease API stand-in.
 //! - [`netns`]: a hub and a node network namespace, the test re-run inside
 //!   the hub, the node's link and firewall in the test's hands.
+//! - [`otlp`]: `tests/python/otlp_receiver.py`, an OTLP/gRPC trace
+//!   receiver on OpenTelemetry's generated service.
 //! - [`proxies`]: real SOCKS5 and HTTP CONNECT proxies (microsocks, tinyproxy).
 //! - [`python`]: `tests/python/frontend.py`, the grpcio and standard-library
 //!   frontend.
@@ -38,6 +40,7 @@ pub mod http;
 pub mod kube_stub;
 pub mod lease_stub;
 pub mod netns;
+pub mod otlp;
 pub mod pki;
 pub mod process;
 pub mod proxies;

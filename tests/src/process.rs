@@ -58,10 +58,23 @@ impl AgentWithFiles {
     /// the files in `dir`; returns once it logged its health port (it may
     /// not be connected yet).
     pub async fn start(dir: &Path, server_port: u16) -> Self {
+        Self::start_with(dir, server_port, &[], &[]).await
+    }
+
+    /// [`start`](Self::start) with `extra` flags and `env` set in its
+    /// environment.
+    pub async fn start_with(
+        dir: &Path,
+        server_port: u16,
+        extra: &[String],
+        env: &[(&str, &str)],
+    ) -> Self {
         let mut command = Command::new(binary("proxy-agent"));
         command
             .env("RUST_LOG", "info")
-            .args(crate::agent_args(dir, server_port));
+            .args(crate::agent_args(dir, server_port))
+            .args(extra)
+            .envs(env.iter().copied());
         let mut process = LoggedProcess::spawn(command, "proxy-agent");
         let port = process.logged_port("health.addr=Some(127.0.0.1:").await;
         Self {
@@ -109,14 +122,21 @@ impl ServerProcess {
 
     /// [`start_in`](Self::start_in) with another `proxy-server` binary.
     pub async fn start_binary(binary: &Path, pki: &Path, mode: &str, extra: &[String]) -> Self {
-        Self::spawn(binary, pki, Ipv4Addr::LOCALHOST, mode, extra).await
+        Self::spawn(binary, pki, Ipv4Addr::LOCALHOST, mode, (extra, &[])).await
+    }
+
+    /// [`start`](Self::start) with `env` set in its environment.
+    pub async fn start_with_env(mode: &str, extra: &[String], env: &[(&str, &str)]) -> Self {
+        let pki = Pki::get().dir.path();
+        let binary = binary("proxy-server");
+        Self::spawn(&binary, pki, Ipv4Addr::LOCALHOST, mode, (extra, env)).await
     }
 
     /// [`start_in`](Self::start_in) with the agent listener on `agent_ip`
     /// (an address of a network namespace the test made, whose agents
     /// reach it over a veth pair; `pki`'s server certificate must name it).
     pub async fn start_on(pki: &Path, agent_ip: Ipv4Addr, mode: &str, extra: &[String]) -> Self {
-        Self::spawn(&binary("proxy-server"), pki, agent_ip, mode, extra).await
+        Self::spawn(&binary("proxy-server"), pki, agent_ip, mode, (extra, &[])).await
     }
 
     async fn spawn(
@@ -124,7 +144,7 @@ impl ServerProcess {
         pki: &Path,
         agent_ip: Ipv4Addr,
         mode: &str,
-        extra: &[String],
+        (extra, env): (&[String], &[(&str, &str)]),
     ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let uds = dir.path().join("konnectivity-server.socket");
@@ -145,7 +165,8 @@ impl ServerProcess {
                 "--admin-bind-address=127.0.0.1".to_owned(),
                 "--admin-port=0".to_owned(),
             ])
-            .args(extra);
+            .args(extra)
+            .envs(env.iter().copied());
         let mut process = LoggedProcess::spawn(command, "proxy-server");
         let agent_port = process
             .logged_port(&format!("agent.addr=Some({agent_ip}:"))

@@ -197,6 +197,7 @@ impl TestServer {
             health_addr: "127.0.0.1:0".parse().expect("address"),
             admin_addr: "127.0.0.1:0".parse().expect("address"),
             profiling: opts.profiling,
+            tracing: None,
             server_id: ServerId(
                 opts.server_id
                     .clone()

@@ -13,6 +13,12 @@ pub struct DialRequest {
     /// Dial id chosen by the frontend, echoed in the DialResponse.
     #[prost(int64, tag = "3")]
     pub random: i64,
+    /// konnectivity-rs: the server's dial span as a W3C `traceparent`
+    /// (`00-<trace id>-<span id>-<flags>`), so that the agent's spans continue
+    /// the trace; empty when the server traces nothing. ANP's agents skip it as
+    /// an unknown field. Numbered far from ANP's fields, as errorClass is.
+    #[prost(string, tag = "101")]
+    pub traceparent: ::prost::alloc::string::String,
 }
 /// Answers a DialRequest.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

@@ -79,9 +79,14 @@ fn a_dial_request_starts_a_dial_with_its_address_and_handle() {
             ticket,
             protocol,
             address,
+            traceparent,
             cancel,
         } => {
             assert_eq!(ticket.dial, DialId(7));
+            assert_eq!(
+                traceparent, "",
+                "an ANP server's DIAL_REQ has no trace context"
+            );
             assert_eq!(
                 (protocol.as_str(), address.as_str()),
                 ("tcp", "10.0.0.1:443")

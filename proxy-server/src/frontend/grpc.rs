@@ -61,6 +61,11 @@ impl ProxyService for ProxyServiceImpl {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<PacketStream>, Status> {
+        let traceparent = request
+            .metadata()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         let inbound = request.into_inner();
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
@@ -76,6 +81,8 @@ impl ProxyService for ProxyServiceImpl {
                 budget,
             )
         });
+        self.control
+            .frontend_traced(link.id(), traceparent.as_deref());
         let live = metrics.grpc_stream(Method::Proxy);
         let span = debug_span!("frontend", frontend = %link.id());
         let taker = link.id().taker();

@@ -107,6 +107,7 @@ where
         control: control.clone(),
         link: link.clone(),
     };
+    control.frontend_traced(link.id(), head.traceparent.as_deref());
     let mut early = head.rest;
     let target = head.target;
     let Some(answer) = dial(&mut io, &control, &link, &mut rx, &target, &mut early).await else {

@@ -33,6 +33,7 @@ mod memory_budget;
 mod metrics;
 mod metrics_reference;
 mod monitoring;
+mod otel_traces;
 mod proxy_client;
 mod python_interop;
 mod resumption;

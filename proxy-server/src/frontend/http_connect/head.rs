@@ -94,6 +94,10 @@ pub(crate) struct Head {
     pub(crate) target: String,
     /// Bytes the client sent after the header.
     pub(crate) rest: BytesMut,
+    /// The W3C `traceparent` header (kube-apiserver sends one when its
+    /// tracing is on), unchecked; longer values are no trace context and
+    /// are not kept.
+    pub(crate) traceparent: Option<String>,
 }
 
 /// Why a request head could not be read.
@@ -206,6 +210,12 @@ fn parse_head(buf: BytesMut, len: usize) -> Result<Head, HeadError> {
             .map(|h| String::from_utf8_lossy(h.value).into_owned())
             .unwrap_or_default();
     }
+    let traceparent = request
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("traceparent") && h.value.len() <= TRACEPARENT_MAX)
+        .and_then(|h| std::str::from_utf8(h.value).ok())
+        .map(str::to_owned);
     // Keep what followed the header in an allocation of its own size: the
     // header buffer would otherwise stay alive for the whole connection.
     let rest = BytesMut::from(&buf[len..]);
@@ -213,8 +223,13 @@ fn parse_head(buf: BytesMut, len: usize) -> Result<Head, HeadError> {
         method,
         target,
         rest,
+        traceparent,
     })
 }
+
+/// The longest `traceparent` kept: version 00's 55 bytes, with room for a
+/// later version's additions.
+const TRACEPARENT_MAX: usize = 128;
 
 /// Writes a final answer and closes the write side (flushing TLS), within
 /// [`FINAL_WRITE_TIMEOUT`]: a client that does not read does not hold the
