@@ -52,8 +52,8 @@ const MEGABYTE: u64 = 1024 * 1024;
 #[derive(Debug, Clone, clap::Args)]
 pub struct AuditArgs {
     /// Write one JSON line per tunnel, at its end, to this file; `-` means
-    /// standard out; empty (the default) writes no audit log
-    /// (konnectivity-rs; kube-apiserver's flag).
+    /// standard out; unset (the default), no audit log (konnectivity-rs;
+    /// kube-apiserver's flag).
     #[arg(long = "audit-log-path", value_name = "PATH")]
     pub path: Option<PathBuf>,
     /// Megabytes (MiB) the audit log file may reach before it is rotated;
@@ -62,7 +62,11 @@ pub struct AuditArgs {
     pub max_size: u64,
     /// Rotated audit log files kept; 0 keeps every one (kube-apiserver's
     /// default; ours keeps 10, so that a node's disk cannot fill).
-    #[arg(long = "audit-log-maxbackup", default_value_t = 10)]
+    #[arg(
+        long = "audit-log-maxbackup",
+        value_name = "FILES",
+        default_value_t = 10
+    )]
     pub max_backup: usize,
     /// Days a rotated audit log file is kept (by its modification time);
     /// 0 keeps it whatever its age.
@@ -70,7 +74,11 @@ pub struct AuditArgs {
     pub max_age: u64,
     /// Records queued for the writer; past it, records are dropped and
     /// counted, never waited for.
-    #[arg(long = "audit-log-batch-buffer-size", default_value_t = DEFAULT_QUEUE)]
+    #[arg(
+        long = "audit-log-batch-buffer-size",
+        value_name = "RECORDS",
+        default_value_t = DEFAULT_QUEUE
+    )]
     pub batch_buffer_size: usize,
 }
 

@@ -191,6 +191,8 @@ pub struct AgentMetrics {
     closed: ByLabel<EndpointCloseReason, Counter>,
     blocked: Counter,
     limits: Counter,
+    /// The audit log's (`konnectivity_rs_agent_audit_*`).
+    audit: ops::audit::AuditMetrics,
 }
 
 /// konnectivity-rs's own series.
@@ -307,6 +309,11 @@ impl std::fmt::Debug for AgentMetrics {
 }
 
 impl AgentMetrics {
+    /// The audit log's counters.
+    pub(crate) fn audit(&self) -> ops::audit::AuditMetrics {
+        self.audit.clone()
+    }
+
     /// Metrics of no agent (its gauges read 0), for a client (one server
     /// connection) used on its own.
     pub fn unattached() -> Self {
@@ -345,7 +352,9 @@ impl AgentMetrics {
         ops::metrics::register_process(&mut m);
         let ours = Ours::register(&mut m);
         certs.register(&mut m, "konnectivity_rs_agent_");
+        let audit = ops::audit::AuditMetrics::register(&mut m, "konnectivity_rs_agent_");
         Self {
+            audit,
             exposition: Arc::new(m),
             dial_duration,
             endpoint_seen,

@@ -235,6 +235,8 @@ pub(crate) struct ServerMetrics {
     hedges: Counter,
     hedges_won: Counter,
     certs: ops::tls::files::CertMetrics,
+    /// The audit log's (`konnectivity_rs_server_audit_*`).
+    audit: ops::audit::AuditMetrics,
 }
 
 fn name(n: &str) -> String {
@@ -509,9 +511,11 @@ impl ServerMetrics {
         let ours = Ours::register(&mut m);
         let certs = ops::tls::files::CertMetrics::default();
         certs.register(&mut m, "konnectivity_rs_server_");
+        let audit = ops::audit::AuditMetrics::register(&mut m, "konnectivity_rs_server_");
         Self {
             exposition: Arc::new(m),
             certs,
+            audit,
             dial_duration: latencies.dial_duration,
             frontend_write: latencies.frontend_write,
             connection_duration: latencies.connection_duration,
@@ -548,6 +552,11 @@ impl ServerMetrics {
     /// The certificate expiry gauges and reload-failure counters.
     pub(crate) fn certs(&self) -> ops::tls::files::CertMetrics {
         self.certs.clone()
+    }
+
+    /// The audit log's counters.
+    pub(crate) fn audit(&self) -> ops::audit::AuditMetrics {
+        self.audit.clone()
     }
 
     /// An admission limit was reached.
