@@ -417,22 +417,32 @@ impl Bound {
         if draining {
             drained(&state, config.exit_when_drained, stop).await;
         }
-        info!("stopping");
-        token.cancel();
-        tasks.close();
-        if tokio::time::timeout(STOP_GRACE, tasks.wait())
-            .await
-            .is_err()
-        {
-            warn!(
-                tasks = tasks.len(),
-                "tasks did not stop within the grace period; leaving them"
-            );
-        }
-        // Every connection has ended: its record is queued; write them out.
-        audit_log.close(AUDIT_FLUSH_TIMEOUT).await;
-        info!("stopped");
+        stop_tasks(&token, &tasks, audit_log).await;
     }
+}
+
+/// Ends every task, waits [`STOP_GRACE`] for them, then writes out the
+/// audit log.
+async fn stop_tasks(
+    token: &CancellationToken,
+    tasks: &TaskTracker,
+    audit_log: ops::audit::AuditLog<ops::audit::Record>,
+) {
+    info!("stopping");
+    token.cancel();
+    tasks.close();
+    if tokio::time::timeout(STOP_GRACE, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            tasks = tasks.len(),
+            "tasks did not stop within the grace period; leaving them"
+        );
+    }
+    // Every connection has ended: its record is queued; write them out.
+    audit_log.close(AUDIT_FLUSH_TIMEOUT).await;
+    info!("stopped");
 }
 
 /// The first signal came: servers are told, and the agent serves on until
