@@ -3,6 +3,7 @@
 //! and kube client.
 //!
 //! # Layout
+//! - [`audit`]: the audit log: a record per tunnel, JSON lines, rotated files.
 //! - [`cli`]: the start and end of both binaries' `main`.
 //! - [`duration`]: Go duration syntax for flags (`1h0m0s`, `100ms`).
 //! - [`error`]: printing error chains.
@@ -33,6 +34,7 @@ static ALLOCATOR: heap_count::Counting<tikv_jemallocator::Jemalloc> =
 static ALLOCATOR: heap_count::Counting<std::alloc::System> =
     heap_count::Counting::new(std::alloc::System);
 
+pub mod audit;
 pub mod cli;
 pub mod duration;
 pub mod error;

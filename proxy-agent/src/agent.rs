@@ -38,6 +38,9 @@ pub enum AgentError {
     /// A listener could not be bound.
     #[error(transparent)]
     Bind(#[from] edge::listen::BindError),
+    /// The audit log cannot be opened (the error names `--audit-log-path`).
+    #[error(transparent)]
+    Audit(ops::flags::FlagError),
     /// `--count-server-leases` is on and the kube client cannot be set up.
     #[error(transparent)]
     Kube(#[from] ops::kube::KubeSetupError),
@@ -280,7 +283,10 @@ impl Agent {
             &certs,
             &config.tracing.spans_dropped(),
         ));
+        let audit_log = ops::audit::AuditLog::start(config.audit.as_ref(), metrics.audit())
+            .map_err(AgentError::Audit)?;
         Ok(Bound {
+            audit_log,
             tls,
             health,
             admin,
@@ -308,6 +314,8 @@ pub struct Bound {
     state: Arc<AgentState>,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
+    /// The audit log (`--audit-log-path`); written out when serving ends.
+    audit_log: ops::audit::AuditLog<ops::audit::AuditRecord>,
 }
 
 impl Bound {
@@ -357,6 +365,7 @@ impl Bound {
             lease_watch,
             state,
             metrics,
+            audit_log,
         } = self;
         let servers: Vec<String> = config.servers.iter().map(ToString::to_string).collect();
         info!(agent.id = %config.agent_id, ?servers, health.addr = ?health.local_addr().ok(), "proxy-agent starting");
@@ -409,20 +418,32 @@ impl Bound {
         if draining {
             drained(&state, config.exit_when_drained, stop).await;
         }
-        info!("stopping");
-        token.cancel();
-        tasks.close();
-        if tokio::time::timeout(STOP_GRACE, tasks.wait())
-            .await
-            .is_err()
-        {
-            warn!(
-                tasks = tasks.len(),
-                "tasks did not stop within the grace period; leaving them"
-            );
-        }
-        info!("stopped");
+        stop_tasks(&token, &tasks, audit_log).await;
     }
+}
+
+/// Ends every task, waits [`STOP_GRACE`] for them, then writes out the
+/// audit log.
+async fn stop_tasks(
+    token: &CancellationToken,
+    tasks: &TaskTracker,
+    audit_log: ops::audit::AuditLog<ops::audit::AuditRecord>,
+) {
+    info!("stopping");
+    token.cancel();
+    tasks.close();
+    if tokio::time::timeout(STOP_GRACE, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            tasks = tasks.len(),
+            "tasks did not stop within the grace period; leaving them"
+        );
+    }
+    // Every connection has ended: its record is queued; write them out.
+    audit_log.close(AUDIT_FLUSH_TIMEOUT).await;
+    info!("stopped");
 }
 
 /// The first signal came: servers are told, and the agent serves on until
@@ -461,6 +482,11 @@ async fn drained(state: &AgentState, exit_when_drained: bool, stop: impl Future<
 
 /// How often a draining agent checks whether its connections have finished.
 const DRAIN_POLL: Duration = Duration::from_millis(100);
+/// How long the audit log may take to write out its queued records when
+/// the agent stops (a full default queue of 10,000 records takes well
+/// under one).
+const AUDIT_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How long the agent's tasks may take to wind down once cancelled (an
 /// HTTP request still being answered, a CPU profile) before `serve` returns
 /// without them, as the server's listeners get.

@@ -156,6 +156,10 @@ pub struct Args {
     /// with NO_PROXY, as curl reads them).
     #[arg(long, default_value = "", hide_default_value = true)]
     pub proxy_url: ProxyUrl,
+    /// The audit log: a JSON line per tunnel at its end (kube-apiserver's
+    /// `--audit-log-*` flags).
+    #[command(flatten)]
+    pub audit: ops::audit::AuditArgs,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -288,6 +292,8 @@ pub struct Config {
     pub leases: Option<LeaseCountConfig>,
     /// `--server-count-source`.
     pub server_count_source: ServerCountSource,
+    /// The audit log (`--audit-log-path`), if on.
+    pub audit: Option<ops::audit::AuditConfig>,
     /// Flags given that this build accepts but does not act on.
     pub not_implemented: Vec<&'static str>,
     /// Deprecated flags given, for a start-up warning.
@@ -425,6 +431,7 @@ impl TryFrom<Args> for Config {
             token_path,
             leases,
             server_count_source: args.server_count_source,
+            audit: args.audit.config()?,
             not_implemented: not_implemented(&args),
             deprecated: deprecated(&args),
             notices: args.flow.notice(args.flow_control).into_iter().collect(),

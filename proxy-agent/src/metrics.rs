@@ -191,6 +191,8 @@ pub struct AgentMetrics {
     closed: ByLabel<EndpointCloseReason, Counter>,
     blocked: Counter,
     limits: Counter,
+    /// The audit log's (`konnectivity_rs_agent_audit_*`).
+    audit: ops::audit::AuditMetrics,
 }
 
 /// konnectivity-rs's own series (and the tracer's dropped spans, which
@@ -308,6 +310,11 @@ impl std::fmt::Debug for AgentMetrics {
 }
 
 impl AgentMetrics {
+    /// The audit log's counters.
+    pub(crate) fn audit(&self) -> ops::audit::AuditMetrics {
+        self.audit.clone()
+    }
+
     /// Metrics of no agent (its gauges read 0), for a client (one server
     /// connection) used on its own.
     pub fn unattached() -> Self {
@@ -358,7 +365,9 @@ impl AgentMetrics {
             "OpenTelemetry spans (--tracing-config-file) ended and never exported: the export queue was full or the collector did not take them",
             spans_dropped.clone(),
         );
+        let audit = ops::audit::AuditMetrics::register(&mut m, "konnectivity_rs_agent_");
         Self {
+            audit,
             exposition: Arc::new(m),
             dial_duration,
             endpoint_seen,

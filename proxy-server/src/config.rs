@@ -298,6 +298,10 @@ pub struct Args {
     /// negotiate flow control the bound is 5 s, as their stream stalls.
     #[arg(long, default_value = "5m", value_parser = go_duration)]
     pub frontend_stall_timeout: Duration,
+    /// The audit log: a JSON line per tunnel at its end (kube-apiserver's
+    /// `--audit-log-*` flags).
+    #[command(flatten)]
+    pub audit: ops::audit::AuditArgs,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -532,6 +536,8 @@ pub struct Config {
     pub allow_unauthenticated_agents: bool,
     /// This server's Lease (`--enable-lease-controller`), if on.
     pub lease: Option<LeaseConfig>,
+    /// The audit log (`--audit-log-path`), if on.
+    pub audit: Option<ops::audit::AuditConfig>,
     /// Flags given that this build accepts but does not act on, for a start-up warning.
     pub not_implemented: Vec<&'static str>,
     /// Deprecated flags given, for a start-up warning.
@@ -737,6 +743,7 @@ impl TryFrom<Args> for Config {
                     .then_some(args.backend_dial_hedge_delay),
             },
             lease,
+            audit: args.audit.config()?,
             not_implemented: not_implemented(&args),
             deprecated: deprecated(&args),
             notices,

@@ -238,6 +238,8 @@ pub(crate) struct ServerMetrics {
     /// tracer.
     spans_dropped: Counter,
     certs: ops::tls::files::CertMetrics,
+    /// The audit log's (`konnectivity_rs_server_audit_*`).
+    audit: ops::audit::AuditMetrics,
 }
 
 fn name(n: &str) -> String {
@@ -517,9 +519,11 @@ impl ServerMetrics {
             "OpenTelemetry spans (--tracing-config-file) ended and never exported: the export queue was full or the collector did not take them",
             Counter::default(),
         );
+        let audit = ops::audit::AuditMetrics::register(&mut m, "konnectivity_rs_server_");
         Self {
             exposition: Arc::new(m),
             certs,
+            audit,
             dial_duration: latencies.dial_duration,
             frontend_write: latencies.frontend_write,
             connection_duration: latencies.connection_duration,
@@ -562,6 +566,11 @@ impl ServerMetrics {
     /// The certificate expiry gauges and reload-failure counters.
     pub(crate) fn certs(&self) -> ops::tls::files::CertMetrics {
         self.certs.clone()
+    }
+
+    /// The audit log's counters.
+    pub(crate) fn audit(&self) -> ops::audit::AuditMetrics {
+        self.audit.clone()
     }
 
     /// An admission limit was reached.

@@ -16,7 +16,10 @@ use edge::{
     read_ahead::ReadAhead,
 };
 use futures_util::StreamExt as _;
-use ops::tls::{ListenerConfig, files::TlsFiles};
+use ops::{
+    audit::{AuditLog, AuditRecord},
+    tls::{ListenerConfig, files::TlsFiles},
+};
 use proto::{agent_service_server::AgentServiceServer, proxy_service_server::ProxyServiceServer};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinHandle;
@@ -70,12 +73,19 @@ fn stall_check_interval(limit: Duration) -> Duration {
 
 /// How often a graceful shutdown checks whether connections have finished.
 const GRACE_POLL: Duration = Duration::from_millis(100);
+/// How long the audit log may take to write out its queued records at
+/// shutdown (a full default queue of 10,000 records takes well under one).
+const AUDIT_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How long listeners may take to wind down after shutdown before they are dropped.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// A listener could not be set up or a server failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// The audit log cannot be opened (the error names `--audit-log-path`).
+    #[error(transparent)]
+    Audit(ops::flags::FlagError),
     /// A TCP listener could not be bound.
     #[error(transparent)]
     Bind(#[from] edge::listen::BindError),
@@ -191,6 +201,10 @@ impl ProxyServer {
             );
         }
         let metrics = Arc::new(ServerMetrics::new(&config.strategies));
+        // Opened before any port is taken: a path that cannot work stops
+        // the start, naming the flag.
+        let audit_log =
+            AuditLog::start(config.audit.as_ref(), metrics.audit()).map_err(ServerError::Audit)?;
         // The certificates, before any port is taken; from then on each
         // handshake uses the files as they are, or the last good ones.
         let agent_tls = config.agent_tls.follow("agent listener", metrics.certs())?;
@@ -249,6 +263,7 @@ impl ProxyServer {
             admin,
             control,
             token_auth,
+            audit_log,
         })
     }
 }
@@ -371,6 +386,9 @@ pub struct Bound {
     control: Arc<Control>,
     /// Agent token authentication, if on.
     token_auth: Option<Arc<crate::auth::TokenAuth>>,
+    /// The audit log (`--audit-log-path`); written out at the end of
+    /// [`Running::stop`].
+    audit_log: AuditLog<AuditRecord>,
 }
 
 impl Bound {
@@ -444,6 +462,7 @@ impl Bound {
             admin,
             control,
             token_auth,
+            audit_log,
         } = self;
         let agent_server = agent_server(
             &config, &control, &ends, agent, agent_tls, token_auth, &on_drop,
@@ -472,6 +491,7 @@ impl Bound {
             control,
             grace: config.graceful_shutdown_timeout,
             uds_path,
+            audit_log,
         }
     }
 }
@@ -805,6 +825,8 @@ struct Running {
     grace: Option<Duration>,
     /// The Unix socket to remove.
     uds_path: Option<PathBuf>,
+    /// The audit log, written out last.
+    audit_log: AuditLog<AuditRecord>,
 }
 
 impl Running {
@@ -821,6 +843,7 @@ impl Running {
             control,
             grace,
             uds_path,
+            audit_log,
         } = self;
         ends.lease_stop.cancel();
         ends.accept_stop.cancel();
@@ -840,6 +863,8 @@ impl Running {
         // the process does (off the runtime: the flush blocks).
         let tracing = control.tracing();
         let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
+        // Every tunnel has ended: its record is queued; write them out.
+        audit_log.close(AUDIT_FLUSH_TIMEOUT).await;
         info!("stopped");
         result
     }

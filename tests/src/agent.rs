@@ -108,6 +108,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         token_path: opts.token_path.clone(),
         leases: opts.leases.clone(),
         server_count_source: opts.server_count_source,
+        audit: None,
         not_implemented: Vec::new(),
         deprecated: Vec::new(),
         notices: Vec::new(),

@@ -228,6 +228,7 @@ impl TestServer {
             token_auth: opts.token_auth.clone(),
             allow_unauthenticated_agents: opts.allow_unauthenticated_agents,
             lease: opts.lease.clone(),
+            audit: None,
             not_implemented: Vec::new(),
             deprecated: Vec::new(),
             notices: Vec::new(),
