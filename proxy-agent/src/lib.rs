@@ -11,6 +11,8 @@
 //! - `health`: `/healthz`, `/readyz`.
 //! - [`lease`]: counting servers by their Leases.
 //! - [`metrics`]: ANP's agent metrics and ours.
+//! - [`policy`]: the destination policy (pure: rules, normalisation,
+//!   decisions).
 //! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
 //!   feature only; `docs/fuzzing.md`).
 
@@ -32,4 +34,5 @@ mod health;
 pub mod lease;
 pub mod metrics;
 mod outbound;
+pub mod policy;
 pub mod table;
