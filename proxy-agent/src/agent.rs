@@ -26,6 +26,7 @@ use crate::{
     client::Client,
     config::Config,
     config::ServerCountSource,
+    destinations::Destinations,
     endpoint::Connections,
     health,
     lease::{self, LeaseCounter, LeaseWatch},
@@ -45,6 +46,10 @@ pub enum AgentError {
     /// flag).
     #[error(transparent)]
     Tls(#[from] crate::config::ConfigError),
+    /// The destination policy file cannot be used (the error names it and
+    /// the line).
+    #[error(transparent)]
+    Policy(#[from] crate::destinations::PolicyFileError),
 }
 
 /// One live server connection, as the client set sees it.
@@ -279,6 +284,12 @@ impl Agent {
             &lease_metrics,
             &certs,
         ));
+        // Read now: a policy that cannot be used stops the start, naming
+        // the file and the line.
+        let destinations = match &config.destination_policy {
+            Some(path) => Destinations::load(path, metrics.clone())?,
+            None => Destinations::allow_all(metrics.clone()),
+        };
         Ok(Bound {
             tls,
             health,
@@ -286,6 +297,7 @@ impl Agent {
             lease_watch,
             state,
             metrics,
+            destinations,
             config,
         })
     }
@@ -307,6 +319,8 @@ pub struct Bound {
     state: Arc<AgentState>,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
+    /// The destination policy (`--destination-policy-file`).
+    destinations: Destinations,
 }
 
 impl Bound {
@@ -356,6 +370,7 @@ impl Bound {
             lease_watch,
             state,
             metrics,
+            destinations,
         } = self;
         let servers: Vec<String> = config.servers.iter().map(ToString::to_string).collect();
         info!(agent.id = %config.agent_id, ?servers, health.addr = ?health.local_addr().ok(), "proxy-agent starting");
@@ -378,13 +393,17 @@ impl Bound {
             tasks.spawn(watch.run(token.clone()));
         }
         let config = Arc::new(config);
+        let with = Connecting {
+            tls: tls.clone(),
+            metrics,
+            destinations,
+        };
         for address in 0..config.servers.len() {
             tasks.spawn(sync_loop(
                 config.clone(),
-                tls.clone(),
+                with.clone(),
                 address,
                 state.clone(),
-                metrics.clone(),
                 token.clone(),
                 tasks.clone(),
             ));
@@ -410,17 +429,22 @@ impl Bound {
         }
         info!("stopping");
         token.cancel();
-        tasks.close();
-        if tokio::time::timeout(STOP_GRACE, tasks.wait())
-            .await
-            .is_err()
-        {
-            warn!(
-                tasks = tasks.len(),
-                "tasks did not stop within the grace period; leaving them"
-            );
-        }
+        stop_within_grace(&tasks).await;
         info!("stopped");
+    }
+}
+
+/// Waits up to [`STOP_GRACE`] for the cancelled `tasks` to end.
+async fn stop_within_grace(tasks: &TaskTracker) {
+    tasks.close();
+    if tokio::time::timeout(STOP_GRACE, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            tasks = tasks.len(),
+            "tasks did not stop within the grace period; leaving them"
+        );
     }
 }
 
@@ -496,17 +520,32 @@ async fn refresh_sessions(
     }
 }
 
+/// What every server connection is made with, besides its address.
+#[derive(Clone)]
+struct Connecting {
+    /// TLS, following its files.
+    tls: TlsFiles<rustls::ClientConfig>,
+    /// What the agent records.
+    metrics: Arc<AgentMetrics>,
+    /// The destination policy its dials follow.
+    destinations: Destinations,
+}
+
 /// Keeps one client per server for `--proxy-server-host` entry `address`:
 /// connects when [`AgentState::should_dial`] says so, backing off on failures.
 async fn sync_loop(
     config: Arc<Config>,
-    tls: TlsFiles<rustls::ClientConfig>,
+    with: Connecting,
     address: usize,
     state: Arc<AgentState>,
-    metrics: Arc<AgentMetrics>,
     token: CancellationToken,
     tasks: TaskTracker,
 ) {
+    let Connecting {
+        tls,
+        metrics,
+        destinations,
+    } = with;
     let target = &config.servers[address];
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
     loop {
@@ -516,6 +555,7 @@ async fn sync_loop(
         } else if state.should_dial(address, config.servers.len(), config.sync_forever) {
             match Client::connect(&config, tls.current(), target, metrics.clone()).await {
                 Ok(client) => {
+                    let client = client.with_destinations(destinations.clone());
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()
                 }

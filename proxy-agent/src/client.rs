@@ -37,7 +37,8 @@ use tunnel::{
 
 use crate::{
     config::{Config, ServerAddr},
-    endpoint::{self, ConnDriver, Connections, EndpointConn},
+    destinations::Destinations,
+    endpoint::{self, ConnDriver, Connections, EndpointConn, EndpointDialError},
     metrics::{AgentMetrics, Direction, Segment},
     outbound::ToServer,
     table::{DialTicket, Dialed, Step},
@@ -191,6 +192,8 @@ pub struct Client {
     transport: TransportEnd,
     /// How often the probe checks it (`--probe-interval`).
     probe_interval: Duration,
+    /// The destination policy its dials follow.
+    destinations: Destinations,
 }
 
 /// Whether a server connection's TCP/TLS transport has ended (a flag its
@@ -341,11 +344,20 @@ impl Client {
             scheme,
             inbound: response.into_inner(),
             out_tx,
+            destinations: Destinations::allow_all(metrics.clone()),
             metrics,
             _channel: channel,
             transport,
             probe_interval: config.probe_interval,
         })
+    }
+
+    /// The client with its dials following `destinations` (without it,
+    /// every destination is allowed).
+    #[must_use]
+    pub fn with_destinations(mut self, destinations: Destinations) -> Self {
+        self.destinations = destinations;
+        self
     }
 
     /// Renews the TLS session tickets `tls` keeps for `target`: a resumed
@@ -445,6 +457,7 @@ impl Client {
             transport,
             probe_interval,
             metrics,
+            destinations,
             ..
         } = self;
         let tasks = TaskTracker::new();
@@ -454,6 +467,7 @@ impl Client {
             tasks: tasks.clone(),
             scheme,
             metrics: metrics.clone(),
+            destinations,
         };
         let end = dispatcher
             .read(&mut inbound, &transport, probe_interval, &cancel)
@@ -579,6 +593,8 @@ struct Dispatcher {
     scheme: Scheme,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
+    /// The destination policy.
+    destinations: Destinations,
 }
 
 /// Adds the time a reader waited to the blocked-time counter when dropped.
@@ -731,6 +747,7 @@ impl Dispatcher {
             to_server: self.to_server.clone(),
             scheme: self.scheme,
             metrics: self.metrics.clone(),
+            destinations: self.destinations.clone(),
         };
         self.tasks
             .spawn(dial.run(ticket, protocol, address, cancel).instrument(span));
@@ -743,6 +760,7 @@ struct Dial {
     to_server: ToServer,
     scheme: Scheme,
     metrics: Arc<AgentMetrics>,
+    destinations: Destinations,
 }
 
 impl Dial {
@@ -756,17 +774,21 @@ impl Dial {
         cancel: CancellationToken,
     ) {
         let started = std::time::Instant::now();
+        let policy = self.destinations.current();
         let dialed = tokio::select! {
             // DIAL_CLS or the stream's end: it has left the table.
             () = cancel.cancelled() => return,
-            dialed = endpoint::dial(&protocol, &address) => dialed,
+            dialed = endpoint::dial(&protocol, &address, &policy) => dialed,
         };
         match dialed {
-            Ok(socket) => {
+            Ok(connected) => {
                 self.metrics.dial_succeeded(started.elapsed());
-                self.carry(socket, ticket, cancel).await;
+                self.carry(connected.stream, ticket, cancel).await;
             }
             Err(error) => {
+                if let EndpointDialError::Denied { addr, rule, .. } = &error {
+                    self.destinations.refused(rule, &address, *addr);
+                }
                 self.metrics.dial_failed(error.failure());
                 debug!(error = %error, "dial failed");
                 if let Dialed::Failed { reply } = self.conns.lock().dialed(ticket, Err(error)) {
@@ -784,6 +806,7 @@ impl Dial {
             to_server,
             scheme,
             metrics,
+            ..
         } = self;
         let flow = Arc::new(Flow::new(scheme));
         let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
@@ -977,6 +1000,7 @@ mod tests {
             tasks: TaskTracker::new(),
             scheme,
             metrics: metrics.clone(),
+            destinations: Destinations::allow_all(metrics.clone()),
         }
     }
 

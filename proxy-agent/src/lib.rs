@@ -8,6 +8,8 @@
 //!   set and its sync loop.
 //! - [`client`]: one `Connect` stream and its packet handling.
 //! - [`endpoint`]: node-side connections and dials of one stream.
+//! - [`destinations`]: the destination policy in use (its file followed),
+//!   the node's addresses, the log of refusals.
 //! - `health`: `/healthz`, `/readyz`.
 //! - [`lease`]: counting servers by their Leases.
 //! - [`metrics`]: ANP's agent metrics and ours.
@@ -26,6 +28,7 @@ static ALLOCATOR: heap_count::Counting<std::alloc::System> =
 pub mod agent;
 pub mod client;
 pub mod config;
+pub mod destinations;
 pub mod endpoint;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]

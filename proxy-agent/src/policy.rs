@@ -1,9 +1,9 @@
 //! The destination policy (issue 45): which destinations the agent may
 //! connect to. Pure: rules parsed from text, a destination's host
 //! normalised, a decision on an address, a port and the name asked. The
-//! dial path ([`crate::endpoint::dial`]) resolves a name once, checks every
-//! address here and connects only to checked ones; the file is followed by
-//! [`crate::destinations`].
+//! dial path (`endpoint::dial`) resolves a name once, checks every address
+//! here and connects only to checked ones; the file is followed by
+//! `destinations`.
 //!
 //! # Rules
 //! One a line, `#` starts a comment:
