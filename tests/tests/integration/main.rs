@@ -14,6 +14,7 @@ mod certified_identifiers;
 mod cli;
 mod data_path;
 mod data_path_modules;
+mod destination_policy;
 mod dial_retries;
 mod docs_args;
 mod drain;
