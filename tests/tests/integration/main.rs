@@ -36,6 +36,7 @@ mod metrics_reference;
 mod monitoring;
 mod proxy_client;
 mod python_interop;
+mod recommended_policy;
 mod resumption;
 mod robustness;
 mod secrets;
