@@ -13,12 +13,15 @@
 //! each test here runs inside network namespaces of its own, where such an
 //! address exists, and the policy file is not edited at all. The server
 //! and the frontend still meet on loopback and a Unix socket; the policy
-//! only judges what the agent dials.
+//! only judges what the agent dials. kube-apiserver's other egress
+//! protocol, HTTP CONNECT on the socket, is carried too (with our own
+//! dialer: curl and Python drive that mode in `http_connect_mode` and
+//! `python_interop`).
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
 use integration_tests::{
-    TestServer,
+    ServerOpts, TestServer,
     destination::{self, Destination},
     grpc_go::{self, transport_args},
     netns::{self, HUB_IP},
@@ -133,6 +136,67 @@ fn kube_apiserver_traffic_passes_the_shipped_policy() {
                 webhook_calls(&server, reuse).await;
             }
             refusals(&server).await;
+            server.wait_idle().await;
+        },
+    );
+}
+
+/// `CONNECT target` on `server`'s socket; the whole answer of a refusal.
+async fn refused_connect(server: &TestServer, target: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut io = tokio::net::UnixStream::connect(&server.uds).await.unwrap();
+    let request = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    io.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        io.read_to_end(&mut answer),
+    )
+    .await
+    .expect("no answer")
+    .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// The same policy under kube-apiserver's HTTP-CONNECT egress: a 4 MiB
+/// download from the kubelet side, byte-exact, and a loopback and a
+/// metadata CONNECT answered 502 naming the rule.
+#[test]
+fn http_connect_traffic_passes_the_shipped_policy() {
+    netns::run_in_hub(
+        "recommended_policy::http_connect_traffic_passes_the_shipped_policy",
+        |_node| async move {
+            use tokio::io::AsyncReadExt;
+            let server = TestServer::start_with(ServerOpts {
+                mode: proxy_server::config::Mode::HttpConnect,
+                ..Default::default()
+            })
+            .await;
+            let _agent = manifest_agent(&server);
+            server.wait_for_backends(1).await;
+            let kubelet = destination::download_on_any(HUB_IP, BULK).await;
+            let mut io = server.dialer().dial(&kubelet.address()).await.unwrap();
+            let mut got = Vec::with_capacity(BULK);
+            io.read_to_end(&mut got).await.unwrap();
+            assert!(got == destination::pattern(BULK, 7), "bytes differ");
+            drop(io);
+
+            let loopback = destination::echo().await;
+            for (target, rule) in [
+                (loopback.address(), "deny loopback"),
+                ("169.254.169.254:80".to_owned(), "deny metadata"),
+            ] {
+                let answer = refused_connect(&server, &target).await;
+                assert!(answer.starts_with("HTTP/1.1 502 "), "{target}: {answer}");
+                assert!(
+                    answer.contains(&format!("denied by the agent's policy (rule {rule})")),
+                    "{target}: {answer}"
+                );
+            }
+            assert_eq!(
+                loopback.accepted.load(std::sync::atomic::Ordering::SeqCst),
+                0
+            );
             server.wait_idle().await;
         },
     );
