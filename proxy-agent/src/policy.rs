@@ -203,8 +203,27 @@ impl Policy {
     /// The verdict on connecting to `addr` (normalised: see
     /// [`canonical`]) at `port`, for a dial that asked for `name` (`None`
     /// when the destination was numeric).
+    ///
+    /// An IPv6 address that carries an IPv4 one ([`embedded_ipv4`]: NAT64's
+    /// well-known prefix, IPv4-compatible) is also denied by the deny rules
+    /// that match its IPv4 address (not by the default: a network that
+    /// allows its NAT64 prefix needs no IPv4 rule for each destination).
     pub fn check(&self, name: Option<&str>, addr: IpAddr, port: u16) -> Verdict {
         let addr = addr.to_canonical();
+        let verdict = self.check_one(name, addr, port);
+        let Some(v4) = embedded_ipv4(addr).filter(|_| matches!(verdict, Verdict::Allowed(_)))
+        else {
+            return verdict;
+        };
+        self.rules
+            .iter()
+            .filter(|rule| rule.action == Action::Deny)
+            .find(|rule| self.matches(rule, name, IpAddr::V4(v4), port))
+            .map_or(verdict, |rule| Verdict::Denied(rule.text.clone()))
+    }
+
+    /// [`Policy::check`] of `addr` as it is.
+    fn check_one(&self, name: Option<&str>, addr: IpAddr, port: u16) -> Verdict {
         let mut allowed = None;
         for rule in &self.rules {
             if !self.matches(rule, name, addr, port) {
@@ -419,6 +438,27 @@ pub fn parse_host(host: &str) -> Host {
         };
     }
     Host::Name(normalise_name(host))
+}
+
+/// NAT64's well-known prefix (RFC 6052), `64:ff9b::/96`: its first six
+/// segments.
+const NAT64_PREFIX: [u16; 6] = [0x64, 0xff9b, 0, 0, 0, 0];
+
+/// The IPv4 address an IPv6 one carries in its last 32 bits, for the forms
+/// that reach it: NAT64's well-known prefix (`64:ff9b::a.b.c.d` reaches
+/// `a.b.c.d` through a translator), and the deprecated IPv4-compatible
+/// `::a.b.c.d` (RFC 4291; not `::`, `::1` nor any `::0.0.x.y`).
+/// IPv4-mapped addresses are not here: [`canonical`] turns them into IPv4
+/// before any rule sees them.
+pub fn embedded_ipv4(addr: IpAddr) -> Option<Ipv4Addr> {
+    let IpAddr::V6(v6) = addr else {
+        return None;
+    };
+    let segments = v6.segments();
+    let (prefix, last) = segments.split_at(6);
+    let v4 = Ipv4Addr::from((u32::from(last[0]) << 16) | u32::from(last[1]));
+    let compatible = prefix == [0; 6] && last[0] != 0;
+    (prefix == NAT64_PREFIX || compatible).then_some(v4)
 }
 
 /// An address as rules see it: IPv4-mapped IPv6 as IPv4.

@@ -195,6 +195,66 @@ fn mapped_networks_in_rules_are_their_ipv4_networks() {
 }
 
 #[test]
+fn nat64_and_ipv4_compatible_forms_meet_their_ipv4_denies() {
+    let p = policy("deny metadata\ndeny loopback\ndeny link-local");
+    for (addr, rule) in [
+        ("64:ff9b::169.254.169.254", "deny metadata"),
+        ("64:ff9b::a9fe:a9fe", "deny metadata"),
+        ("64:ff9b::127.0.0.1", "deny loopback"),
+        ("64:ff9b::169.254.1.1", "deny link-local"),
+        ("::169.254.169.254", "deny metadata"),
+        ("::7f00:1", "deny loopback"),
+        ("::1", "deny loopback"),
+    ] {
+        assert_eq!(p.check(None, ip(addr), 80), denied(rule), "{addr}");
+    }
+    for addr in [
+        "64:ff9b::10.0.0.1",
+        "::",
+        "64:ff9b:1::127.0.0.1",
+        "2001:db8::7f00:1",
+    ] {
+        assert_eq!(
+            p.check(None, ip(addr), 80),
+            Verdict::Allowed(None),
+            "{addr}"
+        );
+    }
+    // Only denies: the default does not judge the IPv4 address, so an
+    // allowed NAT64 prefix needs no IPv4 rule per destination.
+    let p = policy("allow 64:ff9b::/96\ndeny 10.0.0.0/8 port 22\ndefault deny");
+    assert_eq!(
+        p.check(None, ip("64:ff9b::203.0.113.9"), 443),
+        Verdict::Allowed(Some(Arc::from("allow 64:ff9b::/96")))
+    );
+    assert_eq!(
+        p.check(None, ip("64:ff9b::10.1.2.3"), 22),
+        denied("deny 10.0.0.0/8 port 22")
+    );
+    assert_eq!(p.check(None, ip("10.1.2.3"), 443), denied("default deny"));
+}
+
+#[test]
+fn embedded_ipv4_is_only_nat64_and_compatible() {
+    for (addr, v4) in [
+        ("64:ff9b::1.2.3.4", Some("1.2.3.4")),
+        ("::1.2.3.4", Some("1.2.3.4")),
+        ("::1", None),
+        ("::", None),
+        ("::0.0.255.255", None),
+        ("::ffff:1.2.3.4", None),
+        ("64:ff9b:1::1.2.3.4", None),
+        ("1.2.3.4", None),
+    ] {
+        assert_eq!(
+            embedded_ipv4(ip(addr)),
+            v4.map(|v| v.parse().unwrap()),
+            "{addr}"
+        );
+    }
+}
+
+#[test]
 fn bad_lines_are_named() {
     for (text, line, reason) in [
         ("deny metdata", 1, "is not any, loopback"),

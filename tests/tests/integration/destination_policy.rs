@@ -1,8 +1,9 @@
 //! Issue 45, item 1: the real proxy-server and a real proxy-agent given
 //! `--destination-policy-file`. A denied destination is never connected to
-//! in any form a frontend can write it (a name, numeric forms, mapped
-//! IPv6): the listener on the denied address counts 0 accepts; the
-//! frontend's error names the rule; the agent counts it by rule. (The
+//! in any form a frontend can write it (a name, numeric forms, mapped,
+//! NAT64 and IPv4-compatible IPv6): the listener on the denied address
+//! counts 0 accepts; the frontend's error names the rule; the agent counts
+//! it by rule. (The
 //! server's refusal to retry it elsewhere is the router's test
 //! `a_dial_an_agents_policy_denied_is_not_retried`; DNS rebinding is
 //! endpoint's, with a scripted resolver.)
@@ -72,6 +73,8 @@ async fn a_denied_destination_gets_no_connection_in_any_form() {
         ("0177.0.0.2", &by_address),
         ("127.2", &by_address),
         ("[::ffff:127.0.0.2]", &by_address),
+        ("[64:ff9b::127.0.0.2]", &by_address),
+        ("[::127.0.0.2]", &by_address),
         ("localhost", &localhost),
         ("127.1", &vec![v4]),
     ];
@@ -104,7 +107,7 @@ async fn a_denied_destination_gets_no_connection_in_any_form() {
         let series = format!("konnectivity_rs_agent_dials_denied_total{{rule=\"{rule}\"}}");
         integration_tests::process::metric_value(&metrics, &series)
     };
-    assert_eq!(denied_by("deny 127.0.0.2"), 6.0, "{metrics}");
+    assert_eq!(denied_by("deny 127.0.0.2"), 8.0, "{metrics}");
     let loopback = denied_by(&format!("deny 127.0.0.1 port {port}"))
         + denied_by(&format!("deny ::1 port {port}"));
     assert_eq!(loopback, 2.0, "{metrics}");
