@@ -647,6 +647,8 @@ pub const POLICY_TOTAL_RATIO_GO: Def = def(
     "ratio",
     false,
 );
+/// What the policy's check adds to a dial, timed in the bench process.
+pub const POLICY_CHECK_NS: Def = def("policy", "check of one dial, in process", "ns", false);
 /// Failed dials of the policy scenario, both deployments and clients.
 pub const POLICY_ERRORS: Def = def("policy", "failed dials", "count", false);
 
@@ -1102,6 +1104,7 @@ const ALL: &[&Def] = &[
     &POLICY_AGENT_US_GO,
     &POLICY_AGENT_RATIO_GO,
     &POLICY_TOTAL_RATIO_GO,
+    &POLICY_CHECK_NS,
     &POLICY_ERRORS,
     &STORM_IDLE_COLD_TIME_ADMISSION,
     &STORM_IDLE_COLD_THROWN_ADMISSION,
