@@ -12,6 +12,8 @@
 //!   hung (retries, hedging, the pick) and where new dials go (P2C).
 //! - [`budget`]: the server's memory under the floods of issue 43,
 //!   driven by Python's grpcio.
+//! - [`policy`]: CPU per single-use tunnel with the recommended
+//!   destination policy against none (issue 45).
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
 //!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
@@ -29,6 +31,7 @@ pub mod agents;
 pub mod backends;
 pub mod budget;
 pub mod grpc_go;
+pub mod policy;
 pub mod probe;
 pub mod report;
 pub mod retries;
@@ -118,6 +121,11 @@ pub enum Scenario {
     /// and the books balanced; fails on a violated invariant. Runs alone
     /// (not in the default set); needs root (a network namespace).
     Soak,
+    /// CPU per single-use tunnel with the recommended destination policy
+    /// (deploy/konnectivity-agent-policy.yaml) against none: two gRPC
+    /// deployments, our client and grpc-go at 8 clients, --reps
+    /// repetitions in alternating order. Not in the default set.
+    Policy,
 }
 
 /// A fault's name on the command line (`--soak-faults`).
@@ -717,6 +725,7 @@ impl Extras {
             || opt.has(Scenario::Dial)
             || opt.has(Scenario::Streams)
             || opt.has(Scenario::Retries)
+            || opt.has(Scenario::Policy)
         {
             let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
             println!("grpc-go frontend: {}", go.path.display());
@@ -796,7 +805,7 @@ async fn run_once(
 }
 
 /// The scenarios that start systems of their own, after the repetitions:
-/// agents, storm, retries, budget; their notes.
+/// agents, storm, retries, policy, budget; their notes.
 async fn run_apart(
     opt: &Opt,
     extras: &Extras,
@@ -839,6 +848,19 @@ async fn run_apart(
         let more = retries::run(bins, dir, retries, rec)
             .await
             .context("retries scenario")?;
+        notes.extend(more);
+    }
+    if opt.has(Scenario::Policy) {
+        let more = policy::run(
+            bins,
+            dir,
+            &system.backends,
+            extras.go.as_ref(),
+            (timing, opt.reps),
+            rec,
+        )
+        .await
+        .context("policy scenario")?;
         notes.extend(more);
     }
     if opt.has(Scenario::Budget) {

@@ -601,6 +601,56 @@ pub const BUDGET_STREAMS_SLOWEST: Def =
     def("budget", "stalled streams: slowest round trip", "ms", false);
 /// Until every stream was read to its end.
 pub const BUDGET_STREAMS_DRAINED: Def = def("budget", "stalled streams: all read", "s", false);
+/// Agent CPU per single-use tunnel at 8 clients, our client, no policy.
+pub const POLICY_AGENT_US_NONE: Def = def("policy", "c=8 agent CPU per tunnel, none", "us", false);
+/// The same with the recommended policy.
+pub const POLICY_AGENT_US: Def = def(
+    "policy",
+    "c=8 agent CPU per tunnel, recommended",
+    "us",
+    false,
+);
+/// Recommended / none, agent CPU per tunnel, our client.
+pub const POLICY_AGENT_RATIO: Def = def("policy", "agent CPU, recommended / none", "ratio", false);
+/// Recommended / none, server+agent CPU per tunnel, our client.
+pub const POLICY_TOTAL_RATIO: Def = def(
+    "policy",
+    "server+agent CPU, recommended / none",
+    "ratio",
+    false,
+);
+/// Agent CPU per single-use tunnel at 8 clients, grpc-go, no policy.
+pub const POLICY_AGENT_US_NONE_GO: Def = def(
+    "policy",
+    "c=8 agent CPU per tunnel, none, grpc-go",
+    "us",
+    false,
+);
+/// The same with the recommended policy.
+pub const POLICY_AGENT_US_GO: Def = def(
+    "policy",
+    "c=8 agent CPU per tunnel, recommended, grpc-go",
+    "us",
+    false,
+);
+/// Recommended / none, agent CPU per tunnel, grpc-go.
+pub const POLICY_AGENT_RATIO_GO: Def = def(
+    "policy",
+    "agent CPU, recommended / none, grpc-go",
+    "ratio",
+    false,
+);
+/// Recommended / none, server+agent CPU per tunnel, grpc-go.
+pub const POLICY_TOTAL_RATIO_GO: Def = def(
+    "policy",
+    "server+agent CPU, recommended / none, grpc-go",
+    "ratio",
+    false,
+);
+/// What the policy's check adds to a dial, timed in the bench process.
+pub const POLICY_CHECK_NS: Def = def("policy", "check of one dial, in process", "ns", false);
+/// Failed dials of the policy scenario, both deployments and clients.
+pub const POLICY_ERRORS: Def = def("policy", "failed dials", "count", false);
 
 /// Until all N agents are connected; idle, cold, admission.
 pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =
@@ -1046,6 +1096,16 @@ const ALL: &[&Def] = &[
     &BUDGET_STREAMS_TRIPS,
     &BUDGET_STREAMS_SLOWEST,
     &BUDGET_STREAMS_DRAINED,
+    &POLICY_AGENT_US_NONE,
+    &POLICY_AGENT_US,
+    &POLICY_AGENT_RATIO,
+    &POLICY_TOTAL_RATIO,
+    &POLICY_AGENT_US_NONE_GO,
+    &POLICY_AGENT_US_GO,
+    &POLICY_AGENT_RATIO_GO,
+    &POLICY_TOTAL_RATIO_GO,
+    &POLICY_CHECK_NS,
+    &POLICY_ERRORS,
     &STORM_IDLE_COLD_TIME_ADMISSION,
     &STORM_IDLE_COLD_THROWN_ADMISSION,
     &STORM_IDLE_COLD_FAILED_ADMISSION,

@@ -223,7 +223,27 @@ impl Deployment {
             Mode::Grpc => "grpc",
             Mode::HttpConnect => "http-connect",
         };
-        let uds = dir.join(format!("{name}.sock"));
+        Self::start_labelled(bins, dir, mode, name, &[]).await
+    }
+
+    /// [`Deployment::start`] with its socket and logs named `label` in
+    /// `dir` (a second deployment of a mode beside the first), and `agent`
+    /// added to the agent's flags.
+    ///
+    /// # Errors
+    /// As [`Deployment::start`].
+    pub async fn start_labelled(
+        bins: &Binaries,
+        dir: &Path,
+        mode: Mode,
+        label: &str,
+        agent: &[String],
+    ) -> anyhow::Result<Self> {
+        let name = match mode {
+            Mode::Grpc => "grpc",
+            Mode::HttpConnect => "http-connect",
+        };
+        let uds = dir.join(format!("{label}.sock"));
         let (agent_port, health_port) = free_ports()?;
         let server = Process::spawn(
             format!("proxy-server --mode={name}"),
@@ -233,18 +253,19 @@ impl Deployment {
                 &server_args(dir, name, &uds, agent_port, health_port),
             ]
             .concat(),
-            dir.join(format!("{name}-server.log")),
+            dir.join(format!("{label}-server.log")),
         )?;
         let agent = Process::spawn(
-            format!("proxy-agent of the {name} server"),
+            format!("proxy-agent of the {label} server"),
             &bins.agent,
             &[
                 &bins.extra[..],
                 &agent_args(dir, agent_port),
                 &["--sync-interval=100ms".to_owned()],
+                agent,
             ]
             .concat(),
-            dir.join(format!("{name}-agent.log")),
+            dir.join(format!("{label}-agent.log")),
         )?;
         let mut deployment = Self {
             mode,

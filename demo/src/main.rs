@@ -201,6 +201,7 @@ fn agent_config(server: SocketAddr, dir: &Path) -> Result<proxy_agent::config::C
         exit_when_drained: false,
         max_server_queue_bytes: 4 << 20,
         token_path: None,
+        destination_policy: None,
         leases: None,
         server_count_source: ServerCountSource::Default,
         audit: None,

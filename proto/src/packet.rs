@@ -267,6 +267,13 @@ mod tests {
                 ],
             ),
             (
+                // The same with the class of a policy refusal: 100:6.
+                Packet::dial_failure(5, 0, "e", DialErrorClass::Denied),
+                vec![
+                    0x08, 0x01, 0x1a, 0x08, 0x0a, 0x01, b'e', 0x18, 0x05, 0xa0, 0x06, 0x06,
+                ],
+            ),
+            (
                 // type 2; field 5 (closeRequest) = { 1:7 }
                 Packet::close_request(7),
                 vec![0x08, 0x02, 0x2a, 0x02, 0x08, 0x07],

@@ -26,6 +26,7 @@ use crate::{
     client::Client,
     config::Config,
     config::ServerCountSource,
+    destinations::Destinations,
     endpoint::Connections,
     health,
     lease::{self, LeaseCounter, LeaseWatch},
@@ -48,6 +49,10 @@ pub enum AgentError {
     /// flag).
     #[error(transparent)]
     Tls(#[from] crate::config::ConfigError),
+    /// The destination policy file cannot be used (the error names it and
+    /// the line).
+    #[error(transparent)]
+    Policy(#[from] crate::destinations::PolicyFileError),
 }
 
 /// One live server connection, as the client set sees it.
@@ -283,6 +288,12 @@ impl Agent {
             &certs,
             &config.tracing.spans_dropped(),
         ));
+        // Read now: a policy that cannot be used stops the start, naming
+        // the file and the line.
+        let destinations = match &config.destination_policy {
+            Some(path) => Destinations::load(path, metrics.clone())?,
+            None => Destinations::allow_all(metrics.clone()),
+        };
         let audit_log = ops::audit::AuditLog::start(config.audit.as_ref(), metrics.audit())
             .map_err(AgentError::Audit)?;
         Ok(Bound {
@@ -293,6 +304,7 @@ impl Agent {
             lease_watch,
             state,
             metrics,
+            destinations,
             config,
         })
     }
@@ -314,6 +326,8 @@ pub struct Bound {
     state: Arc<AgentState>,
     /// What the agent records.
     metrics: Arc<AgentMetrics>,
+    /// The destination policy (`--destination-policy-file`).
+    destinations: Destinations,
     /// The audit log (`--audit-log-path`); written out when serving ends.
     audit_log: ops::audit::AuditLog<ops::audit::AuditRecord>,
 }
@@ -365,6 +379,7 @@ impl Bound {
             lease_watch,
             state,
             metrics,
+            destinations,
             audit_log,
         } = self;
         let servers: Vec<String> = config.servers.iter().map(ToString::to_string).collect();
@@ -388,13 +403,17 @@ impl Bound {
             tasks.spawn(watch.run(token.clone()));
         }
         let config = Arc::new(config);
+        let with = Connecting {
+            tls: tls.clone(),
+            metrics,
+            destinations,
+        };
         for address in 0..config.servers.len() {
             tasks.spawn(sync_loop(
                 config.clone(),
-                tls.clone(),
+                with.clone(),
                 address,
                 state.clone(),
-                metrics.clone(),
                 token.clone(),
                 tasks.clone(),
             ));
@@ -523,17 +542,32 @@ async fn refresh_sessions(
     }
 }
 
+/// What every server connection is made with, besides its address.
+#[derive(Clone)]
+struct Connecting {
+    /// TLS, following its files.
+    tls: TlsFiles<rustls::ClientConfig>,
+    /// What the agent records.
+    metrics: Arc<AgentMetrics>,
+    /// The destination policy its dials follow.
+    destinations: Destinations,
+}
+
 /// Keeps one client per server for `--proxy-server-host` entry `address`:
 /// connects when [`AgentState::should_dial`] says so, backing off on failures.
 async fn sync_loop(
     config: Arc<Config>,
-    tls: TlsFiles<rustls::ClientConfig>,
+    with: Connecting,
     address: usize,
     state: Arc<AgentState>,
-    metrics: Arc<AgentMetrics>,
     token: CancellationToken,
     tasks: TaskTracker,
 ) {
+    let Connecting {
+        tls,
+        metrics,
+        destinations,
+    } = with;
     let target = &config.servers[address];
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
     loop {
@@ -543,6 +577,7 @@ async fn sync_loop(
         } else if state.should_dial(address, config.servers.len(), config.sync_forever) {
             match Client::connect(&config, tls.current(), target, metrics.clone()).await {
                 Ok(client) => {
+                    let client = client.with_destinations(destinations.clone());
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()
                 }

@@ -37,7 +37,8 @@ use tunnel::{
 
 use crate::{
     config::{Config, ServerAddr},
-    endpoint::{self, ConnDriver, Connections, EndpointConn},
+    destinations::Destinations,
+    endpoint::{self, ConnDriver, Connections, EndpointConn, EndpointDialError},
     metrics::{AgentMetrics, Direction, Segment},
     outbound::ToServer,
     table::{DialTicket, Dialed, Step},
@@ -193,6 +194,8 @@ pub struct Client {
     probe_interval: Duration,
     /// Spans of dials (`--tracing-config-file`).
     tracing: ops::otel::Tracing,
+    /// The destination policy its dials follow.
+    destinations: Destinations,
 }
 
 /// Whether a server connection's TCP/TLS transport has ended (a flag its
@@ -343,12 +346,21 @@ impl Client {
             scheme,
             inbound: response.into_inner(),
             out_tx,
+            destinations: Destinations::allow_all(metrics.clone()),
             metrics,
             _channel: channel,
             transport,
             probe_interval: config.probe_interval,
             tracing: config.tracing.clone(),
         })
+    }
+
+    /// The client with its dials following `destinations` (without it,
+    /// every destination is allowed).
+    #[must_use]
+    pub fn with_destinations(mut self, destinations: Destinations) -> Self {
+        self.destinations = destinations;
+        self
     }
 
     /// Renews the TLS session tickets `tls` keeps for `target`: a resumed
@@ -449,6 +461,7 @@ impl Client {
             probe_interval,
             metrics,
             tracing,
+            destinations,
             ..
         } = self;
         let tasks = TaskTracker::new();
@@ -459,6 +472,7 @@ impl Client {
             scheme,
             metrics: metrics.clone(),
             tracing,
+            destinations,
         };
         let end = dispatcher
             .read(&mut inbound, &transport, probe_interval, &cancel)
@@ -586,6 +600,8 @@ struct Dispatcher {
     metrics: Arc<AgentMetrics>,
     /// Spans of dials.
     tracing: ops::otel::Tracing,
+    /// The destination policy.
+    destinations: Destinations,
 }
 
 /// Adds the time a reader waited to the blocked-time counter when dropped.
@@ -761,6 +777,7 @@ impl Dispatcher {
             to_server: self.to_server.clone(),
             scheme: self.scheme,
             metrics: self.metrics.clone(),
+            destinations: self.destinations.clone(),
         };
         self.tasks.spawn(
             dial.run(ticket, (protocol, address), cancel, otel)
@@ -775,6 +792,7 @@ struct Dial {
     to_server: ToServer,
     scheme: Scheme,
     metrics: Arc<AgentMetrics>,
+    destinations: Destinations,
 }
 
 impl Dial {
@@ -788,38 +806,45 @@ impl Dial {
         mut otel: ops::otel::Span,
     ) {
         let started = std::time::Instant::now();
+        let policy = self.destinations.current();
         let dialed = tokio::select! {
             // DIAL_CLS or the stream's end: it has left the table.
             () = cancel.cancelled() => {
                 otel.set(|| vec![ops::otel::Attr::new("konnectivity.end", "cancelled")]);
                 return;
             }
-            dialed = endpoint::dial(&protocol, &address) => dialed,
+            dialed = endpoint::dial(&protocol, &address, &policy) => dialed,
         };
         match &dialed {
-            Ok(socket) => otel.set(|| {
+            Ok(connected) => otel.set(|| {
                 vec![
                     ops::otel::Attr::new(
                         "konnectivity.resolved_address",
-                        socket
-                            .peer_addr()
-                            .map_or_else(|e| e.to_string(), |a| a.to_string()),
+                        connected.addr.to_string(),
                     ),
+                    ops::otel::Attr::new("konnectivity.policy", connected.verdict.to_string()),
                     ops::otel::Attr::new("konnectivity.end", "connected"),
                 ]
             }),
             Err(error) => {
-                otel.set(|| vec![ops::otel::Attr::new("konnectivity.end", "failed")]);
+                let end = match error {
+                    EndpointDialError::Denied { .. } => "denied",
+                    _ => "failed",
+                };
+                otel.set(|| vec![ops::otel::Attr::new("konnectivity.end", end)]);
                 otel.fail(error.to_string());
             }
         }
         otel.end();
         match dialed {
-            Ok(socket) => {
+            Ok(connected) => {
                 self.metrics.dial_succeeded(started.elapsed());
-                self.carry(socket, ticket, cancel).await;
+                self.carry(connected.stream, ticket, cancel).await;
             }
             Err(error) => {
+                if let EndpointDialError::Denied { addr, rule, .. } = &error {
+                    self.destinations.refused(rule, &address, *addr);
+                }
                 self.metrics.dial_failed(error.failure());
                 debug!(error = %error, "dial failed");
                 if let Dialed::Failed { reply } = self.conns.lock().dialed(ticket, Err(error)) {
@@ -837,6 +862,7 @@ impl Dial {
             to_server,
             scheme,
             metrics,
+            ..
         } = self;
         let flow = Arc::new(Flow::new(scheme));
         let (inbound, window) = flow::inbound(Some(flow.clone()), 0);
@@ -1031,6 +1057,7 @@ mod tests {
             scheme,
             metrics: metrics.clone(),
             tracing: ops::otel::Tracing::off(),
+            destinations: Destinations::allow_all(metrics.clone()),
         }
     }
 

@@ -160,6 +160,12 @@ pub struct Args {
     /// `--audit-log-*` flags).
     #[command(flatten)]
     pub audit: ops::audit::AuditArgs,
+    /// Destination policy file (konnectivity-rs): rules that allow or deny
+    /// the destinations servers ask for, by address, CIDR, named set
+    /// (loopback, link-local, metadata, node), port and host name; re-read
+    /// when it changes. Default: every destination allowed, as ANP.
+    #[arg(long, value_name = "PATH", value_parser = ops::flags::path)]
+    pub destination_policy_file: Option<PathBuf>,
     /// klog-compatible logging flags.
     #[command(flatten)]
     pub log: LogArgs,
@@ -288,6 +294,9 @@ pub struct Config {
     pub max_server_queue_bytes: usize,
     /// Service-account token file, re-read on every connect.
     pub token_path: Option<PathBuf>,
+    /// `--destination-policy-file`: followed from start-up; `None` allows
+    /// every destination.
+    pub destination_policy: Option<PathBuf>,
     /// Count servers by their Leases (`--count-server-leases`), if on.
     pub leases: Option<LeaseCountConfig>,
     /// `--server-count-source`.
@@ -429,6 +438,7 @@ impl TryFrom<Args> for Config {
             exit_when_drained: args.exit_when_drained,
             max_server_queue_bytes: args.max_server_queue_bytes,
             token_path,
+            destination_policy: given_path(args.destination_policy_file.as_ref()),
             leases,
             server_count_source: args.server_count_source,
             audit: args.audit.config()?,

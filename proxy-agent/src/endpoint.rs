@@ -4,6 +4,7 @@
 
 use std::{
     io,
+    net::{IpAddr, SocketAddr, SocketAddrV6},
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
@@ -21,6 +22,7 @@ use tunnel::{
 use crate::{
     metrics::{AgentMetrics, EndpointCloseReason, EndpointDialFailure},
     outbound::ToServer,
+    policy::{self, Decision, Host, Policy},
     table::StreamTable,
 };
 
@@ -274,6 +276,16 @@ pub enum EndpointDialError {
         /// The address.
         address: String,
     },
+    /// The destination policy refused an address of the destination:
+    /// nothing was connected to.
+    Denied {
+        /// The address asked for.
+        address: String,
+        /// The address (resolved, normalised) the rule refused.
+        addr: SocketAddr,
+        /// The rule, as written.
+        rule: Arc<str>,
+    },
 }
 
 impl EndpointDialError {
@@ -300,6 +312,7 @@ impl EndpointDialError {
             },
             Self::Timeout { .. } => Class::Timeout,
             Self::NoSuchHost { .. } => Class::NoSuchHost,
+            Self::Denied { .. } => Class::Denied,
             Self::UnknownNetwork { .. } | Self::MissingPort { .. } => Class::Other,
         }
     }
@@ -346,16 +359,81 @@ impl std::fmt::Display for EndpointDialError {
                 write!(f, "dial tcp {addr}: connect: {}", io_text(source))
             }
             Self::Timeout { address } => write!(f, "dial tcp {}: i/o timeout", Elided(address)),
+            Self::Denied {
+                address,
+                addr,
+                rule,
+            } => write!(
+                f,
+                "dial tcp {}: destination {addr} denied by the agent's policy (rule {})",
+                Elided(address),
+                Elided(rule)
+            ),
         }
     }
 }
 
-/// Dials a node-side TCP address within [`DIAL_TIMEOUT`].
+/// How a destination's name is resolved, once per dial: the system's
+/// resolver ([`SystemResolver`]), or a test's.
+pub trait Resolve: Sync {
+    /// The addresses of `host` (a name) with `port`.
+    fn resolve(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> impl Future<Output = io::Result<Vec<SocketAddr>>> + Send;
+}
+
+/// The system's resolver (`getaddrinfo`, on a blocking thread).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemResolver;
+
+impl Resolve for SystemResolver {
+    async fn resolve(&self, host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
+        Ok(tokio::net::lookup_host((host, port)).await?.collect())
+    }
+}
+
+/// A destination connected to: what the audit of a tunnel will record.
+#[derive(Debug)]
+pub struct Connected {
+    /// The socket.
+    pub stream: TcpStream,
+    /// The checked address it is connected to.
+    pub addr: SocketAddr,
+    /// What the destination policy said.
+    pub verdict: Decision,
+}
+
+/// Dials a node-side TCP address within [`DIAL_TIMEOUT`], if `policy`
+/// allows every address of it (see [`dial_with`]).
 ///
 /// # Errors
 /// Why it failed; its text is Go's (`dial tcp host:port: connect:
-/// connection refused`, `… i/o timeout`, `lookup host: no such host`).
-pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, EndpointDialError> {
+/// connection refused`, `… i/o timeout`, `lookup host: no such host`), or
+/// names the rule that refused it.
+pub async fn dial(
+    protocol: &str,
+    address: &str,
+    policy: &Policy,
+) -> Result<Connected, EndpointDialError> {
+    dial_with(protocol, address, policy, &SystemResolver).await
+}
+
+/// [`dial`] with the names resolved by `resolver`: a name is resolved
+/// once, every address is checked against `policy`, and only the checked
+/// addresses are connected to, in order (never the name again: a second
+/// answer, DNS rebinding, cannot slip past the check). Numeric hosts in
+/// any form libc accepts are checked as the address they are, unresolved.
+///
+/// # Errors
+/// As [`dial`].
+pub async fn dial_with<R: Resolve>(
+    protocol: &str,
+    address: &str,
+    policy: &Policy,
+    resolver: &R,
+) -> Result<Connected, EndpointDialError> {
     if !matches!(protocol, "tcp" | "tcp4" | "tcp6" | "") {
         return Err(EndpointDialError::UnknownNetwork {
             network: protocol.to_owned(),
@@ -363,15 +441,18 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, EndpointDi
         });
     }
     let attempt = async {
-        let addrs: Vec<_> = tokio::net::lookup_host(address)
-            .await
-            .map_err(|e| lookup_error(address, &e))?
-            .collect();
+        let (addrs, verdict) = resolve_checked(address, policy, resolver).await?;
         let mut last = None;
-        for addr in &addrs {
+        for addr in addrs {
             match TcpStream::connect(addr).await {
-                Ok(stream) => return Ok(stream),
-                Err(e) => last = Some((*addr, e)),
+                Ok(stream) => {
+                    return Ok(Connected {
+                        stream,
+                        addr,
+                        verdict,
+                    });
+                }
+                Err(e) => last = Some((addr, e)),
             }
         }
         match last {
@@ -382,13 +463,70 @@ pub async fn dial(protocol: &str, address: &str) -> Result<TcpStream, EndpointDi
         }
     };
     // One limit for lookup and connect together, as Go's DialTimeout.
-    let stream = tokio::time::timeout(DIAL_TIMEOUT, attempt)
+    let connected = tokio::time::timeout(DIAL_TIMEOUT, attempt)
         .await
         .map_err(|_| EndpointDialError::Timeout {
             address: address.to_owned(),
         })??;
-    let _ = stream.set_nodelay(true);
-    Ok(stream)
+    let _ = connected.stream.set_nodelay(true);
+    Ok(connected)
+}
+
+/// The addresses of `address` (resolved once if a name, normalised) and
+/// the policy's verdict on them.
+async fn resolve_checked<R: Resolve>(
+    address: &str,
+    policy: &Policy,
+    resolver: &R,
+) -> Result<(Vec<SocketAddr>, Decision), EndpointDialError> {
+    let no_such_host = || EndpointDialError::NoSuchHost {
+        address: address.to_owned(),
+    };
+    let (host, port) =
+        policy::split_host_port(address).ok_or_else(|| EndpointDialError::MissingPort {
+            address: address.to_owned(),
+        })?;
+    let (name, addrs) = match policy::parse_host(host) {
+        Host::Ip { addr, zone } => {
+            let scope = match zone {
+                Some(zone) => crate::destinations::scope_id(&zone).ok_or_else(no_such_host)?,
+                None => 0,
+            };
+            (None, vec![socket_addr(addr, port, scope)])
+        }
+        Host::Name(name) => {
+            let addrs = resolver
+                .resolve(host, port)
+                .await
+                .map_err(|_| no_such_host())?
+                .into_iter()
+                .map(|a| socket_addr(policy::canonical(a.ip()), a.port(), scope_of(&a)))
+                .collect();
+            (Some(name), addrs)
+        }
+    };
+    let verdict = policy
+        .check_all(name.as_deref(), &addrs)
+        .map_err(|(addr, rule)| EndpointDialError::Denied {
+            address: address.to_owned(),
+            addr,
+            rule,
+        })?;
+    Ok((addrs, verdict))
+}
+
+fn socket_addr(addr: IpAddr, port: u16, scope: u32) -> SocketAddr {
+    match addr {
+        IpAddr::V6(v6) => SocketAddr::V6(SocketAddrV6::new(v6, port, 0, scope)),
+        IpAddr::V4(_) => SocketAddr::new(addr, port),
+    }
+}
+
+fn scope_of(addr: &SocketAddr) -> u32 {
+    match addr {
+        SocketAddr::V6(v6) => v6.scope_id(),
+        SocketAddr::V4(_) => 0,
+    }
 }
 
 fn host(address: &str) -> &str {
@@ -397,17 +535,6 @@ fn host(address: &str) -> &str {
         .map_or(address, |(h, _)| h)
         .trim_start_matches('[')
         .trim_end_matches(']')
-}
-
-fn lookup_error(address: &str, e: &io::Error) -> EndpointDialError {
-    if e.kind() == io::ErrorKind::InvalidInput {
-        return EndpointDialError::MissingPort {
-            address: address.to_owned(),
-        };
-    }
-    EndpointDialError::NoSuchHost {
-        address: address.to_owned(),
-    }
 }
 
 /// An io error as Go's syscall text (lower case, no "os error N").
@@ -654,7 +781,9 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let err = dial("tcp", &addr.to_string()).await.unwrap_err();
+        let err = dial("tcp", &addr.to_string(), &Policy::allow_all())
+            .await
+            .unwrap_err();
         assert!(!err.is_timeout());
         assert_eq!(
             err.to_string(),
@@ -700,7 +829,7 @@ mod tests {
 
     #[tokio::test]
     async fn unresolvable_names_read_like_go() {
-        let err = dial("tcp", "no-such-host.invalid:80")
+        let err = dial("tcp", "no-such-host.invalid:80", &Policy::allow_all())
             .await
             .unwrap_err()
             .to_string();
@@ -712,12 +841,210 @@ mod tests {
 
     #[tokio::test]
     async fn other_protocols_are_refused() {
-        let err = dial("udp", "127.0.0.1:53").await.unwrap_err().to_string();
+        let err = dial("udp", "127.0.0.1:53", &Policy::allow_all())
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("unknown network udp"), "{err}");
-        let err = dial("tcp", "10.0.0.1").await.unwrap_err().to_string();
+        let err = dial("tcp", "10.0.0.1", &Policy::allow_all())
+            .await
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             err,
             "dial tcp 10.0.0.1: address 10.0.0.1: missing port in address"
+        );
+    }
+
+    /// A resolver that answers `answers[i]` to its i-th call, and counts.
+    struct Scripted {
+        answers: Vec<Vec<IpAddr>>,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Scripted {
+        fn new(answers: &[&[&str]]) -> Self {
+            Self {
+                answers: answers
+                    .iter()
+                    .map(|a| a.iter().map(|ip| ip.parse().unwrap()).collect())
+                    .collect(),
+                calls: Default::default(),
+            }
+        }
+
+        fn calls(&self) -> usize {
+            self.calls.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    impl Resolve for Scripted {
+        async fn resolve(&self, _host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
+            let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let answer = self.answers.get(call).or(self.answers.last()).unwrap();
+            Ok(answer.iter().map(|ip| SocketAddr::new(*ip, port)).collect())
+        }
+    }
+
+    /// A listener on `ip` at `port` (0: any) that counts what it was sent.
+    struct Counted(std::net::TcpListener);
+
+    impl Counted {
+        fn bind(ip: &str, port: u16) -> Self {
+            let listener = std::net::TcpListener::bind((ip, port)).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            Self(listener)
+        }
+
+        fn port(&self) -> u16 {
+            self.0.local_addr().unwrap().port()
+        }
+
+        /// Connections made to it: the kernel completes them before
+        /// `connect` returns, so they are queued by the time this looks.
+        fn accepts(&self) -> usize {
+            std::iter::from_fn(|| self.0.accept().ok()).count()
+        }
+    }
+
+    /// Listeners on 127.0.0.2 (to be denied) and 127.0.0.3 at one port.
+    fn two_listeners() -> (Counted, Counted) {
+        loop {
+            let allowed = Counted::bind("127.0.0.3", 0);
+            if let Ok(denied) = std::net::TcpListener::bind(("127.0.0.2", allowed.port())) {
+                denied.set_nonblocking(true).unwrap();
+                return (Counted(denied), allowed);
+            }
+        }
+    }
+
+    fn deny_127_0_0_2() -> Policy {
+        Policy::parse("deny 127.0.0.2", Vec::new()).unwrap()
+    }
+
+    fn denial(result: Result<Connected, EndpointDialError>) -> (SocketAddr, Arc<str>, String) {
+        match result {
+            Err(e @ EndpointDialError::Denied { .. }) => {
+                let text = e.to_string();
+                assert_eq!(e.class(), proto::DialErrorClass::Denied);
+                let EndpointDialError::Denied { addr, rule, .. } = e else {
+                    unreachable!()
+                };
+                (addr, rule, text)
+            }
+            other => panic!("expected a denial, got {other:?}"),
+        }
+    }
+
+    /// DNS rebinding: a name that answers an allowed address, then a
+    /// denied one, is resolved once; the address checked is the one
+    /// connected to.
+    #[tokio::test]
+    async fn a_name_is_resolved_once_and_only_its_checked_address_is_connected() {
+        let (denied, allowed) = two_listeners();
+        let resolver = Scripted::new(&[&["127.0.0.3"], &["127.0.0.2"]]);
+        let address = format!("rebind.example:{}", allowed.port());
+        let connected = dial_with("tcp", &address, &deny_127_0_0_2(), &resolver)
+            .await
+            .unwrap();
+        assert_eq!(resolver.calls(), 1);
+        assert_eq!(
+            connected.addr,
+            SocketAddr::new("127.0.0.3".parse().unwrap(), allowed.port())
+        );
+        assert_eq!(connected.stream.peer_addr().unwrap(), connected.addr);
+        assert_eq!(connected.verdict, Decision::Allowed(None));
+        drop(connected);
+        assert_eq!((denied.accepts(), allowed.accepts()), (0, 1));
+    }
+
+    /// A name with a denied address among its answers is refused whole:
+    /// neither address is connected to.
+    #[tokio::test]
+    async fn a_name_with_one_denied_address_connects_to_none() {
+        let (denied, allowed) = two_listeners();
+        for answer in [&["127.0.0.3", "127.0.0.2"][..], &["::ffff:127.0.0.2"]] {
+            let resolver = Scripted::new(&[answer]);
+            let address = format!("mixed.example:{}", allowed.port());
+            let (addr, rule, text) =
+                denial(dial_with("tcp", &address, &deny_127_0_0_2(), &resolver).await);
+            assert_eq!(addr.ip(), "127.0.0.2".parse::<IpAddr>().unwrap());
+            assert_eq!(&*rule, "deny 127.0.0.2");
+            assert_eq!(
+                text,
+                format!(
+                    "dial tcp {address}: destination {addr} denied by the agent's policy (rule deny 127.0.0.2)"
+                )
+            );
+        }
+        assert_eq!((denied.accepts(), allowed.accepts()), (0, 0));
+    }
+
+    /// Every numeric form of a denied address is that address: refused,
+    /// never resolved, never connected to.
+    #[tokio::test]
+    async fn a_denied_address_is_refused_in_every_numeric_form() {
+        let (denied, allowed) = two_listeners();
+        let resolver = Scripted::new(&[&["127.0.0.3"]]);
+        let port = denied.port();
+        for host in [
+            "127.0.0.2",
+            "2130706434",
+            "0x7f000002",
+            "0x7f.2",
+            "0177.0.0.2",
+            "127.2",
+            "127.0.2",
+            "[::ffff:127.0.0.2]",
+            "[::ffff:7f00:2]",
+        ] {
+            let address = format!("{host}:{port}");
+            let (addr, _, _) =
+                denial(dial_with("tcp", &address, &deny_127_0_0_2(), &resolver).await);
+            assert_eq!(
+                addr,
+                SocketAddr::new("127.0.0.2".parse().unwrap(), port),
+                "{host}"
+            );
+        }
+        assert_eq!(resolver.calls(), 0, "a number is not a name");
+        assert_eq!((denied.accepts(), allowed.accepts()), (0, 0));
+        // The allowed neighbour, in a short form, is connected to.
+        let connected = dial_with(
+            "tcp",
+            &format!("127.3:{port}"),
+            &deny_127_0_0_2(),
+            &resolver,
+        )
+        .await
+        .unwrap();
+        drop(connected);
+        assert_eq!((denied.accepts(), allowed.accepts()), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn localhost_is_loopback_by_every_name() {
+        let policy = Policy::parse("deny loopback", Vec::new()).unwrap();
+        let listener = Counted::bind("127.0.0.1", 0);
+        for host in [
+            "localhost",
+            "LocalHost",
+            "127.0.0.1",
+            "[::1]",
+            "[::ffff:127.0.0.1]",
+        ] {
+            let address = format!("{host}:{}", listener.port());
+            let (_, rule, _) = denial(dial("tcp", &address, &policy).await);
+            assert_eq!(&*rule, "deny loopback", "{host}");
+        }
+        assert_eq!(listener.accepts(), 0);
+        // An interface's zone is taken, and the address still checked.
+        let zoned = format!("[fe80::1%lo]:{}", listener.port());
+        let link_local = Policy::parse("deny link-local", Vec::new()).unwrap();
+        let (addr, _, _) = denial(dial("tcp", &zoned, &link_local).await);
+        assert!(
+            matches!(addr, SocketAddr::V6(v6) if v6.scope_id() == 1),
+            "{addr}"
         );
     }
 

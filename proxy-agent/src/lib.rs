@@ -8,9 +8,13 @@
 //!   set and its sync loop.
 //! - [`client`]: one `Connect` stream and its packet handling.
 //! - [`endpoint`]: node-side connections and dials of one stream.
+//! - [`destinations`]: the destination policy in use (its file followed),
+//!   the node's addresses, the log of refusals.
 //! - `health`: `/healthz`, `/readyz`.
 //! - [`lease`]: counting servers by their Leases.
 //! - [`metrics`]: ANP's agent metrics and ours.
+//! - [`policy`]: the destination policy (pure: rules, normalisation,
+//!   decisions).
 //! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
 //!   feature only; `docs/fuzzing.md`).
 
@@ -24,6 +28,7 @@ static ALLOCATOR: heap_count::Counting<std::alloc::System> =
 pub mod agent;
 pub mod client;
 pub mod config;
+pub mod destinations;
 pub mod endpoint;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
@@ -32,4 +37,5 @@ mod health;
 pub mod lease;
 pub mod metrics;
 mod outbound;
+pub mod policy;
 pub mod table;

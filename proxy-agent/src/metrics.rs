@@ -79,6 +79,12 @@ struct ResponseLabels {
     reason: &'static str,
 }
 
+/// The destination policy's rule that refused a dial (`rule`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleLabel {
+    rule: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResponseCodeLabel {
     http_response_code: String,
@@ -193,6 +199,8 @@ pub struct AgentMetrics {
     limits: Counter,
     /// The audit log's (`konnectivity_rs_agent_audit_*`).
     audit: ops::audit::AuditMetrics,
+    denied: Family<RuleLabel, Counter>,
+    policy_reload_failures: Counter,
 }
 
 /// konnectivity-rs's own series (and the tracer's dropped spans, which
@@ -202,6 +210,8 @@ struct Ours {
     closed: ByLabel<EndpointCloseReason, Counter>,
     blocked: Counter,
     limits: Counter,
+    denied: Family<RuleLabel, Counter>,
+    policy_reload_failures: Counter,
 }
 
 impl Ours {
@@ -227,6 +237,17 @@ impl Ours {
             limits: m.register(
                 "konnectivity_rs_agent_limit_reached_total",
                 "Times a server stream's outbound queue was past its reserve (the server does not read) and the stream was closed",
+                Counter::default(),
+            ),
+            denied: m.register_family(
+                "konnectivity_rs_agent_dials_denied_total",
+                "Destination dials refused by the agent's destination policy (--destination-policy-file), by the rule that refused them",
+                &["rule"],
+                Family::default(),
+            ),
+            policy_reload_failures: m.register(
+                "konnectivity_rs_agent_policy_reload_failures_total",
+                "Times the destination policy file changed but could not be used (the last good policy is kept)",
                 Counter::default(),
             ),
         }
@@ -379,6 +400,8 @@ impl AgentMetrics {
             closed: ours.closed,
             blocked: ours.blocked,
             limits: ours.limits,
+            denied: ours.denied,
+            policy_reload_failures: ours.policy_reload_failures,
         }
     }
 
@@ -401,6 +424,20 @@ impl AgentMetrics {
     /// A destination dial failed.
     pub(crate) fn dial_failed(&self, reason: EndpointDialFailure) {
         self.dial_failures.get(reason).inc();
+    }
+
+    /// The destination policy refused a dial by `rule`.
+    pub(crate) fn dial_denied(&self, rule: &str) {
+        self.denied
+            .get_or_create(&RuleLabel {
+                rule: rule.to_owned(),
+            })
+            .inc();
+    }
+
+    /// The destination policy file changed but could not be used.
+    pub(crate) fn policy_reload_failed(&self) {
+        self.policy_reload_failures.inc();
     }
 
     /// Receiving from the server failed.

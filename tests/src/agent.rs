@@ -28,6 +28,8 @@ pub struct AgentOpts {
     pub flow_version: tunnel::flow::Version,
     /// `--service-account-token-path`.
     pub token_path: Option<PathBuf>,
+    /// `--destination-policy-file`.
+    pub destination_policy: Option<PathBuf>,
     /// `--proxy-url`.
     pub proxy: Option<edge::egress::Proxy>,
     /// More `--proxy-server-host` entries after the first address.
@@ -106,6 +108,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         exit_when_drained: opts.exit_when_drained,
         max_server_queue_bytes: 4 << 20,
         token_path: opts.token_path.clone(),
+        destination_policy: opts.destination_policy.clone(),
         leases: opts.leases.clone(),
         server_count_source: opts.server_count_source,
         audit: None,

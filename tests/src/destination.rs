@@ -119,7 +119,13 @@ pub async fn echo() -> Destination {
 
 /// [`echo`] on another loopback address.
 pub async fn echo_on(ip: std::net::Ipv4Addr) -> Destination {
-    spawn_on(ip, |mut stream| async move {
+    assert!(ip.is_loopback(), "tests bind only to loopback");
+    echo_on_any(ip).await
+}
+
+/// [`echo`] on `ip`, which the caller vouches for ([`spawn_on_any`]).
+pub async fn echo_on_any(ip: std::net::Ipv4Addr) -> Destination {
+    spawn_on_any(ip, |mut stream| async move {
         let (mut r, mut w) = stream.split();
         let _ = tokio::io::copy(&mut r, &mut w).await;
     })
@@ -128,7 +134,12 @@ pub async fn echo_on(ip: std::net::Ipv4Addr) -> Destination {
 
 /// Writes `len` bytes of [`pattern`] and closes.
 pub async fn download(len: usize) -> Destination {
-    spawn(move |mut stream| async move {
+    download_on_any(std::net::Ipv4Addr::LOCALHOST, len).await
+}
+
+/// [`download`] on `ip`, which the caller vouches for ([`spawn_on_any`]).
+pub async fn download_on_any(ip: std::net::Ipv4Addr, len: usize) -> Destination {
+    spawn_on_any(ip, move |mut stream| async move {
         let _ = stream.write_all(&pattern(len, 7)).await;
         let _ = stream.shutdown().await;
     })
@@ -138,7 +149,12 @@ pub async fn download(len: usize) -> Destination {
 /// Reads an 8-byte big-endian length and that many bytes, answers with the
 /// FNV-1a hash of the bytes (8 bytes, big-endian) and closes.
 pub async fn upload_hash() -> Destination {
-    spawn(|mut stream| async move {
+    upload_hash_on_any(std::net::Ipv4Addr::LOCALHOST).await
+}
+
+/// [`upload_hash`] on `ip`, which the caller vouches for ([`spawn_on_any`]).
+pub async fn upload_hash_on_any(ip: std::net::Ipv4Addr) -> Destination {
+    spawn_on_any(ip, |mut stream| async move {
         let Ok(len) = stream.read_u64().await else {
             return;
         };

@@ -12,6 +12,8 @@
 //!   outside.
 //! - [`flags_doc`]: `docs/flags.md`, the flags reference, rendered from
 //!   clap.
+//! - [`deploy`]: what `deploy/` ships that tests run as shipped (the
+//!   recommended destination policy).
 //! - [`destination`]: node-side servers the agent dials (echo, bulk,
 //!   blackhole); ANP's "backend" is an agent stream, as in the server.
 //! - [`grpc_go`]: `tests/go/frontend`, the grpc-go frontend (kube-apiserver's
@@ -33,6 +35,7 @@
 
 pub mod agent;
 pub mod binaries;
+pub mod deploy;
 pub mod destination;
 pub mod flags_doc;
 pub mod grpc_go;

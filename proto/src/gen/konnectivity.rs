@@ -158,6 +158,9 @@ pub enum DialErrorClass {
     NoSuchHost = 4,
     /// Any other failure.
     Other = 5,
+    /// The agent's destination policy refused the destination: another agent
+    /// must not be asked (it is the operator's decision, not a fault).
+    Denied = 6,
 }
 impl DialErrorClass {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -172,6 +175,7 @@ impl DialErrorClass {
             Self::Timeout => "DIAL_ERROR_CLASS_TIMEOUT",
             Self::NoSuchHost => "DIAL_ERROR_CLASS_NO_SUCH_HOST",
             Self::Other => "DIAL_ERROR_CLASS_OTHER",
+            Self::Denied => "DIAL_ERROR_CLASS_DENIED",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -183,6 +187,7 @@ impl DialErrorClass {
             "DIAL_ERROR_CLASS_TIMEOUT" => Some(Self::Timeout),
             "DIAL_ERROR_CLASS_NO_SUCH_HOST" => Some(Self::NoSuchHost),
             "DIAL_ERROR_CLASS_OTHER" => Some(Self::Other),
+            "DIAL_ERROR_CLASS_DENIED" => Some(Self::Denied),
             _ => None,
         }
     }

@@ -252,12 +252,16 @@ pub(crate) enum AttemptEnd {
 /// refused`, `…: no route to host`, `…: network is unreachable`), at its
 /// end only, so that a destination's name that contains these words is
 /// not taken for them. A timeout is not retried: a retry would double the
-/// wait its caller already spent.
+/// wait its caller already spent. Nor is a refusal by an agent's
+/// destination policy (`Denied`): it is the operator's decision, and
+/// another agent must not be asked to reach what one refused; its text
+/// ends with the rule (`…(rule deny metadata)`), never with the words
+/// above, so a server that predates the class does not retry it either.
 pub(crate) fn retryable(rsp: &proto::DialResponse) -> bool {
     use proto::DialErrorClass as Class;
     match rsp.error_class() {
         Class::Refused | Class::Unreachable => true,
-        Class::Timeout | Class::NoSuchHost | Class::Other => false,
+        Class::Timeout | Class::NoSuchHost | Class::Other | Class::Denied => false,
         Class::Unspecified => {
             const ELSEWHERE: [&str; 3] = [
                 ": connection refused",
@@ -547,9 +551,21 @@ mod tests {
         assert!(retryable(&classed("anything", Class::Refused)));
         assert!(retryable(&classed("anything", Class::Unreachable)));
         let refused = "dial tcp 10.0.0.1:443: connect: connection refused";
-        for class in [Class::Timeout, Class::NoSuchHost, Class::Other] {
+        for class in [
+            Class::Timeout,
+            Class::NoSuchHost,
+            Class::Other,
+            Class::Denied,
+        ] {
             assert!(!retryable(&classed(refused, class)), "{class:?}");
         }
+        // A policy refusal, by its text alone (a server that does not know
+        // the class reads it as unspecified), even for a rule whose words
+        // are a retryable error's.
+        let denied = "dial tcp 127.0.0.2:80: destination 127.0.0.2:80 denied by the agent's \
+                      policy (rule deny host connection refused)";
+        assert!(!retryable(&text(denied)));
+        assert!(!retryable(&classed(denied, Class::Denied)));
     }
 
     #[test]

@@ -646,6 +646,35 @@ fn an_agents_dial_timeout_is_not_retried() {
     );
 }
 
+/// Issue 45: an agent's destination policy refused the dial. Another
+/// agent must not be asked to reach what one refused, whether the class
+/// says so or, from a server that predates the class, only the text.
+#[test]
+fn a_dial_an_agents_policy_denied_is_not_retried() {
+    let denied = "dial tcp 10.0.0.1:80: destination 10.0.0.1:80 denied by the agent's policy \
+                  (rule deny 10.0.0.0/8)";
+    for class in [
+        proto::DialErrorClass::Denied,
+        proto::DialErrorClass::Unspecified,
+    ] {
+        let mut b = retrying(true);
+        b.backend("a");
+        b.backend("b");
+        let fe = b.frontend();
+        let first = b.dial_out(fe, 7);
+        let answered = b.be(first, Packet::dial_failure(7, 0, denied, class));
+        assert_eq!(
+            answered,
+            strings(&[
+                "count dial_failed error_response",
+                &format!("fe{fe} <- DIAL_RSP(7,0,{denied})"),
+            ]),
+            "{class:?}"
+        );
+        assert!(b.attempts(7).is_empty(), "{class:?}: still in flight");
+    }
+}
+
 #[test]
 fn a_dial_its_frontend_cancelled_is_not_retried() {
     let mut b = retrying(false);

@@ -15,7 +15,7 @@ use std::{
 };
 
 use clap::Parser;
-use integration_tests::Binary;
+use integration_tests::{Binary, deploy};
 
 /// One proxy container found in a manifest.
 #[derive(Debug, Clone)]
@@ -431,6 +431,7 @@ fn cert_file(binary: Binary, flag: &str) -> Option<&'static str> {
         (Binary::Agent, "agent-key") => "proxy-agent.key",
         (Binary::Agent, "service-account-token-path") => "token",
         (Binary::Server, "kubeconfig") => "kubeconfig",
+        (Binary::Agent, "destination-policy-file") => "policy",
         _ => return None,
     })
 }
@@ -448,6 +449,7 @@ fn every_manifest_validates_with_real_certificates() {
         "apiVersion: v1\nkind: Config\n",
     )
     .expect("kubeconfig");
+    fs::write(dir.path().join("policy"), deploy::recommended_policy()).expect("policy");
 
     for mut c in containers() {
         for arg in &mut c.args {
@@ -502,6 +504,12 @@ fn every_manifest_validates_with_real_certificates() {
                     c.file
                 );
                 assert_eq!(config.health_addr.port(), 8134, "{}", c.file);
+                assert_eq!(
+                    config.destination_policy,
+                    Some(dir.path().join("policy")),
+                    "{}",
+                    c.file
+                );
                 if mtls {
                     assert!(
                         config.not_implemented.is_empty(),
@@ -645,10 +653,65 @@ fn agent_daemonsets_roll_over_without_a_gap() {
     }
 }
 
+/// Both agent DaemonSets mount the recommended policy's ConfigMap and give
+/// it with `--destination-policy-file`; its text is a policy the agent
+/// accepts, refusing what the issue asks (metadata, loopback, link-local)
+/// in every family, naming the rule, and allowing the rest.
+#[test]
+fn agent_manifests_use_the_recommended_policy() {
+    for file in [
+        "konnectivity-agent.yaml",
+        "konnectivity-agent-token-auth.yaml",
+    ] {
+        assert_eq!(
+            text(&in_file(file).agent_args().destination_policy_file),
+            deploy::POLICY_PATH,
+            "deploy/{file}"
+        );
+        let manifest = fs::read_to_string(deploy_dir().join(file)).unwrap();
+        for line in [
+            "- name: konnectivity-agent-policy\n          mountPath: /etc/konnectivity-policy\n",
+            "configMap:\n          name: konnectivity-agent-policy\n",
+        ] {
+            assert!(manifest.contains(line), "deploy/{file}: no {line:?}");
+        }
+    }
+    let configmap = fs::read_to_string(deploy_dir().join(deploy::POLICY_MANIFEST)).unwrap();
+    assert!(configmap.contains("kind: ConfigMap\n") && configmap.contains("  policy: |\n"));
+    let text = deploy::recommended_policy();
+    let policy = proxy_agent::policy::Policy::parse(&text, Vec::new())
+        .unwrap_or_else(|e| panic!("deploy/{}: {e}\n{text}", deploy::POLICY_MANIFEST));
+    use proxy_agent::policy::Decision;
+    for (addr, port, want) in [
+        ("169.254.169.254", 80, Some("deny metadata")),
+        ("fd00:ec2::254", 80, Some("deny metadata")),
+        ("100.100.100.200", 80, Some("deny metadata")),
+        ("127.0.0.1", 10248, Some("deny loopback")),
+        ("127.3.4.5", 443, Some("deny loopback")),
+        ("::1", 443, Some("deny loopback")),
+        ("::ffff:127.0.0.1", 443, Some("deny loopback")),
+        ("169.254.20.10", 53, Some("deny link-local")),
+        ("fe80::1", 10250, Some("deny link-local")),
+        ("10.20.3.4", 10250, None),
+        ("10.244.1.7", 8443, None),
+        ("fd12::7", 443, None),
+        ("203.0.113.9", 443, None),
+    ] {
+        let verdict = policy.check(None, addr.parse().unwrap(), port);
+        match want {
+            Some(rule) => assert_eq!(verdict, Decision::Denied(rule.into()), "{addr}"),
+            None => assert_eq!(verdict, Decision::Allowed(None), "{addr}"),
+        }
+    }
+}
+
 /// The mTLS agent manifest's own arguments, run by the real binary against
-/// a test server: its files, server address and ports replaced by the test's,
-/// everything else as the manifest has it.
-fn manifest_agent(server: &integration_tests::TestServer) -> integration_tests::LoggedProcess {
+/// a test server: its files (the policy: the ConfigMap's text, as shipped),
+/// server address and ports replaced by the test's, everything else as the
+/// manifest has it.
+pub(crate) fn manifest_agent(
+    server: &integration_tests::TestServer,
+) -> integration_tests::LoggedProcess {
     let pki = integration_tests::Pki::get();
     let local = [
         ("--ca-cert", pki.path("agent-ca.crt").display().to_string()),
@@ -664,6 +727,10 @@ fn manifest_agent(server: &integration_tests::TestServer) -> integration_tests::
         ("--proxy-server-port", server.agent_addr.port().to_string()),
         ("--admin-server-port", "0".to_owned()),
         ("--health-server-port", "0".to_owned()),
+        (
+            "--destination-policy-file",
+            deploy::recommended_policy_file().display().to_string(),
+        ),
     ];
     let mut args: Vec<String> = in_file("konnectivity-agent.yaml")
         .args
@@ -700,14 +767,23 @@ async fn the_manifest_agent_exits_at_once_when_idle() {
 }
 
 /// SIGTERM to an agent with an open tunnel: it keeps carrying it, and exits
-/// once it ends.
-#[tokio::test]
-async fn the_manifest_agent_exits_when_its_last_tunnel_ends() {
+/// once it ends. The destination is on the hub's veth, not loopback, which
+/// the manifest's policy refuses (as on a node, where the kubelet and pods
+/// are not on the agent's loopback).
+#[test]
+fn the_manifest_agent_exits_when_its_last_tunnel_ends() {
+    integration_tests::netns::run_in_hub(
+        "manifests::the_manifest_agent_exits_when_its_last_tunnel_ends",
+        |_node| exits_when_its_last_tunnel_ends(),
+    );
+}
+
+async fn exits_when_its_last_tunnel_ends() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let server = integration_tests::TestServer::start().await;
     let mut agent = manifest_agent(&server);
     server.wait_for_backends(1).await;
-    let echo = integration_tests::destination::echo().await;
+    let echo = integration_tests::destination::echo_on_any(integration_tests::netns::HUB_IP).await;
     let mut conn = server.dial(&echo.address()).await.unwrap();
     agent.signal("TERM");
     agent

@@ -1,0 +1,114 @@
+//! Issue 45, item 1: the real proxy-server and a real proxy-agent given
+//! `--destination-policy-file`. A denied destination is never connected to
+//! in any form a frontend can write it (a name, numeric forms, mapped,
+//! NAT64 and IPv4-compatible IPv6): the listener on the denied address
+//! counts 0 accepts; the frontend's error names the rule; the agent counts
+//! it by rule. (The
+//! server's refusal to retry it elsewhere is the router's test
+//! `a_dial_an_agents_policy_denied_is_not_retried`; DNS rebinding is
+//! endpoint's, with a scripted resolver.)
+
+#![allow(clippy::unwrap_used)] // tests: a panic is a failure report
+
+use std::{net::SocketAddr, process::Command};
+
+use integration_tests::{LoggedProcess, Pki, agent_args, binary, process::ServerProcess};
+
+/// A non-blocking listener that counts the connections made to it.
+struct Counted(std::net::TcpListener);
+
+impl Counted {
+    fn bind(addr: SocketAddr) -> Option<Self> {
+        let listener = std::net::TcpListener::bind(addr).ok()?;
+        listener.set_nonblocking(true).unwrap();
+        Some(Self(listener))
+    }
+
+    /// Connections queued: each completes before its dial answers.
+    fn accepts(&self) -> usize {
+        std::iter::from_fn(|| self.0.accept().ok()).count()
+    }
+}
+
+#[tokio::test]
+async fn a_denied_destination_gets_no_connection_in_any_form() {
+    // 127.0.0.2 and 127.0.0.1 at one port: the first denied on every port,
+    // the second (and ::1: localhost) on that port; the
+    // allowed neighbour 127.0.0.3 proves the agent dials at all.
+    let (denied, loopback, allowed, port) = loop {
+        let allowed = Counted::bind("127.0.0.3:0".parse().unwrap()).unwrap();
+        let port = allowed.0.local_addr().unwrap().port();
+        let at = |ip: &str| Counted::bind(SocketAddr::new(ip.parse().unwrap(), port));
+        if let (Some(denied), Some(loopback)) = (at("127.0.0.2"), at("127.0.0.1")) {
+            break (denied, loopback, allowed, port);
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy");
+    std::fs::write(
+        &policy,
+        format!(
+            "deny metadata\ndeny 127.0.0.2\ndeny 127.0.0.1 port {port}\ndeny ::1 port {port}\n"
+        ),
+    )
+    .unwrap();
+    let server = ServerProcess::start("grpc", &[]).await;
+    let mut command = Command::new(binary("proxy-agent"));
+    command
+        .env("RUST_LOG", "info")
+        .args(agent_args(Pki::get().dir.path(), server.agent_addr.port()))
+        .arg(format!("--destination-policy-file={}", policy.display()));
+    let mut agent = LoggedProcess::spawn(command, "proxy-agent");
+    let health = agent.logged_port("health.addr=Some(127.0.0.1:").await;
+    server.wait_for_agents(1).await;
+
+    let channel = client::dial::uds_channel(&server.uds).await.unwrap();
+    let by_address = vec!["deny 127.0.0.2".to_owned()];
+    let v4 = format!("deny 127.0.0.1 port {port}");
+    let localhost = vec![v4.clone(), format!("deny ::1 port {port}")];
+    let forms = [
+        ("127.0.0.2", &by_address),
+        ("2130706434", &by_address),
+        ("0x7f.2", &by_address),
+        ("0177.0.0.2", &by_address),
+        ("127.2", &by_address),
+        ("[::ffff:127.0.0.2]", &by_address),
+        ("[64:ff9b::127.0.0.2]", &by_address),
+        ("[::127.0.0.2]", &by_address),
+        ("localhost", &localhost),
+        ("127.1", &vec![v4]),
+    ];
+    for (host, rules) in forms {
+        let address = format!("{host}:{port}");
+        let error = match client::dial::dial(channel.clone(), &address).await {
+            Err(client::dial::ClientError::Dial { error, .. }) => error,
+            Err(other) => panic!("{address}: expected a refusal, got {other:?}"),
+            Ok(_) => panic!("{address}: connected"),
+        };
+        assert!(
+            rules.iter().any(|rule| error.ends_with(&format!(
+                "denied by the agent's policy (rule {rule})"
+            ))),
+            "{address}: {error}"
+        );
+    }
+    let open = client::dial::dial(channel.clone(), &format!("127.0.0.3:{port}"))
+        .await
+        .unwrap();
+    drop(open);
+    assert_eq!(denied.accepts(), 0, "the denied address was connected to");
+    assert_eq!(loopback.accepts(), 0, "localhost was connected to");
+    assert_eq!(allowed.accepts(), 1);
+
+    let (status, metrics) =
+        integration_tests::http_get(SocketAddr::from(([127, 0, 0, 1], health)), "/metrics").await;
+    assert_eq!(status, 200);
+    let denied_by = |rule: &str| {
+        let series = format!("konnectivity_rs_agent_dials_denied_total{{rule=\"{rule}\"}}");
+        integration_tests::process::metric_value(&metrics, &series)
+    };
+    assert_eq!(denied_by("deny 127.0.0.2"), 8.0, "{metrics}");
+    let loopback = denied_by(&format!("deny 127.0.0.1 port {port}"))
+        + denied_by(&format!("deny ::1 port {port}"));
+    assert_eq!(loopback, 2.0, "{metrics}");
+}
