@@ -4,7 +4,7 @@
 
 use crate::{
     figures::{Check, Reason},
-    observe::{Effect, Fault, FaultRecord},
+    observe::{Effect, Fault, FaultRecord, OldCa, SlowPeer},
 };
 
 /// The share of its rate healthy traffic must keep during a fault
@@ -133,24 +133,52 @@ pub fn what(r: &FaultRecord) -> String {
 pub fn reasons(r: &FaultRecord) -> Vec<Reason> {
     let what = what(r);
     let mut out = Vec::new();
-    let mut fail = |check: Check, text: String| out.push(Reason { check, text });
+    recovery_reasons(r, &what, &mut out);
+    match &r.effect {
+        Effect::Slowloris { peers } => slowloris_reasons(r, peers, &what, &mut out),
+        Effect::Rotated { admitted_s: None } => fail(
+            &mut out,
+            Check::Correctness,
+            format!("{what}: no agent with the new files admitted"),
+        ),
+        Effect::CaRotated { steps, old_ca } => ca_reasons(steps, old_ca.as_ref(), &what, &mut out),
+        Effect::RolledOut {
+            exited_s,
+            exit_ok,
+            cut,
+        } => rollout_reasons(exited_s.is_some() && *exit_ok, *cut, &what, &mut out),
+        _ => {}
+    }
+    out
+}
+
+fn fail(out: &mut Vec<Reason>, check: Check, text: String) {
+    out.push(Reason { check, text });
+}
+
+/// What every fault must show: it took effect, the agents came back,
+/// dials were served again, resources and the healthy rate.
+fn recovery_reasons(r: &FaultRecord, what: &str, out: &mut Vec<Reason>) {
     if !took_effect(r) {
         fail(
+            out,
             Check::Correctness,
             format!("{what}: did not take effect ({})", effect_note(&r.effect)),
         );
     }
     if r.back_s.is_none() {
-        fail(Check::Correctness, format!("{what}: not back"));
+        fail(out, Check::Correctness, format!("{what}: not back"));
     }
     if r.dials_s.is_none() {
         fail(
+            out,
             Check::Correctness,
             format!("{what}: dials not served again"),
         );
     }
     if r.resources_s.is_none() {
         fail(
+            out,
             Check::Performance,
             format!(
                 "{what}: resources not within 5 % of baseline: {}",
@@ -161,6 +189,7 @@ pub fn reasons(r: &FaultRecord) -> Vec<Reason> {
     match r.healthy {
         Some(rate) if rate >= RATE_KEPT => {}
         Some(rate) => fail(
+            out,
             Check::Performance,
             format!(
                 "{what}: healthy traffic ({}) kept {:.0} % of its rate",
@@ -169,91 +198,96 @@ pub fn reasons(r: &FaultRecord) -> Vec<Reason> {
             ),
         ),
         None => fail(
+            out,
             Check::Correctness,
             format!("{what}: no rate of healthy traffic measured"),
         ),
     }
-    match &r.effect {
-        Effect::Slowloris { peers } => {
-            for p in peers {
-                let limit = if p.http_connect {
-                    SLOW_HEAD_LIMIT
-                } else {
-                    SLOW_PREFACE_LIMIT
-                };
-                if !p.closed_after.is_some_and(|s| s <= limit) {
-                    fail(
-                        Check::Correctness,
-                        format!(
-                            "{what}: a slow peer of the {} server not closed within {limit:.0} s ({})",
-                            if p.http_connect { "CONNECT" } else { "gRPC" },
-                            p.closed_after
-                                .map_or("never".to_owned(), |s| format!("{s:.0} s"))
-                        ),
-                    );
-                }
-            }
-            if r.healthy.is_some_and(|h| h < SLOWLORIS_FLOOR) {
-                fail(
-                    Check::Correctness,
-                    format!(
-                        "{what}: healthy traffic fell below {:.0} % of its rate beside the slow peers",
-                        SLOWLORIS_FLOOR * 100.0
-                    ),
-                );
-            }
-        }
-        Effect::Rotated { admitted_s: None } => fail(
-            Check::Correctness,
-            format!("{what}: no agent with the new files admitted"),
-        ),
-        Effect::CaRotated { steps, old_ca } => {
-            if steps.iter().any(Option::is_none) {
-                fail(
-                    Check::Correctness,
-                    format!("{what}: an agent with the files of a step was not admitted"),
-                );
-            }
-            match old_ca {
-                Some(o) if !o.connected && o.refusals > 0.0 => {}
-                Some(o) if o.connected => fail(
-                    Check::Correctness,
-                    format!("{what}: an agent of the dropped CA was admitted"),
+}
+
+/// Every slow peer closed within its bound, and the healthy rate above
+/// [`SLOWLORIS_FLOOR`] beside them.
+fn slowloris_reasons(r: &FaultRecord, peers: &[SlowPeer], what: &str, out: &mut Vec<Reason>) {
+    for p in peers {
+        let limit = if p.http_connect {
+            SLOW_HEAD_LIMIT
+        } else {
+            SLOW_PREFACE_LIMIT
+        };
+        if !p.closed_after.is_some_and(|s| s <= limit) {
+            fail(
+                out,
+                Check::Correctness,
+                format!(
+                    "{what}: a slow peer of the {} server not closed within {limit:.0} s ({})",
+                    if p.http_connect { "CONNECT" } else { "gRPC" },
+                    p.closed_after
+                        .map_or("never".to_owned(), |s| format!("{s:.0} s"))
                 ),
-                Some(_) => fail(
-                    Check::Correctness,
-                    format!("{what}: no server refused the agent of the dropped CA"),
-                ),
-                None => fail(
-                    Check::Correctness,
-                    format!("{what}: the agent of the dropped CA could not be started"),
-                ),
-            }
+            );
         }
-        Effect::RolledOut {
-            exited_s,
-            exit_ok,
-            cut,
-        } => {
-            if exited_s.is_none() || !exit_ok {
-                fail(
-                    Check::Correctness,
-                    format!("{what}: the old agent did not exit drained with status 0"),
-                );
-            }
-            if *cut != Some(0.0) {
-                fail(
-                    Check::Correctness,
-                    format!(
-                        "{what}: the old agent cut {} connection(s)",
-                        cut.map_or("an unknown number of".to_owned(), |c| format!("{c:.0}"))
-                    ),
-                );
-            }
-        }
-        _ => {}
     }
-    out
+    if r.healthy.is_some_and(|h| h < SLOWLORIS_FLOOR) {
+        fail(
+            out,
+            Check::Correctness,
+            format!(
+                "{what}: healthy traffic fell below {:.0} % of its rate beside the slow peers",
+                SLOWLORIS_FLOOR * 100.0
+            ),
+        );
+    }
+}
+
+/// An agent admitted after each step of a CA rotation, and one of the
+/// dropped CA refused.
+fn ca_reasons(steps: &[Option<f64>], old_ca: Option<&OldCa>, what: &str, out: &mut Vec<Reason>) {
+    if steps.iter().any(Option::is_none) {
+        fail(
+            out,
+            Check::Correctness,
+            format!("{what}: an agent with the files of a step was not admitted"),
+        );
+    }
+    match old_ca {
+        Some(o) if !o.connected && o.refusals > 0.0 => {}
+        Some(o) if o.connected => fail(
+            out,
+            Check::Correctness,
+            format!("{what}: an agent of the dropped CA was admitted"),
+        ),
+        Some(_) => fail(
+            out,
+            Check::Correctness,
+            format!("{what}: no server refused the agent of the dropped CA"),
+        ),
+        None => fail(
+            out,
+            Check::Correctness,
+            format!("{what}: the agent of the dropped CA could not be started"),
+        ),
+    }
+}
+
+/// A rolled-out agent exited drained with status 0 and cut nothing.
+fn rollout_reasons(exited_ok: bool, cut: Option<f64>, what: &str, out: &mut Vec<Reason>) {
+    if !exited_ok {
+        fail(
+            out,
+            Check::Correctness,
+            format!("{what}: the old agent did not exit drained with status 0"),
+        );
+    }
+    if cut != Some(0.0) {
+        fail(
+            out,
+            Check::Correctness,
+            format!(
+                "{what}: the old agent cut {} connection(s)",
+                cut.map_or("an unknown number of".to_owned(), |c| format!("{c:.0}"))
+            ),
+        );
+    }
 }
 
 /// The reasons the run's faults give against it for `required` faults
