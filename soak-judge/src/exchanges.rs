@@ -319,8 +319,6 @@ pub fn join(run: &ObservedRun, dial_limit: f64) -> Joined {
         .filter(checked)
         .filter_map(|n| Some((n.id?, n)))
         .collect();
-    let server_by_id: HashMap<u64, usize> =
-        run.exchanges.iter().map(|x| (x.id, x.server)).collect();
     let mut joined = Joined {
         frontends: Frontend::ALL
             .iter()
@@ -328,6 +326,20 @@ pub fn join(run: &ObservedRun, dial_limit: f64) -> Joined {
             .collect(),
         ..Joined::default()
     };
+    join_frontends(run, &node_by_id, dial_limit, &mut joined);
+    join_node(run, &mut joined);
+    joined.endings.sort_by(|a, b| a.to.total_cmp(&b.to));
+    joined
+}
+
+/// Each frontend record, joined with the destination's record of the
+/// same exchange (by its seed), tallied and, if not whole, judged.
+fn join_frontends(
+    run: &ObservedRun,
+    node_by_id: &HashMap<u64, &NodeConn>,
+    dial_limit: f64,
+    joined: &mut Joined,
+) {
     for x in &run.exchanges {
         let seen = node_by_id.get(&x.id).copied();
         let carrier = seen.map_or(Carrier::Unknown, |n| n.carrier);
@@ -379,6 +391,13 @@ pub fn join(run: &ObservedRun, dial_limit: f64) -> Joined {
             }
         }
     }
+}
+
+/// Each destination record, tallied and, if not whole, judged (its
+/// server from the frontend record of the same exchange).
+fn join_node(run: &ObservedRun, joined: &mut Joined) {
+    let server_by_id: HashMap<u64, usize> =
+        run.exchanges.iter().map(|x| (x.id, x.server)).collect();
     for n in &run.node {
         let t = &mut joined.node;
         t.accepted += 1;
@@ -414,8 +433,6 @@ pub fn join(run: &ObservedRun, dial_limit: f64) -> Joined {
             excused_by,
         });
     }
-    joined.endings.sort_by(|a, b| a.to.total_cmp(&b.to));
-    joined
 }
 
 #[cfg(test)]
