@@ -208,20 +208,10 @@ fn tails(books: &[LifeBooks], pick: &dyn Fn(&LifeBooks) -> bool) -> f64 {
         + 0.0
 }
 
-/// The witnesses, each with its bounds.
-pub fn witnesses(run: &ObservedRun, joined: &Joined, books: &[LifeBooks]) -> Vec<Witness> {
-    let mut out = vec![Witness {
-        name: "every exchange whole at its frontend was complete at the destination".to_owned(),
-        left_what: "whole at the frontend".to_owned(),
-        left: joined.ok as f64,
-        right_what: "of them, complete at the destination (same id)".to_owned(),
-        right: joined.ok_complete as f64,
-        low: 0.0,
-        high: 0.0,
-        bounds: "exact".to_owned(),
-    }];
-    // Each agent slot (and the probes): what the destination accepted from
-    // its address against its processes' dials.
+/// Each agent slot (and the probes): what the destination accepted from
+/// its address against its processes' dials.
+fn slot_witnesses(run: &ObservedRun, books: &[LifeBooks]) -> Vec<Witness> {
+    let mut out = Vec::new();
     let mut seats: Vec<Seat> = (0..run.plan.agents).map(Seat::Agent).collect();
     seats.push(Seat::Probe);
     for seat in seats {
@@ -255,6 +245,22 @@ pub fn witnesses(run: &ObservedRun, joined: &Joined, books: &[LifeBooks]) -> Vec
             bounds: "0 to the ended processes' tails".to_owned(),
         });
     }
+    out
+}
+
+/// The witnesses, each with its bounds.
+pub fn witnesses(run: &ObservedRun, joined: &Joined, books: &[LifeBooks]) -> Vec<Witness> {
+    let mut out = vec![Witness {
+        name: "every exchange whole at its frontend was complete at the destination".to_owned(),
+        left_what: "whole at the frontend".to_owned(),
+        left: joined.ok as f64,
+        right_what: "of them, complete at the destination (same id)".to_owned(),
+        right: joined.ok_complete as f64,
+        low: 0.0,
+        high: 0.0,
+        bounds: "exact".to_owned(),
+    }];
+    out.extend(slot_witnesses(run, books));
     out.push(Witness {
         name: "the destination knew every address it was dialed from".to_owned(),
         left_what: "accepted from no agent's address".to_owned(),

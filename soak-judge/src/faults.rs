@@ -60,26 +60,7 @@ pub fn effect_note(effect: &Effect) -> String {
         Effect::Stalled { tunnels, reached } => {
             format!("{tunnels} tunnel(s) opened, {reached} reached the stalled peer")
         }
-        Effect::Slowloris { peers } => {
-            let mut parts = Vec::new();
-            for (http_connect, name, limit) in [
-                (false, "gRPC", SLOW_PREFACE_LIMIT),
-                (true, "CONNECT", SLOW_HEAD_LIMIT),
-            ] {
-                let mine: Vec<Option<f64>> = peers
-                    .iter()
-                    .filter(|p| p.http_connect == http_connect)
-                    .map(|p| p.closed_after)
-                    .collect();
-                let closed = mine.iter().flatten().count();
-                let slowest = mine.iter().flatten().copied().fold(0.0, f64::max);
-                parts.push(format!(
-                    "{closed} of {} closed by the {name} server (slowest {slowest:.0} s, bound {limit:.0} s)",
-                    mine.len()
-                ));
-            }
-            parts.join(", ")
-        }
+        Effect::Slowloris { peers } => slowloris_note(peers),
         Effect::Rotated { admitted_s } => {
             format!(
                 "an agent with the new files admitted in {}",
@@ -122,6 +103,28 @@ pub fn effect_note(effect: &Effect) -> String {
             cut.map_or("?".to_owned(), |c| format!("{c:.0}"))
         ),
     }
+}
+
+/// The slow peers of each server closed, and the slowest.
+fn slowloris_note(peers: &[SlowPeer]) -> String {
+    let mut parts = Vec::new();
+    for (http_connect, name, limit) in [
+        (false, "gRPC", SLOW_PREFACE_LIMIT),
+        (true, "CONNECT", SLOW_HEAD_LIMIT),
+    ] {
+        let mine: Vec<Option<f64>> = peers
+            .iter()
+            .filter(|p| p.http_connect == http_connect)
+            .map(|p| p.closed_after)
+            .collect();
+        let closed = mine.iter().flatten().count();
+        let slowest = mine.iter().flatten().copied().fold(0.0, f64::max);
+        parts.push(format!(
+            "{closed} of {} closed by the {name} server (slowest {slowest:.0} s, bound {limit:.0} s)",
+            mine.len()
+        ));
+    }
+    parts.join(", ")
 }
 
 /// `agent kill -9 on agent-1 at 31 s`.
