@@ -383,14 +383,9 @@ async fn run_selected(opt: Opt) -> anyhow::Result<Report> {
     run_measurements(opt).await
 }
 
-/// The soak, its rows in the report.
-async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
-    raise_nofile(NOFILE_WANTED);
-    let bins = binaries(&opt, false)?;
-    let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
-    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    println!("command: {command_line}");
-    let soak_opt = soak::SoakOpt {
+/// The soak's settings from the command line.
+fn soak_opt(opt: &Opt, go_frontend: std::path::PathBuf) -> soak::SoakOpt {
+    soak::SoakOpt {
         duration: opt.soak_duration,
         faults: opt.soak_faults.clone(),
         times: soak::faults::FaultTimes {
@@ -410,11 +405,21 @@ async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
             bulk_rate: opt.soak_bulk_rate,
             bulk_bytes: 16 * 1024 * 1024,
         },
-        go_frontend: go.path,
+        go_frontend,
         markdown: opt.soak_report.clone(),
         samples: opt.soak_samples.clone(),
         performance_fatal: !opt.soak_performance_advisory,
-    };
+    }
+}
+
+/// The soak, its rows in the report.
+async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
+    raise_nofile(NOFILE_WANTED);
+    let bins = binaries(&opt, false)?;
+    let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
+    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
+    println!("command: {command_line}");
+    let soak_opt = soak_opt(&opt, go.path);
     let result = soak::run(bins.clone(), soak_opt).await?;
     let mut rec = Recorder::new(1);
     report::push_soak(&mut rec, &result);

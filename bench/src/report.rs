@@ -326,9 +326,13 @@ pub const SOAK_VIOLATIONS: Def = def("soak", "violated invariants (must be 0)", 
 /// Records a soak's rows: per route where they split (the gRPC server's
 /// frontends, the CONNECT server's), whole-run rows in the grpc column.
 pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
-    use soak_judge::Role;
-    const MIB: f64 = 1024.0 * 1024.0;
-    let f = &r.figures;
+    push_soak_routes(rec, &r.figures);
+    push_soak_whole(rec, r);
+    push_soak_rss(rec, r);
+}
+
+/// The exchanges' rows, per server (each server its own route).
+fn push_soak_routes(rec: &mut Recorder, f: &soak_judge::Figures) {
     for route in [Route::Grpc, Route::HttpConnect] {
         let server = usize::from(route == Route::HttpConnect);
         let of = |pick: fn(&soak_judge::exchanges::FrontendTally) -> u64| -> f64 {
@@ -356,6 +360,11 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
         rec.push(&SOAK_BYTES, route, 0, Some(bytes / 1e9));
         rec.push(&SOAK_LATE, route, 0, Some(of(|t| t.late)));
     }
+}
+
+/// The whole run's rows, in the grpc column.
+fn push_soak_whole(rec: &mut Recorder, r: &crate::soak::SoakResult) {
+    let f = &r.figures;
     let max = |it: &mut dyn Iterator<Item = f64>| it.reduce(f64::max);
     let whole = [
         (&SOAK_FAULTS, Some(f.faults.len() as f64)),
@@ -397,6 +406,12 @@ pub fn push_soak(rec: &mut Recorder, r: &crate::soak::SoakResult) {
     for (def, value) in whole {
         rec.push(def, Route::Grpc, 0, value);
     }
+}
+
+/// The largest RSS of any server and of any agent, in MiB.
+fn push_soak_rss(rec: &mut Recorder, r: &crate::soak::SoakResult) {
+    use soak_judge::Role;
+    const MIB: f64 = 1024.0 * 1024.0;
     let roles: Vec<Role> = r
         .run
         .slot_names

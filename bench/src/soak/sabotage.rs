@@ -120,32 +120,44 @@ pub async fn run(
     world: &mut World,
     records: &mut Vec<FaultRecord>,
 ) -> anyhow::Result<Vec<Sabotaged>> {
-    let mut done = Vec::new();
-    let victim = Carrier::Slot(VICTIM);
+    let mut done = vec![spurious_close(world).await?];
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    done.push(crash(world).await?);
+    done.extend(stuck_beside_a_kill(world, records).await?);
+    if faults::agent_back(&world.agents[VICTIM]).await.is_none() {
+        anyhow::bail!("agent-{VICTIM} did not come back after the sabotage");
+    }
+    Ok(done)
+}
+
+/// Every destination socket of agent [`VICTIM`] destroyed.
+async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
     eprintln!(
         "soak: {:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed",
         world.now()
     );
     let from = world.now();
     close_sockets(world, VICTIM).await?;
-    done.push(Sabotaged {
+    Ok(Sabotaged {
         what: "a spurious close",
         causes: &[Ending::Error, Ending::Reset, Ending::Cut],
         after: PROMPT,
-        carrier: victim,
+        carrier: Carrier::Slot(VICTIM),
         from,
         to: world.now(),
         recorded: false,
-    });
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    })
+}
 
+/// Agent [`VICTIM`] killed and started again, no fault recorded.
+async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
     eprintln!(
         "soak: {:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault recorded)",
         world.now()
     );
     let from = world.now();
     world.crash_agent(VICTIM).await?;
-    done.push(Sabotaged {
+    Ok(Sabotaged {
         what: "a crash",
         causes: &[
             Ending::Error,
@@ -155,12 +167,19 @@ pub async fn run(
             Ending::DialFailed,
         ],
         after: PROMPT,
-        carrier: victim,
+        carrier: Carrier::Slot(VICTIM),
         from,
         to: world.now(),
         recorded: false,
-    });
+    })
+}
 
+/// Agent [`VICTIM`]'s data to the destination dropped past the stuck
+/// bound and, meanwhile, agent [`KILLED`] killed as a recorded fault.
+async fn stuck_beside_a_kill(
+    world: &mut World,
+    records: &mut Vec<FaultRecord>,
+) -> anyhow::Result<Vec<Sabotaged>> {
     eprintln!(
         "soak: {:.0} s: sabotage: agent-{VICTIM}'s data to the destination dropped",
         world.now()
@@ -187,7 +206,7 @@ pub async fn run(
     let kill = world.inject(Fault::AgentKill, KILLED).await;
     world.close_before_kill = false;
     let kill = kill?;
-    done.push(Sabotaged {
+    let mut done = vec![Sabotaged {
         what: "a spurious close and a crash under a recorded kill",
         causes: &[],
         after: PROMPT,
@@ -195,7 +214,7 @@ pub async fn run(
         from: kill.started,
         to: kill.recovered,
         recorded: true,
-    });
+    }];
     records.push(kill);
     let hold = (STUCK + 5.0 - (world.now() - from)).max(0.0);
     tokio::time::sleep(Duration::from_secs_f64(hold)).await;
@@ -210,15 +229,47 @@ pub async fn run(
         what: "a stuck tunnel",
         causes: &[Ending::Stuck],
         after: AFTERMATH,
-        carrier: victim,
+        carrier: Carrier::Slot(VICTIM),
         from,
         to: world.now(),
         recorded: false,
     });
-    if faults::agent_back(&world.agents[VICTIM]).await.is_none() {
-        anyhow::bail!("agent-{VICTIM} did not come back after the sabotage");
-    }
     Ok(done)
+}
+
+/// Each act on the healthy agent found by the judge: at least one
+/// unexcused end of a kind it causes, on its agent, from its start to
+/// its end plus its delay; what was missed, in words.
+fn missed(unexcused: &[&soak_judge::exchanges::Judged], done: &[Sabotaged]) -> Vec<String> {
+    let mut out = Vec::new();
+    for s in done.iter().filter(|s| !s.recorded) {
+        let found = unexcused
+            .iter()
+            .filter(|e| {
+                e.carrier == s.carrier
+                    && s.causes.contains(&e.ending)
+                    && e.to >= s.from
+                    && e.to <= s.to + s.after
+            })
+            .count();
+        if found == 0 {
+            out.push(format!(
+                "the judge missed {} on {} at {:.0}-{:.0} s",
+                s.what,
+                s.carrier.describe(),
+                s.from,
+                s.to
+            ));
+        }
+        eprintln!(
+            "soak: sabotage: {} on {} at {:.0}-{:.0} s: {found} unexcused ends found",
+            s.what,
+            s.carrier.describe(),
+            s.from,
+            s.to
+        );
+    }
+    out
 }
 
 /// The verdict of a sabotaged run: held when the judge failed the run for
@@ -243,32 +294,8 @@ pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Jud
     let within = |s: &Sabotaged, e: &soak_judge::exchanges::Judged| {
         e.to >= s.from - 1.0 && e.from <= s.to + AFTERMATH
     };
-    for s in done.iter().filter(|s| !s.recorded) {
-        let found = unexcused
-            .iter()
-            .filter(|e| {
-                e.carrier == s.carrier
-                    && s.causes.contains(&e.ending)
-                    && e.to >= s.from
-                    && e.to <= s.to + s.after
-            })
-            .count();
-        if found == 0 {
-            fail(format!(
-                "the judge missed {} on {} at {:.0}-{:.0} s",
-                s.what,
-                s.carrier.describe(),
-                s.from,
-                s.to
-            ));
-        }
-        eprintln!(
-            "soak: sabotage: {} on {} at {:.0}-{:.0} s: {found} unexcused ends found",
-            s.what,
-            s.carrier.describe(),
-            s.from,
-            s.to
-        );
+    for text in missed(&unexcused, done) {
+        fail(text);
     }
     for e in &unexcused {
         let explained = done.iter().any(|s| {
