@@ -176,6 +176,15 @@ where
     }
 }
 
+/// The peer of a frontend on the Unix socket, for the audit log:
+/// `unix:<path>`; none on TCP.
+fn socket_peer(frontend: &FrontendListen) -> String {
+    match frontend {
+        FrontendListen::Uds { path, .. } => format!("unix:{}", path.display()),
+        FrontendListen::Tcp { .. } => String::new(),
+    }
+}
+
 /// Entry point: `ProxyServer::bind(config)` then `Bound::serve(shutdown)`.
 pub struct ProxyServer;
 
@@ -241,7 +250,12 @@ impl ProxyServer {
                 metrics,
                 Budgets::new(config.buffer_budget_bytes),
             )
-            .with_tracing(tracing),
+            .with_tracing(tracing)
+            .with_audit(
+                audit_log.sink(),
+                config.server_id.0.clone(),
+                socket_peer(&config.frontend),
+            ),
         );
         let token_auth = match &config.token_auth {
             Some(auth) => {
@@ -852,6 +866,7 @@ impl Running {
         }
         info!("stopping");
         ends.token.cancel();
+        control.shutting_down();
         ends.tasks.close();
         ends.listeners.close();
         let result = wind_down(tasks, &ends).await;

@@ -43,6 +43,7 @@ use crate::{
     metrics::Method,
     router::FrontendKind,
     stream::StreamEnd,
+    traces::FrontendPeer,
 };
 
 /// Bytes buffered from a client while its dial is pending; past this the
@@ -107,7 +108,12 @@ where
         control: control.clone(),
         link: link.clone(),
     };
-    control.frontend_traced(link.id(), head.traceparent.as_deref());
+    let peer = FrontendPeer {
+        kind: FrontendKind::HttpConnect,
+        peer: String::new(),
+        subject: None,
+    };
+    control.frontend_traced(link.id(), head.traceparent.as_deref(), peer);
     let mut early = head.rest;
     let target = head.target;
     let Some(answer) = dial(&mut io, &control, &link, &mut rx, &target, &mut early).await else {
