@@ -15,7 +15,8 @@ use std::{
 
 use client::dial::{ClientError, dial, uds_channel};
 use integration_tests::{
-    AgentOpts, LoggedProcess, Pki, RawFrontend, ServerOpts, TestAgent, TestServer, agent_args,
+    AgentOpts, DEADLINE, LoggedProcess, Pki, RawFrontend, ServerOpts, TestAgent, TestServer,
+    agent_args,
     audit::sides,
     binary,
     destination::{self, Blackhole},
@@ -177,6 +178,7 @@ async fn every_tunnel_has_one_record_per_side_and_they_agree() {
     .await;
     let mut command = Command::new(binary("proxy-agent"));
     command
+        .env("RUST_LOG", "info")
         .args(agent_args(Pki::get().dir.path(), server.agent_addr.port()))
         .arg(format!("--destination-policy-file={}", policy.display()))
         .arg(format!("--audit-log-path={}", agent_log.display()));
@@ -203,9 +205,12 @@ async fn every_tunnel_has_one_record_per_side_and_they_agree() {
     .await;
     drop(channel);
     // The barrier: both write every record before they exit.
-    server.terminate(Duration::from_secs(30)).await;
+    // (The agent's first SIGTERM drains it, the second stops it.)
+    agent.signal("TERM");
+    agent.wait_for("draining", 1, DEADLINE).await;
     agent.signal("TERM");
     wait_for("the agent to exit", || agent.has_exited()).await;
+    server.terminate(Duration::from_secs(30)).await;
 
     let (servers, agents) = by_dial(&server_log);
     let (_, agent_only) = by_dial(&agent_log);
