@@ -1,7 +1,7 @@
 //! The agent's audit records (`--audit-log-path`): one per DIAL_REQ, at its
 //! end (a dial that failed, was denied or cancelled; or the connection it
 //! made, closed), handed to the log's sink without waiting. A leaf: the
-//! dial task ([`crate::client`]) fills an [`AgentDial`] as it learns, and
+//! dial task (in the client) fills an [`AgentDial`] as it learns, and
 //! finishes it once.
 
 use std::{sync::Arc, time::Instant};

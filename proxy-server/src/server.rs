@@ -176,6 +176,29 @@ where
     }
 }
 
+/// Binds the frontend's listener (`tls`: its certificates, for TCP).
+async fn bind_frontend(
+    frontend: &FrontendListen,
+    tls: Option<TlsFiles<ListenerConfig>>,
+) -> Result<BoundFrontend, ServerError> {
+    Ok(match frontend {
+        FrontendListen::Uds {
+            path,
+            delete_existing,
+        } => BoundFrontend::Uds {
+            listener: bind_uds(path, *delete_existing).map_err(|source| ServerError::Uds {
+                path: path.clone(),
+                source,
+            })?,
+            path: path.clone(),
+        },
+        FrontendListen::Tcp { addr, .. } => BoundFrontend::Tcp {
+            listener: bind_named(*addr, "frontend").await?,
+            tls: tls.expect("loaded above for a TCP frontend"),
+        },
+    })
+}
+
 /// The peer of a frontend on the Unix socket, for the audit log:
 /// `unix:<path>`; none on TCP.
 fn socket_peer(frontend: &FrontendListen) -> String {
@@ -224,22 +247,7 @@ impl ProxyServer {
             FrontendListen::Uds { .. } => None,
         };
         let agent = bind_named(config.agent_addr, "agent").await?;
-        let frontend = match &config.frontend {
-            FrontendListen::Uds {
-                path,
-                delete_existing,
-            } => BoundFrontend::Uds {
-                listener: bind_uds(path, *delete_existing).map_err(|source| ServerError::Uds {
-                    path: path.clone(),
-                    source,
-                })?,
-                path: path.clone(),
-            },
-            FrontendListen::Tcp { addr, .. } => BoundFrontend::Tcp {
-                listener: bind_named(*addr, "frontend").await?,
-                tls: frontend_tls.expect("loaded above for a TCP frontend"),
-            },
-        };
+        let frontend = bind_frontend(&config.frontend, frontend_tls).await?;
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         let tracing = start_tracing(config.tracing.as_ref(), &metrics)?;

@@ -293,7 +293,7 @@ impl Traces {
     /// The dial failed with `error`.
     pub(crate) fn failed(&mut self, dial: DialId, error: &DialError) {
         if let Some(mut trace) = self.take(dial) {
-            trace.span.fail(&error.to_string());
+            trace.span.fail(error.to_string());
             let end = if self.shutting_down {
                 End::shutdown()
             } else {
