@@ -135,7 +135,12 @@ async fn serve_http_connect<S, IO>(
 ) -> Result<(), tonic::transport::Error>
 where
     S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin,
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + Unpin
+        + Send
+        + 'static
+        + crate::frontend::FrontendSocket,
 {
     let admitted = Arc::new(tokio::sync::Semaphore::new(max_connections));
     // Logged when the cap is first reached, again after it was left.
@@ -715,7 +720,12 @@ fn http_connect_server<S, IO>(
 ) -> FrontendFuture
 where
     S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin + Send + 'static,
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + Unpin
+        + Send
+        + 'static
+        + crate::frontend::FrontendSocket,
 {
     Box::pin(serve_http_connect(
         incoming,

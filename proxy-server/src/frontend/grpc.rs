@@ -71,6 +71,8 @@ impl ProxyService for ProxyServiceImpl {
             .remote_addr()
             .map(|addr| addr.to_string())
             .unwrap_or_default();
+        let subject =
+            crate::frontend::client_subject(request.peer_certs().as_deref().map(Vec::as_slice));
         let inbound = request.into_inner();
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
@@ -92,7 +94,7 @@ impl ProxyService for ProxyServiceImpl {
             FrontendPeer {
                 kind: FrontendKind::Grpc,
                 peer,
-                subject: None,
+                subject,
             },
         );
         let live = metrics.grpc_stream(Method::Proxy);

@@ -39,7 +39,7 @@ use crate::{
     conn::{Conn, FrontendItem, FrontendLink, FrontendTx, frontend_queue},
     control::Control,
     events::DialError,
-    frontend::FrontendGuard,
+    frontend::{FrontendGuard, FrontendSocket},
     metrics::Method,
     router::FrontendKind,
     stream::StreamEnd,
@@ -65,11 +65,17 @@ pub(crate) async fn refuse<IO: AsyncWrite + Unpin>(mut io: IO) {
 /// `shutdown`: every wait of the connection ends with it.
 pub(crate) async fn serve_connection<IO>(io: IO, control: Arc<Control>, shutdown: CancellationToken)
 where
-    IO: AsyncRead + AsyncWrite + Unpin,
+    IO: AsyncRead + AsyncWrite + Unpin + FrontendSocket,
 {
+    let (peer, subject) = io.peer();
+    let peer = FrontendPeer {
+        kind: FrontendKind::HttpConnect,
+        peer,
+        subject,
+    };
     tokio::select! {
         () = shutdown.cancelled() => {}
-        () = serve(io, control, &shutdown) => {}
+        () = serve(io, control, peer, &shutdown) => {}
     }
 }
 
@@ -89,8 +95,12 @@ async fn request<IO: AsyncRead + AsyncWrite + Unpin>(io: &mut IO) -> Option<head
     None
 }
 
-async fn serve<IO>(mut io: IO, control: Arc<Control>, shutdown: &CancellationToken)
-where
+async fn serve<IO>(
+    mut io: IO,
+    control: Arc<Control>,
+    peer: FrontendPeer,
+    shutdown: &CancellationToken,
+) where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
     let Some(head) = request(&mut io).await else {
@@ -107,11 +117,6 @@ where
     let _guard = FrontendGuard {
         control: control.clone(),
         link: link.clone(),
-    };
-    let peer = FrontendPeer {
-        kind: FrontendKind::HttpConnect,
-        peer: String::new(),
-        subject: None,
     };
     control.frontend_traced(link.id(), head.traceparent.as_deref(), peer);
     let mut early = head.rest;

@@ -328,3 +328,43 @@ async fn a_frontend_that_gives_up_mid_dial_leaves_nothing_but_records_saying_so(
     server.stop().await;
     assert_abandoned(&server_log, &agent_log, "CONNECT client gone");
 }
+
+#[tokio::test]
+async fn a_tcp_frontends_record_names_its_address_and_certificate_subject() {
+    let dir = tempfile::tempdir().unwrap();
+    let echo = destination::echo().await;
+    for mode in [Mode::Grpc, Mode::HttpConnect] {
+        let server_log = dir.path().join(format!("{mode:?}-tcp.jsonl"));
+        let server = TestServer::start_with(ServerOpts {
+            mode,
+            tcp_frontend: true,
+            audit_log: Some(server_log.clone()),
+            ..Default::default()
+        })
+        .await;
+        let agent = TestAgent::start(&server).await;
+        server.wait_for_backends(1).await;
+        let mut conn = server.dialer().dial(&echo.address()).await.unwrap();
+        conn.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        conn.read_exact(&mut got).await.unwrap();
+        drop(conn);
+        wait_for("the tunnel to close", || echo.open_connections() == 0).await;
+        agent.stop().await;
+        server.stop().await;
+        let (records, _) = sides(&server_log);
+        assert_eq!(records.len(), 1, "{mode:?}: {records:?}");
+        let record = &records[0];
+        assert!(
+            record.frontend_peer.starts_with("127.0.0.1:"),
+            "{mode:?}: {record:?}"
+        );
+        assert!(
+            record
+                .frontend_subject
+                .as_deref()
+                .is_some_and(|s| s.contains("CN=")),
+            "{mode:?}: {record:?}"
+        );
+    }
+}
