@@ -28,6 +28,7 @@
 //!   run on its own.
 
 pub mod agents;
+pub mod audit;
 pub mod backends;
 pub mod budget;
 pub mod grpc_go;
@@ -126,6 +127,11 @@ pub enum Scenario {
     /// deployments, our client and grpc-go at 8 clients, --reps
     /// repetitions in alternating order. Not in the default set.
     Policy,
+    /// --audit-tunnels single-use gRPC tunnels at 8 clients with
+    /// --audit-log-path on server and agent, then both stopped and their
+    /// records joined: exactly one per side per tunnel, agreeing. Not in
+    /// the default set.
+    Audit,
 }
 
 /// A fault's name on the command line (`--soak-faults`).
@@ -259,6 +265,9 @@ pub struct Opt {
     /// `scripts/test` builds).
     #[arg(long)]
     pub go_agents: Option<PathBuf>,
+    /// Single-use tunnels of the audit scenario.
+    #[arg(long, default_value_t = 10_000)]
+    pub audit_tunnels: usize,
     /// Length of the soak, faults and all (Go duration).
     #[arg(long, default_value = "60m", value_parser = go_duration)]
     pub soak_duration: Duration,
@@ -866,6 +875,12 @@ async fn run_apart(
         )
         .await
         .context("policy scenario")?;
+        notes.extend(more);
+    }
+    if opt.has(Scenario::Audit) {
+        let more = audit::run(bins, dir, &system.backends, opt.audit_tunnels)
+            .await
+            .context("audit scenario")?;
         notes.extend(more);
     }
     if opt.has(Scenario::Budget) {

@@ -239,6 +239,20 @@ impl Deployment {
         label: &str,
         agent: &[String],
     ) -> anyhow::Result<Self> {
+        Self::start_with(bins, dir, mode, label, (&[], agent)).await
+    }
+
+    /// [`Deployment::start_labelled`] with flags for the server too.
+    ///
+    /// # Errors
+    /// A process cannot be started, or the server is not ready in time.
+    pub async fn start_with(
+        bins: &Binaries,
+        dir: &Path,
+        mode: Mode,
+        label: &str,
+        (server, agent): (&[String], &[String]),
+    ) -> anyhow::Result<Self> {
         let name = match mode {
             Mode::Grpc => "grpc",
             Mode::HttpConnect => "http-connect",
@@ -251,6 +265,7 @@ impl Deployment {
             &[
                 &bins.extra[..],
                 &server_args(dir, name, &uds, agent_port, health_port),
+                server,
             ]
             .concat(),
             dir.join(format!("{label}-server.log")),
@@ -324,6 +339,50 @@ impl Deployment {
         self.server.check_alive()?;
         self.agent.check_alive()
     }
+
+    /// Stops both as an operator does and waits until they have exited
+    /// (each writes out its audit log first): the agent's first SIGTERM
+    /// drains it (it logs `draining`), its second stops it; then the
+    /// server's SIGTERM.
+    ///
+    /// # Errors
+    /// A signal cannot be sent, or a process does not exit within
+    /// [`READY_DEADLINE`].
+    pub async fn stop(&mut self) -> anyhow::Result<()> {
+        self.agent.terminate()?;
+        let log = self.agent.log().to_owned();
+        wait_until(
+            |agent: &mut Process| {
+                agent.has_exited()
+                    || std::fs::read_to_string(&log).is_ok_and(|text| text.contains("draining"))
+            },
+            &mut self.agent,
+            "the agent to drain",
+        )
+        .await?;
+        if !self.agent.has_exited() {
+            self.agent.terminate()?;
+        }
+        wait_until(Process::has_exited, &mut self.agent, "the agent to exit").await?;
+        self.server.terminate()?;
+        wait_until(Process::has_exited, &mut self.server, "the server to exit").await
+    }
+}
+
+/// Polls `done` on `process` until it holds, within [`READY_DEADLINE`].
+async fn wait_until(
+    mut done: impl FnMut(&mut Process) -> bool,
+    process: &mut Process,
+    what: &str,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + READY_DEADLINE;
+    while !done(process) {
+        if tokio::time::Instant::now() >= deadline {
+            bail!("timed out waiting for {what} ({})", process.log().display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 /// Process ids of a deployment.

@@ -407,6 +407,7 @@ impl Bound {
             tls: tls.clone(),
             metrics,
             destinations,
+            audit: crate::audit::AgentAudit::new(audit_log.sink(), &config.agent_id.0),
         };
         for address in 0..config.servers.len() {
             tasks.spawn(sync_loop(
@@ -551,6 +552,8 @@ struct Connecting {
     metrics: Arc<AgentMetrics>,
     /// The destination policy its dials follow.
     destinations: Destinations,
+    /// Where its dials' audit records go.
+    audit: crate::audit::AgentAudit,
 }
 
 /// Keeps one client per server for `--proxy-server-host` entry `address`:
@@ -567,6 +570,7 @@ async fn sync_loop(
         tls,
         metrics,
         destinations,
+        audit,
     } = with;
     let target = &config.servers[address];
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
@@ -577,7 +581,9 @@ async fn sync_loop(
         } else if state.should_dial(address, config.servers.len(), config.sync_forever) {
             match Client::connect(&config, tls.current(), target, metrics.clone()).await {
                 Ok(client) => {
-                    let client = client.with_destinations(destinations.clone());
+                    let client = client
+                        .with_destinations(destinations.clone())
+                        .with_audit(audit.clone());
                     add_client(&state, client, address, &token, &tasks);
                     backoff.success()
                 }

@@ -36,9 +36,10 @@ use tunnel::{
 };
 
 use crate::{
+    audit::{self, AgentAudit, AgentDial},
     config::{Config, ServerAddr},
     destinations::Destinations,
-    endpoint::{self, ConnDriver, Connections, EndpointConn, EndpointDialError},
+    endpoint::{self, ConnDriver, ConnEnd, Connections, EndpointConn, EndpointDialError},
     metrics::{AgentMetrics, Direction, Segment},
     outbound::ToServer,
     table::{DialTicket, Dialed, Step},
@@ -196,6 +197,8 @@ pub struct Client {
     tracing: ops::otel::Tracing,
     /// The destination policy its dials follow.
     destinations: Destinations,
+    /// Where its dials' audit records go.
+    audit: AgentAudit,
 }
 
 /// Whether a server connection's TCP/TLS transport has ended (a flag its
@@ -347,6 +350,7 @@ impl Client {
             inbound: response.into_inner(),
             out_tx,
             destinations: Destinations::allow_all(metrics.clone()),
+            audit: AgentAudit::disabled(),
             metrics,
             _channel: channel,
             transport,
@@ -360,6 +364,13 @@ impl Client {
     #[must_use]
     pub fn with_destinations(mut self, destinations: Destinations) -> Self {
         self.destinations = destinations;
+        self
+    }
+
+    /// The client with an audit record of each of its dials to `audit`.
+    #[must_use]
+    pub fn with_audit(mut self, audit: AgentAudit) -> Self {
+        self.audit = audit;
         self
     }
 
@@ -462,6 +473,7 @@ impl Client {
             metrics,
             tracing,
             destinations,
+            audit,
             ..
         } = self;
         let tasks = TaskTracker::new();
@@ -473,6 +485,7 @@ impl Client {
             metrics: metrics.clone(),
             tracing,
             destinations,
+            audit: (audit, server_id.0.clone()),
         };
         let end = dispatcher
             .read(&mut inbound, &transport, probe_interval, &cancel)
@@ -602,6 +615,8 @@ struct Dispatcher {
     tracing: ops::otel::Tracing,
     /// The destination policy.
     destinations: Destinations,
+    /// Where the audit records of its dials go, and the server's id.
+    audit: (AgentAudit, String),
 }
 
 /// Adds the time a reader waited to the blocked-time counter when dropped.
@@ -779,8 +794,9 @@ impl Dispatcher {
             metrics: self.metrics.clone(),
             destinations: self.destinations.clone(),
         };
+        let record = self.audit.0.dial(&self.audit.1, ticket.dial.0, &address);
         self.tasks.spawn(
-            dial.run(ticket, (protocol, address), cancel, otel)
+            dial.run(ticket, (protocol, address), cancel, (otel, record))
                 .instrument(span),
         );
     }
@@ -803,7 +819,7 @@ impl Dial {
         ticket: DialTicket,
         (protocol, address): (String, String),
         cancel: CancellationToken,
-        mut otel: ops::otel::Span,
+        (mut otel, mut record): (ops::otel::Span, Option<AgentDial>),
     ) {
         let started = std::time::Instant::now();
         let policy = self.destinations.current();
@@ -811,6 +827,9 @@ impl Dial {
             // DIAL_CLS or the stream's end: it has left the table.
             () = cancel.cancelled() => {
                 otel.set(|| vec![ops::otel::Attr::new("konnectivity.end", "cancelled")]);
+                if let Some(record) = record {
+                    record.finish(audit::cancelled(), None, (0, 0));
+                }
                 return;
             }
             dialed = endpoint::dial(&protocol, &address, &policy) => dialed,
@@ -839,11 +858,17 @@ impl Dial {
         match dialed {
             Ok(connected) => {
                 self.metrics.dial_succeeded(started.elapsed());
-                self.carry(connected.stream, ticket, cancel).await;
+                if let Some(record) = record.as_mut() {
+                    record.dialed(Some(connected.addr.to_string()), Some(&connected.verdict));
+                }
+                self.carry(connected.stream, ticket, cancel, record).await;
             }
             Err(error) => {
                 if let EndpointDialError::Denied { addr, rule, .. } = &error {
                     self.destinations.refused(rule, &address, *addr);
+                }
+                if let Some(record) = record {
+                    audit::dial_failed(record, &error);
                 }
                 self.metrics.dial_failed(error.failure());
                 debug!(error = %error, "dial failed");
@@ -856,7 +881,13 @@ impl Dial {
 
     /// Enters the dialed `socket` in the table, answers DIAL_RSP and moves
     /// its bytes until it ends.
-    async fn carry(self, socket: TcpStream, ticket: DialTicket, cancel: CancellationToken) {
+    async fn carry(
+        self,
+        socket: TcpStream,
+        ticket: DialTicket,
+        cancel: CancellationToken,
+        mut record: Option<AgentDial>,
+    ) {
         let Self {
             conns,
             to_server,
@@ -879,12 +910,21 @@ impl Dial {
             .dialed(ticket, Ok::<_, endpoint::EndpointDialError>(handle));
         let Dialed::Open { conn: id, reply } = opened else {
             // Cancelled meanwhile: the socket closes unanswered.
+            if let Some(record) = record {
+                record.finish(audit::cancelled(), None, (0, 0));
+            }
             return;
         };
         tracing::Span::current().record("conn.id", tracing::field::display(id));
         metrics.endpoint_connection_opened();
+        if let Some(record) = record.as_mut() {
+            record.opened(id.0);
+        }
         if !to_server.control(reply) {
             conns.lock().remove(id);
+            if let Some(record) = record {
+                record.finish(audit::closed(&ConnEnd::StreamGone), None, (0, 0));
+            }
             return;
         }
         debug!("connected");
@@ -892,7 +932,7 @@ impl Dial {
         let grants = scheme
             .is_credit()
             .then(|| Arc::new(to_server.clone()) as Arc<dyn ControlSink>);
-        ConnDriver {
+        let (end, bytes) = ConnDriver {
             id,
             socket,
             up: QueueUpstream::new(id, out, Some(flow)),
@@ -906,6 +946,13 @@ impl Dial {
         }
         .run()
         .await;
+        if let Some(record) = record {
+            let error = match &end {
+                ConnEnd::DestinationError(error) => Some(error.to_string()),
+                _ => None,
+            };
+            record.finish(audit::closed(&end), error, bytes);
+        }
     }
 }
 
@@ -1058,6 +1105,7 @@ mod tests {
             metrics: metrics.clone(),
             tracing: ops::otel::Tracing::off(),
             destinations: Destinations::allow_all(metrics.clone()),
+            audit: (AgentAudit::disabled(), String::new()),
         }
     }
 

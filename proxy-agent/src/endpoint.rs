@@ -9,13 +9,14 @@ use std::{
     time::Duration,
 };
 
+use bytes::Bytes;
 use proto::Packet;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
     flow::{self, Flow, InboundTx},
     ids::ConnId,
-    mover::{self, MoverEnd, QueueUpstream, WindowDownstream},
+    mover::{self, Downstream, MoverEnd, QueueUpstream, Sent, Upstream, WindowDownstream},
     text::Elided,
 };
 
@@ -143,13 +144,48 @@ pub(crate) struct ConnDriver {
     pub(crate) metrics: Arc<AgentMetrics>,
 }
 
+/// A half of a connection's byte mover that counts the payload bytes it
+/// carries, for the connection's audit record at its end.
+struct Counted<T> {
+    inner: T,
+    bytes: u64,
+}
+
+impl<U: Upstream> Upstream for &mut Counted<U> {
+    async fn send(&mut self, data: Bytes) -> Sent {
+        let len = data.len() as u64;
+        let sent = self.inner.send(data).await;
+        if sent == Sent::Sent {
+            self.bytes += len;
+        }
+        sent
+    }
+}
+
+impl<D: Downstream> Downstream for &mut Counted<D> {
+    async fn next(&mut self) -> Option<Bytes> {
+        let data = self.inner.next().await?;
+        self.bytes += data.len() as u64;
+        Some(data)
+    }
+
+    fn written(&mut self) -> bool {
+        self.inner.written()
+    }
+
+    fn has_more(&self) -> bool {
+        self.inner.has_more()
+    }
+}
+
 impl ConnDriver {
-    /// Runs the connection to its end.
-    pub(crate) async fn run(self) {
+    /// Runs the connection to its end; how it ended, and the payload bytes
+    /// it carried (to the endpoint, to the server).
+    pub(crate) async fn run(self) -> (ConnEnd, (u64, u64)) {
         let Self {
             id,
             mut socket,
-            mut up,
+            up,
             down,
             overflow,
             closing,
@@ -168,12 +204,20 @@ impl ConnDriver {
         // is cancelled before the table drops this connection's queue, and
         // the mover would take the closed queue for the server's close and
         // send the destination a FIN, a clean end with bytes missing.
+        let mut up = Counted {
+            inner: up,
+            bytes: 0,
+        };
+        let mut down = Counted {
+            inner: down,
+            bytes: 0,
+        };
         let end = tokio::select! {
             biased;
             () = stream.cancelled() => ConnEnd::StreamGone,
             () = overflow.cancelled() => ConnEnd::Overflow,
             () = drain_deadline => ConnEnd::DrainTimedOut,
-            end = mover::run(&mut socket, &mut up, down) => ConnEnd::from_mover(end),
+            end = mover::run(&mut socket, &mut up, &mut down) => ConnEnd::from_mover(end),
         };
         if end.is_failure() {
             // A FIN would read as a clean end at the destination, with
@@ -181,7 +225,7 @@ impl ConnDriver {
             let _ = socket.set_zero_linger();
         }
         drop(socket);
-        if let Some(packet) = &up.undelivered {
+        if let Some(packet) = &up.inner.undelivered {
             metrics.send_failed(packet);
         }
         metrics.connection_closed(end.reason());
@@ -200,6 +244,8 @@ impl ConnDriver {
         if let Some(answer) = answer {
             to_server.control(answer);
         }
+        drop(table);
+        (end, (down.bytes, up.bytes))
     }
 }
 

@@ -26,6 +26,7 @@ static ALLOCATOR: heap_count::Counting<std::alloc::System> =
     heap_count::Counting::new(std::alloc::System);
 
 pub mod agent;
+pub mod audit;
 pub mod client;
 pub mod config;
 pub mod destinations;

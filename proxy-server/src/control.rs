@@ -43,7 +43,7 @@ use crate::{
         Router, STALLED,
     },
     strategy::ProxyStrategy,
-    traces::Traces,
+    traces::{FrontendPeer, Traces},
 };
 
 /// The router and where each of its streams' packets go.
@@ -182,12 +182,32 @@ impl Control {
         self.state().traces.tracing()
     }
 
-    /// A frontend's stream carries the W3C trace context `traceparent`: its
-    /// dials continue that trace.
-    pub(crate) fn frontend_traced(&self, fe: FrontendId, traceparent: Option<&str>) {
-        if traceparent.is_some() {
-            self.state().traces.frontend(fe, traceparent);
-        }
+    /// Writes one audit record per frontend dial to `sink`, as `server_id`.
+    pub(crate) fn with_audit(
+        self,
+        sink: ops::audit::Sink<ops::audit::AuditRecord>,
+        server_id: String,
+        socket: String,
+    ) -> Self {
+        self.state().traces.set_audit(sink, server_id, socket);
+        self
+    }
+
+    /// The server shuts down: what ends from now on, its shutdown ended.
+    pub(crate) fn shutting_down(&self) {
+        self.state().traces.shutting_down();
+    }
+
+    /// A frontend's stream carries the W3C trace context `traceparent`
+    /// (its dials continue that trace) and comes from `peer` (its
+    /// tunnels' audit records say so).
+    pub(crate) fn frontend_traced(
+        &self,
+        fe: FrontendId,
+        traceparent: Option<&str>,
+        peer: FrontendPeer,
+    ) {
+        self.state().traces.frontend(fe, traceparent, peer);
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -387,13 +407,13 @@ impl Control {
             } => self.established(state, (frontend, backend, conn), packet, latency, more),
             Out::Count(event) => {
                 if let Event::Closed(reason, _) = event {
-                    state.traces.close_reason(reason.as_str());
+                    state.traces.close_reason(reason);
                 }
                 self.count(event);
             }
             out => {
                 if let Out::DialFailed { dial, error, .. } = &out {
-                    state.traces.failed(*dial, &error.to_string());
+                    state.traces.failed(*dial, error);
                 }
                 Self::send(state, out);
             }
@@ -486,7 +506,7 @@ impl Control {
             let dial = DialId(rsp.random);
             state
                 .traces
-                .established(dial, (backend, conn), &link.agent_id, latency);
+                .established((frontend, dial), (backend, conn), &link.agent_id, latency);
         }
         let delivered = state
             .frontends

@@ -31,3 +31,38 @@ impl Drop for FrontendGuard {
         self.link.tx.end.end();
     }
 }
+
+/// A frontend's socket: who is at its other end, for its tunnels' audit
+/// records (`traces::FrontendPeer`).
+pub(crate) trait FrontendSocket {
+    /// The peer's `ip:port` (empty on the Unix socket, whose peers have
+    /// none: the record names the socket) and its client certificate's
+    /// subject, if it gave one.
+    fn peer(&self) -> (String, Option<String>);
+}
+
+impl FrontendSocket for tokio::net::UnixStream {
+    fn peer(&self) -> (String, Option<String>) {
+        (String::new(), None)
+    }
+}
+
+impl FrontendSocket for edge::listen::TlsConn {
+    fn peer(&self) -> (String, Option<String>) {
+        let (io, session) = self.get_ref();
+        let addr = io
+            .get_ref()
+            .get_ref()
+            .peer_addr()
+            .map(|addr| addr.to_string())
+            .unwrap_or_default();
+        (addr, client_subject(session.peer_certificates()))
+    }
+}
+
+/// The subject of the leaf of a client's certificate chain, if any.
+pub(crate) fn client_subject(
+    chain: Option<&[rustls::pki_types::CertificateDer<'_>]>,
+) -> Option<String> {
+    chain?.first().and_then(ops::tls::files::subject)
+}

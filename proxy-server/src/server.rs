@@ -135,7 +135,12 @@ async fn serve_http_connect<S, IO>(
 ) -> Result<(), tonic::transport::Error>
 where
     S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin,
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + Unpin
+        + Send
+        + 'static
+        + crate::frontend::FrontendSocket,
 {
     let admitted = Arc::new(tokio::sync::Semaphore::new(max_connections));
     // Logged when the cap is first reached, again after it was left.
@@ -173,6 +178,38 @@ where
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+/// Binds the frontend's listener (`tls`: its certificates, for TCP).
+async fn bind_frontend(
+    frontend: &FrontendListen,
+    tls: Option<TlsFiles<ListenerConfig>>,
+) -> Result<BoundFrontend, ServerError> {
+    Ok(match frontend {
+        FrontendListen::Uds {
+            path,
+            delete_existing,
+        } => BoundFrontend::Uds {
+            listener: bind_uds(path, *delete_existing).map_err(|source| ServerError::Uds {
+                path: path.clone(),
+                source,
+            })?,
+            path: path.clone(),
+        },
+        FrontendListen::Tcp { addr, .. } => BoundFrontend::Tcp {
+            listener: bind_named(*addr, "frontend").await?,
+            tls: tls.expect("loaded above for a TCP frontend"),
+        },
+    })
+}
+
+/// The peer of a frontend on the Unix socket, for the audit log:
+/// `unix:<path>`; none on TCP.
+fn socket_peer(frontend: &FrontendListen) -> String {
+    match frontend {
+        FrontendListen::Uds { path, .. } => format!("unix:{}", path.display()),
+        FrontendListen::Tcp { .. } => String::new(),
     }
 }
 
@@ -215,22 +252,7 @@ impl ProxyServer {
             FrontendListen::Uds { .. } => None,
         };
         let agent = bind_named(config.agent_addr, "agent").await?;
-        let frontend = match &config.frontend {
-            FrontendListen::Uds {
-                path,
-                delete_existing,
-            } => BoundFrontend::Uds {
-                listener: bind_uds(path, *delete_existing).map_err(|source| ServerError::Uds {
-                    path: path.clone(),
-                    source,
-                })?,
-                path: path.clone(),
-            },
-            FrontendListen::Tcp { addr, .. } => BoundFrontend::Tcp {
-                listener: bind_named(*addr, "frontend").await?,
-                tls: frontend_tls.expect("loaded above for a TCP frontend"),
-            },
-        };
+        let frontend = bind_frontend(&config.frontend, frontend_tls).await?;
         let health = bind_named(config.health_addr, "health").await?;
         let admin = bind_named(config.admin_addr, "admin").await?;
         let tracing = start_tracing(config.tracing.as_ref(), &metrics)?;
@@ -241,7 +263,12 @@ impl ProxyServer {
                 metrics,
                 Budgets::new(config.buffer_budget_bytes),
             )
-            .with_tracing(tracing),
+            .with_tracing(tracing)
+            .with_audit(
+                audit_log.sink(),
+                config.server_id.0.clone(),
+                socket_peer(&config.frontend),
+            ),
         );
         let token_auth = match &config.token_auth {
             Some(auth) => {
@@ -693,7 +720,12 @@ fn http_connect_server<S, IO>(
 ) -> FrontendFuture
 where
     S: futures_util::Stream<Item = Result<IO, io::Error>> + Unpin + Send + 'static,
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + Unpin
+        + Send
+        + 'static
+        + crate::frontend::FrontendSocket,
 {
     Box::pin(serve_http_connect(
         incoming,
@@ -852,6 +884,7 @@ impl Running {
         }
         info!("stopping");
         ends.token.cancel();
+        control.shutting_down();
         ends.tasks.close();
         ends.listeners.close();
         let result = wind_down(tasks, &ends).await;

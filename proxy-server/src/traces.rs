@@ -8,17 +8,31 @@
 //! CONNECT request); its context goes to the agent in the DIAL_REQ
 //! (`DialRequest.traceparent`). Nothing here is on the bytes' path: the
 //! byte counts are read from the connection once, at its end.
+//!
+//! The same bookkeeping makes the audit log's server records
+//! (`--audit-log-path`, [`audit`]): one per frontend dial, written where
+//! its spans end, handed to the log's sink without waiting.
+
+mod audit;
 
 use std::{collections::HashMap, time::Duration};
 
-use ops::otel::{Attr, Kind, Parent, Span, Tracing};
+use ops::{
+    audit::{AuditRecord, Sink},
+    otel::{Attr, Kind, Parent, Span, Tracing},
+};
 use proto::{Packet, PacketType, Payload};
 use tunnel::{
     compact,
     ids::{AgentId, ConnId, DialId},
 };
 
-use crate::router::{BackendId, FrontendId};
+pub(crate) use self::audit::FrontendPeer;
+use self::audit::{End, Outcome, Pending};
+use crate::{
+    events::{CloseReason, DialError},
+    router::{BackendId, FrontendId},
+};
 
 /// A dial in flight.
 struct DialTrace {
@@ -29,6 +43,27 @@ struct DialTrace {
     retries: i64,
     /// Whether a second agent was asked while the first had not answered.
     hedged: bool,
+    /// Agents it was hedged to.
+    hedges: u32,
+    /// Its audit record in the making (audit log on).
+    record: Option<Pending>,
+}
+
+/// An established tunnel.
+struct TunnelTrace {
+    span: Span,
+    /// Its audit record in the making, with the dial's retries and hedges.
+    record: Option<(Pending, u32, u32)>,
+    connection_id: i64,
+    frontend: FrontendId,
+}
+
+/// A tunnel that just closed, until the router says why.
+struct Closing {
+    span: Span,
+    record: Option<(Pending, u32, u32)>,
+    connection_id: i64,
+    bytes: (u64, u64),
 }
 
 /// The spans of dials and tunnels in progress.
@@ -38,12 +73,25 @@ pub(crate) struct Traces {
     /// Frontends that sent a trace context.
     parents: HashMap<FrontendId, Parent>,
     dials: HashMap<DialId, DialTrace>,
-    tunnels: HashMap<(BackendId, ConnId), Span>,
+    tunnels: HashMap<(BackendId, ConnId), TunnelTrace>,
+    /// The audit log's sink and this server's id.
+    audit: Option<(Sink<AuditRecord>, String)>,
+    /// Who each frontend is (audit log on).
+    peers: HashMap<FrontendId, FrontendPeer>,
+    /// Established tunnels by their frontend's id for them (audit log on):
+    /// a CLOSE_REQ names the tunnel its frontend ends.
+    by_frontend: HashMap<(FrontendId, ConnId), BackendId>,
+    /// The frontend's Unix socket (`unix:<path>`), the peer of a frontend
+    /// that has no address.
+    socket: String,
+    /// Set when the server shuts down: what ends from then on, its
+    /// shutdown ended.
+    shutting_down: bool,
     /// Dials that left the pending table in this event, until the event
     /// says how (established, failed; else cancelled).
     settling: Vec<(DialId, DialTrace)>,
     /// A tunnel that just closed, until the router says why.
-    closing: Option<Span>,
+    closing: Option<Closing>,
 }
 
 impl Traces {
@@ -55,18 +103,44 @@ impl Traces {
         }
     }
 
+    /// Also writes one audit record per frontend dial to `sink`, as
+    /// `server_id`; a frontend whose peer is not known otherwise is
+    /// `socket` (`unix:<path>`).
+    pub(crate) fn set_audit(&mut self, sink: Sink<AuditRecord>, server_id: String, socket: String) {
+        self.audit = sink.enabled().then_some((sink, server_id));
+        self.socket = socket;
+    }
+
+    /// The server is shutting down: what ends now, its shutdown ended.
+    pub(crate) fn shutting_down(&mut self) {
+        self.shutting_down = true;
+    }
+
     /// The tracer.
     pub(crate) fn tracing(&self) -> Tracing {
         self.tracing.clone()
     }
 
-    /// A frontend's stream started with `traceparent`, if it sent one.
-    pub(crate) fn frontend(&mut self, fe: FrontendId, traceparent: Option<&str>) {
+    /// A frontend's stream started with `traceparent`, if it sent one,
+    /// from `peer`.
+    pub(crate) fn frontend(
+        &mut self,
+        fe: FrontendId,
+        traceparent: Option<&str>,
+        peer: FrontendPeer,
+    ) {
         if let Some(parent) = traceparent
             .filter(|_| self.tracing.is_on())
             .and_then(Parent::parse)
         {
             self.parents.insert(fe, parent);
+        }
+        if self.audit.is_some() {
+            let mut peer = peer;
+            if peer.peer.is_empty() {
+                peer.peer.clone_from(&self.socket);
+            }
+            self.peers.insert(fe, peer);
         }
     }
 
@@ -75,16 +149,40 @@ impl Traces {
         if self.parents.remove(&fe).is_some() {
             compact(&mut self.parents);
         }
+        if self.peers.remove(&fe).is_some() {
+            compact(&mut self.peers);
+        }
     }
 
-    /// A frontend's control packet: a DIAL_REQ starts a dial span.
+    /// A frontend's control packet: a DIAL_REQ starts a dial span (and
+    /// record); a CLOSE_REQ says the frontend ends its tunnel.
     pub(crate) fn frontend_packet(&mut self, fe: FrontendId, packet: &Packet, kind: &'static str) {
-        if !self.tracing.is_on() || packet.r#type != PacketType::DialReq as i32 {
+        if let Some(Payload::CloseRequest(close)) = &packet.payload {
+            if let Some(backend) = self.by_frontend.get(&(fe, ConnId(close.connect_id)))
+                && let Some(tunnel) = self.tunnels.get_mut(&(*backend, ConnId(close.connect_id)))
+                && let Some((record, ..)) = tunnel.record.as_mut()
+            {
+                record.close_requested = true;
+            }
+            return;
+        }
+        if packet.r#type != PacketType::DialReq as i32 {
             return;
         }
         let Some(Payload::DialRequest(request)) = &packet.payload else {
             return;
         };
+        let record = self.audit.as_ref().map(|_| {
+            let peer = self.peers.get(&fe).cloned().unwrap_or(FrontendPeer {
+                kind: crate::router::FrontendKind::Grpc,
+                peer: String::new(),
+                subject: None,
+            });
+            Pending::new(peer, request.address.clone(), request.random)
+        });
+        if !self.tracing.is_on() && record.is_none() {
+            return;
+        }
         let mut span = self
             .tracing
             .span("proxy-server dial", Kind::Server, self.parents.get(&fe));
@@ -102,6 +200,8 @@ impl Traces {
                 attempts: 0,
                 retries: 0,
                 hedged: false,
+                hedges: 0,
+                record,
             },
         );
     }
@@ -121,6 +221,7 @@ impl Traces {
         trace.attempts += 1;
         let kind = if hedge {
             trace.hedged = true;
+            trace.hedges += 1;
             "hedge"
         } else if trace.attempts == 1 {
             "first"
@@ -128,6 +229,9 @@ impl Traces {
             trace.retries += 1;
             "retry"
         };
+        if let Some(record) = trace.record.as_mut() {
+            record.agent = Some(agent.0.clone());
+        }
         trace.span.event("attempt", || {
             vec![
                 Attr::new("konnectivity.agent.id", agent.0.clone()),
@@ -141,11 +245,11 @@ impl Traces {
         }
     }
 
-    /// The dial was established on `agent`'s connection `conn`: its span
-    /// ends, the tunnel's starts.
+    /// The dial of `frontend` was established on `agent`'s connection
+    /// `conn`: its span ends, the tunnel's starts.
     pub(crate) fn established(
         &mut self,
-        dial: DialId,
+        (frontend, dial): (FrontendId, DialId),
         (backend, conn): (BackendId, ConnId),
         agent: &AgentId,
         latency: Duration,
@@ -160,26 +264,57 @@ impl Traces {
                 Attr::new("konnectivity.dial.latency_ms", latency.as_secs_f64() * 1e3),
             ]
         });
-        let mut tunnel = self.tracing.span(
+        let mut span = self.tracing.span(
             "proxy-server tunnel",
             Kind::Internal,
             trace.span.as_parent().as_ref(),
         );
-        tunnel.set(|| {
+        span.set(|| {
             vec![
                 Attr::new("konnectivity.agent.id", agent.0.clone()),
                 Attr::new("konnectivity.connect_id", conn.0),
             ]
         });
+        let record = trace.record.take().map(|mut record| {
+            record.established(&agent.0, latency);
+            self.by_frontend.insert((frontend, conn), backend);
+            (record, count(trace.retries), trace.hedges)
+        });
         end_dial(trace, "established");
+        let tunnel = TunnelTrace {
+            span,
+            record,
+            connection_id: conn.0,
+            frontend,
+        };
         self.tunnels.insert((backend, conn), tunnel);
     }
 
     /// The dial failed with `error`.
-    pub(crate) fn failed(&mut self, dial: DialId, error: &str) {
+    pub(crate) fn failed(&mut self, dial: DialId, error: &DialError) {
         if let Some(mut trace) = self.take(dial) {
-            trace.span.fail(error);
+            trace.span.fail(error.to_string());
+            let end = if self.shutting_down {
+                End::shutdown()
+            } else {
+                End::failed(error)
+            };
+            self.write_dial(&mut trace, end);
             end_dial(trace, "failed");
+        }
+    }
+
+    /// Writes a dial's record that ended without a tunnel.
+    fn write_dial(&self, trace: &mut DialTrace, end: End) {
+        if let (Some((sink, server_id)), Some(record)) = (&self.audit, trace.record.take()) {
+            let outcome = Outcome {
+                connection_id: None,
+                retries: count(trace.retries),
+                hedges: trace.hedges,
+                bytes: (0, 0),
+                end,
+            };
+            audit::write(sink, server_id, record, outcome);
         }
     }
 
@@ -205,13 +340,20 @@ impl Traces {
     /// A tunnel closed, having carried `bytes` (to the agent, to the
     /// frontend); why comes next ([`Traces::close_reason`]).
     pub(crate) fn closed(&mut self, key: (BackendId, ConnId), bytes: (u64, u64)) {
-        if let Some(span) = self.closing.take() {
-            span.end();
-        }
-        let Some(mut span) = self.tunnels.remove(&key) else {
+        self.finish_closing(None);
+        let Some(tunnel) = self.tunnels.remove(&key) else {
             return;
         };
         compact(&mut self.tunnels);
+        if self.by_frontend.remove(&(tunnel.frontend, key.1)).is_some() {
+            compact(&mut self.by_frontend);
+        }
+        let TunnelTrace {
+            mut span,
+            record,
+            connection_id,
+            ..
+        } = tunnel;
         span.set(|| {
             vec![
                 Attr::new(
@@ -224,27 +366,64 @@ impl Traces {
                 ),
             ]
         });
-        self.closing = Some(span);
+        self.closing = Some(Closing {
+            span,
+            record,
+            connection_id,
+            bytes,
+        });
     }
 
     /// Why the tunnel that just closed ended.
-    pub(crate) fn close_reason(&mut self, reason: &'static str) {
-        if let Some(mut span) = self.closing.take() {
-            span.set(|| vec![Attr::new("konnectivity.end", reason)]);
-            span.end();
+    pub(crate) fn close_reason(&mut self, reason: CloseReason) {
+        self.finish_closing(Some(reason));
+    }
+
+    /// Ends the span of the tunnel that just closed and writes its record.
+    fn finish_closing(&mut self, reason: Option<CloseReason>) {
+        let Some(mut closing) = self.closing.take() else {
+            return;
+        };
+        if let Some(reason) = reason {
+            closing
+                .span
+                .set(|| vec![Attr::new("konnectivity.end", reason.as_str())]);
+        }
+        closing.span.end();
+        if let (Some((sink, server_id)), Some((record, retries, hedges))) =
+            (&self.audit, closing.record)
+        {
+            let end = if self.shutting_down {
+                End::shutdown()
+            } else {
+                End::closed(reason, record.close_requested)
+            };
+            let outcome = Outcome {
+                connection_id: Some(closing.connection_id),
+                retries,
+                hedges,
+                bytes: closing.bytes,
+                end,
+            };
+            audit::write(sink, server_id, record, outcome);
         }
     }
 
     /// At the end of an event: ends a closed tunnel's span whose reason
-    /// did not follow, and the spans of dials settled without an outcome.
+    /// did not follow, and the spans of dials settled without an outcome
+    /// (their frontend abandoned them).
     pub(crate) fn flush(&mut self) {
-        if let Some(span) = self.closing.take() {
-            span.end();
-        }
-        for (_, trace) in self.settling.drain(..) {
+        self.finish_closing(None);
+        for (_, mut trace) in std::mem::take(&mut self.settling) {
+            self.write_dial(&mut trace, End::abandoned(self.shutting_down));
             end_dial(trace, "cancelled");
         }
     }
+}
+
+/// A count as the record's `u32`.
+fn count(n: i64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 /// Ends a dial's span, saying how.

@@ -48,6 +48,8 @@ pub struct AgentOpts {
     pub profiling: bool,
     /// `--exit-when-drained`.
     pub exit_when_drained: bool,
+    /// `--audit-log-path`.
+    pub audit_log: Option<PathBuf>,
 }
 
 /// An in-process proxy-agent.
@@ -111,7 +113,7 @@ pub fn agent_config(agent_addr: SocketAddr, opts: &AgentOpts) -> proxy_agent::co
         destination_policy: opts.destination_policy.clone(),
         leases: opts.leases.clone(),
         server_count_source: opts.server_count_source,
-        audit: None,
+        audit: opts.audit_log.as_deref().map(crate::audit::config),
         not_implemented: Vec::new(),
         deprecated: Vec::new(),
         notices: Vec::new(),

@@ -34,6 +34,7 @@
 //! - here: [`wait_for`], which polls a condition until a deadline.
 
 pub mod agent;
+pub mod audit;
 pub mod binaries;
 pub mod deploy;
 pub mod destination;

@@ -85,6 +85,8 @@ pub struct ServerOpts {
     pub allow_unauthenticated_agents: bool,
     /// `--buffer-budget-bytes`.
     pub buffer_budget_bytes: usize,
+    /// `--audit-log-path`.
+    pub audit_log: Option<PathBuf>,
 }
 
 impl Default for ServerOpts {
@@ -115,6 +117,7 @@ impl Default for ServerOpts {
             max_agent_queue_bytes: 4 << 20,
             allow_unauthenticated_agents: false,
             buffer_budget_bytes: proxy_server::config::DEFAULT_BUFFER_BUDGET,
+            audit_log: None,
         }
     }
 }
@@ -228,7 +231,7 @@ impl TestServer {
             token_auth: opts.token_auth.clone(),
             allow_unauthenticated_agents: opts.allow_unauthenticated_agents,
             lease: opts.lease.clone(),
-            audit: None,
+            audit: opts.audit_log.as_deref().map(crate::audit::config),
             not_implemented: Vec::new(),
             deprecated: Vec::new(),
             notices: Vec::new(),

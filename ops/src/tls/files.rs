@@ -384,6 +384,14 @@ pub fn earliest_expiry(certs: &[CertificateDer<'_>]) -> Option<i64> {
         .min()
 }
 
+/// The subject of `cert` as its distinguished name reads
+/// (`CN=kube-apiserver, O=system:masters`); `None` if it does not parse as
+/// X.509.
+pub fn subject(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
+    Some(parsed.subject().to_string())
+}
+
 /// The subject alternative names of a certificate that name a peer: its
 /// DNS names and IP addresses.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -41,6 +41,7 @@ use crate::{
     metrics::{BlockedGuard, Method, Segment},
     router::FrontendKind,
     stream::{PacketStream, StreamEnd, next_packet, spawn_driver},
+    traces::FrontendPeer,
 };
 
 /// Serves `ProxyService`.
@@ -66,6 +67,12 @@ impl ProxyService for ProxyServiceImpl {
             .get("traceparent")
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        let peer = request
+            .remote_addr()
+            .map(|addr| addr.to_string())
+            .unwrap_or_default();
+        let subject =
+            crate::frontend::client_subject(request.peer_certs().as_deref().map(Vec::as_slice));
         let inbound = request.into_inner();
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
@@ -81,8 +88,15 @@ impl ProxyService for ProxyServiceImpl {
                 budget,
             )
         });
-        self.control
-            .frontend_traced(link.id(), traceparent.as_deref());
+        self.control.frontend_traced(
+            link.id(),
+            traceparent.as_deref(),
+            FrontendPeer {
+                kind: FrontendKind::Grpc,
+                peer,
+                subject,
+            },
+        );
         let live = metrics.grpc_stream(Method::Proxy);
         let span = debug_span!("frontend", frontend = %link.id());
         let taker = link.id().taker();

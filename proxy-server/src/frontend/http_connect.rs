@@ -39,10 +39,11 @@ use crate::{
     conn::{Conn, FrontendItem, FrontendLink, FrontendTx, frontend_queue},
     control::Control,
     events::DialError,
-    frontend::FrontendGuard,
+    frontend::{FrontendGuard, FrontendSocket},
     metrics::Method,
     router::FrontendKind,
     stream::StreamEnd,
+    traces::FrontendPeer,
 };
 
 /// Bytes buffered from a client while its dial is pending; past this the
@@ -64,11 +65,17 @@ pub(crate) async fn refuse<IO: AsyncWrite + Unpin>(mut io: IO) {
 /// `shutdown`: every wait of the connection ends with it.
 pub(crate) async fn serve_connection<IO>(io: IO, control: Arc<Control>, shutdown: CancellationToken)
 where
-    IO: AsyncRead + AsyncWrite + Unpin,
+    IO: AsyncRead + AsyncWrite + Unpin + FrontendSocket,
 {
+    let (peer, subject) = io.peer();
+    let peer = FrontendPeer {
+        kind: FrontendKind::HttpConnect,
+        peer,
+        subject,
+    };
     tokio::select! {
         () = shutdown.cancelled() => {}
-        () = serve(io, control, &shutdown) => {}
+        () = serve(io, control, peer, &shutdown) => {}
     }
 }
 
@@ -88,8 +95,12 @@ async fn request<IO: AsyncRead + AsyncWrite + Unpin>(io: &mut IO) -> Option<head
     None
 }
 
-async fn serve<IO>(mut io: IO, control: Arc<Control>, shutdown: &CancellationToken)
-where
+async fn serve<IO>(
+    mut io: IO,
+    control: Arc<Control>,
+    peer: FrontendPeer,
+    shutdown: &CancellationToken,
+) where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
     let Some(head) = request(&mut io).await else {
@@ -107,7 +118,7 @@ where
         control: control.clone(),
         link: link.clone(),
     };
-    control.frontend_traced(link.id(), head.traceparent.as_deref());
+    control.frontend_traced(link.id(), head.traceparent.as_deref(), peer);
     let mut early = head.rest;
     let target = head.target;
     let Some(answer) = dial(&mut io, &control, &link, &mut rx, &target, &mut early).await else {
