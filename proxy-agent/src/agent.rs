@@ -230,6 +230,17 @@ impl Backoff {
         self.current = self.initial;
         jitter(self.initial)
     }
+
+    /// The wait after a connection that reached a server the agent already
+    /// had (a load balancer's pick): anywhere within the first step, and
+    /// the growth reset. Two agents that each miss the server the other
+    /// keeps being sent to, behind a round-robin balancer, would stay in
+    /// step for minutes with `success`'s 10 % jitter (seen: 71 s); a pause
+    /// drawn from the whole step reorders them within a few tries.
+    fn duplicate(&mut self) -> Duration {
+        self.current = self.initial;
+        spread(self.initial)
+    }
 }
 
 /// Adds up to 10 % (ANP's `wait.Jitter(d, 0.1)`).
@@ -584,8 +595,11 @@ async fn sync_loop(
                     let client = client
                         .with_destinations(destinations.clone())
                         .with_audit(audit.clone());
-                    add_client(&state, client, address, &token, &tasks);
-                    backoff.success()
+                    if add_client(&state, client, address, &token, &tasks) {
+                        backoff.success()
+                    } else {
+                        backoff.duplicate()
+                    }
                 }
                 Err(error) if error.is_transient() => {
                     warn!(error = %DisplayErrorStack(&error), "proxy-server refused or unreachable; will retry soon");
@@ -622,7 +636,7 @@ fn add_client(
     address: usize,
     token: &CancellationToken,
     tasks: &TaskTracker,
-) {
+) -> bool {
     let server_id = client.server_id.clone();
     let cancel = token.child_token();
     let conns = Connections::new(client.scheme, &cancel);
@@ -634,7 +648,7 @@ fn add_client(
     };
     if !state.register(server_id.clone(), entry, client.server_count) {
         tracing::debug!(server.id = %server_id, "already connected to this server; closing the duplicate");
-        return;
+        return false;
     }
     info!(server.id = %server_id, server.count = client.server_count, credit = client.scheme.is_credit(), "connected to proxy-server");
     let state = state.clone();
@@ -648,6 +662,7 @@ fn add_client(
         }
         .instrument(span),
     );
+    true
 }
 
 /// Observes a running agent.
@@ -736,6 +751,63 @@ mod tests {
             .collect();
         let distinct: std::collections::HashSet<_> = failed.iter().map(|d| d.as_millis()).collect();
         assert!(distinct.len() > 100, "{} distinct waits", distinct.len());
+    }
+
+    /// Two agents behind a round-robin balancer, each missing the server
+    /// the other keeps being sent to, as the soak saw them (20 ms apart,
+    /// connects alternating): how many tries until both have both
+    /// servers, with `wait` after each duplicate.
+    fn tries_until_both(mut wait: impl FnMut() -> Duration) -> usize {
+        // (next try, the server it misses); the balancer's next pick.
+        let mut agents = [
+            (Duration::ZERO, Some(1u8)),
+            (Duration::from_millis(20), Some(0u8)),
+        ];
+        let mut next_pick = 0u8;
+        for tries in 1..=10_000 {
+            let Some(i) = (0..2)
+                .filter(|&i| agents[i].1.is_some())
+                .min_by_key(|&i| agents[i].0)
+            else {
+                return tries - 1;
+            };
+            let picked = next_pick;
+            next_pick = 1 - next_pick;
+            if agents[i].1 == Some(picked) {
+                agents[i].1 = None;
+            } else {
+                // The connect and handshake, then the pause.
+                agents[i].0 += Duration::from_millis(10) + wait();
+            }
+        }
+        10_000
+    }
+
+    #[test]
+    fn agents_in_step_behind_a_round_robin_balancer_fall_out_of_step() {
+        fastrand::seed(7);
+        let p99 = |mut tries: Vec<usize>| {
+            tries.sort_unstable();
+            tries[tries.len() * 99 / 100]
+        };
+        let interval = Duration::from_millis(200);
+        let mut b = Backoff::new(interval, Duration::from_secs(2));
+        let ours = p99((0..1000)
+            .map(|_| tries_until_both(|| b.duplicate()))
+            .collect());
+        let in_step = p99((0..1000)
+            .map(|_| tries_until_both(|| b.success()))
+            .collect());
+        eprintln!("99th percentile of tries: {ours} drawn from the step, {in_step} with 10 % jitter");
+        assert!(ours <= 16, "99 % of pairs within {ours} tries");
+        assert!(
+            in_step > 4 * ours,
+            "the 10 % jitter: {in_step} tries, ours {ours}"
+        );
+        for _ in 0..100 {
+            let d = b.duplicate();
+            assert!(d > Duration::ZERO && d <= interval, "{d:?}");
+        }
     }
 
     fn state() -> AgentState {
