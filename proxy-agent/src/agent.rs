@@ -798,7 +798,9 @@ mod tests {
         let in_step = p99((0..1000)
             .map(|_| tries_until_both(|| b.success()))
             .collect());
-        eprintln!("99th percentile of tries: {ours} drawn from the step, {in_step} with 10 % jitter");
+        eprintln!(
+            "99th percentile of tries: {ours} drawn from the step, {in_step} with 10 % jitter"
+        );
         assert!(ours <= 16, "99 % of pairs within {ours} tries");
         assert!(
             in_step > 4 * ours,
