@@ -194,17 +194,25 @@ impl World {
         Ok(())
     }
 
-    /// Kills agent slot `i`'s process with SIGKILL, its books read just
-    /// before; whether it was reaped dead by that signal.
-    async fn kill_agent_now(&mut self, i: usize) -> bool {
-        let (health, pid) = (self.agents[i].health, self.agents[i].pid());
+    /// Kills `role`'s process of slot `i` (an agent slot or a server) with
+    /// SIGKILL, its books read just before; whether it was reaped dead by
+    /// that signal.
+    async fn kill_now(&mut self, role: Role, i: usize) -> bool {
+        let (health, pid, process) = match role {
+            Role::Agent => {
+                let a = &mut self.agents[i];
+                (a.health, a.pid(), &mut a.process)
+            }
+            Role::Server => {
+                let s = &mut self.servers[i];
+                (s.health, s.pid(), &mut s.process)
+            }
+        };
+        let process = process.take();
         if let Some(pid) = pid {
-            watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await;
+            watch::read_books(self.clock, &self.lives, pid, role, health).await;
         }
-        let reaped = self.agents[i]
-            .process
-            .take()
-            .is_some_and(|p| p.kill_reaped());
+        let reaped = process.is_some_and(|p| p.kill_reaped());
         if let Some(pid) = pid {
             self.lives.died(pid, self.now(), LifeEnd::Killed);
         }
@@ -219,31 +227,13 @@ impl World {
     /// # Errors
     /// It cannot be started again, or is not back.
     pub async fn crash_agent(&mut self, i: usize) -> anyhow::Result<()> {
-        self.kill_agent_now(i).await;
+        self.kill_now(Role::Agent, i).await;
         tokio::time::sleep(DOWN).await;
         self.start_agent(i)?;
         agent_back(&self.agents[i])
             .await
             .with_context(|| format!("agent-{i} did not come back"))?;
         Ok(())
-    }
-
-    /// Kills server `i` with SIGKILL, its books read just before; whether
-    /// it was reaped dead by that signal.
-    async fn kill_server_now(&mut self, i: usize) -> bool {
-        let (health, pid) = (self.servers[i].health, self.servers[i].pid());
-        if let Some(pid) = pid {
-            watch::read_books(self.clock, &self.lives, pid, Role::Server, health).await;
-        }
-        let reaped = self.servers[i]
-            .process
-            .take()
-            .is_some_and(|p| p.kill_reaped());
-        if let Some(pid) = pid {
-            self.lives.died(pid, self.now(), LifeEnd::Killed);
-        }
-        self.update_slots();
-        reaped
     }
 
     /// Starts server `i` again on its ports, its life recorded.
@@ -304,7 +294,7 @@ impl World {
         if self.close_before_kill {
             super::sabotage::close_sockets(self, target).await?;
         }
-        let reaped = self.kill_agent_now(target).await;
+        let reaped = self.kill_now(Role::Agent, target).await;
         record.effect = Effect::Killed { reaped };
         tokio::time::sleep(DOWN).await;
         self.start_agent(target)?;
@@ -320,7 +310,7 @@ impl World {
         record: &mut FaultRecord,
     ) -> anyhow::Result<Option<Duration>> {
         record.target = format!("server-{target}");
-        let reaped = self.kill_server_now(target).await;
+        let reaped = self.kill_now(Role::Server, target).await;
         record.effect = Effect::Killed { reaped };
         tokio::time::sleep(DOWN).await;
         self.restart_server(target).await?;
@@ -503,7 +493,7 @@ impl World {
         record.target = format!("TokenReview API, agent-{target} reconnecting");
         let tokens = self.tokens.as_ref().context("token mode only")?;
         tokens.stub.set_down(true);
-        let reaped = self.kill_agent_now(target).await;
+        let reaped = self.kill_now(Role::Agent, target).await;
         self.start_agent(target)?;
         tokio::time::sleep(self.times.hold).await;
         let during = agent_servers(self.agents[target].health).await;
