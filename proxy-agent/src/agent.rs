@@ -418,7 +418,11 @@ impl Bound {
             tls: tls.clone(),
             metrics,
             destinations,
-            audit: crate::audit::AgentAudit::new(audit_log.sink(), &config.agent_id.0),
+            audit: crate::audit::AgentAudit::new(
+                audit_log.sink(),
+                &config.agent_id.0,
+                token.clone(),
+            ),
         };
         for address in 0..config.servers.len() {
             tasks.spawn(sync_loop(

@@ -6,6 +6,8 @@
 
 use std::{sync::Arc, time::Instant};
 
+use tokio_util::sync::CancellationToken;
+
 use ops::audit::{
     AuditRecord, Sink,
     record::{AgentEnd, AgentTunnel, DestinationVerdict, EndedBy, Timestamp},
@@ -16,25 +18,28 @@ use crate::{
     policy::Decision,
 };
 
-/// Where the agent's records go, and its id.
+/// Where the agent's records go, its id, and its stop.
 #[derive(Clone, Debug)]
 pub struct AgentAudit {
     sink: Sink<AuditRecord>,
     agent_id: Arc<str>,
+    stopping: CancellationToken,
 }
 
 impl AgentAudit {
-    /// Records of agent `agent_id` to `sink`.
-    pub fn new(sink: Sink<AuditRecord>, agent_id: &str) -> Self {
+    /// Records of agent `agent_id` to `sink`; a tunnel that ends with its
+    /// stream once `stopping` is cancelled ended by the agent's shutdown.
+    pub fn new(sink: Sink<AuditRecord>, agent_id: &str, stopping: CancellationToken) -> Self {
         Self {
             sink,
             agent_id: agent_id.into(),
+            stopping,
         }
     }
 
     /// No records.
     pub fn disabled() -> Self {
-        Self::new(Sink::disabled(), "")
+        Self::new(Sink::disabled(), "", CancellationToken::new())
     }
 
     /// A record for the dial `dial_id` to `destination` asked by
@@ -47,6 +52,7 @@ impl AgentAudit {
     ) -> Option<AgentDial> {
         self.sink.enabled().then(|| AgentDial {
             sink: self.sink.clone(),
+            stopping: self.stopping.clone(),
             at: Instant::now(),
             record: AgentTunnel {
                 time: Timestamp::now(),
@@ -75,6 +81,7 @@ impl AgentAudit {
 #[derive(Debug)]
 pub(crate) struct AgentDial {
     sink: Sink<AuditRecord>,
+    stopping: CancellationToken,
     at: Instant,
     record: AgentTunnel,
 }
@@ -101,13 +108,21 @@ impl AgentDial {
     }
 
     /// It ended as `end`, by `ended_by`, having carried `bytes` (to the
-    /// endpoint, to the server): the record goes to the sink.
+    /// endpoint, to the server): the record goes to the sink. Its stream
+    /// ending under it, or the dial's cancellation, is the agent's shutdown
+    /// once the agent is stopping: the agent ends its streams.
     pub(crate) fn finish(
         mut self,
         (end, ended_by): (AgentEnd, EndedBy),
         error: Option<String>,
         bytes: (u64, u64),
     ) {
+        let (end, ended_by) = match end {
+            AgentEnd::StreamGone | AgentEnd::DialCancelled if self.stopping.is_cancelled() => {
+                (AgentEnd::Shutdown, EndedBy::Agent)
+            }
+            _ => (end, ended_by),
+        };
         self.record.time = Timestamp::now();
         self.record.duration_seconds = self.at.elapsed().as_secs_f64();
         self.record.end = end;

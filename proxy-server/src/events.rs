@@ -115,8 +115,8 @@ pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
 pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 
 /// Why a dial failed, as the frontend is told. The server's own reasons
-/// are variants; only [`DialError::Agent`] is text, as it came over the
-/// wire. It becomes Go's text ([`fmt::Display`]) only on the wire.
+/// are variants; only [`DialError::Agent`] is text (with its class), as
+/// it came over the wire. It becomes Go's text ([`fmt::Display`]) only on the wire.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum DialError {
     /// No agent can take it.
@@ -134,8 +134,12 @@ pub(crate) enum DialError {
     ConnIdInUse(ConnId),
     /// The agent cancelled the dial (DIAL_CLS).
     ClosedByAgent,
-    /// The agent's own error text (DIAL_RSP).
-    Agent(String),
+    /// The agent's own error (DIAL_RSP): its text, and its class as our
+    /// agents send it (`Unspecified` from ANP's, which send only text).
+    Agent {
+        text: String,
+        class: proto::DialErrorClass,
+    },
 }
 
 impl fmt::Display for DialError {
@@ -148,7 +152,7 @@ impl fmt::Display for DialError {
             Self::AgentGone(agent) => write!(f, "agent {} disconnected", Elided(&agent.0)),
             Self::ConnIdInUse(conn) => write!(f, "connection id {conn} already in use"),
             Self::ClosedByAgent => f.write_str("dial closed by the agent"),
-            Self::Agent(text) => f.write_str(text),
+            Self::Agent { text, .. } => f.write_str(text),
         }
     }
 }

@@ -1052,7 +1052,11 @@ pub fn connect_head(data: &[u8]) {
         (Err(_), Err(_)) => {}
     }
     if let Ok((_, target, _)) = &whole {
-        let page = head::dial_error_response(&DialError::Agent(error_text.clone()), target);
+        let error = DialError::Agent {
+            text: error_text.clone(),
+            class: proto::DialErrorClass::Unspecified,
+        };
+        let page = head::dial_error_response(&error, target);
         let bound = 6 * tunnel::text::ECHO_LIMIT + 256;
         assert!(page.len() <= bound, "an error page of {} bytes", page.len());
         assert!(page.starts_with(b"HTTP/1.1 50"));

@@ -933,14 +933,15 @@ impl Router {
                 .and_then(|a| a.forwarded)
                 .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
             self.sample(now, be, took.max(FAILURE_COST), false);
-            let end = if retryable(&rsp) {
-                AttemptEnd::Retry(
-                    DialRetry::Refused,
-                    DialFailure::ErrorResponse,
-                    DialError::Agent(rsp.error),
-                )
+            let retry = retryable(&rsp);
+            let error = DialError::Agent {
+                class: rsp.error_class(),
+                text: rsp.error,
+            };
+            let end = if retry {
+                AttemptEnd::Retry(DialRetry::Refused, DialFailure::ErrorResponse, error)
             } else {
-                AttemptEnd::Final(DialFailure::ErrorResponse, DialError::Agent(rsp.error))
+                AttemptEnd::Final(DialFailure::ErrorResponse, error)
             };
             self.attempt_failed(now, id, be, end, out);
             return;

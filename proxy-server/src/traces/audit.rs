@@ -79,8 +79,11 @@ impl End {
                 (ServerEnd::AgentGone, EndedBy::Agent)
             }
             DialError::IdPending => (ServerEnd::DialFailed, EndedBy::Server),
-            DialError::Agent(text) if denied(text) => (ServerEnd::Denied, EndedBy::Agent),
-            DialError::ConnIdInUse(_) | DialError::ClosedByAgent | DialError::Agent(_) => {
+            DialError::Agent {
+                class: proto::DialErrorClass::Denied,
+                ..
+            } => (ServerEnd::Denied, EndedBy::Agent),
+            DialError::ConnIdInUse(_) | DialError::ClosedByAgent | DialError::Agent { .. } => {
                 (ServerEnd::DialFailed, EndedBy::Agent)
             }
         };
@@ -137,13 +140,6 @@ impl End {
     }
 }
 
-/// Whether an agent's dial error is its destination policy's refusal: our
-/// agents end it with the rule (`…(rule deny metadata)`, see
-/// `router::dials::retryable`).
-fn denied(text: &str) -> bool {
-    text.ends_with(')') && text.contains("(rule ")
-}
-
 /// What a finished record needs besides its dial.
 pub(crate) struct Outcome {
     pub(crate) connection_id: Option<i64>,
@@ -184,4 +180,40 @@ pub(crate) fn write(sink: &Sink<AuditRecord>, server_id: &str, dial: Pending, ou
         error: outcome.end.error,
     };
     sink.record(AuditRecord::Server(record));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A policy refusal is known by its class, as our agents send it; text
+    /// that only looks like one (an ANP agent's, or any peer's) is a
+    /// failed dial.
+    #[test]
+    fn a_dial_is_denied_by_its_class_not_its_text() {
+        let text = "destination 10.0.0.1:80 denied by the agent's policy (rule deny metadata)";
+        let end = |class| {
+            End::failed(&DialError::Agent {
+                text: text.to_owned(),
+                class,
+            })
+        };
+        let denied = end(proto::DialErrorClass::Denied);
+        assert_eq!(
+            (denied.end, denied.ended_by),
+            (ServerEnd::Denied, EndedBy::Agent)
+        );
+        assert_eq!(denied.error.as_deref(), Some(text));
+        for class in [
+            proto::DialErrorClass::Unspecified,
+            proto::DialErrorClass::Refused,
+        ] {
+            let failed = end(class);
+            assert_eq!(
+                (failed.end, failed.ended_by),
+                (ServerEnd::DialFailed, EndedBy::Agent),
+                "{class:?}"
+            );
+        }
+    }
 }

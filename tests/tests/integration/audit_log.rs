@@ -368,3 +368,100 @@ async fn a_tcp_frontends_record_names_its_address_and_certificate_subject() {
         );
     }
 }
+
+/// One open tunnel to `echo` (100 bytes echoed) and one dial pending on
+/// `hole`, through `server`; the tunnel and the frontend holding the dial.
+async fn one_open_one_pending(
+    server: &TestServer,
+    agent: &TestAgent,
+    echo: &str,
+    hole: &str,
+) -> (client::dial::TunnelConn, RawFrontend) {
+    let channel = uds_channel(&server.uds).await.unwrap();
+    let mut open = dial(channel, echo).await.unwrap();
+    open.write_all(&[7u8; 100]).await.unwrap();
+    let mut got = [0u8; 100];
+    open.read_exact(&mut got).await.unwrap();
+    let pending = RawFrontend::open(server, Packet::dial_request("tcp", hole, 42)).await;
+    wait_for("the dial to be pending on server and agent", || {
+        server.handle.pending_dials() == 1 && agent.handle.dials_in_progress() == 1
+    })
+    .await;
+    (open, pending)
+}
+
+/// How each record ended, by its destination.
+type Ends<E> = HashMap<String, (E, EndedBy)>;
+
+/// The ends recorded on each side, once both stopped.
+fn ends(server_log: &Path, agent_log: &Path) -> (Ends<ServerEnd>, Ends<AgentEnd>) {
+    let (servers, _) = sides(server_log);
+    let (_, agents) = sides(agent_log);
+    assert_eq!(
+        (servers.len(), agents.len()),
+        (2, 2),
+        "{servers:?} / {agents:?}"
+    );
+    (
+        servers
+            .into_iter()
+            .map(|r| (r.destination, (r.end, r.ended_by)))
+            .collect(),
+        agents
+            .into_iter()
+            .map(|r| (r.destination, (r.end, r.ended_by)))
+            .collect(),
+    )
+}
+
+/// Whichever process stops, its records of what was open or pending say
+/// it shut down, and the other's say the stream went away under them.
+#[tokio::test]
+async fn what_a_shutdown_ends_is_recorded_as_that_sides_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let echo = destination::echo().await;
+    let hole = Blackhole::new();
+    let (echo, hole) = (echo.address(), hole.addr.to_string());
+    for agent_stops in [true, false] {
+        let sub = dir.path().join(format!("agent-stops-{agent_stops}"));
+        std::fs::create_dir(&sub).unwrap();
+        let (server, agent, server_log, agent_log) = pair(&sub, Mode::Grpc).await;
+        let held = one_open_one_pending(&server, &agent, &echo, &hole).await;
+        if agent_stops {
+            agent.stop().await;
+            wait_for("the server to see the agent go", || {
+                server.handle.pending_dials() == 0
+            })
+            .await;
+            server.stop().await;
+        } else {
+            server.stop().await;
+            agent.stop().await;
+        }
+        drop(held);
+        let (server_ends, agent_ends) = ends(&server_log, &agent_log);
+        let (on_server, on_agent) = if agent_stops {
+            (
+                (ServerEnd::AgentGone, EndedBy::Agent),
+                (AgentEnd::Shutdown, EndedBy::Agent),
+            )
+        } else {
+            (
+                (ServerEnd::Shutdown, EndedBy::Server),
+                (AgentEnd::StreamGone, EndedBy::Server),
+            )
+        };
+        for to in [&echo, &hole] {
+            let what = format!("agent stops: {agent_stops}, {to}");
+            assert_eq!(server_ends[to.as_str()], on_server, "{what}");
+            // The pending dial is cancelled on the agent when its server
+            // goes: not a connection's end.
+            let on_agent = if to == &hole && !agent_stops {
+                (AgentEnd::DialCancelled, EndedBy::Server)
+            } else {
+                on_agent
+            };
+            assert_eq!(agent_ends[to.as_str()], on_agent, "{what}");
+        }
+    }
+}

@@ -14,13 +14,20 @@
 //! is pending on that agent before it kills it or cuts its link: the retry
 //! is exercised, not left to luck. These need root, as CI has. P2C runs on
 //! loopback.
+//!
+//! The server writes its audit log in the retry and hedge tests (issue
+//! 45): each record's `retries` and `hedges` must add up to the server's
+//! counters, and the dials retried or hedged away from the node's agent
+//! must be recorded as carried by another.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
 use std::{net::SocketAddr, path::Path, process::Command, time::Duration};
 
+use ops::audit::record::ServerTunnel;
+
 use integration_tests::{
-    LoggedProcess, Pki, agent_args, binary,
+    LoggedProcess, Pki, agent_args, audit, binary,
     destination::{self, Destination},
     grpc_go::{self, Running},
     netns::{self, HUB_IP, Node},
@@ -40,6 +47,8 @@ const FAILED_BACKEND_CLOSE: &str =
 /// Dials sent to a second agent, and those it won.
 const HEDGES: &str = "konnectivity_rs_server_dial_hedges_total";
 const HEDGES_WON: &str = "konnectivity_rs_server_dial_hedges_won_total";
+/// The agent in the node, whose dials are held, slowed or cut.
+const FAR: &str = "node-1";
 
 /// An echo destination on the hub's end of the link, which the node's
 /// agent reaches over it and the hub's agents locally.
@@ -87,7 +96,7 @@ async fn three_agents(
         agent(pki, &server, "hub-1", None),
         agent(pki, &server, "hub-2", None),
     ];
-    let far = agent(pki, &server, "node-1", Some(node));
+    let far = agent(pki, &server, FAR, Some(node));
     server
         .wait_for_agents_within(3, Duration::from_secs(30))
         .await;
@@ -125,27 +134,74 @@ async fn a_dial_pending_in(node: &Node) {
 
 /// Every dial failure the server counted, whatever its reason.
 async fn dial_failures(server: &ServerProcess) -> f64 {
+    summed(
+        server,
+        "konnectivity_network_proxy_server_dial_failure_count{",
+    )
+    .await
+}
+
+/// The sum of the server's series that start with `prefix`.
+async fn summed(server: &ServerProcess, prefix: &str) -> f64 {
     server
         .metrics()
         .await
         .lines()
-        .filter(|l| l.starts_with("konnectivity_network_proxy_server_dial_failure_count{"))
+        .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum()
 }
 
+/// `--audit-log-path` in `dir`.
+fn audit_flag(dir: &Path) -> String {
+    format!("--audit-log-path={}", dir.join("server.jsonl").display())
+}
+
+/// Stops `server` (it writes every queued record before it exits) and
+/// checks its audit records against its counters, read first: the
+/// records' `retries` and `hedges` add up to the dials retried and
+/// hedged, and each dial the server sent away from [`FAR`] is recorded as
+/// carried by another agent. Returns the records that were (retried,
+/// hedged) and carried.
+async fn audited(server: &mut ServerProcess, dir: &Path) -> (usize, usize) {
+    let retried = summed(server, "konnectivity_rs_server_dial_retries_total{").await;
+    let hedged = server.metric(HEDGES).await;
+    server.terminate(Duration::from_secs(30)).await;
+    let (records, _) = audit::sides(&dir.join("server.jsonl"));
+    assert!(!records.is_empty(), "no audit record");
+    let retries: u32 = records.iter().map(|r| r.retries).sum();
+    let hedges: u32 = records.iter().map(|r| r.hedges).sum();
+    assert_eq!(f64::from(retries), retried, "retries in the records");
+    assert_eq!(f64::from(hedges), hedged, "hedges in the records");
+    let carried = |r: &ServerTunnel| {
+        r.connection_id.is_some() && r.agent_id.as_deref().is_some_and(|a| a != FAR)
+    };
+    let count = |pick: fn(&ServerTunnel) -> bool| {
+        let picked: Vec<&ServerTunnel> = records.iter().filter(|r| pick(r)).collect();
+        let away = picked.iter().filter(|r| carried(r)).count();
+        assert_eq!(away, picked.len(), "not carried elsewhere: {picked:#?}");
+        away
+    };
+    (count(|r| r.retries > 0), count(|r| r.hedges > 0))
+}
+
 /// The agent in the node is killed (`kill -9`) while a dial waits for its
 /// DIAL_RSP, under traffic at [`RATE`]; `retries` is
-/// `--backend-dial-retries`. Returns the frontend's report and the server.
+/// `--backend-dial-retries`; the server's audit log goes to `audit`.
+/// Returns the frontend's report and the server.
 async fn kill_with_a_dial_pending(
     node: Node,
     retries: u32,
+    audit: &Path,
 ) -> (grpc_go::FrontendReport, ServerProcess) {
     let pki = tempfile::tempdir().unwrap();
     let (mut server, _hub, mut far) = three_agents(
         pki.path(),
         &node,
-        &[&format!("--backend-dial-retries={retries}")],
+        &[
+            &format!("--backend-dial-retries={retries}"),
+            &audit_flag(audit),
+        ],
     )
     .await;
     let echo = hub_echo().await;
@@ -170,7 +226,8 @@ fn a_killed_agents_pending_dial_is_served_by_another() {
     netns::run_in_hub(
         "dial_retries::a_killed_agents_pending_dial_is_served_by_another",
         |node| async move {
-            let (report, server) = kill_with_a_dial_pending(node, 1).await;
+            let dir = tempfile::tempdir().unwrap();
+            let (report, mut server) = kill_with_a_dial_pending(node, 1, dir.path()).await;
             report.assert_ok();
             assert_eq!(report.int("dial_errors"), 0, "{report}");
             assert_eq!(report.int("exchange_errors"), 0, "{report}");
@@ -178,6 +235,8 @@ fn a_killed_agents_pending_dial_is_served_by_another() {
             assert!(server.metric(RETRIED_AGENT_GONE).await >= 1.0);
             assert_eq!(server.metric(FAILED_BACKEND_CLOSE).await, 0.0);
             assert_eq!(dial_failures(&server).await, 0.0);
+            let (retried, _) = audited(&mut server, dir.path()).await;
+            assert!(retried >= 1, "no record of a retried dial");
         },
     );
 }
@@ -190,7 +249,8 @@ fn without_retries_a_killed_agents_pending_dial_fails() {
     netns::run_in_hub(
         "dial_retries::without_retries_a_killed_agents_pending_dial_fails",
         |node| async move {
-            let (report, server) = kill_with_a_dial_pending(node, 0).await;
+            let dir = tempfile::tempdir().unwrap();
+            let (report, server) = kill_with_a_dial_pending(node, 0, dir.path()).await;
             assert!(report.int("dial_errors") >= 1, "{report}");
             assert!(server.metric(FAILED_BACKEND_CLOSE).await >= 1.0);
             assert_eq!(server.metric(RETRIED_AGENT_GONE).await, 0.0);
@@ -241,8 +301,10 @@ fn a_slow_agents_dials_are_hedged_and_won_elsewhere() {
         "dial_retries::a_slow_agents_dials_are_hedged_and_won_elsewhere",
         |node| async move {
             let pki = tempfile::tempdir().unwrap();
-            let (server, _hub, _far) =
-                three_agents(pki.path(), &node, &["--backend-dial-hedge"]).await;
+            let dir = tempfile::tempdir().unwrap();
+            let audit = audit_flag(dir.path());
+            let (mut server, _hub, _far) =
+                three_agents(pki.path(), &node, &["--backend-dial-hedge", &audit]).await;
             let echo = hub_echo().await;
             node.slow_dials_to(echo.addr);
             let run = traffic(&server, echo.addr);
@@ -263,6 +325,8 @@ fn a_slow_agents_dials_are_hedged_and_won_elsewhere() {
             );
             assert!(hedges >= won && won >= 1.0);
             assert_eq!(dial_failures(&server).await, 0.0);
+            let (_, hedged) = audited(&mut server, dir.path()).await;
+            assert!(hedged as f64 >= won, "{hedged} records of hedged dials");
         },
     );
 }

@@ -62,7 +62,7 @@ pub(crate) fn dial_error_response(error: &DialError, target: &str) -> Vec<u8> {
         DialError::AgentStreamClosed => format!(
             "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nFailed to tunnel dial request: {AGENT_STREAM_CLOSED}\r\n"
         ),
-        DialError::Agent(text) => {
+        DialError::Agent { text, .. } => {
             let status = http_status(text);
             let host = target.rsplit_once(':').map_or(target, |(host, _)| host);
             let body = elide_echo(text, &[target, host]);
@@ -373,7 +373,10 @@ mod tests {
             b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n\r\ncurrently no tunnels available: No agent available"
         );
         let refused = String::from_utf8(dial_error_response(
-            &DialError::Agent("dial tcp 127.0.0.1:1: connect: connection refused".to_owned()),
+            &DialError::Agent {
+                text: "dial tcp 127.0.0.1:1: connect: connection refused".to_owned(),
+                class: proto::DialErrorClass::Refused,
+            },
             "127.0.0.1:1",
         ))
         .unwrap();
@@ -398,8 +401,11 @@ mod tests {
         let target = format!("{host}:80");
         // An agent that echoes the target in full, twice (as ours did).
         let agent = format!("dial tcp {target}: lookup {host}: no such host");
-        let reply =
-            String::from_utf8(dial_error_response(&DialError::Agent(agent), &target)).unwrap();
+        let error = DialError::Agent {
+            text: agent,
+            class: proto::DialErrorClass::Unspecified,
+        };
+        let reply = String::from_utf8(dial_error_response(&error, &target)).unwrap();
         assert!(reply.len() < 2048, "a {}-byte reply", reply.len());
         assert!(reply.starts_with("HTTP/1.1 502 Bad Gateway\r\n"), "{reply}");
         assert!(reply.ends_with(": no such host"), "{reply}");
