@@ -14,6 +14,8 @@
 //!   driven by Python's grpcio.
 //! - [`policy`]: CPU per single-use tunnel with the recommended
 //!   destination policy against none (issue 45).
+//! - [`overhead`]: CPU per single-use tunnel with tracing at 100 %
+//!   sampling and with the audit log, against neither (issue 45).
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
 //!   library), `tests/go/frontend` as a child process.
 //! - [`backends`]: the node-side TCP servers (source, sink, echo, responder,
@@ -32,6 +34,7 @@ pub mod audit;
 pub mod backends;
 pub mod budget;
 pub mod grpc_go;
+pub mod overhead;
 pub mod policy;
 pub mod probe;
 pub mod report;
@@ -132,6 +135,12 @@ pub enum Scenario {
     /// records joined: exactly one per side per tunnel, agreeing. Not in
     /// the default set.
     Audit,
+    /// CPU per single-use tunnel with tracing at 100 % sampling (towards
+    /// an OTLP receiver in the bench) and with the audit log, against
+    /// neither: three gRPC deployments, our client and grpc-go at 8
+    /// clients, --reps repetitions in rotating order. Not in the default
+    /// set.
+    Overhead,
 }
 
 /// A fault's name on the command line (`--soak-faults`).
@@ -740,6 +749,7 @@ impl Extras {
             || opt.has(Scenario::Streams)
             || opt.has(Scenario::Retries)
             || opt.has(Scenario::Policy)
+            || opt.has(Scenario::Overhead)
         {
             let go = grpc_go::GoFrontend::locate(opt.go_frontend.clone())?;
             println!("grpc-go frontend: {}", go.path.display());
@@ -875,6 +885,19 @@ async fn run_apart(
         )
         .await
         .context("policy scenario")?;
+        notes.extend(more);
+    }
+    if opt.has(Scenario::Overhead) {
+        let more = overhead::run(
+            bins,
+            dir,
+            &system.backends,
+            extras.go.as_ref(),
+            (timing, opt.reps),
+            rec,
+        )
+        .await
+        .context("overhead scenario")?;
         notes.extend(more);
     }
     if opt.has(Scenario::Audit) {

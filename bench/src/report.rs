@@ -51,6 +51,14 @@ pub struct Def {
     pub ratio: bool,
 }
 
+impl Def {
+    /// Whether `other` is this quantity: the same scenario and name (two
+    /// scenarios may both have, say, "failed dials").
+    fn is(&self, other: &Def) -> bool {
+        self.scenario == other.scenario && self.name == other.name
+    }
+}
+
 /// Shorthand for the definitions below.
 const fn def(scenario: &'static str, name: &'static str, unit: &'static str, ratio: bool) -> Def {
     Def {
@@ -667,6 +675,96 @@ pub const POLICY_CHECK_NS: Def = def("policy", "check of one dial, in process", 
 /// Failed dials of the policy scenario, both deployments and clients.
 pub const POLICY_ERRORS: Def = def("policy", "failed dials", "count", false);
 
+/// Server+agent CPU per single-use tunnel at 8 clients, our client,
+/// neither tracing nor audit log.
+pub const OVERHEAD_US_PLAIN: Def = def(
+    "overhead",
+    "c=8 server+agent CPU per tunnel, plain",
+    "us",
+    false,
+);
+/// The same with tracing at 100 % sampling.
+pub const OVERHEAD_US_TRACED: Def = def(
+    "overhead",
+    "c=8 server+agent CPU per tunnel, traced 100 %",
+    "us",
+    false,
+);
+/// The same with the audit log.
+pub const OVERHEAD_US_AUDITED: Def = def(
+    "overhead",
+    "c=8 server+agent CPU per tunnel, audited",
+    "us",
+    false,
+);
+/// Traced / plain, server+agent CPU per tunnel, our client.
+pub const OVERHEAD_TRACED_RATIO: Def = def(
+    "overhead",
+    "server+agent CPU, traced / plain",
+    "ratio",
+    false,
+);
+/// Audited / plain, server+agent CPU per tunnel, our client.
+pub const OVERHEAD_AUDITED_RATIO: Def = def(
+    "overhead",
+    "server+agent CPU, audited / plain",
+    "ratio",
+    false,
+);
+/// [`OVERHEAD_US_PLAIN`] with grpc-go.
+pub const OVERHEAD_US_PLAIN_GO: Def = def(
+    "overhead",
+    "c=8 server+agent CPU per tunnel, plain, grpc-go",
+    "us",
+    false,
+);
+/// [`OVERHEAD_US_TRACED`] with grpc-go.
+pub const OVERHEAD_US_TRACED_GO: Def = def(
+    "overhead",
+    "c=8 server+agent CPU per tunnel, traced 100 %, grpc-go",
+    "us",
+    false,
+);
+/// [`OVERHEAD_US_AUDITED`] with grpc-go.
+pub const OVERHEAD_US_AUDITED_GO: Def = def(
+    "overhead",
+    "c=8 server+agent CPU per tunnel, audited, grpc-go",
+    "us",
+    false,
+);
+/// [`OVERHEAD_TRACED_RATIO`] with grpc-go.
+pub const OVERHEAD_TRACED_RATIO_GO: Def = def(
+    "overhead",
+    "server+agent CPU, traced / plain, grpc-go",
+    "ratio",
+    false,
+);
+/// [`OVERHEAD_AUDITED_RATIO`] with grpc-go.
+pub const OVERHEAD_AUDITED_RATIO_GO: Def = def(
+    "overhead",
+    "server+agent CPU, audited / plain, grpc-go",
+    "ratio",
+    false,
+);
+/// Server spans the OTLP receiver got per traced tunnel (after warm-up).
+pub const OVERHEAD_SERVER_SPANS: Def = def(
+    "overhead",
+    "server spans received per traced tunnel",
+    "count",
+    false,
+);
+/// Agent spans the OTLP receiver got per traced tunnel (after warm-up).
+pub const OVERHEAD_AGENT_SPANS: Def = def(
+    "overhead",
+    "agent spans received per traced tunnel",
+    "count",
+    false,
+);
+/// Spans the traced server dropped (its export queue full).
+pub const OVERHEAD_DROPPED: Def = def("overhead", "server spans dropped", "count", false);
+/// Failed dials of the overhead scenario, all deployments and clients.
+pub const OVERHEAD_ERRORS: Def = def("overhead", "failed dials", "count", false);
+
 /// Until all N agents are connected; idle, cold, admission.
 pub const STORM_IDLE_COLD_TIME_ADMISSION: Def =
     def("storm", "idle cold: all connected, admission", "s", false);
@@ -1121,6 +1219,20 @@ const ALL: &[&Def] = &[
     &POLICY_TOTAL_RATIO_GO,
     &POLICY_CHECK_NS,
     &POLICY_ERRORS,
+    &OVERHEAD_US_PLAIN,
+    &OVERHEAD_US_TRACED,
+    &OVERHEAD_US_AUDITED,
+    &OVERHEAD_TRACED_RATIO,
+    &OVERHEAD_AUDITED_RATIO,
+    &OVERHEAD_US_PLAIN_GO,
+    &OVERHEAD_US_TRACED_GO,
+    &OVERHEAD_US_AUDITED_GO,
+    &OVERHEAD_TRACED_RATIO_GO,
+    &OVERHEAD_AUDITED_RATIO_GO,
+    &OVERHEAD_SERVER_SPANS,
+    &OVERHEAD_AGENT_SPANS,
+    &OVERHEAD_DROPPED,
+    &OVERHEAD_ERRORS,
     &STORM_IDLE_COLD_TIME_ADMISSION,
     &STORM_IDLE_COLD_THROWN_ADMISSION,
     &STORM_IDLE_COLD_FAILED_ADMISSION,
@@ -1199,7 +1311,7 @@ impl Recorder {
 
     /// Records `value` of `metric` for `route` in repetition `rep`.
     pub fn push(&mut self, metric: &Def, route: Route, rep: usize, value: Option<f64>) {
-        let Some(i) = ALL.iter().position(|d| d.name == metric.name) else {
+        let Some(i) = ALL.iter().position(|d| d.is(metric)) else {
             return;
         };
         let slots = self.values[i][route.index()].get_or_insert_with(|| vec![None; self.reps]);
@@ -1210,7 +1322,7 @@ impl Recorder {
 
     /// The value recorded for `metric`, `route`, `rep`, if any.
     pub fn get(&self, metric: &Def, route: Route, rep: usize) -> Option<f64> {
-        let i = ALL.iter().position(|d| d.name == metric.name)?;
+        let i = ALL.iter().position(|d| d.is(metric))?;
         self.values[i][route.index()]
             .as_ref()?
             .get(rep)
@@ -1418,6 +1530,19 @@ fn number(v: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_quantity_is_listed_once_and_recorded_as_itself() {
+        for (i, a) in ALL.iter().enumerate() {
+            for b in &ALL[i + 1..] {
+                assert!(!a.is(b), "{}: {} listed twice", a.scenario, a.name);
+            }
+        }
+        let mut r = Recorder::new(1);
+        r.push(&OVERHEAD_ERRORS, Route::Grpc, 0, Some(3.0));
+        assert_eq!(r.get(&POLICY_ERRORS, Route::Grpc, 0), None);
+        assert_eq!(r.get(&OVERHEAD_ERRORS, Route::Grpc, 0), Some(3.0));
+    }
 
     #[test]
     fn ratio_is_per_repetition() {

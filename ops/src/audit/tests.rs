@@ -101,6 +101,64 @@ impl Write for Stalled {
     }
 }
 
+/// A writer that counts its flushes.
+struct Flushes {
+    out: Arc<Mutex<Vec<u8>>>,
+    flushes: Arc<AtomicU64>,
+}
+
+impl Write for Flushes {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.flushes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Records that come a millisecond apart are written a batch per
+/// [`LINGER`], not one flush each; with a shallow queue, one each.
+#[tokio::test]
+async fn a_deep_queues_records_are_flushed_a_batch_at_a_time() {
+    for (queue, lingers) in [(10_000, true), (LINGER_QUEUE - 1, false)] {
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let flushes = Arc::new(AtomicU64::new(0));
+        let writer = Flushes {
+            out: out.clone(),
+            flushes: flushes.clone(),
+        };
+        let log = AuditLog::spawn(
+            Out::Writer(Box::new(writer)),
+            queue,
+            AuditMetrics::unregistered(),
+        );
+        let sink = log.sink();
+        let start = Instant::now();
+        for n in 0..100 {
+            assert!(sink.record(Numbered { n }));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let took = start.elapsed();
+        log.close(Duration::from_secs(10)).await;
+        let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+        assert_eq!(numbers(&text), (0..100).collect::<Vec<_>>());
+        let flushes = flushes.load(Ordering::Relaxed);
+        // At most one flush per LINGER, one for the last batch and one
+        // at the close.
+        let bound = (took.as_millis() / LINGER.as_millis()) as u64 + 2;
+        if lingers {
+            assert!(flushes <= bound, "{flushes} flushes in {took:?}");
+        } else {
+            assert!(
+                flushes > bound,
+                "{flushes} flushes in {took:?}: it lingered"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_full_queue_drops_and_counts_and_never_blocks() {
     let (entered_tx, entered_rx) = std_mpsc::channel();
