@@ -281,17 +281,11 @@ async fn flood(
     Ok((grown, tiny))
 }
 
-/// The streams part; see the module documentation.
-async fn streams(
-    bins: &Binaries,
-    dir: &Path,
-    backends: &Backends,
-    streams: usize,
-    rec: &mut Recorder,
-) -> anyhow::Result<()> {
-    // Dials to 127.0.0.2 go to the agent that will be stopped, dials to
-    // 127.0.0.1 (the echo backend) to the other.
-    let mut part = Part::start(
+/// The streams part's server (`--proxy-strategies=destHost`) and its two
+/// agents: dials to 127.0.0.2 go to the one that will be stopped (with a
+/// small window), dials to 127.0.0.1 (the echo backend) to the other.
+async fn start_streams_part(bins: &Binaries, dir: &Path) -> anyhow::Result<Part> {
+    Part::start(
         bins,
         dir,
         "streams",
@@ -305,7 +299,18 @@ async fn streams(
             &["--agent-identifiers=ipv4=127.0.0.1"],
         ],
     )
-    .await?;
+    .await
+}
+
+/// The streams part; see the module documentation.
+async fn streams(
+    bins: &Binaries,
+    dir: &Path,
+    backends: &Backends,
+    streams: usize,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    let mut part = start_streams_part(bins, dir).await?;
     let stall = Stall::start_on(Ipv4Addr::new(127, 0, 0, 2));
     let before = probe::rss(part.server.pid())? as f64;
     let mut frontend = python::start_frontend([

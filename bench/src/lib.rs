@@ -874,6 +874,37 @@ async fn run_apart(
             .context("retries scenario")?;
         notes.extend(more);
     }
+    costs(opt, extras, (bins, system), timing, rec, notes).await?;
+    if opt.has(Scenario::Audit) {
+        let more = audit::run(bins, dir, &system.backends, opt.audit_tunnels)
+            .await
+            .context("audit scenario")?;
+        notes.extend(more);
+    }
+    if opt.has(Scenario::Budget) {
+        let budget = budget::BudgetOpt {
+            streams: opt.budget_streams,
+            packets: opt.budget_packets,
+        };
+        let more = budget::run(bins, dir, &system.backends, &budget, rec)
+            .await
+            .context("budget scenario")?;
+        notes.extend(more);
+    }
+    Ok(())
+}
+
+/// The policy and overhead scenarios: what a feature costs per tunnel,
+/// side by side with a deployment without it; their notes.
+async fn costs(
+    opt: &Opt,
+    extras: &Extras,
+    (bins, system): (&Binaries, &System),
+    timing: Timing,
+    rec: &mut Recorder,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let dir = system.dir.path();
     if opt.has(Scenario::Policy) {
         let more = policy::run(
             bins,
@@ -898,22 +929,6 @@ async fn run_apart(
         )
         .await
         .context("overhead scenario")?;
-        notes.extend(more);
-    }
-    if opt.has(Scenario::Audit) {
-        let more = audit::run(bins, dir, &system.backends, opt.audit_tunnels)
-            .await
-            .context("audit scenario")?;
-        notes.extend(more);
-    }
-    if opt.has(Scenario::Budget) {
-        let budget = budget::BudgetOpt {
-            streams: opt.budget_streams,
-            packets: opt.budget_packets,
-        };
-        let more = budget::run(bins, dir, &system.backends, &budget, rec)
-            .await
-            .context("budget scenario")?;
         notes.extend(more);
     }
     Ok(())

@@ -221,6 +221,42 @@ async fn deployments(
         .map_err(|_| anyhow::anyhow!("three deployments"))
 }
 
+/// Records how many spans of each side arrived per traced tunnel after
+/// `warm` (server, agent) and how many the server `dropped`; the note.
+fn spans_rows(
+    rec: &mut Recorder,
+    counts: &Counts,
+    warm: [u64; 2],
+    traced_tunnels: f64,
+    dropped: f64,
+) -> String {
+    let [server, agent] = [&counts.server, &counts.agent]
+        .map(|c| c.load(Ordering::Relaxed))
+        .map(|n| n as f64);
+    let per = |n: f64, warm: u64| (n - warm as f64) / traced_tunnels.max(1.0);
+    rec.push(
+        &report::OVERHEAD_SERVER_SPANS,
+        Route::Grpc,
+        0,
+        Some(per(server, warm[0])),
+    );
+    rec.push(
+        &report::OVERHEAD_AGENT_SPANS,
+        Route::Grpc,
+        0,
+        Some(per(agent, warm[1])),
+    );
+    rec.push(&report::OVERHEAD_DROPPED, Route::Grpc, 0, Some(dropped));
+    let line = format!(
+        "overhead: the receiver got {server} server and {agent} agent spans ({} from another \
+         service); {traced_tunnels:.0} tunnels through the traced deployment after warm-up; the \
+         traced server dropped {dropped}",
+        counts.other.load(Ordering::Relaxed)
+    );
+    eprintln!("{line}");
+    line
+}
+
 /// Runs the scenario: `reps` repetitions of `timing.duration` per client
 /// and deployment; the notes.
 ///
@@ -271,30 +307,7 @@ pub async fn run(
     for d in &mut running {
         d.stop().await?;
     }
-    let [server, agent] = [&counts.server, &counts.agent]
-        .map(|c| c.load(Ordering::Relaxed))
-        .map(|n| n as f64);
-    let per = |n: f64, warm: u64| (n - warm as f64) / traced_tunnels.max(1.0);
-    rec.push(
-        &report::OVERHEAD_SERVER_SPANS,
-        Route::Grpc,
-        0,
-        Some(per(server, warm[0])),
-    );
-    rec.push(
-        &report::OVERHEAD_AGENT_SPANS,
-        Route::Grpc,
-        0,
-        Some(per(agent, warm[1])),
-    );
-    rec.push(&report::OVERHEAD_DROPPED, Route::Grpc, 0, Some(dropped));
-    let line = format!(
-        "overhead: the receiver got {server} server and {agent} agent spans ({} from another \
-         service); {traced_tunnels:.0} tunnels through the traced deployment after warm-up; the \
-         traced server dropped {dropped}",
-        counts.other.load(Ordering::Relaxed)
-    );
-    eprintln!("{line}");
+    let line = spans_rows(rec, &counts, warm, traced_tunnels, dropped);
     Ok(vec![
         format!(
             "overhead runs once, after the repetitions: three gRPC-mode deployments, the same \

@@ -54,7 +54,7 @@ pub struct Def {
 impl Def {
     /// Whether `other` is this quantity: the same scenario and name (two
     /// scenarios may both have, say, "failed dials").
-    fn is(&self, other: &Def) -> bool {
+    fn is(&self, other: &Self) -> bool {
         self.scenario == other.scenario && self.name == other.name
     }
 }

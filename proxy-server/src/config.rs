@@ -694,12 +694,8 @@ impl TryFrom<Args> for Config {
                 "requires --cluster-ca-cert: without client certificates there is nothing to bind agent identifiers to",
             ));
         }
-        let server_id = if args.server_id.is_empty() {
-            ServerId(uuid::Uuid::new_v4().to_string())
-        } else {
-            ServerId(args.server_id.clone())
-        };
-        let nonzero = |d: Duration| (!d.is_zero()).then_some(d);
+        let server_id = server_id(&args);
+        let (flow_window, flow_version) = flow_settings(&args)?;
         let config = Self {
             mode: args.mode,
             frontend,
@@ -723,25 +719,12 @@ impl TryFrom<Args> for Config {
             frontend_max_concurrent_streams: args.frontend_max_concurrent_streams,
             agent_max_concurrent_streams: args.agent_max_concurrent_streams,
             flow_control: args.flow_control,
-            flow_window: Window::from_flags(
-                args.flow.flow_control_window,
-                args.flow.flow_control_max_chunk,
-            )
-            .map_err(|(flag, reason)| invalid(flag, reason))?,
-            flow_version: match args.flow.flow_control_version {
-                FlowControlVersion::V1 => flow::Version::V1,
-                FlowControlVersion::V2 => flow::Version::V2,
-            },
+            flow_window,
+            flow_version,
             graceful_shutdown_timeout: nonzero(args.graceful_shutdown_timeout),
             token_auth,
             allow_unauthenticated_agents: args.allow_unauthenticated_agents,
-            dial_policy: DialPolicy {
-                timeout: nonzero(args.backend_dial_timeout),
-                retries: args.backend_dial_retries,
-                hedge: args
-                    .backend_dial_hedge
-                    .then_some(args.backend_dial_hedge_delay),
-            },
+            dial_policy: dial_policy(&args),
             lease,
             audit: args.audit.config()?,
             not_implemented: not_implemented(&args),
@@ -750,6 +733,49 @@ impl TryFrom<Args> for Config {
         };
         config.check_agent_auth()?;
         Ok(config)
+    }
+}
+
+/// `--server-id`, or a random UUID when it is empty (ANP).
+fn server_id(args: &Args) -> ServerId {
+    if args.server_id.is_empty() {
+        ServerId(uuid::Uuid::new_v4().to_string())
+    } else {
+        ServerId(args.server_id.clone())
+    }
+}
+
+/// `None` for a zero duration: a timeout flag's "off".
+fn nonzero(d: Duration) -> Option<Duration> {
+    (!d.is_zero()).then_some(d)
+}
+
+/// The receive window announced with flow control
+/// (`--flow-control-window`, `--flow-control-max-chunk`), and what is
+/// announced of it (`--flow-control-version`).
+fn flow_settings(args: &Args) -> Result<(Window, flow::Version), ConfigError> {
+    let window = Window::from_flags(
+        args.flow.flow_control_window,
+        args.flow.flow_control_max_chunk,
+    )
+    .map_err(|(flag, reason)| invalid(flag, reason))?;
+    let version = match args.flow.flow_control_version {
+        FlowControlVersion::V1 => flow::Version::V1,
+        FlowControlVersion::V2 => flow::Version::V2,
+    };
+    Ok((window, version))
+}
+
+/// How dials go out: `--backend-dial-timeout` (0: none),
+/// `--backend-dial-retries`, and the hedge (`--backend-dial-hedge`,
+/// `--backend-dial-hedge-delay`).
+fn dial_policy(args: &Args) -> DialPolicy {
+    DialPolicy {
+        timeout: nonzero(args.backend_dial_timeout),
+        retries: args.backend_dial_retries,
+        hedge: args
+            .backend_dial_hedge
+            .then_some(args.backend_dial_hedge_delay),
     }
 }
 

@@ -102,6 +102,12 @@ struct Watch {
 }
 
 impl Watch {
+    /// The router's outputs for one event (`sender`: the frontend whose
+    /// packet it was, if any), checked as they come: a connection opened
+    /// once and closed once, DATA only on the sender's own connections,
+    /// dials forwarded as [`Self::saw_forward`] says, no dial answered more
+    /// often than it was made; then the dials that left the table
+    /// ([`Self::settled`]).
     fn see(&mut self, sender: Option<FrontendId>, out: &[Out], now: Instant) {
         let mut settled = Vec::new();
         let mut answered = HashSet::new();
@@ -133,25 +139,8 @@ impl Watch {
                     dial,
                     ..
                 } => {
-                    assert!(
-                        self.live.contains(backend),
-                        "a dial forwarded to be{backend}, which is gone or retired"
-                    );
-                    self.stays_in_dest_host(*backend, dial.0);
-                    if std::mem::take(&mut hedging)
-                        && let Some(after) = self.hedge_after.get(&dial.0)
-                    {
-                        assert!(
-                            now >= *after,
-                            "dial {dial} hedged {:?} before its least hedge delay",
-                            after.saturating_duration_since(now)
-                        );
-                    }
-                    self.owner.insert(dial.0, *frontend);
-                    self.attempts
-                        .entry(dial.0)
-                        .or_default()
-                        .push((*backend, None));
+                    let hedged = std::mem::take(&mut hedging);
+                    self.saw_forward(*frontend, *backend, *dial, hedged, now);
                 }
                 Out::Count(crate::router::Event::DialHedged) => hedging = true,
                 Out::Settled(dial) => {
@@ -162,14 +151,7 @@ impl Watch {
                 Out::EndBackend(backend) => {
                     self.live.remove(backend);
                 }
-                Out::ToFrontend(fe, packet) => match packet.clone().into_kind() {
-                    proto::packet::PacketKind::DialRsp(r) => self.answer(*fe, r.random),
-                    proto::packet::PacketKind::DialCls(c) => self.answer(*fe, c.random),
-                    proto::packet::PacketKind::CloseRsp(c) if c.error == crate::MISMATCHED => {
-                        self.failed.insert(*fe);
-                    }
-                    _ => {}
-                },
+                Out::ToFrontend(fe, packet) => self.saw_to_frontend(*fe, packet, &mut answered),
                 Out::Established {
                     frontend, packet, ..
                 } => {
@@ -184,23 +166,74 @@ impl Watch {
                 }
                 _ => {}
             }
-            if let Out::ToFrontend(fe, packet) = o
-                && let proto::packet::PacketKind::DialRsp(proto::DialResponse { random, .. })
-                | proto::packet::PacketKind::DialCls(proto::CloseDial { random }) =
-                    packet.clone().into_kind()
-            {
-                answered.insert((*fe, random));
-            }
         }
+        self.check_answer_counts();
+        for dial in settled {
+            self.settled(dial, &answered, now);
+        }
+    }
+
+    /// A DIAL_REQ the router sent `backend` for `frontend`'s `dial`
+    /// (`hedged`: as the dial's hedge): to a live agent, within the dial's
+    /// destHost key, a hedge no earlier than the dial's least hedge delay;
+    /// the attempt is followed from here.
+    fn saw_forward(
+        &mut self,
+        frontend: FrontendId,
+        backend: BackendId,
+        dial: DialId,
+        hedged: bool,
+        now: Instant,
+    ) {
+        assert!(
+            self.live.contains(&backend),
+            "a dial forwarded to be{backend}, which is gone or retired"
+        );
+        self.stays_in_dest_host(backend, dial.0);
+        if hedged && let Some(after) = self.hedge_after.get(&dial.0) {
+            assert!(
+                now >= *after,
+                "dial {dial} hedged {:?} before its least hedge delay",
+                after.saturating_duration_since(now)
+            );
+        }
+        self.owner.insert(dial.0, frontend);
+        self.attempts
+            .entry(dial.0)
+            .or_default()
+            .push((backend, None));
+    }
+
+    /// A packet the router sent frontend `fe`: a DIAL_RSP or DIAL_CLS
+    /// answers its dial (in this event: `answered`); a MISMATCHED CLOSE_RSP
+    /// marks the frontend as one that broke the protocol.
+    fn saw_to_frontend(
+        &mut self,
+        fe: FrontendId,
+        packet: &Packet,
+        answered: &mut HashSet<(FrontendId, i64)>,
+    ) {
+        match packet.clone().into_kind() {
+            proto::packet::PacketKind::DialRsp(proto::DialResponse { random, .. })
+            | proto::packet::PacketKind::DialCls(proto::CloseDial { random }) => {
+                self.answer(fe, random);
+                answered.insert((fe, random));
+            }
+            proto::packet::PacketKind::CloseRsp(c) if c.error == crate::MISMATCHED => {
+                self.failed.insert(fe);
+            }
+            _ => {}
+        }
+    }
+
+    /// No dial was answered more often than its frontend made it.
+    fn check_answer_counts(&self) {
         for (dial, answers) in &self.answers {
             let made = self.requests.get(dial).copied().unwrap_or(0);
             assert!(
                 *answers <= made,
                 "dial {dial:?} answered {answers} times, made {made}"
             );
-        }
-        for dial in settled {
-            self.settled(dial, &answered, now);
         }
     }
 
@@ -1295,16 +1328,7 @@ pub fn token_review(data: &[u8]) {
         body: Bytes::copy_from_slice(body),
         sent: std::sync::Arc::default(),
     };
-    let logs = Logs::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_writer(logs.clone())
-        .with_ansi(false)
-        .finish();
-    let (verdicts, checked) =
-        tracing::subscriber::with_default(subscriber, || connect_twice(api.clone()));
-    let logs = String::from_utf8_lossy(&logs.0.lock().expect("not poisoned")).into_owned();
-    assert!(!logs.contains(TOKEN), "the token logged:\n{logs}");
+    let (verdicts, checked) = connect_twice_logged(api.clone());
     for error in verdicts.iter().filter_map(|v| v.as_ref().err()) {
         let shown = format!("{error}\n{error:?}\n{}", error.status().message());
         assert!(!shown.contains(TOKEN), "the token shown: {shown}");
@@ -1321,7 +1345,34 @@ pub fn token_review(data: &[u8]) {
         if reused { 1 } else { 2 },
         "TokenReview calls for two connects, after {first:?}"
     );
-    for (method, path, request) in sent.iter() {
+    check_reviews_sent(&sent);
+    assert_eq!(
+        checked.first(),
+        Some(&auth::Checked::Answered(auth::reviews::Source::Api))
+    );
+    assert_eq!(verdicts[0], verdicts[1], "the same answer, another verdict");
+    check_verdict(code, body, first);
+}
+
+/// [`connect_twice`] with every log line at any level captured, as the
+/// binaries format them: the token is in none of them.
+fn connect_twice_logged(api: StubApi) -> (Vec<Result<(), AuthError>>, Vec<auth::Checked>) {
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .finish();
+    let outcome = tracing::subscriber::with_default(subscriber, || connect_twice(api));
+    let logs = String::from_utf8_lossy(&logs.0.lock().expect("not poisoned")).into_owned();
+    assert!(!logs.contains(TOKEN), "the token logged:\n{logs}");
+    outcome
+}
+
+/// The TokenReviews the API was sent: each a POST to the TokenReview
+/// path, about [`TOKEN`], for our audience.
+fn check_reviews_sent(sent: &[Sent]) {
+    for (method, path, request) in sent {
         assert_eq!(
             (method, path.as_str()),
             (
@@ -1337,11 +1388,14 @@ pub fn token_review(data: &[u8]) {
             Some(vec![EXPECTED.audience.to_owned()])
         );
     }
-    assert_eq!(
-        checked.first(),
-        Some(&auth::Checked::Answered(auth::reviews::Source::Api))
-    );
-    assert_eq!(verdicts[0], verdicts[1], "the same answer, another verdict");
+}
+
+/// The first verdict on the token against the answer (`code`, `body`)
+/// it came from: a verdict on the token from a 2xx answer only, and an
+/// agent admitted only if the answer, read independently as plain JSON,
+/// says the token is authenticated, for our audience, as our service
+/// account; refused never on a 2xx answer that says so.
+fn check_verdict(code: StatusCode, body: &[u8], first: &Result<(), AuthError>) {
     let text = String::from_utf8_lossy(body);
     let json = serde_json::from_str::<serde_json::Value>(&text).ok();
     match first {
@@ -1454,8 +1508,6 @@ pub fn token_claims_alloc_bound(len: usize) -> usize {
 /// audience (when one is required), `exp` not past and `nbf` not ahead
 /// beyond the skew; its expiry is its `exp`. Returns whether it passed.
 pub fn token_claims(data: &[u8]) -> bool {
-    use base64::Engine as _;
-    use serde_json::Value;
     let mut input = Input(data);
     let audience = if input.byte() % 2 == 0 {
         EXPECTED.audience
@@ -1473,58 +1525,79 @@ pub fn token_claims(data: &[u8]) -> bool {
         .as_ref()
         .map_err(Clone::clone)
         .and_then(|claims| claims.check(audience, now));
-    let Err(error) = verdict else {
-        // Passed: re-read it.
-        let decode = |segment: &str| {
-            base64::engine::general_purpose::URL_SAFE_NO_PAD
-                .decode(segment.trim_end_matches('='))
-                .expect("a segment that passed is base64url")
-        };
-        let parts: Vec<&str> = token.split('.').collect();
-        assert_eq!(parts.len(), 3, "passed without three segments");
-        let header: Value = serde_json::from_slice(&decode(parts[0])).expect("header JSON");
-        assert!(header.is_object(), "the header is not an object");
-        assert!(!decode(parts[2]).is_empty(), "passed without a signature");
-        let claims: Value = serde_json::from_slice(&decode(parts[1])).expect("claims JSON");
-        assert!(claims.is_object(), "the claims are not an object");
-        if !audience.is_empty() {
-            let aud = &claims["aud"];
-            assert!(
-                aud == audience
-                    || aud
-                        .as_array()
-                        .is_some_and(|a| a.iter().any(|a| a == audience)),
-                "passed with aud {aud}"
-            );
+    match verdict {
+        Ok(()) => {
+            reread_passed(&token, audience, now_secs);
+            true
         }
-        let skew = auth::claims::CLOCK_SKEW.as_secs_f64();
-        #[allow(clippy::cast_precision_loss)] // seconds since 1970 fit
-        let now_f = now_secs as f64;
-        for name in ["exp", "nbf"] {
-            match &claims[name] {
-                Value::Null => {}
-                Value::Number(n) => {
-                    let t = n.as_f64().expect("a JSON number is an f64");
-                    let ok = if name == "exp" {
-                        t + skew >= now_f
-                    } else {
-                        t - skew <= now_f
-                    };
-                    assert!(ok, "passed with {name} {t} at {now_f}");
-                }
-                other => panic!("passed with {name} {other}"),
-            }
+        Err(error) => {
+            check_refusal(error, audience);
+            false
         }
-        let expiry = claims["exp"]
-            .as_f64()
-            .and_then(|exp| Duration::try_from_secs_f64(exp).ok())
-            .and_then(|exp| std::time::SystemTime::UNIX_EPOCH.checked_add(exp));
-        assert_eq!(auth::claims::expiry(&token), expiry);
-        return true;
+    }
+}
+
+/// A token that passed [`token_claims`]'s checks at `now_secs` (seconds
+/// since 1970), re-read independently: three base64url segments, a JSON
+/// object header, JSON object claims, a non-empty signature, an `aud`
+/// naming `audience` (unless empty), `exp` not past and `nbf` not ahead
+/// beyond the skew; its expiry is its `exp`.
+fn reread_passed(token: &str, audience: &str, now_secs: i64) {
+    use base64::Engine as _;
+    use serde_json::Value;
+    let decode = |segment: &str| {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(segment.trim_end_matches('='))
+            .expect("a segment that passed is base64url")
     };
-    // The error holds nothing read from the token: static reasons, our own
-    // audience, whole seconds. (A check of its text against the token
-    // fails when the token is our own message, as the fuzzer found.)
+    let parts: Vec<&str> = token.split('.').collect();
+    assert_eq!(parts.len(), 3, "passed without three segments");
+    let header: Value = serde_json::from_slice(&decode(parts[0])).expect("header JSON");
+    assert!(header.is_object(), "the header is not an object");
+    assert!(!decode(parts[2]).is_empty(), "passed without a signature");
+    let claims: Value = serde_json::from_slice(&decode(parts[1])).expect("claims JSON");
+    assert!(claims.is_object(), "the claims are not an object");
+    if !audience.is_empty() {
+        let aud = &claims["aud"];
+        assert!(
+            aud == audience
+                || aud
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|a| a == audience)),
+            "passed with aud {aud}"
+        );
+    }
+    let skew = auth::claims::CLOCK_SKEW.as_secs_f64();
+    #[allow(clippy::cast_precision_loss)] // seconds since 1970 fit
+    let now_f = now_secs as f64;
+    for name in ["exp", "nbf"] {
+        match &claims[name] {
+            Value::Null => {}
+            Value::Number(n) => {
+                let t = n.as_f64().expect("a JSON number is an f64");
+                let ok = if name == "exp" {
+                    t + skew >= now_f
+                } else {
+                    t - skew <= now_f
+                };
+                assert!(ok, "passed with {name} {t} at {now_f}");
+            }
+            other => panic!("passed with {name} {other}"),
+        }
+    }
+    let expiry = claims["exp"]
+        .as_f64()
+        .and_then(|exp| Duration::try_from_secs_f64(exp).ok())
+        .and_then(|exp| std::time::SystemTime::UNIX_EPOCH.checked_add(exp));
+    assert_eq!(auth::claims::expiry(token), expiry);
+}
+
+/// A token [`token_claims`]'s checks refused with `error`: the error holds
+/// nothing read from the token (static reasons, our own `audience`, whole
+/// seconds; a check of its text against the token fails when the token is
+/// our own message, as the fuzzer found), and refuses the agent
+/// Unauthenticated.
+fn check_refusal(error: ClaimsError, audience: &str) {
     match &error {
         ClaimsError::Malformed(_)
         | ClaimsError::Expired { .. }
@@ -1534,7 +1607,6 @@ pub fn token_claims(data: &[u8]) -> bool {
     assert!(!AuthError::Claims(error.clone()).to_string().is_empty());
     let refused = AuthError::Claims(error).status();
     assert_eq!(refused.code(), tonic::Code::Unauthenticated);
-    false
 }
 
 /// The heap a [`review_peers`] run may use at its peak for `len` bytes:
@@ -1590,29 +1662,9 @@ pub fn review_peers(data: &[u8]) -> usize {
                 if tickets.is_empty() {
                     continue;
                 }
-                let i = input.below(tickets.len());
-                let (ticket, calling) = tickets[i];
-                if calling {
-                    // The answer: a pass, a failure, or nothing said.
-                    peers.end_call(ticket);
-                    tickets[i].1 = false;
-                    let outcome =
-                        [Some(Outcome::Passed), Some(Outcome::Failed), None][input.below(3)];
-                    if let Some(outcome) = outcome {
-                        if outcome == Outcome::Failed {
-                            *failed.entry(ticket.key).or_default() += 1;
-                        }
-                        peers.count(ticket.key, outcome, now);
-                    }
-                } else {
-                    match peers.start_call(ticket, now) {
-                        Ok(()) => tickets[i].1 = true,
-                        Err(slowed) => {
-                            refused(&failed, ticket.key, slowed);
-                            peers.leave(ticket);
-                            tickets.swap_remove(i);
-                        }
-                    }
+                let step = call_step(&mut peers, &mut tickets, &mut failed, &mut input, now);
+                if let Some((key, slowed)) = step {
+                    refused(&failed, key, slowed);
                 }
             }
             3 => {
@@ -1648,6 +1700,46 @@ pub fn review_peers(data: &[u8]) -> usize {
     peers.check();
     assert!(peers.idle(), "a record still counts a check");
     refusals
+}
+
+/// A step of a check of [`review_peers`] (one of `tickets`, the input
+/// says which: `(ticket, calling)`): the answer to its call (a pass, a
+/// failure, or nothing said; a failure counted in `failed`), or, if it is
+/// not calling, its call started. A check refused its call leaves: the
+/// refusal, naming its peer.
+fn call_step(
+    peers: &mut auth::peers::Peers,
+    tickets: &mut Vec<(auth::peers::Ticket, bool)>,
+    failed: &mut HashMap<auth::peers::PeerKey, u32>,
+    input: &mut Input<'_>,
+    now: tokio::time::Instant,
+) -> Option<(auth::peers::PeerKey, auth::peers::Slowed)> {
+    use auth::peers::Outcome;
+    let i = input.below(tickets.len());
+    let (ticket, calling) = tickets[i];
+    if calling {
+        peers.end_call(ticket);
+        tickets[i].1 = false;
+        let outcome = [Some(Outcome::Passed), Some(Outcome::Failed), None][input.below(3)];
+        if let Some(outcome) = outcome {
+            if outcome == Outcome::Failed {
+                *failed.entry(ticket.key).or_default() += 1;
+            }
+            peers.count(ticket.key, outcome, now);
+        }
+        return None;
+    }
+    match peers.start_call(ticket, now) {
+        Ok(()) => {
+            tickets[i].1 = true;
+            None
+        }
+        Err(slowed) => {
+            peers.leave(ticket);
+            tickets.swap_remove(i);
+            Some((ticket.key, slowed))
+        }
+    }
 }
 
 /// The heap a [`lanes`] run may use at its peak for `len` input bytes: a
@@ -1692,15 +1784,9 @@ struct LaneModel {
 pub fn lanes(data: &[u8]) {
     use tunnel::budget::{Account, Budget};
 
-    use crate::frontend::lanes::{Lanes, Next};
+    use crate::frontend::lanes::Lanes;
 
-    let scheme = flow::Scheme::Credit {
-        ours: flow::Window::V1,
-        theirs: flow::Window::new(flow::MIN_WINDOW, flow::MIN_CHUNK).expect("in range"),
-    };
-    let conns: Vec<_> = (1..=3)
-        .map(|id| crate::conn::test_conn(id, scheme).0)
-        .collect();
+    let conns = lane_conns();
     let mut models: Vec<LaneModel> = conns.iter().map(|_| LaneModel::default()).collect();
     let mut ahead = Lanes::default();
     let mut now = Instant::now();
@@ -1708,44 +1794,12 @@ pub fn lanes(data: &[u8]) {
     let budget = std::sync::Arc::new(Budget::new(256 * (1 + input.below(64))));
     let mut account = Account::new(budget.clone());
     let mut other: Option<Account> = None;
-    // What the driver does with a lane's next step.
-    let next = |model: &mut LaneModel, step: Option<Next>| match step {
-        None => {}
-        Some(Next::Upload(_, chunk)) => {
-            assert!(!chunk.is_empty(), "an empty chunk in flight");
-            model.in_flight = Some(chunk);
-        }
-        Some(Next::Close(_)) => deliver_close(model),
-    };
     while !input.is_empty() {
         let c = input.below(conns.len());
         let (conn, model) = (&conns[c], &mut models[c]);
         match input.below(7) {
-            // DATA, as `FrontendDriver::data` takes it.
             0 | 1 if !model.gone && !model.closed => {
-                let len = match input.below(4) {
-                    0 => 0,
-                    1 => input.below(8),
-                    _ => usize::from(input.byte()) * LANE_PAYLOAD / 255,
-                };
-                let start = model.sent.len();
-                let payload: Vec<u8> = (start..start + len).map(|i| (i % 251) as u8).collect();
-                model.sent.extend_from_slice(&payload);
-                let payload = Bytes::from(payload);
-                if ahead.has_lane(conn.id) {
-                    ahead.queue(conn.id, payload);
-                } else {
-                    let mut chunks = conn.flow.chunks(payload);
-                    while let Some(piece) = chunks.next() {
-                        if input.byte() % 2 == 0 {
-                            model.uploaded.extend_from_slice(&piece);
-                        } else {
-                            ahead.open(conn.clone(), piece.len(), chunks.rest(), now);
-                            model.in_flight = Some(piece);
-                            break;
-                        }
-                    }
-                }
+                lane_data(conn, model, &mut ahead, &mut input, now);
             }
             // CLOSE_REQ, maybe a second one (without a lane it goes to the
             // control core, which ignores a close for a closed connection).
@@ -1771,18 +1825,11 @@ pub fn lanes(data: &[u8]) {
                     model.gone = true;
                 }
                 let step = ahead.uploaded(conn.id, ok, now);
-                next(model, step);
+                lane_next(model, step);
             }
             // The lane is cut.
             5 => {
-                if let Some((cut, close)) = ahead.cut(conn.id) {
-                    assert_eq!(cut.id, conn.id);
-                    model.gone = true;
-                    model.in_flight = None;
-                    if close.is_some() {
-                        deliver_close(model);
-                    }
-                }
+                lane_cut(conn, model, &mut ahead);
                 now += Duration::from_millis(u64::from(input.byte()));
             }
             // Another stream takes from the budget, or gives back.
@@ -1797,12 +1844,107 @@ pub fn lanes(data: &[u8]) {
         check_lanes(&conns, &models, &ahead);
         check_budget(&ahead, &mut account, other.as_ref());
     }
-    // Every upload let through: everything arrives, then the close.
-    for (conn, model) in conns.iter().zip(&mut models) {
+    lanes_let_through(&conns, &mut models, &mut ahead, now);
+    drop(other);
+    check_budget(&ahead, &mut account, None);
+    drop(account);
+    assert_eq!(budget.held(), 0, "the budget kept bytes nobody holds");
+}
+
+/// The [`lanes`] harness's three connections (ids 1 to 3), with flow
+/// control by credit: our window V1's, theirs the smallest allowed.
+fn lane_conns() -> Vec<std::sync::Arc<crate::conn::Conn>> {
+    let scheme = flow::Scheme::Credit {
+        ours: flow::Window::V1,
+        theirs: flow::Window::new(flow::MIN_WINDOW, flow::MIN_CHUNK).expect("in range"),
+    };
+    (1..=3)
+        .map(|id| crate::conn::test_conn(id, scheme).0)
+        .collect()
+}
+
+/// The lane of `conn` is cut, if it has one: the connection is gone, and
+/// a CLOSE_REQ its lane held is delivered.
+fn lane_cut(
+    conn: &crate::conn::Conn,
+    model: &mut LaneModel,
+    ahead: &mut crate::frontend::lanes::Lanes,
+) {
+    if let Some((cut, close)) = ahead.cut(conn.id) {
+        assert_eq!(cut.id, conn.id);
+        model.gone = true;
+        model.in_flight = None;
+        if close.is_some() {
+            deliver_close(model);
+        }
+    }
+}
+
+/// DATA from the frontend of `conn`, as `FrontendDriver::data` takes it:
+/// a payload of the length the input says (empty, a few bytes, or up to
+/// [`LANE_PAYLOAD`]), queued behind the connection's lane if it has one;
+/// else uploaded chunk by chunk until the input says a chunk waits, which
+/// opens a lane holding the rest.
+fn lane_data(
+    conn: &std::sync::Arc<crate::conn::Conn>,
+    model: &mut LaneModel,
+    ahead: &mut crate::frontend::lanes::Lanes,
+    input: &mut Input<'_>,
+    now: Instant,
+) {
+    let len = match input.below(4) {
+        0 => 0,
+        1 => input.below(8),
+        _ => usize::from(input.byte()) * LANE_PAYLOAD / 255,
+    };
+    let start = model.sent.len();
+    let payload: Vec<u8> = (start..start + len).map(|i| (i % 251) as u8).collect();
+    model.sent.extend_from_slice(&payload);
+    let payload = Bytes::from(payload);
+    if ahead.has_lane(conn.id) {
+        ahead.queue(conn.id, payload);
+        return;
+    }
+    let mut chunks = conn.flow.chunks(payload);
+    while let Some(piece) = chunks.next() {
+        if input.byte().is_multiple_of(2) {
+            model.uploaded.extend_from_slice(&piece);
+        } else {
+            ahead.open(conn.clone(), piece.len(), chunks.rest(), now);
+            model.in_flight = Some(piece);
+            break;
+        }
+    }
+}
+
+/// What the driver does with a lane's next step: the upload of its next
+/// chunk starts, or its CLOSE_REQ reaches the control core.
+fn lane_next(model: &mut LaneModel, step: Option<crate::frontend::lanes::Next>) {
+    use crate::frontend::lanes::Next;
+    match step {
+        None => {}
+        Some(Next::Upload(_, chunk)) => {
+            assert!(!chunk.is_empty(), "an empty chunk in flight");
+            model.in_flight = Some(chunk);
+        }
+        Some(Next::Close(_)) => deliver_close(model),
+    }
+}
+
+/// The end of a [`lanes`] run: every upload let through, each connection
+/// still there got every byte its frontend sent, in order, then its close
+/// (if sent); no lane is left, and the lanes count nothing.
+fn lanes_let_through(
+    conns: &[std::sync::Arc<crate::conn::Conn>],
+    models: &mut [LaneModel],
+    ahead: &mut crate::frontend::lanes::Lanes,
+    now: Instant,
+) {
+    for (conn, model) in conns.iter().zip(models) {
         while let Some(chunk) = model.in_flight.take() {
             model.uploaded.extend_from_slice(&chunk);
             let step = ahead.uploaded(conn.id, true, now);
-            next(model, step);
+            lane_next(model, step);
         }
         assert!(!ahead.has_lane(conn.id), "conn {}: a lane left", conn.id);
         if !model.gone {
@@ -1823,10 +1965,6 @@ pub fn lanes(data: &[u8]) {
     assert_eq!(ahead.bytes(), 0, "bytes counted in no lane");
     assert_eq!(ahead.closing(), 0, "closes counted in no lane");
     assert_eq!((ahead.cost(), ahead.items()), (0, 0), "cost in no lane");
-    drop(other);
-    check_budget(&ahead, &mut account, None);
-    drop(account);
-    assert_eq!(budget.held(), 0, "the budget kept bytes nobody holds");
 }
 
 /// The read-ahead's account settled to its cost, as the driver does after

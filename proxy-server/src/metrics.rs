@@ -364,26 +364,32 @@ impl Latencies {
     }
 }
 
-/// konnectivity-rs's own series.
+/// konnectivity-rs's own series, registered a group at a time.
 struct Ours {
-    bytes: ByLabel<Direction, Counter>,
-    closed: ByLabel<CloseReason, Counter>,
-    blocked: ByLabel<Method, Counter>,
-    max_buffered: Gauge,
-    buffered: Gauge,
-    budget: ByLabel<Pool, Gauge>,
-    budget_held: ByLabel<Pool, Gauge>,
-    limits: ByLabel<Limit, Counter>,
-    handshakes: ByLabel<Handshake, Counter>,
-    handshake_drops: ByLabel<HandshakeDrop, Counter>,
-    reviews: ByLabel<Review, Counter>,
-    skipped: ByLabel<Skipped, Counter>,
-    retries: ByLabel<DialRetry, Counter>,
-    hedges: Counter,
-    hedges_won: Counter,
+    traffic: Traffic,
+    buffers: Buffers,
+    admission: Admission,
+    dials: Dials,
 }
 
 impl Ours {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
+            traffic: Traffic::register(m),
+            buffers: Buffers::register(m),
+            admission: Admission::register(m),
+            dials: Dials::register(m),
+        }
+    }
+}
+
+/// Our series of the tunnel's traffic: payload bytes, connections ended.
+struct Traffic {
+    bytes: ByLabel<Direction, Counter>,
+    closed: ByLabel<CloseReason, Counter>,
+}
+
+impl Traffic {
     fn register(m: &mut Metrics) -> Self {
         Self {
             bytes: ByLabel::register(
@@ -398,6 +404,23 @@ impl Ours {
                 "Established connections that ended, by reason (closed, error, agent_gone, frontend_gone, overflow, stalled, mismatch, upload_stalled)",
                 "reason",
             ),
+        }
+    }
+}
+
+/// Our series of buffering: readers blocked on a full buffer, bytes queued
+/// towards frontends, the buffer budget and what is held of it.
+struct Buffers {
+    blocked: ByLabel<Method, Counter>,
+    max_buffered: Gauge,
+    buffered: Gauge,
+    budget: ByLabel<Pool, Gauge>,
+    budget_held: ByLabel<Pool, Gauge>,
+}
+
+impl Buffers {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
             blocked: ByLabel::register(
                 m,
                 "konnectivity_rs_server_blocked_seconds_total",
@@ -426,6 +449,23 @@ impl Ours {
                 "Bytes of the buffer budget held now, by pool (read_ahead, to_frontend; what is held, with a fixed overhead per queued item)",
                 "pool",
             ),
+        }
+    }
+}
+
+/// Our series of admission: limits reached, TLS handshakes done and
+/// dropped, token reviews made and skipped.
+struct Admission {
+    limits: ByLabel<Limit, Counter>,
+    handshakes: ByLabel<Handshake, Counter>,
+    handshake_drops: ByLabel<HandshakeDrop, Counter>,
+    reviews: ByLabel<Review, Counter>,
+    skipped: ByLabel<Skipped, Counter>,
+}
+
+impl Admission {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
             limits: ByLabel::register(
                 m,
                 "konnectivity_rs_server_limit_reached_total",
@@ -456,6 +496,20 @@ impl Ours {
                 "Agent connects refused without a TokenReview, by reason (malformed: the token is not a JWT; audience: its aud claim does not name --authentication-audience; expired: its exp is past; not_yet_valid: its nbf is ahead; peer_slowed: the connect's source address had its share of connects waiting for a review while its tokens kept failing review)",
                 "reason",
             ),
+        }
+    }
+}
+
+/// Our series of dials sent to another agent: retries, hedges, hedges won.
+struct Dials {
+    retries: ByLabel<DialRetry, Counter>,
+    hedges: Counter,
+    hedges_won: Counter,
+}
+
+impl Dials {
+    fn register(m: &mut Metrics) -> Self {
+        Self {
             retries: ByLabel::register(
                 m,
                 "konnectivity_rs_server_dial_retries_total",
@@ -539,22 +593,22 @@ impl ServerMetrics {
             packets,
             errors,
             lease,
-            bytes: ours.bytes,
-            closed: ours.closed,
-            blocked: ours.blocked,
-            max_buffered: ours.max_buffered,
-            buffered: ours.buffered,
-            budget: ours.budget,
-            budget_held: ours.budget_held,
-            limits: ours.limits,
-            handshakes: ours.handshakes,
-            retries: ours.retries,
-            hedges: ours.hedges,
-            hedges_won: ours.hedges_won,
+            bytes: ours.traffic.bytes,
+            closed: ours.traffic.closed,
+            blocked: ours.buffers.blocked,
+            max_buffered: ours.buffers.max_buffered,
+            buffered: ours.buffers.buffered,
+            budget: ours.buffers.budget,
+            budget_held: ours.buffers.budget_held,
+            limits: ours.admission.limits,
+            handshakes: ours.admission.handshakes,
+            retries: ours.dials.retries,
+            hedges: ours.dials.hedges,
+            hedges_won: ours.dials.hedges_won,
             spans_dropped,
-            handshake_drops: ours.handshake_drops,
-            reviews: ours.reviews,
-            skipped: ours.skipped,
+            handshake_drops: ours.admission.handshake_drops,
+            reviews: ours.admission.reviews,
+            skipped: ours.admission.skipped,
         }
     }
 

@@ -911,39 +911,11 @@ impl Router {
         let id = DialId(rsp.random);
         let conn = ConnId(rsp.connect_id);
         if !self.pending.get(&id).is_some_and(|d| d.on(be)) {
-            // An attempt closed because another agent answered first is
-            // not counted; either way its connection is closed.
-            if !self.cancelled.take(id, be) {
-                out.push(Out::Count(Event::DialFailed(
-                    DialFailure::UnrecognizedResponse,
-                )));
-            }
-            if conn.0 != 0 && rsp.error.is_empty() {
-                out.push(Out::ToBackend(be, Packet::close_request(conn.0)));
-            }
+            self.stray_response(be, id, &rsp, out);
             return;
         }
         if !rsp.error.is_empty() {
-            // A failure weighs at least FAILURE_COST: an agent that fails
-            // dials at once must not look fast.
-            let took = self
-                .pending
-                .get(&id)
-                .and_then(|d| d.attempts.iter().find(|a| a.backend == be))
-                .and_then(|a| a.forwarded)
-                .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
-            self.sample(now, be, took.max(FAILURE_COST), false);
-            let retry = retryable(&rsp);
-            let error = DialError::Agent {
-                class: rsp.error_class(),
-                text: rsp.error,
-            };
-            let end = if retry {
-                AttemptEnd::Retry(DialRetry::Refused, DialFailure::ErrorResponse, error)
-            } else {
-                AttemptEnd::Final(DialFailure::ErrorResponse, error)
-            };
-            self.attempt_failed(now, id, be, end, out);
+            self.dial_refused(now, be, id, rsp, out);
             return;
         }
         let Some(dial) = self.settle_if(id, |_| true, out) else {
@@ -985,6 +957,59 @@ impl Router {
             packet: Packet::dial_response(id.0, conn.0, ""),
             latency: now.saturating_duration_since(dial.started),
         });
+    }
+
+    /// A DIAL_RSP from `be` for no dial in flight on it: counted as
+    /// unrecognized, unless it answers an attempt closed because another
+    /// agent answered first; either way a connection it opened is closed.
+    fn stray_response(
+        &mut self,
+        be: BackendId,
+        id: DialId,
+        rsp: &proto::DialResponse,
+        out: &mut Vec<Out>,
+    ) {
+        if !self.cancelled.take(id, be) {
+            out.push(Out::Count(Event::DialFailed(
+                DialFailure::UnrecognizedResponse,
+            )));
+        }
+        if rsp.connect_id != 0 && rsp.error.is_empty() {
+            out.push(Out::ToBackend(be, Packet::close_request(rsp.connect_id)));
+        }
+    }
+
+    /// An error DIAL_RSP from `be` for a dial in flight on it: sampled as a
+    /// failure, and the attempt ends ([`Self::attempt_failed`]), as one
+    /// that may be retried if the error is [`retryable`].
+    fn dial_refused(
+        &mut self,
+        now: Instant,
+        be: BackendId,
+        id: DialId,
+        rsp: proto::DialResponse,
+        out: &mut Vec<Out>,
+    ) {
+        // A failure weighs at least FAILURE_COST: an agent that fails
+        // dials at once must not look fast.
+        let took = self
+            .pending
+            .get(&id)
+            .and_then(|d| d.attempts.iter().find(|a| a.backend == be))
+            .and_then(|a| a.forwarded)
+            .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+        self.sample(now, be, took.max(FAILURE_COST), false);
+        let retry = retryable(&rsp);
+        let error = DialError::Agent {
+            class: rsp.error_class(),
+            text: rsp.error,
+        };
+        let end = if retry {
+            AttemptEnd::Retry(DialRetry::Refused, DialFailure::ErrorResponse, error)
+        } else {
+            AttemptEnd::Final(DialFailure::ErrorResponse, error)
+        };
+        self.attempt_failed(now, id, be, end, out);
     }
 
     /// A dial's attempt on `be` succeeded: its other attempt is cancelled
@@ -1388,27 +1413,7 @@ impl Router {
                 "dial {id} in flight on {} agents",
                 dial.attempts.len()
             );
-            for attempt in &dial.attempts {
-                assert!(
-                    self.backends.contains_key(&attempt.backend),
-                    "dial {id} pending on a gone be{}",
-                    attempt.backend
-                );
-                // A retired agent is no longer indexed; any other is one of
-                // the candidates of the pick that chose it.
-                assert!(
-                    !self.manager.is_indexed(attempt.backend)
-                        || self.manager.in_scope(&dial.scope, attempt.backend),
-                    "dial {id} in flight on be{} outside its strategy and key {:?}",
-                    attempt.backend,
-                    dial.scope
-                );
-                assert!(
-                    dial.tried.contains(&attempt.backend),
-                    "dial {id}: attempt not tried"
-                );
-                *loads.entry(attempt.backend).or_default() += 1;
-            }
+            self.check_attempts(*id, dial, &mut loads);
             let mut tried = dial.tried.clone();
             tried.sort_unstable();
             tried.dedup();
@@ -1446,6 +1451,47 @@ impl Router {
             "deadlines of no pending dial"
         );
         assert_eq!(hedges, self.hedges.len(), "hedges of no pending dial");
+        self.check_loads(&loads);
+    }
+
+    /// [`Router::check_dials`]'s part for the attempts of dial `id`: each
+    /// on a connected backend that was tried, in the dial's scope unless
+    /// retired; each counted in `loads`, by backend.
+    #[cfg(any(test, feature = "fuzzing"))]
+    fn check_attempts(
+        &self,
+        id: DialId,
+        dial: &PendingDial,
+        loads: &mut HashMap<BackendId, usize>,
+    ) {
+        for attempt in &dial.attempts {
+            assert!(
+                self.backends.contains_key(&attempt.backend),
+                "dial {id} pending on a gone be{}",
+                attempt.backend
+            );
+            // A retired agent is no longer indexed; any other is one of
+            // the candidates of the pick that chose it.
+            assert!(
+                !self.manager.is_indexed(attempt.backend)
+                    || self.manager.in_scope(&dial.scope, attempt.backend),
+                "dial {id} in flight on be{} outside its strategy and key {:?}",
+                attempt.backend,
+                dial.scope
+            );
+            assert!(
+                dial.tried.contains(&attempt.backend),
+                "dial {id}: attempt not tried"
+            );
+            *loads.entry(attempt.backend).or_default() += 1;
+        }
+    }
+
+    /// [`Router::check_dials`]'s part for the backends: each one's load is
+    /// its count in `loads` (the attempts in flight on it), and the dials
+    /// it counts as forwarded are in flight there.
+    #[cfg(any(test, feature = "fuzzing"))]
+    fn check_loads(&self, loads: &HashMap<BackendId, usize>) {
         for (be, backend) in &self.backends {
             assert_eq!(
                 backend.pending,

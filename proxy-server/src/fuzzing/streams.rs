@@ -276,48 +276,14 @@ pub fn grpc_packets(data: &[u8]) -> Reached {
     runtime.block_on(session(data))
 }
 
+/// [`grpc_packets`] on the runtime: the server's control core, an agent
+/// stream, then the frontend's `Proxy` stream and its messages.
 async fn session(data: &[u8]) -> Reached {
-    let strategies = [ProxyStrategy::Default];
-    let metrics = Arc::new(ServerMetrics::new(&strategies));
-    let control = Arc::new(Control::new(
-        &strategies,
-        DialPolicy {
-            timeout: None,
-            retries: 0,
-            hedge: None,
-        },
-        metrics,
-        Budgets::new(64 << 20),
-    ));
+    let control = control();
     let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
     let received = Arc::new(Mutex::new(Received::default()));
     let agent_tx = agent(&control, &tasks, &shutdown, &received).await;
-    let frontends = ProxyServiceImpl {
-        control: control.clone(),
-        tasks: tasks.clone(),
-        shutdown: shutdown.clone(),
-    };
-    let (frontend_tx, frontend_body) = body();
-    let response = frontends
-        .proxy(Request::new(streaming(frontend_body)))
-        .await
-        .expect("a Proxy stream");
-    let mut outbound = response.into_inner();
-    tokio::spawn({
-        let received = received.clone();
-        async move {
-            while let Some(next) = outbound.next().await {
-                match next {
-                    Ok(packet) => received.lock().expect("not poisoned").frontend.push(packet),
-                    Err(status) => {
-                        received.lock().expect("not poisoned").frontend_end = Some(Err(status));
-                        return;
-                    }
-                }
-            }
-            received.lock().expect("not poisoned").frontend_end = Some(Ok(()));
-        }
-    });
+    let frontend_tx = proxy_stream(&control, &tasks, &shutdown, &received).await;
     let mut frontend = Frontend::default();
     let messages = messages(data);
     let packets: Vec<Option<Packet>> = messages
@@ -376,7 +342,78 @@ async fn session(data: &[u8]) -> Reached {
             break;
         }
     }
-    // The frontend ends its side: its stream ends, its connections close.
+    end_streams(&control, &mut frontend, frontend_tx, agent_tx, &received).await;
+    shutdown.cancel();
+    tasks.close();
+    tasks.wait().await;
+    frontend.reached
+}
+
+/// The server's control core: one strategy (default), dials neither timed
+/// out, retried nor hedged, a 64 MiB buffer budget.
+fn control() -> Arc<Control> {
+    let strategies = [ProxyStrategy::Default];
+    let metrics = Arc::new(ServerMetrics::new(&strategies));
+    Arc::new(Control::new(
+        &strategies,
+        DialPolicy {
+            timeout: None,
+            retries: 0,
+            hedge: None,
+        },
+        metrics,
+        Budgets::new(64 << 20),
+    ))
+}
+
+/// Opens the harness's frontend's `Proxy` stream, whose packets (and how
+/// it ends) are recorded in `received`; the sender of its request body
+/// (dropped: the frontend ends its stream).
+async fn proxy_stream(
+    control: &Arc<Control>,
+    tasks: &TaskTracker,
+    shutdown: &CancellationToken,
+    received: &Arc<Mutex<Received>>,
+) -> mpsc::Sender<Bytes> {
+    let frontends = ProxyServiceImpl {
+        control: control.clone(),
+        tasks: tasks.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let (frontend_tx, frontend_body) = body();
+    let response = frontends
+        .proxy(Request::new(streaming(frontend_body)))
+        .await
+        .expect("a Proxy stream");
+    let mut outbound = response.into_inner();
+    tokio::spawn({
+        let received = received.clone();
+        async move {
+            while let Some(next) = outbound.next().await {
+                match next {
+                    Ok(packet) => received.lock().expect("not poisoned").frontend.push(packet),
+                    Err(status) => {
+                        received.lock().expect("not poisoned").frontend_end = Some(Err(status));
+                        return;
+                    }
+                }
+            }
+            received.lock().expect("not poisoned").frontend_end = Some(Ok(()));
+        }
+    });
+    frontend_tx
+}
+
+/// The end of a session: the frontend ends its side (its stream ends, its
+/// dials and connections go), then the agent (its stream ends, and the
+/// server forgets it).
+async fn end_streams(
+    control: &Control,
+    frontend: &mut Frontend,
+    frontend_tx: mpsc::Sender<Bytes>,
+    agent_tx: mpsc::Sender<Bytes>,
+    received: &Mutex<Received>,
+) {
     drop(frontend_tx);
     idle().await;
     {
@@ -401,10 +438,6 @@ async fn session(data: &[u8]) -> Reached {
         0,
         "the agent's stream ended and stayed"
     );
-    shutdown.cancel();
-    tasks.close();
-    tasks.wait().await;
-    frontend.reached
 }
 
 /// Connects the harness's agent; the sender of its stream (dropped: the
@@ -447,38 +480,7 @@ async fn agent(
         let mut open = HashSet::new();
         let mut next_conn = 1;
         while let Some(Ok(packet)) = outbound.next().await {
-            let mut reply = Vec::new();
-            match packet.into_kind() {
-                PacketKind::DialReq(r) => {
-                    received
-                        .lock()
-                        .expect("not poisoned")
-                        .dials
-                        .push((r.random, r.address.clone()));
-                    if r.random.rem_euclid(3) == 2 {
-                        let refused =
-                            format!("dial tcp {}: connect: connection refused", r.address);
-                        reply.push(Packet::dial_response(r.random, 0, &refused));
-                    } else {
-                        open.insert(next_conn);
-                        reply.push(Packet::dial_response(r.random, next_conn, ""));
-                        next_conn += 1;
-                    }
-                }
-                PacketKind::Data(d) if open.contains(&d.connect_id) => {
-                    let closes = d.data.first() == Some(&b'!');
-                    reply.push(Packet::data(d.connect_id, d.data));
-                    if closes {
-                        open.remove(&d.connect_id);
-                        reply.push(Packet::close_response(d.connect_id, "closed by the agent"));
-                    }
-                }
-                PacketKind::CloseReq(c) => {
-                    open.remove(&c.connect_id);
-                    reply.push(Packet::close_response(c.connect_id, ""));
-                }
-                _ => {}
-            }
+            let reply = agent_reply(packet, &mut open, &mut next_conn, &received);
             let Some(answers) = answers.upgrade() else {
                 continue;
             };
@@ -491,6 +493,51 @@ async fn agent(
         received.lock().expect("not poisoned").agent_end = true;
     });
     tx
+}
+
+/// The harness's agent's answer to a packet from the server (`open`: its
+/// connections; `next_conn`: the id of its next one): a DIAL_REQ, recorded
+/// in `received`, refused when its random is 2 modulo 3, else established;
+/// DATA on an open connection echoed, then the connection closed if the
+/// DATA starts with `!`; CLOSE_REQ answered.
+fn agent_reply(
+    packet: Packet,
+    open: &mut HashSet<i64>,
+    next_conn: &mut i64,
+    received: &Mutex<Received>,
+) -> Vec<Packet> {
+    let mut reply = Vec::new();
+    match packet.into_kind() {
+        PacketKind::DialReq(r) => {
+            received
+                .lock()
+                .expect("not poisoned")
+                .dials
+                .push((r.random, r.address.clone()));
+            if r.random.rem_euclid(3) == 2 {
+                let refused = format!("dial tcp {}: connect: connection refused", r.address);
+                reply.push(Packet::dial_response(r.random, 0, &refused));
+            } else {
+                open.insert(*next_conn);
+                reply.push(Packet::dial_response(r.random, *next_conn, ""));
+                *next_conn += 1;
+            }
+        }
+        PacketKind::Data(d) if open.contains(&d.connect_id) => {
+            let closes = d.data.first() == Some(&b'!');
+            reply.push(Packet::data(d.connect_id, d.data));
+            if closes {
+                open.remove(&d.connect_id);
+                reply.push(Packet::close_response(d.connect_id, "closed by the agent"));
+            }
+        }
+        PacketKind::CloseReq(c) => {
+            open.remove(&c.connect_id);
+            reply.push(Packet::close_response(c.connect_id, ""));
+        }
+        _ => {}
+    }
+    reply
 }
 
 #[cfg(test)]
