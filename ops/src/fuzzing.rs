@@ -189,18 +189,7 @@ pub fn session_ticket(data: &[u8]) {
     let opened = keys.decrypt(&ticket).expect("our own ticket opens");
     assert_eq!(opened, session);
     assert!(opened.len() <= ticket.len());
-    // Any byte changed: nothing opens.
-    if !presented.is_empty() {
-        let mut forged = ticket.clone();
-        let at = usize::from(presented[0]) % forged.len();
-        forged[at] ^= presented.get(1).copied().unwrap_or(1).max(1);
-        assert_eq!(keys.decrypt(&forged), None, "a changed ticket opened");
-        assert_eq!(
-            keys.decrypt(&ticket[..ticket.len() - 1]),
-            None,
-            "a cut ticket opened"
-        );
-    }
+    forged_tickets_do_not_open(&keys, &ticket, presented);
     // Under another binding (a rotated CA): nothing opens.
     let other = TicketKeys::with_clock(
         secret,
@@ -213,34 +202,7 @@ pub fn session_ticket(data: &[u8]) {
         None,
         "a ticket opened past a CA rotation"
     );
-    // Sealed by a clock `ahead` seconds on (a replica ahead, or whoever
-    // holds the secret dating a ticket in the future): it opens now only
-    // within the clock skew, and never beyond it, whatever the period.
-    let choice = u16::from_be_bytes([
-        presented.get(2).copied().unwrap_or(0),
-        presented.get(3).copied().unwrap_or(0),
-    ]);
-    let skew = MAX_CLOCK_SKEW.as_secs();
-    let ahead = if choice & 0x8000 == 0 {
-        u64::from(choice) % (skew + 1)
-    } else {
-        skew + 1 + u64::from(choice & 0x7fff) % (3 * rotation)
-    };
-    if let Some(at) = start.checked_add(ahead) {
-        clock.store(at, Ordering::Relaxed);
-        let future = keys.encrypt(&session).expect("sealed above");
-        clock.store(start, Ordering::Relaxed);
-        let opened = keys.decrypt(&future);
-        if ahead > skew {
-            assert_eq!(opened, None, "a ticket dated {ahead} s ahead opened");
-        } else {
-            assert_eq!(
-                opened.as_deref(),
-                Some(session.as_slice()),
-                "{ahead} s ahead"
-            );
-        }
-    }
+    dated_ahead_opens_within_the_skew(&keys, (&clock, start), rotation, &session, presented);
     // The next period still opens it, the one after does not.
     if let Some(next) = start.checked_add(rotation) {
         clock.store(next, Ordering::Relaxed);
@@ -253,6 +215,59 @@ pub fn session_ticket(data: &[u8]) {
             None,
             "a ticket opened after two rotations"
         );
+    }
+}
+
+/// Any byte of `ticket` changed (where `presented` says), or its last
+/// byte cut: nothing opens.
+fn forged_tickets_do_not_open(keys: &TicketKeys, ticket: &[u8], presented: &[u8]) {
+    if presented.is_empty() {
+        return;
+    }
+    let mut forged = ticket.to_vec();
+    let at = usize::from(presented[0]) % forged.len();
+    forged[at] ^= presented.get(1).copied().unwrap_or(1).max(1);
+    assert_eq!(keys.decrypt(&forged), None, "a changed ticket opened");
+    assert_eq!(
+        keys.decrypt(&ticket[..ticket.len() - 1]),
+        None,
+        "a cut ticket opened"
+    );
+}
+
+/// `session` sealed by `clock` set `ahead` seconds past `start` (a
+/// replica ahead, or whoever holds the secret dating a ticket in the
+/// future; how far, `presented` says): it opens at `start` only within
+/// the clock skew, and never beyond it, whatever the period. Leaves
+/// `clock` at `start`.
+fn dated_ahead_opens_within_the_skew(
+    keys: &TicketKeys,
+    (clock, start): (&AtomicU64, u64),
+    rotation: u64,
+    session: &[u8],
+    presented: &[u8],
+) {
+    let choice = u16::from_be_bytes([
+        presented.get(2).copied().unwrap_or(0),
+        presented.get(3).copied().unwrap_or(0),
+    ]);
+    let skew = MAX_CLOCK_SKEW.as_secs();
+    let ahead = if choice & 0x8000 == 0 {
+        u64::from(choice) % (skew + 1)
+    } else {
+        skew + 1 + u64::from(choice & 0x7fff) % (3 * rotation)
+    };
+    let Some(at) = start.checked_add(ahead) else {
+        return;
+    };
+    clock.store(at, Ordering::Relaxed);
+    let future = keys.encrypt(session).expect("sealed above");
+    clock.store(start, Ordering::Relaxed);
+    let opened = keys.decrypt(&future);
+    if ahead > skew {
+        assert_eq!(opened, None, "a ticket dated {ahead} s ahead opened");
+    } else {
+        assert_eq!(opened.as_deref(), Some(session), "{ahead} s ahead");
     }
 }
 
