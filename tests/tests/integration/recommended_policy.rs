@@ -14,9 +14,10 @@
 //! address exists, and the policy file is not edited at all. The server
 //! and the frontend still meet on loopback and a Unix socket; the policy
 //! only judges what the agent dials. kube-apiserver's other egress
-//! protocol, HTTP CONNECT on the socket, is carried too (with our own
-//! dialer: curl and Python drive that mode in `http_connect_mode` and
-//! `python_interop`).
+//! protocol, HTTP CONNECT on the socket, is carried too. Frontends we did
+//! not write drive both modes through the shipped policy: Python's grpcio
+//! (a Proxy stream) and Python's standard library (CONNECT on the socket,
+//! as kube-apiserver sends it), beside our own dialer.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is a failure report
 
@@ -25,6 +26,7 @@ use integration_tests::{
     destination::{self, Destination},
     grpc_go::{self, transport_args},
     netns::{self, HUB_IP},
+    python,
     report::FrontendReport,
 };
 
@@ -94,6 +96,39 @@ async fn webhook_calls(server: &TestServer, reuse: bool) {
     );
 }
 
+/// Python's grpcio, a frontend we did not write: 1 MiB echoed byte-exact
+/// from a node address, and the metadata address refused naming the rule.
+async fn grpcio(server: &TestServer) {
+    let echo = destination::echo_on_any(HUB_IP).await;
+    let target = format!("--target=unix:{}", server.uds.display());
+    let report = python::frontend([
+        "echo".to_owned(),
+        target.clone(),
+        format!("--address={}", echo.address()),
+        "--bytes=1048576".to_owned(),
+    ])
+    .await;
+    report.assert_ok();
+    assert_eq!(report.int("received"), 1 << 20, "{report}");
+    assert_eq!(
+        report.str("received_sha256"),
+        report.str("sent_sha256"),
+        "{report}"
+    );
+    let report = python::frontend([
+        "dial-error".to_owned(),
+        target,
+        "--address=169.254.169.254:80".to_owned(),
+    ])
+    .await;
+    report.assert_ok();
+    let error = report.str("error");
+    assert!(
+        error.ends_with("denied by the agent's policy (rule deny metadata)"),
+        "{error}"
+    );
+}
+
 /// The policy is in force, not merely loaded: the same kind of dial to a
 /// loopback listener and to the metadata address is refused by the agent
 /// naming the shipped rule, and the listener sees no connection.
@@ -135,6 +170,7 @@ fn kube_apiserver_traffic_passes_the_shipped_policy() {
                 kubelet_upload(&server, reuse).await;
                 webhook_calls(&server, reuse).await;
             }
+            grpcio(&server).await;
             refusals(&server).await;
             server.wait_idle().await;
         },
@@ -159,8 +195,9 @@ async fn refused_connect(server: &TestServer, target: &str) -> String {
 }
 
 /// The same policy under kube-apiserver's HTTP-CONNECT egress: a 4 MiB
-/// download from the kubelet side, byte-exact, and a loopback and a
-/// metadata CONNECT answered 502 naming the rule.
+/// download from the kubelet side, byte-exact, with our dialer and 1 MiB
+/// echoed with Python's standard library; a loopback and a metadata
+/// CONNECT answered 502 naming the rule, to a raw request and to Python.
 #[test]
 fn http_connect_traffic_passes_the_shipped_policy() {
     netns::run_in_hub(
@@ -180,6 +217,36 @@ fn http_connect_traffic_passes_the_shipped_policy() {
             io.read_to_end(&mut got).await.unwrap();
             assert!(got == destination::pattern(BULK, 7), "bytes differ");
             drop(io);
+            let echo = destination::echo_on_any(HUB_IP).await;
+            let socket = format!("--socket={}", server.uds.display());
+            let report = python::frontend([
+                "connect-echo".to_owned(),
+                socket.clone(),
+                format!("--address={}", echo.address()),
+                "--bytes=1048576".to_owned(),
+            ])
+            .await;
+            report.assert_ok();
+            assert_eq!(report.int("received"), 1 << 20, "{report}");
+            assert_eq!(
+                report.str("received_sha256"),
+                report.str("sent_sha256"),
+                "{report}"
+            );
+            let report = python::frontend([
+                "connect-error".to_owned(),
+                socket,
+                "--address=169.254.169.254:80".to_owned(),
+            ])
+            .await;
+            report.assert_ok();
+            assert_eq!(report.int("status"), 502, "{report}");
+            assert!(
+                report
+                    .str("body")
+                    .ends_with("denied by the agent's policy (rule deny metadata)"),
+                "{report}"
+            );
 
             let loopback = destination::echo().await;
             for (target, rule) in [
