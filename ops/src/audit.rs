@@ -475,13 +475,12 @@ const BATCH: usize = 256;
 
 /// How long a batch waits for more records after its first, so that a
 /// busy server checks and flushes its file once per batch rather than once
-/// per tunnel, and its tunnels' ends do not each wake the writer: in
-/// `bench --scenarios overhead`, the audit log cost 12 % more CPU per
-/// single-use tunnel before this wait (the writer's stat, write and flush
-/// and the wake-up, for every record), and
-/// (see `docs/performance.md`) far less after. A record reaches the file
-/// this much later at most; at shutdown every queued record is written
-/// all the same.
+/// per tunnel, and its tunnels' ends do not each wake the writer. In
+/// `bench --scenarios overhead` the audit log cost 1.11–1.13× the CPU per
+/// single-use tunnel of no log before this wait (a stat, a write, a flush
+/// and a wake-up for every record), 1.04× after (`docs/performance.md`).
+/// A record reaches the file this much later at most; at shutdown every
+/// queued record is written all the same.
 const LINGER: Duration = Duration::from_millis(20);
 
 /// How often a lingering batch looks at the queue: it stops waiting once
