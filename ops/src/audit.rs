@@ -382,7 +382,7 @@ impl<R: Serialize + Send + 'static> AuditLog<R> {
             metrics,
             said: [None; 3],
             line: Vec::with_capacity(1024),
-            linger: queue >= LINGER_QUEUE,
+            linger: lingers(queue),
         };
         // A thread, not a task: file writes block.
         let spawned = thread::Builder::new()
@@ -491,6 +491,12 @@ const LINGER_STEP: Duration = Duration::from_millis(5);
 /// takes [`BATCH`] records to end a wait early, and a queue this deep
 /// fills in one [`LINGER_STEP`] only at 100,000 records a second.
 const LINGER_QUEUE: usize = 2 * BATCH;
+
+/// Whether a writer with a queue of `queue` records lingers: a shallow
+/// queue could fill while it waits, and its records would be dropped.
+fn lingers(queue: usize) -> bool {
+    queue >= LINGER_QUEUE
+}
 
 impl Writer {
     /// Writes batches until closed: each batch is what is queued (up to
