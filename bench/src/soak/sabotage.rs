@@ -17,6 +17,12 @@
 //! - then agent 1 killed as a recorded fault, its destination sockets
 //!   destroyed first: the same symptoms, excused.
 //!
+//! A close or a crash breaks only the exchanges the agent is carrying at
+//! that instant, a few at most; with none, the act gives the judge nothing
+//! to find. So each is done again (up to [`TRIES`] times) until the
+//! destination saw one of agent 2's exchanges break, the ground truth
+//! that there is something to find.
+//!
 //! The run passes only when the judge found what was done to agent 2 (in
 //! each window, ends of the kind it causes: an error, a reset or a cut
 //! within 2 s of a close or a crash; a stuck exchange after the drop) and
@@ -27,7 +33,7 @@
 use std::{process::Stdio, time::Duration};
 
 use soak_judge::{
-    Carrier, Fault, FaultRecord, Figures, Judgement, Reason,
+    Carrier, Fault, FaultRecord, Figures, Judgement, Listener, Reason,
     exchanges::{Ending, STUCK},
     figures::Check,
 };
@@ -45,6 +51,23 @@ const AFTERMATH: f64 = GIVE_UP.as_secs_f64() + 5.0;
 
 /// How soon after a close or a crash its ends reach their witnesses.
 const PROMPT: f64 = 2.0;
+
+/// How long an exchange agent [`VICTIM`] carries should have been open
+/// at the destination before a close or a crash is done to it: one in its
+/// middle, likelier to be cut than one answered and closing.
+const CARRYING_FOR: f64 = 0.3;
+
+/// How long to wait for such an exchange before acting anyway: whether
+/// the act broke something is checked after it, at the destination.
+const CARRYING_WITHIN: Duration = Duration::from_secs(5);
+
+/// How many times an act is done to agent [`VICTIM`] until the
+/// destination saw one of its exchanges break. An act that breaks nothing
+/// (no exchange of that agent in its middle: it happened in CI, a crash
+/// that found 0 ends) gives the judge nothing to find; so it is done
+/// again, and the run fails, blaming the act and not the judge, only if
+/// none of these broke anything.
+const TRIES: usize = 10;
 
 /// One thing done on purpose.
 #[derive(Debug, Clone)]
@@ -130,48 +153,101 @@ pub async fn run(
     Ok(done)
 }
 
-/// Every destination socket of agent [`VICTIM`] destroyed.
-async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
-    eprintln!(
-        "soak: {:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed",
-        world.now()
-    );
-    let from = world.now();
-    close_sockets(world, VICTIM).await?;
-    Ok(Sabotaged {
-        what: "a spurious close",
-        causes: &[Ending::Error, Ending::Reset, Ending::Cut],
-        after: PROMPT,
-        carrier: Carrier::Slot(VICTIM),
-        from,
-        to: world.now(),
-        recorded: false,
-    })
+/// Waits up to [`CARRYING_WITHIN`] until agent [`VICTIM`] carries an
+/// exchange open at the checked destination for [`CARRYING_FOR`]; how
+/// many it carries so.
+async fn carrying(world: &World) -> usize {
+    let deadline = tokio::time::Instant::now() + CARRYING_WITHIN;
+    let open = || {
+        world
+            .node
+            .open_on(Listener::Exchanges, Carrier::Slot(VICTIM), CARRYING_FOR)
+    };
+    while open() == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    open()
 }
 
-/// Agent [`VICTIM`] killed and started again, no fault recorded.
-async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
-    eprintln!(
-        "soak: {:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault recorded)",
-        world.now()
-    );
+/// Whether the destination saw an exchange of agent [`VICTIM`] break
+/// since `from`, waiting up to [`PROMPT`] for it.
+async fn broke_since(world: &World, from: f64) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(PROMPT);
+    loop {
+        let broken = world
+            .node
+            .broken_on(Listener::Exchanges, Carrier::Slot(VICTIM), from);
+        if broken > 0 {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every destination socket of agent [`VICTIM`] destroyed, again until
+/// the destination saw one of its exchanges break (the ground truth that
+/// the act did something the judge must find).
+async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
     let from = world.now();
-    world.crash_agent(VICTIM).await?;
-    Ok(Sabotaged {
-        what: "a crash",
-        causes: &[
-            Ending::Error,
-            Ending::Reset,
-            Ending::Cut,
-            Ending::Truncated,
-            Ending::DialFailed,
-        ],
-        after: PROMPT,
-        carrier: Carrier::Slot(VICTIM),
-        from,
-        to: world.now(),
-        recorded: false,
-    })
+    for _ in 0..TRIES {
+        let open = carrying(world).await;
+        let at = world.now();
+        eprintln!(
+            "soak: {at:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed ({open} exchanges in \
+             their middle)"
+        );
+        close_sockets(world, VICTIM).await?;
+        let to = world.now();
+        if broke_since(world, at).await {
+            return Ok(Sabotaged {
+                what: "a spurious close",
+                causes: &[Ending::Error, Ending::Reset, Ending::Cut],
+                after: PROMPT,
+                carrier: Carrier::Slot(VICTIM),
+                from,
+                to,
+                recorded: false,
+            });
+        }
+    }
+    anyhow::bail!("agent-{VICTIM}'s sockets destroyed {TRIES} times and no exchange broke")
+}
+
+/// Agent [`VICTIM`] killed and started again, no fault recorded, again
+/// until the destination saw one of its exchanges break.
+async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
+    let from = world.now();
+    for _ in 0..TRIES {
+        let open = carrying(world).await;
+        let at = world.now();
+        eprintln!(
+            "soak: {at:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault recorded; {open} \
+             exchanges in their middle)"
+        );
+        world.crash_agent(VICTIM).await?;
+        let to = world.now();
+        if broke_since(world, at).await {
+            return Ok(Sabotaged {
+                what: "a crash",
+                causes: &[
+                    Ending::Error,
+                    Ending::Reset,
+                    Ending::Cut,
+                    Ending::Truncated,
+                    Ending::DialFailed,
+                ],
+                after: PROMPT,
+                carrier: Carrier::Slot(VICTIM),
+                from,
+                to,
+                recorded: false,
+            });
+        }
+    }
+    anyhow::bail!("agent-{VICTIM} crashed {TRIES} times and no exchange broke")
 }
 
 /// Agent [`VICTIM`]'s data to the destination dropped past the stuck
