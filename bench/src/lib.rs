@@ -14,6 +14,8 @@
 //!   driven by Python's grpcio.
 //! - [`policy`]: CPU per single-use tunnel with the recommended
 //!   destination policy against none (issue 45).
+//! - [`clients`]: one measurement of a deployment with our client and
+//!   grpc-go, for the scenarios that compare deployments side by side.
 //! - [`overhead`]: CPU per single-use tunnel with tracing at 100 %
 //!   sampling and with the audit log, against neither (issue 45).
 //! - [`grpc_go`]: the gRPC rows driven by grpc-go (kube-apiserver's client
@@ -33,6 +35,7 @@ pub mod agents;
 pub mod audit;
 pub mod backends;
 pub mod budget;
+pub mod clients;
 pub mod grpc_go;
 pub mod overhead;
 pub mod policy;

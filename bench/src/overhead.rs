@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     backends::Backends,
+    clients::{self, ClientRun},
     grpc_go::GoFrontend,
     probe,
     report::{self, Recorder, Route},
@@ -103,30 +104,8 @@ async fn receiver(counts: Arc<Counts>, stop: CancellationToken) -> anyhow::Resul
     Ok(addr)
 }
 
-/// One deployment's CPU per tunnel, (server, agent) µs, its errors and
-/// its tunnels; our client, then grpc-go.
-type Measured = [(Option<(f64, f64)>, u64, f64); 2];
-
-/// Runs both clients through `target` for `duration` each.
-async fn measure(
-    target: &Target,
-    backends: &Backends,
-    go: Option<&GoFrontend>,
-    duration: std::time::Duration,
-) -> anyhow::Result<Measured> {
-    let ours = scenarios::dial_rate(target, backends, CONCURRENCY, duration).await?;
-    let tunnels = ours.rate * duration.as_secs_f64();
-    let theirs = match go {
-        Some(go) => {
-            let d = go
-                .dials(target, backends, CONCURRENCY, duration, false)
-                .await?;
-            (d.cpu_us, d.errors, d.rate * duration.as_secs_f64())
-        }
-        None => (None, 0, 0.0),
-    };
-    Ok([(ours.cpu_us, ours.errors, tunnels), theirs])
-}
+/// One deployment's runs: our client's, then grpc-go's.
+type Measured = [ClientRun; 2];
 
 /// Rows of one client: server+agent µs plain, traced, audited; traced /
 /// plain, audited / plain.
@@ -157,8 +136,8 @@ fn record(rec: &mut Recorder, rep: usize, measured: &[Measured; 3]) -> f64 {
         let cpu: Vec<Option<f64>> = measured
             .iter()
             .map(|m| {
-                errors += m[client].1;
-                m[client].0.map(|(server, agent)| server + agent)
+                errors += m[client].errors;
+                m[client].cpu_us.map(|(server, agent)| server + agent)
             })
             .collect();
         let (Some(plain), Some(traced), Some(audited)) = (cpu[0], cpu[1], cpu[2]) else {
@@ -182,7 +161,7 @@ fn record(rec: &mut Recorder, rep: usize, measured: &[Measured; 3]) -> f64 {
         rep,
         Some(errors as f64),
     );
-    measured[1][0].2 + measured[1][1].2
+    measured[1][0].tunnels + measured[1][1].tunnels
 }
 
 /// The three deployments, in [`LABELS`]' order: the traced one towards
@@ -291,9 +270,10 @@ pub async fn run(
         let mut measured: [Option<Measured>; 3] = [None; 3];
         for k in 0..LABELS.len() {
             let at = (rep + k) % LABELS.len();
-            measured[at] = Some(measure(&targets[at], backends, go, timing.duration).await?);
+            let runs = clients::both(&targets[at], backends, go, CONCURRENCY, timing.duration);
+            measured[at] = Some(runs.await?);
         }
-        let measured = measured.map(|m| m.unwrap_or([(None, 0, 0.0); 2]));
+        let measured = measured.map(Option::unwrap_or_default);
         traced_tunnels += record(rec, rep, &measured);
         for d in &mut running {
             d.check_alive()?;

@@ -21,6 +21,7 @@ use client::dial::Mode;
 
 use crate::{
     backends::Backends,
+    clients::{self, ClientRun},
     grpc_go::GoFrontend,
     report::{self, Recorder, Route},
     scenarios::{self, Target, Timing},
@@ -118,27 +119,6 @@ pub fn check_ns(text: &str, destination: &str) -> anyhow::Result<f64> {
     Ok(start.elapsed().as_nanos() as f64 / f64::from(CHECKS))
 }
 
-/// One deployment's CPU per tunnel, (server, agent) µs, and its errors;
-/// our client, then grpc-go.
-async fn measure(
-    target: &Target,
-    backends: &Backends,
-    go: Option<&GoFrontend>,
-    duration: std::time::Duration,
-) -> anyhow::Result<[(Option<(f64, f64)>, u64); 2]> {
-    let ours = scenarios::dial_rate(target, backends, CONCURRENCY, duration).await?;
-    let theirs = match go {
-        Some(go) => {
-            let d = go
-                .dials(target, backends, CONCURRENCY, duration, false)
-                .await?;
-            (d.cpu_us, d.errors)
-        }
-        None => (None, 0),
-    };
-    Ok([(ours.cpu_us, ours.errors), theirs])
-}
-
 /// Rows of one client: agent µs none, agent µs recommended, agent ratio,
 /// server+agent ratio.
 type Rows = [&'static report::Def; 4];
@@ -158,17 +138,12 @@ const ROWS: [Rows; 2] = [
     ],
 ];
 
-/// Records repetition `rep`: `none` and `policy` from [`measure`].
-fn record(
-    rec: &mut Recorder,
-    rep: usize,
-    none: [(Option<(f64, f64)>, u64); 2],
-    policy: [(Option<(f64, f64)>, u64); 2],
-) {
+/// Records repetition `rep`: `none` and `policy` from [`clients::both`].
+fn record(rec: &mut Recorder, rep: usize, none: [ClientRun; 2], policy: [ClientRun; 2]) {
     let mut errors = 0;
-    for ((rows, (none, e0)), (policy, e1)) in ROWS.iter().zip(none).zip(policy) {
-        errors += e0 + e1;
-        let (Some((s0, a0)), Some((s1, a1))) = (none, policy) else {
+    for ((rows, none), policy) in ROWS.iter().zip(none).zip(policy) {
+        errors += none.errors + policy.errors;
+        let (Some((s0, a0)), Some((s1, a1))) = (none.cpu_us, policy.cpu_us) else {
             continue;
         };
         let values = [a0, a1, a1 / a0, (s1 + a1) / (s0 + a0)];
@@ -235,8 +210,8 @@ pub async fn run(
         } else {
             (&t_policy, &t_none)
         };
-        let a = measure(first, backends, go, timing.duration).await?;
-        let b = measure(second, backends, go, timing.duration).await?;
+        let a = clients::both(first, backends, go, CONCURRENCY, timing.duration).await?;
+        let b = clients::both(second, backends, go, CONCURRENCY, timing.duration).await?;
         let (n, p) = if rep % 2 == 0 { (a, b) } else { (b, a) };
         record(rec, rep, n, p);
         none.check_alive()?;
