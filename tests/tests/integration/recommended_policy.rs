@@ -96,25 +96,32 @@ async fn webhook_calls(server: &TestServer, reuse: bool) {
     );
 }
 
-/// Python's grpcio, a frontend we did not write: 1 MiB echoed byte-exact
-/// from a node address, and the metadata address refused naming the rule.
-async fn grpcio(server: &TestServer) {
+/// Python's `case` through the server `via` (`--target=…` for grpcio's
+/// `echo`, `--socket=…` for the standard library's `connect-echo`): 1 MiB
+/// echoed byte-exact from a node address.
+async fn python_echoes_a_mib(case: &str, via: &str) {
     let echo = destination::echo_on_any(HUB_IP).await;
-    let target = format!("--target=unix:{}", server.uds.display());
     let report = python::frontend([
-        "echo".to_owned(),
-        target.clone(),
+        case.to_owned(),
+        via.to_owned(),
         format!("--address={}", echo.address()),
         "--bytes=1048576".to_owned(),
     ])
     .await;
     report.assert_ok();
-    assert_eq!(report.int("received"), 1 << 20, "{report}");
+    assert_eq!(report.int("received"), 1 << 20, "{case}: {report}");
     assert_eq!(
         report.str("received_sha256"),
         report.str("sent_sha256"),
-        "{report}"
+        "{case}: {report}"
     );
+}
+
+/// Python's grpcio, a frontend we did not write: 1 MiB echoed byte-exact
+/// from a node address, and the metadata address refused naming the rule.
+async fn grpcio(server: &TestServer) {
+    let target = format!("--target=unix:{}", server.uds.display());
+    python_echoes_a_mib("echo", &target).await;
     let report = python::frontend([
         "dial-error".to_owned(),
         target,
@@ -217,22 +224,8 @@ fn http_connect_traffic_passes_the_shipped_policy() {
             io.read_to_end(&mut got).await.unwrap();
             assert!(got == destination::pattern(BULK, 7), "bytes differ");
             drop(io);
-            let echo = destination::echo_on_any(HUB_IP).await;
             let socket = format!("--socket={}", server.uds.display());
-            let report = python::frontend([
-                "connect-echo".to_owned(),
-                socket.clone(),
-                format!("--address={}", echo.address()),
-                "--bytes=1048576".to_owned(),
-            ])
-            .await;
-            report.assert_ok();
-            assert_eq!(report.int("received"), 1 << 20, "{report}");
-            assert_eq!(
-                report.str("received_sha256"),
-                report.str("sent_sha256"),
-                "{report}"
-            );
+            python_echoes_a_mib("connect-echo", &socket).await;
             let report = python::frontend([
                 "connect-error".to_owned(),
                 socket,
