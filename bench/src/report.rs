@@ -380,15 +380,14 @@ fn push_soak_whole(rec: &mut Recorder, r: &crate::soak::SoakResult) {
             &SOAK_DEST_SILENT,
             Some(
                 f.joined
-                    .endings
+                    .unexcused()
                     .iter()
                     .filter(|e| {
-                        e.excused_by.is_none()
-                            && matches!(
-                                e.ending,
-                                soak_judge::exchanges::Ending::Truncated
-                                    | soak_judge::exchanges::Ending::Corrupt
-                            )
+                        matches!(
+                            e.ending,
+                            soak_judge::exchanges::Ending::Truncated
+                                | soak_judge::exchanges::Ending::Corrupt
+                        )
                     })
                     .count() as f64,
             ),

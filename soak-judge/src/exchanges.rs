@@ -281,6 +281,16 @@ pub struct Joined {
     pub ok_unseen: Vec<(u64, Secs)>,
 }
 
+impl Joined {
+    /// The ends no fault explains, in time order.
+    pub fn unexcused(&self) -> Vec<&Judged> {
+        self.endings
+            .iter()
+            .filter(|e| e.excused_by.is_none())
+            .collect()
+    }
+}
+
 /// How many `ok_unseen` to keep.
 const UNSEEN_KEPT: usize = 10;
 

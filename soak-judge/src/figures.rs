@@ -134,12 +134,7 @@ impl Figures {
                 ));
             }
         }
-        let unexcused: Vec<_> = self
-            .joined
-            .endings
-            .iter()
-            .filter(|e| e.excused_by.is_none())
-            .collect();
+        let unexcused = self.joined.unexcused();
         for e in unexcused.iter().take(NAMED) {
             fail(format!(
                 "no fault on its agent or server explains: {}",

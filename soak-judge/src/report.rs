@@ -150,12 +150,7 @@ fn destination(out: &mut String, f: &Figures) {
 
 /// The ends no fault explains, one by one.
 fn endings(out: &mut String, f: &Figures) {
-    let unexcused: Vec<_> = f
-        .joined
-        .endings
-        .iter()
-        .filter(|e| e.excused_by.is_none())
-        .collect();
+    let unexcused = f.joined.unexcused();
     let _ = writeln!(
         out,
         "Ends not whole that no fault on their agent or server explains: **{}**.",

@@ -840,7 +840,7 @@ proptest! {
             add(&mut run, Frontend::TRAFFIC[k], slot, (from, from + long), front, node);
         }
         let unexcused = |run: &ObservedRun| {
-            judge(run).joined.endings.iter().filter(|e| e.excused_by.is_none()).count()
+            judge(run).joined.unexcused().len()
         };
         let with = unexcused(&run);
         run.faults.remove(gone);

@@ -143,9 +143,9 @@ pub async fn run(
     world: &mut World,
     records: &mut Vec<FaultRecord>,
 ) -> anyhow::Result<Vec<Sabotaged>> {
-    let mut done = vec![spurious_close(world).await?];
+    let mut done = vec![until_broken(world, Act::Close).await?];
     tokio::time::sleep(Duration::from_secs(2)).await;
-    done.push(crash(world).await?);
+    done.push(until_broken(world, Act::Crash).await?);
     done.extend(stuck_beside_a_kill(world, records).await?);
     if faults::agent_back(&world.agents[VICTIM]).await.is_none() {
         anyhow::bail!("agent-{VICTIM} did not come back after the sabotage");
@@ -187,58 +187,75 @@ async fn broke_since(world: &World, from: f64) -> bool {
     }
 }
 
-/// Every destination socket of agent [`VICTIM`] destroyed, again until
-/// the destination saw one of its exchanges break (the ground truth that
-/// the act did something the judge must find).
-async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
-    let from = world.now();
-    for _ in 0..TRIES {
-        let open = carrying(world).await;
-        let at = world.now();
-        eprintln!(
-            "soak: {at:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed ({open} exchanges in \
-             their middle)"
-        );
-        close_sockets(world, VICTIM).await?;
-        let to = world.now();
-        if broke_since(world, at).await {
-            return Ok(Sabotaged {
-                what: "a spurious close",
-                causes: &[Ending::Error, Ending::Reset, Ending::Cut],
-                after: PROMPT,
-                carrier: Carrier::Slot(VICTIM),
-                from,
-                to,
-                recorded: false,
-            });
-        }
-    }
-    anyhow::bail!("agent-{VICTIM}'s sockets destroyed {TRIES} times and no exchange broke")
+/// An act on agent [`VICTIM`] that breaks what it carries at that
+/// instant: a close or a crash.
+#[derive(Debug, Clone, Copy)]
+enum Act {
+    /// Every destination socket of it destroyed.
+    Close,
+    /// Killed and started again, no fault recorded.
+    Crash,
 }
 
-/// Agent [`VICTIM`] killed and started again, no fault recorded, again
-/// until the destination saw one of its exchanges break.
-async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
+impl Act {
+    /// What it is, as the judge is told.
+    fn what(self) -> &'static str {
+        match self {
+            Self::Close => "a spurious close",
+            Self::Crash => "a crash",
+        }
+    }
+
+    /// The ends it must cause.
+    fn causes(self) -> &'static [Ending] {
+        match self {
+            Self::Close => &[Ending::Error, Ending::Reset, Ending::Cut],
+            Self::Crash => &[
+                Ending::Error,
+                Ending::Reset,
+                Ending::Cut,
+                Ending::Truncated,
+                Ending::DialFailed,
+            ],
+        }
+    }
+
+    /// Does it once.
+    async fn once(self, world: &mut World, open: usize) -> anyhow::Result<()> {
+        let at = world.now();
+        match self {
+            Self::Close => {
+                eprintln!(
+                    "soak: {at:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed ({open} \
+                     exchanges in their middle)"
+                );
+                close_sockets(world, VICTIM).await
+            }
+            Self::Crash => {
+                eprintln!(
+                    "soak: {at:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault \
+                     recorded; {open} exchanges in their middle)"
+                );
+                world.crash_agent(VICTIM).await
+            }
+        }
+    }
+}
+
+/// Does `act` to agent [`VICTIM`], again until the destination saw one of
+/// its exchanges break (the ground truth that the act did something the
+/// judge must find); its window starts at the first try.
+async fn until_broken(world: &mut World, act: Act) -> anyhow::Result<Sabotaged> {
     let from = world.now();
     for _ in 0..TRIES {
         let open = carrying(world).await;
         let at = world.now();
-        eprintln!(
-            "soak: {at:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault recorded; {open} \
-             exchanges in their middle)"
-        );
-        world.crash_agent(VICTIM).await?;
+        act.once(world, open).await?;
         let to = world.now();
         if broke_since(world, at).await {
             return Ok(Sabotaged {
-                what: "a crash",
-                causes: &[
-                    Ending::Error,
-                    Ending::Reset,
-                    Ending::Cut,
-                    Ending::Truncated,
-                    Ending::DialFailed,
-                ],
+                what: act.what(),
+                causes: act.causes(),
                 after: PROMPT,
                 carrier: Carrier::Slot(VICTIM),
                 from,
@@ -247,7 +264,10 @@ async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
             });
         }
     }
-    anyhow::bail!("agent-{VICTIM} crashed {TRIES} times and no exchange broke")
+    anyhow::bail!(
+        "{} done to agent-{VICTIM} {TRIES} times and no exchange broke",
+        act.what()
+    )
 }
 
 /// Agent [`VICTIM`]'s data to the destination dropped past the stuck
@@ -361,12 +381,7 @@ pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Jud
             text,
         });
     };
-    let unexcused: Vec<_> = figures
-        .joined
-        .endings
-        .iter()
-        .filter(|e| e.excused_by.is_none())
-        .collect();
+    let unexcused = figures.joined.unexcused();
     let within = |s: &Sabotaged, e: &soak_judge::exchanges::Judged| {
         e.to >= s.from - 1.0 && e.from <= s.to + AFTERMATH
     };
