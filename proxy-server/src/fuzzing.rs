@@ -1396,8 +1396,9 @@ fn check_reviews_sent(sent: &[Sent]) {
 /// says the token is authenticated, for our audience, as our service
 /// account; refused never on a 2xx answer that says so.
 fn check_verdict(code: StatusCode, body: &[u8], first: &Result<(), AuthError>) {
-    let text = String::from_utf8_lossy(body);
-    let json = serde_json::from_str::<serde_json::Value>(&text).ok();
+    // Strictly: JSON is UTF-8 (RFC 8259), so a body with bad UTF-8 in a
+    // key is no answer, however it would read with the bytes replaced.
+    let json = serde_json::from_slice::<serde_json::Value>(body).ok();
     match first {
         // A refusal: never on a 2xx answer that, read as plain JSON,
         // admits (our own agent refused is as much a failure as a
