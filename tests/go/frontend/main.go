@@ -13,7 +13,12 @@
 //
 //	GOPATH=/usr/share/gocode GO111MODULE=off go build -o frontend ./tests/go/frontend
 //
-// Usage: frontend (-uds PATH | -tcp HOST:PORT -ca F -cert F -key F) [-reuse] MODE -addr HOST:PORT ...
+// Usage: frontend (-uds PATH | -tcp HOST:PORT -ca F -cert F -key F) [-reuse] [-kclient] MODE -addr HOST:PORT ...
+//
+// With -kclient, each stream's packets are handled as konnectivity-client
+// handles them (a receiving goroutine, connections registered by the
+// dialing goroutine after their DIAL_RSP: kclient.go); without, each
+// tunnel reads its own stream in line.
 //
 // Modes (each prints one JSON line on stdout and exits 0 when it did what
 // was asked, else prints the error on stderr and exits 1):
@@ -250,10 +255,12 @@ type transport struct {
 	tcp  string
 	cred credentials.TransportCredentials
 	// reuse: one gRPC connection for every tunnel (shared, made once).
-	reuse  bool
-	once   sync.Once
-	shared *grpc.ClientConn
-	err    error
+	reuse bool
+	// kclient: packets handled as konnectivity-client does (kclient.go).
+	kclient bool
+	once    sync.Once
+	shared  *grpc.ClientConn
+	err     error
 	// dialed counts the gRPC connections dialed.
 	dialed int64
 }
@@ -269,7 +276,14 @@ type conn struct {
 	// pending holds bytes of a DATA packet not yet read.
 	pending []byte
 	eof     bool
+	// With -kclient: the stream's receiving goroutine and the
+	// connection's registration in it.
+	ks *kcStream
+	kc *kcConn
 }
+
+// errEOF is io.EOF (kclient.go reads without importing io).
+var errEOF = io.EOF
 
 // connect dials a gRPC connection as kube-apiserver does.
 func (t *transport) connect(ctx context.Context) (*grpc.ClientConn, error) {
@@ -319,6 +333,14 @@ func (t *transport) dialIn(ctx, life context.Context, address string) (*conn, er
 	}
 	c.stream = stream
 	random := rand.Int63()
+	if t.kclient {
+		c.ks = kcStart(c)
+		if err := c.ks.dial(ctx, c, address, random); err != nil {
+			c.drop()
+			return nil, err
+		}
+		return c, nil
+	}
 	if err := stream.SendMsg(&packet{typ: dialReq, protocol: "tcp", address: address, random: random}); err != nil {
 		c.drop()
 		return nil, err
@@ -382,6 +404,9 @@ func (c *conn) writeAll(p []byte) error {
 
 // Read returns the bytes of DATA packets; io.EOF after CLOSE_RSP.
 func (c *conn) Read(p []byte) (int, error) {
+	if c.kc != nil {
+		return c.kc.read(c, p)
+	}
 	for len(c.pending) == 0 {
 		if c.eof {
 			return 0, io.EOF
@@ -414,6 +439,9 @@ func (c *conn) Read(p []byte) (int, error) {
 // the stream (and its gRPC connection, when it has one of its own).
 func (c *conn) Close() error {
 	defer c.drop()
+	if c.kc != nil {
+		return c.kc.close(c, c.ks)
+	}
 	if c.eof {
 		return nil
 	}
@@ -498,11 +526,12 @@ func main() {
 	key := flag.String("key", "", "client key (TCP)")
 	serverName := flag.String("server-name", "localhost", "name the server certificate must carry (TCP)")
 	reuse := flag.Bool("reuse", false, "one gRPC connection for every tunnel (the reusable tunnel)")
+	kclient := flag.Bool("kclient", false, "handle packets as konnectivity-client does (kclient.go)")
 	flag.Parse()
 	if flag.NArg() < 1 {
 		fail("no mode (download, upload, echo, dials, dial-error, stall)")
 	}
-	t := &transport{uds: *uds, tcp: *tcp, reuse: *reuse}
+	t := &transport{uds: *uds, tcp: *tcp, reuse: *reuse, kclient: *kclient}
 	current = t
 	if *tcp != "" {
 		pair, err := tls.LoadX509KeyPair(*cert, *key)

@@ -16,7 +16,9 @@ package main
 //
 // The last line sums up: "dials" (tunnels that went well), "dial_errors"
 // (no connection: an error before or in DIAL_RSP), "exchange_errors" (the
-// connection failed after its DIAL_RSP), "first_error", "seconds", and the
+// connection failed after its DIAL_RSP), "over_limit" (of those errors,
+// the tunnels still not done at -limit: a request that would have waited
+// for ever), "first_error", "seconds", and the
 // dial latency (until DIAL_RSP) of the tunnels that went well: "p50_us",
 // "p99_us", "max_us".
 
@@ -46,6 +48,9 @@ const (
 	phaseExchange = 1
 )
 
+// errOverLimit is a tunnel still not done at -limit.
+var errOverLimit = errors.New("not done within -limit")
+
 func rate(t *transport, argv []string) {
 	args := flag.NewFlagSet("rate", flag.ExitOnError)
 	addr := args.String("addr", "", "node-side HOST:PORT (an echo server)")
@@ -66,7 +71,7 @@ func rate(t *transport, argv []string) {
 	var mu sync.Mutex
 	out := json.NewEncoder(os.Stdout)
 	var dialLatencies []int64
-	var dialErrors, exchangeErrors int
+	var dialErrors, exchangeErrors, overLimit int
 	var firstError string
 	record := func(o rateOutcome) {
 		mu.Lock()
@@ -78,6 +83,9 @@ func rate(t *transport, argv []string) {
 			dialErrors++
 		default:
 			exchangeErrors++
+		}
+		if o.Error == errOverLimit.Error() {
+			overLimit++
 		}
 		if o.Error != "" && firstError == "" {
 			firstError = o.Phase + ": " + o.Error
@@ -114,7 +122,7 @@ func rate(t *transport, argv []string) {
 			select {
 			case err = <-done:
 			case <-time.After(*limit):
-				err = errors.New("not done within -limit")
+				err = errOverLimit
 			}
 			o := rateOutcome{
 				StartUs: began.UnixNano() / 1000,
@@ -142,6 +150,7 @@ func rate(t *transport, argv []string) {
 	}
 	report(map[string]interface{}{
 		"dials": len(dialLatencies), "dial_errors": dialErrors, "exchange_errors": exchangeErrors,
+		"over_limit":  overLimit,
 		"first_error": firstError, "seconds": seconds,
 		"p50_us": quantile(0.5), "p99_us": quantile(0.99), "max_us": quantile(1),
 	})

@@ -9,6 +9,7 @@ mod admission;
 mod agent_protocol;
 mod agent_proxy;
 mod anp_surface;
+mod answered_then_gone;
 mod audit_log;
 mod cert_rotation;
 mod certified_identifiers;
