@@ -77,6 +77,12 @@ pub(crate) struct Conn {
     /// Payload bytes carried (to the agent, to the frontend), for the
     /// tunnel's span at its end; touched only by its two streams.
     bytes: [AtomicU64; 2],
+    /// Whether the frontend has named the connection (DATA, CLOSE_REQ):
+    /// it knows it, so its CLOSE_RSP need not wait ([`FrontendWriter`],
+    /// which keeps the flag past the connection).
+    named: Arc<AtomicBool>,
+    /// When it opened (its DIAL_RSP was queued right after).
+    opened: tokio::time::Instant,
 }
 
 /// A connection's agent DATA queued for its frontend, and what it took
@@ -130,6 +136,8 @@ impl Conn {
             to_frontend,
             charged,
             bytes: [AtomicU64::new(0), AtomicU64::new(0)],
+            named: Arc::new(AtomicBool::new(false)),
+            opened: tokio::time::Instant::now(),
         }
     }
 
@@ -342,6 +350,26 @@ impl Conn {
     pub(crate) fn is_closed(&self) -> bool {
         self.flow.is_closed()
     }
+
+    /// The frontend sent a packet naming this connection (DATA, CLOSE_REQ):
+    /// its client has the connection, so a CLOSE_RSP its writer holds
+    /// goes now ([`FrontendWriter`]). An atomic load once named.
+    pub(crate) fn named_by_frontend(&self) {
+        if !self.named.load(Ordering::Relaxed) && !self.named.swap(true, Ordering::AcqRel) {
+            self.to_frontend.named.notify();
+        }
+    }
+
+    /// Whether the frontend has named this connection.
+    fn is_named(&self) -> bool {
+        self.named.load(Ordering::Acquire)
+    }
+
+    /// Whether the frontend's naming of this connection may still release
+    /// its CLOSE_RSP: not named yet, within the grace of its DIAL_RSP.
+    fn may_be_named(&self, now: tokio::time::Instant) -> bool {
+        !self.is_named() && now < self.opened + ANSWER_GRACE
+    }
 }
 
 /// The agent stream is gone; the packet was not sent.
@@ -433,6 +461,13 @@ impl Unread for BackendLink {
 pub(crate) enum FrontendItem {
     /// A control packet.
     Packet(Packet),
+    /// A dial's successful DIAL_RSP, with the connection it opened.
+    Answered {
+        /// The DIAL_RSP.
+        packet: Packet,
+        /// The connection.
+        conn: Arc<Conn>,
+    },
     /// A dial failed: the server's own reason or the agent's text.
     DialFailed {
         /// The frontend's random.
@@ -473,7 +508,7 @@ impl FrontendItem {
     /// as it goes on the wire.
     pub(crate) fn taken(self) -> Packet {
         match self {
-            Self::Packet(packet) => packet,
+            Self::Packet(packet) | Self::Answered { packet, .. } => packet,
             Self::DialFailed { dial, error } => {
                 Packet::dial_response(dial.0, 0, &error.to_string())
             }
@@ -488,23 +523,165 @@ impl FrontendItem {
     fn packet_type(&self) -> i32 {
         match self {
             Self::Packet(packet) | Self::Data { packet, .. } => packet.r#type,
-            Self::DialFailed { .. } => proto::PacketType::DialRsp as i32,
+            Self::DialFailed { .. } | Self::Answered { .. } => proto::PacketType::DialRsp as i32,
         }
     }
 }
 
+/// How long a connection's CLOSE_RSP may wait behind its DIAL_RSP on a
+/// gRPC frontend's stream for the frontend to name the connection.
+///
+/// kube-apiserver's konnectivity-client registers a connection in the
+/// goroutine that dialed it, after its receiving goroutine handed the
+/// DIAL_RSP over and went on to the next packet: a CLOSE_RSP that is
+/// already there is dropped as not recognized, and the request then waits
+/// for ever (issue 50). So a CLOSE_RSP that would follow its DIAL_RSP
+/// closely waits until the frontend names the connection (its DATA or
+/// CLOSE_REQ: the client has it; kube-apiserver writes its request at
+/// once), or until this long after the DIAL_RSP went out, far longer than
+/// a goroutine takes to run.
+pub(crate) const ANSWER_GRACE: Duration = Duration::from_secs(1);
+
 /// What a gRPC frontend's response stream sends: the items of its queue,
 /// each taken as tonic takes it for the HTTP/2 stream (which has a window
 /// of its own): counted, its window released and, with credit, credit
-/// returned to its agent.
-pub(crate) fn taken_by_frontend(
+/// returned to its agent. A CLOSE_RSP that comes within [`ANSWER_GRACE`]
+/// of its connection's DIAL_RSP, before the frontend named the
+/// connection, is held until it does or the grace ends; what comes behind
+/// it for other connections goes on, and nothing of that connection comes
+/// after its CLOSE_RSP, so every connection's packets keep their order.
+pub(crate) struct FrontendWriter {
+    /// The stream's queue.
     rx: QueueRx<FrontendItem>,
+    /// Where taken packets are counted.
     metrics: Arc<ServerMetrics>,
-) -> impl Stream<Item = Packet> + Send + 'static {
-    rx.map(move |item| {
-        metrics.packets.count(Segment::ToClient, item.packet_type());
-        item.taken()
-    })
+    /// Notified when the frontend names a connection.
+    named: Arc<tunnel::sync::Signal>,
+    /// Connections answered within the grace, not yet named or closed:
+    /// each one's id, whether it is named, and when its grace ends (in
+    /// order). Not the connections: one holds a sender of this very queue,
+    /// and may be gone when its frontend names it.
+    fresh: std::collections::VecDeque<(ConnId, Arc<AtomicBool>, tokio::time::Instant)>,
+    /// CLOSE_RSPs held, each with whether its connection is named and when
+    /// it goes anyway.
+    held: Vec<(Packet, Arc<AtomicBool>, tokio::time::Instant)>,
+    /// The timer of the earliest held CLOSE_RSP.
+    timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl FrontendWriter {
+    /// The writer of the frontend `tx` queues for, draining `rx`.
+    pub(crate) fn new(tx: &FrontendTx, rx: QueueRx<FrontendItem>) -> Self {
+        Self {
+            rx,
+            metrics: tx.metrics.clone(),
+            named: tx.named.clone(),
+            fresh: std::collections::VecDeque::new(),
+            held: Vec::new(),
+            timer: None,
+        }
+    }
+
+    /// A held CLOSE_RSP that may go now: its connection named, or its
+    /// grace over.
+    fn release(&mut self, now: tokio::time::Instant) -> Option<Packet> {
+        let at = self
+            .held
+            .iter()
+            .position(|(_, conn, until)| named(conn) || *until <= now)?;
+        Some(self.held.swap_remove(at).0)
+    }
+
+    /// An item taken from the queue: its packet, or `None` when it is a
+    /// CLOSE_RSP to hold.
+    fn take(&mut self, item: FrontendItem, now: tokio::time::Instant) -> Option<Packet> {
+        while self
+            .fresh
+            .front()
+            .is_some_and(|(_, conn, until)| *until <= now || named(conn))
+        {
+            self.fresh.pop_front();
+        }
+        if let FrontendItem::Answered { conn, .. } = &item {
+            let grace = now + ANSWER_GRACE;
+            self.fresh.push_back((conn.id, conn.named.clone(), grace));
+        }
+        let packet = item.taken();
+        let Some(proto::Payload::CloseResponse(close)) = &packet.payload else {
+            return Some(packet);
+        };
+        let id = ConnId(close.connect_id);
+        let Some(at) = self.fresh.iter().rposition(|(fresh, _, _)| *fresh == id) else {
+            return Some(packet);
+        };
+        let Some((_, conn, until)) = self.fresh.remove(at) else {
+            return Some(packet);
+        };
+        if named(&conn) || until <= now {
+            return Some(packet);
+        }
+        self.held.push((packet, conn, until));
+        None
+    }
+
+    /// Arms the timer for the earliest held CLOSE_RSP and polls it and the
+    /// naming signal; ready when one of them fired.
+    fn poll_held(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        use std::task::Poll;
+        let Some(earliest) = self.held.iter().map(|(_, _, until)| *until).min() else {
+            self.timer = None;
+            return Poll::Pending;
+        };
+        if self.named.poll_wait(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(earliest)));
+        if timer.deadline() != earliest {
+            timer.as_mut().reset(earliest);
+        }
+        timer.as_mut().poll(cx)
+    }
+}
+
+/// Whether the frontend named the connection whose flag `named` is.
+fn named(named: &AtomicBool) -> bool {
+    named.load(Ordering::Acquire)
+}
+
+impl Stream for FrontendWriter {
+    type Item = Packet;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Packet>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            let now = tokio::time::Instant::now();
+            if let Some(packet) = this.release(now) {
+                return Poll::Ready(Some(packet));
+            }
+            match this.rx.poll_next_unpin(cx) {
+                Poll::Ready(Some(item)) => {
+                    this.metrics
+                        .packets
+                        .count(Segment::ToClient, item.packet_type());
+                    if let Some(packet) = this.take(item, now) {
+                        return Poll::Ready(Some(packet));
+                    }
+                }
+                // The stream is over: what it held goes first.
+                Poll::Ready(None) => return Poll::Ready(this.held.pop().map(|(p, _, _)| p)),
+                Poll::Pending => match this.poll_held(cx) {
+                    Poll::Ready(()) => {}
+                    Poll::Pending => return Poll::Pending,
+                },
+            }
+        }
+    }
 }
 
 /// A frontend's outbound queue: nobody waits on it; DATA is admitted by its
@@ -528,6 +705,9 @@ pub(crate) struct FrontendTx {
     pub(crate) metrics: Arc<ServerMetrics>,
     /// The budget agents' DATA queued for frontends takes its cost from.
     budget: Arc<Budget>,
+    /// Notified when the frontend names one of its connections, for its
+    /// writer ([`FrontendWriter`]).
+    named: Arc<tunnel::sync::Signal>,
 }
 
 impl FrontendTx {
@@ -546,7 +726,18 @@ impl FrontendTx {
             end,
             metrics,
             budget,
+            named: Arc::new(tunnel::sync::Signal::new()),
         }
+    }
+
+    /// Queues a dial's successful DIAL_RSP with the connection it opened
+    /// (see [`FrontendTx::send_control`]).
+    pub(crate) fn answer(&self, packet: Packet, conn: Option<Arc<Conn>>) -> bool {
+        let Some(conn) = conn else {
+            return self.send_control(packet);
+        };
+        let cost = flow::packet_cost(&packet);
+        self.send_item(FrontendItem::Answered { packet, conn }, cost)
     }
 
     /// Queues a control packet without waiting; `false` if it could not be
@@ -679,7 +870,7 @@ pub(crate) enum Lookup {
     Open(Arc<Conn>),
     /// A connection of the stream that was closed (now forgotten): packets
     /// for it that were on their way are dropped.
-    Closed,
+    Closed(Arc<Conn>),
     /// Not in the table.
     Unknown,
 }
@@ -687,7 +878,8 @@ pub(crate) enum Lookup {
 /// A driver's table of its stream's connections, keyed by connection id.
 /// Connections closed elsewhere are found closed when next used, or swept
 /// out as the table grows (amortised O(1) per insert), so a table holds at
-/// most about twice its live connections.
+/// most about twice its live connections and those closed within the
+/// last [`ANSWER_GRACE`] of their opening.
 #[derive(Default)]
 pub(crate) struct ConnTable {
     /// The connections.
@@ -698,10 +890,15 @@ pub(crate) struct ConnTable {
 
 impl ConnTable {
     /// Adds a connection (replacing a closed one with the same id).
+    /// A closed connection its frontend may still name is kept until then
+    /// or the end of its grace ([`ANSWER_GRACE`]), so that the naming
+    /// reaches it.
     pub(crate) fn insert(&mut self, conn: Arc<Conn>) {
         self.conns.insert(conn.id, conn);
         if self.conns.len() > 2 * self.swept + 16 {
-            self.conns.retain(|_, conn| !conn.is_closed());
+            let now = tokio::time::Instant::now();
+            self.conns
+                .retain(|_, conn| !conn.is_closed() || conn.may_be_named(now));
             tunnel::compact(&mut self.conns);
             self.swept = self.conns.len();
         }
@@ -712,8 +909,9 @@ impl ConnTable {
         match self.conns.get(&id) {
             None => Lookup::Unknown,
             Some(conn) if conn.is_closed() => {
+                let conn = conn.clone();
                 self.conns.remove(&id);
-                Lookup::Closed
+                Lookup::Closed(conn)
             }
             Some(conn) => Lookup::Open(conn.clone()),
         }
@@ -774,6 +972,7 @@ pub(crate) fn test_conn(
 
 #[cfg(test)]
 mod tests {
+    use futures_util::FutureExt;
     use tokio_util::sync::CancellationToken;
     use tunnel::flow::Window;
 
@@ -1057,6 +1256,7 @@ mod tests {
             })
             .collect();
         for conn in &conns {
+            conn.named_by_frontend();
             conn.close();
             table.insert(conn.clone());
         }
@@ -1065,7 +1265,141 @@ mod tests {
         table.insert(open.clone());
         assert!(matches!(table.lookup(ConnId(5000)), Lookup::Open(_)));
         open.close();
-        assert!(matches!(table.lookup(ConnId(5000)), Lookup::Closed));
+        assert!(matches!(table.lookup(ConnId(5000)), Lookup::Closed(_)));
         assert!(matches!(table.lookup(ConnId(5000)), Lookup::Unknown));
+    }
+
+    /// A connection `id` answered on a fresh gRPC frontend: the frontend's
+    /// writer, after it took the DIAL_RSP; the connection's CLOSE_RSP
+    /// queued behind it.
+    async fn answered_then_closed(id: i64) -> (Arc<Conn>, FrontendWriter) {
+        let (conn, _agent_rx, fe_rx) = test_conn(id, credit());
+        let mut writer = FrontendWriter::new(&conn.to_frontend, fe_rx);
+        let rsp = Packet::dial_response(7, id, "");
+        assert!(conn.to_frontend.answer(rsp, Some(conn.clone())));
+        assert!(matches!(
+            writer.next().await.unwrap().into_kind(),
+            proto::packet::PacketKind::DialRsp(_)
+        ));
+        assert!(
+            conn.to_frontend
+                .send_control(Packet::close_response(id, "gone"))
+        );
+        (conn, writer)
+    }
+
+    fn is_close_of(packet: Option<Packet>, id: i64) -> bool {
+        matches!(
+            packet.map(Packet::into_kind),
+            Some(proto::packet::PacketKind::CloseRsp(rsp)) if rsp.connect_id == id
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_close_right_behind_its_answer_waits_for_the_frontend_to_name_the_connection() {
+        let (conn, mut writer) = answered_then_closed(3).await;
+        assert!(
+            writer.next().now_or_never().is_none(),
+            "the close went at once"
+        );
+        // Another connection's packet behind it goes on.
+        conn.to_frontend.send_control(Packet::close_dial(9));
+        assert!(matches!(
+            writer
+                .next()
+                .now_or_never()
+                .flatten()
+                .map(Packet::into_kind),
+            Some(proto::packet::PacketKind::DialCls(_))
+        ));
+        assert!(writer.next().now_or_never().is_none());
+        let started = tokio::time::Instant::now();
+        conn.named_by_frontend();
+        assert!(is_close_of(writer.next().await, 3));
+        assert_eq!(started.elapsed(), Duration::ZERO, "it waited for the grace");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_close_right_behind_its_answer_goes_when_the_grace_ends() {
+        let started = tokio::time::Instant::now();
+        let (_conn, mut writer) = answered_then_closed(3).await;
+        assert!(is_close_of(writer.next().await, 3));
+        assert_eq!(started.elapsed(), ANSWER_GRACE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_close_of_a_named_or_older_connection_is_not_held() {
+        for named in [true, false] {
+            let (conn, mut writer) = {
+                let (conn, _agent_rx, fe_rx) = test_conn(4, credit());
+                let writer = FrontendWriter::new(&conn.to_frontend, fe_rx);
+                (conn, writer)
+            };
+            conn.to_frontend
+                .answer(Packet::dial_response(7, 4, ""), Some(conn.clone()));
+            assert!(writer.next().await.is_some());
+            if named {
+                conn.named_by_frontend();
+            } else {
+                tokio::time::advance(ANSWER_GRACE).await;
+            }
+            conn.to_frontend.send_control(Packet::close_response(4, ""));
+            let started = tokio::time::Instant::now();
+            assert!(is_close_of(writer.next().await, 4));
+            assert_eq!(started.elapsed(), Duration::ZERO, "named: {named}");
+        }
+    }
+
+    /// A closed connection its frontend has not named is kept within its
+    /// grace, so that the frontend's naming releases its CLOSE_RSP.
+    #[tokio::test(start_paused = true)]
+    async fn a_table_keeps_a_closed_connection_its_frontend_may_still_name() {
+        let (agent, _agent_rx) = agent(credit());
+        let (fe, _metrics, _rx) = frontend(FrontendKind::Grpc);
+        let mut table = ConnTable::default();
+        let unnamed = Arc::new(Conn::new(
+            ConnId(1),
+            BackendId(1),
+            agent.clone(),
+            fe.clone(),
+        ));
+        unnamed.close();
+        table.insert(unnamed);
+        let fill = |table: &mut ConnTable, from: i64| {
+            for id in from..from + 64 {
+                let conn = Arc::new(Conn::new(
+                    ConnId(id),
+                    BackendId(1),
+                    agent.clone(),
+                    fe.clone(),
+                ));
+                conn.named_by_frontend();
+                conn.close();
+                table.insert(conn);
+            }
+        };
+        fill(&mut table, 2);
+        assert!(matches!(table.lookup(ConnId(1)), Lookup::Closed(_)));
+        let unnamed = Arc::new(Conn::new(
+            ConnId(1),
+            BackendId(1),
+            agent.clone(),
+            fe.clone(),
+        ));
+        unnamed.close();
+        table.insert(unnamed);
+        tokio::time::advance(ANSWER_GRACE).await;
+        fill(&mut table, 100);
+        assert!(matches!(table.lookup(ConnId(1)), Lookup::Unknown));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_held_close_goes_before_the_stream_ends() {
+        let (conn, mut writer) = answered_then_closed(5).await;
+        assert!(writer.next().now_or_never().is_none());
+        // Every sender gone (the writer holds none): the queue ends.
+        drop(conn);
+        assert!(is_close_of(writer.next().await, 5));
+        assert!(writer.next().await.is_none());
     }
 }

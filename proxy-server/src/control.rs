@@ -508,10 +508,11 @@ impl Control {
                 .traces
                 .established((frontend, dial), (backend, conn), &link.agent_id, latency);
         }
+        let opened = state.conns.get(&(backend, conn)).cloned();
         let delivered = state
             .frontends
             .get(&frontend)
-            .is_some_and(|link| link.tx.send_control(packet));
+            .is_some_and(|link| link.tx.answer(packet, opened));
         if delivered {
             self.metrics.dial_succeeded(latency);
         } else {

@@ -105,7 +105,7 @@ impl BackendDriver {
         let conn = match self.conns.lookup(id) {
             Lookup::Open(conn) => conn,
             // Sent before the agent learnt of the close.
-            Lookup::Closed => return None,
+            Lookup::Closed(_) => return None,
             Lookup::Unknown => {
                 self.control.backend_packet(self.id, packet);
                 return None;

@@ -13,7 +13,7 @@
 //! on the stream; what the read-ahead holds is taken from the process-wide
 //! buffer budget ([`Account`]), and the stream stops reading while it waits
 //! for room there. tonic drains the stream's outbound queue, each item
-//! taken releasing its window ([`taken_by_frontend`]).
+//! taken releasing its window ([`FrontendWriter`]).
 
 use std::{
     future::Future,
@@ -31,7 +31,7 @@ use tracing::{debug_span, warn};
 use tunnel::{budget::Account, ids::ConnId};
 
 use crate::{
-    conn::{Conn, ConnTable, FrontendLink, FrontendTx, Lookup, frontend_queue, taken_by_frontend},
+    conn::{Conn, ConnTable, FrontendLink, FrontendTx, FrontendWriter, Lookup, frontend_queue},
     control::{Control, Work},
     events::Limit,
     frontend::{
@@ -88,6 +88,7 @@ impl ProxyService for ProxyServiceImpl {
                 budget,
             )
         });
+        let writer = FrontendWriter::new(&link.tx, rx);
         self.control.frontend_traced(
             link.id(),
             traceparent.as_deref(),
@@ -116,7 +117,7 @@ impl ProxyService for ProxyServiceImpl {
                 driver.run(inbound).await;
             },
             end,
-            taken_by_frontend(rx, metrics),
+            writer,
         )))
     }
 }
@@ -296,10 +297,14 @@ impl FrontendDriver {
             Some(proto::Payload::Data(data)) if packet.r#type == proto::PacketType::Data as i32 => {
                 let id = ConnId(data.connect_id);
                 match self.conns.lookup(id) {
-                    Lookup::Open(conn) => return self.data(packet, conn),
+                    Lookup::Open(conn) => {
+                        conn.named_by_frontend();
+                        return self.data(packet, conn);
+                    }
                     // Sent before the frontend learnt of the close, or after
-                    // the connection was cut: dropped.
-                    Lookup::Closed => return,
+                    // the connection was cut: dropped (its CLOSE_RSP, if
+                    // held, goes now).
+                    Lookup::Closed(conn) => return conn.named_by_frontend(),
                     Lookup::Unknown if id.0 == 0 => return,
                     Lookup::Unknown => {}
                 }
@@ -307,7 +312,11 @@ impl FrontendDriver {
             Some(proto::Payload::CloseRequest(close))
                 if packet.r#type == proto::PacketType::CloseReq as i32 =>
             {
-                let Some(packet) = self.ahead.close(ConnId(close.connect_id), packet) else {
+                let id = ConnId(close.connect_id);
+                if let Lookup::Open(conn) | Lookup::Closed(conn) = self.conns.lookup(id) {
+                    conn.named_by_frontend();
+                }
+                let Some(packet) = self.ahead.close(id, packet) else {
                     // Behind the connection's DATA.
                     return;
                 };
@@ -330,6 +339,7 @@ impl FrontendDriver {
             match work {
                 // DATA for a connection this driver did not have yet.
                 Work::Upload { conn, data } => {
+                    conn.named_by_frontend();
                     self.conns.insert(conn.clone());
                     self.data(Packet::data(conn.id.0, data), conn);
                 }

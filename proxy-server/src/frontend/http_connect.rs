@@ -172,7 +172,7 @@ async fn dial<IO: AsyncRead + Unpin>(
             () = &mut send, if sending => sending = false,
             item = rx.recv() => match item {
                 Some(FrontendItem::DialFailed { dial, error }) if dial == random => return Some(Err(error)),
-                Some(FrontendItem::Packet(packet)) => match packet.into_kind() {
+                Some(FrontendItem::Packet(packet) | FrontendItem::Answered { packet, .. }) => match packet.into_kind() {
                     PacketKind::DialRsp(rsp) if rsp.random == random.0 => {
                         return Some(Ok(ConnId(rsp.connect_id)));
                     }

@@ -414,6 +414,11 @@ async fn end_streams(
     agent_tx: mpsc::Sender<Bytes>,
     received: &Mutex<Received>,
 ) {
+    // A CLOSE_RSP right behind its DIAL_RSP, of a connection the frontend
+    // never named, comes within the grace (`conn::ANSWER_GRACE`): the
+    // frontend reads that long before it ends its side.
+    tokio::time::sleep(crate::conn::ANSWER_GRACE).await;
+    frontend.receives(&received.lock().expect("not poisoned").frontend);
     drop(frontend_tx);
     idle().await;
     {

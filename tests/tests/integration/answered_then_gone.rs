@@ -107,8 +107,15 @@ async fn a_close_right_behind_its_dial_answer_ends_kube_apiservers_request() {
     report.assert_ok();
     // The agent answered the dials: the frontend had its connections, so
     // the close was the one that followed the answer closely.
-    assert!(report.int("exchange_errors") > 0, "no tunnel was dialed: {report}");
-    assert_eq!(report.int("dials"), 0, "a tunnel outlived its agent: {report}");
+    assert!(
+        report.int("exchange_errors") > 0,
+        "no tunnel was dialed: {report}"
+    );
+    assert_eq!(
+        report.int("dials"),
+        0,
+        "a tunnel outlived its agent: {report}"
+    );
     assert_eq!(
         report.int("over_limit"),
         0,
