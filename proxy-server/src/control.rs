@@ -740,3 +740,6 @@ impl Control {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests;
