@@ -542,6 +542,10 @@ impl FrontendItem {
 /// a goroutine takes to run.
 pub(crate) const ANSWER_GRACE: Duration = Duration::from_secs(1);
 
+/// How many closed connections a frontend's writer remembers, to drop
+/// their DATA queued behind their CLOSE_RSP (a race is one packet behind).
+const RECENTLY_CLOSED: usize = 32;
+
 /// What a gRPC frontend's response stream sends: the items of its queue,
 /// each taken as tonic takes it for the HTTP/2 stream (which has a window
 /// of its own): counted, its window released and, with credit, credit
@@ -549,7 +553,8 @@ pub(crate) const ANSWER_GRACE: Duration = Duration::from_secs(1);
 /// of its connection's DIAL_RSP, before the frontend named the
 /// connection, is held until it does or the grace ends; what comes behind
 /// it for other connections goes on, and nothing of that connection comes
-/// after its CLOSE_RSP, so every connection's packets keep their order.
+/// after its CLOSE_RSP, so every connection's packets keep their order;
+/// agent DATA that raced in behind its connection's CLOSE_RSP is dropped.
 pub(crate) struct FrontendWriter {
     /// The stream's queue.
     rx: QueueRx<FrontendItem>,
@@ -565,6 +570,9 @@ pub(crate) struct FrontendWriter {
     /// CLOSE_RSPs held, each with whether its connection is named and when
     /// it goes anyway.
     held: Vec<(Packet, Arc<AtomicBool>, tokio::time::Instant)>,
+    /// The last connections whose CLOSE_RSP was taken: DATA of theirs that
+    /// was queued behind it is dropped.
+    closed: std::collections::VecDeque<ConnId>,
     /// The timer of the earliest held CLOSE_RSP.
     timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
@@ -578,6 +586,7 @@ impl FrontendWriter {
             named: tx.named.clone(),
             fresh: std::collections::VecDeque::new(),
             held: Vec::new(),
+            closed: std::collections::VecDeque::new(),
             timer: None,
         }
     }
@@ -602,15 +611,32 @@ impl FrontendWriter {
         {
             self.fresh.pop_front();
         }
-        if let FrontendItem::Answered { conn, .. } = &item {
-            let grace = now + ANSWER_GRACE;
-            self.fresh.push_back((conn.id, conn.named.clone(), grace));
+        match &item {
+            FrontendItem::Answered { conn, .. } => {
+                self.closed.retain(|id| *id != conn.id);
+                let grace = now + ANSWER_GRACE;
+                self.fresh.push_back((conn.id, conn.named.clone(), grace));
+            }
+            // Queued behind its connection's CLOSE_RSP: agent DATA pushed
+            // while another stream's task closed the connection (a stalled
+            // upload cut, a mismatch, the stall scan). Dropped, so that
+            // nothing of a connection follows its CLOSE_RSP.
+            FrontendItem::Data { queued, .. }
+                if queued.conn.is_closed() && self.closed.contains(&queued.conn.id) =>
+            {
+                return None;
+            }
+            _ => {}
         }
         let packet = item.taken();
         let Some(proto::Payload::CloseResponse(close)) = &packet.payload else {
             return Some(packet);
         };
         let id = ConnId(close.connect_id);
+        if self.closed.len() == RECENTLY_CLOSED {
+            self.closed.pop_front();
+        }
+        self.closed.push_back(id);
         let Some(at) = self.fresh.iter().rposition(|(fresh, _, _)| *fresh == id) else {
             return Some(packet);
         };
@@ -1391,6 +1417,32 @@ mod tests {
         tokio::time::advance(ANSWER_GRACE).await;
         fill(&mut table, 100);
         assert!(matches!(table.lookup(ConnId(1)), Lookup::Unknown));
+    }
+
+    /// Agent DATA queued behind its connection's CLOSE_RSP (pushed while
+    /// another stream's task closed the connection) is not sent.
+    #[tokio::test(start_paused = true)]
+    async fn nothing_of_a_connection_follows_its_close() {
+        let (conn, mut writer) = answered_then_closed(6).await;
+        conn.named_by_frontend();
+        conn.close();
+        let cost = flow::cost(4);
+        assert!(conn.charge(cost).is_ok());
+        let raced = FrontendItem::Data {
+            packet: Packet::data(6, Bytes::from_static(b"late")),
+            queued: Queued {
+                conn: conn.clone(),
+                cost,
+            },
+        };
+        assert!(conn.to_frontend.push(raced, 0));
+        conn.to_frontend.send_control(Packet::close_dial(9));
+        assert!(is_close_of(writer.next().await, 6));
+        assert!(matches!(
+            writer.next().await.map(Packet::into_kind),
+            Some(proto::packet::PacketKind::DialCls(_))
+        ));
+        assert_eq!(conn.charged.lock().queued, 0, "the dropped DATA's cost");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,6 +1,7 @@
 //! What frontends receive (issue 50): random sequences of agent and
 //! frontend events (answers, refusals, closes, DIAL_CLS, deaths, new
-//! agents, retries, hedges, timeouts, cancels, a frontend's end) through
+//! agents, retries, hedges, timeouts, cancels, a stalled upload cut, a
+//! frontend's end) through
 //! the real router, the control core that carries its output out, and each
 //! frontend's outbound queue and writer ([`FrontendWriter`]).
 //!
@@ -73,6 +74,9 @@ enum Op {
     CloseReq(usize, usize),
     /// A frontend cancels one of its pending dials (DIAL_CLS).
     Cancel(usize, usize),
+    /// A frontend's driver cuts one of its connections whose upload
+    /// stalled (the read-ahead's grace, on the frontend's task).
+    UploadCut(usize, usize),
     /// A frontend's stream ends.
     FrontendGone(usize),
     /// Dial timeouts and hedges fire.
@@ -95,7 +99,8 @@ fn op() -> impl Strategy<Value = Op> {
         4 => fe.clone().prop_map(Op::Read),
         2 => (fe.clone(), any_index.clone()).prop_map(|(f, i)| Op::Name(f, i)),
         1 => (fe.clone(), any_index.clone()).prop_map(|(f, i)| Op::CloseReq(f, i)),
-        1 => (fe.clone(), any_index).prop_map(|(f, i)| Op::Cancel(f, i)),
+        1 => (fe.clone(), any_index.clone()).prop_map(|(f, i)| Op::Cancel(f, i)),
+        1 => (fe.clone(), any_index).prop_map(|(f, i)| Op::UploadCut(f, i)),
         1 => fe.prop_map(Op::FrontendGone),
         1 => Just(Op::Timers),
         1 => Just(Op::Later),
@@ -405,6 +410,15 @@ impl Run {
                 }
             }
             Op::Cancel(fe, i) => self.cancel(fe, i),
+            Op::UploadCut(fe, i) => {
+                let client = &self.clients[fe];
+                if client.alive
+                    && let Some(at) = Self::pick(&client.registered, i)
+                    && let Some(conn) = client.attached.get(&client.registered[at])
+                {
+                    self.control.upload_stalled(conn);
+                }
+            }
             Op::FrontendGone(fe) => {
                 let client = &mut self.clients[fe];
                 if client.alive {
