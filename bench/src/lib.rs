@@ -267,6 +267,10 @@ pub struct Opt {
     /// Kills of each kill run of the retries scenario.
     #[arg(long, default_value_t = 12)]
     pub retries_kills: usize,
+    /// Rounds of the retries scenario's rounds part, in each mode: an
+    /// agent killed under 32 single-use tunnels at a time.
+    #[arg(long, default_value_t = 10)]
+    pub retries_rounds: usize,
     /// Streams of the budget scenario.
     #[arg(long, default_value_t = 10_000)]
     pub budget_streams: usize,
@@ -367,6 +371,7 @@ pub async fn run(mut opt: Opt) -> anyhow::Result<Report> {
         opt.storm_agents = opt.storm_agents.min(1000);
         opt.retries_duration = opt.retries_duration.min(Duration::from_secs(5));
         opt.retries_kills = opt.retries_kills.min(3);
+        opt.retries_rounds = opt.retries_rounds.min(3);
     }
     opt.reps = opt.reps.max(1);
     opt.streams = opt.streams.max(1);
@@ -781,6 +786,7 @@ impl Extras {
                     rate: opt.retries_rate,
                     duration: opt.retries_duration,
                     kills: opt.retries_kills,
+                    rounds: opt.retries_rounds,
                     go: go.clone(),
                 })
             }

@@ -467,6 +467,39 @@ pub const RETRIES_KILL_CUT: Def = def(
     "count",
     false,
 );
+/// Rounds part (issue 50), gRPC: tunnels that carried their exchange.
+pub const RETRIES_ROUNDS_GRPC_TUNNELS: Def =
+    def("retries", "rounds, grpc: tunnels", "count", false);
+/// Rounds part, gRPC: tunnels that failed with an error.
+pub const RETRIES_ROUNDS_GRPC_ERRORS: Def =
+    def("retries", "rounds, grpc: tunnels failed", "count", false);
+/// Rounds part, gRPC: tunnels still open 15 s after they started.
+pub const RETRIES_ROUNDS_GRPC_HUNG: Def = def(
+    "retries",
+    "rounds, grpc: tunnels hung (open 15 s on)",
+    "count",
+    false,
+);
+/// Rounds part, HTTP-CONNECT: tunnels that carried their exchange.
+pub const RETRIES_ROUNDS_CONNECT_TUNNELS: Def =
+    def("retries", "rounds, http-connect: tunnels", "count", false);
+/// Rounds part, HTTP-CONNECT: tunnels that failed with an error.
+pub const RETRIES_ROUNDS_CONNECT_ERRORS: Def =
+    def("retries", "rounds, http-connect: tunnels failed", "count", false);
+/// Rounds part, HTTP-CONNECT: tunnels still open 15 s after they started.
+pub const RETRIES_ROUNDS_CONNECT_HUNG: Def = def(
+    "retries",
+    "rounds, http-connect: tunnels hung (open 15 s on)",
+    "count",
+    false,
+);
+/// Tunnels still open `retries::HUNG_AFTER` after they started (a kill).
+pub const RETRIES_KILL_HUNG: Def = def(
+    "retries",
+    "kill: tunnels hung (open 15 s on)",
+    "count",
+    false,
+);
 /// Dials identified as having waited on a killed agent.
 pub const RETRIES_KILL_WAITED: Def =
     def("retries", "kill: dials that waited on it", "count", false);
@@ -505,6 +538,14 @@ pub const RETRIES_KILL_PLAIN_RETRIED: Def = def(
 pub const RETRIES_KILL_PLAIN_CUT: Def = def(
     "retries",
     "kill, no hang: tunnels cut after DIAL_RSP",
+    "count",
+    false,
+);
+/// Tunnels still open `retries::HUNG_AFTER` after they started (a plain
+/// kill).
+pub const RETRIES_KILL_PLAIN_HUNG: Def = def(
+    "retries",
+    "kill, no hang: tunnels hung (open 15 s on)",
     "count",
     false,
 );
@@ -1168,7 +1209,14 @@ const ALL: &[&Def] = &[
     &RETRIES_KILL_FAILED,
     &RETRIES_KILL_FAILED_ANP,
     &RETRIES_KILL_RETRIED,
+    &RETRIES_ROUNDS_GRPC_TUNNELS,
+    &RETRIES_ROUNDS_GRPC_ERRORS,
+    &RETRIES_ROUNDS_GRPC_HUNG,
+    &RETRIES_ROUNDS_CONNECT_TUNNELS,
+    &RETRIES_ROUNDS_CONNECT_ERRORS,
+    &RETRIES_ROUNDS_CONNECT_HUNG,
     &RETRIES_KILL_CUT,
+    &RETRIES_KILL_HUNG,
     &RETRIES_KILL_WAITED,
     &RETRIES_KILL_AFTER_P50,
     &RETRIES_KILL_AFTER_P99,
@@ -1178,6 +1226,7 @@ const ALL: &[&Def] = &[
     &RETRIES_KILL_PLAIN_FAILED_ANP,
     &RETRIES_KILL_PLAIN_RETRIED,
     &RETRIES_KILL_PLAIN_CUT,
+    &RETRIES_KILL_PLAIN_HUNG,
     &RETRIES_SLOW_HEALTHY_P50,
     &RETRIES_SLOW_HEALTHY_P99,
     &RETRIES_SLOW_HEALTHY_P999,

@@ -58,6 +58,13 @@ use crate::{
     system::{self, Binaries, Process, path_with_sbin, tool},
 };
 
+/// How long a tunnel may take before it counts as hung (issue 50): far
+/// past a dial, a retry and a 1 KiB exchange; a tunnel still open then
+/// would have waited for ever, and fails the scenario.
+pub const HUNG_AFTER: Duration = Duration::from_secs(15);
+/// The frontend's text for a tunnel still open at its `-limit`.
+const OVER_LIMIT: &str = "not done within -limit";
+
 /// How long an agent stops answering before it is killed.
 pub const HANG: Duration = Duration::from_millis(300);
 /// How long before a kill a dial must have started to count as one that
@@ -84,6 +91,8 @@ pub struct RetriesOpt {
     pub duration: Duration,
     /// Kills of each kill run.
     pub kills: usize,
+    /// Rounds of the rounds part, in each mode.
+    pub rounds: usize,
     /// The grpc-go frontend.
     pub go: GoFrontend,
 }
@@ -327,11 +336,22 @@ impl Rig {
         label: &str,
         flags: &[String],
     ) -> anyhow::Result<Self> {
+        Self::server_in(bins, dir, host_ip, (label, "grpc"), flags).await
+    }
+
+    /// [`Rig::server`] in `mode` (`grpc`, `http-connect`).
+    async fn server_in(
+        bins: &Binaries,
+        dir: &Path,
+        host_ip: Ipv4Addr,
+        (label, mode): (&str, &str),
+        flags: &[String],
+    ) -> anyhow::Result<Self> {
         let (agent_port, health_port) = system::free_ports()?;
         let uds = dir.join(format!("retries-{label}.sock"));
         let args = [
             &bins.extra[..],
-            &system::server_args(dir, "grpc", &uds, agent_port, health_port),
+            &system::server_args(dir, mode, &uds, agent_port, health_port),
             &[format!("--agent-bind-address={host_ip}")],
             flags,
         ]
@@ -460,6 +480,9 @@ struct Outcome {
     /// Where it failed: `dial`, `exchange`; empty if it did not.
     #[serde(default)]
     phase: String,
+    /// Why it failed.
+    #[serde(default)]
+    error: String,
 }
 
 impl Outcome {
@@ -473,7 +496,9 @@ impl Outcome {
     }
 }
 
-/// Starts the frontend's `rate` mode against `rig` for `duration`; the
+/// Starts the frontend's `rate` mode against `rig` for `duration`, with
+/// konnectivity-client's dispatch (`-kclient`: a CLOSE_RSP it would drop
+/// leaves the tunnel open) and each tunnel bounded by [`HUNG_AFTER`]; the
 /// task returns every tunnel's outcome.
 fn traffic(
     go: &GoFrontend,
@@ -485,10 +510,12 @@ fn traffic(
     let mut child = Command::new(&go.path)
         .arg(format!("-uds={}", rig.uds.display()))
         .args([
+            "-kclient".to_owned(),
             "rate".to_owned(),
             format!("-addr={dest}"),
             format!("-rate={rate}"),
             format!("-duration={}ms", duration.as_millis()),
+            format!("-limit={}ms", HUNG_AFTER.as_millis()),
             "-each".to_owned(),
         ])
         .stdin(Stdio::null())
@@ -528,6 +555,8 @@ struct KillRun {
     tunnels: usize,
     failed_dials: usize,
     cut: usize,
+    /// Tunnels still open [`HUNG_AFTER`] after they started.
+    hung: usize,
     retried: f64,
     backend_close: f64,
     /// Kill → DIAL_RSP of the dials that waited on a killed agent, µs.
@@ -595,6 +624,9 @@ async fn kill_run(
             "dial" => result.failed_dials += 1,
             "exchange" => result.cut += 1,
             _ => {}
+        }
+        if o.error == OVER_LIMIT {
+            result.hung += 1;
         }
         let killed = kills
             .iter()
@@ -941,11 +973,205 @@ pub async fn run(
         .context("generating the retries scenario's certificates")?
         .write_to(&pki)
         .context("writing the retries scenario's certificates")?;
+    rounds_part(bins, &pki, opt, node.host_ip, rec).await?;
     kill_part(bins, &pki, opt, node.host_ip, rec).await?;
     slow_part(bins, &pki, opt, &node, rec).await?;
     p2c_part(bins, &pki, opt, node.host_ip, rec).await?;
     hung_part(bins, &pki, opt, node.host_ip, rec).await?;
     Ok(vec![note(opt)])
+}
+
+/// Tunnels at once in each round of the rounds part.
+const ROUND_CONCURRENCY: usize = 32;
+/// Each round's load.
+const ROUND_LOAD: Duration = Duration::from_secs(3);
+/// When in its round an agent is killed.
+const ROUND_KILL_AT: Duration = Duration::from_millis(1500);
+
+/// What the rounds of one mode found.
+#[derive(Debug, Default)]
+struct Rounds {
+    /// Tunnels that carried their exchange.
+    tunnels: u64,
+    /// Tunnels that failed (a dial, or a cut with an error).
+    errors: u64,
+    /// Tunnels still open [`HUNG_AFTER`] after they started.
+    hung: u64,
+}
+
+impl Rounds {
+    fn absorb(&mut self, other: &Self) {
+        self.tunnels += other.tunnels;
+        self.errors += other.errors;
+        self.hung += other.hung;
+    }
+}
+
+/// One round of gRPC tunnels: the grpc-go frontend's `dials` mode with
+/// konnectivity-client's dispatch, [`ROUND_CONCURRENCY`] at a time for
+/// [`ROUND_LOAD`], each bounded by [`HUNG_AFTER`].
+async fn grpc_round(go: &GoFrontend, uds: &Path, dest: SocketAddr) -> anyhow::Result<Rounds> {
+    let output = Command::new(&go.path)
+        .arg(format!("-uds={}", uds.display()))
+        .args([
+            "-kclient".to_owned(),
+            "dials".to_owned(),
+            format!("-addr={dest}"),
+            format!("-concurrency={ROUND_CONCURRENCY}"),
+            format!("-duration={}ms", ROUND_LOAD.as_millis()),
+            format!("-limit={}ms", HUNG_AFTER.as_millis()),
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("running {}", go.path.display()))?;
+    if !output.status.success() {
+        bail!("the grpc-go frontend's dials mode failed ({})", output.status);
+    }
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .context("the grpc-go frontend's dials report")?;
+    let count = |key: &str| report[key].as_u64().unwrap_or(0);
+    Ok(Rounds {
+        tunnels: count("dials"),
+        errors: count("errors") - count("over_limit"),
+        hung: count("over_limit"),
+    })
+}
+
+/// One HTTP-CONNECT tunnel on `uds`: 1 KiB echoed by `dest`, checked.
+async fn connect_once(uds: &Path, dest: SocketAddr) -> anyhow::Result<()> {
+    use tokio::io::AsyncReadExt;
+    let socket = tokio::net::UnixStream::connect(uds).await?;
+    let mut tunnel = client::dial::http_connect(socket, &dest.to_string()).await?;
+    let sent = integration_tests::destination::pattern(1024, 5);
+    tunnel.write_all(&sent).await?;
+    let mut got = vec![0u8; sent.len()];
+    tunnel.read_exact(&mut got).await?;
+    if got != sent {
+        bail!("the echo differs");
+    }
+    tunnel.shutdown().await?;
+    Ok(())
+}
+
+/// One round of HTTP-CONNECT tunnels: [`ROUND_CONCURRENCY`] at a time for
+/// [`ROUND_LOAD`], each bounded by [`HUNG_AFTER`].
+async fn connect_round(uds: &Path, dest: SocketAddr) -> Rounds {
+    let until = tokio::time::Instant::now() + ROUND_LOAD;
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..ROUND_CONCURRENCY {
+        let uds = uds.to_owned();
+        workers.spawn(async move {
+            let mut mine = Rounds::default();
+            while tokio::time::Instant::now() < until {
+                match tokio::time::timeout(HUNG_AFTER, connect_once(&uds, dest)).await {
+                    Ok(Ok(())) => mine.tunnels += 1,
+                    Ok(Err(_)) => mine.errors += 1,
+                    Err(_) => mine.hung += 1,
+                }
+            }
+            mine
+        });
+    }
+    let mut all = Rounds::default();
+    while let Some(done) = workers.join_next().await {
+        if let Ok(mine) = done {
+            all.absorb(&mine);
+        }
+    }
+    all
+}
+
+/// `rounds` rounds in `mode`: each a round of single-use tunnels, one agent
+/// of three (in turn) killed (SIGKILL) [`ROUND_KILL_AT`] into it and
+/// started again.
+async fn rounds_run(
+    bins: &Binaries,
+    dir: &Path,
+    opt: &RetriesOpt,
+    host_ip: Ipv4Addr,
+    mode: &str,
+) -> anyhow::Result<Rounds> {
+    let echo = Echo::start(host_ip).await?;
+    let label = format!("rounds-{mode}");
+    let mut rig = Rig::server_in(bins, dir, host_ip, (&label, mode), &[]).await?;
+    for _ in 0..3 {
+        rig.add_agent(bins, None)?;
+    }
+    rig.wait_agents(3).await?;
+    let mut all = Rounds::default();
+    for round in 0..opt.rounds {
+        let load = {
+            let (go, uds, mode) = (opt.go.clone(), rig.uds.clone(), mode.to_owned());
+            let dest = echo.addr;
+            tokio::spawn(async move {
+                if mode == "grpc" {
+                    grpc_round(&go, &uds, dest).await
+                } else {
+                    Ok(connect_round(&uds, dest).await)
+                }
+            })
+        };
+        tokio::time::sleep(ROUND_KILL_AT).await;
+        let victim = round % rig.agents.len();
+        signal(rig.agents[victim].process.pid(), "KILL")?;
+        rig.restart(victim)?;
+        let done = load.await.context("a round's load")??;
+        all.absorb(&done);
+        rig.wait_agents(3).await?;
+    }
+    Ok(all)
+}
+
+/// The rounds part (issue 50): `--retries-rounds` rounds of an agent
+/// killed under [`ROUND_CONCURRENCY`] single-use tunnels at a time, in
+/// gRPC mode (konnectivity-client's dispatch) and HTTP-CONNECT mode; a
+/// tunnel still open [`HUNG_AFTER`] after it started fails the scenario.
+async fn rounds_part(
+    bins: &Binaries,
+    pki: &Path,
+    opt: &RetriesOpt,
+    host_ip: Ipv4Addr,
+    rec: &mut Recorder,
+) -> anyhow::Result<()> {
+    let mut hung = 0;
+    for (mode, tunnels, errors, hung_row) in [
+        (
+            "grpc",
+            &report::RETRIES_ROUNDS_GRPC_TUNNELS,
+            &report::RETRIES_ROUNDS_GRPC_ERRORS,
+            &report::RETRIES_ROUNDS_GRPC_HUNG,
+        ),
+        (
+            "http-connect",
+            &report::RETRIES_ROUNDS_CONNECT_TUNNELS,
+            &report::RETRIES_ROUNDS_CONNECT_ERRORS,
+            &report::RETRIES_ROUNDS_CONNECT_HUNG,
+        ),
+    ] {
+        eprintln!(
+            "retries rounds: {} rounds of a kill under {ROUND_CONCURRENCY} tunnels at a time, {mode} ...",
+            opt.rounds
+        );
+        let r = rounds_run(bins, pki, opt, host_ip, mode).await?;
+        eprintln!(
+            "retries rounds ({mode}): {} tunnels, {} failed, {} hung",
+            r.tunnels, r.errors, r.hung
+        );
+        push(rec, tunnels, Some(r.tunnels as f64));
+        push(rec, errors, Some(r.errors as f64));
+        push(rec, hung_row, Some(r.hung as f64));
+        hung += r.hung;
+    }
+    if hung > 0 {
+        bail!(
+            "{hung} tunnels were still open {HUNG_AFTER:?} after they started, in rounds of an \
+             agent killed under load: requests that would have waited for ever"
+        );
+    }
+    Ok(())
 }
 
 /// Records `value` in the grpc column.
@@ -967,6 +1193,7 @@ async fn kill_part(
     host_ip: Ipv4Addr,
     rec: &mut Recorder,
 ) -> anyhow::Result<()> {
+    let mut hung = 0;
     for (hang, retries) in [(Some(HANG), 1), (Some(HANG), 0), (None, 1), (None, 0)] {
         eprintln!(
             "retries kill: {} kills (hung {hang:?} first) at {}/s, --backend-dial-retries={retries} ...",
@@ -974,16 +1201,24 @@ async fn kill_part(
         );
         let k = kill_run(bins, pki, opt, host_ip, (hang, retries)).await?;
         eprintln!(
-            "retries kill: {} tunnels, {} dials failed, {} cut after DIAL_RSP, {} retried \
+            "retries kill: {} tunnels, {} dials failed, {} cut after DIAL_RSP, {} hung, {} retried \
              (server), {} failed backend_close (server), {} identified as waiting on a killed agent",
             k.tunnels,
             k.failed_dials,
             k.cut,
+            k.hung,
             k.retried,
             k.backend_close,
             k.after_death.len()
         );
         push_kill(rec, (hang.is_some(), retries), &k);
+        hung += k.hung;
+    }
+    if hung > 0 {
+        bail!(
+            "{hung} tunnels were still open {HUNG_AFTER:?} after they started: a request \
+             kube-apiserver made through a killed agent would have waited for ever"
+        );
     }
     Ok(())
 }
@@ -1000,6 +1235,7 @@ fn push_kill(rec: &mut Recorder, (hung, retries): (bool, u32), k: &KillRun) {
             );
             push(rec, &report::RETRIES_KILL_PLAIN_RETRIED, Some(k.retried));
             push(rec, &report::RETRIES_KILL_PLAIN_CUT, count(k.cut));
+            push(rec, &report::RETRIES_KILL_PLAIN_HUNG, count(k.hung));
         }
         (false, _) => {
             push(
@@ -1012,6 +1248,7 @@ fn push_kill(rec: &mut Recorder, (hung, retries): (bool, u32), k: &KillRun) {
             push(rec, &report::RETRIES_KILL_FAILED, count(k.failed_dials));
             push(rec, &report::RETRIES_KILL_RETRIED, Some(k.retried));
             push(rec, &report::RETRIES_KILL_CUT, count(k.cut));
+            push(rec, &report::RETRIES_KILL_HUNG, count(k.hung));
             push(
                 rec,
                 &report::RETRIES_KILL_WAITED,

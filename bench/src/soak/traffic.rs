@@ -513,6 +513,9 @@ impl GoSoak {
         let mut child = Command::new(go_frontend)
             .arg(format!("-uds={}", uds.display()))
             .args(reuse.then_some("-reuse"))
+            // konnectivity-client's dispatch: a CLOSE_RSP it would drop
+            // leaves the exchange stuck (issue 50).
+            .arg("-kclient")
             .arg("soak")
             .arg(format!("-addr={addr}"))
             .arg(format!("-workers={}", load.rr_workers))

@@ -12,10 +12,16 @@ package main
 //     the next packet;
 //   - DATA or CLOSE_RSP for a connection not registered (yet) is dropped
 //     ("Connection not recognized"), and receiving goes on;
-//   - a CLOSE_RSP for a registered connection ends its reads (EOF) and the
-//     stream's receiving;
-//   - Read waits for the connection's DATA or its CLOSE_RSP and nothing
-//     else: not for the stream's end.
+//   - a CLOSE_RSP for a registered connection ends its reads and the
+//     stream's receiving; so does the stream's end for the connections
+//     registered by then;
+//   - Read waits for the connection's DATA or its end and nothing else:
+//     not for the stream's end once that has passed.
+//
+// One difference, so that a test can tell a cut from a clean end: where
+// konnectivity-client's Read says only EOF (its Close returns the
+// CLOSE_RSP's error), this Read returns the CLOSE_RSP's error, or the
+// stream's, when there was one.
 //
 // So a CLOSE_RSP that reaches the receiving goroutine right behind its
 // DIAL_RSP, before the dialing goroutine registered the connection, is
@@ -74,7 +80,9 @@ func (s *kcStream) serve(c *conn) {
 		// Connections still registered never got their CLOSE_RSP.
 		s.mu.Lock()
 		for id, kc := range s.conns {
+			kc.closeCh <- "the Proxy stream ended"
 			close(kc.readCh)
+			close(kc.closeCh)
 			delete(s.conns, id)
 		}
 		s.mu.Unlock()
@@ -134,8 +142,8 @@ func (s *kcStream) serve(c *conn) {
 			if !ok {
 				continue
 			}
-			close(kc.readCh)
 			kc.closeCh <- pkt.errText
+			close(kc.readCh)
 			close(kc.closeCh)
 			return
 		}
@@ -176,11 +184,19 @@ func (s *kcStream) dial(ctx context.Context, c *conn, address string, random int
 	}
 }
 
-// read returns the connection's next DATA; EOF once its reads ended.
+// read returns the connection's next DATA; once its reads ended, its
+// CLOSE_RSP's error (or the stream's end) if it had one, else EOF.
 func (kc *kcConn) read(c *conn, p []byte) (int, error) {
 	if len(c.pending) == 0 {
 		b, ok := <-kc.readCh
 		if !ok {
+			select {
+			case text, ok := <-kc.closeCh:
+				if ok && text != "" {
+					return 0, errors.New("CLOSE_RSP: " + text)
+				}
+			default:
+			}
 			return 0, errEOF
 		}
 		c.pending = b

@@ -30,8 +30,9 @@
 //	                              move bytes without end, printing {"bytes": N} (so far)
 //	                              every 100 ms, until stdin closes (the bench)
 //	echo -bytes N                 send N bytes and read them back, checked
-//	dials -concurrency C (-count N | -duration D) [-exchange B]
-//	                              single-use tunnels, each sending B bytes and reading B back
+//	dials -concurrency C (-count N | -duration D) [-exchange B] [-limit L]
+//	                              single-use tunnels, each sending B bytes and reading B back;
+//	                              with -limit, a tunnel not done within L is "over_limit"
 //	dial-error                    expect the dial to fail; print the error
 //	stall                         open a tunnel and read nothing until stdin closes
 //	stall-bulk -stall A -bytes N -seed S
@@ -568,6 +569,7 @@ func main() {
 	count := args.Int("count", 0, "dials: tunnels in all (0: for -duration)")
 	duration := args.Duration("duration", 0, "dials: how long")
 	exchange := args.Int("exchange", 1024, "dials: bytes each way per tunnel")
+	limit := args.Duration("limit", 0, "dials: a tunnel not done within this is over_limit (0: no bound)")
 	stall := args.String("stall", "", "stall-bulk, many: HOST:PORT of a tunnel never read")
 	if err := args.Parse(flag.Args()[1:]); err != nil {
 		fail("%v", err)
@@ -582,7 +584,7 @@ func main() {
 	case "echo":
 		echo(ctx, t, *addr, *size)
 	case "dials":
-		dials(t, *addr, *concurrency, *count, *duration, *exchange)
+		dials(t, *addr, *concurrency, *count, *duration, *exchange, *limit)
 	case "dial-error":
 		c, err := t.dial(ctx, *addr)
 		if err == nil {
@@ -734,10 +736,10 @@ func echo(ctx context.Context, t *transport, addr string, n int) {
 
 // dials runs single-use tunnels: dial, send exchange bytes, read as many,
 // close; concurrency at once, count in all or for duration.
-func dials(t *transport, addr string, concurrency, count int, duration time.Duration, exchange int) {
+func dials(t *transport, addr string, concurrency, count int, duration time.Duration, exchange int, limit time.Duration) {
 	var mu sync.Mutex
 	var latencies []time.Duration
-	var failures int
+	var failures, overLimit int
 	var firstError string
 	start := time.Now()
 	deadline := start.Add(duration)
@@ -760,9 +762,12 @@ func dials(t *transport, addr string, concurrency, count int, duration time.Dura
 			got := make([]byte, exchange)
 			for take() {
 				began := time.Now()
-				err := singleUse(t, addr, sent, got, nil)
+				err := boundedSingleUse(t, addr, sent, got, limit)
 				took := time.Since(began)
 				mu.Lock()
+				if err == errOverLimit {
+					overLimit++
+				}
 				if err != nil {
 					failures++
 					if firstError == "" {
@@ -786,9 +791,27 @@ func dials(t *transport, addr string, concurrency, count int, duration time.Dura
 		return float64(latencies[i].Microseconds())
 	}
 	report(map[string]interface{}{
-		"dials": len(latencies), "errors": failures, "first_error": firstError,
+		"dials": len(latencies), "errors": failures, "first_error": firstError, "over_limit": overLimit,
 		"seconds": seconds, "p50_us": quantile(0.5), "p99_us": quantile(0.99),
 	})
+}
+
+// boundedSingleUse is singleUse given up on after limit (errOverLimit;
+// its goroutine is left behind), or unbounded when limit is 0. got is
+// used only by a tunnel that ends in time.
+func boundedSingleUse(t *transport, addr string, sent, got []byte, limit time.Duration) error {
+	if limit <= 0 {
+		return singleUse(t, addr, sent, got, nil)
+	}
+	own := make([]byte, len(got))
+	done := make(chan error, 1)
+	go func() { done <- singleUse(t, addr, sent, own, nil) }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(limit):
+		return errOverLimit
+	}
 }
 
 // stallBulk opens a tunnel to stall and never reads it, then beside it

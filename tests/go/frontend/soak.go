@@ -203,7 +203,7 @@ func soakTunnel(t *transport, addr string, seed uint64, up, down int, rate int, 
 	binary.BigEndian.PutUint32(header[4:], uint32(down))
 	binary.BigEndian.PutUint64(header[8:], seed)
 	if _, err := c.Write(header[:]); err != nil {
-		return soakEnd(c, err)
+		return soakEnd(c, life, err)
 	}
 	out := newSoakStream(seed)
 	buf := make([]byte, copyChunk)
@@ -215,7 +215,7 @@ func soakTunnel(t *transport, addr string, seed uint64, up, down int, rate int, 
 		}
 		out.fill(buf[:n])
 		if _, err := c.Write(buf[:n]); err != nil {
-			return soakEnd(c, err)
+			return soakEnd(c, life, err)
 		}
 		sent += n
 		if bulk {
@@ -240,7 +240,7 @@ func soakTunnel(t *transport, addr string, seed uint64, up, down int, rate int, 
 			moved(k)
 		}
 		if err == io.EOF {
-			return errSilent
+			return eofIn(life)
 		}
 		if err != nil {
 			return err
@@ -261,14 +261,25 @@ func soakTunnel(t *transport, addr string, seed uint64, up, down int, rate int, 
 	return nil
 }
 
+// eofIn is an EOF before the exchange's bytes all came: silent loss, or,
+// once life is over, the end of a stream cancelled because the exchange
+// was stuck (with -kclient, a connection whose close was dropped reads
+// nothing until then).
+func eofIn(life context.Context) error {
+	if life.Err() == context.DeadlineExceeded {
+		return errStuck
+	}
+	return errSilent
+}
+
 // soakEnd is the end of a tunnel whose write failed: the stream's own error,
 // or errSilent when it ended cleanly with bytes unsent.
-func soakEnd(c *conn, writeErr error) error {
+func soakEnd(c *conn, life context.Context, writeErr error) error {
 	buf := make([]byte, copyChunk)
 	for {
 		_, err := c.Read(buf)
 		if err == io.EOF {
-			return errSilent
+			return eofIn(life)
 		}
 		if err != nil {
 			return err
