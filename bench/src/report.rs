@@ -484,8 +484,12 @@ pub const RETRIES_ROUNDS_GRPC_HUNG: Def = def(
 pub const RETRIES_ROUNDS_CONNECT_TUNNELS: Def =
     def("retries", "rounds, http-connect: tunnels", "count", false);
 /// Rounds part, HTTP-CONNECT: tunnels that failed with an error.
-pub const RETRIES_ROUNDS_CONNECT_ERRORS: Def =
-    def("retries", "rounds, http-connect: tunnels failed", "count", false);
+pub const RETRIES_ROUNDS_CONNECT_ERRORS: Def = def(
+    "retries",
+    "rounds, http-connect: tunnels failed",
+    "count",
+    false,
+);
 /// Rounds part, HTTP-CONNECT: tunnels still open 15 s after they started.
 pub const RETRIES_ROUNDS_CONNECT_HUNG: Def = def(
     "retries",

@@ -1028,10 +1028,13 @@ async fn grpc_round(go: &GoFrontend, uds: &Path, dest: SocketAddr) -> anyhow::Re
         .await
         .with_context(|| format!("running {}", go.path.display()))?;
     if !output.status.success() {
-        bail!("the grpc-go frontend's dials mode failed ({})", output.status);
+        bail!(
+            "the grpc-go frontend's dials mode failed ({})",
+            output.status
+        );
     }
-    let report: serde_json::Value = serde_json::from_slice(&output.stdout)
-        .context("the grpc-go frontend's dials report")?;
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("the grpc-go frontend's dials report")?;
     let count = |key: &str| report[key].as_u64().unwrap_or(0);
     Ok(Rounds {
         tunnels: count("dials"),
