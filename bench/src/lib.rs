@@ -114,8 +114,10 @@ pub enum Scenario {
     /// one slowed (its node drops each connection's first SYN) for
     /// --retries-duration with hedging off and on; new dials beside an
     /// agent holding 100 tunnels (P2C); one agent hung (SIGSTOP) under a
-    /// 3 s dial timeout, dials one and 8 at a time. Not in the default set;
-    /// needs root (a network namespace, nftables).
+    /// 3 s dial timeout, dials one and 8 at a time; --retries-rounds rounds
+    /// per mode of an agent killed under 32 single-use tunnels at a time.
+    /// Fails on a tunnel still open 15 s on. Not in the default set; needs
+    /// root (a network namespace, nftables).
     Retries,
     /// The server's memory under floods (issue 43): 1-byte and padded DATA
     /// behind a stalled upload, --budget-streams stalled streams beside a
