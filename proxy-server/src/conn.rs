@@ -1382,40 +1382,27 @@ mod tests {
     async fn a_table_keeps_a_closed_connection_its_frontend_may_still_name() {
         let (agent, _agent_rx) = agent(credit());
         let (fe, _metrics, _rx) = frontend(FrontendKind::Grpc);
-        let mut table = ConnTable::default();
-        let unnamed = Arc::new(Conn::new(
-            ConnId(1),
-            BackendId(1),
-            agent.clone(),
-            fe.clone(),
-        ));
-        unnamed.close();
-        table.insert(unnamed);
-        let fill = |table: &mut ConnTable, from: i64| {
-            for id in from..from + 64 {
-                let conn = Arc::new(Conn::new(
-                    ConnId(id),
-                    BackendId(1),
-                    agent.clone(),
-                    fe.clone(),
-                ));
+        let closed = |id: i64, named: bool| {
+            let conn = Arc::new(Conn::new(
+                ConnId(id),
+                BackendId(1),
+                agent.clone(),
+                fe.clone(),
+            ));
+            if named {
                 conn.named_by_frontend();
-                conn.close();
-                table.insert(conn);
             }
+            conn.close();
+            conn
         };
-        fill(&mut table, 2);
+        let mut table = ConnTable::default();
+        table.insert(closed(1, false));
+        // Enough named closed ones after it for the table to sweep.
+        (2..66).for_each(|id| table.insert(closed(id, true)));
         assert!(matches!(table.lookup(ConnId(1)), Lookup::Closed(_)));
-        let unnamed = Arc::new(Conn::new(
-            ConnId(1),
-            BackendId(1),
-            agent.clone(),
-            fe.clone(),
-        ));
-        unnamed.close();
-        table.insert(unnamed);
+        table.insert(closed(1, false));
         tokio::time::advance(ANSWER_GRACE).await;
-        fill(&mut table, 100);
+        (100..164).for_each(|id| table.insert(closed(id, true)));
         assert!(matches!(table.lookup(ConnId(1)), Lookup::Unknown));
     }
 
