@@ -429,14 +429,15 @@ impl Rig {
         Ok(())
     }
 
-    /// Starts agent `i` again (killing it, if it still runs).
+    /// Starts agent `i` again (killed by the caller: the old process is
+    /// reaped first, so that its health port is free for the new one).
     fn restart(&mut self, i: usize) -> anyhow::Result<()> {
         let agent = &mut self.agents[i];
         agent.starts += 1;
         let log = self
             .dir
             .join(format!("retries-{}-{}.log", agent.name, agent.starts));
-        // The old one is killed and reaped as it is replaced.
+        agent.process.reap();
         agent.process = Process::spawn(agent.name.clone(), &agent.argv.0, &agent.argv.1, log)?;
         Ok(())
     }
@@ -451,17 +452,25 @@ impl Rig {
         Ok(metric_value(&self.scrape().await?, series))
     }
 
-    /// Waits until the server counts `n` agents.
+    /// Waits until the server counts `n` agents; an error names an agent
+    /// that exited (with its log), or what the server counts.
     async fn wait_agents(&mut self, n: usize) -> anyhow::Result<()> {
         let started = Instant::now();
         loop {
             self.server.check_alive()?;
+            for agent in &mut self.agents {
+                agent.process.check_alive()?;
+            }
             let text = self.scrape().await?;
-            if probe::prometheus_value(&text, CONNECTED) == Some(n as f64) {
+            let connected = probe::prometheus_value(&text, CONNECTED);
+            if connected == Some(n as f64) {
                 return Ok(());
             }
             if started.elapsed() > Duration::from_secs(30) {
-                bail!("{n} agents not connected within 30 s");
+                bail!(
+                    "{n} agents not connected within 30 s: the server counts {connected:?} ({})",
+                    self.label
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -160,6 +160,12 @@ impl Process {
         self.child.try_wait().ok().flatten()
     }
 
+    /// Waits until it has exited (killed already, say) and reaps it, so
+    /// that its ports are free.
+    pub fn reap(&mut self) {
+        let _ = self.child.wait();
+    }
+
     /// Kills it with SIGKILL and reaps it; whether that signal ended it.
     pub fn kill_reaped(mut self) -> bool {
         use std::os::unix::process::ExitStatusExt;

@@ -575,6 +575,51 @@ pub(crate) struct FrontendWriter {
     closed: std::collections::VecDeque<ConnId>,
     /// The timer of the earliest held CLOSE_RSP.
     timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// When the grace of the last DIAL_RSP taken ends.
+    last_answer: Arc<LastAnswer>,
+}
+
+/// When the grace ([`ANSWER_GRACE`]) of the last DIAL_RSP a gRPC
+/// frontend's writer took ends: until then its client may not have
+/// registered that connection, so the stream's end waits for it. One
+/// atomic, written once per DIAL_RSP.
+pub(crate) struct LastAnswer {
+    /// What the instants count from.
+    base: tokio::time::Instant,
+    /// The end of the last grace, in nanoseconds from `base` (0: none).
+    grace_end: AtomicU64,
+}
+
+impl LastAnswer {
+    fn new() -> Self {
+        Self {
+            base: tokio::time::Instant::now(),
+            grace_end: AtomicU64::new(0),
+        }
+    }
+
+    /// A DIAL_RSP was taken at `now`.
+    fn answered(&self, now: tokio::time::Instant) {
+        let end = (now + ANSWER_GRACE).saturating_duration_since(self.base);
+        let nanos = u64::try_from(end.as_nanos()).unwrap_or(u64::MAX);
+        self.grace_end.store(nanos, Ordering::Relaxed);
+    }
+
+    /// When the grace of the last DIAL_RSP taken ends, if that is after
+    /// `now`.
+    fn grace_end(&self, now: tokio::time::Instant) -> Option<tokio::time::Instant> {
+        let nanos = self.grace_end.load(Ordering::Relaxed);
+        let end = self.base + Duration::from_nanos(nanos);
+        (nanos > 0 && end > now).then_some(end)
+    }
+
+    /// Resolves once the grace of the last DIAL_RSP taken is over (at once
+    /// with none).
+    pub(crate) async fn fresh_until(&self) {
+        if let Some(end) = self.grace_end(tokio::time::Instant::now()) {
+            tokio::time::sleep_until(end).await;
+        }
+    }
 }
 
 impl FrontendWriter {
@@ -588,7 +633,13 @@ impl FrontendWriter {
             held: Vec::new(),
             closed: std::collections::VecDeque::new(),
             timer: None,
+            last_answer: Arc::new(LastAnswer::new()),
         }
+    }
+
+    /// When the grace of its last DIAL_RSP ends (for its stream's end).
+    pub(crate) fn last_answer(&self) -> Arc<LastAnswer> {
+        self.last_answer.clone()
     }
 
     /// A held CLOSE_RSP that may go now: its connection named, or its
@@ -613,6 +664,7 @@ impl FrontendWriter {
         }
         match &item {
             FrontendItem::Answered { conn, .. } => {
+                self.last_answer.answered(now);
                 self.closed.retain(|id| *id != conn.id);
                 let grace = now + ANSWER_GRACE;
                 self.fresh.push_back((conn.id, conn.named.clone(), grace));
@@ -699,8 +751,28 @@ impl Stream for FrontendWriter {
                         return Poll::Ready(Some(packet));
                     }
                 }
-                // The stream is over: what it held goes first.
-                Poll::Ready(None) => return Poll::Ready(this.held.pop().map(|(p, _, _)| p)),
+                // The stream is over: what it held goes first, and it ends
+                // once the last answer's grace is over.
+                Poll::Ready(None) => {
+                    if let Some((packet, _, _)) = this.held.pop() {
+                        return Poll::Ready(Some(packet));
+                    }
+                    return match this.last_answer.grace_end(now) {
+                        None => Poll::Ready(None),
+                        Some(at) => {
+                            let timer = this
+                                .timer
+                                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                            if timer.deadline() != at {
+                                timer.as_mut().reset(at);
+                            }
+                            match timer.as_mut().poll(cx) {
+                                Poll::Ready(()) => Poll::Ready(None),
+                                Poll::Pending => Poll::Pending,
+                            }
+                        }
+                    };
+                }
                 Poll::Pending => match this.poll_held(cx) {
                     Poll::Ready(()) => {}
                     Poll::Pending => return Poll::Pending,
@@ -1430,6 +1502,35 @@ mod tests {
             Some(proto::packet::PacketKind::DialCls(_))
         ));
         assert_eq!(conn.charged.lock().queued, 0, "the dropped DATA's cost");
+    }
+
+    /// A gRPC frontend's stream ended from inside right after a DIAL_RSP
+    /// ends once that answer's grace is over (its client has registered
+    /// the connection, which the end then closes); with no answer that
+    /// recent, at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_ended_right_after_an_answer_ends_after_its_grace() {
+        for answer in [true, false] {
+            let (conn, _agent_rx, fe_rx) = test_conn(8, credit());
+            let writer = FrontendWriter::new(&conn.to_frontend, fe_rx);
+            let last = writer.last_answer();
+            let end = conn.to_frontend.end.clone();
+            let mut out = Box::pin(
+                end.clone()
+                    .outbound_after(writer, async move { last.fresh_until().await }),
+            );
+            if answer {
+                conn.to_frontend
+                    .answer(Packet::dial_response(7, 8, ""), Some(conn.clone()));
+                assert!(matches!(out.next().await, Some(Ok(_))));
+            }
+            let started = tokio::time::Instant::now();
+            end.fail(Status::unavailable("shutting down"));
+            let status = out.next().await.unwrap().unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unavailable);
+            let waited = if answer { ANSWER_GRACE } else { Duration::ZERO };
+            assert_eq!(started.elapsed(), waited, "answer: {answer}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

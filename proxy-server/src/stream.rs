@@ -69,8 +69,25 @@ impl StreamEnd {
     where
         S: Stream<Item = Packet> + Send + 'static,
     {
+        self.outbound_after(packets, std::future::ready(()))
+    }
+
+    /// [`StreamEnd::outbound`], whose end, once the stream is ended, waits
+    /// for `after` too (packets still go meanwhile).
+    pub(crate) fn outbound_after<S>(
+        self: Arc<Self>,
+        packets: S,
+        after: impl Future<Output = ()> + Send + 'static,
+    ) -> impl Stream<Item = Result<Packet, Status>> + Send + 'static
+    where
+        S: Stream<Item = Packet> + Send + 'static,
+    {
         let cancel = self.cancel.clone();
-        packets.map(Ok).take_until(cancel.cancelled_owned()).chain(
+        let ended = async move {
+            cancel.cancelled().await;
+            after.await;
+        };
+        packets.map(Ok).take_until(ended).chain(
             stream::once(async move { self.status.lock().take() })
                 .filter_map(|status| std::future::ready(status.map(Err))),
         )
@@ -82,8 +99,8 @@ pub(crate) type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>>
 
 /// Starts a gRPC stream: runs its `driver` on `tasks`, in the lock
 /// audit's scope as `taker` and in `span`; returns what tonic sends the
-/// peer: `packets` until `end`, then its status, audited as the same
-/// stream's.
+/// peer, `outbound` (its packets until its end, then its status:
+/// [`StreamEnd::outbound`]), audited as the same stream's.
 ///
 /// Both handlers (`backend::service`, `frontend::grpc`) start their
 /// streams this way; what differs (the queue, the registration with the
@@ -98,11 +115,10 @@ pub(crate) fn spawn_driver(
     taker: Taker,
     span: tracing::Span,
     driver: impl Future<Output = ()> + Send + 'static,
-    end: Arc<StreamEnd>,
-    packets: impl Stream<Item = Packet> + Send + 'static,
+    outbound: impl Stream<Item = Result<Packet, Status>> + Send + 'static,
 ) -> PacketStream {
     tasks.spawn(audit::scope(audit.clone(), taker, driver).instrument(span));
-    Box::pin(audited(audit.clone(), taker, end.outbound(packets)))
+    Box::pin(audited(audit.clone(), taker, outbound))
 }
 
 /// A stream a library's task polls (tonic's response stream), audited as

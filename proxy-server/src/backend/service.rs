@@ -268,11 +268,10 @@ impl AgentService for AgentServiceImpl {
                 let _guard = guard;
                 driver.run(inbound).await;
             },
-            end,
-            rx.map(move |packet| {
+            end.outbound(rx.map(move |packet| {
                 metrics.packets.count(Segment::ToAgent, packet.r#type);
                 packet
-            }),
+            })),
         );
         let mut response = Response::new(stream);
         self.headers(&mut response, scheme)?;

@@ -89,6 +89,12 @@ impl ProxyService for ProxyServiceImpl {
             )
         });
         let writer = FrontendWriter::new(&link.tx, rx);
+        // Ended from inside (shutdown, a failure), the stream's status waits
+        // until its client has registered the connections just answered
+        // (`conn::ANSWER_GRACE`): once it sees the end, konnectivity-client
+        // closes the connections it has registered, and a request on one
+        // it registers after would wait for ever.
+        let last_answer = writer.last_answer();
         self.control.frontend_traced(
             link.id(),
             traceparent.as_deref(),
@@ -116,8 +122,7 @@ impl ProxyService for ProxyServiceImpl {
                 let _guard = guard;
                 driver.run(inbound).await;
             },
-            end,
-            writer,
+            end.outbound_after(writer, async move { last_answer.fresh_until().await }),
         )))
     }
 }

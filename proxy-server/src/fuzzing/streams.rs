@@ -553,6 +553,40 @@ mod tests {
 
     replay!(fuzz_corpus_grpc_packets => grpc_packets within grpc_packets_alloc_bound);
 
+    /// A `Proxy` stream ended from inside (shutdown) right after its
+    /// DIAL_RSP ends only once the answer's grace is over
+    /// (`conn::ANSWER_GRACE`): konnectivity-client closes, at the end, the
+    /// connections it has registered by then.
+    #[test]
+    fn a_stream_ended_right_after_its_answer_ends_after_the_grace() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async {
+            let control = control();
+            let (tasks, shutdown) = (TaskTracker::new(), CancellationToken::new());
+            let received = Arc::new(Mutex::new(Received::default()));
+            let _agent_tx = agent(&control, &tasks, &shutdown, &received).await;
+            let frontend_tx = proxy_stream(&control, &tasks, &shutdown, &received).await;
+            let dial = Packet::dial_request("tcp", "10.0.0.1:443", 1);
+            frontend_tx.send(message(&dial)).await.expect("the body");
+            idle().await;
+            assert_eq!(received.lock().expect("not poisoned").frontend.len(), 1);
+            let started = tokio::time::Instant::now();
+            shutdown.cancel();
+            while received.lock().expect("not poisoned").frontend_end.is_none() {
+                idle().await;
+            }
+            let waited = started.elapsed();
+            assert!(
+                waited + Duration::from_millis(2) >= crate::conn::ANSWER_GRACE,
+                "ended {waited:?} after the shutdown"
+            );
+        });
+    }
+
     /// The harness reaches the server's paths: a dial established and one
     /// refused, DATA echoed through a lane (DATA after DATA, an empty one
     /// among them), a close by each side, a mismatch.
