@@ -362,9 +362,11 @@ impl Rig {
             &args,
             dir.join(format!("retries-{label}-server.log")),
         )?;
+        let mut server = server;
         let health = SocketAddr::from(([127, 0, 0, 1], health_port));
         let started = Instant::now();
         while probe::http_get(health, "/metrics").await.is_err() {
+            server.check_alive()?;
             if started.elapsed() > Duration::from_secs(30) {
                 bail!("proxy-server ({label}) did not answer /metrics within 30 s");
             }
