@@ -41,7 +41,9 @@ pub enum Action {
 /// A named set of addresses, for what every operator needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NamedSet {
-    /// 127.0.0.0/8 and ::1.
+    /// 127.0.0.0/8 and ::1, and the addresses Linux connects to the host
+    /// itself: 0.0.0.0/8 ("this network", RFC 1122) and `::` (see
+    /// [`reaches_this_host`]).
     Loopback,
     /// 169.254.0.0/16 and fe80::/10.
     LinkLocal,
@@ -295,7 +297,7 @@ impl Policy {
 
     fn in_set(&self, set: NamedSet, addr: IpAddr) -> bool {
         match (set, addr) {
-            (NamedSet::Loopback, addr) => addr.is_loopback(),
+            (NamedSet::Loopback, addr) => addr.is_loopback() || reaches_this_host(addr),
             (NamedSet::LinkLocal, IpAddr::V4(v4)) => v4.is_link_local(),
             (NamedSet::LinkLocal, IpAddr::V6(v6)) => v6.is_unicast_link_local(),
             (NamedSet::Metadata, addr) => METADATA.contains(&addr),
@@ -471,6 +473,19 @@ pub fn embedded_ipv4(addr: IpAddr) -> Option<Ipv4Addr> {
     let v4 = Ipv4Addr::from((u32::from(last[0]) << 16) | u32::from(last[1]));
     let compatible = prefix == [0; 6] && last[0] != 0;
     (prefix == NAT64_PREFIX || compatible).then_some(v4)
+}
+
+/// Whether `addr` is one of the unspecified forms that Linux connects to
+/// the host itself: a `connect` to 0.0.0.0 reaches 127.0.0.1 and one to
+/// `::` reaches ::1. The rest of 0.0.0.0/8 is "this network" (RFC 1122),
+/// never a destination elsewhere. Their IPv4-mapped forms are IPv4 by the
+/// time a rule sees them ([`canonical`]); NAT64 and IPv4-compatible ones
+/// carry their IPv4 address ([`embedded_ipv4`]), and `::0.0.0.0` is `::`.
+pub fn reaches_this_host(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(v4) => v4.octets()[0] == 0,
+        IpAddr::V6(v6) => v6.is_unspecified(),
+    }
 }
 
 /// An address as rules see it: IPv4-mapped IPv6 as IPv4.

@@ -114,6 +114,11 @@ pub const DIAL_TIMED_OUT: &str = "timed out waiting for backend dial";
 /// DIAL_RSP error when the chosen agent's stream closed before the dial went out.
 pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 
+/// The longest address a DIAL_REQ may carry: a host name (253 bytes, RFC
+/// 1035) and a port (`:65535`). Longer ones are refused before they reach
+/// an agent, whatever the server adds to the packet (a traceparent).
+pub(crate) const MAX_ADDRESS: usize = 253 + 6;
+
 /// Why a dial failed, as the frontend is told. The server's own reasons
 /// are variants; only [`DialError::Agent`] is text (with its class), as
 /// it came over the wire. It becomes Go's text ([`fmt::Display`]) only on the wire.
@@ -128,6 +133,9 @@ pub(crate) enum DialError {
     AgentStreamClosed,
     /// Another pending dial uses the same random.
     IdPending,
+    /// The DIAL_REQ's address (this many bytes) is longer than any host
+    /// name and port can be ([`MAX_ADDRESS`]).
+    AddressTooLong(usize),
     /// The agent's stream ended while the dial was pending.
     AgentGone(AgentId),
     /// The agent answered with a connection id already in use.
@@ -149,6 +157,10 @@ impl fmt::Display for DialError {
             Self::TimedOut => f.write_str(DIAL_TIMED_OUT),
             Self::AgentStreamClosed => f.write_str(AGENT_STREAM_CLOSED),
             Self::IdPending => f.write_str("dial id already pending"),
+            Self::AddressTooLong(len) => write!(
+                f,
+                "the address ({len} bytes) is longer than a host name and port can be ({MAX_ADDRESS} bytes)"
+            ),
             Self::AgentGone(agent) => write!(f, "agent {} disconnected", Elided(&agent.0)),
             Self::ConnIdInUse(conn) => write!(f, "connection id {conn} already in use"),
             Self::ClosedByAgent => f.write_str("dial closed by the agent"),

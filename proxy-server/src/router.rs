@@ -42,7 +42,7 @@ pub(crate) use self::dials::{DECAY, FLOOR};
 pub use self::dials::{DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
-    events::{CloseReason, DialError, DialFailure, DialRetry},
+    events::{CloseReason, DialError, DialFailure, DialRetry, MAX_ADDRESS},
     manager::{BackendManager, Scope},
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
@@ -510,6 +510,14 @@ impl Router {
 
     fn dial(&mut self, now: Instant, fe: FrontendId, req: DialRequest, out: &mut Vec<Out>) {
         let id = DialId(req.random);
+        if req.address.len() > MAX_ADDRESS {
+            out.push(Out::DialFailed {
+                frontend: fe,
+                dial: id,
+                error: DialError::AddressTooLong(req.address.len()),
+            });
+            return;
+        }
         let kind = self.frontends.get(&fe).map(|e| e.kind);
         let Some((backend, scope)) = self.pick(now, &req.address, &[]) else {
             // ANP counts it for gRPC frontends only; HTTP CONNECT answers 500.

@@ -205,12 +205,13 @@ fn nat64_and_ipv4_compatible_forms_meet_their_ipv4_denies() {
         ("::169.254.169.254", "deny metadata"),
         ("::7f00:1", "deny loopback"),
         ("::1", "deny loopback"),
+        // Linux connects `::` to the host itself (issue 51).
+        ("::", "deny loopback"),
     ] {
         assert_eq!(p.check(None, ip(addr), 80), denied(rule), "{addr}");
     }
     for addr in [
         "64:ff9b::10.0.0.1",
-        "::",
         "64:ff9b:1::127.0.0.1",
         "2001:db8::7f00:1",
     ] {
@@ -326,5 +327,40 @@ proptest! {
         let _ = Policy::parse(&text, Vec::new());
         let _ = parse_host(&text);
         let _ = split_host_port(&text);
+    }
+}
+
+/// Issue 51, item 1: the addresses Linux connects to the host itself are
+/// loopback, in every form a frontend can write them.
+#[test]
+fn the_unspecified_addresses_are_loopback_in_every_form() {
+    let p = policy("deny loopback");
+    for form in [
+        "0.0.0.0",
+        "0",
+        "0x0",
+        "0.0",
+        "00.0.0.0",
+        "0.1.2.3",
+        "::",
+        "0:0:0:0:0:0:0:0",
+        "::ffff:0.0.0.0",
+        "::ffff:0:0",
+        "::0.0.0.0",
+        "::0.1.2.3",
+        "64:ff9b::0.0.0.0",
+        "64:ff9b::",
+    ] {
+        let Host::Ip { addr, .. } = parse_host(form) else {
+            panic!("{form} is not numeric");
+        };
+        assert_eq!(p.check(None, addr, 80), denied("deny loopback"), "{form}");
+    }
+    for other in ["1.0.0.0", "::2", "100::", "64:ff9b::1.2.3.4"] {
+        assert_eq!(
+            p.check(None, ip(other), 80),
+            Decision::Allowed(None),
+            "{other}"
+        );
     }
 }

@@ -576,7 +576,12 @@ mod tests {
             assert_eq!(received.lock().expect("not poisoned").frontend.len(), 1);
             let started = tokio::time::Instant::now();
             shutdown.cancel();
-            while received.lock().expect("not poisoned").frontend_end.is_none() {
+            while received
+                .lock()
+                .expect("not poisoned")
+                .frontend_end
+                .is_none()
+            {
                 idle().await;
             }
             let waited = started.elapsed();

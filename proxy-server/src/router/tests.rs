@@ -2140,3 +2140,31 @@ fn tables_give_their_memory_back_after_a_burst() {
     let left = b.router.backends[&be].conns.capacity();
     assert!(left <= 128, "{big} slots kept as {left}");
 }
+
+/// Issue 51, item 2: an address longer than any host name and port is
+/// refused at the edge, naming the limit, and never sent to an agent
+/// (where, with a traceparent added, it could pass the agent's decode
+/// limit); the longest valid one goes on.
+#[test]
+fn an_address_longer_than_a_host_name_and_port_is_refused_naming_the_limit() {
+    let mut b = Bench::new();
+    let fe = b.frontend();
+    let be = b.backend("a");
+    let longest = format!("{}:65535", "a".repeat(253));
+    assert_eq!(longest.len(), crate::events::MAX_ADDRESS);
+    let out = b.fe(fe, Packet::dial_request("tcp", &longest, 1));
+    assert!(
+        out.iter()
+            .any(|o| o.starts_with(&format!("forward fe{fe} -> be{be}"))),
+        "{out:?}"
+    );
+    let long = format!("{}:65535", "a".repeat(254));
+    let out = b.fe(fe, Packet::dial_request("tcp", &long, 2));
+    assert_eq!(
+        out,
+        vec![format!(
+            "fe{fe} <- DIAL_RSP(2,0,the address (260 bytes) is longer than a host name and port can be (259 bytes))"
+        )],
+    );
+    assert_eq!(b.router.pending_count(), 1);
+}

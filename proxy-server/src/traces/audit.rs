@@ -78,7 +78,9 @@ impl End {
             DialError::AgentStreamClosed | DialError::AgentGone(_) => {
                 (ServerEnd::AgentGone, EndedBy::Agent)
             }
-            DialError::IdPending => (ServerEnd::DialFailed, EndedBy::Server),
+            DialError::IdPending | DialError::AddressTooLong(_) => {
+                (ServerEnd::DialFailed, EndedBy::Server)
+            }
             DialError::Agent {
                 class: proto::DialErrorClass::Denied,
                 ..

@@ -3,7 +3,8 @@
 //! in any form a frontend can write it (a name, numeric forms, mapped,
 //! NAT64 and IPv4-compatible IPv6): the listener on the denied address
 //! counts 0 accepts; the frontend's error names the rule; the agent counts
-//! it by rule. (The
+//! it by rule; the unspecified addresses, which Linux connects to the
+//! host itself, are loopback in every form (issue 51). (The
 //! server's refusal to retry it elsewhere is the router's test
 //! `a_dial_an_agents_policy_denied_is_not_retried`; DNS rebinding is
 //! endpoint's, with a scripted resolver.)
@@ -111,4 +112,76 @@ async fn a_denied_destination_gets_no_connection_in_any_form() {
     let loopback = denied_by(&format!("deny 127.0.0.1 port {port}"))
         + denied_by(&format!("deny ::1 port {port}"));
     assert_eq!(loopback, 2.0, "{metrics}");
+}
+
+/// Issue 51, item 1: under `deny loopback` (here for one port, so that the
+/// agent's dials elsewhere show it dials at all), the unspecified
+/// addresses in every form a frontend can write them get no connection to
+/// the host's loopback listeners, which Linux connects them to (before,
+/// `0.0.0.0`, `0`, `0x0` and `[::]` reached them); each is refused naming
+/// the rule.
+#[tokio::test]
+async fn the_unspecified_address_in_any_form_is_loopback() {
+    // 127.0.0.1 and, where the host has it, ::1 at one port; another port
+    // of 127.0.0.1 is allowed.
+    let (v4, v6, allowed, port) = loop {
+        let v4 = Counted::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = v4.0.local_addr().unwrap().port();
+        let allowed = Counted::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        match std::net::TcpListener::bind(("::1", 0)) {
+            // No IPv6 loopback here: `[::]` cannot reach one.
+            Err(_) => break (v4, None, allowed, port),
+            Ok(_) => {
+                if let Some(v6) = Counted::bind(SocketAddr::new("::1".parse().unwrap(), port)) {
+                    break (v4, Some(v6), allowed, port);
+                }
+            }
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy");
+    let rule = format!("deny loopback port {port}");
+    std::fs::write(&policy, format!("{rule}\n")).unwrap();
+    let server = ServerProcess::start("grpc", &[]).await;
+    let mut command = Command::new(binary("proxy-agent"));
+    command
+        .env("RUST_LOG", "info")
+        .args(agent_args(Pki::get().dir.path(), server.agent_addr.port()))
+        .arg(format!("--destination-policy-file={}", policy.display()));
+    let _agent = LoggedProcess::spawn(command, "proxy-agent");
+    server.wait_for_agents(1).await;
+    let channel = client::dial::uds_channel(&server.uds).await.unwrap();
+    let forms = [
+        "0.0.0.0",
+        "0",
+        "0x0",
+        "0.0",
+        "000.0.0.0",
+        "[::]",
+        "[0:0:0:0:0:0:0:0]",
+        "[::ffff:0.0.0.0]",
+        "[::0.0.0.0]",
+        "[64:ff9b::0.0.0.0]",
+    ];
+    for host in forms {
+        let address = format!("{host}:{port}");
+        let error = match client::dial::dial(channel.clone(), &address).await {
+            Err(client::dial::ClientError::Dial { error, .. }) => error,
+            Err(other) => panic!("{address}: expected a refusal, got {other:?}"),
+            Ok(_) => panic!("{address}: connected"),
+        };
+        assert!(
+            error.ends_with(&format!("denied by the agent's policy (rule {rule})")),
+            "{address}: {error}"
+        );
+    }
+    let other = allowed.0.local_addr().unwrap().port();
+    drop(
+        client::dial::dial(channel, &format!("0.0.0.0:{other}"))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(v4.accepts(), 0, "127.0.0.1 was connected to");
+    assert_eq!(v6.map_or(0, |v6| v6.accepts()), 0, "::1 was connected to");
+    assert_eq!(allowed.accepts(), 1, "0.0.0.0 on an allowed port");
 }

@@ -62,6 +62,9 @@ pub(crate) fn dial_error_response(error: &DialError, target: &str) -> Vec<u8> {
         DialError::AgentStreamClosed => format!(
             "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nFailed to tunnel dial request: {AGENT_STREAM_CLOSED}\r\n"
         ),
+        DialError::AddressTooLong(_) => {
+            format!("HTTP/1.1 400 Bad Request\r\n{close}\r\n\r\n{error}")
+        }
         DialError::Agent { text, .. } => {
             let status = http_status(text);
             let host = target.rsplit_once(':').map_or(target, |(host, _)| host);
@@ -415,6 +418,15 @@ mod tests {
         ))
         .unwrap();
         assert!(ours.ends_with("connection id 3 already in use"), "{ours}");
+        // A target longer than any host name and port: the client's fault,
+        // answered without the target.
+        let long = String::from_utf8(dial_error_response(
+            &DialError::AddressTooLong(target.len()),
+            &target,
+        ))
+        .unwrap();
+        assert!(long.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{long}");
+        assert!(long.len() < 256, "{long}");
     }
 
     #[tokio::test]
