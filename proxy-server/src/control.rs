@@ -366,7 +366,10 @@ impl Control {
                 backend,
                 dial,
                 packet,
-            } => Self::forward_out(state, (frontend, backend, dial), packet, carried, more),
+            } => {
+                state.traces.accepted(frontend, dial);
+                Self::forward_out(state, (frontend, backend, dial), packet, carried, more);
+            }
             Out::Settled(dial) => {
                 state.traces.settled(dial);
                 if let Some(settled) = state.settles.remove(&dial) {
@@ -412,8 +415,13 @@ impl Control {
                 self.count(event);
             }
             out => {
-                if let Out::DialFailed { dial, error, .. } = &out {
-                    state.traces.failed(*dial, error);
+                if let Out::DialFailed {
+                    frontend,
+                    dial,
+                    error,
+                } = &out
+                {
+                    state.traces.failed(*frontend, *dial, error);
                 }
                 Self::send(state, out);
             }

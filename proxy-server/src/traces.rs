@@ -90,6 +90,11 @@ pub(crate) struct Traces {
     /// Dials that left the pending table in this event, until the event
     /// says how (established, failed; else cancelled).
     settling: Vec<(DialId, DialTrace)>,
+    /// The trace of the DIAL_REQ of this event, until the router says
+    /// what became of it: accepted (it joins `dials`), refused (its record
+    /// is written, `dials` untouched: a duplicate random never replaces
+    /// the pending dial's), or neither (an ignored packet: dropped).
+    incoming: Option<(FrontendId, DialId, DialTrace)>,
     /// A tunnel that just closed, until the router says why.
     closing: Option<Closing>,
 }
@@ -155,7 +160,9 @@ impl Traces {
     }
 
     /// A frontend's control packet: a DIAL_REQ starts a dial span (and
-    /// record); a CLOSE_REQ says the frontend ends its tunnel.
+    /// record), which the dial keeps once the router accepts it
+    /// ([`Traces::accepted`]); a CLOSE_REQ says the frontend ends its
+    /// tunnel.
     pub(crate) fn frontend_packet(&mut self, fe: FrontendId, packet: &Packet, kind: &'static str) {
         if let Some(Payload::CloseRequest(close)) = &packet.payload {
             if let Some(backend) = self.by_frontend.get(&(fe, ConnId(close.connect_id)))
@@ -193,7 +200,8 @@ impl Traces {
                 Attr::new("konnectivity.frontend", kind),
             ]
         });
-        self.dials.insert(
+        self.incoming = Some((
+            fe,
             DialId(request.random),
             DialTrace {
                 span,
@@ -203,7 +211,20 @@ impl Traces {
                 hedges: 0,
                 record,
             },
-        );
+        ));
+    }
+
+    /// The router accepted `frontend`'s dial: the DIAL_REQ of this event's
+    /// trace becomes the pending dial's.
+    pub(crate) fn accepted(&mut self, frontend: FrontendId, dial: DialId) {
+        if self
+            .incoming
+            .as_ref()
+            .is_some_and(|(fe, id, _)| (*fe, *id) == (frontend, dial))
+            && let Some((_, id, trace)) = self.incoming.take()
+        {
+            self.dials.insert(id, trace);
+        }
     }
 
     /// A DIAL_REQ goes to `agent` (the first, a retry or a `hedge`): it
@@ -290,9 +311,19 @@ impl Traces {
         self.tunnels.insert((backend, conn), tunnel);
     }
 
-    /// The dial failed with `error`.
-    pub(crate) fn failed(&mut self, dial: DialId, error: &DialError) {
-        if let Some(mut trace) = self.take(dial) {
+    /// `frontend`'s dial failed with `error`: this event's DIAL_REQ,
+    /// refused, or a pending dial.
+    pub(crate) fn failed(&mut self, frontend: FrontendId, dial: DialId, error: &DialError) {
+        let refused = self
+            .incoming
+            .as_ref()
+            .is_some_and(|(fe, id, _)| (*fe, *id) == (frontend, dial));
+        let trace = if refused {
+            self.incoming.take().map(|(_, _, trace)| trace)
+        } else {
+            self.take(dial)
+        };
+        if let Some(mut trace) = trace {
             trace.span.fail(error.to_string());
             let end = if self.shutting_down {
                 End::shutdown()
@@ -409,11 +440,28 @@ impl Traces {
         }
     }
 
+    /// Whether nothing is kept: no dial, tunnel, frontend or event state
+    /// (tests: once every stream is gone).
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.parents.is_empty()
+            && self.dials.is_empty()
+            && self.tunnels.is_empty()
+            && self.peers.is_empty()
+            && self.by_frontend.is_empty()
+            && self.settling.is_empty()
+            && self.incoming.is_none()
+            && self.closing.is_none()
+    }
+
     /// At the end of an event: ends a closed tunnel's span whose reason
     /// did not follow, and the spans of dials settled without an outcome
     /// (their frontend abandoned them).
     pub(crate) fn flush(&mut self) {
         self.finish_closing(None);
+        // A DIAL_REQ the router neither took nor refused (its frontend had
+        // broken the protocol) is no dial.
+        self.incoming = None;
         for (_, mut trace) in std::mem::take(&mut self.settling) {
             self.write_dial(&mut trace, End::abandoned(self.shutting_down));
             end_dial(trace, "cancelled");

@@ -15,6 +15,13 @@
 //! has, no CLOSE_RSP it would drop), and once every agent is gone and the
 //! clock has moved on, every dial it made is answered and every connection
 //! it was given is closed.
+//!
+//! With the audit log on (issue 51, item 3): every DIAL_RSP success a
+//! frontend saw has exactly one record of its frontend carrying its dial id
+//! and connection id; a frontend's records of a dial are no more than the
+//! DIAL_REQs it sent with that random (a duplicate is refused with a record
+//! of its own, never in place of the pending dial's); once every stream is
+//! gone, the traces keep nothing.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -33,6 +40,8 @@ use tunnel::{
     queue::{self, QueueRx},
 };
 
+use ops::audit::AuditRecord;
+
 use super::{Budgets, Control, Work};
 use crate::{
     conn::{
@@ -42,6 +51,7 @@ use crate::{
     router::{AgentInfo, BackendId, DialPolicy, FrontendKind, HedgeDelay},
     strategy::{AgentIdentifiers, ProxyStrategy},
     stream::StreamEnd,
+    traces::FrontendPeer,
 };
 
 /// The frontends of a run.
@@ -52,6 +62,9 @@ const FRONTENDS: usize = 2;
 enum Op {
     /// A frontend dials.
     Dial(usize),
+    /// A frontend sends a pending dial's DIAL_REQ again, the same random
+    /// (to another destination).
+    DialAgain(usize, usize),
     /// An agent answers one of its dials: established, refused (another
     /// agent may serve it) or failed.
     Answer(usize, usize, u8),
@@ -90,6 +103,7 @@ fn op() -> impl Strategy<Value = Op> {
     let any_index = 0usize..8;
     prop_oneof![
         4 => fe.clone().prop_map(Op::Dial),
+        1 => (fe.clone(), any_index.clone()).prop_map(|(f, i)| Op::DialAgain(f, i)),
         4 => (0usize..4, any_index.clone(), 0u8..4).prop_map(|(a, i, how)| Op::Answer(a, i, how)),
         2 => (0usize..4, any_index.clone()).prop_map(|(a, i)| Op::AgentCloses(a, i)),
         2 => (0usize..4, any_index.clone()).prop_map(|(a, i)| Op::AgentData(a, i)),
@@ -119,12 +133,21 @@ struct Agent {
     alive: bool,
 }
 
-/// A dial as its frontend knows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dial {
-    Pending,
-    Answered,
-    Cancelled,
+/// A dial (a random) as its frontend knows it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Dial {
+    /// DIAL_REQs sent with it.
+    made: u32,
+    /// Answers (DIAL_RSP, DIAL_CLS) received.
+    answered: u32,
+    /// Whether the frontend cancelled it.
+    cancelled: bool,
+}
+
+impl Dial {
+    fn pending(&self) -> bool {
+        self.answered < self.made && !self.cancelled
+    }
 }
 
 /// A frontend, reading as konnectivity-client does.
@@ -137,6 +160,10 @@ struct Client {
     registered: Vec<ConnId>,
     /// The server's handles of its connections (the driver's table).
     attached: HashMap<ConnId, Arc<Conn>>,
+    /// Its peer, as its audit records name it.
+    peer: String,
+    /// The connections it was given: (dial id, connection id).
+    given: Vec<(i64, ConnId)>,
 }
 
 impl Client {
@@ -147,16 +174,7 @@ impl Client {
         while let Some(Some(packet)) = self.writer.next().now_or_never() {
             match packet.into_kind() {
                 PacketKind::DialRsp(rsp) => {
-                    let dial = self.dials.get_mut(&rsp.random);
-                    prop_assert!(
-                        matches!(dial, Some(Dial::Pending | Dial::Cancelled)),
-                        "frontend {who}: DIAL_RSP for dial {} ({:?})",
-                        rsp.random,
-                        dial
-                    );
-                    if let Some(dial) = dial {
-                        *dial = Dial::Answered;
-                    }
+                    self.answered(who, rsp.random)?;
                     if rsp.error.is_empty() {
                         let id = ConnId(rsp.connect_id);
                         prop_assert!(
@@ -164,20 +182,10 @@ impl Client {
                             "frontend {who}: connection {id} given twice"
                         );
                         batch.push(id);
+                        self.given.push((rsp.random, id));
                     }
                 }
-                PacketKind::DialCls(cls) => {
-                    let dial = self.dials.get_mut(&cls.random);
-                    prop_assert!(
-                        matches!(dial, Some(Dial::Pending | Dial::Cancelled)),
-                        "frontend {who}: DIAL_CLS for dial {} ({:?})",
-                        cls.random,
-                        dial
-                    );
-                    if let Some(dial) = dial {
-                        *dial = Dial::Answered;
-                    }
-                }
+                PacketKind::DialCls(cls) => self.answered(who, cls.random)?,
                 PacketKind::Data(data) => {
                     let id = ConnId(data.connect_id);
                     prop_assert!(
@@ -210,11 +218,25 @@ impl Client {
         }
         Ok(())
     }
+
+    /// An answer to dial `random`: no more than it made.
+    fn answered(&mut self, who: usize, random: i64) -> Result<(), TestCaseError> {
+        let dial = self.dials.entry(random).or_default();
+        prop_assert!(
+            dial.answered < dial.made,
+            "frontend {who}: an answer to dial {random} ({dial:?})"
+        );
+        dial.answered += 1;
+        Ok(())
+    }
 }
 
 /// The server's side and the peers of a run.
 struct Run {
     control: Arc<Control>,
+    /// The audit log, written to `audit_path`.
+    audit: ops::audit::AuditLog<AuditRecord>,
+    audit_path: std::path::PathBuf,
     metrics: Arc<ServerMetrics>,
     agents: Vec<Agent>,
     clients: Vec<Client>,
@@ -225,17 +247,30 @@ struct Run {
 }
 
 impl Run {
-    fn new(policy: DialPolicy) -> Self {
+    fn new(policy: DialPolicy, dir: &std::path::Path) -> Self {
         let strategies = [ProxyStrategy::Default];
         let metrics = Arc::new(ServerMetrics::new(&strategies));
-        let control = Arc::new(Control::new(
-            &strategies,
-            policy,
-            metrics.clone(),
-            Budgets::new(64 << 20),
-        ));
+        let audit_path = dir.join("audit.jsonl");
+        let config = ops::audit::AuditConfig {
+            output: ops::audit::Output::File {
+                path: audit_path.clone(),
+                rotation: ops::audit::Rotation {
+                    max_bytes: 1 << 30,
+                    max_backups: 0,
+                    max_age: None,
+                },
+            },
+            queue: 1 << 16,
+        };
+        let audit =
+            ops::audit::AuditLog::start(Some(&config), ops::audit::AuditMetrics::unregistered())
+                .expect("the audit log");
+        let control = Control::new(&strategies, policy, metrics.clone(), Budgets::new(64 << 20))
+            .with_audit(audit.sink(), "server".to_owned(), "unix:test".to_owned());
         let mut run = Self {
-            control,
+            control: Arc::new(control),
+            audit,
+            audit_path,
             metrics,
             agents: Vec::new(),
             clients: Vec::new(),
@@ -261,6 +296,16 @@ impl Run {
             FrontendTx::new(id, FrontendKind::Grpc, tx, end, metrics, budget)
         });
         let writer = FrontendWriter::new(&link.tx, rx);
+        let peer = format!("frontend-{}", self.clients.len());
+        self.control.frontend_traced(
+            link.id(),
+            None,
+            FrontendPeer {
+                kind: FrontendKind::Grpc,
+                peer: peer.clone(),
+                subject: None,
+            },
+        );
         self.clients.push(Client {
             link,
             writer,
@@ -268,6 +313,8 @@ impl Run {
             dials: HashMap::new(),
             registered: Vec::new(),
             attached: HashMap::new(),
+            peer,
+            given: Vec::new(),
         });
     }
 
@@ -355,7 +402,24 @@ impl Run {
 
     async fn step(&mut self, op: Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Dial(fe) => self.dial(fe),
+            Op::Dial(fe) => {
+                let random = self.next_random;
+                self.next_random += 1;
+                self.dial(fe, random, "10.0.0.1:443");
+            }
+            Op::DialAgain(fe, i) => {
+                let client = &self.clients[fe];
+                let mut pending: Vec<i64> = client
+                    .dials
+                    .iter()
+                    .filter(|(_, d)| d.pending())
+                    .map(|(r, _)| *r)
+                    .collect();
+                pending.sort_unstable();
+                if let Some(at) = Self::pick(&pending, i) {
+                    self.dial(fe, pending[at], "10.0.0.9:443");
+                }
+            }
             Op::Answer(a, i, how) => self.answer(a, i, how),
             Op::AgentCloses(a, i) => {
                 if let Some(agent) = self.live_agent(a)
@@ -443,17 +507,15 @@ impl Run {
         self.agents.get_mut(a % len.max(1)).filter(|a| a.alive)
     }
 
-    fn dial(&mut self, fe: usize) {
-        let random = self.next_random;
-        self.next_random += 1;
+    fn dial(&mut self, fe: usize, random: i64, address: &str) {
         let client = &mut self.clients[fe];
         if !client.alive {
             return;
         }
-        client.dials.insert(random, Dial::Pending);
+        client.dials.entry(random).or_default().made += 1;
         let works = self.control.frontend_packet(
             client.link.id(),
-            Packet::dial_request("tcp", "10.0.0.1:443", random),
+            Packet::dial_request("tcp", address, random),
         );
         self.run_works(works);
     }
@@ -509,14 +571,14 @@ impl Run {
         let mut pending: Vec<i64> = client
             .dials
             .iter()
-            .filter(|(_, d)| **d == Dial::Pending)
+            .filter(|(_, d)| d.pending())
             .map(|(r, _)| *r)
             .collect();
         pending.sort_unstable();
         let Some(at) = Self::pick(&pending, i) else {
             return;
         };
-        client.dials.insert(pending[at], Dial::Cancelled);
+        client.dials.entry(pending[at]).or_default().cancelled = true;
         let works = self
             .control
             .frontend_packet(client.link.id(), Packet::close_dial(pending[at]));
@@ -534,7 +596,7 @@ impl Run {
     /// Every agent goes, the timers fire, the clock moves past every
     /// grace; then every dial a frontend made is answered (or it cancelled
     /// it) and every connection it was given is closed.
-    async fn finish(mut self) -> Result<(), TestCaseError> {
+    async fn finish(&mut self) -> Result<(), TestCaseError> {
         for a in 0..self.agents.len() {
             self.step(Op::AgentDies(a)).await?;
         }
@@ -551,11 +613,7 @@ impl Run {
             if !client.alive {
                 continue;
             }
-            let unanswered: Vec<_> = client
-                .dials
-                .iter()
-                .filter(|(_, d)| **d == Dial::Pending)
-                .collect();
+            let unanswered: Vec<_> = client.dials.iter().filter(|(_, d)| d.pending()).collect();
             prop_assert!(
                 unanswered.is_empty(),
                 "frontend {who}: dials never answered: {unanswered:?}"
@@ -568,24 +626,90 @@ impl Run {
         }
         prop_assert_eq!(self.control.pending_count(), 0);
         prop_assert_eq!(self.control.established_count(), 0);
+        for fe in 0..FRONTENDS {
+            self.step(Op::FrontendGone(fe)).await?;
+        }
+        prop_assert!(
+            self.control.state().traces.is_empty(),
+            "the traces keep something once every stream is gone"
+        );
+        Ok(())
+    }
+
+    /// The audit log's records, once it is closed, checked against what
+    /// each frontend made and saw.
+    fn check_records(self) -> Result<(), TestCaseError> {
+        let Self {
+            control,
+            audit,
+            audit_path,
+            clients,
+            ..
+        } = self;
+        drop(control);
+        let closing = tokio::runtime::Runtime::new().expect("a runtime");
+        closing.block_on(audit.close(Duration::from_secs(30)));
+        let text = std::fs::read_to_string(&audit_path).unwrap_or_default();
+        let mut records: HashMap<(String, i64), Vec<Option<i64>>> = HashMap::new();
+        for line in text.lines() {
+            let record: serde_json::Value = serde_json::from_str(line).expect("a JSON record");
+            let peer = record["frontend_peer"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let dial = record["dial_id"].as_i64().unwrap_or_default();
+            let conn = record["connection_id"].as_i64();
+            records.entry((peer, dial)).or_default().push(conn);
+        }
+        for client in &clients {
+            for (dial, conn) in &client.given {
+                let of = records.get(&(client.peer.clone(), *dial));
+                let carrying = of.map_or(0, |r| r.iter().filter(|c| **c == Some(conn.0)).count());
+                prop_assert_eq!(
+                    carrying,
+                    1,
+                    "{}: dial {} given connection {}: records {:?}",
+                    &client.peer,
+                    dial,
+                    conn,
+                    of
+                );
+            }
+        }
+        for ((peer, dial), of) in &records {
+            let made = clients
+                .iter()
+                .find(|c| &c.peer == peer)
+                .and_then(|c| c.dials.get(dial))
+                .map_or(0, |d| d.made);
+            prop_assert!(
+                of.len() <= made as usize,
+                "{peer}: {} records of dial {dial}, {made} DIAL_REQs",
+                of.len()
+            );
+        }
         Ok(())
     }
 }
 
 fn run_case(ops: Vec<Op>, policy: DialPolicy) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().expect("a temporary directory");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .expect("a runtime");
-    runtime.block_on(async move {
-        let mut run = Run::new(policy);
+    let run = runtime.block_on(async {
+        let mut run = Run::new(policy, dir.path());
         for op in ops {
             run.step(op).await?;
             run.agents_read();
         }
-        run.finish().await
-    })
+        run.finish().await?;
+        Ok::<_, TestCaseError>(run)
+    })?;
+    drop(runtime);
+    run.check_records()
 }
 
 proptest! {
