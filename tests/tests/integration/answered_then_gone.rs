@@ -35,20 +35,36 @@ const DIAL_REQS_TO_AGENT: &str = "konnectivity_network_proxy_server_stream_packe
 /// The fewest bytes a DIAL_RSP takes on the agent's connection: an HTTP/2
 /// frame header (9), a gRPC message header (5) and the packet (at least 8).
 const DIAL_RSP_BYTES: u64 = 22;
+/// The fewest bytes a DIAL_REQ to the echo destination takes: the same
+/// headers and the packet (its address alone is 15 bytes or more).
+const DIAL_REQ_BYTES: u64 = 30;
 
-/// Bytes waiting unread in the receive queue of the server's end of the
-/// agent's connection (`/proc/net/tcp`: the established socket whose local
-/// port is the agent port).
-fn unread_from_agent(agent_addr: SocketAddr) -> u64 {
+/// Which end of the agent's connection.
+#[derive(Clone, Copy)]
+enum End {
+    /// The server's (its local port is the agent port).
+    Server,
+    /// The agent's (its remote port is the agent port).
+    Agent,
+}
+
+/// Bytes waiting unread in the receive queue of one end of the agent's
+/// connection to the server's agent port (`/proc/net/tcp`, established
+/// sockets).
+fn unread(agent_addr: SocketAddr, end: End) -> u64 {
     let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    let local = format!(":{:04X}", agent_addr.port());
+    let port = format!(":{:04X}", agent_addr.port());
+    let column = match end {
+        End::Server => 1,
+        End::Agent => 2,
+    };
     table
         .lines()
         .skip(1)
         .filter_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
             let established = fields.get(3) == Some(&"01");
-            let ours = fields.get(1).is_some_and(|l| l.ends_with(&local));
+            let ours = fields.get(column).is_some_and(|a| a.ends_with(&port));
             let (_, rx) = fields.get(4)?.split_once(':')?;
             (established && ours).then(|| u64::from_str_radix(rx, 16).ok())?
         })
@@ -77,6 +93,12 @@ async fn answered_then_killed(server: &ServerProcess, mut agent: AgentProcess) -
     server
         .wait_for_metric(DIAL_REQS_TO_AGENT, TUNNELS as f64, Duration::from_secs(20))
         .await;
+    // Taken for the stream is not yet written: wait until the stopped
+    // agent's socket holds them before the server stops too.
+    wait_for("the DIAL_REQs to reach the stopped agent", || {
+        unread(server.agent_addr, End::Agent) >= TUNNELS * DIAL_REQ_BYTES
+    })
+    .await;
     signal(server.pid(), "STOP");
     wait_stopped(server.pid()).await;
     agent.signal("CONT");
@@ -85,7 +107,7 @@ async fn answered_then_killed(server: &ServerProcess, mut agent: AgentProcess) -
     })
     .await;
     wait_for("the agent's answers to reach the frozen server", || {
-        unread_from_agent(server.agent_addr) >= TUNNELS * DIAL_RSP_BYTES
+        unread(server.agent_addr, End::Server) >= TUNNELS * DIAL_RSP_BYTES
     })
     .await;
     agent.kill();
