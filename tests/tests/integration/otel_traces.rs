@@ -281,3 +281,52 @@ async fn a_connect_requests_traceparent_header_is_the_dials_parent() {
     let dial = assert_linked(&receiver, trace, &echo).await;
     assert_eq!(*attr(&dial, "konnectivity.frontend"), "http-connect");
 }
+
+/// Issue 51, item 2: with tracing on, which adds a `traceparent` to every
+/// DIAL_REQ it forwards, the largest DIAL_REQ a frontend may send (its
+/// address 4 MiB less 64 bytes) is refused naming the address limit and
+/// never reaches an agent, which stays connected. Before, it was forwarded
+/// with the traceparent past the agent's 4 MiB decode limit, and the agent
+/// dropped its whole stream (the dial then failed `agent … disconnected`).
+#[tokio::test]
+async fn the_largest_dial_request_leaves_every_agent_connected() {
+    use proto::{Packet, packet::PacketKind, proxy_service_client::ProxyServiceClient};
+    let receiver = Receiver::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (server, _agent) = start("grpc", &receiver.config(dir.path(), 0), &[]).await;
+    let channel = client::dial::uds_channel(&server.uds).await.unwrap();
+    let address = format!("{}:80", "a".repeat(4 * 1024 * 1024 - 64 - 3));
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(Packet::dial_request("tcp", &address, 1))
+        .await
+        .unwrap();
+    let mut answers = ProxyServiceClient::new(channel)
+        .proxy(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = tokio::time::timeout(DEADLINE, answers.message())
+        .await
+        .expect("an answer in time")
+        .expect("the stream")
+        .expect("a packet");
+    let PacketKind::DialRsp(rsp) = answer.into_kind() else {
+        panic!("expected a DIAL_RSP");
+    };
+    assert!(
+        rsp.error
+            .ends_with("is longer than a host name and port can be (259 bytes)"),
+        "{}",
+        rsp.error
+    );
+    let connected =
+        "konnectivity_network_proxy_server_grpc_connections{service_method=\"Connect\"}";
+    assert_eq!(server.metric(connected).await, 1.0);
+    assert_eq!(
+        server
+            .metric("konnectivity_network_proxy_server_stream_packets_total{packet_type=\"DIAL_REQ\",segment=\"to_agent\"}")
+            .await,
+        0.0,
+        "the DIAL_REQ reached an agent"
+    );
+}
