@@ -752,7 +752,17 @@ impl Router {
         if let Some(entry) = self.backends.get_mut(&backend) {
             entry.release(id, &attempt);
         }
-        if !dial.attempts.is_empty() {
+        if let AttemptEnd::Refused(..) = end {
+            // The others are cancelled as a won dial's losers are: their
+            // late answers are closed.
+            for other in std::mem::take(&mut dial.attempts) {
+                self.cancelled.insert(id, other.backend);
+                out.push(Out::ToBackend(other.backend, Packet::close_dial(id.0)));
+                if let Some(entry) = self.backends.get_mut(&other.backend) {
+                    entry.release(id, &other);
+                }
+            }
+        } else if !dial.attempts.is_empty() {
             return;
         }
         let (failure, error) = match end {
@@ -762,7 +772,9 @@ impl Router {
                 }
                 (failure, error)
             }
-            AttemptEnd::Final(failure, error) => (failure, error),
+            AttemptEnd::Final(failure, error) | AttemptEnd::Refused(failure, error) => {
+                (failure, error)
+            }
         };
         if let Some(dial) = self.settle_if(id, |_| true, out) {
             out.push(Out::Count(Event::DialFailed(failure)));
@@ -1008,11 +1020,14 @@ impl Router {
             .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
         self.sample(now, be, took.max(FAILURE_COST), false);
         let retry = retryable(&rsp);
+        let denied = rsp.error_class() == proto::DialErrorClass::Denied;
         let error = DialError::Agent {
             class: rsp.error_class(),
             text: rsp.error,
         };
-        let end = if retry {
+        let end = if denied {
+            AttemptEnd::Refused(DialFailure::ErrorResponse, error)
+        } else if retry {
             AttemptEnd::Retry(DialRetry::Refused, DialFailure::ErrorResponse, error)
         } else {
             AttemptEnd::Final(DialFailure::ErrorResponse, error)

@@ -243,6 +243,10 @@ pub(crate) enum AttemptEnd {
     Retry(DialRetry, DialFailure, DialError),
     /// Another agent would fail it too, or it would take too long.
     Final(DialFailure, DialError),
+    /// A node's policy refused it: the dial ends, with any other attempt
+    /// in flight (a hedge) cancelled, so that no other node connects where
+    /// one refused.
+    Refused(DialFailure, DialError),
 }
 
 /// Whether an agent's failed DIAL_RSP is one another node may not have:

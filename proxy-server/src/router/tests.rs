@@ -675,6 +675,43 @@ fn a_dial_an_agents_policy_denied_is_not_retried() {
     }
 }
 
+/// Issue 51, item 5: a policy refusal ends a hedged dial: its frontend
+/// gets the refusal at once, the other attempt gets DIAL_CLS, and that
+/// agent's late success is closed, so no other node connects where one
+/// refused. (Another error lets the other attempt go on:
+/// `a_hedged_dial_goes_on_when_one_of_its_agents_fails`.)
+#[test]
+fn a_policy_refusal_ends_a_hedged_dial() {
+    let denied = "dial tcp 10.0.0.1:80: destination 10.0.0.1:80 denied by the agent's policy \
+                  (rule deny 10.0.0.0/8)";
+    let mut b = retrying(true);
+    b.backend("a");
+    b.backend("b");
+    let fe = b.frontend();
+    let first = b.dial_out(fe, 7);
+    b.now += Duration::from_secs(1);
+    b.step(|r, now, out| r.handle_timeout(now, out));
+    let [_, second] = b.attempts(7)[..] else {
+        panic!("hedged: two attempts")
+    };
+    let answered = b.be(
+        first,
+        Packet::dial_failure(7, 0, denied, proto::DialErrorClass::Denied),
+    );
+    assert_eq!(
+        answered,
+        strings(&[
+            &format!("be{second} <- DIAL_CLS(7)"),
+            "count dial_failed error_response",
+            &format!("fe{fe} <- DIAL_RSP(7,0,{denied})"),
+        ]),
+    );
+    assert_eq!(b.router.pending_count(), 0);
+    let late = b.be(second, Packet::dial_response(7, 3, ""));
+    assert_eq!(late, strings(&[&format!("be{second} <- CLOSE_REQ(3)")]));
+    assert!(!b.is_open(second, 3));
+}
+
 #[test]
 fn a_dial_its_frontend_cancelled_is_not_retried() {
     let mut b = retrying(false);
