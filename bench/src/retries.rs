@@ -1003,11 +1003,11 @@ const ROUND_KILL_AT: Duration = Duration::from_millis(1500);
 #[derive(Debug, Default)]
 struct Rounds {
     /// Tunnels that carried their exchange.
-    tunnels: u64,
+    tunnels: usize,
     /// Tunnels that failed (a dial, or a cut with an error).
-    errors: u64,
+    errors: usize,
     /// Tunnels still open [`HUNG_AFTER`] after they started.
-    hung: u64,
+    hung: usize,
 }
 
 impl Rounds {
@@ -1046,7 +1046,12 @@ async fn grpc_round(go: &GoFrontend, uds: &Path, dest: SocketAddr) -> anyhow::Re
     }
     let report: serde_json::Value =
         serde_json::from_slice(&output.stdout).context("the grpc-go frontend's dials report")?;
-    let count = |key: &str| report[key].as_u64().unwrap_or(0);
+    let count = |key: &str| {
+        report[key]
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(0)
+    };
     Ok(Rounds {
         tunnels: count("dials"),
         errors: count("errors") - count("over_limit"),
@@ -1174,15 +1179,21 @@ async fn rounds_part(
             "retries rounds ({mode}): {} tunnels, {} failed, {} hung",
             r.tunnels, r.errors, r.hung
         );
-        push(rec, tunnels, Some(r.tunnels as f64));
-        push(rec, errors, Some(r.errors as f64));
-        push(rec, hung_row, Some(r.hung as f64));
+        push(rec, tunnels, count(r.tunnels));
+        push(rec, errors, count(r.errors));
+        push(rec, hung_row, count(r.hung));
         hung += r.hung;
     }
+    none_hung(hung, "in rounds of an agent killed under load")
+}
+
+/// An error when `hung` tunnels were still open [`HUNG_AFTER`] after they
+/// started, `when`.
+fn none_hung(hung: usize, when: &str) -> anyhow::Result<()> {
     if hung > 0 {
         bail!(
-            "{hung} tunnels were still open {HUNG_AFTER:?} after they started, in rounds of an \
-             agent killed under load: requests that would have waited for ever"
+            "{hung} tunnels were still open {HUNG_AFTER:?} after they started, {when}: requests \
+             kube-apiserver made would have waited for ever"
         );
     }
     Ok(())
@@ -1228,13 +1239,7 @@ async fn kill_part(
         push_kill(rec, (hang.is_some(), retries), &k);
         hung += k.hung;
     }
-    if hung > 0 {
-        bail!(
-            "{hung} tunnels were still open {HUNG_AFTER:?} after they started: a request \
-             kube-apiserver made through a killed agent would have waited for ever"
-        );
-    }
-    Ok(())
+    none_hung(hung, "in the kill runs")
 }
 
 /// The rows of one kill run: those of a hung or a plain kill, with

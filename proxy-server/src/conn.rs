@@ -362,7 +362,7 @@ impl Conn {
 
     /// Whether the frontend has named this connection.
     fn is_named(&self) -> bool {
-        self.named.load(Ordering::Acquire)
+        named(&self.named)
     }
 
     /// Whether the frontend's naming of this connection may still release
@@ -713,11 +713,20 @@ impl FrontendWriter {
         if self.named.poll_wait(cx).is_ready() {
             return Poll::Ready(());
         }
+        self.poll_timer(earliest, cx)
+    }
+
+    /// Polls the writer's one timer, set for `at`.
+    fn poll_timer(
+        &mut self,
+        at: tokio::time::Instant,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
         let timer = self
             .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(earliest)));
-        if timer.deadline() != earliest {
-            timer.as_mut().reset(earliest);
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        if timer.deadline() != at {
+            timer.as_mut().reset(at);
         }
         timer.as_mut().poll(cx)
     }
@@ -759,18 +768,7 @@ impl Stream for FrontendWriter {
                     }
                     return match this.last_answer.grace_end(now) {
                         None => Poll::Ready(None),
-                        Some(at) => {
-                            let timer = this
-                                .timer
-                                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
-                            if timer.deadline() != at {
-                                timer.as_mut().reset(at);
-                            }
-                            match timer.as_mut().poll(cx) {
-                                Poll::Ready(()) => Poll::Ready(None),
-                                Poll::Pending => Poll::Pending,
-                            }
-                        }
+                        Some(at) => this.poll_timer(at, cx).map(|()| None),
                     };
                 }
                 Poll::Pending => match this.poll_held(cx) {

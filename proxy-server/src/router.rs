@@ -752,17 +752,8 @@ impl Router {
         if let Some(entry) = self.backends.get_mut(&backend) {
             entry.release(id, &attempt);
         }
-        if let AttemptEnd::Refused(..) = end {
-            // The others are cancelled as a won dial's losers are: their
-            // late answers are closed.
-            for other in std::mem::take(&mut dial.attempts) {
-                self.cancelled.insert(id, other.backend);
-                out.push(Out::ToBackend(other.backend, Packet::close_dial(id.0)));
-                if let Some(entry) = self.backends.get_mut(&other.backend) {
-                    entry.release(id, &other);
-                }
-            }
-        } else if !dial.attempts.is_empty() {
+        // A refusal ends the dial whatever else is in flight (below).
+        if !matches!(end, AttemptEnd::Refused(..)) && !dial.attempts.is_empty() {
             return;
         }
         let (failure, error) = match end {
@@ -777,6 +768,12 @@ impl Router {
             }
         };
         if let Some(dial) = self.settle_if(id, |_| true, out) {
+            // Attempts still in flight (a refused dial's hedge) are
+            // cancelled as a won dial's losers are: late answers closed.
+            for other in &dial.attempts {
+                self.cancelled.insert(id, other.backend);
+                out.push(Out::ToBackend(other.backend, Packet::close_dial(id.0)));
+            }
             out.push(Out::Count(Event::DialFailed(failure)));
             out.push(Out::DialFailed {
                 frontend: dial.frontend,

@@ -217,14 +217,18 @@ impl Traces {
     /// The router accepted `frontend`'s dial: the DIAL_REQ of this event's
     /// trace becomes the pending dial's.
     pub(crate) fn accepted(&mut self, frontend: FrontendId, dial: DialId) {
-        if self
-            .incoming
-            .as_ref()
-            .is_some_and(|(fe, id, _)| (*fe, *id) == (frontend, dial))
-            && let Some((_, id, trace)) = self.incoming.take()
-        {
-            self.dials.insert(id, trace);
+        if let Some(trace) = self.take_incoming(frontend, dial) {
+            self.dials.insert(dial, trace);
         }
+    }
+
+    /// This event's DIAL_REQ trace, if it is `frontend`'s `dial`.
+    fn take_incoming(&mut self, frontend: FrontendId, dial: DialId) -> Option<DialTrace> {
+        let (fe, id, _) = self.incoming.as_ref()?;
+        if (*fe, *id) != (frontend, dial) {
+            return None;
+        }
+        self.incoming.take().map(|(_, _, trace)| trace)
     }
 
     /// A DIAL_REQ goes to `agent` (the first, a retry or a `hedge`): it
@@ -314,15 +318,9 @@ impl Traces {
     /// `frontend`'s dial failed with `error`: this event's DIAL_REQ,
     /// refused, or a pending dial.
     pub(crate) fn failed(&mut self, frontend: FrontendId, dial: DialId, error: &DialError) {
-        let refused = self
-            .incoming
-            .as_ref()
-            .is_some_and(|(fe, id, _)| (*fe, *id) == (frontend, dial));
-        let trace = if refused {
-            self.incoming.take().map(|(_, _, trace)| trace)
-        } else {
-            self.take(dial)
-        };
+        let trace = self
+            .take_incoming(frontend, dial)
+            .or_else(|| self.take(dial));
         if let Some(mut trace) = trace {
             trace.span.fail(error.to_string());
             let end = if self.shutting_down {

@@ -219,6 +219,18 @@ impl Client {
         Ok(())
     }
 
+    /// Its dials still waiting for an answer, in order.
+    fn pending_dials(&self) -> Vec<i64> {
+        let mut pending: Vec<i64> = self
+            .dials
+            .iter()
+            .filter(|(_, d)| d.pending())
+            .map(|(r, _)| *r)
+            .collect();
+        pending.sort_unstable();
+        pending
+    }
+
     /// An answer to dial `random`: no more than it made.
     fn answered(&mut self, who: usize, random: i64) -> Result<(), TestCaseError> {
         let dial = self.dials.entry(random).or_default();
@@ -408,14 +420,7 @@ impl Run {
                 self.dial(fe, random, "10.0.0.1:443");
             }
             Op::DialAgain(fe, i) => {
-                let client = &self.clients[fe];
-                let mut pending: Vec<i64> = client
-                    .dials
-                    .iter()
-                    .filter(|(_, d)| d.pending())
-                    .map(|(r, _)| *r)
-                    .collect();
-                pending.sort_unstable();
+                let pending = self.clients[fe].pending_dials();
                 if let Some(at) = Self::pick(&pending, i) {
                     self.dial(fe, pending[at], "10.0.0.9:443");
                 }
@@ -568,13 +573,7 @@ impl Run {
         if !client.alive {
             return;
         }
-        let mut pending: Vec<i64> = client
-            .dials
-            .iter()
-            .filter(|(_, d)| d.pending())
-            .map(|(r, _)| *r)
-            .collect();
-        pending.sort_unstable();
+        let pending = client.pending_dials();
         let Some(at) = Self::pick(&pending, i) else {
             return;
         };

@@ -684,16 +684,7 @@ fn a_dial_an_agents_policy_denied_is_not_retried() {
 fn a_policy_refusal_ends_a_hedged_dial() {
     let denied = "dial tcp 10.0.0.1:80: destination 10.0.0.1:80 denied by the agent's policy \
                   (rule deny 10.0.0.0/8)";
-    let mut b = retrying(true);
-    b.backend("a");
-    b.backend("b");
-    let fe = b.frontend();
-    let first = b.dial_out(fe, 7);
-    b.now += Duration::from_secs(1);
-    b.step(|r, now, out| r.handle_timeout(now, out));
-    let [_, second] = b.attempts(7)[..] else {
-        panic!("hedged: two attempts")
-    };
+    let (mut b, fe, first, second) = hedged_dial();
     let answered = b.be(
         first,
         Packet::dial_failure(7, 0, denied, proto::DialErrorClass::Denied),
@@ -860,8 +851,10 @@ fn an_agent_whose_dials_are_hedged_away_is_not_picked_as_if_idle() {
     assert_eq!(b.dial_out(fe, 10), slow);
 }
 
-#[test]
-fn a_hedged_dial_goes_on_when_one_of_its_agents_fails() {
+/// Dial 7 of a frontend, sent to one agent of two and hedged to the
+/// other a second later: the bench, the frontend, the first agent and the
+/// second.
+fn hedged_dial() -> (Bench, FrontendId, BackendId, BackendId) {
     let mut b = retrying(true);
     b.backend("a");
     b.backend("b");
@@ -869,6 +862,16 @@ fn a_hedged_dial_goes_on_when_one_of_its_agents_fails() {
     let first = b.dial_out(fe, 7);
     b.now += Duration::from_secs(1);
     b.step(|r, now, out| r.handle_timeout(now, out));
+    let [one, second] = b.attempts(7)[..] else {
+        panic!("hedged: two attempts")
+    };
+    assert_eq!(one, first);
+    (b, fe, first, second)
+}
+
+#[test]
+fn a_hedged_dial_goes_on_when_one_of_its_agents_fails() {
+    let (mut b, _, first, _) = hedged_dial();
     assert!(
         b.be(
             first,

@@ -31,6 +31,31 @@ impl Counted {
     }
 }
 
+/// A server and a real agent given `--destination-policy-file` with
+/// `policy` (in the returned directory), the agent not yet connected.
+async fn with_policy(policy: &str) -> (ServerProcess, LoggedProcess, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy");
+    std::fs::write(&path, policy).unwrap();
+    let server = ServerProcess::start("grpc", &[]).await;
+    let mut command = Command::new(binary("proxy-agent"));
+    command
+        .env("RUST_LOG", "info")
+        .args(agent_args(Pki::get().dir.path(), server.agent_addr.port()))
+        .arg(format!("--destination-policy-file={}", path.display()));
+    let agent = LoggedProcess::spawn(command, "proxy-agent");
+    (server, agent, dir)
+}
+
+/// The error of a dial to `address` that must be refused.
+async fn refusal(channel: &tonic::transport::Channel, address: &str) -> String {
+    match client::dial::dial(channel.clone(), address).await {
+        Err(client::dial::ClientError::Dial { error, .. }) => error,
+        Err(other) => panic!("{address}: expected a refusal, got {other:?}"),
+        Ok(_) => panic!("{address}: connected"),
+    }
+}
+
 #[tokio::test]
 async fn a_denied_destination_gets_no_connection_in_any_form() {
     // 127.0.0.2 and 127.0.0.1 at one port: the first denied on every port,
@@ -44,22 +69,10 @@ async fn a_denied_destination_gets_no_connection_in_any_form() {
             break (denied, loopback, allowed, port);
         }
     };
-    let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policy");
-    std::fs::write(
-        &policy,
-        format!(
-            "deny metadata\ndeny 127.0.0.2\ndeny 127.0.0.1 port {port}\ndeny ::1 port {port}\n"
-        ),
-    )
-    .unwrap();
-    let server = ServerProcess::start("grpc", &[]).await;
-    let mut command = Command::new(binary("proxy-agent"));
-    command
-        .env("RUST_LOG", "info")
-        .args(agent_args(Pki::get().dir.path(), server.agent_addr.port()))
-        .arg(format!("--destination-policy-file={}", policy.display()));
-    let mut agent = LoggedProcess::spawn(command, "proxy-agent");
+    let (server, mut agent, _dir) = with_policy(&format!(
+        "deny metadata\ndeny 127.0.0.2\ndeny 127.0.0.1 port {port}\ndeny ::1 port {port}\n"
+    ))
+    .await;
     let health = agent.logged_port("health.addr=Some(127.0.0.1:").await;
     server.wait_for_agents(1).await;
 
@@ -81,11 +94,7 @@ async fn a_denied_destination_gets_no_connection_in_any_form() {
     ];
     for (host, rules) in forms {
         let address = format!("{host}:{port}");
-        let error = match client::dial::dial(channel.clone(), &address).await {
-            Err(client::dial::ClientError::Dial { error, .. }) => error,
-            Err(other) => panic!("{address}: expected a refusal, got {other:?}"),
-            Ok(_) => panic!("{address}: connected"),
-        };
+        let error = refusal(&channel, &address).await;
         assert!(
             rules.iter().any(|rule| error.ends_with(&format!(
                 "denied by the agent's policy (rule {rule})"
@@ -138,17 +147,8 @@ async fn the_unspecified_address_in_any_form_is_loopback() {
             }
         }
     };
-    let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policy");
     let rule = format!("deny loopback port {port}");
-    std::fs::write(&policy, format!("{rule}\n")).unwrap();
-    let server = ServerProcess::start("grpc", &[]).await;
-    let mut command = Command::new(binary("proxy-agent"));
-    command
-        .env("RUST_LOG", "info")
-        .args(agent_args(Pki::get().dir.path(), server.agent_addr.port()))
-        .arg(format!("--destination-policy-file={}", policy.display()));
-    let _agent = LoggedProcess::spawn(command, "proxy-agent");
+    let (server, _agent, _dir) = with_policy(&format!("{rule}\n")).await;
     server.wait_for_agents(1).await;
     let channel = client::dial::uds_channel(&server.uds).await.unwrap();
     let forms = [
@@ -165,11 +165,7 @@ async fn the_unspecified_address_in_any_form_is_loopback() {
     ];
     for host in forms {
         let address = format!("{host}:{port}");
-        let error = match client::dial::dial(channel.clone(), &address).await {
-            Err(client::dial::ClientError::Dial { error, .. }) => error,
-            Err(other) => panic!("{address}: expected a refusal, got {other:?}"),
-            Ok(_) => panic!("{address}: connected"),
-        };
+        let error = refusal(&channel, &address).await;
         assert!(
             error.ends_with(&format!("denied by the agent's policy (rule {rule})")),
             "{address}: {error}"
