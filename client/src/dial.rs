@@ -325,7 +325,7 @@ async fn drive(
                     .await
                     .unwrap_or(Err(ClientError::CloseTimeout))
             }
-            MoverEnd::PeerClosed | MoverEnd::TunnelGone => reader.await,
+            MoverEnd::PeerClosed | MoverEnd::PeerFailed | MoverEnd::TunnelGone => reader.await,
         },
     }
 }

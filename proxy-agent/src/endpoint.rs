@@ -70,7 +70,9 @@ impl ConnEnd {
             MoverEnd::LocalEof => Self::DestinationClosed,
             MoverEnd::LocalError(e) => Self::DestinationError(e),
             MoverEnd::PeerClosed => Self::ServerClosed,
-            MoverEnd::TunnelGone => Self::StreamGone,
+            // The server's side never says a close failed (a CLOSE_REQ
+            // carries no error); were it to, the connection failed.
+            MoverEnd::TunnelGone | MoverEnd::PeerFailed => Self::StreamGone,
         }
     }
 
@@ -175,6 +177,10 @@ impl<D: Downstream> Downstream for &mut Counted<D> {
 
     fn has_more(&self) -> bool {
         self.inner.has_more()
+    }
+
+    fn failed(&self) -> bool {
+        self.inner.failed()
     }
 }
 

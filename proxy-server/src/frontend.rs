@@ -39,12 +39,20 @@ pub(crate) trait FrontendSocket {
     /// none: the record names the socket) and its client certificate's
     /// subject, if it gave one.
     fn peer(&self) -> (String, Option<String>);
+
+    /// Makes the socket's close a reset (RST) rather than a FIN, for a
+    /// tunnel that broke: a client reading it gets an error, not an end of
+    /// file that looks like the destination's. A Unix socket has no reset:
+    /// its peer reads an end of file.
+    fn reset_on_close(&self);
 }
 
 impl FrontendSocket for tokio::net::UnixStream {
     fn peer(&self) -> (String, Option<String>) {
         (String::new(), None)
     }
+
+    fn reset_on_close(&self) {}
 }
 
 impl FrontendSocket for edge::listen::TlsConn {
@@ -57,6 +65,11 @@ impl FrontendSocket for edge::listen::TlsConn {
             .map(|addr| addr.to_string())
             .unwrap_or_default();
         (addr, client_subject(session.peer_certificates()))
+    }
+
+    fn reset_on_close(&self) {
+        // No close_notify either: the TLS stream is dropped, not shut down.
+        let _ = self.get_ref().0.get_ref().get_ref().set_zero_linger();
     }
 }
 

@@ -39,6 +39,9 @@ Cases:
                 off a socket this script listens on (no proxy involved)
   connect-echo  HTTP CONNECT over --socket to an echo backend, byte-exact
   connect-error HTTP CONNECT over --socket to --address, expect a refusal
+  connect-broken HTTP CONNECT over --socket or --tcp (TLS) to an echo
+                --address, send --bytes, read until the tunnel ends (the test
+                kills the agent) and report how: "reset" or "eof"
 """
 
 import argparse
@@ -48,6 +51,7 @@ import os
 import queue
 import random
 import socket
+import ssl
 import struct
 import sys
 import tempfile
@@ -901,12 +905,89 @@ def case_authority(args):
 # --- HTTP CONNECT, standard library only ----------------------------------
 
 
+def connect_socket(args):
+    """The Unix socket --socket, or --tcp with TLS (--ca, --cert, --key)."""
+    if args.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(args.timeout)
+        sock.connect(args.socket)
+        return sock
+    host, _, port = args.tcp.rpartition(":")
+    raw = socket.create_connection((host, int(port)), timeout=args.timeout)
+    context = ssl.create_default_context(cafile=args.ca)
+    if args.cert:
+        context.load_cert_chain(args.cert, args.key)
+    return BioTls(raw, context, args.server_name or host)
+
+
+class BioTls:
+    """TLS over a socket the case reads itself (ssl.MemoryBIO), so that a
+    reset (ConnectionResetError from the socket) is told from a FIN (b"");
+    ssl.SSLSocket reports both as one SSLEOFError. recv returns b"" at a
+    FIN or the peer's close_notify."""
+
+    def __init__(self, sock, context, server_name):
+        self.sock = sock
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname=server_name)
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    raise Failure("the server closed during the TLS handshake")
+        self._flush()
+
+    def _flush(self):
+        pending = self.outgoing.read()
+        if pending:
+            self.sock.sendall(pending)
+
+    def _fill(self):
+        data = self.sock.recv(65536)
+        if not data:
+            return False
+        self.incoming.write(data)
+        return True
+
+    def sendall(self, data):
+        view = memoryview(data)
+        while view:
+            n = self.tls.write(view[:16384])
+            view = view[n:]
+            self._flush()
+
+    def recv(self, n):
+        while True:
+            try:
+                return self.tls.read(n)
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    return b""
+            except ssl.SSLZeroReturnError:
+                return b""
+
+    def settimeout(self, timeout):
+        self.sock.settimeout(timeout)
+
+    def close(self):
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def connect_request(args):
-    """Opens the Unix socket, sends CONNECT as kube-apiserver does and reads
-    the response head; returns (socket, head, bytes after the head)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(args.timeout)
-    sock.connect(args.socket)
+    """Opens --socket (or --tcp), sends CONNECT as kube-apiserver does and
+    reads the response head; returns (socket, head, bytes after the head)."""
+    sock = connect_socket(args)
     # kube-apiserver adds a W3C traceparent header when its tracing is on.
     trace = f"traceparent: {args.traceparent}\r\n" if args.traceparent else ""
     sock.sendall(f"CONNECT {args.address} HTTP/1.1\r\nHost: 127.0.0.1\r\n{trace}\r\n".encode())
@@ -994,6 +1075,37 @@ def case_connect_error(args):
     return result
 
 
+def case_connect_broken(args):
+    """CONNECT, send --bytes to an echo destination, then read until the
+    tunnel ends (the test kills its agent meanwhile): reports how it ended,
+    "reset" (an error) or "eof" (an end that looks like the destination's)."""
+    sock, head, early = connect_request(args)
+    with sock:
+        if status_of(head) != 200:
+            raise Failure(f"CONNECT answered {head!r}")
+        data = payload(args.bytes, seed=11)
+        got = bytearray(early)
+        try:
+            sock.sendall(data)
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    ending = "eof"
+                    break
+                got += chunk
+        except ConnectionResetError:
+            ending = "reset"
+        except ssl.SSLError as e:
+            ending = f"TLS error: {e!r}"
+        except socket.timeout:
+            ending = "timeout"
+    return {
+        "ending": ending,
+        "received": len(got),
+        "echoed": bytes(got) == data[: len(got)],
+    }
+
+
 CASES = {
     "echo": case_echo,
     "dial-error": case_dial_error,
@@ -1005,6 +1117,7 @@ CASES = {
     "streams": case_streams,
     "connect-echo": case_connect_echo,
     "connect-error": case_connect_error,
+    "connect-broken": case_connect_broken,
 }
 
 
@@ -1018,6 +1131,7 @@ def parse_args(argv):
     p.add_argument("--key", help="PEM key of --cert")
     p.add_argument("--server-name", help="channel option grpc.ssl_target_name_override")
     p.add_argument("--socket", help="Unix socket of a server in http-connect mode")
+    p.add_argument("--tcp", help="host:port of a server in http-connect mode on TCP (TLS: --ca)")
     p.add_argument("--address", help="host:port to dial through the tunnel")
     p.add_argument("--traceparent", help="a W3C traceparent sent with each Proxy stream or CONNECT")
     p.add_argument("--bytes", type=int, default=1 << 20, help="bytes to echo per tunnel")
@@ -1034,11 +1148,13 @@ def parse_args(argv):
         "--timeout", type=float, default=30.0, help="seconds any one wait, or one stream in all, may take"
     )
     args = p.parse_args(argv)
-    grpc_case = args.case not in ("connect-echo", "connect-error")
+    grpc_case = not args.case.startswith("connect-")
     if grpc_case and not args.target:
         p.error(f"{args.case} needs --target")
-    if not grpc_case and not args.socket:
-        p.error(f"{args.case} needs --socket")
+    if not grpc_case and bool(args.socket) == bool(args.tcp):
+        p.error(f"{args.case} needs --socket or --tcp")
+    if args.tcp and not args.ca:
+        p.error("--tcp needs --ca (TLS)")
     if args.case != "authority" and not args.address:
         p.error(f"{args.case} needs --address")
     if bool(args.cert) != bool(args.key):

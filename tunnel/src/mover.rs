@@ -48,6 +48,10 @@ pub enum MoverEnd {
     LocalError(io::Error),
     /// The peer closed the connection, after every queued byte was written.
     PeerClosed,
+    /// The peer's end said the connection failed (an agent gone, an error):
+    /// every queued byte was written and flushed, and the socket was not
+    /// shut down, so that its owner resets it rather than send a FIN.
+    PeerFailed,
     /// The tunnel is gone (its stream ended, or the connection was closed
     /// under the mover).
     TunnelGone,
@@ -82,6 +86,11 @@ pub trait Downstream: Send {
     fn written(&mut self) -> bool;
     /// Whether more bytes are queued right now (if not, the writer flushes).
     fn has_more(&self) -> bool;
+    /// Whether the end `next` returned (`None`) was a failure rather than
+    /// the peer's clean close ([`MoverEnd::PeerFailed`]).
+    fn failed(&self) -> bool {
+        false
+    }
 }
 
 /// Reads a socket into DATA payloads with one reusable buffer.
@@ -212,6 +221,12 @@ where
             if !down.written() {
                 return MoverEnd::TunnelGone;
             }
+        }
+        if down.failed() {
+            return match writer.flush().await {
+                Ok(()) => MoverEnd::PeerFailed,
+                Err(e) => MoverEnd::LocalError(e),
+            };
         }
         match writer.shutdown().await {
             Ok(()) => MoverEnd::PeerClosed,
@@ -441,6 +456,42 @@ mod tests {
         assert!(matches!(end, MoverEnd::PeerClosed), "{end:?}");
         assert_eq!(got, b"last words");
         assert_eq!(up.sends, 1, "reading stopped at the close");
+    }
+
+    /// A downstream whose peer failed after `parts`.
+    struct FailingAfter(Vec<&'static [u8]>);
+
+    impl Downstream for FailingAfter {
+        async fn next(&mut self) -> Option<Bytes> {
+            (!self.0.is_empty()).then(|| Bytes::from_static(self.0.remove(0)))
+        }
+
+        fn written(&mut self) -> bool {
+            true
+        }
+
+        fn has_more(&self) -> bool {
+            !self.0.is_empty()
+        }
+
+        fn failed(&self) -> bool {
+            true
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_peer_end_writes_every_byte_and_leaves_the_socket_open_for_a_reset() {
+        let (mut local, mut ours) = duplex(1 << 20);
+        let (out_tx, _out_rx) = queue::queue(1 << 20, 1 << 20);
+        let down = FailingAfter(vec![b"one ", b"two"]);
+        let end = run(&mut ours, up(out_tx, None), down).await;
+        assert!(matches!(end, MoverEnd::PeerFailed), "{end:?}");
+        // Not shut down: the owner may still write (or reset) it.
+        ours.write_all(b" and on").await.unwrap();
+        drop(ours);
+        let mut got = Vec::new();
+        local.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"one two and on");
     }
 
     #[tokio::test]

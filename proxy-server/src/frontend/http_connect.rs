@@ -73,9 +73,15 @@ where
         peer,
         subject,
     };
-    tokio::select! {
-        () = shutdown.cancelled() => {}
-        () = serve(io, control, peer, &shutdown) => {}
+    let mut io = io;
+    let broken = tokio::select! {
+        () = shutdown.cancelled() => true,
+        broken = serve(&mut io, control, peer, &shutdown) => broken,
+    };
+    if broken {
+        // A tunnel that ends without its destination's close: the client
+        // gets a reset, never an end of file that reads as a whole answer.
+        io.reset_on_close();
     }
 }
 
@@ -95,16 +101,19 @@ async fn request<IO: AsyncRead + AsyncWrite + Unpin>(io: &mut IO) -> Option<head
     None
 }
 
+/// Serves one client connection; `true` if its tunnel broke (see
+/// [`TunnelEnd::Broken`]), for the caller to reset the socket.
 async fn serve<IO>(
-    mut io: IO,
+    io: &mut IO,
     control: Arc<Control>,
     peer: FrontendPeer,
     shutdown: &CancellationToken,
-) where
+) -> bool
+where
     IO: AsyncRead + AsyncWrite + Unpin,
 {
-    let Some(head) = request(&mut io).await else {
-        return;
+    let Some(head) = request(io).await else {
+        return false;
     };
     let (tx, mut rx) = frontend_queue();
     let metrics = control.metrics.clone();
@@ -121,34 +130,36 @@ async fn serve<IO>(
     control.frontend_traced(link.id(), head.traceparent.as_deref(), peer);
     let mut early = head.rest;
     let target = head.target;
-    let Some(answer) = dial(&mut io, &control, &link, &mut rx, &target, &mut early).await else {
-        return;
+    let Some(answer) = dial(io, &control, &link, &mut rx, &target, &mut early).await else {
+        return false;
     };
     let id = match answer {
         Ok(id) => id,
         Err(error) => {
-            write_final(&mut io, &dial_error_response(&error, &target)).await;
-            return;
+            write_final(io, &dial_error_response(&error, &target)).await;
+            return false;
         }
     };
     // The 200 goes out alone, before any tunnel byte.
     if io.write_all(ESTABLISHED).await.is_err() || io.flush().await.is_err() {
-        return;
+        return false;
     }
     // The connection, handed over before its DIAL_RSP was queued.
     let Some(conn) = link.attachments.take().into_iter().find(|c| c.id == id) else {
-        return;
+        return true;
     };
     if !early.is_empty() {
         upload(&conn, &control, early.freeze()).await;
     }
-    let tunnel = tunnel_bytes(&mut io, &control, &conn, &link, &mut rx);
+    let tunnel = tunnel_bytes(io, &control, &conn, &link, &mut rx);
     let audit = control.audit.clone();
-    if let TunnelEnd::ByClient = tunnel::sync::audit::scope(audit, link.id().taker(), tunnel).await
-    {
-        close(&control, &link, &mut rx, id).await;
+    match tunnel::sync::audit::scope(audit, link.id().taker(), tunnel).await {
+        TunnelEnd::ByClient => close(&control, &link, &mut rx, id).await,
+        TunnelEnd::ByAgent => {}
+        TunnelEnd::Broken | TunnelEnd::FromInside => return true,
     }
     let _ = tokio::time::timeout(FINAL_WRITE_TIMEOUT, io.shutdown()).await;
+    false
 }
 
 /// Dials `target` and waits for the answer, while reading what the client
@@ -255,6 +266,9 @@ struct FromAgent<'a> {
     rx: &'a mut QueueRx<FrontendItem>,
     /// The item whose bytes are being written.
     writing: Option<FrontendItem>,
+    /// The end was a failure: a CLOSE_RSP with an error (the agent or its
+    /// stream gone, the destination's error), or the queue's end.
+    failed: bool,
 }
 
 impl mover::Downstream for FromAgent<'_> {
@@ -277,12 +291,17 @@ impl mover::Downstream for FromAgent<'_> {
             match packet.into_kind() {
                 PacketKind::CloseRsp(rsp) if rsp.connect_id == self.conn.0 => {
                     debug!(conn.id = %self.conn, error = %rsp.error, "closed by the agent side");
+                    self.failed = !rsp.error.is_empty();
                     return None;
                 }
-                PacketKind::DialCls(_) => return None,
+                PacketKind::DialCls(_) => {
+                    self.failed = true;
+                    return None;
+                }
                 other => debug!(packet = ?other, "ignoring packet"),
             }
         }
+        self.failed = true;
         None
     }
 
@@ -296,6 +315,10 @@ impl mover::Downstream for FromAgent<'_> {
     fn has_more(&self) -> bool {
         !self.rx.is_empty()
     }
+
+    fn failed(&self) -> bool {
+        self.failed
+    }
 }
 
 /// How a CONNECT tunnel ended.
@@ -303,8 +326,13 @@ enum TunnelEnd {
     /// The client closed or failed first: the connection is still open on
     /// the agent.
     ByClient,
-    /// The agent closed it (CLOSE_RSP), or the agent stream is gone.
+    /// The agent closed it cleanly (a CLOSE_RSP without an error): its
+    /// destination closed.
     ByAgent,
+    /// The connection failed on the agent's side: its agent or agent stream
+    /// is gone, or the close carried an error. Every byte the agent sent
+    /// was written; the client's socket is reset, not closed.
+    Broken,
     /// The stream was ended from inside (shutdown, a stalled connection).
     FromInside,
 }
@@ -324,6 +352,7 @@ where
         conn: conn.id,
         rx,
         writing: None,
+        failed: false,
     };
     let end = tokio::select! {
         end = mover::run(io, ToAgent { control, conn }, down) => end,
@@ -331,7 +360,8 @@ where
     };
     match end {
         MoverEnd::LocalEof | MoverEnd::LocalError(_) => TunnelEnd::ByClient,
-        MoverEnd::PeerClosed | MoverEnd::TunnelGone => TunnelEnd::ByAgent,
+        MoverEnd::PeerClosed => TunnelEnd::ByAgent,
+        MoverEnd::PeerFailed | MoverEnd::TunnelGone => TunnelEnd::Broken,
     }
 }
 

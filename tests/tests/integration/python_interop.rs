@@ -375,3 +375,44 @@ async fn connect_to_a_closed_port_gets_502_with_the_agents_error() {
     server.wait_idle().await;
     assert_eq!(agent.handle.endpoint_connections(), 0);
 }
+
+/// A CONNECT tunnel over mTLS TCP whose agent dies: Python's socket reads
+/// a reset (`ConnectionResetError`), never an end of file that would pass
+/// for the destination's close (ANP #748: a long `exec` "succeeds" when its
+/// agent dies). Before, the server closed the client's socket cleanly
+/// (close_notify and a FIN) and Python read `b""`.
+#[tokio::test]
+async fn connect_over_tls_is_reset_when_its_agent_dies() {
+    let server = TestServer::start_with(ServerOpts {
+        mode: Mode::HttpConnect,
+        tcp_frontend: true,
+        ..Default::default()
+    })
+    .await;
+    let agent = TestAgent::start(&server).await;
+    let echo = destination::echo().await;
+    let pki = Pki::get();
+    let addr = server.frontend_tcp.expect("a TCP frontend");
+    let run = python::frontend([
+        "connect-broken".to_owned(),
+        format!("--tcp={addr}"),
+        format!("--ca={}", pki.path("frontend-ca.crt").display()),
+        format!("--cert={}", pki.path("proxy-client.crt").display()),
+        format!("--key={}", pki.path("proxy-client.key").display()),
+        format!("--address={}", echo.address()),
+        "--bytes=65536".to_owned(),
+    ]);
+    let kill = async {
+        let handle = server.handle.clone();
+        wait_for("the tunnel established", || {
+            handle.established_connections() == 1
+        })
+        .await;
+        agent.stop().await;
+    };
+    let (report, ()) = tokio::join!(run, kill);
+    report.assert_ok();
+    assert_eq!(report.str("ending"), "reset", "{report}");
+    assert_eq!(report.json["echoed"], true, "{report}");
+    server.wait_idle().await;
+}
