@@ -65,18 +65,87 @@ impl NamedSet {
     }
 }
 
-/// The cloud metadata addresses of the major providers: AWS (IMDS
-/// 169.254.169.254, IPv6 fd00:ec2::254, the Amazon DNS 169.254.169.253, ECS
-/// task metadata 169.254.170.2), GCP and Azure (169.254.169.254), Oracle
-/// (169.254.169.254 and 192.0.0.192), Alibaba (100.100.100.200).
-pub const METADATA: [IpAddr; 6] = [
-    IpAddr::V4(Ipv4Addr::new(169, 254, 169, 254)),
-    IpAddr::V4(Ipv4Addr::new(169, 254, 169, 253)),
-    IpAddr::V4(Ipv4Addr::new(169, 254, 170, 2)),
-    IpAddr::V4(Ipv4Addr::new(192, 0, 0, 192)),
-    IpAddr::V4(Ipv4Addr::new(100, 100, 100, 200)),
-    IpAddr::V6(Ipv6Addr::new(0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254)),
+/// The cloud metadata addresses of the major providers: the services on a
+/// node's link that hand out instance credentials, identity and
+/// configuration, and the provider's link services beside them (DNS, time).
+/// Each with the provider's documentation that states it; "not in the
+/// provider's documentation" marks an address taken from the provider's
+/// own code.
+pub const METADATA: [IpAddr; 24] = [
+    // AWS, GCP (also its NTP and DNS), Azure, Oracle (also its NTP), IBM
+    // Cloud, DigitalOcean, Hetzner, Huawei, Vultr, Exoscale, OpenStack,
+    // Linode: the instance metadata service.
+    // docs.aws.amazon.com/AWSEC2/latest/UserGuide/instance-identity-documents.html,
+    // learn.microsoft.com/azure/virtual-machines/instance-metadata-service,
+    // docs.oracle.com/en-us/iaas/Content/Compute/Tasks/gettingmetadata.htm,
+    // cloud.ibm.com/apidocs/vpc-metadata,
+    // docs.digitalocean.com/products/droplets/how-to/access-metadata/,
+    // docs.openstack.org/nova/latest/admin/metadata-service.html.
+    v4(169, 254, 169, 254),
+    // AWS IMDS over IPv6 (Nitro): same page as above.
+    v6([0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254]),
+    // AWS Route 53 Resolver: docs.aws.amazon.com/vpc/latest/userguide/AmazonDNS-concepts.html.
+    v4(169, 254, 169, 253),
+    v6([0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x253]),
+    // AWS Time Sync: docs.aws.amazon.com/AWSEC2/latest/UserGuide/configure-ec2-ntp.html.
+    v4(169, 254, 169, 123),
+    v6([0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x123]),
+    // AWS ECS task metadata and credentials:
+    // docs.aws.amazon.com/AmazonECS/latest/developerguide/task-metadata-endpoint-v2.html.
+    v4(169, 254, 170, 2),
+    // AWS EKS Pod Identity Agent (credentials):
+    // docs.aws.amazon.com/eks/latest/userguide/pod-id-agent-setup.html.
+    v4(169, 254, 170, 23),
+    v6([0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x23]),
+    // GCP's metadata server over IPv6 (IPv6-only VMs),
+    // cloud.google.com/compute/docs/metadata/querying-metadata.
+    v6([0xfd20, 0xce, 0, 0, 0, 0, 0, 0x254]),
+    // Azure WireServer, the host node's virtual address (VM agent,
+    // extension settings, DNS):
+    // learn.microsoft.com/azure/virtual-network/what-is-ip-address-168-63-129-16.
+    v4(168, 63, 129, 16),
+    // Oracle Cloud@Customer and Classic metadata:
+    // docs.oracle.com/en/cloud/cloud-at-customer/occ-get-started/retrieve-predefined-instance-metadata.html.
+    v4(192, 0, 0, 192),
+    // Oracle OCI over IPv6: not in the provider's documentation; Oracle's
+    // OKE node bootstrap script asks http://[fd00:c1::a9fe:a9fe]/opc/v2.
+    v6([0xfd00, 0xc1, 0, 0, 0, 0, 0xa9fe, 0xa9fe]),
+    // Alibaba ECS metadata: alibabacloud.com/help/en/ecs/user-guide/view-instance-metadata.
+    v4(100, 100, 100, 200),
+    // Alibaba over IPv6: not in the documentation we could read; named by
+    // Alibaba's own change to cloud-init (PR 6893).
+    v6([0xfd00, 0x100, 0, 0, 0, 0, 0x100, 0x200]),
+    // Linode/Akamai metadata over IPv6:
+    // linode.com/docs/products/compute/compute-instances/guides/metadata-api/.
+    v6([0xfd00, 0xa9fe, 0xa9fe, 0, 0, 0, 0, 1]),
+    // OpenStack Nova over IPv6 (link-local, also in `link-local`):
+    // docs.openstack.org/nova/latest/admin/metadata-service.html.
+    v6([0xfe80, 0, 0, 0, 0, 0, 0xa9fe, 0xa9fe]),
+    // Scaleway instance metadata, IPv4 and IPv6:
+    // scaleway.com/en/developers/api/instance/user-data.
+    v4(169, 254, 42, 42),
+    v6([0xfd00, 0x42, 0, 0, 0, 0, 0, 0x42]),
+    // Tencent CVM metadata (metadata.tencentyun.com): the address is not in
+    // the provider's documentation (its name is: intl.cloud.tencent.com/document/product/213/4934).
+    v4(169, 254, 0, 23),
+    // Alibaba private DNS: alibabacloud.com/help/en/ecs/user-guide/ecs-private-domain-resolution.
+    v4(100, 100, 2, 136),
+    v4(100, 100, 2, 138),
+    // IBM Cloud DNS Services resolvers:
+    // cloud.ibm.com/docs/dns-svcs?topic=dns-svcs-managing-permitted-networks.
+    v4(161, 26, 0, 7),
+    v4(161, 26, 0, 8),
 ];
+
+const fn v4(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(a, b, c, d))
+}
+
+const fn v6(s: [u16; 8]) -> IpAddr {
+    IpAddr::V6(Ipv6Addr::new(
+        s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+    ))
+}
 
 /// What a rule matches besides the port.
 #[derive(Debug, Clone, PartialEq, Eq)]

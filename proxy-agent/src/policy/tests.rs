@@ -364,3 +364,42 @@ fn the_unspecified_addresses_are_loopback_in_every_form() {
         );
     }
 }
+
+/// Every provider's documented metadata address, IPv6 ULA ones too, is in
+/// `metadata` (issue 51: GCP's `fd20:ce::254` and EKS Pod Identity's
+/// `fd00:ec2::23` passed `deny metadata`), in every form that reaches it.
+#[test]
+fn every_providers_metadata_address_meets_deny_metadata() {
+    let p = policy("deny metadata");
+    for addr in [
+        "fd20:ce::254",
+        "fd00:ec2::23",
+        "fd00:ec2::253",
+        "fd00:ec2::123",
+        "fd00:c1::a9fe:a9fe",
+        "fd00:100::100:200",
+        "fd00:a9fe:a9fe::1",
+        "fd00:42::42",
+        "fe80::a9fe:a9fe",
+        "169.254.170.23",
+        "169.254.169.123",
+        "168.63.129.16",
+        "169.254.42.42",
+        "169.254.0.23",
+        "::ffff:168.63.129.16",
+        "64:ff9b::169.254.170.23",
+    ] {
+        assert_eq!(
+            p.check(None, ip(addr), 80),
+            denied("deny metadata"),
+            "{addr}"
+        );
+    }
+    for addr in ["fd20:ce::253", "fd00:ec2::1", "168.63.129.17"] {
+        assert_eq!(
+            p.check(None, ip(addr), 80),
+            Decision::Allowed(None),
+            "{addr}"
+        );
+    }
+}
