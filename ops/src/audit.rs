@@ -20,7 +20,7 @@ use std::{
     path::PathBuf,
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     thread,
     time::{Duration, Instant},
@@ -44,6 +44,23 @@ pub const SAY_EVERY: Duration = Duration::from_secs(10);
 
 /// kube-apiserver's default `--audit-log-batch-buffer-size`.
 const DEFAULT_QUEUE: usize = 10_000;
+
+/// Bytes of records queued for the writer, at most: past it, records are
+/// dropped and counted as when the queue is full. With every peer text cut
+/// ([`Record::bounded`]) 10,000 records of the largest kind fit in it; it
+/// is what keeps a flood of them from taking more than this.
+pub const QUEUE_BYTES: usize = 16 << 20;
+
+/// What the audit log queues: a record whose peer texts are bounded, and
+/// whose size it can tell.
+pub trait Record: Serialize + Send + 'static {
+    /// The record with every text a peer gave (a destination, an error, a
+    /// subject) cut to `proto::text::RECORD_LIMIT` bytes, marked as cut.
+    #[must_use]
+    fn bounded(self) -> Self;
+    /// About how many bytes it holds.
+    fn weight(&self) -> usize;
+}
 
 /// lumberjack's megabyte.
 const MEGABYTE: u64 = 1024 * 1024;
@@ -238,8 +255,8 @@ impl AuditMetrics {
 
 /// What the writer is sent.
 enum Msg<R> {
-    /// A record to write.
-    Record(R),
+    /// A record to write, and its weight ([`Record::weight`]).
+    Record(R, usize),
     /// Write what is queued, then stop.
     Close,
 }
@@ -250,6 +267,9 @@ enum Msg<R> {
 struct Drops {
     /// The metrics.
     metrics: AuditMetrics,
+    /// Bytes of the records queued ([`QUEUE_BYTES`]); the writer takes a
+    /// record's weight off as it takes the record.
+    queued_bytes: Arc<AtomicUsize>,
     /// Drops since the last warning.
     unsaid: AtomicU64,
     /// Milliseconds after `epoch` of the last warning (0: never).
@@ -276,7 +296,7 @@ impl Drops {
             let records = self.unsaid.swap(0, Ordering::Relaxed);
             warn!(
                 records,
-                "audit records dropped: the queue is full (--audit-log-batch-buffer-size)"
+                "audit records dropped: the queue is full (--audit-log-batch-buffer-size, or 16 MiB)"
             );
         }
     }
@@ -305,6 +325,26 @@ impl<R> std::fmt::Debug for Sink<R> {
     }
 }
 
+impl<R: Record> Sink<R> {
+    /// Queues `record`, its peer texts bounded, for the writer; when the
+    /// queue is full (in records or in [`QUEUE_BYTES`]), or the log closed,
+    /// drops it and counts it. Returns whether it was queued.
+    pub fn record(&self, record: R) -> bool {
+        let Some((tx, drops)) = &self.inner else {
+            return false;
+        };
+        let record = record.bounded();
+        let weight = record.weight();
+        let queued = drops.queued_bytes.fetch_add(weight, Ordering::Relaxed);
+        if queued + weight > QUEUE_BYTES || tx.try_send(Msg::Record(record, weight)).is_err() {
+            drops.queued_bytes.fetch_sub(weight, Ordering::Relaxed);
+            drops.dropped();
+            return false;
+        }
+        true
+    }
+}
+
 impl<R> Sink<R> {
     /// A sink that records nothing.
     pub fn disabled() -> Self {
@@ -314,21 +354,6 @@ impl<R> Sink<R> {
     /// Whether records are kept: callers may skip building one otherwise.
     pub fn enabled(&self) -> bool {
         self.inner.is_some()
-    }
-
-    /// Queues `record` for the writer; when the queue is full (or the log
-    /// closed), drops it and counts it. Returns whether it was queued.
-    pub fn record(&self, record: R) -> bool {
-        let Some((tx, drops)) = &self.inner else {
-            return false;
-        };
-        match tx.try_send(Msg::Record(record)) {
-            Ok(()) => true,
-            Err(_) => {
-                drops.dropped();
-                false
-            }
-        }
     }
 }
 
@@ -341,7 +366,7 @@ pub struct AuditLog<R> {
     done: Option<oneshot::Receiver<()>>,
 }
 
-impl<R: Serialize + Send + 'static> AuditLog<R> {
+impl<R: Record> AuditLog<R> {
     /// Starts the writer for `config`, or a disabled log for `None`; the
     /// file is opened now.
     ///
@@ -371,8 +396,10 @@ impl<R: Serialize + Send + 'static> AuditLog<R> {
     fn spawn(out: Out, queue: usize, metrics: AuditMetrics) -> Self {
         let (tx, rx) = mpsc::channel(queue);
         let (done_tx, done) = oneshot::channel();
+        let queued_bytes = Arc::new(AtomicUsize::new(0));
         let drops = Arc::new(Drops {
             metrics: metrics.clone(),
+            queued_bytes: queued_bytes.clone(),
             unsaid: AtomicU64::new(0),
             said_at: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -383,6 +410,7 @@ impl<R: Serialize + Send + 'static> AuditLog<R> {
             said: [None; 3],
             line: Vec::with_capacity(1024),
             linger: lingers(queue),
+            queued_bytes,
         };
         // A thread, not a task: file writes block.
         let spawned = thread::Builder::new()
@@ -467,6 +495,8 @@ struct Writer {
     /// ([`LINGER`]): only when the queue is deep enough not to fill
     /// meanwhile.
     linger: bool,
+    /// Bytes of the records queued, shared with the sinks.
+    queued_bytes: Arc<AtomicUsize>,
 }
 
 /// Records taken from the queue per batch (between checks of the file
@@ -523,7 +553,7 @@ impl Writer {
             }
             for msg in batch.drain(..) {
                 match msg {
-                    Msg::Record(record) => self.write(&record),
+                    Msg::Record(record, weight) => self.write(&record, weight),
                     Msg::Close => {
                         closing = true;
                         // Nothing more is taken; what was queued is written.
@@ -534,8 +564,8 @@ impl Writer {
             self.flush();
         }
         while let Ok(msg) = rx.try_recv() {
-            if let Msg::Record(record) = msg {
-                self.write(&record);
+            if let Msg::Record(record, weight) = msg {
+                self.write(&record, weight);
             }
         }
         self.flush();
@@ -554,7 +584,8 @@ impl Writer {
         }
     }
 
-    fn write<R: Serialize>(&mut self, record: &R) {
+    fn write<R: Serialize>(&mut self, record: &R, weight: usize) {
+        self.queued_bytes.fetch_sub(weight, Ordering::Relaxed);
         self.line.clear();
         if let Err(e) = serde_json::to_writer(&mut self.line, record) {
             self.failed(Op::Write, &io::Error::other(e));

@@ -25,7 +25,7 @@ use std::{
 };
 
 use opentelemetry::{
-    Context, KeyValue,
+    Context, KeyValue, Value,
     trace::{
         Span as _, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags,
         TraceId, TraceState, Tracer as _, TracerProvider as _,
@@ -40,6 +40,7 @@ use opentelemetry_sdk::{
         SpanExporter, SpanProcessor,
     },
 };
+use proto::text::{RECORD_LIMIT, for_record};
 use serde::Deserialize;
 
 use crate::metrics::Counter;
@@ -54,6 +55,12 @@ const API_VERSIONS: [&str; 3] = [
 ];
 /// Spans ended and not yet exported, at most (the SDK's default).
 const QUEUE: usize = 2048;
+/// Bytes of the spans ended and not yet exported, at most ([`span_bytes`]):
+/// with every attribute cut ([`bounded`]), a queue of [`QUEUE`] spans of
+/// ours fits in it; it keeps larger ones from taking more.
+const QUEUE_BYTES: usize = 16 << 20;
+/// Attributes and events a span keeps, at most (ours set a dozen).
+const MAX_ATTRIBUTES: u32 = 32;
 
 /// A `TracingConfiguration` file, as written.
 #[derive(Debug, Deserialize)]
@@ -229,7 +236,7 @@ impl Tracing {
             .with_timeout(Duration::from_secs(10))
             .build()
             .map_err(|e| format!("the OTLP exporter for {}: {e}", config.endpoint))?;
-        let in_flight = Arc::new(AtomicUsize::new(0));
+        let in_flight = Arc::new(InFlight::default());
         let batch = BatchSpanProcessor::builder(Counted {
             inner: exporter,
             in_flight: in_flight.clone(),
@@ -247,6 +254,9 @@ impl Tracing {
                 rate,
             ))))
             .with_resource(Resource::builder().with_service_name(service).build())
+            .with_max_attributes_per_span(MAX_ATTRIBUTES)
+            .with_max_events_per_span(MAX_ATTRIBUTES)
+            .with_max_attributes_per_event(MAX_ATTRIBUTES)
             .with_span_processor(Admit {
                 inner: batch,
                 in_flight,
@@ -332,24 +342,25 @@ impl Span {
         context.is_valid().then(|| Parent(context.clone()))
     }
 
-    /// Sets attributes (cheap when not recording: nothing is built).
+    /// Sets attributes (cheap when not recording: nothing is built); a
+    /// text longer than `proto::text::RECORD_LIMIT` is cut, marked.
     pub fn set(&mut self, attributes: impl FnOnce() -> Vec<KeyValue>) {
         if let Some(span) = self.0.as_mut().filter(|s| s.is_recording()) {
-            span.set_attributes(attributes());
+            span.set_attributes(attributes().into_iter().map(bounded));
         }
     }
 
-    /// Adds an event with attributes.
+    /// Adds an event with attributes, cut as [`Self::set`]'s.
     pub fn event(&mut self, name: &'static str, attributes: impl FnOnce() -> Vec<KeyValue>) {
         if let Some(span) = self.0.as_mut().filter(|s| s.is_recording()) {
-            span.add_event(name, attributes());
+            span.add_event(name, attributes().into_iter().map(bounded).collect());
         }
     }
 
-    /// Marks it failed with `description`.
+    /// Marks it failed with `description` (cut as an attribute).
     pub fn fail(&mut self, description: impl Into<String>) {
         if let Some(span) = self.0.as_mut().filter(|s| s.is_recording()) {
-            span.set_status(Status::error(description.into()));
+            span.set_status(Status::error(for_record(description.into())));
         }
     }
 
@@ -363,13 +374,100 @@ impl Span {
 
 pub use opentelemetry::KeyValue as Attr;
 
+/// `attribute` with its text cut to `proto::text::RECORD_LIMIT` bytes,
+/// marked as cut: a peer's text (a destination, an error) never goes
+/// whole into a span.
+fn bounded(attribute: KeyValue) -> KeyValue {
+    match attribute.value {
+        Value::String(text) if text.as_str().len() > RECORD_LIMIT => {
+            KeyValue::new(attribute.key, for_record(text.as_str().to_owned()))
+        }
+        value => KeyValue::new(attribute.key, value),
+    }
+}
+
+/// About how many bytes an ended span holds: its name, attributes, events
+/// and status text.
+fn span_bytes(span: &SpanData) -> usize {
+    fn attributes(list: &[KeyValue]) -> usize {
+        list.iter()
+            .map(|kv| {
+                kv.key.as_str().len()
+                    + match &kv.value {
+                        Value::String(text) => text.as_str().len(),
+                        _ => 16,
+                    }
+            })
+            .sum()
+    }
+    let status = match &span.status {
+        Status::Error { description } => description.len(),
+        _ => 0,
+    };
+    std::mem::size_of::<SpanData>()
+        + span.name.len()
+        + attributes(&span.attributes)
+        + span
+            .events
+            .iter()
+            .map(|e| e.name.len() + attributes(&e.attributes))
+            .sum::<usize>()
+        + status
+}
+
+/// Releases a batch's spans from [`InFlight`] when dropped.
+struct Release<'a> {
+    /// The count.
+    in_flight: &'a InFlight,
+    /// The batch's spans.
+    spans: usize,
+    /// Their bytes.
+    bytes: usize,
+}
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.in_flight.release(self.spans, self.bytes);
+    }
+}
+
+/// The spans handed to the batch processor and not yet through the
+/// exporter: how many, and their bytes.
+#[derive(Debug, Default)]
+struct InFlight {
+    /// Spans.
+    spans: AtomicUsize,
+    /// Their bytes ([`span_bytes`]).
+    bytes: AtomicUsize,
+}
+
+impl InFlight {
+    /// Takes a span of `bytes` in, unless [`QUEUE`] spans or
+    /// [`QUEUE_BYTES`] are in already.
+    fn admit(&self, bytes: usize) -> bool {
+        let spans = self.spans.fetch_add(1, Ordering::Relaxed);
+        let held = self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        if spans >= QUEUE || held + bytes > QUEUE_BYTES {
+            self.release(1, bytes);
+            return false;
+        }
+        true
+    }
+
+    /// `spans` of `bytes` in all are out.
+    fn release(&self, spans: usize, bytes: usize) {
+        self.spans.fetch_sub(spans, Ordering::Relaxed);
+        self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
 /// The batch processor behind an admission count: a span that would not
 /// fit in its queue is dropped here and counted, instead of inside the SDK
 /// (which counts it where no one can read it).
 #[derive(Debug)]
 struct Admit {
     inner: BatchSpanProcessor,
-    in_flight: Arc<AtomicUsize>,
+    in_flight: Arc<InFlight>,
     dropped: Counter,
 }
 
@@ -379,8 +477,7 @@ impl SpanProcessor for Admit {
     }
 
     fn on_end(&self, span: SpanData) {
-        if self.in_flight.fetch_add(1, Ordering::Relaxed) >= QUEUE {
-            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if !self.in_flight.admit(span_bytes(&span)) {
             self.dropped.inc();
             return;
         }
@@ -407,15 +504,21 @@ impl SpanProcessor for Admit {
 #[derive(Debug)]
 struct Counted {
     inner: opentelemetry_otlp::SpanExporter,
-    in_flight: Arc<AtomicUsize>,
+    in_flight: Arc<InFlight>,
     dropped: Counter,
 }
 
 impl SpanExporter for Counted {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        // Out of the queue when the export ends, or when its future is
+        // dropped (a timeout).
+        let _out = Release {
+            in_flight: &self.in_flight,
+            spans: batch.len(),
+            bytes: batch.iter().map(span_bytes).sum(),
+        };
         let spans = batch.len();
         let result = self.inner.export(batch).await;
-        self.in_flight.fetch_sub(spans, Ordering::Relaxed);
         if result.is_err() {
             self.dropped.inc_by(spans as f64);
         }
@@ -439,6 +542,54 @@ impl SpanExporter for Counted {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// A peer's long text goes into a span cut and marked; short texts and
+    /// other values as they are (issue 51: destinations and agents' errors
+    /// went whole into span attributes).
+    #[test]
+    fn a_long_attribute_is_cut_and_marked() {
+        let long = bounded(KeyValue::new("error", "e".repeat(4 << 20)));
+        assert_eq!(long.key.as_str(), "error");
+        let Value::String(text) = &long.value else {
+            panic!("{long:?}")
+        };
+        assert!(text.as_str().len() < RECORD_LIMIT + 32);
+        assert!(
+            text.as_str()
+                .ends_with(&format!("…({} more bytes)", (4 << 20) - RECORD_LIMIT))
+        );
+        let short = KeyValue::new("net.peer.name", "10.0.0.7:10250");
+        assert_eq!(bounded(short.clone()), short);
+        let number = KeyValue::new("retries", 3_i64);
+        assert_eq!(bounded(number.clone()), number);
+    }
+
+    /// The export queue takes spans up to its count and its bytes, and has
+    /// room again once a batch is through.
+    #[test]
+    fn the_span_queue_is_bounded_in_spans_and_bytes() {
+        let in_flight = InFlight::default();
+        let big = QUEUE_BYTES / 4;
+        for _ in 0..4 {
+            assert!(in_flight.admit(big));
+        }
+        assert!(!in_flight.admit(1), "bytes full");
+        in_flight.release(1, big);
+        assert!(in_flight.admit(big));
+        in_flight.release(4, 4 * big);
+        for _ in 0..QUEUE {
+            assert!(in_flight.admit(1));
+        }
+        assert!(!in_flight.admit(1), "spans full");
+        {
+            let _batch = Release {
+                in_flight: &in_flight,
+                spans: 1,
+                bytes: 1,
+            };
+        }
+        assert!(in_flight.admit(1), "a dropped export releases its batch");
+    }
 
     #[test]
     fn kube_apiservers_file_is_read() {

@@ -10,6 +10,7 @@
 //! - [`codec`]: the prost codec with small per-stream buffers.
 //! - [`header`]: metadata keys exchanged on `Connect`.
 //! - [`packet`]: constructors and [`packet::PacketKind`].
+//! - [`text`]: a peer's text in our messages and records, bounded.
 //! - `fuzzing`: the fuzz targets' entry points (tests and the `fuzzing`
 //!   feature only; see `docs/fuzzing.md`).
 
@@ -31,6 +32,7 @@ pub mod codec;
 pub mod fuzzing;
 pub mod header;
 pub mod packet;
+pub mod text;
 
 pub use generated::{
     CloseDial, CloseRequest, CloseResponse, Data, DialErrorClass, DialRequest, DialResponse, Drain,

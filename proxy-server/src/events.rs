@@ -118,6 +118,9 @@ pub const AGENT_STREAM_CLOSED: &str = "agent stream closed";
 /// 1035) and a port (`:65535`). Longer ones are refused before they reach
 /// an agent, whatever the server adds to the packet (a traceparent).
 pub(crate) const MAX_ADDRESS: usize = 253 + 6;
+/// The longest protocol a DIAL_REQ may carry: Go's network names are at
+/// most 10 bytes (`unixpacket`); kube-apiserver sends `tcp`.
+pub(crate) const MAX_PROTOCOL: usize = 16;
 
 /// Why a dial failed, as the frontend is told. The server's own reasons
 /// are variants; only [`DialError::Agent`] is text (with its class), as
@@ -136,6 +139,9 @@ pub(crate) enum DialError {
     /// The DIAL_REQ's address (this many bytes) is longer than any host
     /// name and port can be ([`MAX_ADDRESS`]).
     AddressTooLong(usize),
+    /// The DIAL_REQ's protocol (this many bytes) is longer than any
+    /// network name can be ([`MAX_PROTOCOL`]).
+    ProtocolTooLong(usize),
     /// The agent's stream ended while the dial was pending.
     AgentGone(AgentId),
     /// The agent answered with a connection id already in use.
@@ -160,6 +166,10 @@ impl fmt::Display for DialError {
             Self::AddressTooLong(len) => write!(
                 f,
                 "the address ({len} bytes) is longer than a host name and port can be ({MAX_ADDRESS} bytes)"
+            ),
+            Self::ProtocolTooLong(len) => write!(
+                f,
+                "the protocol ({len} bytes) is longer than a network name can be ({MAX_PROTOCOL} bytes)"
             ),
             Self::AgentGone(agent) => write!(f, "agent {} disconnected", Elided(&agent.0)),
             Self::ConnIdInUse(conn) => write!(f, "connection id {conn} already in use"),

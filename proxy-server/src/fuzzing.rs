@@ -137,8 +137,15 @@ impl Watch {
                     frontend,
                     backend,
                     dial,
-                    ..
+                    packet,
                 } => {
+                    // With a traceparent (55 bytes and its framing) it
+                    // stays far below any agent's decode limit.
+                    assert!(
+                        packet.encoded_len() <= FORWARD_LIMIT,
+                        "a DIAL_REQ of {} bytes forwarded",
+                        packet.encoded_len()
+                    );
                     let hedged = std::mem::take(&mut hedging);
                     self.saw_forward(*frontend, *backend, *dial, hedged, now);
                 }
@@ -386,6 +393,10 @@ impl Watch {
     }
 }
 
+/// The largest DIAL_REQ the router may forward to an agent: the longest
+/// address and protocol, a random and their framing.
+const FORWARD_LIMIT: usize = crate::events::MAX_ADDRESS + crate::events::MAX_PROTOCOL + 32;
+
 /// A packet from `input`: built from a few choices, or decoded from raw
 /// protobuf bytes (anything a peer can send).
 fn packet(input: &mut Input<'_>) -> Option<Packet> {
@@ -393,7 +404,15 @@ fn packet(input: &mut Input<'_>) -> Option<Packet> {
     Some(match input.below(9) {
         0 => {
             let address = ["10.0.0.1:443", "node-a:10250", "[::1]:80", "x"][input.below(4)];
-            Packet::dial_request("tcp", address, id)
+            match input.below(8) {
+                // A longest valid address, and one past each limit.
+                0 => Packet::dial_request("tcp", &format!("{}:65535", "a".repeat(253)), id),
+                1 => Packet::dial_request("tcp", &"a".repeat(crate::events::MAX_ADDRESS + 1), id),
+                2 => {
+                    Packet::dial_request(&"t".repeat(crate::events::MAX_PROTOCOL + 1), address, id)
+                }
+                _ => Packet::dial_request("tcp", address, id),
+            }
         }
         1 => {
             let conn = input.id();

@@ -42,7 +42,7 @@ pub(crate) use self::dials::{DECAY, FLOOR};
 pub use self::dials::{DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
-    events::{CloseReason, DialError, DialFailure, DialRetry, MAX_ADDRESS},
+    events::{CloseReason, DialError, DialFailure, DialRetry, MAX_ADDRESS, MAX_PROTOCOL},
     manager::{BackendManager, Scope},
     strategy::{AgentIdentifiers, ProxyStrategy},
 };
@@ -510,11 +510,18 @@ impl Router {
 
     fn dial(&mut self, now: Instant, fe: FrontendId, req: DialRequest, out: &mut Vec<Out>) {
         let id = DialId(req.random);
-        if req.address.len() > MAX_ADDRESS {
+        let too_long = if req.address.len() > MAX_ADDRESS {
+            Some(DialError::AddressTooLong(req.address.len()))
+        } else if req.protocol.len() > MAX_PROTOCOL {
+            Some(DialError::ProtocolTooLong(req.protocol.len()))
+        } else {
+            None
+        };
+        if let Some(error) = too_long {
             out.push(Out::DialFailed {
                 frontend: fe,
                 dial: id,
-                error: DialError::AddressTooLong(req.address.len()),
+                error,
             });
             return;
         }

@@ -9,8 +9,11 @@
 
 use std::time::SystemTime;
 
+use proto::text::for_record;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use time::{OffsetDateTime, format_description::well_known::Rfc3339};
+
+use super::Record;
 
 /// One line of the audit log: its `side` says which process wrote it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -238,4 +241,49 @@ pub struct AgentTunnel {
     pub ended_by: EndedBy,
     /// The error's text, when it ended with one.
     pub error: Option<String>,
+}
+
+impl Record for AuditRecord {
+    fn bounded(self) -> Self {
+        match self {
+            Self::Server(t) => Self::Server(ServerTunnel {
+                frontend_peer: for_record(t.frontend_peer),
+                frontend_subject: t.frontend_subject.map(for_record),
+                destination: for_record(t.destination),
+                agent_id: t.agent_id.map(for_record),
+                error: t.error.map(for_record),
+                ..t
+            }),
+            Self::Agent(t) => Self::Agent(AgentTunnel {
+                server_id: for_record(t.server_id),
+                destination: for_record(t.destination),
+                resolved: t.resolved.map(for_record),
+                rule: t.rule.map(for_record),
+                error: t.error.map(for_record),
+                ..t
+            }),
+        }
+    }
+
+    fn weight(&self) -> usize {
+        let texts = match self {
+            Self::Server(t) => [
+                t.server_id.len(),
+                t.frontend_peer.len(),
+                t.frontend_subject.as_ref().map_or(0, String::len),
+                t.destination.len(),
+                t.agent_id.as_ref().map_or(0, String::len),
+                t.error.as_ref().map_or(0, String::len),
+            ],
+            Self::Agent(t) => [
+                t.agent_id.len(),
+                t.server_id.len(),
+                t.destination.len(),
+                t.resolved.as_ref().map_or(0, String::len),
+                t.rule.as_ref().map_or(0, String::len),
+                t.error.as_ref().map_or(0, String::len),
+            ],
+        };
+        std::mem::size_of::<Self>() + texts.iter().sum::<usize>()
+    }
 }

@@ -18,6 +18,16 @@ struct Numbered {
     n: u32,
 }
 
+impl Record for Numbered {
+    fn bounded(self) -> Self {
+        self
+    }
+
+    fn weight(&self) -> usize {
+        4
+    }
+}
+
 fn file_config(path: &std::path::Path, queue: usize) -> AuditConfig {
     AuditConfig {
         output: Output::File {
@@ -440,6 +450,99 @@ fn dash_writes_to_standard_out() {
     assert_eq!(numbers(&records), vec![7, 8, 9], "{stdout}");
     let stderr = String::from_utf8(output.stderr).unwrap();
     assert!(!stderr.contains("\"n\":"), "{stderr}");
+}
+
+fn server_record(destination: String, error: Option<String>) -> AuditRecord {
+    let start = Timestamp(SystemTime::UNIX_EPOCH + Duration::new(1_735_787_045, 123_456_789));
+    AuditRecord::Server(ServerTunnel {
+        time: start,
+        start,
+        server_id: "server-a".into(),
+        frontend_kind: FrontendKind::Grpc,
+        frontend_peer: String::new(),
+        frontend_subject: None,
+        destination,
+        dial_id: 1,
+        agent_id: None,
+        connection_id: None,
+        dial_seconds: None,
+        retries: 0,
+        hedges: 0,
+        bytes_to_agent: 0,
+        bytes_to_frontend: 0,
+        duration_seconds: 0.0,
+        end: ServerEnd::DialFailed,
+        ended_by: EndedBy::Agent,
+        error,
+    })
+}
+
+/// A destination of 4 MiB and an agent's error of as much reach the file
+/// as their first `RECORD_LIMIT` bytes, marked as cut (issue 51: records
+/// carried them whole, and a few hundred took GiBs).
+#[tokio::test]
+async fn peer_text_in_a_record_is_cut_and_marked() {
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let log = AuditLog::spawn(
+        Out::Writer(Box::new(Flushes {
+            out: out.clone(),
+            flushes: Arc::default(),
+        })),
+        16,
+        AuditMetrics::unregistered(),
+    );
+    let huge = "h".repeat(4 << 20);
+    let sink = log.sink();
+    assert!(sink.record(server_record(huge.clone(), Some(huge.clone()))));
+    assert!(sink.record(server_record("10.0.0.7:10250".into(), None)));
+    log.close(Duration::from_secs(10)).await;
+    let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+    assert!(text.len() < 4 * proto::text::RECORD_LIMIT, "{}", text.len());
+    let records: Vec<AuditRecord> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let AuditRecord::Server(cut) = &records[0] else {
+        panic!("{records:?}")
+    };
+    let mark = format!("…({} more bytes)", (4 << 20) - proto::text::RECORD_LIMIT);
+    assert!(cut.destination.ends_with(&mark), "{}", cut.destination);
+    assert!(cut.error.as_ref().unwrap().ends_with(&mark));
+    assert_eq!(records[1], server_record("10.0.0.7:10250".into(), None));
+}
+
+/// While the writer is stuck, records are queued up to [`QUEUE_BYTES`]
+/// and no further, however few they are.
+#[tokio::test]
+async fn the_queue_is_bounded_in_bytes_too() {
+    let (entered_tx, entered_rx) = std_mpsc::channel();
+    let (release_tx, release_rx) = std_mpsc::channel();
+    let metrics = AuditMetrics::unregistered();
+    let log = AuditLog::spawn(
+        Out::Writer(Box::new(Stalled {
+            entered: Some(entered_tx),
+            release: Some(release_rx),
+            out: Arc::default(),
+        })),
+        100_000,
+        metrics.clone(),
+    );
+    let sink = log.sink();
+    assert!(sink.record(server_record("first".into(), None)));
+    entered_rx.recv().unwrap();
+    // Each just under the text limit in both fields: about 2 KiB.
+    let text = "e".repeat(proto::text::RECORD_LIMIT);
+    let weight = server_record(text.clone(), Some(text.clone())).weight();
+    let mut queued = 0;
+    while sink.record(server_record(text.clone(), Some(text.clone()))) {
+        queued += 1;
+        assert!(queued <= QUEUE_BYTES / weight, "{queued} records queued");
+    }
+    assert_eq!(queued, QUEUE_BYTES / weight);
+    assert_eq!(metrics.dropped(), 1);
+    release_tx.send(()).unwrap();
+    log.close(Duration::from_secs(30)).await;
+    assert_eq!(metrics.written() as usize, queued + 1);
 }
 
 #[test]

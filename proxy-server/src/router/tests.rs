@@ -2208,3 +2208,28 @@ fn an_address_longer_than_a_host_name_and_port_is_refused_naming_the_limit() {
     );
     assert_eq!(b.router.pending_count(), 1);
 }
+
+/// The protocol is a frontend's text too: one of a few MiB, with a
+/// traceparent added, would pass an agent's decode limit as a long
+/// address did. It is refused naming its limit; `tcp` goes on.
+#[test]
+fn a_protocol_longer_than_a_network_name_is_refused_naming_the_limit() {
+    let mut b = Bench::new();
+    let fe = b.frontend();
+    let be = b.backend("a");
+    let long = "t".repeat(4 << 20);
+    let out = b.fe(fe, Packet::dial_request(&long, "10.0.0.1:443", 1));
+    assert_eq!(
+        out,
+        vec![format!(
+            "fe{fe} <- DIAL_RSP(1,0,the protocol ({} bytes) is longer than a network name can be (16 bytes))",
+            4 << 20
+        )],
+    );
+    let out = b.fe(fe, Packet::dial_request("tcp", "10.0.0.1:443", 2));
+    assert!(
+        out.iter()
+            .any(|o| o.starts_with(&format!("forward fe{fe} -> be{be}"))),
+        "{out:?}"
+    );
+}

@@ -78,7 +78,7 @@ impl End {
             DialError::AgentStreamClosed | DialError::AgentGone(_) => {
                 (ServerEnd::AgentGone, EndedBy::Agent)
             }
-            DialError::IdPending | DialError::AddressTooLong(_) => {
+            DialError::IdPending | DialError::AddressTooLong(_) | DialError::ProtocolTooLong(_) => {
                 (ServerEnd::DialFailed, EndedBy::Server)
             }
             DialError::Agent {

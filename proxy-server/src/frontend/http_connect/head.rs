@@ -62,7 +62,7 @@ pub(crate) fn dial_error_response(error: &DialError, target: &str) -> Vec<u8> {
         DialError::AgentStreamClosed => format!(
             "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain; charset=utf-8\r\n\r\nFailed to tunnel dial request: {AGENT_STREAM_CLOSED}\r\n"
         ),
-        DialError::AddressTooLong(_) => {
+        DialError::AddressTooLong(_) | DialError::ProtocolTooLong(_) => {
             format!("HTTP/1.1 400 Bad Request\r\n{close}\r\n\r\n{error}")
         }
         DialError::Agent { text, .. } => {

@@ -7,6 +7,11 @@ use std::fmt;
 /// How much of a peer's text a message repeats.
 pub const ECHO_LIMIT: usize = 256;
 
+/// How much of a peer's text a record keeps (an audit record's field, a
+/// span's attribute): a host name and port (259 bytes) whole, and any
+/// error text a destination or a resolver gives.
+pub const RECORD_LIMIT: usize = 1024;
+
 /// Shows at most [`ECHO_LIMIT`] bytes of a peer's text (cut at a character
 /// boundary), then `…` and how many bytes were left out.
 #[derive(Debug, Clone, Copy)]
@@ -14,15 +19,33 @@ pub struct Elided<'a>(pub &'a str);
 
 impl fmt::Display for Elided<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let text = self.0;
-        if text.len() <= ECHO_LIMIT {
-            return f.write_str(text);
+        match split(self.0, ECHO_LIMIT) {
+            None => f.write_str(self.0),
+            Some((kept, left)) => write!(f, "{kept}…({left} more bytes)"),
         }
-        let mut cut = ECHO_LIMIT;
-        while !text.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        write!(f, "{}…({} more bytes)", &text[..cut], text.len() - cut)
+    }
+}
+
+/// The first `limit` bytes of `text` at most (cut at a character boundary)
+/// and how many bytes were left out, if it is longer.
+fn split(text: &str, limit: usize) -> Option<(&str, usize)> {
+    if text.len() <= limit {
+        return None;
+    }
+    let mut cut = limit;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    Some((&text[..cut], text.len() - cut))
+}
+
+/// `text` for a record: whole up to [`RECORD_LIMIT`] bytes, past that its
+/// first [`RECORD_LIMIT`] bytes marked as cut, `…(N more bytes)`. Takes
+/// the text by value so that the common case moves it.
+pub fn for_record(text: String) -> String {
+    match split(&text, RECORD_LIMIT) {
+        None => text,
+        Some((kept, left)) => format!("{kept}…({left} more bytes)"),
     }
 }
 
@@ -60,6 +83,18 @@ mod tests {
                 .to_string()
                 .starts_with(&"é".repeat(ECHO_LIMIT / 2))
         );
+    }
+
+    #[test]
+    fn a_record_keeps_a_host_and_port_whole_and_marks_a_longer_text_cut() {
+        let longest = format!("{}:65535", "h".repeat(253));
+        assert_eq!(for_record(longest.clone()), longest);
+        let huge = "x".repeat(4 << 20);
+        let kept = for_record(huge);
+        assert!(kept.len() < RECORD_LIMIT + 32, "{}", kept.len());
+        assert!(kept.ends_with(&format!("…({} more bytes)", (4 << 20) - RECORD_LIMIT)));
+        let wide = "é".repeat(RECORD_LIMIT);
+        assert!(for_record(wide).starts_with(&"é".repeat(RECORD_LIMIT / 2)));
     }
 
     #[test]
