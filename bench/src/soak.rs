@@ -57,8 +57,8 @@ use self::{
     faults::FaultTimes,
     node::{NodeListener, NodeLog, StallListener},
     system::{
-        AgentPod, AgentSetup, Auth, DEST_IP, FrontendMode, Namespaces, RotatingPki, Server,
-        ServerSetup, Tokens,
+        AgentPod, AgentSetup, Auth, DEST_IP, FrontendMode, FrontendPki, Namespaces, RotatingPki,
+        Server, ServerSetup, Tokens,
     },
     traffic::{Counts, ExchangeLog, Front, GoSoak, Load, Maker},
     watch::{Lives, Samples, Slot, Slots, WatchSet, lock},
@@ -314,9 +314,11 @@ impl World {
             Auth::Mtls => None,
             Auth::Token => Some(Tokens::start(root.path()).await?),
         };
+        let frontend = FrontendPki::new(root.path())?;
         let setup = ServerSetup {
             root: root.path(),
             pki: &pki,
+            frontend: &frontend,
             tokens: tokens.as_ref(),
             dial_timeout: DIAL_TIMEOUT,
             keepalive: Duration::from_secs(2),
@@ -435,7 +437,7 @@ impl Traffic {
             let server = frontend.server().unwrap_or(0);
             let uds = world.servers[server].uds.clone();
             let front = match frontend {
-                Frontend::ConnectOurs => Front::Connect(uds.clone()),
+                Frontend::ConnectOurs => world.front(server),
                 _ => Front::Grpc(uds.clone()),
             };
             let maker = Maker {

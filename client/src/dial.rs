@@ -385,7 +385,7 @@ where
 }
 
 /// How the frontend is reached.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub enum Transport {
     /// A Unix socket (`--uds-name`).
     Uds(PathBuf),

@@ -8,9 +8,9 @@
 //!
 //! | fault | on the connections of | excuses |
 //! | --- | --- | --- |
-//! | agent kill -9, TokenReview outage (kills its agent) | that agent | a failed dial, an error, a CONNECT cut, a reset at the destination, a FIN before the request's end (its kernel closes the sockets) |
-//! | partition | that agent | a failed dial, an error, a CONNECT cut, a reset |
-//! | server kill -9 | that server | a failed dial, an error, a CONNECT cut, a reset |
+//! | agent kill -9, TokenReview outage (kills its agent) | that agent | a failed dial, an error, a reset at the destination, a FIN before the request's end (its kernel closes the sockets) |
+//! | partition | that agent | a failed dial, an error, a reset |
+//! | server kill -9 | that server | a failed dial, an error, a reset |
 //! | any other | - | nothing: the stalls and slow peers use connections of their own, rotations and rollouts must lose nothing |
 //!
 //! An end whose agent no witness saw (a dial that failed before reaching
@@ -19,7 +19,10 @@
 //! Likewise a reset at the destination before the request's header (its
 //! exchange, so its server, not known) may be put down to the kill of
 //! either server.
-//! A byte altered, bytes missing behind a clean end, and an exchange
+//! A byte altered, bytes missing behind a clean end (a CONNECT tunnel cut
+//! by a clean end too: the server resets a CONNECT tunnel whose agent or
+//! agent stream died, and a killed server's socket ends without TLS's
+//! close_notify, so either is an error at the frontend), and an exchange
 //! stuck past [`STUCK`] are never excused.
 
 use std::collections::HashMap;
@@ -54,7 +57,8 @@ pub enum Ending {
     DialFailed,
     /// The tunnel said it failed.
     Error,
-    /// A CONNECT tunnel ended by an EOF, bytes missing.
+    /// A CONNECT tunnel ended by a clean end (TLS close_notify and a
+    /// FIN), bytes missing: a broken tunnel that looked whole.
     Cut,
     /// A reset at the destination.
     Reset,
@@ -85,7 +89,7 @@ impl Ending {
 
     /// Whether some fault may excuse it.
     pub fn excusable(self) -> bool {
-        !matches!(self, Self::Silent | Self::Corrupt | Self::Stuck)
+        !matches!(self, Self::Cut | Self::Silent | Self::Corrupt | Self::Stuck)
     }
 }
 
@@ -153,27 +157,26 @@ pub fn explains(
     carrier: Carrier,
     server: Option<usize>,
 ) -> bool {
-    use Ending::{Cut, DialFailed, Error, Reset, Truncated};
+    use Ending::{DialFailed, Error, Reset, Truncated};
     if !ending.excusable() {
         return false;
     }
     match (fault.fault, fault.hit) {
         (Fault::AgentKill | Fault::TokenOutage, Hit::Agent(a)) => match carrier {
             Carrier::Slot(c) => c == a,
-            Carrier::Unknown => matches!(ending, DialFailed | Error | Cut),
+            Carrier::Unknown => matches!(ending, DialFailed | Error),
             Carrier::Probe => false,
         },
         (Fault::Partition, Hit::Agent(a)) => {
             ending != Truncated
                 && match carrier {
                     Carrier::Slot(c) => c == a,
-                    Carrier::Unknown => matches!(ending, DialFailed | Error | Cut),
+                    Carrier::Unknown => matches!(ending, DialFailed | Error),
                     Carrier::Probe => false,
                 }
         }
         (Fault::ServerKill, Hit::Server(s)) => {
-            matches!(ending, DialFailed | Error | Cut | Reset)
-                && server.is_none_or(|server| server == s)
+            matches!(ending, DialFailed | Error | Reset) && server.is_none_or(|server| server == s)
         }
         _ => false,
     }
@@ -462,7 +465,6 @@ mod tests {
         for e in [
             Ending::DialFailed,
             Ending::Error,
-            Ending::Cut,
             Ending::Reset,
             Ending::Truncated,
         ] {
@@ -470,7 +472,7 @@ mod tests {
             assert!(!explains(&kill, e, Carrier::Slot(2), Some(0)), "{e:?}");
             assert!(!explains(&kill, e, Carrier::Probe, Some(0)), "{e:?}");
         }
-        for e in [Ending::Silent, Ending::Corrupt, Ending::Stuck] {
+        for e in [Ending::Cut, Ending::Silent, Ending::Corrupt, Ending::Stuck] {
             assert!(!explains(&kill, e, Carrier::Slot(1), Some(0)), "{e:?}");
         }
         // Not witnessed at the node: only what never reached it.

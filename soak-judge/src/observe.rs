@@ -77,8 +77,9 @@ pub enum FrontendEnd {
     /// The tunnel said it failed (a gRPC stream error, CLOSE_RSP or DATA
     /// with an error, a reset).
     Error,
-    /// HTTP CONNECT on a Unix socket: an EOF with bytes missing, the only
-    /// end such a tunnel has once the 200 is sent.
+    /// HTTP CONNECT (over TLS): a clean end with bytes missing. Never
+    /// excused: a tunnel whose agent or server died ends with a reset or
+    /// without close_notify, an error.
     Cut,
     /// A byte that differs, bytes past the answer, or bytes missing before
     /// an end that said nothing was wrong.

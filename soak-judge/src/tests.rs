@@ -417,6 +417,37 @@ fn an_end_on_a_healthy_agent_during_another_agents_kill_is_not_excused() {
     );
 }
 
+/// Issue 51: a CONNECT tunnel whose agent was killed is reset at its
+/// frontend (an error, excused); one that ends cleanly with bytes missing
+/// looked whole, and fails the run even on the killed agent.
+#[test]
+fn a_connect_tunnel_cut_cleanly_is_not_excused_by_its_own_agents_kill() {
+    let mut run = run_of(&healthy_traffic());
+    add(
+        &mut run,
+        Frontend::ConnectOurs,
+        1,
+        (29.8, 30.1),
+        FrontendEnd::Error,
+        Some(NodeEnd::Reset),
+    );
+    assert_eq!(failing(&run), Vec::<String>::new());
+    add(
+        &mut run,
+        Frontend::ConnectOurs,
+        1,
+        (29.7, 30.1),
+        FrontendEnd::Cut,
+        Some(NodeEnd::Reset),
+    );
+    let found = failing(&run);
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].contains("http-connect, ours: cut by an EOF at 30.1 s (from 29.7 s) on agent-1"),
+        "{found:#?}"
+    );
+}
+
 #[test]
 fn a_server_kill_excuses_its_own_exchanges_and_no_fin() {
     let mut run = run_of(&healthy_traffic());
@@ -803,7 +834,8 @@ proptest! {
         let any_agent = |f: &FaultRecord| matches!(f.fault, Fault::AgentKill | Fault::Partition);
         let excused = match (front, node) {
             (FrontendEnd::Ok, _) => true,
-            (FrontendEnd::Silent | FrontendEnd::Stuck, _) | (_, Some(NodeEnd::Corrupt)) => false,
+            (FrontendEnd::Silent | FrontendEnd::Stuck | FrontendEnd::Cut, _)
+            | (_, Some(NodeEnd::Corrupt)) => false,
             (_, Some(NodeEnd::Truncated)) => run.faults.iter().any(|f| window(f) && kills(f)),
             (FrontendEnd::DialFailed, None) => run
                 .faults

@@ -120,7 +120,12 @@ impl World {
         let server = &self.servers[index];
         match server.mode {
             FrontendMode::Grpc => Front::Grpc(server.uds.clone()),
-            FrontendMode::HttpConnect => Front::Connect(server.uds.clone()),
+            FrontendMode::HttpConnect => Front::Connect(
+                server
+                    .connect
+                    .clone()
+                    .expect("the CONNECT server listens on mTLS TCP"),
+            ),
         }
     }
 
@@ -574,40 +579,28 @@ impl World {
             };
             for _ in 0..SLOWLORIS {
                 let uds = server.uds.clone();
+                let connect = server.connect.clone();
                 tasks.spawn(async move {
                     let began = tokio::time::Instant::now();
-                    let closed = || Some(began.elapsed().as_secs_f64());
-                    let Ok(mut io) = UnixStream::connect(&uds).await else {
-                        return SlowPeer {
-                            http_connect,
-                            closed_after: None,
-                        };
+                    let closed_after = match connect {
+                        // The CONNECT server is on mTLS TCP: the slow head
+                        // comes after a prompt handshake.
+                        Some(client::dial::Transport::Tls {
+                            addr,
+                            server_name,
+                            tls,
+                        }) => match tls_connect(addr, &server_name, tls).await {
+                            Ok(io) => slow_peer(io, opening, deadline, began).await,
+                            Err(_) => None,
+                        },
+                        _ => match UnixStream::connect(&uds).await {
+                            Ok(io) => slow_peer(io, opening, deadline, began).await,
+                            Err(_) => None,
+                        },
                     };
-                    let mut buf = [0u8; 256];
-                    for byte in opening.iter().cycle() {
-                        if tokio::time::Instant::now() >= deadline {
-                            break;
-                        }
-                        if io.write_all(&[*byte]).await.is_err() {
-                            return SlowPeer {
-                                http_connect,
-                                closed_after: closed(),
-                            };
-                        }
-                        // The server may answer (an error page) and close.
-                        if let Ok(r) =
-                            tokio::time::timeout(Duration::from_secs(1), io.read(&mut buf)).await
-                            && matches!(r, Ok(0) | Err(_))
-                        {
-                            return SlowPeer {
-                                http_connect,
-                                closed_after: closed(),
-                            };
-                        }
-                    }
                     SlowPeer {
                         http_connect,
-                        closed_after: None,
+                        closed_after,
                     }
                 });
             }
@@ -673,6 +666,50 @@ impl World {
     }
 }
 
+/// Sends `opening` a byte a second until `deadline` (after `began`);
+/// when the server closed the connection, if it did.
+async fn slow_peer(
+    mut io: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    opening: &[u8],
+    deadline: tokio::time::Instant,
+    began: tokio::time::Instant,
+) -> Option<f64> {
+    let closed = || Some(began.elapsed().as_secs_f64());
+    let mut buf = [0u8; 256];
+    for byte in opening.iter().cycle() {
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        if io.write_all(&[*byte]).await.is_err() || io.flush().await.is_err() {
+            return closed();
+        }
+        // The server may answer (an error page) and close.
+        if let Ok(r) = tokio::time::timeout(Duration::from_secs(1), io.read(&mut buf)).await
+            && matches!(r, Ok(0) | Err(_))
+        {
+            return closed();
+        }
+    }
+    None
+}
+
+/// A TLS connection to the CONNECT frontend at `addr`.
+async fn tls_connect(
+    addr: SocketAddr,
+    server_name: &str,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let mut config = (*tls).clone();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())?;
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    Ok(
+        tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+            .connect(name, tcp)
+            .await?,
+    )
+}
+
 /// A tunnel through `front` to `addr`.
 async fn dial(front: &Front, addr: SocketAddr) -> anyhow::Result<Box<dyn client::dial::Io>> {
     let dialer = match front {
@@ -680,8 +717,8 @@ async fn dial(front: &Front, addr: SocketAddr) -> anyhow::Result<Box<dyn client:
             transport: client::dial::Transport::Uds(path.clone()),
             mode: client::dial::Mode::Grpc,
         },
-        Front::Connect(path) => client::dial::Dialer {
-            transport: client::dial::Transport::Uds(path.clone()),
+        Front::Connect(transport) => client::dial::Dialer {
+            transport: transport.clone(),
             mode: client::dial::Mode::HttpConnect,
         },
     };

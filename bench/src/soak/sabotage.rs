@@ -24,7 +24,7 @@
 //! that there is something to find.
 //!
 //! The run passes only when the judge found what was done to agent 2 (in
-//! each window, ends of the kind it causes: an error, a reset or a cut
+//! each window, ends of the kind it causes: an error or a reset
 //! within 2 s of a close or a crash; a stuck exchange after the drop) and
 //! nothing else (every unexcused end on agent 2, or on an agent not
 //! witnessed, within a window and its aftermath; no other check failed),
@@ -209,11 +209,10 @@ impl Act {
     /// The ends it must cause.
     fn causes(self) -> &'static [Ending] {
         match self {
-            Self::Close => &[Ending::Error, Ending::Reset, Ending::Cut],
+            Self::Close => &[Ending::Error, Ending::Reset],
             Self::Crash => &[
                 Ending::Error,
                 Ending::Reset,
-                Ending::Cut,
                 Ending::Truncated,
                 Ending::DialFailed,
             ],

@@ -12,6 +12,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     process::Command,
+    sync::Arc,
     time::Duration,
 };
 
@@ -420,8 +421,10 @@ pub struct Server {
     pub index: usize,
     /// Its frontend protocol.
     pub mode: FrontendMode,
-    /// The frontend socket.
+    /// The frontend socket (the gRPC server's).
     pub uds: PathBuf,
+    /// How our CONNECT client reaches the CONNECT server: mTLS TCP.
+    pub connect: Option<client::dial::Transport>,
     /// The agent listener (127.0.0.1).
     pub agent_addr: SocketAddr,
     /// The health port (`/metrics`).
@@ -436,12 +439,41 @@ pub struct Server {
     logs: PathBuf,
 }
 
+/// The CONNECT frontend's certificates (server, client, their CA): the
+/// CONNECT server listens on mTLS TCP, where a broken tunnel can end with
+/// a reset (a Unix socket has none). They never rotate.
+pub struct FrontendPki {
+    /// The files: `frontend-ca.crt`, `proxy-frontend.*`, `proxy-client.*`.
+    pub dir: PathBuf,
+    /// Our CONNECT client's TLS (trust and client certificate).
+    pub client: Arc<rustls::ClientConfig>,
+}
+
+impl FrontendPki {
+    /// Fresh certificates under `root`.
+    ///
+    /// # Errors
+    /// Generating, writing or loading them fails.
+    pub fn new(root: &Path) -> anyhow::Result<Self> {
+        let dir = root.join("frontend-pki");
+        certs::ClusterPki::generate(&[])?.write_to(&dir)?;
+        let client = ops::tls::client_config(
+            &dir.join("frontend-ca.crt"),
+            Some((&dir.join("proxy-client.crt"), &dir.join("proxy-client.key"))),
+            &[],
+        )?;
+        Ok(Self { dir, client })
+    }
+}
+
 /// Flags common to the soak's servers.
 pub struct ServerSetup<'a> {
     /// Where the files and logs go.
     pub root: &'a Path,
     /// The PKI.
     pub pki: &'a RotatingPki,
+    /// The CONNECT frontend's certificates.
+    pub frontend: &'a FrontendPki,
     /// The TokenReview stand-in in token mode.
     pub tokens: Option<&'a Tokens>,
     /// `--backend-dial-timeout`.
@@ -465,10 +497,33 @@ impl Server {
         let (agent_port, health_port) = free_ports()?;
         let uds = setup.root.join(format!("server-{index}.sock"));
         let file = |f: &str| setup.pki.server_dir.join(f).display().to_string();
-        let mut args = vec![
-            format!("--mode={}", mode.flag()),
-            format!("--uds-name={}", uds.display()),
-            "--server-port=0".to_owned(),
+        let mut args = vec![format!("--mode={}", mode.flag())];
+        let connect = match mode {
+            FrontendMode::Grpc => {
+                args.extend([
+                    format!("--uds-name={}", uds.display()),
+                    "--server-port=0".to_owned(),
+                ]);
+                None
+            }
+            FrontendMode::HttpConnect => {
+                let (port, _) = free_ports()?;
+                let pem = |f: &str| setup.frontend.dir.join(f).display().to_string();
+                args.extend([
+                    "--server-bind-address=127.0.0.1".to_owned(),
+                    format!("--server-port={port}"),
+                    format!("--server-cert={}", pem("proxy-frontend.crt")),
+                    format!("--server-key={}", pem("proxy-frontend.key")),
+                    format!("--server-ca-cert={}", pem("frontend-ca.crt")),
+                ]);
+                Some(client::dial::Transport::Tls {
+                    addr: SocketAddr::from(([127, 0, 0, 1], port)),
+                    server_name: "127.0.0.1".to_owned(),
+                    tls: setup.frontend.client.clone(),
+                })
+            }
+        };
+        args.extend([
             format!("--cluster-cert={}", file("cluster.crt")),
             format!("--cluster-key={}", file("cluster.key")),
             "--agent-bind-address=127.0.0.1".to_owned(),
@@ -483,7 +538,7 @@ impl Server {
                 "--backend-dial-timeout={}ms",
                 setup.dial_timeout.as_millis()
             ),
-        ];
+        ]);
         match setup.tokens {
             None => args.push(format!("--cluster-ca-cert={}", file("agent-ca.crt"))),
             Some(tokens) => args.extend([
@@ -501,6 +556,7 @@ impl Server {
             index,
             mode,
             uds,
+            connect,
             agent_addr: SocketAddr::from(([127, 0, 0, 1], agent_port)),
             health: SocketAddr::from(([127, 0, 0, 1], health_port)),
             process: None,

@@ -33,7 +33,6 @@ use std::{
 use soak_judge::{Exchange, Frontend, FrontendEnd, samples::CountsSnap};
 use tokio::{
     io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader},
-    net::UnixStream,
     process::{Child, ChildStdin, Command},
     task::JoinSet,
 };
@@ -154,8 +153,8 @@ impl Pattern {
 pub enum Front {
     /// gRPC on the Unix socket: our client's single-use tunnel.
     Grpc(PathBuf),
-    /// HTTP CONNECT on the Unix socket.
-    Connect(PathBuf),
+    /// HTTP CONNECT over mTLS TCP, where a broken tunnel is reset.
+    Connect(client::dial::Transport),
 }
 
 /// How [`run_exchange`] stopped.
@@ -312,7 +311,7 @@ fn log_end(maker: &Maker, end: FrontendEnd, why: &str) {
     let what = match end {
         FrontendEnd::Silent => "LOST SILENTLY",
         FrontendEnd::Stuck => "an exchange stuck",
-        FrontendEnd::Cut => "an HTTP CONNECT tunnel ended with an EOF",
+        FrontendEnd::Cut => "an HTTP CONNECT tunnel ended cleanly with bytes missing",
         _ => return,
     };
     eprintln!(
@@ -340,16 +339,14 @@ async fn dial_and_run(
         .await
         .map(Dialed::Grpc)
         .map_err(|e| format!("{e}")),
-        Front::Connect(path) => async {
-            let io = UnixStream::connect(path)
-                .await
-                .map_err(|e| format!("connecting to {}: {e}", path.display()))?;
-            client::dial::http_connect(io, &target)
-                .await
-                .map_err(|e| format!("{e}"))
+        Front::Connect(transport) => client::dial::Dialer {
+            transport: transport.clone(),
+            mode: client::dial::Mode::HttpConnect,
         }
+        .dial(&target)
         .await
-        .map(Dialed::Connect),
+        .map(Dialed::Connect)
+        .map_err(|e| format!("{e}")),
     };
     let dial_s = began.elapsed().as_secs_f64();
     let dialed = match dialed {
@@ -372,6 +369,8 @@ async fn dial_and_run(
                 ),
             }
         }
+        // Over TLS a broken tunnel is a reset or an end without
+        // close_notify: an error. A clean end with bytes missing is a cut.
         Dialed::Connect(mut io) => match run_exchange(&mut io, seed, x, counts).await {
             End::Done => (FrontendEnd::Ok, None),
             End::Mismatch => (FrontendEnd::Silent, Some("a byte differs".to_owned())),
@@ -385,7 +384,7 @@ async fn dial_and_run(
 /// A dialed tunnel.
 enum Dialed {
     Grpc(client::dial::TunnelConn),
-    Connect(UnixStream),
+    Connect(Box<dyn client::dial::Io>),
 }
 
 /// The load each frontend offers.
