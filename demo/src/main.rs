@@ -157,6 +157,7 @@ fn server_config(mode: Mode, name: &str, socket: &Path, dir: &Path) -> Result<Co
             timeout: None,
             retries: 1,
             hedge: None,
+            caps: proxy_server::DialCaps::default(),
         },
         flow_control: true,
         flow_window: tunnel::flow::Window::V1,

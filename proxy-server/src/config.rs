@@ -17,7 +17,7 @@ use tunnel::{
 use crate::{
     auth::TokenAuthConfig,
     lease::{LeaseConfig, parse_labels},
-    router::{DialPolicy, HedgeDelay},
+    router::{DialCaps, DialPolicy, HedgeDelay},
     strategy::{ProxyStrategy, parse_strategies},
 };
 
@@ -292,6 +292,16 @@ pub struct Args {
     /// more are answered 503 and closed.
     #[arg(long, default_value_t = 65_536)]
     pub max_http_connections: usize,
+    /// Dials pending at once on one frontend stream (konnectivity-rs); more
+    /// are refused at once with a DIAL_RSP error naming this flag.
+    /// kube-apiserver's streams carry one dial each.
+    #[arg(long, default_value_t = DialCaps::default().per_frontend)]
+    pub max_pending_dials_per_frontend: usize,
+    /// Dials sent to one agent stream and not yet answered (konnectivity-rs);
+    /// an agent at the cap is not picked: another agent of the strategy
+    /// takes the dial, or it is refused with an error naming this flag.
+    #[arg(long, default_value_t = DialCaps::default().per_agent)]
+    pub max_pending_dials_per_agent: usize,
     /// How long a connection's frontend may leave its queued bytes untaken
     /// before the connection is closed with an error at both ends
     /// (konnectivity-rs); 0 never closes. With agents that do not
@@ -776,6 +786,10 @@ fn dial_policy(args: &Args) -> DialPolicy {
         hedge: args
             .backend_dial_hedge
             .then_some(args.backend_dial_hedge_delay),
+        caps: DialCaps {
+            per_frontend: args.max_pending_dials_per_frontend,
+            per_agent: args.max_pending_dials_per_agent,
+        },
     }
 }
 
@@ -989,6 +1003,14 @@ fn limits(args: &Args) -> Result<(), ConfigError> {
         ("buffer-budget-bytes", args.buffer_budget_bytes),
         ("max-tls-handshakes", args.max_tls_handshakes),
         ("max-http-connections", args.max_http_connections),
+        (
+            "max-pending-dials-per-frontend",
+            args.max_pending_dials_per_frontend,
+        ),
+        (
+            "max-pending-dials-per-agent",
+            args.max_pending_dials_per_agent,
+        ),
     ] {
         if value == 0 {
             return Err(invalid(flag, "must be greater than 0"));
@@ -1178,6 +1200,7 @@ mod tests {
                 timeout: Some(Duration::from_millis(500)),
                 retries: 1,
                 hedge: None,
+                caps: DialCaps::default(),
             }
         );
         assert_eq!(c.server_id.0, "replica-1");

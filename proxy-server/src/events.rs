@@ -142,6 +142,12 @@ pub(crate) enum DialError {
     /// The DIAL_REQ's protocol (this many bytes) is longer than any
     /// network name can be ([`MAX_PROTOCOL`]).
     ProtocolTooLong(usize),
+    /// The frontend's stream already has this many dials pending
+    /// (`--max-pending-dials-per-frontend`).
+    TooManyPending(usize),
+    /// Every agent that could take it has this many dials pending
+    /// (`--max-pending-dials-per-agent`).
+    AgentsBusy(usize),
     /// The agent's stream ended while the dial was pending.
     AgentGone(AgentId),
     /// The agent answered with a connection id already in use.
@@ -170,6 +176,14 @@ impl fmt::Display for DialError {
             Self::ProtocolTooLong(len) => write!(
                 f,
                 "the protocol ({len} bytes) is longer than a network name can be ({MAX_PROTOCOL} bytes)"
+            ),
+            Self::TooManyPending(limit) => write!(
+                f,
+                "{limit} dials already pending on this stream (--max-pending-dials-per-frontend)"
+            ),
+            Self::AgentsBusy(limit) => write!(
+                f,
+                "every agent that could take it has {limit} dials pending (--max-pending-dials-per-agent)"
             ),
             Self::AgentGone(agent) => write!(f, "agent {} disconnected", Elided(&agent.0)),
             Self::ConnIdInUse(conn) => write!(f, "connection id {conn} already in use"),

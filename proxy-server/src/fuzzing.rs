@@ -518,6 +518,15 @@ impl RouterRun {
                 6 => Some(HedgeDelay::Percentile(90)),
                 _ => None,
             },
+            // Now and then caps small enough to be reached.
+            caps: if input.byte() % 4 == 0 {
+                crate::router::DialCaps {
+                    per_frontend: 1 + input.below(4),
+                    per_agent: 1 + input.below(4),
+                }
+            } else {
+                crate::router::DialCaps::default()
+            },
         };
         let seed = u64::from(input.byte());
         let watch = Watch {
@@ -646,15 +655,20 @@ impl RouterRun {
         if live.iter().any(|b| self.draining.contains(b)) {
             return;
         }
+        // Each agent's first stream that was not at its cap of pending
+        // dials.
         let mut candidates = Vec::new();
         for agent in 0..3 {
-            if let Some(first) = live.iter().find(|b| agents.get(b) == Some(&agent)) {
+            if let Some(first) = live
+                .iter()
+                .find(|b| agents.get(b) == Some(&agent) && !self.router.was_full(**b, chosen))
+            {
                 candidates.push(*first);
             }
         }
         assert!(
             candidates.contains(&chosen),
-            "the pick chose be{chosen}, not an agent's first stream: {candidates:?}"
+            "the pick chose be{chosen}, not an agent's first stream with room: {candidates:?}"
         );
         if candidates.len() < 2 {
             return;

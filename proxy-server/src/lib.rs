@@ -70,7 +70,7 @@ mod traces;
 
 pub use events::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, NO_AGENT};
 pub use frontend::{http_connect::ESTABLISHED, lanes::UPLOAD_GRACE};
-pub use router::{DialPolicy, HedgeDelay, MISMATCHED, STALLED, UPLOAD_STALLED};
+pub use router::{DialCaps, DialPolicy, HedgeDelay, MISMATCHED, STALLED, UPLOAD_STALLED};
 
 /// The lock audit of a server instance: which streams took which lock
 /// (see `tunnel::sync::audit`).

@@ -64,7 +64,8 @@ pub(crate) struct Pick<'a> {
     draining: &'a HashSet<BackendId>,
     /// Backends the dial was already sent to.
     exclude: &'a [BackendId],
-    /// Each backend's open connections and pending dials.
+    /// Each backend's open connections and pending dials, weighed;
+    /// `usize::MAX` for one that takes no more dials (at its cap).
     load: &'a dyn Fn(BackendId) -> usize,
     /// Where random choices come from.
     rng: &'a mut fastrand::Rng,
@@ -73,7 +74,9 @@ pub(crate) struct Pick<'a> {
 impl Pick<'_> {
     /// Whether `backend` may take the dial (`draining`: also if draining).
     fn allows(&self, backend: BackendId, draining: bool) -> bool {
-        !self.exclude.contains(&backend) && (draining || !self.draining.contains(&backend))
+        !self.exclude.contains(&backend)
+            && (draining || !self.draining.contains(&backend))
+            && (self.load)(backend) != usize::MAX
     }
 
     /// The less loaded of `a` and `b` (`a` on a tie).

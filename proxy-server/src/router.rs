@@ -39,7 +39,7 @@ use self::dials::{
 };
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use self::dials::{DECAY, FLOOR};
-pub use self::dials::{DialPolicy, HedgeDelay};
+pub use self::dials::{DialCaps, DialPolicy, HedgeDelay};
 pub(crate) use crate::ids::{BackendId, FrontendId};
 use crate::{
     events::{CloseReason, DialError, DialFailure, DialRetry, MAX_ADDRESS, MAX_PROTOCOL},
@@ -517,7 +517,13 @@ impl Router {
         } else {
             None
         };
-        if let Some(error) = too_long {
+        let caps = self.policy.caps;
+        let crowded = self
+            .frontends
+            .get(&fe)
+            .is_some_and(|e| e.pending.len() >= caps.per_frontend);
+        let refused = too_long.or(crowded.then_some(DialError::TooManyPending(caps.per_frontend)));
+        if let Some(error) = refused {
             out.push(Out::DialFailed {
                 frontend: fe,
                 dial: id,
@@ -531,10 +537,17 @@ impl Router {
             if kind == Some(FrontendKind::Grpc) {
                 out.push(Out::Count(Event::DialFailed(DialFailure::NoAgent)));
             }
+            // Agents at their cap are not picked: say so rather than "no
+            // agent" when one of them is why.
+            let error = if self.backends.values().any(|b| b.pending >= caps.per_agent) {
+                DialError::AgentsBusy(caps.per_agent)
+            } else {
+                DialError::NoAgent
+            };
             out.push(Out::DialFailed {
                 frontend: fe,
                 dial: id,
-                error: DialError::NoAgent,
+                error,
             });
             return;
         };
@@ -582,9 +595,11 @@ impl Router {
     ) -> Option<(BackendId, Scope)> {
         let (typical, floor) = self.weights(now);
         let backends = &self.backends;
+        let cap = self.policy.caps.per_agent;
         let cost = |b: BackendId| {
             backends
                 .get(&b)
+                .filter(|entry| entry.pending < cap)
                 .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
         };
         self.manager.pick(address, tried, &cost)
@@ -601,9 +616,11 @@ impl Router {
     ) -> Option<BackendId> {
         let (typical, floor) = self.weights(now);
         let backends = &self.backends;
+        let cap = self.policy.caps.per_agent;
         let cost = |b: BackendId| {
             backends
                 .get(&b)
+                .filter(|entry| entry.pending < cap)
                 .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
         };
         self.manager.pick_within(scope, tried, &cost)
@@ -1381,7 +1398,13 @@ impl Router {
     /// - a frontend remembers at most [`RECENTLY_CLOSED`] closed ids.
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn check(&self) {
+        let caps = self.policy.caps;
         for (be, backend) in &self.backends {
+            assert!(
+                backend.pending <= caps.per_agent,
+                "be{be} has {} dials pending, over its cap",
+                backend.pending
+            );
             for (id, conn) in &backend.conns {
                 let frontend = self.frontends.get(&conn.frontend).unwrap_or_else(|| {
                     panic!("conn {id} of be{be}: frontend fe{} gone", conn.frontend)
@@ -1400,6 +1423,11 @@ impl Router {
                 "failed fe{fe} keeps connections"
             );
             assert!(frontend.recently_closed.len() <= RECENTLY_CLOSED);
+            assert!(
+                frontend.pending.len() <= caps.per_frontend,
+                "fe{fe} has {} dials pending, over its cap",
+                frontend.pending.len()
+            );
             for (id, be) in &frontend.conns {
                 assert_eq!(
                     self.conn(*be, *id).map(|c| c.frontend),
@@ -1546,6 +1574,16 @@ impl Router {
     pub(crate) fn least_cost(&self, now: Instant, backend: BackendId) -> Option<usize> {
         let entry = self.backends.get(&backend)?;
         Some(entry.cost(now, Duration::ZERO, Duration::ZERO))
+    }
+
+    /// Whether `backend` was at its cap of pending dials
+    /// (`--max-pending-dials-per-agent`) before the dial just sent to
+    /// `chosen`; for the fuzz target's pick check.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn was_full(&self, backend: BackendId, chosen: BackendId) -> bool {
+        self.backends.get(&backend).is_some_and(|entry| {
+            entry.pending - usize::from(backend == chosen) >= self.policy.caps.per_agent
+        })
     }
 
     /// What the pick that just chose weighed `backend` at `now`, as it

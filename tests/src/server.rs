@@ -223,6 +223,7 @@ impl TestServer {
                 timeout: opts.backend_dial_timeout,
                 retries: opts.backend_dial_retries,
                 hedge: opts.backend_dial_hedge,
+                caps: proxy_server::DialCaps::default(),
             },
             flow_control: opts.flow_control,
             flow_window: opts.flow_window,

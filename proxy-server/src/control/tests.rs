@@ -725,6 +725,7 @@ proptest! {
             timeout: Some(Duration::from_secs(5)),
             retries,
             hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(1))),
+            caps: crate::router::DialCaps::default(),
         };
         run_case(ops, policy)?;
     }

@@ -360,6 +360,7 @@ fn control() -> Arc<Control> {
             timeout: None,
             retries: 0,
             hedge: None,
+            caps: crate::router::DialCaps::default(),
         },
         metrics,
         Budgets::new(64 << 20),

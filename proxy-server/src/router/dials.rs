@@ -27,16 +27,43 @@ pub struct DialPolicy {
     pub retries: u32,
     /// `--backend-dial-hedge`: when a second agent is asked; `None`: never.
     pub hedge: Option<HedgeDelay>,
+    /// How many dials may be pending at once, per frontend stream and per
+    /// agent stream.
+    pub caps: DialCaps,
 }
 
 impl DialPolicy {
-    /// ANP's behaviour: no retry, no hedge.
+    /// ANP's behaviour: no retry, no hedge (and our caps).
     #[cfg(test)]
     pub(crate) fn plain(timeout: Option<Duration>) -> Self {
         Self {
             timeout,
             retries: 0,
             hedge: None,
+            caps: DialCaps::default(),
+        }
+    }
+}
+
+/// Dials pending at once, at most: no frontend makes the server hold more
+/// than its share of dials, and no agent is sent more than it can answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DialCaps {
+    /// `--max-pending-dials-per-frontend`: on one frontend stream (a
+    /// CONNECT request is a stream of one dial); past it a dial is refused
+    /// at once.
+    pub per_frontend: usize,
+    /// `--max-pending-dials-per-agent`: sent to one agent stream and not
+    /// answered; an agent at its cap is not picked (another is, or the
+    /// dial is refused).
+    pub per_agent: usize,
+}
+
+impl Default for DialCaps {
+    fn default() -> Self {
+        Self {
+            per_frontend: 1024,
+            per_agent: 2048,
         }
     }
 }

@@ -553,6 +553,7 @@ fn retrying(hedge: bool) -> Bench {
             timeout: Some(LIMIT),
             retries: 1,
             hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(1))),
+            caps: crate::router::DialCaps::default(),
         },
     )
 }
@@ -767,6 +768,7 @@ fn a_dest_host_dial_whose_agent_dies_falls_back_to_default() {
             timeout: None,
             retries: 1,
             hedge: None,
+            caps: crate::router::DialCaps::default(),
         },
     );
     let node = b.router.add_backend(AgentInfo {
@@ -914,6 +916,7 @@ fn dest_host_and_default(hedge: bool) -> (Bench, BackendId, BackendId) {
             timeout: Some(LIMIT),
             retries: 1,
             hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(1))),
+            caps: crate::router::DialCaps::default(),
         },
     );
     let a = b.router.add_backend(AgentInfo {
@@ -1180,6 +1183,7 @@ fn an_agent_that_stops_answering_stops_winning_dials() {
             timeout: Some(LIMIT),
             retries: 0,
             hedge: None,
+            caps: crate::router::DialCaps::default(),
         },
         &[
             Answers::ThenSilent(Duration::from_millis(1), 1),
@@ -1206,6 +1210,7 @@ fn an_agent_that_refuses_every_dial_at_once_gets_no_more_than_its_share() {
             timeout: Some(LIMIT),
             retries: 1,
             hedge: None,
+            caps: crate::router::DialCaps::default(),
         },
         &[Answers::Refused, Answers::After(fast), Answers::After(fast)],
     );
@@ -1228,6 +1233,7 @@ fn an_agent_that_answers_instantly_gets_a_bounded_share() {
             timeout: Some(LIMIT),
             retries: 1,
             hedge: Some(HedgeDelay::Percentile(95)),
+            caps: crate::router::DialCaps::default(),
         },
         &[
             Answers::After(Duration::ZERO),
@@ -1256,6 +1262,7 @@ fn the_hedge_delay_never_falls_below_the_agents_median() {
             timeout: Some(LIMIT),
             retries: 0,
             hedge: Some(HedgeDelay::Percentile(50)),
+            caps: crate::router::DialCaps::default(),
         },
         &[
             Answers::After(Duration::ZERO),
@@ -1950,6 +1957,7 @@ proptest! {
             timeout: Some(LIMIT),
             retries,
             hedge: hedge.then_some(HedgeDelay::Fixed(Duration::from_secs(2))),
+            caps: crate::router::DialCaps::default(),
         };
         let strategies: &[ProxyStrategy] = if dest_host {
             &[ProxyStrategy::DestHost, ProxyStrategy::Default]
@@ -2232,4 +2240,57 @@ fn a_protocol_longer_than_a_network_name_is_refused_naming_the_limit() {
             .any(|o| o.starts_with(&format!("forward fe{fe} -> be{be}"))),
         "{out:?}"
     );
+}
+
+/// Issue 51, item 5: a frontend stream holds at most
+/// `--max-pending-dials-per-frontend` dials; an agent stream is sent at
+/// most `--max-pending-dials-per-agent` unanswered dials: past it another
+/// agent takes the dial, and with none left the dial is refused naming
+/// the flag. An answer makes room again.
+#[test]
+fn pending_dials_are_capped_per_frontend_and_per_agent() {
+    let mut b = Bench::with_policy(
+        &[ProxyStrategy::Default],
+        DialPolicy {
+            caps: crate::router::DialCaps {
+                per_frontend: 3,
+                per_agent: 2,
+            },
+            ..DialPolicy::plain(Some(LIMIT))
+        },
+    );
+    let [x, y] = [b.backend("a"), b.backend("b")];
+    let fe = b.frontend();
+    let mut to = [b.dial_out(fe, 1), b.dial_out(fe, 2), b.dial_out(fe, 3)];
+    to.sort_unstable();
+    let out = b.fe(fe, dial(4));
+    assert_eq!(
+        out,
+        strings(&[&format!(
+            "fe{fe} <- DIAL_RSP(4,0,3 dials already pending on this stream (--max-pending-dials-per-frontend))"
+        )]),
+    );
+    // Another frontend: four dials in flight fill both agents.
+    let other = b.frontend();
+    let fourth = b.dial_out(other, 5);
+    let mut all = [to[0], to[1], to[2], fourth];
+    all.sort_unstable();
+    let mut two_each = [x, x, y, y];
+    two_each.sort_unstable();
+    assert_eq!(all, two_each, "no agent got a third dial");
+    let out = b.fe(other, dial(6));
+    assert_eq!(
+        out,
+        strings(&[
+            // ANP's reason: no agent could take it.
+            "count dial_failed no_agent",
+            &format!(
+                "fe{other} <- DIAL_RSP(6,0,every agent that could take it has 2 dials pending (--max-pending-dials-per-agent))"
+            ),
+        ]),
+    );
+    // An answer makes room on its agent.
+    let answered = b.router.pending[&DialId(5)].attempts[0].backend;
+    b.be(answered, Packet::dial_response(5, 9, ""));
+    assert_eq!(b.dial_out(other, 7), answered);
 }

@@ -73,14 +73,15 @@ impl End {
     /// A dial that failed with `error`.
     pub(crate) fn failed(error: &DialError) -> Self {
         let (end, ended_by) = match error {
-            DialError::NoAgent => (ServerEnd::NoAgent, EndedBy::Server),
+            DialError::NoAgent | DialError::AgentsBusy(_) => (ServerEnd::NoAgent, EndedBy::Server),
             DialError::TimedOut => (ServerEnd::DialTimeout, EndedBy::Server),
             DialError::AgentStreamClosed | DialError::AgentGone(_) => {
                 (ServerEnd::AgentGone, EndedBy::Agent)
             }
-            DialError::IdPending | DialError::AddressTooLong(_) | DialError::ProtocolTooLong(_) => {
-                (ServerEnd::DialFailed, EndedBy::Server)
-            }
+            DialError::IdPending
+            | DialError::TooManyPending(_)
+            | DialError::AddressTooLong(_)
+            | DialError::ProtocolTooLong(_) => (ServerEnd::DialFailed, EndedBy::Server),
             DialError::Agent {
                 class: proto::DialErrorClass::Denied,
                 ..

@@ -65,6 +65,9 @@ pub(crate) fn dial_error_response(error: &DialError, target: &str) -> Vec<u8> {
         DialError::AddressTooLong(_) | DialError::ProtocolTooLong(_) => {
             format!("HTTP/1.1 400 Bad Request\r\n{close}\r\n\r\n{error}")
         }
+        DialError::AgentsBusy(_) | DialError::TooManyPending(_) => {
+            format!("HTTP/1.1 503 Service Unavailable\r\n{close}\r\n\r\n{error}")
+        }
         DialError::Agent { text, .. } => {
             let status = http_status(text);
             let host = target.rsplit_once(':').map_or(target, |(host, _)| host);
