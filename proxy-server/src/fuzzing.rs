@@ -519,7 +519,7 @@ impl RouterRun {
                 _ => None,
             },
             // Now and then caps small enough to be reached.
-            caps: if input.byte() % 4 == 0 {
+            caps: if input.byte().is_multiple_of(4) {
                 crate::router::DialCaps {
                     per_frontend: 1 + input.below(4),
                     per_agent: 1 + input.below(4),
