@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    KeyUsagePurpose, SanType,
 };
 
 /// Names every server certificate carries besides the caller's: loopback and
@@ -164,7 +164,8 @@ impl Ca {
     /// TLS client certificate (clientAuth EKU) naming `sans` as
     /// [`server_cert`](Self::server_cert) does: an agent's names and
     /// addresses, to which proxy-server's `--verify-agent-identifiers`
-    /// binds the identifiers it announces.
+    /// binds the identifiers it announces; a `urn:` name is a URI SAN
+    /// (`urn:konnectivity:default-route` grants `default-route=true`).
     ///
     /// # Errors
     ///
@@ -197,8 +198,16 @@ impl Ca {
         sans: Vec<String>,
         usage: ExtendedKeyUsagePurpose,
     ) -> Result<CertKey, rcgen::Error> {
-        // `new` makes an IP SAN of whatever parses as `IpAddr`, else a DNS SAN.
+        // `new` makes an IP SAN of whatever parses as `IpAddr`, else a DNS
+        // SAN; a `urn:` name is a URI (`urn:konnectivity:default-route`).
         let mut params = CertificateParams::new(sans)?;
+        for san in &mut params.subject_alt_names {
+            if let SanType::DnsName(name) = san
+                && name.as_str().starts_with("urn:")
+            {
+                *san = SanType::URI(name.clone());
+            }
+        }
         params.distinguished_name = subject(common_name);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![usage];

@@ -302,6 +302,12 @@ pub struct Args {
     /// takes the dial, or it is refused with an error naming this flag.
     #[arg(long, default_value_t = DialCaps::default().per_agent)]
     pub max_pending_dials_per_agent: usize,
+    /// Agent streams open at once under one credential: its client
+    /// certificate with --verify-agent-identifiers, its node with a token
+    /// bound to a node, else its agent id (konnectivity-rs). An agent has
+    /// one stream per server, two while it reconnects; more are refused.
+    #[arg(long, default_value_t = DialCaps::default().streams_per_credential)]
+    pub max_agent_streams_per_credential: usize,
     /// How long a connection's frontend may leave its queued bytes untaken
     /// before the connection is closed with an error at both ends
     /// (konnectivity-rs); 0 never closes. With agents that do not
@@ -789,6 +795,7 @@ fn dial_policy(args: &Args) -> DialPolicy {
         caps: DialCaps {
             per_frontend: args.max_pending_dials_per_frontend,
             per_agent: args.max_pending_dials_per_agent,
+            streams_per_credential: args.max_agent_streams_per_credential,
         },
     }
 }
@@ -1010,6 +1017,10 @@ fn limits(args: &Args) -> Result<(), ConfigError> {
         (
             "max-pending-dials-per-agent",
             args.max_pending_dials_per_agent,
+        ),
+        (
+            "max-agent-streams-per-credential",
+            args.max_agent_streams_per_credential,
         ),
     ] {
         if value == 0 {

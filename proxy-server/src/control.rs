@@ -229,11 +229,27 @@ impl Control {
     }
 
     /// Registers an agent stream.
+    #[cfg(test)]
     pub(crate) fn add_backend(&self, info: AgentInfo, link: BackendLink) -> BackendId {
         let mut state = self.state();
         let id = state.router.add_backend(info);
         state.backends.insert(id, link);
         id
+    }
+
+    /// [`Control::add_backend`] unless its credential already has
+    /// `--max-agent-streams-per-credential` streams open (`Err` with the
+    /// cap; checked and added under one lock).
+    pub(crate) fn admit_backend(
+        &self,
+        info: AgentInfo,
+        link: BackendLink,
+    ) -> Result<BackendId, usize> {
+        let mut state = self.state();
+        state.router.admits(&info)?;
+        let id = state.router.add_backend(info);
+        state.backends.insert(id, link);
+        Ok(id)
     }
 
     /// A control packet from a frontend (or DATA its driver could not

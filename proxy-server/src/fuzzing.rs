@@ -523,6 +523,7 @@ impl RouterRun {
                 crate::router::DialCaps {
                     per_frontend: 1 + input.below(4),
                     per_agent: 1 + input.below(4),
+                    ..crate::router::DialCaps::default()
                 }
             } else {
                 crate::router::DialCaps::default()
@@ -897,6 +898,7 @@ impl RouterRun {
         let id = self.router.add_backend(AgentInfo {
             agent_id: AgentId(agent.to_owned()),
             identifiers,
+            credential: None,
         });
         if let Some(all) = &mut self.watch.keys {
             all.insert(id, keys);

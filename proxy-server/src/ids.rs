@@ -10,6 +10,20 @@ pub(crate) struct FrontendId(pub(crate) u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct BackendId(pub(crate) u64);
 
+/// What vouches for an agent stream, as picks and votes count it: one
+/// credential, one voice, however many streams or agent ids it opens.
+/// `cert:<SHA-256 of the client certificate>` with
+/// `--verify-agent-identifiers`, `node:<name>` for a token bound to a
+/// node, else `agent:<agent id>` (its word, as ANP takes it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct Credential(pub(crate) String);
+
+impl std::fmt::Display for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 impl std::fmt::Display for FrontendId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.fmt(f)

@@ -4,7 +4,6 @@
 use std::{collections::HashSet, net::IpAddr};
 
 use ipnet::IpNet;
-use tunnel::ids::AgentId;
 
 use crate::{
     ids::BackendId,
@@ -240,16 +239,13 @@ impl BackendManager {
         }
     }
 
-    /// Indexes a new backend under every strategy it fits.
-    pub(crate) fn add(
-        &mut self,
-        backend: BackendId,
-        agent_id: &AgentId,
-        identifiers: &AgentIdentifiers,
-    ) {
+    /// Indexes a new backend under every strategy it fits: `default` and
+    /// `defaultRoute` by its voice (its credential, else its agent id), so
+    /// that one voice is one candidate however many streams it opens.
+    pub(crate) fn add(&mut self, backend: BackendId, voice: &str, identifiers: &AgentIdentifiers) {
         for (strategy, store) in &mut self.stores {
             match strategy {
-                ProxyStrategy::Default => add_to(&mut store.entries, agent_id.0.clone(), backend),
+                ProxyStrategy::Default => add_to(&mut store.entries, voice.to_owned(), backend),
                 ProxyStrategy::DestHost => {
                     for key in identifiers.dest_host_keys() {
                         add_to(&mut store.entries, key.to_owned(), backend);
@@ -260,7 +256,7 @@ impl BackendManager {
                 }
                 ProxyStrategy::DefaultRoute => {
                     if identifiers.default_route {
-                        add_to(&mut store.entries, agent_id.0.clone(), backend);
+                        add_to(&mut store.entries, voice.to_owned(), backend);
                     }
                 }
             }
@@ -419,11 +415,7 @@ mod tests {
 
     fn add(m: &mut BackendManager, id: u64, agent: &str, ids: &str) -> BackendId {
         let backend = BackendId(id);
-        m.add(
-            backend,
-            &AgentId(agent.to_owned()),
-            &AgentIdentifiers::parse(ids),
-        );
+        m.add(backend, agent, &AgentIdentifiers::parse(ids));
         backend
     }
 

@@ -23,6 +23,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet, VecDeque},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -40,7 +41,7 @@ use self::dials::{
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) use self::dials::{DECAY, FLOOR};
 pub use self::dials::{DialCaps, DialPolicy, HedgeDelay};
-pub(crate) use crate::ids::{BackendId, FrontendId};
+pub(crate) use crate::ids::{BackendId, Credential, FrontendId};
 use crate::{
     events::{CloseReason, DialError, DialFailure, DialRetry, MAX_ADDRESS, MAX_PROTOCOL},
     manager::{BackendManager, Scope},
@@ -197,6 +198,19 @@ pub(crate) struct AgentInfo {
     pub(crate) agent_id: AgentId,
     /// `agentidentifiers`.
     pub(crate) identifiers: AgentIdentifiers,
+    /// Who vouches for the stream, when something does (its certificate
+    /// with `--verify-agent-identifiers`, its node with a bound token);
+    /// `None`: its agent id, on its word.
+    pub(crate) credential: Option<Credential>,
+}
+
+impl AgentInfo {
+    /// Its voice: the credential that vouches for it, else its agent id.
+    pub(crate) fn voice(&self) -> Credential {
+        self.credential
+            .clone()
+            .unwrap_or_else(|| Credential(format!("agent:{}", self.agent_id.0)))
+    }
 }
 
 /// A frontend stream's dials and connections.
@@ -234,6 +248,8 @@ impl FrontendEntry {
 struct BackendEntry {
     /// What it announced.
     info: AgentInfo,
+    /// Its voice in picks and votes ([`AgentInfo::voice`]).
+    voice: Arc<str>,
     /// Established connections.
     conns: HashMap<ConnId, ConnEntry>,
     /// Pending dials in flight on it.
@@ -318,6 +334,9 @@ pub(crate) struct Router {
     policy: DialPolicy,
     /// The latest dials' latencies, for the hedge delay.
     latencies: Latencies,
+    /// Agent streams open per voice ([`AgentInfo::voice`]), for
+    /// `--max-agent-streams-per-credential`.
+    voices: HashMap<Arc<str>, usize>,
     /// The agents' median dial latency: no agent weighs less, no hedge
     /// delay is shorter.
     median: Median,
@@ -344,6 +363,7 @@ impl Router {
             hedges: BTreeSet::new(),
             policy,
             latencies: Latencies::default(),
+            voices: HashMap::new(),
             median: Median::default(),
             cancelled: Cancelled::default(),
             next_id: 1,
@@ -376,11 +396,14 @@ impl Router {
     /// A new agent stream, available to dials at once.
     pub(crate) fn add_backend(&mut self, info: AgentInfo) -> BackendId {
         let id = BackendId(self.next_id());
-        self.manager.add(id, &info.agent_id, &info.identifiers);
+        let voice: Arc<str> = Arc::from(info.voice().0);
+        *self.voices.entry(voice.clone()).or_default() += 1;
+        self.manager.add(id, &voice, &info.identifiers);
         self.backends.insert(
             id,
             BackendEntry {
                 info,
+                voice,
                 conns: HashMap::new(),
                 pending: 0,
                 forwarded: BTreeSet::new(),
@@ -388,6 +411,18 @@ impl Router {
             },
         );
         id
+    }
+
+    /// Whether `info`'s voice may open another agent stream
+    /// (`--max-agent-streams-per-credential`); `Err` with the cap if not.
+    pub(crate) fn admits(&self, info: &AgentInfo) -> Result<(), usize> {
+        let cap = self.policy.caps.streams_per_credential;
+        let open = self
+            .voices
+            .get(info.voice().0.as_str())
+            .copied()
+            .unwrap_or(0);
+        if open >= cap { Err(cap) } else { Ok(()) }
     }
 
     /// A packet from a frontend.
@@ -632,7 +667,7 @@ impl Router {
     fn weights(&mut self, now: Instant) -> (Duration, Duration) {
         if self.median.is_stale(now) {
             self.median
-                .recompute(now, self.backends.values().map(|b| &b.latency));
+                .recompute(now, self.backends.values().map(|b| (&*b.voice, &b.latency)));
         }
         let floor = self.median.get();
         let typical = self.latencies.delay(HedgeDelay::Percentile(50), floor);
@@ -1075,8 +1110,8 @@ impl Router {
                 self.sample(now, attempt.backend, took, attempt.backend != be);
             }
             if attempt.backend == be {
-                if let Some(took) = took {
-                    self.latencies.observe(took);
+                if let (Some(took), Some(entry)) = (took, self.backends.get(&be)) {
+                    self.latencies.observe(took, &entry.voice);
                 }
             } else {
                 self.cancelled.insert(id, attempt.backend);
@@ -1280,6 +1315,12 @@ impl Router {
             return;
         };
         self.manager.remove(be);
+        if let Some(streams) = self.voices.get_mut(&entry.voice) {
+            *streams -= 1;
+            if *streams == 0 {
+                self.voices.remove(&entry.voice);
+            }
+        }
         let agent = entry.info.agent_id.clone();
         let reason = DialError::AgentGone(agent.clone()).to_string();
         let mut conns: Vec<_> = entry.conns.into_iter().collect();
@@ -1399,6 +1440,15 @@ impl Router {
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn check(&self) {
         let caps = self.policy.caps;
+        let mut voices: HashMap<&str, usize> = HashMap::new();
+        for backend in self.backends.values() {
+            *voices.entry(&backend.voice).or_default() += 1;
+        }
+        assert_eq!(
+            voices,
+            self.voices.iter().map(|(v, n)| (&**v, *n)).collect(),
+            "the streams counted per voice are the streams open"
+        );
         for (be, backend) in &self.backends {
             assert!(
                 backend.pending <= caps.per_agent,

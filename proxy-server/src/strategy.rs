@@ -108,9 +108,13 @@ impl AgentIdentifiers {
     /// agent wrote it (`host=…`, `ipv4=…`, `ipv6=…`, `cidr=…`); `None` when
     /// it names them all. A `host=` must be one of its DNS names (ASCII
     /// case aside), an `ipv4=`/`ipv6=` one of its IP addresses; a `cidr=` is
-    /// never named (no standard name type holds a range).
-    /// `default-route=` claims no address and is not checked.
+    /// never named (no standard name type holds a range);
+    /// `default-route=true` needs the URI [`DEFAULT_ROUTE_URI`] (it draws
+    /// every dial the `defaultRoute` strategy sends).
     pub fn uncertified(&self, names: &ops::tls::files::AltNames) -> Option<String> {
+        if self.default_route && !names.uris.iter().any(|uri| uri == DEFAULT_ROUTE_URI) {
+            return Some("default-route=true".to_owned());
+        }
         if let Some(host) = self
             .hosts
             .iter()
@@ -130,6 +134,21 @@ impl AgentIdentifiers {
         }
         self.cidrs.first().map(|net| format!("cidr={net}"))
     }
+}
+
+/// The URI a client certificate names to grant `default-route=true` under
+/// `--verify-agent-identifiers` (a subject alternative name of type URI).
+pub const DEFAULT_ROUTE_URI: &str = "urn:konnectivity:default-route";
+
+/// With `--verify-agent-identifiers`: whether a certificate whose names are
+/// `names` names the agent id `id`: its common name, one of its DNS names
+/// (ASCII case aside) or one of its IP addresses (as written).
+pub fn names_agent(names: &ops::tls::files::AltNames, id: &str) -> bool {
+    names.common_name.as_deref() == Some(id)
+        || names.dns.iter().any(|dns| dns.eq_ignore_ascii_case(id))
+        || id
+            .parse::<IpAddr>()
+            .is_ok_and(|addr| names.ips.contains(&addr))
 }
 
 /// The host part of a dial address as ANP's `RemovePortFromHost` gives it:
@@ -191,13 +210,45 @@ mod tests {
     #[test]
     fn only_identifiers_the_certificate_names_are_certified() {
         let names = ops::tls::files::AltNames {
+            common_name: None,
+            uris: Vec::new(),
             dns: vec!["Node-A".to_owned()],
             ips: vec!["10.0.0.5".parse().unwrap(), "fd00::5".parse().unwrap()],
         };
         let check = |query: &str| AgentIdentifiers::parse(query).uncertified(&names);
         assert_eq!(check(""), None);
         assert_eq!(check("host=node-a&ipv4=10.0.0.5&ipv6=fd00::5"), None);
-        assert_eq!(check("default-route=true"), None, "claims no address");
+        assert_eq!(
+            check("default-route=true"),
+            Some("default-route=true".to_owned()),
+            "only a certificate that grants it"
+        );
+        let granted = ops::tls::files::AltNames {
+            uris: vec![DEFAULT_ROUTE_URI.to_owned()],
+            ..names.clone()
+        };
+        assert_eq!(
+            AgentIdentifiers::parse("host=node-a&default-route=true").uncertified(&granted),
+            None
+        );
+        assert_eq!(check("default-route=false"), None);
+        // The agent id: the common name, a DNS name or an IP address.
+        let named = ops::tls::files::AltNames {
+            common_name: Some("system:node:node-a".to_owned()),
+            ..names.clone()
+        };
+        for id in [
+            "system:node:node-a",
+            "node-a",
+            "NODE-A",
+            "10.0.0.5",
+            "fd00::5",
+        ] {
+            assert!(names_agent(&named, id), "{id}");
+        }
+        for id in ["node-b", "system:node:node-b", "10.0.0.6", ""] {
+            assert!(!names_agent(&named, id), "{id}");
+        }
         assert_eq!(check("host=node-b"), Some("host=node-b".to_owned()));
         assert_eq!(check("ipv4=10.0.0.6"), Some("ipv4=10.0.0.6".to_owned()));
         assert_eq!(

@@ -392,29 +392,43 @@ pub fn subject(cert: &CertificateDer<'_>) -> Option<String> {
     Some(parsed.subject().to_string())
 }
 
-/// The subject alternative names of a certificate that name a peer: its
-/// DNS names and IP addresses.
+/// What a certificate names its peer by: its subject's common name and
+/// its subject alternative names (DNS names, IP addresses, URIs).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AltNames {
+    /// The subject's (first) common name, if it has one as text.
+    pub common_name: Option<String>,
     /// DNS names, as written.
     pub dns: Vec<String>,
     /// IP addresses.
     pub ips: Vec<std::net::IpAddr>,
+    /// URIs, as written.
+    pub uris: Vec<String>,
 }
 
-/// The DNS and IP subject alternative names of `cert` (none without the
-/// extension); `None` if it does not parse as X.509.
+/// The common name and the DNS, IP and URI subject alternative names of
+/// `cert` (no names without the extension); `None` if it does not parse
+/// as X.509.
 pub fn alt_names(cert: &CertificateDer<'_>) -> Option<AltNames> {
     use x509_parser::extensions::GeneralName;
 
     let (_, parsed) = x509_parser::parse_x509_certificate(cert).ok()?;
-    let mut names = AltNames::default();
+    let mut names = AltNames {
+        common_name: parsed
+            .subject()
+            .iter_common_name()
+            .next()
+            .and_then(|cn| cn.as_str().ok())
+            .map(str::to_owned),
+        ..AltNames::default()
+    };
     let Ok(Some(san)) = parsed.subject_alternative_name() else {
         return Some(names);
     };
     for name in &san.value.general_names {
         match name {
             GeneralName::DNSName(dns) => names.dns.push((*dns).to_owned()),
+            GeneralName::URI(uri) => names.uris.push((*uri).to_owned()),
             GeneralName::IPAddress(bytes) => {
                 if let Ok(v4) = <[u8; 4]>::try_from(*bytes) {
                     names.ips.push(v4.into());

@@ -19,8 +19,8 @@ use crate::{
     conn::{BACKEND_CONTROL_RESERVE, BackendLink, ConnTable},
     control::Control,
     metrics::{Method, Segment},
-    router::AgentInfo,
-    strategy::AgentIdentifiers,
+    router::{AgentInfo, Credential},
+    strategy::{self, AgentIdentifiers},
     stream::{PacketStream, StreamEnd, spawn_driver},
 };
 
@@ -88,12 +88,10 @@ fn identifiers(request: &Request<Streaming<Packet>>) -> Result<AgentIdentifiers,
     }
 }
 
-/// With `--verify-agent-identifiers`: refuses identifiers the agent's
-/// client certificate does not name.
-fn certified(
-    request: &Request<Streaming<Packet>>,
-    identifiers: &AgentIdentifiers,
-) -> Result<(), Status> {
+/// With `--verify-agent-identifiers`: refuses identifiers and an agent id
+/// the agent's client certificate does not name; the certificate is then
+/// the stream's credential (`cert:` and its SHA-256).
+fn certified(request: &Request<Streaming<Packet>>, info: &AgentInfo) -> Result<Credential, Status> {
     let certs = request.peer_certs();
     let Some(leaf) = certs.as_deref().and_then(|chain| chain.first()) else {
         return Err(Status::permission_denied(
@@ -101,13 +99,27 @@ fn certified(
         ));
     };
     let names = ops::tls::files::alt_names(leaf).unwrap_or_default();
-    match identifiers.uncertified(&names) {
-        None => Ok(()),
-        Some(claim) => Err(Status::permission_denied(format!(
-            "agent identifier {claim} is not named by the agent's client certificate (--verify-agent-identifiers: its subject alternative names are DNS {:?}, IP {:?})",
-            names.dns, names.ips
-        ))),
+    let unnamed = |what: String| {
+        Status::permission_denied(format!(
+            "{what} is not named by the agent's client certificate (--verify-agent-identifiers: its common name is {:?}, its subject alternative names are DNS {:?}, IP {:?}, URI {:?})",
+            names.common_name.as_deref().unwrap_or(""),
+            names.dns,
+            names.ips,
+            names.uris
+        ))
+    };
+    if let Some(claim) = info.identifiers.uncertified(&names) {
+        return Err(unnamed(format!("agent identifier {claim}")));
     }
+    if !strategy::names_agent(&names, &info.agent_id.0) {
+        return Err(unnamed(format!(
+            "agent id {}",
+            tunnel::text::Elided(&info.agent_id.0)
+        )));
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, leaf.as_ref());
+    let hex: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    Ok(Credential(format!("cert:{hex}")))
 }
 
 /// What the agent's metadata says of flow control, against what this
@@ -178,15 +190,17 @@ impl AgentServiceImpl {
                 AgentInfo {
                     agent_id: AgentId(id),
                     identifiers: identifiers(request)?,
+                    credential: None,
                 },
                 scheme(request, self.flow_window, self.flow_version)?,
             ))
         });
-        let checked = checked.and_then(|(info, scheme)| {
+        let checked = checked.and_then(|(mut info, scheme)| {
             if self.verify_identifiers {
-                certified(request, &info.identifiers).inspect_err(|status| {
+                let credential = certified(request, &info).inspect_err(|status| {
                     warn!(peer.addr = ?peer, agent.id = %info.agent_id, error = %status.message(), "agent refused");
                 })?;
+                info.credential = Some(credential);
             }
             Ok((info, scheme))
         });
@@ -243,7 +257,12 @@ impl AgentService for AgentServiceImpl {
             end.clone(),
             metrics.clone(),
         );
-        let id = self.control.add_backend(info, link);
+        let id = self.control.admit_backend(info, link).map_err(|cap| {
+            warn!(agent.id = %agent_id, peer.addr = ?peer, limit = cap, "agent refused: its credential has --max-agent-streams-per-credential streams open");
+            Status::resource_exhausted(format!(
+                "this agent's credential already has {cap} streams open (--max-agent-streams-per-credential)"
+            ))
+        })?;
         info!(agent.id = %agent_id, peer.addr = ?peer, credit = scheme.is_credit(), "agent connected");
         let driver = BackendDriver {
             id,

@@ -346,6 +346,7 @@ impl Run {
         let info = AgentInfo {
             agent_id: link.agent_id.clone(),
             identifiers: AgentIdentifiers::default(),
+            credential: None,
         };
         let id = self.control.add_backend(info, link);
         self.agents.push(Agent {

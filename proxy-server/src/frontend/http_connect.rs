@@ -397,6 +397,7 @@ mod tests {
             AgentInfo {
                 agent_id: agent.clone(),
                 identifiers: AgentIdentifiers::default(),
+                credential: None,
             },
             BackendLink::new(
                 agent,

@@ -4,7 +4,8 @@
 //! Plain data, as the router's.
 
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -46,7 +47,8 @@ impl DialPolicy {
 }
 
 /// Dials pending at once, at most: no frontend makes the server hold more
-/// than its share of dials, and no agent is sent more than it can answer.
+/// than its share of dials, and no agent is sent more than it can answer;
+/// and the agent streams one credential may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DialCaps {
     /// `--max-pending-dials-per-frontend`: on one frontend stream (a
@@ -57,6 +59,10 @@ pub struct DialCaps {
     /// answered; an agent at its cap is not picked (another is, or the
     /// dial is refused).
     pub per_agent: usize,
+    /// `--max-agent-streams-per-credential`: agent streams open at once
+    /// under one credential (its voice: [`crate::ids::Credential`]); more
+    /// are refused.
+    pub streams_per_credential: usize,
 }
 
 impl Default for DialCaps {
@@ -64,6 +70,7 @@ impl Default for DialCaps {
         Self {
             per_frontend: 1024,
             per_agent: 2048,
+            streams_per_credential: 8,
         }
     }
 }
@@ -93,27 +100,56 @@ pub(crate) const FLOOR: Duration = Duration::from_millis(1);
 /// The percentile is recomputed once per this many new latencies.
 const RECOMPUTE: usize = 32;
 
-/// The latest dial latencies and the hedge delay they give.
+/// The latest dial latencies and the hedge delay they give. Each voice
+/// (credential: [`crate::ids::Credential`]) weighs one in the percentiles
+/// however many of the latencies are its own: an agent that answers
+/// every dial at once, under many streams or ids, sets the hedge delay no
+/// more than any other voice does.
 #[derive(Debug, Default)]
 pub(crate) struct Latencies {
-    /// Oldest first.
-    recent: VecDeque<Duration>,
+    /// Oldest first, with the voice of the agent that answered.
+    recent: VecDeque<(Duration, Arc<str>)>,
     /// Latencies seen since `sorted` was taken.
     fresh: usize,
-    /// `recent` sorted, as it was `fresh` latencies ago: every percentile
-    /// (the hedge delay's, the pick's median) reads it.
-    sorted: Vec<Duration>,
+    /// `recent` sorted, as it was `fresh` latencies ago, each with the
+    /// weights up to and including it (a voice's latencies weigh one in
+    /// all): every percentile (the hedge delay's, the pick's median) reads
+    /// it.
+    sorted: Vec<(Duration, f64)>,
 }
 
 impl Latencies {
     /// One established dial's latency (its DIAL_REQ to its DIAL_RSP on the
-    /// agent that answered).
-    pub(crate) fn observe(&mut self, latency: Duration) {
+    /// agent that answered), and that agent's voice.
+    pub(crate) fn observe(&mut self, latency: Duration, voice: &Arc<str>) {
         if self.recent.len() == WINDOW {
             self.recent.pop_front();
         }
-        self.recent.push_back(latency);
+        self.recent.push_back((latency, voice.clone()));
         self.fresh += 1;
+    }
+
+    /// Takes the snapshot: the latencies sorted, each weighing one over
+    /// its voice's count, and the running sum of the weights.
+    fn snapshot(&mut self) {
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        for (_, voice) in &self.recent {
+            *counts.entry(voice).or_default() += 1;
+        }
+        let mut weighed: Vec<(Duration, f64)> = self
+            .recent
+            .iter()
+            .map(|(latency, voice)| (*latency, 1.0 / counts[&**voice] as f64))
+            .collect();
+        weighed.sort_unstable_by_key(|(latency, _)| *latency);
+        let mut sum = 0.0;
+        self.sorted.clear();
+        self.sorted
+            .extend(weighed.into_iter().map(|(latency, weight)| {
+                sum += weight;
+                (latency, sum)
+            }));
+        self.fresh = 0;
     }
 
     /// The hedge delay `hedge` gives now; a percentile is never below
@@ -127,21 +163,23 @@ impl Latencies {
             return BOOTSTRAP.max(floor);
         }
         if self.sorted.is_empty() || self.fresh >= RECOMPUTE {
-            self.sorted.clear();
-            self.sorted.extend(self.recent.iter().copied());
-            self.sorted.sort_unstable();
-            self.fresh = 0;
+            self.snapshot();
         }
         self.read(percentile, floor)
     }
 
-    /// The percentile of the snapshot as it stands (taken: see
-    /// [`Latencies::delay`]), at least [`FLOOR`] and `floor`.
+    /// The weighted percentile of the snapshot as it stands (taken: see
+    /// [`Latencies::delay`]): the first latency whose running weight
+    /// reaches that share of the voices; at least [`FLOOR`] and `floor`.
     fn read(&self, percentile: u8, floor: Duration) -> Duration {
-        let rank = (self.sorted.len() * usize::from(percentile)).div_ceil(100);
-        self.sorted[rank.clamp(1, self.sorted.len()) - 1]
-            .max(FLOOR)
-            .max(floor)
+        let total = self.sorted.last().map_or(0.0, |(_, sum)| *sum);
+        let target = total * f64::from(percentile) / 100.0;
+        // A little below, so that float sums that should meet it do.
+        let at = self
+            .sorted
+            .partition_point(|(_, sum)| *sum < target - 1e-9)
+            .min(self.sorted.len() - 1);
+        self.sorted[at].0.max(FLOOR).max(floor)
     }
 
     /// What [`Latencies::delay`] gave last, without taking a new snapshot:
@@ -192,13 +230,23 @@ impl Median {
                 .is_none_or(|at| now.saturating_duration_since(at) >= MEDIAN_REFRESH)
     }
 
-    /// Recomputes it from the agents' estimates.
+    /// Recomputes it from the agents' estimates, one vote per voice (its
+    /// fastest stream's), however many streams it has.
     pub(crate) fn recompute<'a>(
         &mut self,
         now: Instant,
-        estimates: impl Iterator<Item = &'a PeakEwma>,
+        estimates: impl Iterator<Item = (&'a str, &'a PeakEwma)>,
     ) {
-        let mut votes: Vec<Duration> = estimates.filter_map(|e| e.latest(now)).collect();
+        let mut fastest: HashMap<&str, Duration> = HashMap::new();
+        for (voice, estimate) in estimates {
+            if let Some(latest) = estimate.latest(now) {
+                fastest
+                    .entry(voice)
+                    .and_modify(|d| *d = (*d).min(latest))
+                    .or_insert(latest);
+            }
+        }
+        let mut votes: Vec<Duration> = fastest.into_values().collect();
         self.value = if votes.is_empty() {
             Duration::ZERO
         } else {
@@ -479,24 +527,45 @@ mod tests {
             e.observe(at, Duration::from_millis(ms));
             e
         };
+        // Each its own voice.
+        let voiced = |agents: &[PeakEwma]| -> Vec<(String, PeakEwma)> {
+            agents
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (format!("agent:{i}"), *e))
+                .collect()
+        };
+        fn votes(list: &[(String, PeakEwma)]) -> Vec<(&str, &PeakEwma)> {
+            list.iter().map(|(v, e)| (v.as_str(), e)).collect()
+        }
         let mut m = Median::default();
         assert!(m.is_stale(t0));
-        m.recompute(t0, [].iter());
+        m.recompute(t0, std::iter::empty());
         assert_eq!(m.get(), Duration::ZERO, "no agent sampled");
-        let agents = [agent(0, t0), agent(10, t0), agent(12, t0), agent(500, t0)];
-        m.recompute(t0, agents.iter());
+        let agents = voiced(&[agent(0, t0), agent(10, t0), agent(12, t0), agent(500, t0)]);
+        m.recompute(t0, votes(&agents).into_iter());
         assert_eq!(m.get(), Duration::from_millis(10), "the lower median");
         assert!(!m.is_stale(t0));
-        let two = [agent(2, t0), agent(1002, t0)];
-        m.recompute(t0, two.iter());
+        let two = voiced(&[agent(2, t0), agent(1002, t0)]);
+        m.recompute(t0, votes(&two).into_iter());
         assert_eq!(m.get(), Duration::from_millis(2), "of two, the faster");
         // Votes are the latest samples, undecayed, of agents sampled
         // within VOTE_WINDOW.
         let t1 = t0 + VOTE_WINDOW;
         let later = t1 + VOTE_WINDOW / 2;
-        let mixed = [agent(10, t1), agent(10, t1), agent(1, t0)];
-        m.recompute(later, mixed.iter());
+        let mixed = voiced(&[agent(10, t1), agent(10, t1), agent(1, t0)]);
+        m.recompute(later, votes(&mixed).into_iter());
         assert_eq!(m.get(), Duration::from_millis(10));
+        // One voice, ten instant streams, beside three honest agents: one
+        // vote (issue 51: ten votes set the floor to zero).
+        let mut crowd = voiced(&[agent(20, t0), agent(30, t0), agent(40, t0)]);
+        crowd.extend((0..10).map(|_| ("cert:liar".to_owned(), agent(0, t0))));
+        m.recompute(t0, votes(&crowd).into_iter());
+        assert_eq!(
+            m.get(),
+            Duration::from_millis(20),
+            "the lower median of four voices"
+        );
         for _ in 0..RECOMPUTE {
             m.sampled();
         }
@@ -513,8 +582,9 @@ mod tests {
             BOOTSTRAP,
             "too few dials seen"
         );
+        let one: Arc<str> = Arc::from("agent:a");
         for ms in 1..=100 {
-            l.observe(Duration::from_millis(ms));
+            l.observe(Duration::from_millis(ms), &one);
         }
         assert_eq!(l.delay(p95, Duration::ZERO), Duration::from_millis(95));
         assert_eq!(
@@ -536,14 +606,38 @@ mod tests {
         );
         // The window forgets: a slower regime takes over.
         for _ in 0..WINDOW {
-            l.observe(Duration::from_millis(400));
+            l.observe(Duration::from_millis(400), &one);
         }
         assert_eq!(l.delay(p95, Duration::ZERO), Duration::from_millis(400));
         let mut fast = Latencies::default();
         for _ in 0..MIN_SAMPLES {
-            fast.observe(Duration::from_micros(50));
+            fast.observe(Duration::from_micros(50), &one);
         }
         assert_eq!(fast.delay(p95, Duration::ZERO), FLOOR);
+    }
+
+    /// Issue 51: a voice that answers a thousand dials at once weighs one,
+    /// as each of three honest agents does, in the hedge delay.
+    #[test]
+    fn the_hedge_delay_takes_one_vote_per_voice() {
+        let mut l = Latencies::default();
+        let liar: Arc<str> = Arc::from("cert:liar");
+        for _ in 0..900 {
+            l.observe(Duration::ZERO, &liar);
+        }
+        for (voice, ms) in [("agent:a", 10), ("agent:b", 20), ("agent:c", 30)] {
+            let voice: Arc<str> = Arc::from(voice);
+            for _ in 0..40 {
+                l.observe(Duration::from_millis(ms), &voice);
+            }
+        }
+        let p = |p: u8, l: &mut Latencies| l.delay(HedgeDelay::Percentile(p), Duration::ZERO);
+        // Unweighted, 900 of 1020 are the liar's: every percentile to 88
+        // would be its zero.
+        assert_eq!(p(50, &mut l), Duration::from_millis(10));
+        assert_eq!(p(75, &mut l), Duration::from_millis(20));
+        assert_eq!(p(95, &mut l), Duration::from_millis(30));
+        assert_eq!(p(20, &mut l), FLOOR, "the liar's own quarter");
     }
 
     #[test]

@@ -24,6 +24,7 @@ fn info(agent: &str) -> AgentInfo {
     AgentInfo {
         agent_id: AgentId(agent.to_owned()),
         identifiers: AgentIdentifiers::default(),
+        credential: None,
     }
 }
 
@@ -774,6 +775,7 @@ fn a_dest_host_dial_whose_agent_dies_falls_back_to_default() {
     let node = b.router.add_backend(AgentInfo {
         agent_id: AgentId("node".to_owned()),
         identifiers: AgentIdentifiers::parse("ipv4=10.0.0.1"),
+        credential: None,
     });
     let other = b.backend("other");
     let fe = b.frontend();
@@ -922,6 +924,7 @@ fn dest_host_and_default(hedge: bool) -> (Bench, BackendId, BackendId) {
     let a = b.router.add_backend(AgentInfo {
         agent_id: AgentId("a".to_owned()),
         identifiers: AgentIdentifiers::parse("ipv4=10.0.0.5"),
+        credential: None,
     });
     let other = b.backend("b");
     (b, a, other)
@@ -978,6 +981,7 @@ fn a_dest_host_dial_is_hedged_and_retried_within_its_key() {
     let twin = b.router.add_backend(AgentInfo {
         agent_id: AgentId("twin".to_owned()),
         identifiers: AgentIdentifiers::parse("ipv4=10.0.0.5"),
+        credential: None,
     });
     let fe = b.frontend();
     b.fe(fe, dial_to(7, "10.0.0.5:443"));
@@ -1985,6 +1989,7 @@ proptest! {
                     let x = b.router.add_backend(AgentInfo {
                         agent_id: AgentId("agent".to_owned()),
                         identifiers: AgentIdentifiers::parse(ids),
+                        credential: None,
                     });
                     if matching && dest_host {
                         watch.matching.insert(x);
@@ -2255,6 +2260,7 @@ fn pending_dials_are_capped_per_frontend_and_per_agent() {
             caps: crate::router::DialCaps {
                 per_frontend: 3,
                 per_agent: 2,
+                ..crate::router::DialCaps::default()
             },
             ..DialPolicy::plain(Some(LIMIT))
         },
@@ -2293,4 +2299,89 @@ fn pending_dials_are_capped_per_frontend_and_per_agent() {
     let answered = b.router.pending[&DialId(5)].attempts[0].backend;
     b.be(answered, Packet::dial_response(5, 9, ""));
     assert_eq!(b.dial_out(other, 7), answered);
+}
+
+/// The share of `dials` sequential single-use dials that go to the ten
+/// streams of one agent (ten agent ids, answering at once) beside three
+/// honest agents (10 ms each); the ten carry `liar` as their credential.
+fn liars_share(liar: Option<Credential>, dials: i64) -> f64 {
+    let mut b = Bench::new();
+    for agent in ["a", "b", "c"] {
+        b.backend(agent);
+    }
+    let liars: Vec<BackendId> = (0..10)
+        .map(|i| {
+            b.router.add_backend(AgentInfo {
+                agent_id: AgentId(format!("liar-{i}")),
+                identifiers: AgentIdentifiers::default(),
+                credential: liar.clone(),
+            })
+        })
+        .collect();
+    let fe = b.frontend();
+    let mut theirs = 0;
+    for random in 1..=dials {
+        let to = b.dial_out(fe, random);
+        if liars.contains(&to) {
+            theirs += 1;
+        } else {
+            b.now += Duration::from_millis(10);
+        }
+        b.be(to, Packet::dial_response(random, random, ""));
+        b.be(to, Packet::close_response(random, ""));
+    }
+    theirs as f64 / dials as f64
+}
+
+/// Issue 51, item 4: one credential with ten agent ids (ten streams),
+/// answering every dial at once, beside three honest agents gets at most
+/// its fair share of `default` picks: 1/(3 + 1) + 5 %. Without a
+/// credential (ids on their word, as ANP), each id is a voice: the same
+/// agent takes most dials.
+#[test]
+fn one_credential_with_ten_ids_gets_at_most_its_fair_share_of_picks() {
+    let bound = 1.0 / 4.0 + 0.05;
+    let share = liars_share(Some(Credential("cert:liar".to_owned())), 4000);
+    assert!(
+        share <= bound,
+        "one credential took {share:.3} of the picks"
+    );
+    let unbound = liars_share(None, 4000);
+    assert!(
+        unbound > 0.5,
+        "ten self-asserted ids took only {unbound:.3} of the picks"
+    );
+}
+
+/// Issue 51, item 4: one credential holds at most
+/// `--max-agent-streams-per-credential` agent streams, whatever agent ids
+/// they give; a stream that ends makes room. Without a credential the
+/// agent id is the voice.
+#[test]
+fn agent_streams_are_capped_per_credential() {
+    let mut b = Bench::with_policy(
+        &[ProxyStrategy::Default],
+        DialPolicy {
+            caps: crate::router::DialCaps {
+                streams_per_credential: 3,
+                ..crate::router::DialCaps::default()
+            },
+            ..DialPolicy::plain(Some(LIMIT))
+        },
+    );
+    let vouched = |i: usize| AgentInfo {
+        agent_id: AgentId(format!("id-{i}")),
+        identifiers: AgentIdentifiers::default(),
+        credential: Some(Credential("cert:one".to_owned())),
+    };
+    let mut open = Vec::new();
+    for i in 0..3 {
+        assert_eq!(b.router.admits(&vouched(i)), Ok(()));
+        open.push(b.router.add_backend(vouched(i)));
+    }
+    assert_eq!(b.router.admits(&vouched(3)), Err(3), "a fourth stream");
+    assert_eq!(b.router.admits(&info("id-0")), Ok(()), "another voice");
+    b.step(|r, now, out| r.backend_closed(now, open[0], out));
+    assert_eq!(b.router.admits(&vouched(3)), Ok(()), "room again");
+    b.router.check();
 }

@@ -10,8 +10,8 @@ use std::{path::Path, process::Command, time::Duration};
 use integration_tests::{LoggedProcess, agent_args, binary, process::ServerProcess};
 
 /// Writes the agent listener's files into `dir`, with an agent
-/// certificate (`proxy-agent.crt`) naming `node-a` and 10.0.0.5.
-fn write_pki(dir: &Path) {
+/// certificate (`proxy-agent.crt`) naming `node-a` and 10.0.0.5; the CA.
+fn write_pki(dir: &Path) -> certs::Ca {
     let ca = certs::Ca::new("agent-ca").unwrap();
     let server = ca
         .server_cert(
@@ -31,6 +31,7 @@ fn write_pki(dir: &Path) {
     ] {
         std::fs::write(dir.join(name), pem).unwrap();
     }
+    ca
 }
 
 fn agent(dir: &Path, server: &ServerProcess, id: &str, identifiers: &str) -> LoggedProcess {
@@ -83,5 +84,66 @@ async fn an_agent_is_admitted_only_with_identifiers_its_certificate_names() {
             .await,
         1.0,
         "only the agent whose claims its certificate names is connected"
+    );
+}
+
+/// Issue 51, item 4: the agent id and `default-route=` are bound to the
+/// certificate too. The `node-a` certificate cannot register as `node-b`
+/// (one certificate taking many ids would be many voices), nor claim
+/// `default-route=true` (which draws every `defaultRoute` dial); a
+/// certificate that names the URI `urn:konnectivity:default-route` can.
+#[tokio::test]
+async fn the_agent_id_and_default_route_are_bound_to_the_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = write_pki(dir.path());
+    let routed = tempfile::tempdir().unwrap();
+    let router = ca
+        .client_cert_naming(
+            "node-r",
+            &[
+                "node-r".to_owned(),
+                proxy_server::strategy::DEFAULT_ROUTE_URI.to_owned(),
+            ],
+        )
+        .unwrap();
+    for (name, pem) in [
+        ("agent-ca.crt", ca.cert_pem()),
+        ("proxy-agent.crt", router.cert_pem.as_str()),
+        ("proxy-agent.key", router.key_pem.as_str()),
+    ] {
+        std::fs::write(routed.path().join(name), pem).unwrap();
+    }
+    let flags = [
+        "--proxy-strategies=defaultRoute,default".to_owned(),
+        "--verify-agent-identifiers=true".to_owned(),
+    ];
+    let mut server = ServerProcess::start_in(dir.path(), "grpc", &flags).await;
+    let _routed = agent(routed.path(), &server, "node-r", "default-route=true");
+    server
+        .wait_for_agents_within(1, Duration::from_secs(20))
+        .await;
+    for (id, claim, want) in [
+        ("node-b", "host=node-a", "agent id node-b is not named"),
+        (
+            "node-a",
+            "default-route=true",
+            "agent identifier default-route=true is not named",
+        ),
+    ] {
+        let mut liar = agent(dir.path(), &server, id, claim);
+        liar.wait_for(want, 1, Duration::from_secs(20)).await;
+        server
+            .process
+            .wait_for(want, 1, Duration::from_secs(20))
+            .await;
+    }
+    assert_eq!(
+        server
+            .metric(
+                "konnectivity_network_proxy_server_ready_backends{proxy_strategy=\"defaultRoute\"}"
+            )
+            .await,
+        1.0,
+        "only the agent whose certificate grants it routes by default"
     );
 }
