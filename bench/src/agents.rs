@@ -734,6 +734,7 @@ async fn token_storms(
             integration_tests::kube_stub::Identity {
                 username: "system:serviceaccount:kube-system:konnectivity-agent".to_owned(),
                 audiences: vec![AUDIENCE.to_owned()],
+                node: None,
             },
         );
     }

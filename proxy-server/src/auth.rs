@@ -287,7 +287,8 @@ impl TokenAuth {
         self.reviews.pending()
     }
 
-    /// Authenticates one `Connect` by its metadata, from `peer`.
+    /// Authenticates one `Connect` by its metadata, from `peer`: what the
+    /// review said of its token (the node it is bound to).
     ///
     /// # Errors
     /// See [`AuthError`].
@@ -299,7 +300,7 @@ impl TokenAuth {
         &self,
         metadata: &MetadataMap,
         peer: Option<IpAddr>,
-    ) -> Result<(), AuthError> {
+    ) -> Result<Admitted, AuthError> {
         let values: Vec<_> = metadata.get_all(header::AUTHORIZATION).iter().collect();
         let value = match values.as_slice() {
             [] => return Err(AuthError::NoToken),
@@ -332,7 +333,7 @@ impl TokenAuth {
     }
 
     /// One TokenReview of `token`, and what its answer says of it.
-    async fn review_token(&self, token: &str) -> Result<(), AuthError> {
+    async fn review_token(&self, token: &str) -> Result<Admitted, AuthError> {
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: Some(token.to_owned()),
@@ -387,6 +388,17 @@ fn skipped(error: &claims::ClaimsError) -> Skipped {
     }
 }
 
+/// The extra of a TokenReview's user naming the node of a token bound to
+/// a pod (kube-apiserver 1.30+: `ServiceAccountTokenPodNodeInfo`).
+pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
+
+/// What a review that admitted a token said of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Admitted {
+    /// The node its token is bound to ([`NODE_NAME_EXTRA`]), if it is.
+    pub node: Option<String>,
+}
+
 /// What [`verdict`] admits: the flags' namespace, service account and
 /// audience.
 pub(crate) struct Expected<'a> {
@@ -421,7 +433,7 @@ pub(crate) fn read_answer(code: http::StatusCode, body: &[u8]) -> Result<TokenRe
 
 /// What a TokenReview's answer says of its token: admitted only if it is
 /// authenticated, for `config`'s audience, as its service account.
-pub(crate) fn verdict(config: &Expected<'_>, reviewed: TokenReview) -> Result<(), AuthError> {
+pub(crate) fn verdict(config: &Expected<'_>, reviewed: TokenReview) -> Result<Admitted, AuthError> {
     let status = reviewed.status.unwrap_or_default();
     if let Some(error) = status.error.filter(|e| !e.is_empty()) {
         return Err(AuthError::StatusError(error));
@@ -436,7 +448,15 @@ pub(crate) fn verdict(config: &Expected<'_>, reviewed: TokenReview) -> Result<()
             got: audiences,
         });
     }
-    let username = status.user.and_then(|u| u.username).unwrap_or_default();
+    let user = status.user.unwrap_or_default();
+    let node = user
+        .extra
+        .as_ref()
+        .and_then(|extra| extra.get(NODE_NAME_EXTRA))
+        .and_then(|names| names.first())
+        .filter(|name| !name.is_empty())
+        .map(|name| proto::text::for_record(name.clone()));
+    let username = user.username.unwrap_or_default();
     let parts: Vec<&str> = username.split(':').collect();
     let [system, serviceaccount, namespace, name] = parts.as_slice() else {
         return Err(AuthError::NotServiceAccount(username));
@@ -456,5 +476,5 @@ pub(crate) fn verdict(config: &Expected<'_>, reviewed: TokenReview) -> Result<()
             got: (*name).to_owned(),
         });
     }
-    Ok(())
+    Ok(Admitted { node })
 }

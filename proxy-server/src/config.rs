@@ -704,10 +704,13 @@ impl TryFrom<Args> for Config {
         let lease = lease(&args)?;
         let strategies = parse_strategies(&args.proxy_strategies)
             .map_err(|reason| invalid("proxy-strategies", reason))?;
-        if args.verify_agent_identifiers && given_path(args.cluster_ca_cert.as_ref()).is_none() {
+        if args.verify_agent_identifiers
+            && given_path(args.cluster_ca_cert.as_ref()).is_none()
+            && token_auth.is_none()
+        {
             return Err(invalid(
                 "verify-agent-identifiers",
-                "requires --cluster-ca-cert: without client certificates there is nothing to bind agent identifiers to",
+                "requires --cluster-ca-cert or token authentication: without client certificates or tokens there is nothing to bind agent identifiers to",
             ));
         }
         let server_id = server_id(&args);
@@ -1265,20 +1268,18 @@ mod tests {
             (with(&["--proxy-strategies=random"]), "--proxy-strategies"),
             (
                 {
-                    // Token auth instead of client certificates.
+                    // Neither client certificates nor tokens.
                     let mut a = base[..4].to_vec();
                     a.extend(
                         [
-                            "--agent-namespace=kube-system",
-                            "--agent-service-account=konnectivity-agent",
-                            "--authentication-audience=system:konnectivity-server",
+                            "--allow-unauthenticated-agents=true",
                             "--verify-agent-identifiers=true",
                         ]
                         .map(str::to_owned),
                     );
                     a
                 },
-                "--verify-agent-identifiers: requires --cluster-ca-cert",
+                "--verify-agent-identifiers: requires --cluster-ca-cert or token authentication",
             ),
             (with(&["--server-count=0"]), "--server-count"),
             (with(&["--lease-label="]), "--lease-label"),

@@ -1371,7 +1371,7 @@ pub fn token_review(data: &[u8]) {
     let sent = api.sent.lock().expect("not poisoned");
     let first = &verdicts[0];
     let reused = match first {
-        Ok(()) => true,
+        Ok(_) => true,
         Err(AuthError::Review(_) | AuthError::StatusError(_)) => false,
         Err(error) => !error.is_load(),
     };
@@ -1391,7 +1391,9 @@ pub fn token_review(data: &[u8]) {
 
 /// [`connect_twice`] with every log line at any level captured, as the
 /// binaries format them: the token is in none of them.
-fn connect_twice_logged(api: StubApi) -> (Vec<Result<(), AuthError>>, Vec<auth::Checked>) {
+fn connect_twice_logged(
+    api: StubApi,
+) -> (Vec<Result<auth::Admitted, AuthError>>, Vec<auth::Checked>) {
     let logs = Logs::default();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
@@ -1430,7 +1432,7 @@ fn check_reviews_sent(sent: &[Sent]) {
 /// agent admitted only if the answer, read independently as plain JSON,
 /// says the token is authenticated, for our audience, as our service
 /// account; refused never on a 2xx answer that says so.
-fn check_verdict(code: StatusCode, body: &[u8], first: &Result<(), AuthError>) {
+fn check_verdict(code: StatusCode, body: &[u8], first: &Result<auth::Admitted, AuthError>) {
     // Strictly: JSON is UTF-8 (RFC 8259), so a body with bad UTF-8 in a
     // key is no answer, however it would read with the bytes replaced.
     let json = serde_json::from_slice::<serde_json::Value>(body).ok();
@@ -1452,7 +1454,21 @@ fn check_verdict(code: StatusCode, body: &[u8], first: &Result<(), AuthError>) {
             );
             return;
         }
-        Ok(()) => assert!(code.is_success(), "admitted on a {code} answer"),
+        Ok(admitted) => {
+            assert!(code.is_success(), "admitted on a {code} answer");
+            // The node it is bound to is the answer's first node-name
+            // extra, whole up to the record limit, when there is one.
+            if let Some(json) = &json {
+                let named = json["status"]["user"]["extra"][auth::NODE_NAME_EXTRA][0]
+                    .as_str()
+                    .filter(|n| !n.is_empty());
+                assert_eq!(
+                    admitted.node,
+                    named.map(|n| proto::text::for_record(n.to_owned())),
+                    "the node of an admitted token"
+                );
+            }
+        }
     }
     // Admitted: the answer says so, read as plain JSON. serde_json skips
     // an unknown field's string without checking it (bad UTF-8, a lone
@@ -1492,7 +1508,7 @@ fn json_admits(json: &serde_json::Value) -> bool {
 /// Two `Connect`s with [`TOKEN`] from one agent, checked by a
 /// `TokenAuth` whose kube client is `api`: their verdicts, and what the
 /// metrics were told of each.
-fn connect_twice(api: StubApi) -> (Vec<Result<(), AuthError>>, Vec<auth::Checked>) {
+fn connect_twice(api: StubApi) -> (Vec<Result<auth::Admitted, AuthError>>, Vec<auth::Checked>) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -2153,7 +2169,10 @@ mod tests {
         assert_eq!(ok, ("CONNECT".into(), "a:1".into(), b"rest".to_vec()));
         let body = br#"{"status":{"authenticated":true,"audiences":["system:konnectivity-server"],"user":{"username":"system:serviceaccount:kube-system:konnectivity-agent"}}}"#;
         let review = auth::read_answer(StatusCode::OK, body).unwrap();
-        assert_eq!(auth::verdict(&EXPECTED, review), Ok(()));
+        assert_eq!(
+            auth::verdict(&EXPECTED, review),
+            Ok(auth::Admitted::default())
+        );
         let mut input = vec![0u8, 100];
         input.extend_from_slice(body);
         token_review(&input);

@@ -30,6 +30,9 @@ pub struct Identity {
     pub username: String,
     /// Audiences the token is valid for.
     pub audiences: Vec<String>,
+    /// The node a bound token's pod runs on
+    /// (`authentication.kubernetes.io/node-name`), if it is bound to one.
+    pub node: Option<String>,
 }
 
 /// How the stub answers a review of a token given to [`TokenReviewStub::echo`]:
@@ -430,9 +433,14 @@ async fn answer(
                     "[invalid bearer token, token audiences {:?} is invalid for the target audiences {:?}, unknown]",
                     identity.audiences, wanted)})
             } else {
+                let mut user = serde_json::json!({"username": identity.username, "uid": "u-1", "groups": ["system:serviceaccounts"]});
+                if let Some(node) = &identity.node {
+                    user["extra"] =
+                        serde_json::json!({"authentication.kubernetes.io/node-name": [node]});
+                }
                 serde_json::json!({
                     "authenticated": true,
-                    "user": {"username": identity.username, "uid": "u-1", "groups": ["system:serviceaccounts"]},
+                    "user": user,
                     "audiences": common
                 })
             }

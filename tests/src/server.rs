@@ -76,6 +76,8 @@ pub struct ServerOpts {
     pub frontend_stall_timeout: Option<Duration>,
     /// `--tls-session-tickets` on the agent listener.
     pub session_tickets: bool,
+    /// `--verify-agent-identifiers`.
+    pub verify_agent_identifiers: bool,
     /// `--tls-session-ticket-rotation`.
     pub ticket_rotation: Duration,
     /// `--max-agent-queue-bytes`.
@@ -113,6 +115,7 @@ impl Default for ServerOpts {
             max_tls_handshakes: 8192,
             frontend_stall_timeout: Some(Duration::from_secs(300)),
             session_tickets: true,
+            verify_agent_identifiers: false,
             ticket_rotation: proxy_server::config::DEFAULT_TICKET_ROTATION,
             max_agent_queue_bytes: 4 << 20,
             allow_unauthenticated_agents: false,
@@ -209,7 +212,7 @@ impl TestServer {
             server_count: opts.server_count,
             strategies: opts.strategies.clone(),
             max_agent_queue_bytes: opts.max_agent_queue_bytes,
-            verify_agent_identifiers: false,
+            verify_agent_identifiers: opts.verify_agent_identifiers,
             buffer_budget_bytes: opts.buffer_budget_bytes,
             max_tls_handshakes: opts.max_tls_handshakes,
             max_http_connections: 65_536,

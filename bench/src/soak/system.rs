@@ -387,6 +387,7 @@ impl Tokens {
             Identity {
                 username: "system:serviceaccount:kube-system:konnectivity-agent".to_owned(),
                 audiences: vec![AUDIENCE.to_owned()],
+                node: None,
             },
         );
         let path = root.join("agent-token");

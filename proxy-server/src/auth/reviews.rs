@@ -63,7 +63,7 @@ pub const PERMIT_TIMEOUT: Duration = Duration::from_secs(15);
 const SWEEP: usize = 4;
 
 /// What a review said.
-pub(crate) type Verdict = Result<(), AuthError>;
+pub(crate) type Verdict = Result<super::Admitted, AuthError>;
 
 /// A SHA-256 of a token.
 type Key = [u8; 32];
@@ -409,7 +409,7 @@ impl Reviews {
     /// How long `verdict` may be reused: `None` for not at all.
     fn keep_for(&self, verdict: &Verdict, token: &str) -> Option<Duration> {
         match verdict {
-            Ok(()) => {
+            Ok(_) => {
                 let keep = match token_expiry(token) {
                     Some(expiry) => expiry.duration_since(SystemTime::now()).ok()?.min(self.ttl),
                     None => self.ttl,
@@ -527,7 +527,7 @@ fn count(state: &mut State, peer: PeerKey, outcome: Outcome) {
 /// call failed, or never started).
 fn outcome(verdict: &Verdict) -> Option<Outcome> {
     match verdict {
-        Ok(()) => Some(Outcome::Passed),
+        Ok(_) => Some(Outcome::Passed),
         Err(AuthError::Review(_)) => None,
         Err(error) if error.is_load() => None,
         Err(_) => Some(Outcome::Failed),
@@ -551,6 +551,7 @@ fn token_expiry(token: &str) -> Option<SystemTime> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::Admitted;
     use std::sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -604,15 +605,19 @@ mod tests {
     async fn an_accepted_token_is_answered_from_the_cache_until_the_ttl() {
         let reviews = Reviews::new(TTL, 4, 1000);
         let api = Api::default();
-        let ask = || reviews.check("t", async || api.review(Duration::ZERO, Ok(())).await);
-        assert_eq!(ask().await, (Ok(()), Some(Source::Api)));
-        assert_eq!(ask().await, (Ok(()), Some(Source::Cache)));
+        let ask = || {
+            reviews.check("t", async || {
+                api.review(Duration::ZERO, Ok(Admitted::default())).await
+            })
+        };
+        assert_eq!(ask().await, (Ok(Admitted::default()), Some(Source::Api)));
+        assert_eq!(ask().await, (Ok(Admitted::default()), Some(Source::Cache)));
         tokio::time::advance(TTL - Duration::from_millis(1)).await;
-        assert_eq!(ask().await, (Ok(()), Some(Source::Cache)));
+        assert_eq!(ask().await, (Ok(Admitted::default()), Some(Source::Cache)));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(
             ask().await,
-            (Ok(()), Some(Source::Api)),
+            (Ok(Admitted::default()), Some(Source::Api)),
             "reviewed again at the ttl"
         );
         assert_eq!(api.calls(), 2);
@@ -629,7 +634,9 @@ mod tests {
             let (reviews, api) = (&reviews, &api);
             async move {
                 reviews
-                    .check(&t, async || api.review(Duration::ZERO, Ok(())).await)
+                    .check(&t, async || {
+                        api.review(Duration::ZERO, Ok(Admitted::default())).await
+                    })
                     .await
                     .1
             }
@@ -655,7 +662,8 @@ mod tests {
         let api = Api::default();
         let checks = (0..50).map(|_| {
             reviews.check("same", async || {
-                api.review(Duration::from_millis(200), Ok(())).await
+                api.review(Duration::from_millis(200), Ok(Admitted::default()))
+                    .await
             })
         });
         let answers = futures_util::future::join_all(checks).await;
@@ -675,7 +683,8 @@ mod tests {
         let tokens: Vec<String> = (0..20).map(|n| format!("token-{n}")).collect();
         let checks = tokens.iter().map(|t| {
             reviews.check(t, async || {
-                api.review(Duration::from_millis(100), Ok(())).await
+                api.review(Duration::from_millis(100), Ok(Admitted::default()))
+                    .await
             })
         });
         futures_util::future::join_all(checks).await;
@@ -695,7 +704,9 @@ mod tests {
             .await;
         assert!(matches!(verdict, Err(AuthError::Review(_))));
         let (verdict, source) = reviews
-            .check("t", async || api.review(Duration::ZERO, Ok(())).await)
+            .check("t", async || {
+                api.review(Duration::ZERO, Ok(Admitted::default())).await
+            })
             .await;
         assert_eq!((verdict.is_ok(), source), (true, Some(Source::Api)));
 
@@ -719,7 +730,9 @@ mod tests {
             let (reviews, api) = (&reviews, &api);
             async move {
                 reviews
-                    .check(t, async || api.review(Duration::ZERO, Ok(())).await)
+                    .check(t, async || {
+                        api.review(Duration::ZERO, Ok(Admitted::default())).await
+                    })
                     .await
                     .1
             }
@@ -751,7 +764,8 @@ mod tests {
             tokio::spawn(async move {
                 reviews
                     .check("t", async || {
-                        api.review(Duration::from_secs(10), Ok(())).await
+                        api.review(Duration::from_secs(10), Ok(Admitted::default()))
+                            .await
                     })
                     .await
             })
@@ -762,7 +776,8 @@ mod tests {
             tokio::spawn(async move {
                 reviews
                     .check("t", async || {
-                        api.review(Duration::from_millis(5), Ok(())).await
+                        api.review(Duration::from_millis(5), Ok(Admitted::default()))
+                            .await
                     })
                     .await
             })
@@ -786,9 +801,14 @@ mod tests {
             .await;
         assert_eq!((verdict, source), (Err(error()), Some(Source::Api)));
         let (verdict, source) = reviews
-            .check("t", async || api.review(Duration::ZERO, Ok(())).await)
+            .check("t", async || {
+                api.review(Duration::ZERO, Ok(Admitted::default())).await
+            })
             .await;
-        assert_eq!((verdict, source), (Ok(()), Some(Source::Api)));
+        assert_eq!(
+            (verdict, source),
+            (Ok(Admitted::default()), Some(Source::Api))
+        );
         assert_eq!(api.calls(), 2);
     }
 
@@ -803,13 +823,15 @@ mod tests {
             let (reviews, api) = (reviews.clone(), api.clone());
             tokio::spawn(async move {
                 reviews
-                    .check(&token, async || api.review(delay, Ok(())).await)
+                    .check(&token, async || {
+                        api.review(delay, Ok(Admitted::default())).await
+                    })
                     .await
             })
         };
         assert_eq!(
             ask("cached".to_owned(), Duration::ZERO).await.unwrap(),
-            (Ok(()), Some(Source::Api))
+            (Ok(Admitted::default()), Some(Source::Api))
         );
         let slow: Vec<_> = (0..3)
             .map(|n| ask(format!("slow-{n}"), Duration::from_secs(5)))
@@ -823,7 +845,7 @@ mod tests {
         assert!(verdict.unwrap_err().status().code() == tonic::Code::Unavailable);
         assert_eq!(
             ask("cached".to_owned(), Duration::ZERO).await.unwrap(),
-            (Ok(()), Some(Source::Cache))
+            (Ok(Admitted::default()), Some(Source::Cache))
         );
         assert_eq!(reviews.lock().calls.len(), 3, "one per token");
         assert_eq!(api.calls(), 2, "one in flight, two waiting for a permit");
@@ -833,7 +855,7 @@ mod tests {
         assert_eq!(reviews.pending(), 0);
         assert_eq!(
             ask("one-more".to_owned(), Duration::ZERO).await.unwrap(),
-            (Ok(()), Some(Source::Api))
+            (Ok(Admitted::default()), Some(Source::Api))
         );
         assert_eq!(api.calls(), 5);
     }
@@ -849,7 +871,8 @@ mod tests {
             tokio::spawn(async move {
                 reviews
                     .check("holder", async || {
-                        api.review(Duration::from_secs(3600), Ok(())).await
+                        api.review(Duration::from_secs(3600), Ok(Admitted::default()))
+                            .await
                     })
                     .await
             })
@@ -860,7 +883,9 @@ mod tests {
         let started = Instant::now();
         let waited = tokio::time::timeout(
             2 * PERMIT_TIMEOUT,
-            reviews.check("t", async || api.review(Duration::ZERO, Ok(())).await),
+            reviews.check("t", async || {
+                api.review(Duration::ZERO, Ok(Admitted::default())).await
+            }),
         )
         .await
         .expect("still waiting for a permit");
@@ -880,9 +905,14 @@ mod tests {
         let _ = hold.await;
         assert_eq!(reviews.pending(), 0);
         let (verdict, source) = reviews
-            .check("t", async || api.review(Duration::ZERO, Ok(())).await)
+            .check("t", async || {
+                api.review(Duration::ZERO, Ok(Admitted::default())).await
+            })
             .await;
-        assert_eq!((verdict, source), (Ok(()), Some(Source::Api)));
+        assert_eq!(
+            (verdict, source),
+            (Ok(Admitted::default()), Some(Source::Api))
+        );
     }
 
     fn key_of(token: &str) -> Key {
@@ -905,7 +935,8 @@ mod tests {
                 tokio::spawn(async move {
                     reviews
                         .check(token, async || {
-                            api.review(Duration::from_secs(3600), Ok(())).await
+                            api.review(Duration::from_secs(3600), Ok(Admitted::default()))
+                                .await
                         })
                         .await
                 })
@@ -931,7 +962,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn expired_answers_go_a_few_at_a_time_as_answers_come() {
         let reviews = Reviews::new(TTL, 4, 1000);
-        let ok = async || Ok(());
+        let ok = async || Ok(Admitted::default());
         for n in 0..40 {
             let _ = reviews.check(&format!("old-{n}"), ok).await;
         }
@@ -992,8 +1023,17 @@ mod tests {
             tokio::task::yield_now().await;
         }
         let started = Instant::now();
-        let good = ask_from(&reviews, &api, peer(2), "good".to_owned(), Ok(()));
-        assert_eq!(good.await.unwrap(), (Ok(()), Some(Source::Api)));
+        let good = ask_from(
+            &reviews,
+            &api,
+            peer(2),
+            "good".to_owned(),
+            Ok(Admitted::default()),
+        );
+        assert_eq!(
+            good.await.unwrap(),
+            (Ok(Admitted::default()), Some(Source::Api))
+        );
         let waited = started.elapsed();
         assert!(waited <= Duration::from_millis(150), "waited {waited:?}");
         let mut slowed = 0;
@@ -1018,12 +1058,26 @@ mod tests {
         assert_eq!(reviews.pending(), 0);
         // Past its cap, new connects of the peer are refused at once.
         let slow: Vec<_> = (0..4)
-            .map(|n| ask_from(&reviews, &api, peer(1), format!("bad-y{n}"), Ok(())))
+            .map(|n| {
+                ask_from(
+                    &reviews,
+                    &api,
+                    peer(1),
+                    format!("bad-y{n}"),
+                    Ok(Admitted::default()),
+                )
+            })
             .collect();
         while reviews.pending() < 4 {
             tokio::task::yield_now().await;
         }
-        let refused = ask_from(&reviews, &api, peer(1), "bad-z".to_owned(), Ok(()));
+        let refused = ask_from(
+            &reviews,
+            &api,
+            peer(1),
+            "bad-z".to_owned(),
+            Ok(Admitted::default()),
+        );
         let (verdict, source) = refused.await.unwrap();
         assert!(
             matches!(verdict, Err(AuthError::PeerSlowed { limit: 4, .. })),
@@ -1072,11 +1126,11 @@ mod tests {
                     loop {
                         tries += 1;
                         let token = format!("agent-{a}");
-                        match ask_from(&reviews, &api, peer(1), token, Ok(()))
+                        match ask_from(&reviews, &api, peer(1), token, Ok(Admitted::default()))
                             .await
                             .unwrap()
                         {
-                            (Ok(()), _) => return tries,
+                            (Ok(_), _) => return tries,
                             (Err(error), _) => assert!(error.is_load(), "{error:?}"),
                         }
                         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1115,7 +1169,13 @@ mod tests {
         assert_eq!(api.calls(), 20);
         assert!(!slowed(&reviews), "slowed by an outage");
         for n in 0..super::super::peers::SLOW_AFTER {
-            let check = ask_from(&reviews, &api, peer(1), format!("gone-{n}"), Ok(()));
+            let check = ask_from(
+                &reviews,
+                &api,
+                peer(1),
+                format!("gone-{n}"),
+                Ok(Admitted::default()),
+            );
             while api.calls() == 20 + n as usize {
                 tokio::task::yield_now().await;
             }

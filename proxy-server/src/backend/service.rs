@@ -122,6 +122,46 @@ fn certified(request: &Request<Streaming<Packet>>, info: &AgentInfo) -> Result<C
     Ok(Credential(format!("cert:{hex}")))
 }
 
+/// In token mode: the node the agent's token is bound to is its credential
+/// (`node:<name>`); with `--verify-agent-identifiers` the token must be
+/// bound to a node, every `host=` must be that node, and `cidr=` and
+/// `default-route=true`, which no token grants, are refused. `ipv4=` and
+/// `ipv6=` stay the agent's word: a TokenReview names no address.
+fn node_bound(
+    info: &AgentInfo,
+    review: &crate::auth::Admitted,
+    verify: bool,
+) -> Result<Option<Credential>, Status> {
+    let credential = review
+        .node
+        .as_ref()
+        .map(|node| Credential(format!("node:{node}")));
+    if !verify {
+        return Ok(credential);
+    }
+    let Some(node) = &review.node else {
+        return Err(Status::permission_denied(format!(
+            "--verify-agent-identifiers: the agent's token is not bound to a node (no {} in its TokenReview)",
+            crate::auth::NODE_NAME_EXTRA
+        )));
+    };
+    let ids = &info.identifiers;
+    let claim = ids
+        .hosts
+        .iter()
+        .find(|host| !host.eq_ignore_ascii_case(node))
+        .map(|host| format!("host={host}"))
+        .or_else(|| ids.cidrs.first().map(|net| format!("cidr={net}")))
+        .or_else(|| ids.default_route.then(|| "default-route=true".to_owned()));
+    match claim {
+        None => Ok(credential),
+        Some(claim) => Err(Status::permission_denied(format!(
+            "agent identifier {} is not granted by the agent's token (--verify-agent-identifiers: it is bound to node {node}; host= must be that node, and no token grants cidr= or default-route=true)",
+            tunnel::text::Elided(&claim)
+        ))),
+    }
+}
+
 /// What the agent's metadata says of flow control, against what this
 /// server offers.
 fn scheme(
@@ -153,6 +193,7 @@ impl AgentServiceImpl {
         // The wait ends with the stream (tonic drops this future when the
         // stream is reset or its connection ends), at shutdown, or when the
         // agent sends data before it is admitted (it holds none meanwhile).
+        let mut admitted = None;
         if let Some(auth) = &self.token_auth {
             let (metadata, body) = (request.metadata().clone(), request.get_mut());
             let verdict = tokio::select! {
@@ -172,17 +213,20 @@ impl AgentServiceImpl {
                     return Err(Status::unavailable("proxy-server is shutting down"));
                 }
             };
-            if let Err(error) = verdict {
-                // Refusals under load are logged once where the limit is;
-                // those without a review come as fast as a peer sends
-                // them, and are counted
-                // (konnectivity_rs_server_token_reviews_skipped_total).
-                if error.is_load() || matches!(error, crate::auth::AuthError::Claims(_)) {
-                    debug!(peer.addr = ?peer, %error, "agent refused");
-                } else {
-                    warn!(peer.addr = ?peer, %error, "agent refused");
+            match verdict {
+                Ok(review) => admitted = Some(review),
+                Err(error) => {
+                    // Refusals under load are logged once where the limit is;
+                    // those without a review come as fast as a peer sends
+                    // them, and are counted
+                    // (konnectivity_rs_server_token_reviews_skipped_total).
+                    if error.is_load() || matches!(error, crate::auth::AuthError::Claims(_)) {
+                        debug!(peer.addr = ?peer, %error, "agent refused");
+                    } else {
+                        warn!(peer.addr = ?peer, %error, "agent refused");
+                    }
+                    return Err(error.status());
                 }
-                return Err(error.status());
             }
         }
         let checked = exactly_one(request, header::AGENT_ID).and_then(|id| {
@@ -196,12 +240,14 @@ impl AgentServiceImpl {
             ))
         });
         let checked = checked.and_then(|(mut info, scheme)| {
-            if self.verify_identifiers {
-                let credential = certified(request, &info).inspect_err(|status| {
-                    warn!(peer.addr = ?peer, agent.id = %info.agent_id, error = %status.message(), "agent refused");
-                })?;
-                info.credential = Some(credential);
-            }
+            let vouched = match &admitted {
+                Some(review) => node_bound(&info, review, self.verify_identifiers),
+                None if self.verify_identifiers => certified(request, &info).map(Some),
+                None => Ok(None),
+            };
+            info.credential = vouched.inspect_err(|status| {
+                warn!(peer.addr = ?peer, agent.id = %info.agent_id, error = %status.message(), "agent refused");
+            })?;
             Ok((info, scheme))
         });
         if let Err(status) = &checked {

@@ -199,6 +199,7 @@ impl Files {
                     Identity {
                         username: format!("system:serviceaccount:{NAMESPACE}:{AGENT_SA}"),
                         audiences: vec![AUDIENCE.to_owned()],
+                        node: None,
                     },
                 );
                 (None, Some(stub))

@@ -113,6 +113,7 @@ async fn no_token_password_key_or_payload_is_ever_logged() {
         Identity {
             username: "system:serviceaccount:kube-system:konnectivity-agent".to_owned(),
             audiences: vec!["system:konnectivity-server".to_owned()],
+            node: None,
         },
     );
     stub.echo(&jwt(GARBLED_TOKEN), Echo::Garbled);

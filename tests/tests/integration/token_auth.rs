@@ -180,6 +180,7 @@ fn identity(username: &str, audience: &str) -> Identity {
     Identity {
         username: username.to_owned(),
         audiences: vec![audience.to_owned()],
+        node: None,
     }
 }
 
@@ -980,5 +981,94 @@ async fn a_token_flood_from_one_peer_does_not_keep_an_agent_out() {
         reviewed.is_empty(),
         "{} malformed or wrong-audience tokens were reviewed",
         reviewed.len()
+    );
+}
+
+/// One connect with `token` and `identifiers`: the status it was refused
+/// with, or `None` if admitted.
+async fn connect_claiming(
+    server: &TestServer,
+    token: &str,
+    identifiers: &str,
+) -> Option<tonic::Status> {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = AgentOpts {
+        identifiers: identifiers.to_owned(),
+        ..with_token(&dir, token)
+    };
+    let config = agent_config(server.agent_addr, &opts);
+    match Client::connect(
+        &config,
+        config.tls.load().unwrap(),
+        &config.servers[0],
+        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
+    )
+    .await
+    {
+        Ok(_) => None,
+        Err(ConnectError::Refused { status, .. }) => Some(status),
+        Err(other) => panic!("unexpected {other}"),
+    }
+}
+
+/// Issue 51, item 4: in token mode with `--verify-agent-identifiers`, a
+/// token bound to a node (the TokenReview's
+/// `authentication.kubernetes.io/node-name`) admits `host=` that node
+/// only, and neither `cidr=` nor `default-route=true`; a token bound to no
+/// node is refused. Before, the flag was refused in token mode and any
+/// holder of the service account's token could claim any node.
+#[tokio::test]
+async fn a_node_bound_token_admits_its_own_node_only() {
+    let stub = TokenReviewStub::start().await;
+    stub.allow(
+        &sa("node-a-token"),
+        Identity {
+            node: Some("node-a".to_owned()),
+            ..identity(AGENT_SA, AUDIENCE)
+        },
+    );
+    stub.allow(&sa("unbound-token"), identity(AGENT_SA, AUDIENCE));
+    let server = TestServer::start_with(ServerOpts {
+        mtls: false,
+        verify_agent_identifiers: true,
+        token_auth: Some(TokenAuthConfig {
+            namespace: "kube-system".to_owned(),
+            service_account: "konnectivity-agent".to_owned(),
+            audience: AUDIENCE.to_owned(),
+            kubeconfig: Some(stub.kubeconfig.clone()),
+            cache_ttl: proxy_server::auth::DEFAULT_CACHE_TTL,
+            max_in_flight: proxy_server::auth::DEFAULT_MAX_IN_FLIGHT,
+            max_pending: proxy_server::auth::DEFAULT_MAX_PENDING,
+            local_checks: true,
+        }),
+        ..Default::default()
+    })
+    .await;
+    let token = sa("node-a-token");
+    assert!(
+        connect_claiming(&server, &token, "host=node-a&ipv4=10.0.0.5")
+            .await
+            .is_none(),
+        "its own node (ipv4= stays its word)"
+    );
+    for claim in ["host=node-b", "cidr=10.0.0.0/8", "default-route=true"] {
+        let status = connect_claiming(&server, &token, claim)
+            .await
+            .unwrap_or_else(|| panic!("{claim} admitted"));
+        assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+        assert!(
+            status.message().contains(&format!(
+                "agent identifier {claim} is not granted by the agent's token"
+            )) && status.message().contains("bound to node node-a"),
+            "{status:?}"
+        );
+    }
+    let status = connect_claiming(&server, &sa("unbound-token"), "host=node-a")
+        .await
+        .expect("an unbound token refused");
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains("is not bound to a node"),
+        "{status:?}"
     );
 }
