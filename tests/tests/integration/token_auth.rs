@@ -97,8 +97,21 @@ fn with_token(dir: &tempfile::TempDir, token: &str) -> AgentOpts {
 
 /// One connect of an agent presenting `token`.
 async fn connect_with(server: &TestServer, token: &str) -> Result<Client, ConnectError> {
+    connect_as(server, token, "").await
+}
+
+/// One connect of an agent presenting `token` and claiming `identifiers`.
+async fn connect_as(
+    server: &TestServer,
+    token: &str,
+    identifiers: &str,
+) -> Result<Client, ConnectError> {
     let dir = tempfile::tempdir().unwrap();
-    let config = agent_config(server.agent_addr, &with_token(&dir, token));
+    let opts = AgentOpts {
+        identifiers: identifiers.to_owned(),
+        ..with_token(&dir, token)
+    };
+    let config = agent_config(server.agent_addr, &opts);
     Client::connect(
         &config,
         config.tls.load().unwrap(),
@@ -991,20 +1004,7 @@ async fn connect_claiming(
     token: &str,
     identifiers: &str,
 ) -> Option<tonic::Status> {
-    let dir = tempfile::tempdir().unwrap();
-    let opts = AgentOpts {
-        identifiers: identifiers.to_owned(),
-        ..with_token(&dir, token)
-    };
-    let config = agent_config(server.agent_addr, &opts);
-    match Client::connect(
-        &config,
-        config.tls.load().unwrap(),
-        &config.servers[0],
-        std::sync::Arc::new(proxy_agent::metrics::AgentMetrics::unattached()),
-    )
-    .await
-    {
+    match connect_as(server, token, identifiers).await {
         Ok(_) => None,
         Err(ConnectError::Refused { status, .. }) => Some(status),
         Err(other) => panic!("unexpected {other}"),
