@@ -1671,7 +1671,7 @@ pub fn review_peers_alloc_bound(len: usize) -> usize {
 }
 
 /// Checks of agent tokens from a few peers (IPv4 addresses, and IPv6
-/// addresses of which two share a /64) entering, calling, ending with a
+/// addresses of which two share a /64 and three /64s a /48) entering, calling, ending with a
 /// pass, a failure or nothing, leaving, in the order the bytes say, the
 /// clock moving, at most 1-8 peers remembered (`auth::peers`). Checks: the
 /// records stay whole after every step (`Peers::check`); a peer none of
@@ -1690,6 +1690,8 @@ pub fn review_peers(data: &[u8]) -> usize {
         "2001:db8::1",
         "2001:db8::2",
         "2001:db8:0:1::1",
+        "2001:db8:0:2::1",
+        "2001:db8:1::1",
     ]
     .iter()
     .map(|ip| PeerKey::of(ip.parse().expect("an address")))
@@ -1699,13 +1701,29 @@ pub fn review_peers(data: &[u8]) -> usize {
     let mut tickets = Vec::new();
     let mut now = tokio::time::Instant::now();
     let mut refusals = 0;
+    // A refusal names the peer slowed: the check's own or its /48, whose
+    // failures are those of its /64s.
     let mut refused =
         |failed: &HashMap<PeerKey, u32>, key: PeerKey, slowed: auth::peers::Slowed| {
-            let count = failed.get(&key).copied().unwrap_or(0);
-            assert!(count >= SLOW_AFTER, "{key} refused after {count} failures");
+            assert!(
+                slowed.key == key || key.wider() == Some(slowed.key),
+                "{key} refused as {}",
+                slowed.key
+            );
+            let count = failed.get(&slowed.key).copied().unwrap_or(0);
+            assert!(
+                count >= SLOW_AFTER,
+                "{} refused after {count} failures",
+                slowed.key
+            );
             assert!(slowed.limit >= SLOWED_PENDING && slowed.failed >= SLOW_AFTER);
             refusals += 1;
         };
+    let fail = |failed: &mut HashMap<PeerKey, u32>, key: PeerKey| {
+        for key in std::iter::once(key).chain(key.wider()) {
+            *failed.entry(key).or_default() += 1;
+        }
+    };
     while !input.is_empty() {
         let key = keys[input.below(keys.len())];
         match input.below(7) {
@@ -1730,13 +1748,13 @@ pub fn review_peers(data: &[u8]) -> usize {
                 if calling {
                     // Abandoned while the API had it.
                     peers.end_call(ticket);
-                    *failed.entry(ticket.key).or_default() += 1;
+                    fail(&mut failed, ticket.key);
                     peers.count(ticket.key, Outcome::Failed, now);
                 }
                 peers.leave(ticket);
             }
             4 => {
-                *failed.entry(key).or_default() += 1;
+                fail(&mut failed, key);
                 peers.count(key, Outcome::Failed, now);
             }
             5 => now += Duration::from_secs(u64::from(input.byte())),
@@ -1778,7 +1796,9 @@ fn call_step(
         let outcome = [Some(Outcome::Passed), Some(Outcome::Failed), None][input.below(3)];
         if let Some(outcome) = outcome {
             if outcome == Outcome::Failed {
-                *failed.entry(ticket.key).or_default() += 1;
+                for key in std::iter::once(ticket.key).chain(ticket.key.wider()) {
+                    *failed.entry(key).or_default() += 1;
+                }
             }
             peers.count(ticket.key, outcome, now);
         }

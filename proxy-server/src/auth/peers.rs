@@ -3,9 +3,12 @@
 //! holds it under its lock.
 //!
 //! A peer is a source address: an IPv4 address, or an IPv6 /64 (what one
-//! host is usually given). Agents behind a NAT or a load balancer share
-//! one, and reconnect together when a server restarts, so a peer is never
-//! capped for the number of its connects, only for its failures:
+//! host is usually given). An IPv6 /64 is also counted in its /48 (what
+//! one site is usually given): a /48 that rotates its /64s, each new one
+//! with a clean record, is slowed as one peer, and its /64s with it.
+//! Agents behind a NAT or a load balancer share one, and reconnect
+//! together when a server restarts, so a peer is never capped for the
+//! number of its connects, only for its failures:
 //! - Each review the API answers counts for the peer whose connect made
 //!   the call: passed (the token was admitted) or failed (refused, or the
 //!   API reported an error for it). A call abandoned by its stream while
@@ -23,6 +26,8 @@
 //!   reviews, and agents sharing its address still get theirs, each one
 //!   that passes raising the cap, until passes outweigh failures and the
 //!   cap is gone.
+//! - A /64 is capped when it, or its /48, is slowed and at its cap; its
+//!   checks, calls and reviews count in both records.
 //! - At most [`MAX_PEERS`] peers are remembered; past that, the one seen
 //!   least recently is forgotten.
 
@@ -48,20 +53,37 @@ pub const MAX_COUNT: u32 = 1024;
 /// Peers remembered (about 100 bytes each).
 pub const MAX_PEERS: usize = 16_384;
 
-/// A peer: an IPv4 address, or the /64 of an IPv6 address.
+/// A peer: an IPv4 address, or the /64 (or, as the wider peer, the /48)
+/// of an IPv6 address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeerKey(IpAddr);
+pub struct PeerKey(IpAddr, u8);
+
+/// The prefix of a peer's IPv6 addresses (one host).
+const HOST_PREFIX: u8 = 64;
+/// The prefix of a wider peer's IPv6 addresses (one site).
+const SITE_PREFIX: u8 = 48;
 
 impl PeerKey {
     /// The peer of a connection from `ip`; an IPv4-mapped IPv6 address is
     /// its IPv4 address.
     pub fn of(ip: IpAddr) -> Self {
         match ip.to_canonical() {
-            IpAddr::V4(v4) => Self(IpAddr::V4(v4)),
-            IpAddr::V6(v6) => {
-                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-                Self(IpAddr::V6(Ipv6Addr::from(prefix)))
-            }
+            IpAddr::V4(v4) => Self(IpAddr::V4(v4), 32),
+            IpAddr::V6(v6) => Self::v6(v6, HOST_PREFIX),
+        }
+    }
+
+    /// The /`prefix` of `v6`.
+    fn v6(v6: Ipv6Addr, prefix: u8) -> Self {
+        let mask = !(u128::MAX >> prefix);
+        Self(IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask)), prefix)
+    }
+
+    /// The wider peer an IPv6 /64 is also counted in: its /48.
+    pub fn wider(self) -> Option<Self> {
+        match self.0 {
+            IpAddr::V6(v6) if self.1 > SITE_PREFIX => Some(Self::v6(v6, SITE_PREFIX)),
+            _ => None,
         }
     }
 }
@@ -70,7 +92,7 @@ impl fmt::Display for PeerKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0 {
             IpAddr::V4(v4) => write!(f, "{v4}"),
-            IpAddr::V6(v6) => write!(f, "{v6}/64"),
+            IpAddr::V6(v6) => write!(f, "{v6}/{}", self.1),
         }
     }
 }
@@ -78,6 +100,8 @@ impl fmt::Display for PeerKey {
 /// A slowed peer at its cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Slowed {
+    /// The peer slowed: the check's own, or its /48.
+    pub(crate) key: PeerKey,
     /// Its failed reviews (decayed).
     pub(crate) failed: u32,
     /// How many of its connects may wait for a review.
@@ -93,13 +117,23 @@ pub(crate) enum Outcome {
     Failed,
 }
 
-/// A check counted in its peer's record until it [`leave`](Peers::leave)s.
+/// A check counted in its peer's record (and its wider peer's) until it
+/// [`leave`](Peers::leave)s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ticket {
     /// Whose.
     pub(crate) key: PeerKey,
     /// Which record: a forgotten peer's tickets count for nothing.
     born: u64,
+    /// The wider peer's record it also counts in, if any.
+    wide: Option<(PeerKey, u64)>,
+}
+
+impl Ticket {
+    /// The records it counts in: `(key, born)`.
+    fn records(self) -> impl Iterator<Item = (PeerKey, u64)> {
+        std::iter::once((self.key, self.born)).chain(self.wide)
+    }
 }
 
 /// What is known of one peer.
@@ -151,8 +185,9 @@ impl Peer {
     }
 
     /// `Some` if slowed and `count` of its connects are already at the cap.
-    fn at_cap(&self, count: usize) -> Option<Slowed> {
+    fn at_cap(&self, key: PeerKey, count: usize) -> Option<Slowed> {
         (self.slowed() && count >= self.limit()).then(|| Slowed {
+            key,
             failed: self.failed,
             limit: self.limit(),
         })
@@ -195,63 +230,100 @@ impl Peers {
         self.peers.len()
     }
 
-    /// A check of `key` starts waiting for a review, unless `key` is
-    /// slowed and at its cap.
+    /// A check of `key` starts waiting for a review, unless `key`, or its
+    /// wider peer, is slowed and at its cap.
     pub(crate) fn enter(&mut self, key: PeerKey, now: Instant) -> Result<Ticket, Slowed> {
         let peer = self.touch(key, now);
-        if let Some(slowed) = peer.at_cap(peer.waiting) {
+        if let Some(slowed) = peer.at_cap(key, peer.waiting) {
             return Err(slowed);
         }
-        peer.waiting += 1;
-        Ok(Ticket {
-            key,
-            born: peer.born,
-        })
+        let wide = match key.wider() {
+            Some(wide) => {
+                let record = self.touch(wide, now);
+                if let Some(slowed) = record.at_cap(wide, record.waiting) {
+                    return Err(slowed);
+                }
+                record.waiting += 1;
+                Some((wide, record.born))
+            }
+            None => None,
+        };
+        // Touched first, the wider record never evicts this one (unless
+        // only one is kept: then its ticket counts for nothing).
+        let born = match self.peers.get_mut(&key) {
+            Some(peer) => {
+                peer.waiting += 1;
+                peer.born
+            }
+            None => 0,
+        };
+        Ok(Ticket { key, born, wide })
     }
 
-    /// `ticket`'s check got a permit: it may call unless its peer is
-    /// slowed and that many of its calls are in flight.
+    /// `ticket`'s check got a permit: it may call unless its peer, or its
+    /// wider peer, is slowed and that many of its calls are in flight.
     pub(crate) fn start_call(&mut self, ticket: Ticket, now: Instant) -> Result<(), Slowed> {
-        let Some(peer) = self.record_of(ticket) else {
-            return Ok(());
-        };
-        peer.decay(now);
-        if let Some(slowed) = peer.at_cap(peer.calling) {
-            return Err(slowed);
+        for (key, born) in ticket.records() {
+            if let Some(peer) = self.record(key, born) {
+                peer.decay(now);
+                if let Some(slowed) = peer.at_cap(key, peer.calling) {
+                    return Err(slowed);
+                }
+            }
         }
-        peer.calling += 1;
+        for (key, born) in ticket.records() {
+            if let Some(peer) = self.record(key, born) {
+                peer.calling += 1;
+            }
+        }
         Ok(())
     }
 
     /// `ticket`'s call ended.
     pub(crate) fn end_call(&mut self, ticket: Ticket) {
-        if let Some(peer) = self.record_of(ticket) {
-            peer.calling = peer.calling.saturating_sub(1);
+        for (key, born) in ticket.records() {
+            if let Some(peer) = self.record(key, born) {
+                peer.calling = peer.calling.saturating_sub(1);
+            }
         }
     }
 
     /// `ticket`'s check ended; a record with nothing in it is dropped.
     pub(crate) fn leave(&mut self, ticket: Ticket) {
-        let Some(peer) = self.record_of(ticket) else {
-            return;
-        };
-        peer.waiting = peer.waiting.saturating_sub(1);
-        if peer.waiting == 0 && peer.calling == 0 && peer.failed == 0 && peer.passed == 0 {
-            let seen = peer.seen;
-            self.peers.remove(&ticket.key);
-            self.by_age.remove(&(seen, ticket.key));
+        for (key, born) in ticket.records() {
+            let Some(peer) = self.record(key, born) else {
+                continue;
+            };
+            peer.waiting = peer.waiting.saturating_sub(1);
+            if peer.waiting == 0 && peer.calling == 0 && peer.failed == 0 && peer.passed == 0 {
+                let seen = peer.seen;
+                self.peers.remove(&key);
+                self.by_age.remove(&(seen, key));
+            }
         }
     }
 
-    /// Counts a review of `key`'s token; says whether that slowed it.
-    pub(crate) fn count(&mut self, key: PeerKey, outcome: Outcome, now: Instant) -> bool {
-        let peer = self.touch(key, now);
-        let was = peer.slowed();
-        match outcome {
-            Outcome::Passed => peer.passed = (peer.passed + 1).min(MAX_COUNT),
-            Outcome::Failed => peer.failed = (peer.failed + 1).min(MAX_COUNT),
+    /// Counts a review of `key`'s token, in its wider peer's record too;
+    /// the peer that this slowed, if it did.
+    pub(crate) fn count(
+        &mut self,
+        key: PeerKey,
+        outcome: Outcome,
+        now: Instant,
+    ) -> Option<PeerKey> {
+        let mut slowed = None;
+        for key in std::iter::once(key).chain(key.wider()) {
+            let peer = self.touch(key, now);
+            let was = peer.slowed();
+            match outcome {
+                Outcome::Passed => peer.passed = (peer.passed + 1).min(MAX_COUNT),
+                Outcome::Failed => peer.failed = (peer.failed + 1).min(MAX_COUNT),
+            }
+            if !was && peer.slowed() {
+                slowed.get_or_insert(key);
+            }
         }
-        !was && peer.slowed()
+        slowed
     }
 
     /// Panics unless the records are whole: indexed by age exactly, within
@@ -299,11 +371,9 @@ impl Peers {
         })
     }
 
-    /// The record `ticket` counts in, if it is still the peer's.
-    fn record_of(&mut self, ticket: Ticket) -> Option<&mut Peer> {
-        self.peers
-            .get_mut(&ticket.key)
-            .filter(|peer| peer.born == ticket.born)
+    /// `key`'s record born at `born`, if it is still the peer's.
+    fn record(&mut self, key: PeerKey, born: u64) -> Option<&mut Peer> {
+        self.peers.get_mut(&key).filter(|peer| peer.born == born)
     }
 
     /// `key`'s record (made, and the oldest forgotten, if need be), seen
@@ -361,6 +431,16 @@ mod tests {
         assert_eq!(v6("2001:db8:1:2:aaaa::1"), v6("2001:db8:1:2:bbbb::2"));
         assert_ne!(v6("2001:db8:1:2::1"), v6("2001:db8:1:3::1"));
         assert_eq!(v6("2001:db8:1:2:aaaa::1").to_string(), "2001:db8:1:2::/64");
+        assert_eq!(
+            v6("2001:db8:1:2:aaaa::1").wider().unwrap().to_string(),
+            "2001:db8:1::/48"
+        );
+        assert_eq!(
+            v6("2001:db8:1:2::1").wider(),
+            v6("2001:db8:1:ffff::9").wider()
+        );
+        assert_eq!(peer(1).wider(), None, "an IPv4 address is one peer");
+        assert_eq!(v6("2001:db8:1:2::1").wider().unwrap().wider(), None);
         assert_eq!(v6("::ffff:10.0.0.1"), peer(1));
         assert_eq!(peer(1).to_string(), "10.0.0.1");
         assert_ne!(peer(1), peer(2));
@@ -398,8 +478,13 @@ mod tests {
             .collect();
         fail(&mut peers, peer(1), SLOW_AFTER - 1, now);
         peers.enter(peer(1), now).unwrap();
-        assert!(peers.count(peer(1), Outcome::Failed, now), "slowed");
+        assert_eq!(
+            peers.count(peer(1), Outcome::Failed, now),
+            Some(peer(1)),
+            "slowed"
+        );
         let slowed = Slowed {
+            key: peer(1),
             failed: SLOW_AFTER,
             limit: SLOWED_PENDING,
         };
@@ -491,5 +576,43 @@ mod tests {
         peers.leave(new);
         assert!(!peers.peers.contains_key(&peer(1)), "an empty record stays");
         assert!(peers.len() <= 3);
+    }
+
+    /// Issue 51: a /48 that rotates its /64s, each with a clean record and
+    /// under the failures that slow one, is slowed as one peer: a fresh
+    /// /64 of it is capped at once, and the refusal names the /48; a /64
+    /// of another /48 is not. Before, each /64 had its own record and
+    /// none was ever slowed (nor would a /48 of them fit in the records).
+    #[test]
+    fn a_48_rotating_its_64s_is_slowed_as_one_peer() {
+        let now = Instant::now();
+        let mut peers = Peers::default();
+        let v6 = |s: String| PeerKey::of(s.parse().unwrap());
+        for i in 0..SLOW_AFTER {
+            let key = v6(format!("2001:db8:7:{i:x}::1"));
+            peers.count(key, Outcome::Failed, now);
+            assert!(!peers.is_slowed(key, now), "one failure each");
+        }
+        let fresh = v6("2001:db8:7:ffff::1".to_owned());
+        let site = fresh.wider().unwrap();
+        let mut waiting: Vec<_> = (0..SLOWED_PENDING)
+            .map(|_| peers.enter(fresh, now).unwrap())
+            .collect();
+        assert_eq!(
+            peers.enter(fresh, now),
+            Err(Slowed {
+                key: site,
+                failed: SLOW_AFTER,
+                limit: SLOWED_PENDING,
+            })
+        );
+        assert!(peers.enter(v6("2001:db8:8::1".to_owned()), now).is_ok());
+        // Passes in the /48 lift its cap, as a NAT's do.
+        peers.count(v6("2001:db8:7:1::9".to_owned()), Outcome::Passed, now);
+        waiting.push(peers.enter(fresh, now).expect("the cap rose by one"));
+        for ticket in waiting {
+            peers.leave(ticket);
+        }
+        peers.check();
     }
 }

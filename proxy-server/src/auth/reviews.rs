@@ -156,8 +156,8 @@ enum Enter {
     Cached(Verdict),
     /// `max_pending` checks are waiting.
     Refused,
-    /// The check's peer is slowed, at its cap.
-    Slowed(PeerKey, Slowed),
+    /// The check's peer (or its /48) is slowed, at its cap.
+    Slowed(Slowed),
     /// Counted among the waiting (and in its peer's record) until the
     /// guard drops.
     Waiting(Option<Ticket>),
@@ -252,7 +252,7 @@ impl Reviews {
                 let limit = self.max_pending;
                 return (Err(AuthError::TooManyPending { limit }), None);
             }
-            Enter::Slowed(peer, slowed) => return (Err(slowed_error(peer, slowed)), None),
+            Enter::Slowed(slowed) => return (Err(slowed_error(slowed)), None),
             Enter::Waiting(ticket) => ticket,
         };
         let _waiting = Waiting(self, ticket);
@@ -314,7 +314,7 @@ impl Reviews {
                         ticket,
                         answered: false,
                     }),
-                    Err(slowed) => return Err(slowed_error(ticket.key, slowed)),
+                    Err(slowed) => return Err(slowed_error(slowed)),
                 },
                 None => None,
             }
@@ -334,7 +334,7 @@ impl Reviews {
             return Enter::Cached(verdict);
         }
         let ticket = match peer.map(|peer| (peer, state.peers.enter(peer, now))) {
-            Some((peer, Err(slowed))) => return Enter::Slowed(peer, slowed),
+            Some((_, Err(slowed))) => return Enter::Slowed(slowed),
             Some((_, Ok(ticket))) => Some(ticket),
             None => None,
         };
@@ -515,9 +515,9 @@ impl Drop for PeerCall<'_> {
 
 /// Counts `outcome` for `peer`; logs when that slows it.
 fn count(state: &mut State, peer: PeerKey, outcome: Outcome) {
-    if state.peers.count(peer, outcome, Instant::now()) {
+    if let Some(slowed) = state.peers.count(peer, outcome, Instant::now()) {
         warn!(
-            peer.addr = %peer,
+            peer.addr = %slowed,
             "token reviews of connects from this peer keep failing; slowing it"
         );
     }
@@ -534,10 +534,11 @@ fn outcome(verdict: &Verdict) -> Option<Outcome> {
     }
 }
 
-/// The refusal of a connect of `peer`, slowed and at its cap.
-fn slowed_error(peer: PeerKey, slowed: Slowed) -> AuthError {
+/// The refusal of a connect, its peer (or the /48 it is in: `slowed.key`)
+/// slowed and at its cap.
+fn slowed_error(slowed: Slowed) -> AuthError {
     AuthError::PeerSlowed {
-        peer: peer.to_string(),
+        peer: slowed.key.to_string(),
         failed: slowed.failed,
         limit: slowed.limit,
     }
