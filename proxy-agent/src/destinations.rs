@@ -190,7 +190,7 @@ impl Destinations {
         self.inner.metrics.dial_denied(rule);
         let now = Instant::now();
         let mut logged = lock(&self.inner.logged);
-        let key = (rule.clone(), tunnel::text::Elided(destination).to_string());
+        let key = (rule.clone(), proto::text::Elided(destination).to_string());
         if logged.get(&key).is_some_and(|at| now - *at < LOG_EVERY) {
             return;
         }
@@ -203,7 +203,7 @@ impl Destinations {
         logged.insert(key, now);
         warn!(
             %rule,
-            destination = %tunnel::text::Elided(destination),
+            destination = %proto::text::Elided(destination),
             %addr,
             "dial refused by the destination policy (logged once a minute per rule and destination)"
         );

@@ -10,14 +10,13 @@ use std::{
 };
 
 use bytes::Bytes;
-use proto::Packet;
+use proto::{Packet, text::Elided};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
     flow::{self, Flow, InboundTx},
     ids::ConnId,
     mover::{self, Downstream, MoverEnd, QueueUpstream, Sent, Upstream, WindowDownstream},
-    text::Elided,
 };
 
 use crate::{

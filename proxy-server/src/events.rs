@@ -6,10 +6,8 @@
 
 use std::fmt;
 
-use tunnel::{
-    ids::{AgentId, ConnId},
-    text::Elided,
-};
+use proto::text::Elided;
+use tunnel::ids::{AgentId, ConnId};
 
 ops::label_enum! {
     /// Why a dial failed (`dial_failure_count`'s `reason`).

@@ -1125,7 +1125,7 @@ pub fn connect_head(data: &[u8]) {
             class: proto::DialErrorClass::Unspecified,
         };
         let page = head::dial_error_response(&error, target);
-        let bound = 6 * tunnel::text::ECHO_LIMIT + 256;
+        let bound = 6 * proto::text::ECHO_LIMIT + 256;
         assert!(page.len() <= bound, "an error page of {} bytes", page.len());
         assert!(page.starts_with(b"HTTP/1.1 50"));
     }

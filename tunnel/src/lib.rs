@@ -15,7 +15,6 @@
 //!   which lock.
 //! - [`mover`]: one connection's bytes between its socket and its DATA
 //!   packets, both ways.
-//! - [`text`]: a peer's text in our messages, bounded (`proto::text`).
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
 pub mod blocked;
@@ -28,8 +27,6 @@ pub mod sync;
 
 #[cfg(all(test, feature = "loom"))]
 mod loom_tests;
-
-pub use proto::text;
 
 /// Gives a table's memory back once it is mostly empty: a burst of 10,000
 /// tunnels must not leave tables that size behind for good. Amortised

@@ -114,7 +114,7 @@ fn certified(request: &Request<Streaming<Packet>>, info: &AgentInfo) -> Result<C
     if !strategy::names_agent(&names, &info.agent_id.0) {
         return Err(unnamed(format!(
             "agent id {}",
-            tunnel::text::Elided(&info.agent_id.0)
+            proto::text::Elided(&info.agent_id.0)
         )));
     }
     let digest = ring::digest::digest(&ring::digest::SHA256, leaf.as_ref());
@@ -157,7 +157,7 @@ fn node_bound(
         None => Ok(credential),
         Some(claim) => Err(Status::permission_denied(format!(
             "agent identifier {} is not granted by the agent's token (--verify-agent-identifiers: it is bound to node {node}; host= must be that node, and no token grants cidr= or default-route=true)",
-            tunnel::text::Elided(&claim)
+            proto::text::Elided(&claim)
         ))),
     }
 }

@@ -93,7 +93,7 @@ async fn request<IO: AsyncRead + AsyncWrite + Unpin>(io: &mut IO) -> Option<head
         Ok(Err(HeadError::TooLarge)) => error_page(431, "request header too large"),
         Ok(Ok(head)) if head.method == "CONNECT" => return Some(head),
         Ok(Ok(head)) => {
-            debug!(method = %tunnel::text::Elided(&head.method), "refusing a request that is not CONNECT");
+            debug!(method = %proto::text::Elided(&head.method), "refusing a request that is not CONNECT");
             error_page(405, "this proxy only supports CONNECT passthrough")
         }
     };
@@ -174,7 +174,7 @@ async fn dial<IO: AsyncRead + Unpin>(
     early: &mut BytesMut,
 ) -> Option<Result<ConnId, DialError>> {
     let random = DialId::random();
-    debug!(frontend = %link.id(), address = %tunnel::text::Elided(target), dial.id = %random, "CONNECT");
+    debug!(frontend = %link.id(), address = %proto::text::Elided(target), dial.id = %random, "CONNECT");
     let send = send(control, link, Packet::dial_request("tcp", target, random.0));
     tokio::pin!(send);
     let mut sending = true;

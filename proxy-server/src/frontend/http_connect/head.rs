@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use bytes::BytesMut;
+use proto::text::elide_echo;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tunnel::text::elide_echo;
 
 use crate::events::{AGENT_STREAM_CLOSED, DIAL_TIMED_OUT, DialError, NO_AGENT};
 
