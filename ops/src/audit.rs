@@ -47,13 +47,13 @@ const DEFAULT_QUEUE: usize = 10_000;
 
 /// Bytes of records queued for the writer, at most: past it, records are
 /// dropped and counted as when the queue is full. With every peer text cut
-/// ([`Record::bounded`]) 10,000 records of the largest kind fit in it; it
+/// ([`Recordable::bounded`]) 10,000 records of the largest kind fit in it; it
 /// is what keeps a flood of them from taking more than this.
 pub const QUEUE_BYTES: usize = 16 << 20;
 
 /// What the audit log queues: a record whose peer texts are bounded, and
 /// whose size it can tell.
-pub trait Record: Serialize + Send + 'static {
+pub trait Recordable: Serialize + Send + 'static {
     /// The record with every text a peer gave (a destination, an error, a
     /// subject) cut to `proto::text::RECORD_LIMIT` bytes, marked as cut.
     #[must_use]
@@ -255,7 +255,7 @@ impl AuditMetrics {
 
 /// What the writer is sent.
 enum Msg<R> {
-    /// A record to write, and its weight ([`Record::weight`]).
+    /// A record to write, and its weight ([`Recordable::weight`]).
     Record(R, usize),
     /// Write what is queued, then stop.
     Close,
@@ -325,7 +325,7 @@ impl<R> std::fmt::Debug for Sink<R> {
     }
 }
 
-impl<R: Record> Sink<R> {
+impl<R: Recordable> Sink<R> {
     /// Queues `record`, its peer texts bounded, for the writer; when the
     /// queue is full (in records or in [`QUEUE_BYTES`]), or the log closed,
     /// drops it and counts it. Returns whether it was queued.
@@ -366,7 +366,7 @@ pub struct AuditLog<R> {
     done: Option<oneshot::Receiver<()>>,
 }
 
-impl<R: Record> AuditLog<R> {
+impl<R: Recordable> AuditLog<R> {
     /// Starts the writer for `config`, or a disabled log for `None`; the
     /// file is opened now.
     ///

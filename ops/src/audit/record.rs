@@ -13,7 +13,7 @@ use proto::text::for_record;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use time::{OffsetDateTime, format_description::well_known::Rfc3339};
 
-use super::Record;
+use super::Recordable;
 
 /// One line of the audit log: its `side` says which process wrote it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -243,7 +243,7 @@ pub struct AgentTunnel {
     pub error: Option<String>,
 }
 
-impl Record for AuditRecord {
+impl Recordable for AuditRecord {
     fn bounded(self) -> Self {
         match self {
             Self::Server(t) => Self::Server(ServerTunnel {

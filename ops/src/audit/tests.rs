@@ -18,7 +18,7 @@ struct Numbered {
     n: u32,
 }
 
-impl Record for Numbered {
+impl Recordable for Numbered {
     fn bounded(self) -> Self {
         self
     }

@@ -624,6 +624,7 @@ mod tests {
             .map(|c: CertificateDer<'static>| c)
             .unwrap();
         let names = alt_names(&der).unwrap();
+        assert_eq!(names.common_name.as_deref(), Some("node-a"));
         assert_eq!(names.dns, ["node-a"]);
         assert_eq!(
             names.ips,
@@ -635,7 +636,14 @@ mod tests {
         let plain = ca.client_cert("proxy-agent").unwrap();
         let der: CertificateDer<'static> =
             rustls_pki_types::pem::PemObject::from_pem_slice(plain.cert_pem.as_bytes()).unwrap();
-        assert_eq!(alt_names(&der), Some(AltNames::default()), "no SANs");
+        assert_eq!(
+            alt_names(&der),
+            Some(AltNames {
+                common_name: Some("proxy-agent".to_owned()),
+                ..AltNames::default()
+            }),
+            "its common name, no SANs"
+        );
         assert_eq!(alt_names(&CertificateDer::from(vec![1, 2, 3])), None);
     }
 }
