@@ -213,6 +213,24 @@ impl AgentInfo {
     }
 }
 
+/// What a pick weighs each backend at (`BackendEntry::cost`), and
+/// `usize::MAX` for one that takes no more dials: gone, or at `cap`
+/// pending dials (`--max-pending-dials-per-agent`).
+fn weigh(
+    backends: &HashMap<BackendId, BackendEntry>,
+    cap: usize,
+    now: Instant,
+    typical: Duration,
+    floor: Duration,
+) -> impl Fn(BackendId) -> usize + '_ {
+    move |b| {
+        backends
+            .get(&b)
+            .filter(|entry| entry.pending < cap)
+            .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
+    }
+}
+
 /// A frontend stream's dials and connections.
 struct FrontendEntry {
     /// Its protocol.
@@ -629,14 +647,13 @@ impl Router {
         tried: &[BackendId],
     ) -> Option<(BackendId, Scope)> {
         let (typical, floor) = self.weights(now);
-        let backends = &self.backends;
-        let cap = self.policy.caps.per_agent;
-        let cost = |b: BackendId| {
-            backends
-                .get(&b)
-                .filter(|entry| entry.pending < cap)
-                .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
-        };
+        let cost = weigh(
+            &self.backends,
+            self.policy.caps.per_agent,
+            now,
+            typical,
+            floor,
+        );
         self.manager.pick(address, tried, &cost)
     }
 
@@ -650,14 +667,13 @@ impl Router {
         tried: &[BackendId],
     ) -> Option<BackendId> {
         let (typical, floor) = self.weights(now);
-        let backends = &self.backends;
-        let cap = self.policy.caps.per_agent;
-        let cost = |b: BackendId| {
-            backends
-                .get(&b)
-                .filter(|entry| entry.pending < cap)
-                .map_or(usize::MAX, |entry| entry.cost(now, typical, floor))
-        };
+        let cost = weigh(
+            &self.backends,
+            self.policy.caps.per_agent,
+            now,
+            typical,
+            floor,
+        );
         self.manager.pick_within(scope, tried, &cost)
     }
 
