@@ -1680,7 +1680,7 @@ pub fn review_peers_alloc_bound(len: usize) -> usize {
 /// `SLOWED_PENDING`; once every check has left, no record counts one.
 /// Returns how many checks were refused.
 pub fn review_peers(data: &[u8]) -> usize {
-    use auth::peers::{Outcome, PeerKey, Peers, SLOW_AFTER, SLOWED_PENDING};
+    use auth::peers::{Outcome, PeerKey, Peers};
     let mut input = Input(data);
     let mut peers = Peers::with_capacity(1 + input.below(8));
     let keys: Vec<PeerKey> = [
@@ -1701,29 +1701,11 @@ pub fn review_peers(data: &[u8]) -> usize {
     let mut tickets = Vec::new();
     let mut now = tokio::time::Instant::now();
     let mut refusals = 0;
-    // A refusal names the peer slowed: the check's own or its /48, whose
-    // failures are those of its /64s.
     let mut refused =
         |failed: &HashMap<PeerKey, u32>, key: PeerKey, slowed: auth::peers::Slowed| {
-            assert!(
-                slowed.key == key || key.wider() == Some(slowed.key),
-                "{key} refused as {}",
-                slowed.key
-            );
-            let count = failed.get(&slowed.key).copied().unwrap_or(0);
-            assert!(
-                count >= SLOW_AFTER,
-                "{} refused after {count} failures",
-                slowed.key
-            );
-            assert!(slowed.limit >= SLOWED_PENDING && slowed.failed >= SLOW_AFTER);
+            check_slowed(failed, key, slowed);
             refusals += 1;
         };
-    let fail = |failed: &mut HashMap<PeerKey, u32>, key: PeerKey| {
-        for key in std::iter::once(key).chain(key.wider()) {
-            *failed.entry(key).or_default() += 1;
-        }
-    };
     while !input.is_empty() {
         let key = keys[input.below(keys.len())];
         match input.below(7) {
@@ -1748,13 +1730,13 @@ pub fn review_peers(data: &[u8]) -> usize {
                 if calling {
                     // Abandoned while the API had it.
                     peers.end_call(ticket);
-                    fail(&mut failed, ticket.key);
+                    count_failure(&mut failed, ticket.key);
                     peers.count(ticket.key, Outcome::Failed, now);
                 }
                 peers.leave(ticket);
             }
             4 => {
-                fail(&mut failed, key);
+                count_failure(&mut failed, key);
                 peers.count(key, Outcome::Failed, now);
             }
             5 => now += Duration::from_secs(u64::from(input.byte())),
@@ -1773,6 +1755,37 @@ pub fn review_peers(data: &[u8]) -> usize {
     peers.check();
     assert!(peers.idle(), "a record still counts a check");
     refusals
+}
+
+/// A failed review of `key` in [`review_peers`]'s own books: it counts
+/// for the /64 and for its /48.
+fn count_failure(failed: &mut HashMap<auth::peers::PeerKey, u32>, key: auth::peers::PeerKey) {
+    for key in std::iter::once(key).chain(key.wider()) {
+        *failed.entry(key).or_default() += 1;
+    }
+}
+
+/// A refusal of a check of `key` in [`review_peers`] names the peer slowed
+/// (the check's own or its /48), which has at least `SLOW_AFTER` failures,
+/// and a cap of at least `SLOWED_PENDING`.
+fn check_slowed(
+    failed: &HashMap<auth::peers::PeerKey, u32>,
+    key: auth::peers::PeerKey,
+    slowed: auth::peers::Slowed,
+) {
+    use auth::peers::{SLOW_AFTER, SLOWED_PENDING};
+    assert!(
+        slowed.key == key || key.wider() == Some(slowed.key),
+        "{key} refused as {}",
+        slowed.key
+    );
+    let count = failed.get(&slowed.key).copied().unwrap_or(0);
+    assert!(
+        count >= SLOW_AFTER,
+        "{} refused after {count} failures",
+        slowed.key
+    );
+    assert!(slowed.limit >= SLOWED_PENDING && slowed.failed >= SLOW_AFTER);
 }
 
 /// A step of a check of [`review_peers`] (one of `tickets`, the input
@@ -1796,9 +1809,7 @@ fn call_step(
         let outcome = [Some(Outcome::Passed), Some(Outcome::Failed), None][input.below(3)];
         if let Some(outcome) = outcome {
             if outcome == Outcome::Failed {
-                for key in std::iter::once(ticket.key).chain(ticket.key.wider()) {
-                    *failed.entry(key).or_default() += 1;
-                }
+                count_failure(failed, ticket.key);
             }
             peers.count(ticket.key, outcome, now);
         }
