@@ -11,10 +11,13 @@
 //!
 //! # Layout
 //! - [`claims`]: the local checks of a token's shape and claims.
+//! - [`keys`]: the cluster's signing keys, and what they say of a token's
+//!   signature.
 //! - [`peers`]: which peers' tokens keep failing, and their caps.
 //! - [`reviews`]: the cache, coalescing and bounds of the reviews.
 
 pub mod claims;
+pub mod keys;
 pub mod peers;
 pub mod reviews;
 
@@ -129,6 +132,15 @@ pub enum AuthError {
     /// token.
     #[error("{0} (refused without a TokenReview; --token-review-local-checks)")]
     Claims(claims::ClaimsError),
+    /// Refused before a review: the token names one of the cluster's
+    /// signing keys and its signature does not verify under it.
+    #[error(
+        "the token's signature does not verify under the cluster's service-account key {kid:?} (refused without a TokenReview; --token-review-local-checks)"
+    )]
+    Forged {
+        /// The key the token names.
+        kid: String,
+    },
     /// The peer's tokens keep failing review, and it has its share of
     /// connects waiting for one.
     #[error(
@@ -168,13 +180,7 @@ impl AuthError {
     /// name, the audiences, a Status message or a failed call's text, and
     /// the error goes to the log and back to the agent.
     fn masked(self, token: &str) -> Self {
-        let mask = |text: String| {
-            if token.is_empty() || !text.contains(token) {
-                text
-            } else {
-                text.replace(token, "MASKED")
-            }
-        };
+        let mask = |text: String| mask(text, token);
         match self {
             Self::Review(text) => Self::Review(mask(text)),
             Self::StatusError(text) => Self::StatusError(mask(text)),
@@ -207,6 +213,15 @@ impl AuthError {
     }
 }
 
+/// `text` with `token` masked wherever it is in it.
+fn mask(text: String, token: &str) -> String {
+    if token.is_empty() || !text.contains(token) {
+        text
+    } else {
+        text.replace(token, "MASKED")
+    }
+}
+
 ops::label_enum! {
     /// Why a check was answered without a TokenReview (`reason` of
     /// `konnectivity_rs_server_token_reviews_skipped_total`).
@@ -219,6 +234,8 @@ ops::label_enum! {
         Expired = "expired",
         /// Its `nbf` is ahead.
         NotYetValid = "not_yet_valid",
+        /// Its signature does not verify under the cluster key it names.
+        Signature = "signature",
         /// Its peer is slowed, at its cap.
         PeerSlowed = "peer_slowed",
     }
@@ -246,6 +263,8 @@ pub struct TokenAuth {
     client: Client,
     /// Cached, coalesced and bounded reviews.
     reviews: reviews::Reviews,
+    /// The cluster's signing keys, read from the API.
+    keys: keys::ClusterKeys,
     /// Told what answered each check.
     on_review: OnReview,
 }
@@ -278,6 +297,7 @@ impl TokenAuth {
             config,
             client,
             reviews,
+            keys: keys::ClusterKeys::default(),
             on_review,
         }
     }
@@ -319,10 +339,34 @@ impl TokenAuth {
             (self.on_review)(Checked::Skipped(skipped(&error)));
             return Err(AuthError::Claims(error));
         }
+        let signed = if self.config.local_checks {
+            if let Some(verdict) = self.reviews.cached(token) {
+                (self.on_review)(Checked::Answered(reviews::Source::Cache));
+                return verdict;
+            }
+            match self
+                .keys
+                // Logged if it fails: whatever the API answered, the error
+                // does not quote the token whose check made the read.
+                .judge(token, async || {
+                    self.read_keys().await.map_err(|e| mask(e, token))
+                })
+                .await
+            {
+                keys::Signature::Valid => true,
+                keys::Signature::Unknown => false,
+                keys::Signature::Forged { kid } => {
+                    (self.on_review)(Checked::Skipped(Skipped::Signature));
+                    return Err(AuthError::Forged { kid });
+                }
+            }
+        } else {
+            false
+        };
         let peer = peer.map(peers::PeerKey::of);
         let (verdict, source) = self
             .reviews
-            .check_from(token, peer, async || self.review_token(token).await)
+            .check_from(token, peer, signed, async || self.review_token(token).await)
             .await;
         (self.on_review)(match (source, &verdict) {
             (Some(source), _) => Checked::Answered(source),
@@ -351,6 +395,34 @@ impl TokenAuth {
             audience: &self.config.audience,
         };
         verdict(&expected, reviewed).map_err(|error| error.masked(token))
+    }
+
+    /// The cluster's JWK set ([`keys::JWKS_PATH`]), within [`REVIEW_TIMEOUT`].
+    async fn read_keys(&self) -> Result<Vec<u8>, String> {
+        let request = http::Request::get(keys::JWKS_PATH)
+            .body(Vec::new())
+            .map_err(|e| format!("building the request: {e}"))?;
+        let read = async {
+            let response = self
+                .client
+                .send(request.map(kube::client::Body::from))
+                .await
+                .map_err(|e| e.to_string())?;
+            let code = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("reading the answer: {e}"))?
+                .to_bytes();
+            if !code.is_success() {
+                return Err(format!("the API answered {code}"));
+            }
+            Ok(body.to_vec())
+        };
+        tokio::time::timeout(REVIEW_TIMEOUT, read)
+            .await
+            .map_err(|_| format!("no answer within {REVIEW_TIMEOUT:?}"))?
     }
 
     /// POSTs `review` and reads the answer. Not `Api::create`: kube's

@@ -1368,7 +1368,15 @@ pub fn token_review(data: &[u8]) {
         let shown = format!("{error}\n{error:?}\n{}", error.status().message());
         assert!(!shown.contains(TOKEN), "the token shown: {shown}");
     }
-    let sent = api.sent.lock().expect("not poisoned");
+    // The reviews; reads of the signing keys (a GET) are not.
+    let sent: Vec<Sent> = api
+        .sent
+        .lock()
+        .expect("not poisoned")
+        .iter()
+        .filter(|(method, ..)| method != http::Method::GET)
+        .cloned()
+        .collect();
     let first = &verdicts[0];
     let reused = match first {
         Ok(_) => true,
@@ -1556,7 +1564,8 @@ pub fn token_claims_alloc_bound(len: usize) -> usize {
 
 /// A bearer token (the input after three bytes of choices: whether an
 /// audience is required, and the clock) through the checks made before a
-/// TokenReview (`auth::claims`). Checks: a bad token is an error, never a
+/// TokenReview (`auth::claims`, and `auth::keys` judging its signature
+/// against two keys: [`check_signature`]). Checks: a bad token is an error, never a
 /// panic; the error holds nothing read from the token; a token passes only if,
 /// re-read independently, it is three base64url segments, a JSON object
 /// header, JSON object claims, a non-empty signature, an `aud` naming the
@@ -1575,6 +1584,7 @@ pub fn token_claims(data: &[u8]) -> bool {
     let now = std::time::SystemTime::UNIX_EPOCH
         + Duration::from_secs(u64::try_from(now_secs).unwrap_or_default());
     let token = String::from_utf8_lossy(input.0);
+    check_signature(&token);
     let claims = auth::claims::Claims::read(&token);
     let verdict = claims
         .as_ref()
@@ -1589,6 +1599,48 @@ pub fn token_claims(data: &[u8]) -> bool {
             check_refusal(error, audience);
             false
         }
+    }
+}
+
+/// A JWK set of one RSA-2048 and one P-256 public key, whose private
+/// keys no harness holds.
+const FUZZ_JWKS: &str = r#"{"keys":[
+{"kty":"RSA","kid":"fuzz-rsa","alg":"RS256","use":"sig","e":"AQAB","n":"ywnSxFpI1qeY8XEN3D3Z8fDWI-JkvXCzNlL40xPR3Nj0pqdWpI3pdikxOi2YssbNTxkSXkgAHbgfhVA43TgSNQnAYOpIkxIsNRNclM8awOvLwCTwROI-f-e-UWGd9QGXJqfbjeyLvRBncSBGuEsDZraRL2P66JJ7KrUoSoG5sdin8ZRWE_t8enpdTzLWSbfStxycVm739drJmeq-OIupLMJBSCVrgPvU02y3pNE9cRytu_HJgocHBV3SD5aOwyq7K02DrQFaVB82GEjWNYiLRiLXU0O0NSkfPFt-EOGest41cxlgf22bUKoZr6rqn3cSBjuegKV-M4iCamjmQN1gnQ"},
+{"kty":"EC","kid":"fuzz-ec","crv":"P-256","x":"AZKdRUbfj79Vpx9nIHP2RBWIlq0rloioKamU923y5o0","y":"LRSE2MtruXGTQhghXhE5Sa4e_NPdRDT9ceXZcfb-PzA"}
+]}"#;
+
+/// What [`FUZZ_JWKS`] says of `token` (`auth::keys`): never valid (no
+/// input can sign), and forged only when its header, re-read as plain
+/// JSON, names one of the two keys with an algorithm that key signs with.
+fn check_signature(token: &str) {
+    static KEYS: std::sync::LazyLock<auth::keys::SigningKeys> = std::sync::LazyLock::new(|| {
+        auth::keys::SigningKeys::from_jwks(FUZZ_JWKS.as_bytes()).expect("the fuzz keys")
+    });
+    assert_eq!(KEYS.len(), 2);
+    match KEYS.judge(token) {
+        auth::keys::Signature::Valid => panic!("a signature verified: {token:?}"),
+        auth::keys::Signature::Forged { kid } => {
+            use base64::Engine as _;
+            let header = token
+                .split('.')
+                .next()
+                .and_then(|h| {
+                    base64::engine::general_purpose::URL_SAFE_NO_PAD
+                        .decode(h.trim_end_matches('='))
+                        .ok()
+                })
+                .and_then(|h| serde_json::from_slice::<serde_json::Value>(&h).ok())
+                .unwrap_or_default();
+            assert_eq!(header["kid"].as_str(), Some(kid.as_str()));
+            let algs: &[&str] = match kid.as_str() {
+                "fuzz-rsa" => &["RS256", "RS384", "RS512"],
+                "fuzz-ec" => &["ES256"],
+                other => panic!("forged under {other:?}, a key not held"),
+            };
+            let alg = header["alg"].as_str().unwrap_or_default();
+            assert!(algs.contains(&alg), "forged with {alg:?} under {kid}");
+        }
+        auth::keys::Signature::Unknown => {}
     }
 }
 
@@ -1671,11 +1723,13 @@ pub fn review_peers_alloc_bound(len: usize) -> usize {
 }
 
 /// Checks of agent tokens from a few peers (IPv4 addresses, and IPv6
-/// addresses of which two share a /64 and three /64s a /48) entering, calling, ending with a
-/// pass, a failure or nothing, leaving, in the order the bytes say, the
-/// clock moving, at most 1-8 peers remembered (`auth::peers`). Checks: the
+/// addresses of which two share a /64 and three /64s a /48) entering (some
+/// with tokens the cluster's keys sign), calling, ending with a pass, a
+/// failure or nothing, leaving, in the order the bytes say, the clock
+/// moving, at most 1-8 peers remembered (`auth::peers`). Checks: the
 /// records stay whole after every step (`Peers::check`); a peer none of
-/// whose reviews ever failed is never refused; a refusal names a peer with
+/// whose reviews ever failed is never refused; a signed token's check is
+/// never refused, on entering or calling; a refusal names a peer with
 /// at least `SLOW_AFTER` failures counted, and a cap of at least
 /// `SLOWED_PENDING`; once every check has left, no record counts one.
 /// Returns how many checks were refused.
@@ -1708,7 +1762,7 @@ pub fn review_peers(data: &[u8]) -> usize {
         };
     while !input.is_empty() {
         let key = keys[input.below(keys.len())];
-        match input.below(7) {
+        match input.below(8) {
             0 => match peers.enter(key, now) {
                 Ok(ticket) => tickets.push((ticket, false)),
                 Err(slowed) => refused(&failed, key, slowed),
@@ -1740,9 +1794,11 @@ pub fn review_peers(data: &[u8]) -> usize {
                 peers.count(key, Outcome::Failed, now);
             }
             5 => now += Duration::from_secs(u64::from(input.byte())),
-            _ => {
+            6 => {
                 peers.count(key, Outcome::Passed, now);
             }
+            // A check whose token the cluster's keys vouch for.
+            _ => tickets.push((peers.enter_signed(key, now), false)),
         }
         peers.check();
     }
@@ -1821,6 +1877,7 @@ fn call_step(
             None
         }
         Err(slowed) => {
+            assert!(!ticket.signed, "a signed token's call capped: {slowed:?}");
             peers.leave(ticket);
             tickets.swap_remove(i);
             Some((ticket.key, slowed))
@@ -2228,5 +2285,10 @@ mod tests {
         lifted.extend([0, 4].repeat(10));
         lifted.extend([0, 0].repeat(6));
         assert_eq!(review_peers(&lifted), 1);
+        // The same six checks with signed tokens: none refused.
+        let mut signed = vec![7u8];
+        signed.extend([0, 4].repeat(10));
+        signed.extend([0, 7].repeat(6));
+        assert_eq!(review_peers(&signed), 0);
     }
 }

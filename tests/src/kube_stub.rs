@@ -95,6 +95,9 @@ pub struct TokenReviewStub {
     seen: Arc<Mutex<HashSet<String>>>,
     /// How slowly it answers, and how many reviews it has had at once.
     load: Arc<Load>,
+    /// The signing keys it publishes (`GET /openid/v1/jwks`), and how
+    /// often they were read.
+    keys: Arc<Published>,
     /// Stops it.
     stop: CancellationToken,
     /// Holds the kubeconfig.
@@ -129,6 +132,7 @@ impl TokenReviewStub {
         let reviews = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let seen: Arc<Mutex<HashSet<String>>> = Arc::default();
         let load = Arc::new(Load::default());
+        let keys = Arc::new(Published::default());
         let mut incoming = edge::listen::tls_incoming(
             listener,
             tls,
@@ -138,13 +142,14 @@ impl TokenReviewStub {
             std::sync::Arc::new(|| {}),
         );
         {
-            let (tokens, echoes, down, reviews, seen, load, stop) = (
+            let (tokens, echoes, down, reviews, seen, load, keys, stop) = (
                 tokens.clone(),
                 echoes.clone(),
                 down.clone(),
                 reviews.clone(),
                 seen.clone(),
                 load.clone(),
+                keys.clone(),
                 stop.clone(),
             );
             tokio::spawn(async move {
@@ -158,13 +163,14 @@ impl TokenReviewStub {
                             None => return,
                         },
                     };
-                    let (tokens, echoes, down, reviews, seen, load) = (
+                    let (tokens, echoes, down, reviews, seen, load, keys) = (
                         tokens.clone(),
                         echoes.clone(),
                         down.clone(),
                         reviews.clone(),
                         seen.clone(),
                         load.clone(),
+                        keys.clone(),
                     );
                     tokio::spawn(async move {
                         let service = hyper::service::service_fn(move |req| {
@@ -178,6 +184,7 @@ impl TokenReviewStub {
                                     seen: seen.clone(),
                                 },
                                 load.clone(),
+                                keys.clone(),
                             )
                         });
                         let _ = hyper::server::conn::http1::Builder::new()
@@ -198,6 +205,7 @@ impl TokenReviewStub {
             reviews,
             seen,
             load,
+            keys,
             stop,
             _dir: dir,
         }
@@ -259,6 +267,17 @@ impl TokenReviewStub {
         self.load.most.load(Ordering::SeqCst)
     }
 
+    /// Publishes `key` among the cluster's signing keys, as kube-apiserver
+    /// does its service-account keys; until one is, the path answers 404.
+    pub fn publish(&self, key: &ClusterKey) {
+        self.keys.jwks.lock().expect("lock").push(key.jwk());
+    }
+
+    /// How often the signing keys were read.
+    pub fn key_reads(&self) -> usize {
+        self.keys.reads.load(Ordering::SeqCst)
+    }
+
     /// Takes the API down (503) or brings it back.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
@@ -271,7 +290,12 @@ impl TokenReviewStub {
 /// stub knows tokens by their text, as [`TokenReviewStub::allow`] was
 /// given them.
 pub fn service_account_token(audience: &str, id: &str) -> String {
-    jwt(&serde_json::json!({
+    jwt(&service_account_claims(audience, id))
+}
+
+/// The claims of [`service_account_token`].
+fn service_account_claims(audience: &str, id: &str) -> serde_json::Value {
+    serde_json::json!({
         "aud": [audience],
         "exp": 4_102_444_800_u64,
         "iat": 1_700_000_000_u64,
@@ -279,16 +303,92 @@ pub fn service_account_token(audience: &str, id: &str) -> String {
         "iss": "https://kubernetes.default.svc.cluster.local",
         "jti": id,
         "sub": "system:serviceaccount:kube-system:konnectivity-agent",
-    }))
+    })
+}
+
+/// The signing keys the stub publishes.
+#[derive(Default)]
+struct Published {
+    /// Their JWKs.
+    jwks: Mutex<Vec<serde_json::Value>>,
+    /// Reads of `/openid/v1/jwks`.
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+/// A service-account signing key of the stub's cluster: ECDSA P-256 (a
+/// cluster with an EC key signs ES256), named by a hash of its public key
+/// as kube-apiserver names its keys.
+#[derive(Clone)]
+pub struct ClusterKey {
+    /// The key pair.
+    pair: Arc<ring::signature::EcdsaKeyPair>,
+    /// Its `kid`.
+    kid: String,
+}
+
+impl Default for ClusterKey {
+    fn default() -> Self {
+        use ring::signature::{ECDSA_P256_SHA256_FIXED_SIGNING as ALG, EcdsaKeyPair, KeyPair};
+        let rng = ring::rand::SystemRandom::new();
+        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ALG, &rng).expect("an EC key");
+        let pair = EcdsaKeyPair::from_pkcs8(&ALG, pkcs8.as_ref(), &rng).expect("its pair");
+        let hash = ring::digest::digest(&ring::digest::SHA256, pair.public_key().as_ref());
+        let kid = b64(hash.as_ref());
+        Self {
+            pair: Arc::new(pair),
+            kid,
+        }
+    }
+}
+
+impl ClusterKey {
+    /// Its id, as a token's header names it.
+    pub fn kid(&self) -> &str {
+        &self.kid
+    }
+
+    /// Its public JWK, as `/openid/v1/jwks` lists it.
+    fn jwk(&self) -> serde_json::Value {
+        use ring::signature::KeyPair;
+        let point = self.pair.public_key().as_ref();
+        serde_json::json!({
+            "use": "sig", "kty": "EC", "kid": self.kid, "crv": "P-256", "alg": "ES256",
+            "x": b64(&point[1..33]), "y": b64(&point[33..]),
+        })
+    }
+
+    /// [`service_account_token`]'s claims, signed with this key.
+    pub fn sign(&self, audience: &str, id: &str) -> String {
+        let header = b64(serde_json::json!({"alg": "ES256", "kid": self.kid})
+            .to_string()
+            .as_bytes());
+        let claims = b64(service_account_claims(audience, id).to_string().as_bytes());
+        let message = format!("{header}.{claims}");
+        let signature = self
+            .pair
+            .sign(&ring::rand::SystemRandom::new(), message.as_bytes())
+            .expect("signing");
+        format!("{message}.{}", b64(signature.as_ref()))
+    }
+
+    /// A token naming this key whose signature is not one.
+    pub fn forge(&self, audience: &str, id: &str) -> String {
+        let signed = self.sign(audience, id);
+        let (message, _) = signed.rsplit_once('.').expect("three segments");
+        format!("{message}.{}", b64(&[7; 64]))
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
 /// A JWT with `claims`, an RS256 header and a signature that is not one.
 pub fn jwt(claims: &serde_json::Value) -> String {
-    use base64::Engine as _;
-    let encode = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
-    let header = encode(br#"{"alg":"RS256","kid":"stub"}"#);
-    let payload = encode(claims.to_string().as_bytes());
-    let signature = encode(format!("sig:{payload}").as_bytes());
+    let header = b64(br#"{"alg":"RS256","kid":"stub"}"#);
+    let payload = b64(claims.to_string().as_bytes());
+    let signature = b64(format!("sig:{payload}").as_bytes());
     format!("{header}.{payload}.{signature}")
 }
 
@@ -343,6 +443,7 @@ async fn answer(
     down: Arc<AtomicBool>,
     counted: Counted,
     load: Arc<Load>,
+    keys: Arc<Published>,
 ) -> Result<Response<Full<Bytes>>, hyper::Error> {
     if down.load(Ordering::SeqCst) {
         return Ok(api_status(
@@ -362,6 +463,13 @@ async fn answer(
             "Unauthorized",
             "Unauthorized",
         ));
+    }
+    if req.method() == hyper::Method::GET && req.uri().path() == "/openid/v1/jwks" {
+        let jwks = keys.jwks.lock().expect("lock").clone();
+        if !jwks.is_empty() {
+            keys.reads.fetch_add(1, Ordering::SeqCst);
+            return Ok(json(StatusCode::OK, serde_json::json!({ "keys": jwks })));
+        }
     }
     if req.method() != hyper::Method::POST
         || req.uri().path() != "/apis/authentication.k8s.io/v1/tokenreviews"

@@ -171,7 +171,7 @@ pub(crate) fn expiry(token: &str) -> Option<SystemTime> {
 }
 
 /// One base64url segment, padded or not; `None` if it is not one.
-fn decode(segment: &str) -> Option<Vec<u8>> {
+pub(super) fn decode(segment: &str) -> Option<Vec<u8>> {
     base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(segment.trim_end_matches('='))
         .ok()

@@ -127,6 +127,8 @@ pub(crate) struct Ticket {
     born: u64,
     /// The wider peer's record it also counts in, if any.
     wide: Option<(PeerKey, u64)>,
+    /// Whether its token is signed by the cluster's keys: never capped.
+    pub(crate) signed: bool,
 }
 
 impl Ticket {
@@ -233,14 +235,26 @@ impl Peers {
     /// A check of `key` starts waiting for a review, unless `key`, or its
     /// wider peer, is slowed and at its cap.
     pub(crate) fn enter(&mut self, key: PeerKey, now: Instant) -> Result<Ticket, Slowed> {
+        self.admit(key, now, false)
+    }
+
+    /// A check of `key` whose token is signed by the cluster's keys
+    /// ([`super::keys`]) starts waiting for a review, slowed or not.
+    pub(crate) fn enter_signed(&mut self, key: PeerKey, now: Instant) -> Ticket {
+        self.admit(key, now, true)
+            .expect("a signed token's check is never capped")
+    }
+
+    /// [`enter`](Self::enter), capped unless `signed`.
+    fn admit(&mut self, key: PeerKey, now: Instant, signed: bool) -> Result<Ticket, Slowed> {
         let peer = self.touch(key, now);
-        if let Some(slowed) = peer.at_cap(key, peer.waiting) {
+        if let Some(slowed) = peer.at_cap(key, peer.waiting).filter(|_| !signed) {
             return Err(slowed);
         }
         let wide = match key.wider() {
             Some(wide) => {
                 let record = self.touch(wide, now);
-                if let Some(slowed) = record.at_cap(wide, record.waiting) {
+                if let Some(slowed) = record.at_cap(wide, record.waiting).filter(|_| !signed) {
                     return Err(slowed);
                 }
                 record.waiting += 1;
@@ -257,16 +271,22 @@ impl Peers {
             }
             None => 0,
         };
-        Ok(Ticket { key, born, wide })
+        Ok(Ticket {
+            key,
+            born,
+            wide,
+            signed,
+        })
     }
 
     /// `ticket`'s check got a permit: it may call unless its peer, or its
-    /// wider peer, is slowed and that many of its calls are in flight.
+    /// wider peer, is slowed and that many of its calls are in flight
+    /// (a signed token's check may call whatever).
     pub(crate) fn start_call(&mut self, ticket: Ticket, now: Instant) -> Result<(), Slowed> {
         for (key, born) in ticket.records() {
             if let Some(peer) = self.record(key, born) {
                 peer.decay(now);
-                if let Some(slowed) = peer.at_cap(key, peer.calling) {
+                if let Some(slowed) = peer.at_cap(key, peer.calling).filter(|_| !ticket.signed) {
                     return Err(slowed);
                 }
             }

@@ -150,6 +150,14 @@ impl State {
     }
 }
 
+/// The cache's key of `token`.
+fn key_of(token: &str) -> Key {
+    digest::digest(&digest::SHA256, token.as_bytes())
+        .as_ref()
+        .try_into()
+        .expect("SHA-256 is 32 bytes")
+}
+
 /// What a check found on entering.
 enum Enter {
     /// A cached answer.
@@ -211,6 +219,11 @@ impl Reviews {
         }
     }
 
+    /// The answer kept for `token`, if any is still good.
+    pub(crate) fn cached(&self, token: &str) -> Option<Verdict> {
+        self.lock().cached(key_of(token), Instant::now())
+    }
+
     /// Checks waiting now, for a permit, a call or another check's call.
     pub(crate) fn pending(&self) -> usize {
         self.lock().waiting
@@ -222,13 +235,15 @@ impl Reviews {
     where
         R: AsyncFnOnce() -> Verdict,
     {
-        self.check_from(token, None, review).await
+        self.check_from(token, None, false, review).await
     }
 
     /// The verdict on `token`, presented by `peer`: cached, from a call in
     /// flight, or from `review`, called at most once and only with a
     /// permit; and what answered, `None` for a refusal under load or of a
-    /// slowed peer ([`AuthError::is_load`]).
+    /// slowed peer ([`AuthError::is_load`]). A `signed` token (its
+    /// signature verifies under the cluster's keys: [`super::keys`]) is
+    /// never refused for its peer's slowdown: it waits its turn.
     ///
     /// # Cancel safety
     /// Dropping the future gives back everything it held: its place among
@@ -237,16 +252,14 @@ impl Reviews {
         &self,
         token: &str,
         peer: Option<PeerKey>,
+        signed: bool,
         review: R,
     ) -> (Verdict, Option<Source>)
     where
         R: AsyncFnOnce() -> Verdict,
     {
-        let key: Key = digest::digest(&digest::SHA256, token.as_bytes())
-            .as_ref()
-            .try_into()
-            .expect("SHA-256 is 32 bytes");
-        let ticket = match self.enter(key, peer) {
+        let key = key_of(token);
+        let ticket = match self.enter(key, peer, signed) {
             Enter::Cached(verdict) => return (verdict, Some(Source::Cache)),
             Enter::Refused => {
                 let limit = self.max_pending;
@@ -327,15 +340,18 @@ impl Reviews {
     }
 
     /// A cached answer, a refusal at a cap, or a place among the waiting.
-    fn enter(&self, key: Key, peer: Option<PeerKey>) -> Enter {
+    fn enter(&self, key: Key, peer: Option<PeerKey>, signed: bool) -> Enter {
         let mut state = self.lock();
         let now = Instant::now();
         if let Some(verdict) = state.cached(key, now) {
             return Enter::Cached(verdict);
         }
-        let ticket = match peer.map(|peer| (peer, state.peers.enter(peer, now))) {
-            Some((_, Err(slowed))) => return Enter::Slowed(slowed),
-            Some((_, Ok(ticket))) => Some(ticket),
+        let ticket = match peer {
+            Some(peer) if signed => Some(state.peers.enter_signed(peer, now)),
+            Some(peer) => match state.peers.enter(peer, now) {
+                Ok(ticket) => Some(ticket),
+                Err(slowed) => return Enter::Slowed(slowed),
+            },
             None => None,
         };
         if state.waiting >= self.max_pending {
@@ -996,10 +1012,21 @@ mod tests {
         token: String,
         verdict: Verdict,
     ) -> tokio::task::JoinHandle<(Verdict, Option<Source>)> {
+        ask(reviews, api, peer, (token, false), verdict)
+    }
+
+    /// [`ask_from`] with `token` signed by the cluster's keys (or not).
+    fn ask(
+        reviews: &Arc<Reviews>,
+        api: &Arc<Api>,
+        peer: PeerKey,
+        (token, signed): (String, bool),
+        verdict: Verdict,
+    ) -> tokio::task::JoinHandle<(Verdict, Option<Source>)> {
         let (reviews, api) = (reviews.clone(), api.clone());
         tokio::spawn(async move {
             reviews
-                .check_from(&token, Some(peer), async || {
+                .check_from(&token, Some(peer), signed, async || {
                     api.review(Duration::from_millis(50), verdict).await
                 })
                 .await
@@ -1091,17 +1118,14 @@ mod tests {
         }
     }
 
-    /// Agents behind one address with a flood of bad tokens from the same
-    /// address: every agent, retrying as agents do, is admitted, and each
-    /// pass lets more of them through.
-    #[tokio::test(start_paused = true)]
-    async fn agents_sharing_a_flooding_address_converge() {
-        const AGENTS: usize = 200;
-        let reviews = Arc::new(Reviews::new(TTL, 32, 16_384));
-        let api = Arc::new(Api::default());
-        let stop = tokio_util::sync::CancellationToken::new();
-        // 100 flooders, each a bad token every 10 ms: 10,000 a second.
-        let flood: Vec<_> = (0..100)
+    /// 100 flooders behind one address, each a bad token every 10 ms
+    /// (10,000 a second), until `stop`.
+    fn flood_from(
+        reviews: &Arc<Reviews>,
+        api: &Arc<Api>,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        (0..100)
             .map(|f| {
                 let (reviews, api, stop) = (reviews.clone(), api.clone(), stop.clone());
                 tokio::spawn(async move {
@@ -1116,18 +1140,32 @@ mod tests {
                     }
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// `agents` agents behind the flooding address, each connecting until
+    /// admitted, 100 ms apart, with tokens `signed` or not: how long until
+    /// all were admitted, and how many connects that took.
+    async fn converge(agents: usize, signed: bool) -> (Duration, usize, usize) {
+        let reviews = Arc::new(Reviews::new(TTL, 32, 16_384));
+        let api = Arc::new(Api::default());
+        let stop = tokio_util::sync::CancellationToken::new();
+        let flood = flood_from(&reviews, &api, &stop);
         tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            reviews.lock().peers.is_slowed(peer(1), Instant::now()),
+            "the flood slowed its address"
+        );
         let started = Instant::now();
-        let agents: Vec<_> = (0..AGENTS)
+        let agents: Vec<_> = (0..agents)
             .map(|a| {
                 let (reviews, api) = (reviews.clone(), api.clone());
                 tokio::spawn(async move {
                     let mut tries = 0;
                     loop {
                         tries += 1;
-                        let token = format!("agent-{a}");
-                        match ask_from(&reviews, &api, peer(1), token, Ok(Admitted::default()))
+                        let token = (format!("agent-{a}"), signed);
+                        match ask(&reviews, &api, peer(1), token, Ok(Admitted::default()))
                             .await
                             .unwrap()
                         {
@@ -1148,11 +1186,33 @@ mod tests {
         for flooder in flood {
             flooder.await.unwrap();
         }
-        eprintln!(
-            "{AGENTS} agents admitted in {converged:?}, {tries} connects, {} reviews",
-            api.calls()
-        );
+        (converged, tries, api.calls())
+    }
+
+    /// Agents behind one address with a flood of bad tokens from the same
+    /// address, tokens the cluster's keys cannot vouch for: every agent,
+    /// retrying as agents do, is admitted, and each pass lets more of them
+    /// through.
+    #[tokio::test(start_paused = true)]
+    async fn agents_sharing_a_flooding_address_converge() {
+        const AGENTS: usize = 200;
+        let (converged, tries, calls) = converge(AGENTS, false).await;
+        eprintln!("{AGENTS} agents admitted in {converged:?}, {tries} connects, {calls} reviews");
         assert!(converged <= Duration::from_secs(60), "{converged:?}");
+    }
+
+    /// The same with tokens signed by the cluster's keys: none is refused
+    /// for the flood that slowed its address; each waits its turn, so all
+    /// are admitted on their first connect, within the time the API takes
+    /// to review them beside the flood's capped share (32 calls at once,
+    /// 50 ms each).
+    #[tokio::test(start_paused = true)]
+    async fn signed_tokens_behind_a_flooding_address_wait_their_turn() {
+        const AGENTS: usize = 200;
+        let (converged, tries, calls) = converge(AGENTS, true).await;
+        eprintln!("{AGENTS} agents admitted in {converged:?}, {tries} connects, {calls} reviews");
+        assert_eq!(tries, AGENTS, "an agent was refused");
+        assert!(converged <= Duration::from_secs(2), "{converged:?}");
     }
 
     /// What counts against a peer: a refusal, or a call its stream gave up

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use integration_tests::{
     AgentOpts, DEADLINE, ServerOpts, TestAgent, TestServer, agent_config, destination,
-    kube_stub::{Identity, TokenReviewStub, jwt, service_account_token},
+    kube_stub::{ClusterKey, Identity, TokenReviewStub, jwt, service_account_token},
     wait_for,
 };
 use proxy_agent::client::{Client, ConnectError};
@@ -812,13 +812,15 @@ struct FloodOutcome {
 /// Opens `connections` TLS connections to the agent port from `source`,
 /// then sends one `Connect` per token, as many at once as the
 /// connections carry (16 streams each, the server's bound), each waiting
-/// for its answer; counts the answers in `answered` as they come.
+/// for its answer, until the tokens run out or `stop`; counts the answers
+/// in `answered` as they come.
 async fn flood(
     agent_addr: std::net::SocketAddr,
     source: std::net::IpAddr,
-    tokens: Vec<String>,
+    tokens: impl Iterator<Item = String> + Send,
     connections: usize,
     answered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: tokio_util::sync::CancellationToken,
 ) -> FloodOutcome {
     use futures_util::StreamExt;
     use proto::agent_service_client::AgentServiceClient;
@@ -855,7 +857,8 @@ async fn flood(
         .collect()
         .await;
     let outcome = std::sync::Mutex::new(FloodOutcome::default());
-    futures_util::stream::iter(tokens.into_iter().enumerate())
+    futures_util::stream::iter(tokens.enumerate())
+        .take_until(stop.cancelled())
         .for_each_concurrent(connections * 16, |(n, token)| {
             let channel = channels[n % connections].clone();
             let (outcome, answered) = (&outcome, &answered);
@@ -946,9 +949,10 @@ async fn a_token_flood_from_one_peer_does_not_keep_an_agent_out() {
     let flooding = tokio::spawn(flood(
         server.agent_addr,
         FLOOD_PEER,
-        tokens,
+        tokens.into_iter(),
         CONNECTIONS,
         answered.clone(),
+        tokio_util::sync::CancellationToken::new(),
     ));
     // Under way: its connections are open, its streams sent, the first
     // thousands answered.
@@ -995,6 +999,93 @@ async fn a_token_flood_from_one_peer_does_not_keep_an_agent_out() {
         "{} malformed or wrong-audience tokens were reviewed",
         reviewed.len()
     );
+}
+
+/// An attacker sharing the agents' address (one peer to the server)
+/// floods tokens shaped as ours that no review passes, against an API that
+/// takes 50 ms a review, until its address is slowed (100 refusals). Then 8 agents behind
+/// that address connect once each, with tokens the cluster signed: every
+/// one is admitted on that one connect while the flood goes on. Before,
+/// each was refused `Unavailable`: the flood held its address's few places
+/// among the waiting. A quarter of the flood names the cluster's key with
+/// a signature that is not one: refused without a review.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_behind_a_flooding_address_are_admitted_with_signed_tokens() {
+    const CONNECTIONS: usize = 256;
+    const AGENTS: usize = 8;
+    let stub = TokenReviewStub::start().await;
+    stub.set_delay(Duration::from_millis(50));
+    let key = ClusterKey::default();
+    stub.publish(&key);
+    let signed = |n: usize| {
+        let token = key.sign(AUDIENCE, &format!("agent-{n}"));
+        stub.allow(&token, identity(AGENT_SA, AUDIENCE));
+        token
+    };
+    let server = server(&stub).await;
+    // The first agent reads the cluster's keys.
+    assert!(connect_with(&server, &signed(0)).await.is_ok());
+    assert_eq!(stub.key_reads(), 1);
+
+    let stop = tokio_util::sync::CancellationToken::new();
+    let forged: std::sync::Arc<std::sync::Mutex<Vec<String>>> = std::sync::Arc::default();
+    let tokens = {
+        let (key, forged) = (key.clone(), forged.clone());
+        (0..).map(move |n: usize| {
+            if n.is_multiple_of(4) {
+                let token = key.forge(AUDIENCE, &format!("forged-{n}"));
+                forged.lock().unwrap().push(token.clone());
+                token
+            } else {
+                service_account_token(AUDIENCE, &format!("flood-{n}-{}", random_text(16)))
+            }
+        })
+    };
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let flooding = tokio::spawn(flood(
+        server.agent_addr,
+        std::net::IpAddr::from([127, 0, 0, 1]),
+        tokens,
+        CONNECTIONS,
+        answered,
+        stop.clone(),
+    ));
+    let slowed = "konnectivity_rs_server_token_reviews_skipped_total{reason=\"peer_slowed\"}";
+    let started = Instant::now();
+    // Well under way: its address's places among the waiting held.
+    while server.metric(slowed).await < 100.0 {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the flood never slowed its address"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let tokens: Vec<String> = (1..=AGENTS).map(signed).collect();
+    let connects: Vec<_> = tokens.iter().map(|t| connect_with(&server, t)).collect();
+    let outcomes = futures_util::future::join_all(connects).await;
+    let refused_meanwhile = server.metric(slowed).await;
+    stop.cancel();
+    let outcome = flooding.await.unwrap();
+    eprintln!(
+        "{AGENTS} signed connects beside the flood: {:?}; flood: {outcome:?}, refused slowed: {refused_meanwhile}",
+        outcomes.iter().map(Result::is_ok).collect::<Vec<_>>()
+    );
+    for outcome in outcomes {
+        if let Err(error) = outcome {
+            panic!("a signed connect behind the flooding address was refused: {error}");
+        }
+    }
+    assert_eq!(outcome.other, 0, "a flood token was admitted: {outcome:?}");
+    let forged = std::mem::take(&mut *forged.lock().unwrap());
+    assert!(!forged.is_empty());
+    assert!(
+        forged.iter().all(|token| !stub.reviewed(token)),
+        "a token with a forged signature was reviewed"
+    );
+    let refused_forged = server
+        .metric("konnectivity_rs_server_token_reviews_skipped_total{reason=\"signature\"}")
+        .await;
+    assert!(refused_forged > 0.0);
 }
 
 /// One connect with `token` and `identifiers`: the status it was refused
