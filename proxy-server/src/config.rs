@@ -283,9 +283,12 @@ pub struct Args {
     /// Refuse, without a TokenReview, agent tokens that cannot be valid
     /// service-account tokens: not a JWT, an aud claim without
     /// --authentication-audience, exp past or nbf ahead by more than 5
-    /// minutes (no signature check: the review stays the authority). Set
-    /// false if the cluster's authenticators admit agents with other tokens
-    /// (webhook, static, legacy tokens without aud) (konnectivity-rs).
+    /// minutes, a signature that does not verify under the cluster's
+    /// service-account key its header names (read from /openid/v1/jwks).
+    /// A slowed address's tokens that do verify wait their turn, uncapped.
+    /// The review stays the authority. Set false if the cluster's
+    /// authenticators admit agents with other tokens (webhook, static,
+    /// legacy tokens without aud) (konnectivity-rs).
     #[arg(long, go_bool = Some(true))]
     pub token_review_local_checks: bool,
     /// HTTP-CONNECT client connections open at once (konnectivity-rs);

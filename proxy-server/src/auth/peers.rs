@@ -26,6 +26,13 @@
 //!   reviews, and agents sharing its address still get theirs, each one
 //!   that passes raising the cap, until passes outweigh failures and the
 //!   cap is gone.
+//! - A check whose token is signed by the cluster's keys
+//!   ([`super::keys`]) is never capped, on entering or calling: it waits
+//!   its turn as any peer's check does. No flood can sign its tokens, so
+//!   agents sharing a flood's address are admitted on their first connect;
+//!   a queue alone would put them behind the flood, and a cap alone
+//!   refuses them with it, since nothing else tells them apart before a
+//!   review. Its reviews count as any other's.
 //! - A /64 is capped when it, or its /48, is slowed and at its cap; its
 //!   checks, calls and reviews count in both records.
 //! - At most [`MAX_PEERS`] peers are remembered; past that, the one seen

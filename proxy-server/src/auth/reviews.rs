@@ -22,6 +22,7 @@
 //! - A peer whose tokens keep failing review is slowed ([`super::peers`]):
 //!   its checks past its cap are refused at once, on entering and again
 //!   when a permit comes to them. Both refusals tell the agent to retry.
+//!   Checks of tokens the cluster's keys sign are never capped.
 //! - A check is a future its stream owns: when the stream or its connection
 //!   ends (or the server shuts down), the check is dropped, and with it its
 //!   place among the waiting, its permit and its call.

@@ -375,6 +375,26 @@ fn server_manifests_carry_their_agent_authentication() {
     assert!(!text(&token.cluster_cert).is_empty() && !text(&token.cluster_key).is_empty());
 }
 
+/// The token-auth server's user may create TokenReviews and read the
+/// cluster's signing keys (`GET /openid/v1/jwks`): each a binding of a
+/// built-in ClusterRole to user `system:konnectivity-server` in rbac.yaml.
+#[test]
+fn the_server_user_may_review_tokens_and_read_the_signing_keys() {
+    let rbac = std::fs::read_to_string(deploy_dir().join("rbac.yaml")).unwrap();
+    let bound = |role: &str| {
+        rbac.split("\n---\n").any(|document| {
+            document.contains("kind: ClusterRoleBinding")
+                && document.contains(&format!("  kind: ClusterRole\n  name: {role}\n"))
+                && document.contains("  kind: User\n  name: system:konnectivity-server")
+        })
+    };
+    assert!(bound("system:auth-delegator"), "TokenReviews");
+    assert!(
+        bound("system:service-account-issuer-discovery"),
+        "the signing keys"
+    );
+}
+
 #[test]
 fn agent_manifests_carry_their_authentication() {
     let mtls = in_file("konnectivity-agent.yaml").agent_args();
