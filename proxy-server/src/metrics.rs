@@ -493,7 +493,7 @@ impl Admission {
             skipped: ByLabel::register(
                 m,
                 "konnectivity_rs_server_token_reviews_skipped_total",
-                "Agent connects refused without a TokenReview, by reason (malformed: the token is not a JWT; audience: its aud claim does not name --authentication-audience; expired: its exp is past; not_yet_valid: its nbf is ahead; peer_slowed: the connect's source address had its share of connects waiting for a review while its tokens kept failing review)",
+                "Agent connects refused without a TokenReview, by reason (malformed: the token is not a JWT; audience: its aud claim does not name --authentication-audience; expired: its exp is past; not_yet_valid: its nbf is ahead; signature: its signature does not verify under the cluster's service-account key its header names; peer_slowed: the connect's source address had its share of connects waiting for a review while its tokens kept failing review)",
                 "reason",
             ),
         }
