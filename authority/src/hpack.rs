@@ -8,7 +8,7 @@
 //! truncated integer; h2's own decoder is private. `loona-hpack` 0.4.3 is
 //! fixed, but bounds no decoded list and drops the never-indexed flag an
 //! intermediary must keep: it is the independent reference the `hpack` fuzz
-//! target and its tests compare this decoder with (`crate::fuzzing`). Every
+//! target and its tests compare this decoder with (the `fuzzing` module). Every
 //! error here is a value, never a panic, and every size is bounded (the
 //! dynamic table by the size h2 advertises, a decoded list by the caller's
 //! limit).

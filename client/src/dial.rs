@@ -212,8 +212,21 @@ impl TunnelConn {
 /// # Errors
 /// The stream cannot be opened, the dial is refused or times out.
 pub async fn dial(channel: Channel, address: &str) -> Result<TunnelConn, ClientError> {
+    dial_as(channel, address, DialId::random()).await
+}
+
+/// [`dial`] with the DIAL_REQ's `random` given (unique among the stream's
+/// dials): the id the server's audit log records the dial by
+/// (`dial_id`), for a caller that joins its dials to those records.
+///
+/// # Errors
+/// As [`dial`].
+pub async fn dial_as(
+    channel: Channel,
+    address: &str,
+    random: DialId,
+) -> Result<TunnelConn, ClientError> {
     let (out_tx, out_rx) = tunnel::queue::queue(OUTBOUND_BYTES, OUTBOUND_BYTES);
-    let random = DialId::random();
     let dial = Packet::dial_request("tcp", address, random.0);
     let cost = tunnel::flow::packet_cost(&dial);
     out_tx
@@ -384,6 +397,30 @@ where
     })
 }
 
+/// A TLS connection to the HTTP-CONNECT frontend at `addr` (ALPN
+/// `http/1.1`), ready for [`http_connect`]; its TCP socket's local address
+/// is what the server's audit log records as the frontend's peer.
+///
+/// # Errors
+/// `server_name` is not a name, or connecting or the handshake fails.
+pub async fn connect_tls(
+    addr: std::net::SocketAddr,
+    server_name: &str,
+    tls: &rustls::ClientConfig,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, ClientError> {
+    let mut config = tls.clone();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let name = rustls_pki_types::ServerName::try_from(server_name.to_owned())
+        .map_err(|_| ClientError::ServerName(server_name.to_owned()))?;
+    let failed = |source: io::Error| ClientError::Tls { addr, source };
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(failed)?;
+    let _ = tcp.set_nodelay(true);
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(failed)
+}
+
 /// How the frontend is reached.
 #[derive(Clone, Debug)]
 pub enum Transport {
@@ -460,20 +497,7 @@ impl Dialer {
                     tls,
                 },
             ) => {
-                let mut config = (**tls).clone();
-                config.alpn_protocols = vec![b"http/1.1".to_vec()];
-                let name = rustls_pki_types::ServerName::try_from(server_name.clone())
-                    .map_err(|_| ClientError::ServerName(server_name.clone()))?;
-                let failed = |source: io::Error| ClientError::Tls {
-                    addr: *addr,
-                    source,
-                };
-                let tcp = tokio::net::TcpStream::connect(addr).await.map_err(failed)?;
-                let _ = tcp.set_nodelay(true);
-                let io = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-                    .connect(name, tcp)
-                    .await
-                    .map_err(failed)?;
+                let io = connect_tls(*addr, server_name, tls).await?;
                 Ok(Box::new(http_connect(io, address).await?))
             }
         }

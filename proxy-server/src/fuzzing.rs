@@ -1717,7 +1717,7 @@ fn check_refusal(error: ClaimsError, audience: &str) {
 }
 
 /// The heap a [`review_peers`] run may use at its peak for `len` bytes:
-/// a ticket per step, and at most 8 records.
+/// a place per step, and at most 8 records.
 pub fn review_peers_alloc_bound(len: usize) -> usize {
     64 * len + 64 * 1024
 }
@@ -1751,8 +1751,8 @@ pub fn review_peers(data: &[u8]) -> usize {
     .map(|ip| PeerKey::of(ip.parse().expect("an address")))
     .collect();
     let mut failed = HashMap::<PeerKey, u32>::new();
-    // Checks counted: (ticket, calling).
-    let mut tickets = Vec::new();
+    // Checks counted: (place, calling).
+    let mut places = Vec::new();
     let mut now = tokio::time::Instant::now();
     let mut refusals = 0;
     let mut refused =
@@ -1764,30 +1764,30 @@ pub fn review_peers(data: &[u8]) -> usize {
         let key = keys[input.below(keys.len())];
         match input.below(8) {
             0 => match peers.enter(key, now) {
-                Ok(ticket) => tickets.push((ticket, false)),
+                Ok(place) => places.push((place, false)),
                 Err(slowed) => refused(&failed, key, slowed),
             },
             1 | 2 => {
-                if tickets.is_empty() {
+                if places.is_empty() {
                     continue;
                 }
-                let step = call_step(&mut peers, &mut tickets, &mut failed, &mut input, now);
+                let step = call_step(&mut peers, &mut places, &mut failed, &mut input, now);
                 if let Some((key, slowed)) = step {
                     refused(&failed, key, slowed);
                 }
             }
             3 => {
-                if tickets.is_empty() {
+                if places.is_empty() {
                     continue;
                 }
-                let (ticket, calling) = tickets.swap_remove(input.below(tickets.len()));
+                let (place, calling) = places.swap_remove(input.below(places.len()));
                 if calling {
                     // Abandoned while the API had it.
-                    peers.end_call(ticket);
-                    count_failure(&mut failed, ticket.key);
-                    peers.count(ticket.key, Outcome::Failed, now);
+                    peers.end_call(place);
+                    count_failure(&mut failed, place.key);
+                    peers.count(place.key, Outcome::Failed, now);
                 }
-                peers.leave(ticket);
+                peers.leave(place);
             }
             4 => {
                 count_failure(&mut failed, key);
@@ -1798,15 +1798,15 @@ pub fn review_peers(data: &[u8]) -> usize {
                 peers.count(key, Outcome::Passed, now);
             }
             // A check whose token the cluster's keys vouch for.
-            _ => tickets.push((peers.enter_signed(key, now), false)),
+            _ => places.push((peers.enter_signed(key, now), false)),
         }
         peers.check();
     }
-    for (ticket, calling) in tickets {
+    for (place, calling) in places {
         if calling {
-            peers.end_call(ticket);
+            peers.end_call(place);
         }
-        peers.leave(ticket);
+        peers.leave(place);
     }
     peers.check();
     assert!(peers.idle(), "a record still counts a check");
@@ -1844,43 +1844,43 @@ fn check_slowed(
     assert!(slowed.limit >= SLOWED_PENDING && slowed.failed >= SLOW_AFTER);
 }
 
-/// A step of a check of [`review_peers`] (one of `tickets`, the input
-/// says which: `(ticket, calling)`): the answer to its call (a pass, a
+/// A step of a check of [`review_peers`] (one of `places`, the input
+/// says which: `(place, calling)`): the answer to its call (a pass, a
 /// failure, or nothing said; a failure counted in `failed`), or, if it is
 /// not calling, its call started. A check refused its call leaves: the
 /// refusal, naming its peer.
 fn call_step(
     peers: &mut auth::peers::Peers,
-    tickets: &mut Vec<(auth::peers::Ticket, bool)>,
+    places: &mut Vec<(auth::peers::Place, bool)>,
     failed: &mut HashMap<auth::peers::PeerKey, u32>,
     input: &mut Input<'_>,
     now: tokio::time::Instant,
 ) -> Option<(auth::peers::PeerKey, auth::peers::Slowed)> {
     use auth::peers::Outcome;
-    let i = input.below(tickets.len());
-    let (ticket, calling) = tickets[i];
+    let i = input.below(places.len());
+    let (place, calling) = places[i];
     if calling {
-        peers.end_call(ticket);
-        tickets[i].1 = false;
+        peers.end_call(place);
+        places[i].1 = false;
         let outcome = [Some(Outcome::Passed), Some(Outcome::Failed), None][input.below(3)];
         if let Some(outcome) = outcome {
             if outcome == Outcome::Failed {
-                count_failure(failed, ticket.key);
+                count_failure(failed, place.key);
             }
-            peers.count(ticket.key, outcome, now);
+            peers.count(place.key, outcome, now);
         }
         return None;
     }
-    match peers.start_call(ticket, now) {
+    match peers.start_call(place, now) {
         Ok(()) => {
-            tickets[i].1 = true;
+            places[i].1 = true;
             None
         }
         Err(slowed) => {
-            assert!(!ticket.signed, "a signed token's call capped: {slowed:?}");
-            peers.leave(ticket);
-            tickets.swap_remove(i);
-            Some((ticket.key, slowed))
+            assert!(!place.signed, "a signed token's call capped: {slowed:?}");
+            peers.leave(place);
+            places.swap_remove(i);
+            Some((place.key, slowed))
         }
     }
 }

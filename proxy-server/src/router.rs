@@ -69,14 +69,9 @@ pub(crate) const UNINITIALIZED: &str = "backend uninitialized";
 /// How many closed connection ids a frontend remembers.
 const RECENTLY_CLOSED: usize = 32;
 
-/// The protocol of a frontend: ANP counts some events for one only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FrontendKind {
-    /// A `ProxyService/Proxy` stream.
-    Grpc,
-    /// An HTTP CONNECT request: one dial, then bytes.
-    HttpConnect,
-}
+/// The protocol of a frontend (ANP counts some events for one only), as
+/// the audit log names it.
+pub(crate) use ops::audit::record::FrontendKind;
 
 /// What the router asks the transports to do, in order.
 #[derive(Debug)]

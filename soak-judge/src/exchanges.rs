@@ -1,8 +1,12 @@
 //! The exchanges: each frontend record meets the destination's record of
 //! the same exchange (by the id its header carries), which says which
-//! agent carried it; the frontend's record says which server. Every end
-//! that is not whole is then excused by a fault on that agent or that
-//! server while the exchange ran, or it is a violation.
+//! agent carried it (the kernel's word: the source address); failing
+//! that, its server's audit record of the same dial (by the dial's
+//! `random`, or a CONNECT frontend's socket address), which names the
+//! agent that answered it. The frontend's record says which server. Every
+//! end that is not whole is then excused by a fault on that agent or that
+//! server whose window holds the end ([`ends_within`]), or it is a
+//! violation.
 //!
 //! What a fault excuses ([`explains`]):
 //!
@@ -13,12 +17,19 @@
 //! | server kill -9 | that server | a failed dial, an error, a reset |
 //! | any other | - | nothing: the stalls and slow peers use connections of their own, rotations and rollouts must lose nothing |
 //!
-//! An end whose agent no witness saw (a dial that failed before reaching
-//! the node, a tunnel whose first byte never arrived) may be put down to
-//! a kill or partition of any agent: the agent it went to is not known.
-//! Likewise a reset at the destination before the request's header (its
-//! exchange, so its server, not known) may be put down to the kill of
-//! either server.
+//! An end whose agent no witness names (neither the destination nor its
+//! server's audit log: a dial no agent answered, or a killed server's,
+//! whose records died with it) is excused by no agent's fault: only by a
+//! kill of its own server. A reset at the destination before the
+//! request's header (its exchange, so its server, not known) may be put
+//! down to the kill of either server.
+//!
+//! The window: a fault excuses an end that came between its injection
+//! (less [`BEFORE`]) and its recovery (plus [`AFTER`]); for a kill, a
+//! tunnel's end only if the tunnel was open at the kill (a tunnel that
+//! began after the kill ended for another reason). A failed dial needs
+//! only its end within the window: the server may route a dial to a dead
+//! agent until it sees the stream gone.
 //! A byte altered, bytes missing behind a clean end (a CONNECT tunnel cut
 //! by a clean end too: the server resets a CONNECT tunnel whose agent or
 //! agent stream died, and a killed server's socket ends without TLS's
@@ -30,8 +41,8 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use crate::observe::{
-    Carrier, Exchange, Fault, FaultRecord, Frontend, FrontendEnd, Hit, Listener, NodeConn, NodeEnd,
-    ObservedRun, Secs,
+    Carrier, DialKey, Exchange, Fault, FaultRecord, Frontend, FrontendEnd, Hit, Listener, NodeConn,
+    NodeEnd, ObservedRun, Secs,
 };
 
 /// An exchange whose end came more than this after its dial started was
@@ -162,19 +173,8 @@ pub fn explains(
         return false;
     }
     match (fault.fault, fault.hit) {
-        (Fault::AgentKill | Fault::TokenOutage, Hit::Agent(a)) => match carrier {
-            Carrier::Slot(c) => c == a,
-            Carrier::Unknown => matches!(ending, DialFailed | Error),
-            Carrier::Probe => false,
-        },
-        (Fault::Partition, Hit::Agent(a)) => {
-            ending != Truncated
-                && match carrier {
-                    Carrier::Slot(c) => c == a,
-                    Carrier::Unknown => matches!(ending, DialFailed | Error),
-                    Carrier::Probe => false,
-                }
-        }
+        (Fault::AgentKill | Fault::TokenOutage, Hit::Agent(a)) => carrier == Carrier::Slot(a),
+        (Fault::Partition, Hit::Agent(a)) => ending != Truncated && carrier == Carrier::Slot(a),
         (Fault::ServerKill, Hit::Server(s)) => {
             matches!(ending, DialFailed | Error | Reset) && server.is_none_or(|server| server == s)
         }
@@ -182,10 +182,18 @@ pub fn explains(
     }
 }
 
-/// Whether `[from, to]` meets `fault`'s window, `[started - BEFORE,
-/// recovered + AFTER]`.
-pub fn during(fault: &FaultRecord, from: Secs, to: Secs) -> bool {
-    to >= fault.started - BEFORE && from <= fault.recovered + AFTER
+/// Whether `fault`'s window holds an `ending` of an exchange over `[from,
+/// to]`: its end within `[started - BEFORE, recovered + AFTER]`, and, for
+/// a kill and an end other than a failed dial, the exchange open at the
+/// kill.
+pub fn ends_within(fault: &FaultRecord, ending: Ending, from: Secs, to: Secs) -> bool {
+    let kill = matches!(
+        fault.fault,
+        Fault::AgentKill | Fault::TokenOutage | Fault::ServerKill
+    );
+    to >= fault.started - BEFORE
+        && to <= fault.recovered + AFTER
+        && (!kill || ending == Ending::DialFailed || from <= fault.started + BEFORE)
 }
 
 /// The fault that excuses `ending` over `[from, to]`, if any: one that
@@ -202,7 +210,7 @@ pub fn excuse(
     let mut fits = faults
         .iter()
         .enumerate()
-        .filter(|(_, f)| during(f, from, to) && explains(f, ending, carrier, server))
+        .filter(|(_, f)| ends_within(f, ending, from, to) && explains(f, ending, carrier, server))
         .map(|(i, _)| i);
     let first = fits.next()?;
     let named = |i: &usize| match faults[*i].hit {
@@ -353,9 +361,19 @@ fn join_frontends(
     dial_limit: f64,
     joined: &mut Joined,
 ) {
+    let audited: HashMap<(usize, &DialKey), Carrier> = run
+        .audited
+        .iter()
+        .map(|a| ((a.server, &a.key), a.agent))
+        .collect();
     for x in &run.exchanges {
         let seen = node_by_id.get(&x.id).copied();
-        let carrier = seen.map_or(Carrier::Unknown, |n| n.carrier);
+        let carrier = seen.map(|n| n.carrier).unwrap_or_else(|| {
+            x.dial
+                .as_ref()
+                .and_then(|key| audited.get(&(x.server, key)).copied())
+                .unwrap_or(Carrier::Unknown)
+        });
         let ending = frontend_ending(x);
         let excused_by = ending
             .and_then(|e| excuse(&run.faults, e, carrier, Some(x.server), x.started, x.ended));
@@ -475,14 +493,24 @@ mod tests {
         for e in [Ending::Cut, Ending::Silent, Ending::Corrupt, Ending::Stuck] {
             assert!(!explains(&kill, e, Carrier::Slot(1), Some(0)), "{e:?}");
         }
-        // Not witnessed at the node: only what never reached it.
-        assert!(explains(
-            &kill,
+        // An agent no witness names: no agent's fault excuses it.
+        for e in [Ending::DialFailed, Ending::Error, Ending::Reset] {
+            assert!(!explains(&kill, e, Carrier::Unknown, Some(0)), "{e:?}");
+        }
+        let cut = fault(Fault::Partition, Hit::Agent(1), 10.0, 20.0);
+        assert!(!explains(
+            &cut,
             Ending::DialFailed,
             Carrier::Unknown,
             Some(0)
         ));
-        assert!(!explains(&kill, Ending::Reset, Carrier::Unknown, Some(0)));
+        let server = fault(Fault::ServerKill, Hit::Server(0), 10.0, 20.0);
+        assert!(explains(
+            &server,
+            Ending::DialFailed,
+            Carrier::Unknown,
+            Some(0)
+        ));
     }
 
     #[test]
@@ -531,26 +559,21 @@ mod tests {
     }
 
     #[test]
-    fn the_window_is_the_faults_with_its_slack_and_a_named_fault_comes_first() {
+    fn the_window_holds_the_end_and_a_kill_the_tunnels_start() {
         let faults = [
             fault(Fault::Partition, Hit::Agent(0), 10.0, 20.0),
             fault(Fault::ServerKill, Hit::Server(0), 15.0, 18.0),
         ];
-        let e = Ending::DialFailed;
+        let (e, on_0) = (Ending::DialFailed, Carrier::Slot(0));
+        // The end within [started - BEFORE, recovered + AFTER].
+        assert_eq!(excuse(&faults, e, on_0, Some(1), 8.0, 9.5), Some(0));
+        assert_eq!(excuse(&faults, e, on_0, Some(1), 8.0, 8.9), None);
+        assert_eq!(excuse(&faults, e, on_0, Some(1), 21.9, 21.95), Some(0));
+        assert_eq!(excuse(&faults, e, on_0, Some(1), 21.0, 22.1), None);
+        // An exchange that began before the fault and ended after its
+        // window: not by overlap any more.
         assert_eq!(
-            excuse(&faults, e, Carrier::Unknown, Some(0), 8.0, 9.5),
-            Some(0)
-        );
-        assert_eq!(
-            excuse(&faults, e, Carrier::Unknown, Some(1), 8.0, 8.9),
-            None
-        );
-        assert_eq!(
-            excuse(&faults, e, Carrier::Unknown, Some(1), 21.9, 23.0),
-            Some(0)
-        );
-        assert_eq!(
-            excuse(&faults, e, Carrier::Unknown, Some(1), 22.1, 23.0),
+            excuse(&faults, Ending::Error, on_0, Some(1), 5.0, 30.0),
             None
         );
         // Both fit; the one that names the server wins.
@@ -558,8 +581,15 @@ mod tests {
             excuse(&faults, e, Carrier::Unknown, Some(0), 16.0, 17.0),
             Some(1)
         );
+        assert_eq!(excuse(&faults, e, on_0, Some(0), 16.0, 17.0), Some(0));
+        // A kill: a tunnel's end only if it was open at the kill; a
+        // failed dial whenever it ended in the window.
+        let kill = [fault(Fault::AgentKill, Hit::Agent(1), 10.0, 20.0)];
+        let on_1 = Carrier::Slot(1);
+        assert_eq!(excuse(&kill, Ending::Error, on_1, None, 9.0, 12.0), Some(0));
+        assert_eq!(excuse(&kill, Ending::Error, on_1, None, 12.0, 13.0), None);
         assert_eq!(
-            excuse(&faults, e, Carrier::Slot(0), Some(0), 16.0, 17.0),
+            excuse(&kill, Ending::DialFailed, on_1, None, 12.0, 13.0),
             Some(0)
         );
     }

@@ -9,9 +9,10 @@
 //! The rules, in short:
 //! - every exchange is tagged with the agent that carried it (by the
 //!   source address the destination saw: the kernel's word, not the
-//!   agent's) and the server (by the socket its frontend dialed); a loss,
-//!   an error, a reset or a truncation is excused only by a fault on that
-//!   agent or that server while the exchange ran ([`exchanges`]);
+//!   agent's; failing that, by its server's audit record of the dial) and
+//!   the server (by the socket its frontend dialed); a loss, an error, a
+//!   reset or a truncation is excused only by a fault on that agent or
+//!   that server whose window holds the exchange's end ([`exchanges`]);
 //! - a stuck exchange, a byte altered, or bytes missing behind a clean end
 //!   are never excused;
 //! - independent witnesses are set against each other: the frontend's
@@ -38,6 +39,11 @@
 //! - [`figures`]: [`figures::Figures`] (everything the report prints) and
 //!   the verdict computed from them.
 //! - [`report`]: the Markdown of `docs/reliability.md`.
+//! - [`verdict`]: what a check that did not hold says, and the verdict.
+//!
+//! Modules import one way: observations ([`observe`], and [`samples`]'
+//! measures over them) → [`exchanges`], [`books`], [`faults`] →
+//! [`figures`] → [`report`]; [`verdict`] is a leaf they all speak.
 
 pub mod books;
 pub mod exchanges;
@@ -48,10 +54,12 @@ pub mod report;
 pub mod samples;
 #[cfg(test)]
 mod tests;
+pub mod verdict;
 
-pub use figures::{Check, Figures, Judgement, Reason, judge};
+pub use figures::{Figures, judge};
 pub use observe::{
-    BookSample, Books, Carrier, Effect, Exchange, Fault, FaultRecord, Frontend, FrontendEnd, Hit,
-    Life, LifeEnd, Listener, NodeConn, NodeEnd, ObservedRun, OldCa, Plan, Role, Seat, Secs,
-    SlowPeer,
+    Audited, BookSample, Books, Carrier, DialKey, Effect, Exchange, Fault, FaultRecord, Frontend,
+    FrontendEnd, Hit, Life, LifeEnd, Listener, NodeConn, NodeEnd, ObservedRun, OldCa, Plan, Role,
+    Seat, Secs, SlowPeer,
 };
+pub use verdict::{Check, Judgement, Reason};

@@ -5,8 +5,6 @@
 
 use serde::Serialize;
 
-use crate::samples::Sample;
-
 /// Seconds since the soak started (one clock for every witness: the
 /// grpc-go frontend's wall-clock times are converted by the driver).
 pub type Secs = f64;
@@ -109,6 +107,35 @@ pub struct Exchange {
     pub end: FrontendEnd,
     /// What the frontend was told, when it was not [`FrontendEnd::Ok`].
     pub why: Option<String>,
+    /// How its server's audit log names its dial, if the frontend got as
+    /// far as knowing it.
+    pub dial: Option<DialKey>,
+}
+
+/// How a server's audit log names a frontend's dial, as the frontend
+/// knows it too: the dial id a gRPC frontend chose (`dial_id`, its
+/// `random`), or the address of a CONNECT frontend's socket
+/// (`frontend_peer`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub enum DialKey {
+    /// A gRPC dial's `random`.
+    Random(i64),
+    /// A CONNECT frontend's socket, `ip:port`.
+    Peer(String),
+}
+
+/// One dial as a server's audit log recorded it at its end: the server's
+/// word on which agent answered it last (its `agent_id`, mapped to the
+/// agent's slot by the driver). A killed server's open dials have no
+/// record.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Audited {
+    /// The server that recorded it.
+    pub server: usize,
+    /// The dial.
+    pub key: DialKey,
+    /// The agent that answered it last; [`Carrier::Unknown`] if none did.
+    pub agent: Carrier,
 }
 
 /// Which of the destination's listeners accepted a connection.
@@ -599,6 +626,8 @@ pub struct ObservedRun {
     pub exchanges: Vec<Exchange>,
     /// Every connection, as the destination saw it.
     pub node: Vec<NodeConn>,
+    /// Every dial the servers' audit logs recorded.
+    pub audited: Vec<Audited>,
     /// The faults, in order.
     pub faults: Vec<FaultRecord>,
     /// Every process that lived.
@@ -652,4 +681,81 @@ mod tests {
         assert_eq!(count(&mtls, Fault::TokenOutage), 0);
         assert_eq!(mtls.len(), token.len() - 1);
     }
+}
+
+/// A process's allocator at one sample: jemalloc's figures, bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Alloc {
+    /// Held by the program (thread caches included).
+    pub allocated: f64,
+    /// In the pages that hold it.
+    pub active: f64,
+    /// Freed pages not yet purged.
+    pub dirty: f64,
+    /// jemalloc's metadata.
+    pub metadata: f64,
+    /// Resident pages jemalloc maps (at most).
+    pub resident: f64,
+    /// Address space kept for reuse, not resident.
+    pub retained: f64,
+}
+
+/// The traffic's counts of one frontend at one moment (for its rates and
+/// bytes; the exchanges are judged from their records).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize)]
+pub struct CountsSnap {
+    /// Exchanges started.
+    pub started: u64,
+    /// Request/response exchanges that carried every byte.
+    pub rr_ok: u64,
+    /// Bytes checked on bulk exchanges.
+    pub bulk_bytes: u64,
+    /// Bytes checked on all exchanges.
+    pub bytes: u64,
+    /// Request/response ticks skipped: the worker had the most exchanges
+    /// in flight.
+    pub skipped: u64,
+}
+
+/// The destination's counts at one moment.
+#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+pub struct DestSnap {
+    /// Connections accepted (every listener).
+    pub accepted: u64,
+    /// Connections open now.
+    pub open: u64,
+    /// Requests checked whole and answered.
+    pub complete: u64,
+    /// Of them, per agent slot (by source address).
+    pub complete_by_slot: Vec<u64>,
+}
+
+/// One process at one sample.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ProcSample {
+    /// The process.
+    pub pid: u32,
+    /// Resident memory, bytes.
+    pub rss: u64,
+    /// Open file descriptors.
+    pub fds: u64,
+    /// Alive tasks, if `/metrics` answered.
+    pub tasks: Option<f64>,
+    /// Its books, if `/metrics` answered with them.
+    pub books: Option<Books>,
+    /// Its allocator's figures, if `/metrics` answered with them.
+    pub alloc: Option<Alloc>,
+}
+
+/// Everything at one moment.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Sample {
+    /// When.
+    pub t: Secs,
+    /// Per slot, while its process runs.
+    pub procs: Vec<Option<ProcSample>>,
+    /// Per traffic frontend ([`crate::Frontend::TRAFFIC`] order).
+    pub counts: Vec<CountsSnap>,
+    /// The destination.
+    pub dest: DestSnap,
 }

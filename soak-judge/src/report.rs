@@ -8,9 +8,10 @@ use crate::{
     books::DRIFT,
     exchanges::{STUCK, Side},
     faults::{effect_note, took_effect},
-    figures::{Figures, Judgement},
+    figures::Figures,
     observe::{FaultRecord, Frontend, LifeEnd, ObservedRun},
     samples::{Resource, least, least_allocated},
+    verdict::Judgement,
 };
 
 /// MiB.
@@ -421,6 +422,7 @@ mod tests {
             dial_s: Some(0.012),
             end,
             why: (end != FrontendEnd::Ok).then(|| "agent soak-agent-1-1 disconnected".to_owned()),
+            dial: None,
         }
     }
 
@@ -525,6 +527,7 @@ mod tests {
                 node(3, 1, (31.0, 31.5), NodeEnd::Reset),
                 node(4, 1, (36.0, 36.1), NodeEnd::Complete),
             ],
+            audited: Vec::new(),
             faults: vec![kill],
             lives: vec![
                 life(

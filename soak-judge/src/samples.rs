@@ -5,6 +5,7 @@
 
 use serde::Serialize;
 
+pub use crate::observe::{Alloc, CountsSnap, DestSnap, ProcSample, Sample};
 use crate::observe::{Books, Role, Secs};
 
 /// The alive-tasks gauge both binaries expose.
@@ -15,23 +16,6 @@ pub const JEMALLOC: &str = "konnectivity_rs_jemalloc_";
 
 /// How far a resource may stay above its baseline after a fault.
 pub const RESOURCE_SLACK: f64 = 0.05;
-
-/// A process's allocator at one sample: jemalloc's figures, bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct Alloc {
-    /// Held by the program (thread caches included).
-    pub allocated: f64,
-    /// In the pages that hold it.
-    pub active: f64,
-    /// Freed pages not yet purged.
-    pub dirty: f64,
-    /// jemalloc's metadata.
-    pub metadata: f64,
-    /// Resident pages jemalloc maps (at most).
-    pub resident: f64,
-    /// Address space kept for reuse, not resident.
-    pub retained: f64,
-}
 
 impl Alloc {
     /// The figures in `text`, if it has them.
@@ -122,66 +106,6 @@ pub fn read_books(role: Role, text: &str) -> Option<Books> {
         open: sum_present(text, open)?,
         cut,
     })
-}
-
-/// The traffic's counts of one frontend at one moment (for its rates and
-/// bytes; the exchanges are judged from their records).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize)]
-pub struct CountsSnap {
-    /// Exchanges started.
-    pub started: u64,
-    /// Request/response exchanges that carried every byte.
-    pub rr_ok: u64,
-    /// Bytes checked on bulk exchanges.
-    pub bulk_bytes: u64,
-    /// Bytes checked on all exchanges.
-    pub bytes: u64,
-    /// Request/response ticks skipped: the worker had the most exchanges
-    /// in flight.
-    pub skipped: u64,
-}
-
-/// The destination's counts at one moment.
-#[derive(Debug, Default, Clone, PartialEq, Serialize)]
-pub struct DestSnap {
-    /// Connections accepted (every listener).
-    pub accepted: u64,
-    /// Connections open now.
-    pub open: u64,
-    /// Requests checked whole and answered.
-    pub complete: u64,
-    /// Of them, per agent slot (by source address).
-    pub complete_by_slot: Vec<u64>,
-}
-
-/// One process at one sample.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct ProcSample {
-    /// The process.
-    pub pid: u32,
-    /// Resident memory, bytes.
-    pub rss: u64,
-    /// Open file descriptors.
-    pub fds: u64,
-    /// Alive tasks, if `/metrics` answered.
-    pub tasks: Option<f64>,
-    /// Its books, if `/metrics` answered with them.
-    pub books: Option<Books>,
-    /// Its allocator's figures, if `/metrics` answered with them.
-    pub alloc: Option<Alloc>,
-}
-
-/// Everything at one moment.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Sample {
-    /// When.
-    pub t: Secs,
-    /// Per slot, while its process runs.
-    pub procs: Vec<Option<ProcSample>>,
-    /// Per traffic frontend ([`crate::Frontend::TRAFFIC`] order).
-    pub counts: Vec<CountsSnap>,
-    /// The destination.
-    pub dest: DestSnap,
 }
 
 /// Which of a process's figures.

@@ -11,8 +11,9 @@ use crate::{
     exchanges::{FrontendTally, NodeTally, STUCK},
     figures::{NAMED, judge},
     observe::{
-        BookSample, Books, Carrier, Effect, Exchange, Fault, FaultRecord, Frontend, FrontendEnd,
-        Hit, Life, LifeEnd, Listener, NodeConn, NodeEnd, ObservedRun, Plan, Seat,
+        Audited, BookSample, Books, Carrier, DialKey, Effect, Exchange, Fault, FaultRecord,
+        Frontend, FrontendEnd, Hit, Life, LifeEnd, Listener, NodeConn, NodeEnd, ObservedRun, Plan,
+        Seat,
     },
     report::markdown,
 };
@@ -187,6 +188,7 @@ fn run_of(exchanges: &[(Frontend, usize, f64)]) -> ObservedRun {
         seconds: END,
         exchanges: Vec::new(),
         node: Vec::new(),
+        audited: Vec::new(),
         faults: core_faults(),
         lives: processes(),
         started: Vec::new(),
@@ -208,6 +210,7 @@ fn run_of(exchanges: &[(Frontend, usize, f64)]) -> ObservedRun {
             dial_s: Some(0.01),
             end: FrontendEnd::Ok,
             why: None,
+            dial: Some(DialKey::Random(id as i64)),
         });
         run.node.push(NodeConn {
             id: Some(id),
@@ -280,6 +283,13 @@ fn add(
         dial_s: node.map(|_| 0.01),
         end: front,
         why: Some("injected".to_owned()),
+        dial: Some(DialKey::Random(id as i64)),
+    });
+    // The server's audit record names the agent that answered the dial.
+    run.audited.push(Audited {
+        server: frontend.server().unwrap_or(0),
+        key: DialKey::Random(id as i64),
+        agent: Carrier::Slot(slot),
     });
     if let Some(end) = node {
         run.node.push(NodeConn {
@@ -446,6 +456,70 @@ fn a_connect_tunnel_cut_cleanly_is_not_excused_by_its_own_agents_kill() {
         found[0].contains("http-connect, ours: cut by an EOF at 30.1 s (from 29.7 s) on agent-1"),
         "{found:#?}"
     );
+}
+
+/// Issue 52: a server that fails every dial while another agent is down.
+/// Agent 1 is killed at 30 s; dials through server 0 that its audit log
+/// says agent 0 answered (healthy all along) fail meanwhile: no fault
+/// excuses them. Nor one whose agent no witness names (no destination
+/// record, no audit record). The same failed dial on agent 1 is excused.
+#[test]
+fn a_failed_dial_on_a_healthy_agent_is_not_excused_by_another_agents_kill() {
+    let mut run = run_of(&healthy_traffic());
+    add(
+        &mut run,
+        Frontend::GrpcOurs,
+        1,
+        (30.5, 31.0),
+        FrontendEnd::DialFailed,
+        None,
+    );
+    assert_eq!(failing(&run), Vec::<String>::new());
+    add(
+        &mut run,
+        Frontend::GrpcOurs,
+        0,
+        (31.5, 32.0),
+        FrontendEnd::DialFailed,
+        None,
+    );
+    let found = failing(&run);
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].contains("dial failed at 32.0 s (from 31.5 s) on agent-0"),
+        "{found:#?}"
+    );
+    // No witness names its agent: its audit record gone.
+    add(
+        &mut run,
+        Frontend::GrpcOurs,
+        1,
+        (32.5, 33.0),
+        FrontendEnd::DialFailed,
+        None,
+    );
+    run.audited.pop();
+    let found = failing(&run);
+    assert_eq!(found.len(), 2, "{found:#?}");
+    assert!(found[1].contains("on an agent not witnessed"), "{found:#?}");
+}
+
+/// A tunnel that began after agent 1's kill and broke within its window
+/// broke for another reason: not excused (the window is by the end, and
+/// a kill excuses the tunnels open at it).
+#[test]
+fn a_tunnel_begun_after_the_kill_is_not_excused_by_it() {
+    let mut run = run_of(&healthy_traffic());
+    add(
+        &mut run,
+        Frontend::GrpcOurs,
+        1,
+        (33.0, 33.3),
+        FrontendEnd::Error,
+        Some(NodeEnd::Reset),
+    );
+    let found = failing(&run);
+    assert_eq!(found.len(), 2, "both witnesses: {found:#?}");
 }
 
 #[test]
@@ -755,9 +829,11 @@ fn alive(run: &ObservedRun, seat: Seat, t: f64) -> bool {
 
 /// Whether `t` is within `slack` of an edge of a fault's window.
 fn near_an_edge(run: &ObservedRun, t: f64, slack: f64) -> bool {
-    run.faults
-        .iter()
-        .any(|f| (t - (f.started - 1.0)).abs() < slack || (t - (f.recovered + 2.0)).abs() < slack)
+    run.faults.iter().any(|f| {
+        [f.started - 1.0, f.started + 1.0, f.recovered + 2.0]
+            .iter()
+            .any(|edge| (t - edge).abs() < slack)
+    })
 }
 
 /// A random exchange: frontend, carrier, start, end at both sides.
@@ -823,24 +899,29 @@ proptest! {
         prop_assume!(!near_an_edge(&run, from, 0.05) && !near_an_edge(&run, from + long, 0.05));
         add(&mut run, frontend, slot, (from, from + long), front, node);
         let figures = judge(&run);
-        // The oracle, written apart from the judge's table.
-        let window = |f: &FaultRecord| from + long >= f.started - 1.0 && from <= f.recovered + 2.0;
+        // The oracle, written apart from the judge's table: the end within
+        // the window; a kill excuses a tunnel open at the kill, and a
+        // failed dial that ended in the window; only faults on the agent
+        // the witnesses name (the destination, else the server's audit
+        // record) or on the server.
+        let to = from + long;
+        let killing = |f: &FaultRecord| matches!(f.fault, Fault::AgentKill | Fault::ServerKill);
+        let window = |f: &FaultRecord| {
+            to >= f.started - 1.0
+                && to <= f.recovered + 2.0
+                && (front == FrontendEnd::DialFailed || !killing(f) || from <= f.started + 1.0)
+        };
         let kills = |f: &FaultRecord| f.fault == Fault::AgentKill && f.hit == Hit::Agent(slot);
         let takes = |f: &FaultRecord| {
             kills(f)
                 || (f.fault == Fault::Partition && f.hit == Hit::Agent(slot))
                 || (f.fault == Fault::ServerKill && f.hit == Hit::Server(server))
         };
-        let any_agent = |f: &FaultRecord| matches!(f.fault, Fault::AgentKill | Fault::Partition);
         let excused = match (front, node) {
             (FrontendEnd::Ok, _) => true,
             (FrontendEnd::Silent | FrontendEnd::Stuck | FrontendEnd::Cut, _)
             | (_, Some(NodeEnd::Corrupt)) => false,
             (_, Some(NodeEnd::Truncated)) => run.faults.iter().any(|f| window(f) && kills(f)),
-            (FrontendEnd::DialFailed, None) => run
-                .faults
-                .iter()
-                .any(|f| window(f) && (any_agent(f) || (f.fault == Fault::ServerKill && f.hit == Hit::Server(server)))),
             _ => run.faults.iter().any(|f| window(f) && takes(f)),
         };
         let verdict = figures.verdict();

@@ -15,7 +15,7 @@ use serde_json::Value;
 pub use crate::report::FrontendReport;
 use crate::{
     Pki, TestServer,
-    report::{self, Verdict},
+    report::{self, SuccessSignal},
     workspace,
 };
 
@@ -60,7 +60,7 @@ pub async fn run(args: Vec<String>) -> FrontendReport {
         command(&args),
         "the grpc-go frontend",
         RUN_LIMIT,
-        Verdict::ExitStatus,
+        SuccessSignal::ExitStatus,
     )
     .await
 }

@@ -96,6 +96,25 @@ pub fn workspace() -> &'static Path {
         .expect("the tests crate sits in the workspace")
 }
 
+/// The crates of the tree (directories from the workspace root): the
+/// root manifest's workspace members, and the fuzz harnesses' crate
+/// (outside the workspace: nightly only). The checks of the tree's shape
+/// read them all.
+pub fn crate_dirs() -> Vec<String> {
+    let manifest =
+        std::fs::read_to_string(workspace().join("Cargo.toml")).expect("the root manifest");
+    let list = manifest
+        .split_once("members = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| list)
+        .expect("a members list in the root Cargo.toml");
+    list.split(',')
+        .map(|m| m.trim().trim_matches('"').to_owned())
+        .filter(|m| !m.is_empty())
+        .chain(std::iter::once("fuzz".to_owned()))
+        .collect()
+}
+
 /// Checks that the generated document `relative` (to the workspace root)
 /// is `fresh`, what `source` ("what clap says") gives now; with `UPDATE_DOCS` set, rewrites it
 /// instead. Panics naming the first line that differs and `update`, the

@@ -10,7 +10,7 @@ use std::{path::PathBuf, process::Command, time::Duration};
 
 pub use crate::report::FrontendReport;
 use crate::{
-    report::{self, Verdict},
+    report::{self, SuccessSignal},
     workspace,
 };
 
@@ -52,7 +52,7 @@ pub fn script(name: &str) -> PathBuf {
 /// `frontend.py <args>` started with its standard input piped, for a case
 /// that holds its streams open until the test closes it
 /// ([`report::Started::finish`] with [`RUN_LIMIT`] and
-/// [`Verdict::OkField`]: see [`HeldFrontend::finish`]).
+/// [`SuccessSignal::OkField`]: see [`HeldFrontend::finish`]).
 pub fn start_frontend<I, S>(args: I) -> HeldFrontend
 where
     I: IntoIterator<Item = S>,
@@ -72,7 +72,7 @@ impl HeldFrontend {
 
     /// Lets it finish (closes its standard input) and returns its report.
     pub async fn finish(self) -> FrontendReport {
-        self.0.finish(RUN_LIMIT, Verdict::OkField).await
+        self.0.finish(RUN_LIMIT, SuccessSignal::OkField).await
     }
 }
 
@@ -87,7 +87,13 @@ where
     I: IntoIterator<Item = S>,
     S: AsRef<std::ffi::OsStr>,
 {
-    report::run(command(args), "frontend.py", RUN_LIMIT, Verdict::OkField).await
+    report::run(
+        command(args),
+        "frontend.py",
+        RUN_LIMIT,
+        SuccessSignal::OkField,
+    )
+    .await
 }
 
 /// The command line of `frontend.py <args>`.

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 /// How a frontend says how a run went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum SuccessSignal {
     /// A JSON line with `"ok": true` (and exit 0); a run that prints no
     /// JSON line at all is a broken harness, and panics.
     OkField,
@@ -23,7 +23,7 @@ pub enum Verdict {
 /// What one run reported.
 #[derive(Debug)]
 pub struct FrontendReport {
-    /// The JSON line; `Null` if none came ([`Verdict::ExitStatus`]).
+    /// The JSON line; `Null` if none came ([`SuccessSignal::ExitStatus`]).
     pub json: Value,
     /// The exit status.
     pub status: ExitStatus,
@@ -32,14 +32,14 @@ pub struct FrontendReport {
     /// The program, for messages.
     who: &'static str,
     /// How it says it passed.
-    verdict: Verdict,
+    verdict: SuccessSignal,
 }
 
 impl FrontendReport {
     /// Whether the run passed.
     pub fn ok(&self) -> bool {
         self.status.success()
-            && (self.verdict == Verdict::ExitStatus || self.json["ok"] == Value::Bool(true))
+            && (self.verdict == SuccessSignal::ExitStatus || self.json["ok"] == Value::Bool(true))
     }
 
     /// Panics with the whole report unless the run passed.
@@ -91,13 +91,13 @@ impl Drop for KillOnDrop {
 /// needs.
 ///
 /// # Panics
-/// If it cannot start, runs past `limit`, or (with [`Verdict::OkField`])
+/// If it cannot start, runs past `limit`, or (with [`SuccessSignal::OkField`])
 /// prints no JSON line.
 pub async fn run(
     command: Command,
     who: &'static str,
     limit: Duration,
-    verdict: Verdict,
+    verdict: SuccessSignal,
 ) -> FrontendReport {
     Started::new(command, who, Stdio::null())
         .finish(limit, verdict)
@@ -180,9 +180,9 @@ impl Started {
     /// its report.
     ///
     /// # Panics
-    /// If it runs past `limit`, or (with [`Verdict::OkField`]) prints no
+    /// If it runs past `limit`, or (with [`SuccessSignal::OkField`]) prints no
     /// JSON line.
-    pub async fn finish(mut self, limit: Duration, verdict: Verdict) -> FrontendReport {
+    pub async fn finish(mut self, limit: Duration, verdict: SuccessSignal) -> FrontendReport {
         drop(self.stdin.take());
         let who = self.who;
         let child = self.child.clone();
@@ -204,14 +204,14 @@ impl Started {
             .unwrap_or_else(|_| panic!("{who} ran longer than {limit:?}"));
         drop(self.guard);
         let json = match verdict {
-            Verdict::OkField => stdout
+            SuccessSignal::OkField => stdout
                 .lines()
                 .rev()
                 .find_map(|line| serde_json::from_str::<Value>(line).ok())
                 .unwrap_or_else(|| {
                     panic!("{who} printed no JSON ({status}); stdout:\n{stdout}\nstderr:\n{stderr}")
                 }),
-            Verdict::ExitStatus => stdout
+            SuccessSignal::ExitStatus => stdout
                 .lines()
                 .last()
                 .and_then(|line| serde_json::from_str(line).ok())

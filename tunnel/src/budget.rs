@@ -5,7 +5,7 @@
 //! Per-connection windows and per-stream caps bound each connection and
 //! each stream, not their sum: ten thousand streams each within its cap
 //! are ten thousand caps. A budget bounds the sum. It is the byte
-//! accounting of [`queue`](crate::queue)'s gate without the queue: holders
+//! accounting of [`queue`](crate::queue)'s room without the queue: holders
 //! take bytes only for what actually waits (data that goes straight on
 //! costs nothing, so the fast path never touches it), give them back as it
 //! leaves, and a holder that finds it full waits, in order of arrival,
@@ -26,12 +26,12 @@ use std::{
     },
 };
 
-use crate::queue::Gate;
+use crate::queue::Room;
 
 /// A process-wide byte budget; see the module documentation.
 pub struct Budget {
     /// The accounting: `limit` bytes, no reserve.
-    gate: Gate,
+    room: Room,
     /// The limit.
     limit: usize,
     /// Whether a holder has waited yet ([`Budget::first_wait`]).
@@ -52,7 +52,7 @@ impl Budget {
     /// A budget of `limit` bytes.
     pub fn new(limit: usize) -> Self {
         Self {
-            gate: Gate::new(limit, 0),
+            room: Room::new(limit, 0),
             limit,
             waited: AtomicBool::new(false),
         }
@@ -71,12 +71,12 @@ impl Budget {
 
     /// Bytes taken and not given back.
     pub fn held(&self) -> usize {
-        self.gate.queued()
+        self.room.queued()
     }
 
     /// Holders waiting for room now.
     pub fn waiting(&self) -> usize {
-        self.gate.waiting()
+        self.room.waiting()
     }
 
     /// Whether it is full: the limit is held, or a holder waits for room.
@@ -88,7 +88,7 @@ impl Budget {
     /// Takes `cost` now if nobody waits for room and less than the limit
     /// is held; `false` (nothing taken) otherwise.
     pub fn try_take(&self, cost: usize) -> bool {
-        self.gate.try_admit(cost)
+        self.room.try_admit(cost)
     }
 
     /// Waits until `cost` is taken, behind the holders already waiting.
@@ -97,7 +97,7 @@ impl Budget {
     /// Cancel safe: a dropped wait holds nothing (room granted to it
     /// passes to the next waiter).
     pub fn take(&self, cost: usize) -> impl Future<Output = ()> + Send + '_ {
-        let acquire = self.gate.acquire(cost);
+        let acquire = self.room.acquire(cost);
         async move {
             // A budget is never closed: the wait ends only with room.
             let _ = acquire.await;
@@ -107,7 +107,7 @@ impl Budget {
     /// Gives `cost` back, and admits waiting holders while there is room.
     pub fn release(&self, cost: usize) {
         if cost > 0 {
-            self.gate.release(cost);
+            self.room.release(cost);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Model checks, under `loom`, of the waits where a lost wake-up would hang
 //! a connection: every interleaving of two or three threads over the real
-//! [`Gate`] (the byte queue's admit, release, wait list, close and dropped
+//! [`Room`] (the byte queue's admit, release, wait list, close and dropped
 //! waiters; the budget's take without waiting), the real [`Flow`] (a
 //! sender's wait for credit, the close), and the [`Signal`] and [`Latch`]
 //! under them. With the `loom` feature, the
@@ -20,7 +20,7 @@ use loom::{future::block_on, thread};
 use crate::{
     budget::Budget,
     flow::{Flow, Scheme, Window},
-    queue::Gate,
+    queue::Room,
     sync::{Arc, Latch, Signal},
 };
 
@@ -39,23 +39,23 @@ fn check(model: impl Fn() + Sync + Send + 'static) {
 #[test]
 fn two_waiting_senders_both_get_room_as_the_queue_drains() {
     check(|| {
-        let gate = Arc::new(Gate::new(1, 0));
-        assert!(gate.push(1));
+        let room = Arc::new(Room::new(1, 0));
+        assert!(room.push(1));
         let senders: Vec<_> = (0..2)
             .map(|_| {
-                let gate = gate.clone();
+                let room = room.clone();
                 thread::spawn(move || {
-                    block_on(gate.acquire(1)).expect("the receiver is there");
-                    gate.release(1);
+                    block_on(room.acquire(1)).expect("the receiver is there");
+                    room.release(1);
                 })
             })
             .collect();
-        gate.release(1);
+        room.release(1);
         for sender in senders {
             sender.join().expect("a sender");
         }
-        assert_eq!(gate.queued(), 0);
-        assert_eq!(gate.waiting(), 0);
+        assert_eq!(room.queued(), 0);
+        assert_eq!(room.waiting(), 0);
     });
 }
 
@@ -64,15 +64,15 @@ fn two_waiting_senders_both_get_room_as_the_queue_drains() {
 #[test]
 fn a_closing_receiver_wakes_a_waiting_sender() {
     check(|| {
-        let gate = Arc::new(Gate::new(1, 0));
-        assert!(gate.push(1));
+        let room = Arc::new(Room::new(1, 0));
+        assert!(room.push(1));
         let sender = {
-            let gate = gate.clone();
-            thread::spawn(move || block_on(gate.acquire(1)))
+            let room = room.clone();
+            thread::spawn(move || block_on(room.acquire(1)))
         };
-        gate.close();
+        room.close();
         assert_eq!(sender.join().expect("the sender"), Err(()));
-        assert_eq!(gate.waiting(), 0);
+        assert_eq!(room.waiting(), 0);
     });
 }
 
@@ -82,31 +82,31 @@ fn a_closing_receiver_wakes_a_waiting_sender() {
 #[test]
 fn a_sender_that_gives_up_passes_its_room_on() {
     check(|| {
-        let gate = Arc::new(Gate::new(1, 0));
-        assert!(gate.push(1));
+        let room = Arc::new(Room::new(1, 0));
+        assert!(room.push(1));
         let quitter = {
-            let gate = gate.clone();
+            let room = room.clone();
             thread::spawn(move || {
-                let mut acquire = Box::pin(gate.acquire(1));
+                let mut acquire = Box::pin(room.acquire(1));
                 let mut cx = Context::from_waker(Waker::noop());
                 if let Poll::Ready(Ok(())) = acquire.as_mut().poll(&mut cx) {
                     // It got in before anyone waited: its room is its own.
-                    gate.release(1);
+                    room.release(1);
                 }
             })
         };
         let waiter = {
-            let gate = gate.clone();
+            let room = room.clone();
             thread::spawn(move || {
-                block_on(gate.acquire(1)).expect("the receiver is there");
-                gate.release(1);
+                block_on(room.acquire(1)).expect("the receiver is there");
+                room.release(1);
             })
         };
-        gate.release(1);
+        room.release(1);
         quitter.join().expect("the quitter");
         waiter.join().expect("the waiter");
-        assert_eq!(gate.queued(), 0);
-        assert_eq!(gate.waiting(), 0);
+        assert_eq!(room.queued(), 0);
+        assert_eq!(room.waiting(), 0);
     });
 }
 

@@ -16,7 +16,7 @@
 //! admitted while the queue holds less than its cap, so the cap is exceeded
 //! by one item at most and no item is too large to pass. Waiting senders
 //! get room in order of arrival, and each release wakes only the senders
-//! it admits ([`Gate`]): a thousand connections blocked on one agent
+//! it admits ([`Room`]): a thousand connections blocked on one agent
 //! stream cost one wake-up per packet the stream sends, not a thousand.
 //! The receiver ends ([`QueueRx::recv`] returns `None`) once every sender
 //! is gone; dropping the receiver wakes waiting senders with an error.
@@ -66,7 +66,7 @@ pub trait Unread {
 /// and take no lock. The wait list's lock is taken only by a sender that
 /// must wait (and then by the releases and drops that serve it), so it is
 /// shared only under backpressure.
-pub(crate) struct Gate {
+pub(crate) struct Room {
     /// Bytes admitted and not yet released.
     queued: AtomicUsize,
     /// Senders in the wait list: while there are some, new senders queue
@@ -78,7 +78,7 @@ pub(crate) struct Gate {
     list: Mutex<VecDeque<Arc<Waiter>>>,
     /// Where senders wait.
     limit: usize,
-    /// Extra room for [`Gate::push`].
+    /// Extra room for [`Room::push`].
     reserve: usize,
 }
 
@@ -99,8 +99,8 @@ const GRANTED: u8 = 1;
 /// Out of the list: the receiver is gone.
 const REFUSED: u8 = 2;
 
-impl Gate {
-    /// A gate where senders wait at `limit` bytes and pushes fail past
+impl Room {
+    /// A room where senders wait at `limit` bytes and pushes fail past
     /// `limit + reserve`.
     pub(crate) fn new(limit: usize, reserve: usize) -> Self {
         Self {
@@ -143,7 +143,7 @@ impl Gate {
     /// passes to the next waiter).
     pub(crate) fn acquire(&self, cost: usize) -> Acquire<'_> {
         Acquire {
-            gate: self,
+            room: self,
             cost,
             waiter: None,
             done: false,
@@ -205,11 +205,11 @@ impl Gate {
     }
 }
 
-/// The future of [`Gate::acquire`]: `Ok` once admitted, `Err` if the
+/// The future of [`Room::acquire`]: `Ok` once admitted, `Err` if the
 /// receiver went first.
 pub(crate) struct Acquire<'a> {
-    /// The gate.
-    gate: &'a Gate,
+    /// The room.
+    room: &'a Room,
     /// What it waits to admit.
     cost: usize,
     /// Its place in the wait list, once it waits.
@@ -222,23 +222,23 @@ impl Acquire<'_> {
     /// First poll: admitted at once when nobody waits and there is room,
     /// else in the wait list.
     fn first(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ()>> {
-        let gate = self.gate;
-        if gate.is_closed() {
+        let room = self.room;
+        if room.is_closed() {
             return Poll::Ready(Err(()));
         }
-        if gate.waiting.load(Ordering::SeqCst) == 0 && gate.admit(self.cost, gate.limit) {
+        if room.waiting.load(Ordering::SeqCst) == 0 && room.admit(self.cost, room.limit) {
             return Poll::Ready(Ok(()));
         }
-        let mut list = gate.list.lock();
-        if gate.is_closed() {
+        let mut list = room.list.lock();
+        if room.is_closed() {
             return Poll::Ready(Err(()));
         }
-        gate.waiting.fetch_add(1, Ordering::AcqRel);
-        // See `Gate::release`.
+        room.waiting.fetch_add(1, Ordering::AcqRel);
+        // See `Room::release`.
         fence(Ordering::SeqCst);
         // Nobody ahead: room released since the first look is this one's.
-        if list.is_empty() && gate.admit(self.cost, gate.limit) {
-            gate.waiting.fetch_sub(1, Ordering::SeqCst);
+        if list.is_empty() && room.admit(self.cost, room.limit) {
+            room.waiting.fetch_sub(1, Ordering::SeqCst);
             return Poll::Ready(Ok(()));
         }
         let waiter = Arc::new(Waiter {
@@ -288,21 +288,21 @@ impl Drop for Acquire<'_> {
         if self.done {
             return;
         }
-        let gate = self.gate;
-        let mut list = gate.list.lock();
+        let room = self.room;
+        let mut list = room.list.lock();
         match waiter.state.load(Ordering::Acquire) {
             WAITING => {
                 if let Some(at) = list.iter().position(|w| Arc::ptr_eq(w, &waiter)) {
                     list.remove(at);
-                    gate.waiting.fetch_sub(1, Ordering::SeqCst);
+                    room.waiting.fetch_sub(1, Ordering::SeqCst);
                 }
                 // Whoever was behind it may fit now.
-                gate.serve(&mut list);
+                room.serve(&mut list);
             }
             GRANTED => {
                 // Room given and never used: the next waiter's.
-                gate.queued.fetch_sub(waiter.cost, Ordering::SeqCst);
-                gate.serve(&mut list);
+                room.queued.fetch_sub(waiter.cost, Ordering::SeqCst);
+                room.serve(&mut list);
             }
             _ => {}
         }
@@ -314,14 +314,14 @@ pub struct QueueTx<T> {
     /// The items. Unbounded as a channel: the byte count bounds it.
     tx: mpsc::UnboundedSender<(T, usize)>,
     /// Shared accounting.
-    gate: Arc<Gate>,
+    room: Arc<Room>,
 }
 
 impl<T> Clone for QueueTx<T> {
     fn clone(&self) -> Self {
         Self {
             tx: self.tx.clone(),
-            gate: self.gate.clone(),
+            room: self.room.clone(),
         }
     }
 }
@@ -331,20 +331,20 @@ pub struct QueueRx<T> {
     /// The items.
     rx: mpsc::UnboundedReceiver<(T, usize)>,
     /// Shared accounting.
-    gate: Arc<Gate>,
+    room: Arc<Room>,
 }
 
 /// A queue: [`QueueTx::send`] waits at `limit` bytes, [`QueueTx::push`]
 /// fails past `limit + reserve`.
 pub fn queue<T>(limit: usize, reserve: usize) -> (QueueTx<T>, QueueRx<T>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let gate = Arc::new(Gate::new(limit, reserve));
+    let room = Arc::new(Room::new(limit, reserve));
     (
         QueueTx {
             tx,
-            gate: gate.clone(),
+            room: room.clone(),
         },
-        QueueRx { rx, gate },
+        QueueRx { rx, room },
     )
 }
 
@@ -358,7 +358,7 @@ impl<T> QueueTx<T> {
     /// # Cancel safety
     /// Nothing is queued if the future is dropped before it completes.
     pub async fn send(&self, item: T, cost: usize) -> Result<(), Closed<T>> {
-        if self.gate.acquire(cost).await.is_err() {
+        if self.room.acquire(cost).await.is_err() {
             return Err(Closed(item));
         }
         self.enqueue(item, cost)
@@ -372,10 +372,10 @@ impl<T> QueueTx<T> {
     /// [`PushError::Full`] past the reserve, [`PushError::Closed`] if the
     /// receiver is gone.
     pub fn push(&self, item: T, cost: usize) -> Result<(), PushError<T>> {
-        if self.gate.is_closed() {
+        if self.room.is_closed() {
             return Err(PushError::Closed(item));
         }
-        if !self.gate.push(cost) {
+        if !self.room.push(cost) {
             return Err(PushError::Full(item));
         }
         self.enqueue(item, cost)
@@ -411,14 +411,14 @@ impl<T> QueueTx<T> {
         self.tx
             .send((item, cost))
             .map_err(|mpsc::error::SendError(back)| {
-                self.gate.release(cost);
+                self.room.release(cost);
                 Closed(back)
             })
     }
 
     /// Whether the receiver is gone.
     pub fn is_closed(&self) -> bool {
-        self.gate.is_closed()
+        self.room.is_closed()
     }
 
     /// Resolves once the receiver is gone.
@@ -428,12 +428,12 @@ impl<T> QueueTx<T> {
 
     /// Bytes queued and not yet taken.
     pub fn queued(&self) -> usize {
-        self.gate.queued()
+        self.room.queued()
     }
 
     /// Senders waiting for room now.
     pub fn waiting(&self) -> usize {
-        self.gate.waiting()
+        self.room.waiting()
     }
 }
 
@@ -448,7 +448,7 @@ impl<T> QueueRx<T> {
     pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<T>> {
         self.rx.poll_recv(cx).map(|next| {
             next.map(|(item, cost)| {
-                self.gate.release(cost);
+                self.room.release(cost);
                 item
             })
         })
@@ -464,7 +464,7 @@ impl<T> Drop for QueueRx<T> {
     fn drop(&mut self) {
         self.rx.close();
         // Senders waiting for room see the close.
-        self.gate.close();
+        self.room.close();
     }
 }
 

@@ -33,9 +33,8 @@
 use std::{process::Stdio, time::Duration};
 
 use soak_judge::{
-    Carrier, Fault, FaultRecord, Figures, Judgement, Listener, Reason,
+    Carrier, Check, Fault, FaultRecord, Figures, Judgement, Listener, Reason,
     exchanges::{Ending, STUCK},
-    figures::Check,
 };
 use tokio::io::AsyncWriteExt;
 

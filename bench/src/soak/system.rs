@@ -21,6 +21,7 @@ use integration_tests::{
     kube_stub::{Identity, TokenReviewStub, service_account_token},
     proxies::{self, ProxyProcess},
 };
+use soak_judge::{Audited, Carrier, DialKey};
 
 use crate::{
     probe,
@@ -467,6 +468,54 @@ impl FrontendPki {
     }
 }
 
+/// Server `index`'s audit log, kept across its restarts (appended to).
+pub fn audit_log(root: &Path, index: usize) -> PathBuf {
+    root.join(format!("server-{index}.audit.jsonl"))
+}
+
+/// The agent an audit record's `agent_id` names: a slot by its
+/// [`AgentPod::agent_id`], a probe, or none.
+pub fn carrier_of(agent_id: Option<&str>) -> Carrier {
+    let Some(id) = agent_id else {
+        return Carrier::Unknown;
+    };
+    if id.starts_with("soak-probe-") {
+        return Carrier::Probe;
+    }
+    id.strip_prefix("soak-agent-")
+        .and_then(|rest| rest.split_once('-'))
+        .and_then(|(slot, _)| slot.parse().ok())
+        .map_or(Carrier::Unknown, Carrier::Slot)
+}
+
+/// Every dial the `servers` servers' audit logs under `root` recorded
+/// (lines that are not a server's tunnel record are skipped).
+pub fn read_audited(root: &Path, servers: usize) -> Vec<Audited> {
+    let mut audited = Vec::new();
+    for server in 0..servers {
+        let Ok(text) = std::fs::read_to_string(audit_log(root, server)) else {
+            continue;
+        };
+        for line in text.lines() {
+            let Ok(record) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let key = match record["frontend_kind"].as_str() {
+                Some("grpc") => record["dial_id"].as_i64().map(DialKey::Random),
+                Some("http_connect") => record["frontend_peer"]
+                    .as_str()
+                    .map(|peer| DialKey::Peer(peer.to_owned())),
+                _ => None,
+            };
+            if let Some(key) = key {
+                let agent = carrier_of(record["agent_id"].as_str());
+                audited.push(Audited { server, key, agent });
+            }
+        }
+    }
+    audited
+}
+
 /// Flags common to the soak's servers.
 pub struct ServerSetup<'a> {
     /// Where the files and logs go.
@@ -533,6 +582,13 @@ impl Server {
             format!("--health-port={health_port}"),
             "--admin-port=0".to_owned(),
             format!("--server-id=soak-server-{index}"),
+            // Every dial's record, for the judge's attribution of a failed
+            // dial to the agent that answered it (never rotated away).
+            format!(
+                "--audit-log-path={}",
+                audit_log(setup.root, index).display()
+            ),
+            "--audit-log-maxsize=1000000".to_owned(),
             "--server-count=2".to_owned(),
             format!("--keepalive-time={}ms", setup.keepalive.as_millis()),
             format!(
@@ -681,6 +737,16 @@ impl AgentPod {
         }
     }
 
+    /// Its process's `--agent-id`, which the servers' audit records name:
+    /// `soak-agent-<slot>-<generation>`, or `soak-probe-<n>` (see
+    /// [`carrier_of`]).
+    pub fn agent_id(&self) -> String {
+        match self.netns {
+            Some(_) => format!("soak-agent-{}-{}", self.index, self.generation),
+            None => format!("soak-probe-{}", self.index),
+        }
+    }
+
     /// Its name, with its process's generation: `agent-1.2`, `probe-3`.
     pub fn name(&self) -> String {
         match self.netns {
@@ -704,7 +770,7 @@ impl AgentPod {
         self.health = SocketAddr::new(host, health_port);
         let mut args = setup.args.clone();
         args.extend([
-            format!("--agent-id=soak-agent-{}-{}", self.index, self.generation),
+            format!("--agent-id={}", self.agent_id()),
             format!("--health-server-host={host}"),
             format!("--health-server-port={health_port}"),
         ]);

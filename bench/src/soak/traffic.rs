@@ -30,7 +30,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use soak_judge::{Exchange, Frontend, FrontendEnd, samples::CountsSnap};
+use soak_judge::{DialKey, Exchange, Frontend, FrontendEnd, samples::CountsSnap};
 use tokio::{
     io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader},
     process::{Child, ChildStdin, Command},
@@ -161,10 +161,11 @@ pub enum Front {
 enum End {
     /// Every byte, then EOF.
     Done,
-    /// EOF before the last byte (or a byte past the last).
+    /// EOF before the last byte.
     Early(String),
-    /// A byte differs.
-    Mismatch,
+    /// A byte differs, or bytes came past the answer's last: altered, on
+    /// either transport, never a cut or an error a fault excuses.
+    Mismatch(&'static str),
     /// Reading or writing failed.
     Io(io::Error),
 }
@@ -241,7 +242,7 @@ async fn run_exchange(
             Err(e) => return End::Io(e),
         };
         if !back.check(&buf[..n]) {
-            return End::Mismatch;
+            return End::Mismatch("a byte differs");
         }
         got += n;
         if x.bulk {
@@ -256,7 +257,7 @@ async fn run_exchange(
             }
             End::Done
         }
-        Ok(_) => End::Early("bytes past the answer".to_owned()),
+        Ok(_) => End::Mismatch("bytes past the answer"),
         Err(e) => End::Io(e),
     }
 }
@@ -278,9 +279,12 @@ pub struct Maker {
 pub async fn exchange(maker: &Maker, addr: SocketAddr, x: Shape, counts: &Counts) -> Exchange {
     let seed = random();
     let started = maker.clock.now();
+    // How the server's audit log will name the dial: set by the dial as
+    // soon as it is known, so that an exchange given up on keeps it.
+    let mut dial = None;
     let (end, dial_s, why) = match tokio::time::timeout(
         GIVE_UP,
-        dial_and_run(&maker.front, addr, seed, x, counts),
+        dial_and_run(&maker.front, addr, seed, x, counts, &mut dial),
     )
     .await
     {
@@ -301,7 +305,15 @@ pub async fn exchange(maker: &Maker, addr: SocketAddr, x: Shape, counts: &Counts
         dial_s,
         end,
         why,
+        dial,
     }
+}
+
+/// The dial id a gRPC exchange of `seed` sends (its `random`): the seed,
+/// as Go's frontend sends it too, so that the judge finds the audit
+/// record of a dial from the exchange's id alone.
+pub fn dial_id(seed: u64) -> i64 {
+    seed as i64
 }
 
 /// Logs an end worth reading about as it happens: bytes lost silently, a
@@ -328,25 +340,23 @@ async fn dial_and_run(
     seed: u64,
     x: Shape,
     counts: &Counts,
+    key: &mut Option<DialKey>,
 ) -> (FrontendEnd, Option<f64>, Option<String>) {
     let began = Instant::now();
     let target = addr.to_string();
     let dialed = match front {
         Front::Grpc(path) => async {
             let channel = client::dial::uds_channel(path).await?;
-            client::dial::dial(channel, &target).await
+            *key = Some(DialKey::Random(dial_id(seed)));
+            client::dial::dial_as(channel, &target, tunnel::ids::DialId(dial_id(seed))).await
         }
         .await
         .map(Dialed::Grpc)
         .map_err(|e| format!("{e}")),
-        Front::Connect(transport) => client::dial::Dialer {
-            transport: transport.clone(),
-            mode: client::dial::Mode::HttpConnect,
-        }
-        .dial(&target)
-        .await
-        .map(Dialed::Connect)
-        .map_err(|e| format!("{e}")),
+        Front::Connect(transport) => connect(transport, &target, key)
+            .await
+            .map(Dialed::Connect)
+            .map_err(|e| format!("{e}")),
     };
     let dial_s = began.elapsed().as_secs_f64();
     let dialed = match dialed {
@@ -360,7 +370,7 @@ async fn dial_and_run(
             // says why through `finish`.
             match (end, conn.finish().await) {
                 (End::Done, _) => (FrontendEnd::Ok, None),
-                (End::Mismatch, _) => (FrontendEnd::Silent, Some("a byte differs".to_owned())),
+                (End::Mismatch(what), _) => (FrontendEnd::Silent, Some(what.to_owned())),
                 (End::Early(_) | End::Io(_), Err(e)) => (FrontendEnd::Error, Some(format!("{e}"))),
                 (End::Early(why), Ok(())) => (FrontendEnd::Silent, Some(why)),
                 (End::Io(e), Ok(())) => (
@@ -373,12 +383,40 @@ async fn dial_and_run(
         // close_notify: an error. A clean end with bytes missing is a cut.
         Dialed::Connect(mut io) => match run_exchange(&mut io, seed, x, counts).await {
             End::Done => (FrontendEnd::Ok, None),
-            End::Mismatch => (FrontendEnd::Silent, Some("a byte differs".to_owned())),
+            End::Mismatch(what) => (FrontendEnd::Silent, Some(what.to_owned())),
             End::Early(why) => (FrontendEnd::Cut, Some(why)),
             End::Io(e) => (FrontendEnd::Error, Some(format!("{e}"))),
         },
     };
     (end, Some(dial_s), why)
+}
+
+/// A CONNECT tunnel to `target` through `transport`; over TCP, `key` set
+/// to the frontend socket's address once it is connected (the server's
+/// audit log records the dial by it).
+async fn connect(
+    transport: &client::dial::Transport,
+    target: &str,
+    key: &mut Option<DialKey>,
+) -> Result<Box<dyn client::dial::Io>, client::dial::ClientError> {
+    let client::dial::Transport::Tls {
+        addr,
+        server_name,
+        tls,
+    } = transport
+    else {
+        return client::dial::Dialer {
+            transport: transport.clone(),
+            mode: client::dial::Mode::HttpConnect,
+        }
+        .dial(target)
+        .await;
+    };
+    let io = client::dial::connect_tls(*addr, server_name, tls).await?;
+    if let Ok(local) = io.get_ref().0.local_addr() {
+        *key = Some(DialKey::Peer(local.to_string()));
+    }
+    Ok(Box::new(client::dial::http_connect(io, target).await?))
 }
 
 /// A dialed tunnel.
@@ -596,5 +634,6 @@ fn go_record(maker: &Maker, json: &serde_json::Value) -> Option<Exchange> {
             .map(|ns| ns as f64 / 1e9),
         end,
         why: why.map(str::to_owned),
+        dial: Some(DialKey::Random(dial_id(json["id"].as_u64()?))),
     })
 }

@@ -124,13 +124,13 @@ pub(crate) enum Outcome {
     Failed,
 }
 
-/// A check counted in its peer's record (and its wider peer's) until it
-/// [`leave`](Peers::leave)s.
+/// A check's place, counted in its peer's record (and its wider peer's)
+/// until it [`leave`](Peers::leave)s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Ticket {
+pub(crate) struct Place {
     /// Whose.
     pub(crate) key: PeerKey,
-    /// Which record: a forgotten peer's tickets count for nothing.
+    /// Which record: a forgotten peer's places count for nothing.
     born: u64,
     /// The wider peer's record it also counts in, if any.
     wide: Option<(PeerKey, u64)>,
@@ -138,7 +138,7 @@ pub(crate) struct Ticket {
     pub(crate) signed: bool,
 }
 
-impl Ticket {
+impl Place {
     /// The records it counts in: `(key, born)`.
     fn records(self) -> impl Iterator<Item = (PeerKey, u64)> {
         std::iter::once((self.key, self.born)).chain(self.wide)
@@ -241,19 +241,19 @@ impl Peers {
 
     /// A check of `key` starts waiting for a review, unless `key`, or its
     /// wider peer, is slowed and at its cap.
-    pub(crate) fn enter(&mut self, key: PeerKey, now: Instant) -> Result<Ticket, Slowed> {
+    pub(crate) fn enter(&mut self, key: PeerKey, now: Instant) -> Result<Place, Slowed> {
         self.admit(key, now, false)
     }
 
     /// A check of `key` whose token is signed by the cluster's keys
     /// ([`super::keys`]) starts waiting for a review, slowed or not.
-    pub(crate) fn enter_signed(&mut self, key: PeerKey, now: Instant) -> Ticket {
+    pub(crate) fn enter_signed(&mut self, key: PeerKey, now: Instant) -> Place {
         self.admit(key, now, true)
             .expect("a signed token's check is never capped")
     }
 
     /// [`enter`](Self::enter), capped unless `signed`.
-    fn admit(&mut self, key: PeerKey, now: Instant, signed: bool) -> Result<Ticket, Slowed> {
+    fn admit(&mut self, key: PeerKey, now: Instant, signed: bool) -> Result<Place, Slowed> {
         let peer = self.touch(key, now);
         if let Some(slowed) = peer.at_cap(key, peer.waiting).filter(|_| !signed) {
             return Err(slowed);
@@ -270,7 +270,7 @@ impl Peers {
             None => None,
         };
         // Touched first, the wider record never evicts this one (unless
-        // only one is kept: then its ticket counts for nothing).
+        // only one is kept: then its place counts for nothing).
         let born = match self.peers.get_mut(&key) {
             Some(peer) => {
                 peer.waiting += 1;
@@ -278,7 +278,7 @@ impl Peers {
             }
             None => 0,
         };
-        Ok(Ticket {
+        Ok(Place {
             key,
             born,
             wide,
@@ -286,19 +286,19 @@ impl Peers {
         })
     }
 
-    /// `ticket`'s check got a permit: it may call unless its peer, or its
+    /// `place`'s check got a permit: it may call unless its peer, or its
     /// wider peer, is slowed and that many of its calls are in flight
     /// (a signed token's check may call whatever).
-    pub(crate) fn start_call(&mut self, ticket: Ticket, now: Instant) -> Result<(), Slowed> {
-        for (key, born) in ticket.records() {
+    pub(crate) fn start_call(&mut self, place: Place, now: Instant) -> Result<(), Slowed> {
+        for (key, born) in place.records() {
             if let Some(peer) = self.record(key, born) {
                 peer.decay(now);
-                if let Some(slowed) = peer.at_cap(key, peer.calling).filter(|_| !ticket.signed) {
+                if let Some(slowed) = peer.at_cap(key, peer.calling).filter(|_| !place.signed) {
                     return Err(slowed);
                 }
             }
         }
-        for (key, born) in ticket.records() {
+        for (key, born) in place.records() {
             if let Some(peer) = self.record(key, born) {
                 peer.calling += 1;
             }
@@ -306,18 +306,18 @@ impl Peers {
         Ok(())
     }
 
-    /// `ticket`'s call ended.
-    pub(crate) fn end_call(&mut self, ticket: Ticket) {
-        for (key, born) in ticket.records() {
+    /// `place`'s call ended.
+    pub(crate) fn end_call(&mut self, place: Place) {
+        for (key, born) in place.records() {
             if let Some(peer) = self.record(key, born) {
                 peer.calling = peer.calling.saturating_sub(1);
             }
         }
     }
 
-    /// `ticket`'s check ended; a record with nothing in it is dropped.
-    pub(crate) fn leave(&mut self, ticket: Ticket) {
-        for (key, born) in ticket.records() {
+    /// `place`'s check ended; a record with nothing in it is dropped.
+    pub(crate) fn leave(&mut self, place: Place) {
+        for (key, born) in place.records() {
             let Some(peer) = self.record(key, born) else {
                 continue;
             };
@@ -479,13 +479,13 @@ mod tests {
     fn a_peer_whose_reviews_pass_is_never_capped() {
         let now = Instant::now();
         let mut peers = Peers::default();
-        let tickets: Vec<_> = (0..20_000)
+        let places: Vec<_> = (0..20_000)
             .map(|_| peers.enter(peer(1), now).unwrap())
             .collect();
-        for ticket in &tickets {
-            peers.start_call(*ticket, now).unwrap();
+        for place in &places {
+            peers.start_call(*place, now).unwrap();
             peers.count(peer(1), Outcome::Passed, now);
-            peers.end_call(*ticket);
+            peers.end_call(*place);
         }
         // A few failures among many passes change nothing.
         fail(&mut peers, peer(1), 100, now);
@@ -521,13 +521,13 @@ mod tests {
         assert_eq!(calls.iter().filter(|c| c.is_ok()).count(), SLOWED_PENDING);
         assert_eq!(calls[SLOWED_PENDING], Err(slowed));
         // The waiting leave; a place comes back only below the cap.
-        for ticket in &flood[SLOWED_PENDING..] {
-            peers.leave(*ticket);
+        for place in &flood[SLOWED_PENDING..] {
+            peers.leave(*place);
         }
         assert_eq!(peers.enter(peer(1), now), Err(slowed), "5 still wait");
-        for ticket in &flood[..2] {
-            peers.end_call(*ticket);
-            peers.leave(*ticket);
+        for place in &flood[..2] {
+            peers.end_call(*place);
+            peers.leave(*place);
         }
         peers.enter(peer(1), now).unwrap();
         // Another peer is not slowed.
@@ -545,15 +545,15 @@ mod tests {
         let mut peers = Peers::default();
         fail(&mut peers, peer(1), 20, now);
         let mut waiting = Vec::new();
-        while let Ok(ticket) = peers.enter(peer(1), now) {
-            waiting.push(ticket);
+        while let Ok(place) = peers.enter(peer(1), now) {
+            waiting.push(place);
         }
         assert_eq!(waiting.len(), SLOWED_PENDING);
         // Slowed while 20 failed >= passed + 8.
         for passes in 1..=12 {
             peers.count(peer(1), Outcome::Passed, now);
-            let ticket = peers.enter(peer(1), now).expect("the cap rose by one");
-            waiting.push(ticket);
+            let place = peers.enter(peer(1), now).expect("the cap rose by one");
+            waiting.push(place);
             assert!(peers.enter(peer(1), now).is_err(), "after {passes} passes");
         }
         peers.count(peer(1), Outcome::Passed, now);
@@ -595,7 +595,7 @@ mod tests {
         assert_eq!(peers.len(), 3);
         assert!(!peers.peers.contains_key(&peer(1)));
         assert!(peers.peers.contains_key(&peer(2)));
-        // peer 1 again: a new record; the old ticket changes nothing.
+        // peer 1 again: a new record; the old place changes nothing.
         let new = peers.enter(peer(1), now).unwrap();
         assert_ne!(old, new);
         peers.leave(old);
@@ -637,8 +637,8 @@ mod tests {
         // Passes in the /48 lift its cap, as a NAT's do.
         peers.count(v6("2001:db8:7:1::9".to_owned()), Outcome::Passed, now);
         waiting.push(peers.enter(fresh, now).expect("the cap rose by one"));
-        for ticket in waiting {
-            peers.leave(ticket);
+        for place in waiting {
+            peers.leave(place);
         }
         peers.check();
     }

@@ -47,7 +47,7 @@ use tracing::warn;
 
 use super::{
     AuthError,
-    peers::{Outcome, PeerKey, Peers, Slowed, Ticket},
+    peers::{Outcome, PeerKey, Peers, Place, Slowed},
 };
 
 /// How long a refusal from the API is reused.
@@ -169,7 +169,7 @@ enum Enter {
     Slowed(Slowed),
     /// Counted among the waiting (and in its peer's record) until the
     /// guard drops.
-    Waiting(Option<Ticket>),
+    Waiting(Option<Place>),
 }
 
 /// What a waiting check is to do.
@@ -260,16 +260,16 @@ impl Reviews {
         R: AsyncFnOnce() -> Verdict,
     {
         let key = key_of(token);
-        let ticket = match self.enter(key, peer, signed) {
+        let place = match self.enter(key, peer, signed) {
             Enter::Cached(verdict) => return (verdict, Some(Source::Cache)),
             Enter::Refused => {
                 let limit = self.max_pending;
                 return (Err(AuthError::TooManyPending { limit }), None);
             }
             Enter::Slowed(slowed) => return (Err(slowed_error(slowed)), None),
-            Enter::Waiting(ticket) => ticket,
+            Enter::Waiting(place) => place,
         };
-        let _waiting = Waiting(self, ticket);
+        let _waiting = Waiting(self, place);
         loop {
             match self.join(key) {
                 Join::Cached(verdict) => return (verdict, Some(Source::Cache)),
@@ -287,7 +287,7 @@ impl Reviews {
                         key,
                         id,
                     };
-                    let verdict = self.call(review, ticket).await;
+                    let verdict = self.call(review, place).await;
                     self.settle(key, id, &verdict, token);
                     let _ = answer.send(Some(verdict.clone()));
                     let source = (!is_load(&verdict)).then_some(Source::Api);
@@ -298,9 +298,9 @@ impl Reviews {
     }
 
     /// `review`, once a permit is had within [`PERMIT_TIMEOUT`] and unless
-    /// `ticket`'s peer is slowed with that many calls in flight; the
+    /// `place`'s peer is slowed with that many calls in flight; the
     /// answer counts for the peer.
-    async fn call<R>(&self, review: R, ticket: Option<Ticket>) -> Verdict
+    async fn call<R>(&self, review: R, place: Option<Place>) -> Verdict
     where
         R: AsyncFnOnce() -> Verdict,
     {
@@ -321,11 +321,11 @@ impl Reviews {
         let peer_call = {
             let mut state = self.lock();
             state.starved = false;
-            match ticket {
-                Some(ticket) => match state.peers.start_call(ticket, Instant::now()) {
+            match place {
+                Some(place) => match state.peers.start_call(place, Instant::now()) {
                     Ok(()) => Some(PeerCall {
                         reviews: self,
-                        ticket,
+                        place,
                         answered: false,
                     }),
                     Err(slowed) => return Err(slowed_error(slowed)),
@@ -347,17 +347,17 @@ impl Reviews {
         if let Some(verdict) = state.cached(key, now) {
             return Enter::Cached(verdict);
         }
-        let ticket = match peer {
+        let place = match peer {
             Some(peer) if signed => Some(state.peers.enter_signed(peer, now)),
             Some(peer) => match state.peers.enter(peer, now) {
-                Ok(ticket) => Some(ticket),
+                Ok(place) => Some(place),
                 Err(slowed) => return Enter::Slowed(slowed),
             },
             None => None,
         };
         if state.waiting >= self.max_pending {
-            if let Some(ticket) = ticket {
-                state.peers.leave(ticket);
+            if let Some(place) = place {
+                state.peers.leave(place);
             }
             if !state.at_cap {
                 warn!(
@@ -369,7 +369,7 @@ impl Reviews {
             return Enter::Refused;
         }
         state.waiting += 1;
-        Enter::Waiting(ticket)
+        Enter::Waiting(place)
     }
 
     /// What a waiting check of `key` is to do now.
@@ -465,13 +465,13 @@ fn end_call(state: &mut State, key: Key, id: u64) {
 
 /// A check counted among the waiting, and in its peer's record, until
 /// dropped.
-struct Waiting<'a>(&'a Reviews, Option<Ticket>);
+struct Waiting<'a>(&'a Reviews, Option<Place>);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let mut state = self.0.lock();
-        if let Some(ticket) = self.1 {
-            state.peers.leave(ticket);
+        if let Some(place) = self.1 {
+            state.peers.leave(place);
         }
         state.waiting -= 1;
         if state.waiting < self.0.max_pending {
@@ -504,7 +504,7 @@ struct PeerCall<'a> {
     /// Whose call.
     reviews: &'a Reviews,
     /// The check's place in its peer's record.
-    ticket: Ticket,
+    place: Place,
     /// Whether the API answered (and the answer was counted).
     answered: bool,
 }
@@ -515,7 +515,7 @@ impl PeerCall<'_> {
     fn answered(mut self, verdict: &Verdict) {
         self.answered = true;
         if let Some(outcome) = outcome(verdict) {
-            count(&mut self.reviews.lock(), self.ticket.key, outcome);
+            count(&mut self.reviews.lock(), self.place.key, outcome);
         }
     }
 }
@@ -523,9 +523,9 @@ impl PeerCall<'_> {
 impl Drop for PeerCall<'_> {
     fn drop(&mut self) {
         let mut state = self.reviews.lock();
-        state.peers.end_call(self.ticket);
+        state.peers.end_call(self.place);
         if !self.answered {
-            count(&mut state, self.ticket.key, Outcome::Failed);
+            count(&mut state, self.place.key, Outcome::Failed);
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use ops::audit::{
     AuditRecord, Sink,
-    record::{EndedBy, FrontendKind as Kind, ServerEnd, ServerTunnel, Timestamp},
+    record::{EndedBy, ServerEnd, ServerTunnel, Timestamp},
 };
 
 use crate::{events::CloseReason, events::DialError, router::FrontendKind};
@@ -162,10 +162,7 @@ pub(crate) fn write(sink: &Sink<AuditRecord>, server_id: &str, dial: Pending, ou
         time: Timestamp::now(),
         start: dial.start,
         server_id: server_id.to_owned(),
-        frontend_kind: match dial.frontend.kind {
-            FrontendKind::Grpc => Kind::Grpc,
-            FrontendKind::HttpConnect => Kind::HttpConnect,
-        },
+        frontend_kind: dial.frontend.kind,
         frontend_peer: dial.frontend.peer,
         frontend_subject: dial.frontend.subject,
         destination: dial.destination,

@@ -311,6 +311,12 @@ func (t *transport) dial(ctx context.Context, address string) (*conn, error) {
 // dialIn is dial with the stream's life bound to life: once life is done,
 // the stream is cancelled (the soak's stuck exchanges).
 func (t *transport) dialIn(ctx, life context.Context, address string) (*conn, error) {
+	return t.dialAs(ctx, life, address, rand.Int63())
+}
+
+// dialAs is dialIn with the DIAL_REQ's random given: the soak's exchange
+// id, which the server's audit record of the dial carries (dial_id).
+func (t *transport) dialAs(ctx, life context.Context, address string, random int64) (*conn, error) {
 	c := &conn{own: !t.reuse}
 	if t.reuse {
 		t.once.Do(func() { t.shared, t.err = t.connect(context.Background()) })
@@ -333,7 +339,6 @@ func (t *transport) dialIn(ctx, life context.Context, address string) (*conn, er
 		return nil, err
 	}
 	c.stream = stream
-	random := rand.Int63()
 	if t.kclient {
 		c.ks = kcStart(c)
 		if err := c.ks.dial(ctx, c, address, random); err != nil {

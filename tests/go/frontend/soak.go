@@ -182,7 +182,9 @@ func soakTunnel(t *transport, addr string, seed uint64, up, down int, rate int, 
 	ctx, cancel := context.WithTimeout(life, time.Minute)
 	defer cancel()
 	began := time.Now()
-	c, err := t.dialIn(ctx, life, addr)
+	// The dial's random is the exchange's seed: the server's audit record
+	// of the dial names it, and the agent that answered.
+	c, err := t.dialAs(ctx, life, addr, int64(seed))
 	took := time.Since(began)
 	for {
 		old := atomic.LoadInt64(&counts.DialMaxUs)

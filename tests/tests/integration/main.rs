@@ -35,6 +35,7 @@ mod manifests;
 mod memory_budget;
 mod metrics;
 mod metrics_reference;
+mod module_cycles;
 mod monitoring;
 mod otel_traces;
 mod proxy_client;

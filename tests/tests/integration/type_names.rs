@@ -1,8 +1,10 @@
-//! One name per concept across the workspace (issue 39): no two member
-//! crates declare a public type (`pub struct`, `enum`, `trait`, `type` or
-//! `union`) of the same name, unless [`SAME_CONCEPT`] says why the name
-//! means one thing in each. The sources of every member of the root
-//! `Cargo.toml` are read as text (`pub(crate)` and narrower do not count);
+//! One name per concept across the workspace (issue 39): no two crates
+//! declare a type (`pub struct`, `enum`, `trait`, `type` or `union`, with
+//! any `pub(…)` visibility: a crate-wide name is read across the tree as
+//! much as a public one) of the same name, unless [`SAME_CONCEPT`] says
+//! why the name means one thing in each. The sources of every member of
+//! the root `Cargo.toml` and of the fuzz harnesses (`fuzz/`) are read as
+//! text (private types do not count);
 //! a new clash fails naming the crates and the places, and an allowlist
 //! entry that no longer matches what the crates declare fails too.
 
@@ -11,7 +13,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use integration_tests::workspace;
+use integration_tests::{crate_dirs as members, workspace};
 
 /// Names that several crates declare on purpose: the crates (package
 /// names), and why the name is one concept in all of them.
@@ -45,11 +47,35 @@ const SAME_CONCEPT: &[(&str, &[&str], &str)] = &[
          Dialer speaks; the client crate depends on no binary, and the crates both use carry \
          no clap",
     ),
+    (
+        "Direction",
+        &["proxy-agent", "proxy-server"],
+        "the `direction` label of a binary's byte counters (ANP's label, each binary's own \
+         metric family)",
+    ),
+    (
+        "Segment",
+        &["proxy-agent", "proxy-server"],
+        "the `segment` label of a binary's dial-latency histogram, each binary's own metric \
+         family",
+    ),
+    (
+        "Live",
+        &["proxy-agent", "proxy-server"],
+        "the live state a binary's gauges read when scraped (a struct the server fills, a \
+         trait the agent's state implements)",
+    ),
 ];
 
-/// The name of the public type `line` declares, if it declares one.
+/// The name of the type `line` declares with some `pub`, if it declares
+/// one.
 fn declared(line: &str) -> Option<&str> {
-    let rest = line.trim_start().strip_prefix("pub ")?.trim_start();
+    let rest = line.trim_start().strip_prefix("pub")?;
+    let rest = match rest.strip_prefix('(') {
+        Some(scope) => scope.split_once(')')?.1,
+        None => rest,
+    };
+    let rest = rest.strip_prefix(' ')?.trim_start();
     let rest = ["struct ", "enum ", "trait ", "type ", "union "]
         .iter()
         .find_map(|keyword| rest.strip_prefix(keyword))?
@@ -61,20 +87,6 @@ fn declared(line: &str) -> Option<&str> {
     // `$name` in a macro, or nothing: not a declaration.
     name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
         .then_some(name)
-}
-
-/// The root manifest's workspace members (directories).
-fn members() -> Vec<String> {
-    let manifest = std::fs::read_to_string(workspace().join("Cargo.toml")).unwrap();
-    let list = manifest
-        .split_once("members = [")
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .map(|(list, _)| list)
-        .expect("a members list in the root Cargo.toml");
-    list.split(',')
-        .map(|m| m.trim().trim_matches('"').to_owned())
-        .filter(|m| !m.is_empty())
-        .collect()
 }
 
 /// A member's package name, from its manifest's `name = "…"`.
@@ -145,7 +157,11 @@ fn the_scanner_reads_declarations_only() {
         ),
         ("pub union Bits {", Some("Bits")),
         ("pub struct Window<'a>(&'a [u8]);", Some("Window")),
-        ("pub(crate) struct Table {", None),
+        ("pub(crate) struct Table {", Some("Table")),
+        ("    pub(super) enum Step {", Some("Step")),
+        ("pub(in crate::auth) type Key = [u8; 32];", Some("Key")),
+        ("pub(crate) fn table() {}", None),
+        ("pubstruct Joined;", None),
         ("struct Private;", None),
         ("pub fn structure() {}", None),
         ("/// pub struct InADoc;", None),
@@ -155,13 +171,13 @@ fn the_scanner_reads_declarations_only() {
     }
 }
 
-/// No public type name in two crates, but the allowlisted ones, which
+/// No type name in two crates, but the allowlisted ones, which
 /// stand in exactly the crates their entry names.
 #[test]
-fn no_two_crates_declare_a_public_type_of_the_same_name() {
+fn no_two_crates_declare_a_type_of_the_same_name() {
     let found = scan();
     // The scan read the workspace: the allowlisted names are there.
-    assert!(found.len() > 100, "only {} public types found", found.len());
+    assert!(found.len() > 100, "only {} types found", found.len());
     let allowed: BTreeMap<&str, (&[&str], &str)> = SAME_CONCEPT
         .iter()
         .map(|(name, crates, why)| (*name, (*crates, *why)))
@@ -179,7 +195,7 @@ fn no_two_crates_declare_a_public_type_of_the_same_name() {
             .join("\n");
         match allowed.get(name.as_str()) {
             None => problems.push(format!(
-                "`{name}` is a public type in {} crates; rename all but one (one name per \
+                "`{name}` is a type in {} crates; rename all but one (one name per \
                  concept), or, if it is one concept, add it to SAME_CONCEPT saying why:\n{places}",
                 crates.len()
             )),
