@@ -61,6 +61,14 @@ pub const BEFORE: f64 = 1.0;
 /// the rest is scheduling on a loaded machine.
 pub const AFTER: f64 = 2.0;
 
+/// How long past a server kill's window a frontend's failed dials through
+/// that server are still the kill's, until the frontend's first whole
+/// exchange through it: a grpc-go channel whose server died fails its
+/// calls at once with the last connection error until its reconnect
+/// backoff ends (1 s, then ×1.6 with ±20 % jitter per attempt: 4.2 s after
+/// four attempts), which is how kube-apiserver's client behaves too.
+pub const RECONNECT: f64 = 8.0;
+
 /// An end that is not whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Ending {
@@ -224,6 +232,35 @@ pub fn excuse(
     Some(fits.find(named).unwrap_or(first))
 }
 
+/// The kill of `x`'s server that a failed dial of `x` still belongs to
+/// after the kill's window: `x` ended before its frontend's first whole
+/// exchange through that server since the kill, and within [`RECONNECT`]
+/// of the window's end (`whole`: the starts of each frontend's whole
+/// exchanges through each server, sorted).
+fn reconnecting(
+    faults: &[FaultRecord],
+    ending: Ending,
+    x: &Exchange,
+    whole: &HashMap<(Frontend, usize), Vec<Secs>>,
+) -> Option<usize> {
+    if ending != Ending::DialFailed {
+        return None;
+    }
+    let starts = whole
+        .get(&(x.frontend, x.server))
+        .map_or(&[][..], Vec::as_slice);
+    faults.iter().position(|f| {
+        let back = starts
+            .get(starts.partition_point(|t| *t < f.started))
+            .copied()
+            .unwrap_or(f64::INFINITY);
+        f.fault == Fault::ServerKill
+            && f.hit == Hit::Server(x.server)
+            && x.ended >= f.started - BEFORE
+            && x.ended <= back.min(f.recovered + AFTER + RECONNECT)
+    })
+}
+
 /// One frontend's exchanges, counted from their records.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct FrontendTally {
@@ -366,6 +403,16 @@ fn join_frontends(
         .iter()
         .map(|a| ((a.server, &a.key), a.agent))
         .collect();
+    let mut whole: HashMap<(Frontend, usize), Vec<Secs>> = HashMap::new();
+    for x in run.exchanges.iter().filter(|x| x.end == FrontendEnd::Ok) {
+        whole
+            .entry((x.frontend, x.server))
+            .or_default()
+            .push(x.started);
+    }
+    for starts in whole.values_mut() {
+        starts.sort_by(f64::total_cmp);
+    }
     for x in &run.exchanges {
         let seen = node_by_id.get(&x.id).copied();
         let carrier = seen.map(|n| n.carrier).unwrap_or_else(|| {
@@ -375,8 +422,10 @@ fn join_frontends(
                 .unwrap_or(Carrier::Unknown)
         });
         let ending = frontend_ending(x);
-        let excused_by = ending
-            .and_then(|e| excuse(&run.faults, e, carrier, Some(x.server), x.started, x.ended));
+        let excused_by = ending.and_then(|e| {
+            excuse(&run.faults, e, carrier, Some(x.server), x.started, x.ended)
+                .or_else(|| reconnecting(&run.faults, e, x, &whole))
+        });
         let Some(tally) = joined
             .frontends
             .iter_mut()
