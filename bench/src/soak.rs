@@ -910,7 +910,7 @@ fn observed(
         node: world.node.take(),
         // The servers lived until now: their records of every dial that
         // ended are written (their writer lingers 20 ms at most).
-        audited: system::read_audited(world.root.path(), world.servers.len()),
+        audited: system::read_audited(world.root.path(), world.servers.len(), world.clock),
         faults,
         lives: world.lives.take(now),
         started,

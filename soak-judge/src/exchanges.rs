@@ -261,6 +261,27 @@ fn reconnecting(
     })
 }
 
+/// The most a server's record of a dial may start after, or before, its
+/// frontend's record of it and still be the same dial: a dial reaches its
+/// server within a TLS handshake; a CONNECT socket's port comes back to
+/// another connection only after a cycle of the ephemeral range.
+pub const SAME_DIAL: f64 = 10.0;
+
+/// The agent `run`'s audit records name for `x`'s dial: the record of
+/// its server with its key that started nearest to it, within
+/// [`SAME_DIAL`].
+fn audited_agent(
+    audited: &HashMap<(usize, &DialKey), Vec<(Secs, Carrier)>>,
+    x: &Exchange,
+) -> Option<Carrier> {
+    let records = audited.get(&(x.server, x.dial.as_ref()?))?;
+    records
+        .iter()
+        .filter(|(at, _)| (at - x.started).abs() <= SAME_DIAL)
+        .min_by(|(a, _), (b, _)| (a - x.started).abs().total_cmp(&(b - x.started).abs()))
+        .map(|(_, carrier)| *carrier)
+}
+
 /// One frontend's exchanges, counted from their records.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct FrontendTally {
@@ -398,11 +419,13 @@ fn join_frontends(
     dial_limit: f64,
     joined: &mut Joined,
 ) {
-    let audited: HashMap<(usize, &DialKey), Carrier> = run
-        .audited
-        .iter()
-        .map(|a| ((a.server, &a.key), a.agent))
-        .collect();
+    let mut audited: HashMap<(usize, &DialKey), Vec<(Secs, Carrier)>> = HashMap::new();
+    for a in &run.audited {
+        audited
+            .entry((a.server, &a.key))
+            .or_default()
+            .push((a.started, a.agent));
+    }
     let mut whole: HashMap<(Frontend, usize), Vec<Secs>> = HashMap::new();
     for x in run.exchanges.iter().filter(|x| x.end == FrontendEnd::Ok) {
         whole
@@ -415,12 +438,10 @@ fn join_frontends(
     }
     for x in &run.exchanges {
         let seen = node_by_id.get(&x.id).copied();
-        let carrier = seen.map(|n| n.carrier).unwrap_or_else(|| {
-            x.dial
-                .as_ref()
-                .and_then(|key| audited.get(&(x.server, key)).copied())
-                .unwrap_or(Carrier::Unknown)
-        });
+        let carrier = seen
+            .map(|n| n.carrier)
+            .or_else(|| audited_agent(&audited, x))
+            .unwrap_or(Carrier::Unknown);
         let ending = frontend_ending(x);
         let excused_by = ending.and_then(|e| {
             excuse(&run.faults, e, carrier, Some(x.server), x.started, x.ended)

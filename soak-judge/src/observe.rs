@@ -134,6 +134,9 @@ pub struct Audited {
     pub server: usize,
     /// The dial.
     pub key: DialKey,
+    /// When its DIAL_REQ (or CONNECT) arrived (a key can come again: a
+    /// CONNECT socket's port, reused by a later connection).
+    pub started: Secs,
     /// The agent that answered it last; [`Carrier::Unknown`] if none did.
     pub agent: Carrier,
 }

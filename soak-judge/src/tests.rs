@@ -289,6 +289,7 @@ fn add(
     run.audited.push(Audited {
         server: frontend.server().unwrap_or(0),
         key: DialKey::Random(id as i64),
+        started: from + 0.005,
         agent: Carrier::Slot(slot),
     });
     if let Some(end) = node {
@@ -537,6 +538,32 @@ fn a_frontend_reconnecting_to_a_killed_server_is_excused_until_it_is_back() {
     let found = failing(&run);
     assert_eq!(found.len(), 1, "{found:#?}");
     assert!(found[0].contains("dial failed at 51.0 s"), "{found:#?}");
+}
+
+/// A CONNECT socket's port comes back to a later connection (a sabotage
+/// run saw port 57650 again 27 s later, carried by another agent): the
+/// audit record that started nearest the exchange names its agent, not
+/// the last one with its key.
+#[test]
+fn a_reused_connect_port_is_told_apart_by_time() {
+    let mut run = run_of(&healthy_traffic());
+    add(
+        &mut run,
+        Frontend::ConnectOurs,
+        1,
+        (30.2, 30.4),
+        FrontendEnd::DialFailed,
+        None,
+    );
+    let key = DialKey::Peer("127.0.0.1:57650".to_owned());
+    run.exchanges.last_mut().unwrap().dial = Some(key.clone());
+    let ours = run.audited.last_mut().unwrap();
+    ours.key = key.clone();
+    let mut later = ours.clone();
+    later.started = 57.0;
+    later.agent = Carrier::Slot(2);
+    run.audited.push(later);
+    assert_eq!(failing(&run), Vec::<String>::new(), "agent 1's, under its kill");
 }
 
 /// A tunnel that began after agent 1's kill and broke within its window

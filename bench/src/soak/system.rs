@@ -23,6 +23,8 @@ use integration_tests::{
 };
 use soak_judge::{Audited, Carrier, DialKey};
 
+use super::RunClock;
+
 use crate::{
     probe,
     system::{Binaries, Process, free_ports},
@@ -488,29 +490,35 @@ pub fn carrier_of(agent_id: Option<&str>) -> Carrier {
         .map_or(Carrier::Unknown, Carrier::Slot)
 }
 
-/// Every dial the `servers` servers' audit logs under `root` recorded
-/// (lines that are not a server's tunnel record are skipped).
-pub fn read_audited(root: &Path, servers: usize) -> Vec<Audited> {
+/// Every dial the `servers` servers' audit logs under `root` recorded,
+/// its start on `clock` (lines that are not a server's tunnel record are
+/// skipped).
+pub fn read_audited(root: &Path, servers: usize, clock: RunClock) -> Vec<Audited> {
+    use ops::audit::record::{FrontendKind, ServerTunnel};
     let mut audited = Vec::new();
     for server in 0..servers {
         let Ok(text) = std::fs::read_to_string(audit_log(root, server)) else {
             continue;
         };
         for line in text.lines() {
-            let Ok(record) = serde_json::from_str::<serde_json::Value>(line) else {
+            let Ok(record) = serde_json::from_str::<ServerTunnel>(line) else {
                 continue;
             };
-            let key = match record["frontend_kind"].as_str() {
-                Some("grpc") => record["dial_id"].as_i64().map(DialKey::Random),
-                Some("http_connect") => record["frontend_peer"]
-                    .as_str()
-                    .map(|peer| DialKey::Peer(peer.to_owned())),
-                _ => None,
+            let key = match record.frontend_kind {
+                FrontendKind::Grpc => DialKey::Random(record.dial_id),
+                FrontendKind::HttpConnect => DialKey::Peer(record.frontend_peer),
             };
-            if let Some(key) = key {
-                let agent = carrier_of(record["agent_id"].as_str());
-                audited.push(Audited { server, key, agent });
-            }
+            let unix_ns = record
+                .start
+                .0
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+            audited.push(Audited {
+                server,
+                key,
+                started: clock.from_unix_nanos(unix_ns),
+                agent: carrier_of(record.agent_id.as_deref()),
+            });
         }
     }
     audited
