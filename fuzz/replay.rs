@@ -37,8 +37,11 @@ fn corpus(target: &str) -> Vec<(std::path::PathBuf, Vec<u8>)> {
 /// the target's committed inputs (its corpus is named as the harness) and
 /// checks its heap at the peak against `$bound` of the input's length, as
 /// the fuzz runs do (`heap-count`, installed in the crate's test build).
+/// With `reaching $reach` (a predicate on what the harness returns, where
+/// the return says how far an input got), at least one input must satisfy
+/// it: a corpus that never reaches the harness's deep end fails.
 macro_rules! replay {
-    ($($test:ident => $target:ident within $bound:ident),+ $(,)?) => {$(
+    ($($test:ident => $target:ident within $bound:ident $(reaching $reach:expr)?),+ $(,)?) => {$(
         #[doc = concat!("Every input of the `", stringify!($target), "` corpus, replayed.")]
         #[test]
         fn $test() {
@@ -46,15 +49,34 @@ macro_rules! replay {
                 heap_count::installed(),
                 "the test build does not count its heap (heap_count::Counting)"
             );
+            #[allow(unused_mut, unused_variables)]
+            let mut reached = 0usize;
             for (path, input) in corpus(stringify!($target)) {
                 eprintln!("{}", path.display());
                 let bound = $bound(input.len());
+                let mut returned = None;
                 if let Err(over) = heap_count::within(bound, || {
-                    let _ = $target(&input);
+                    returned = Some($target(&input));
                 }) {
                     panic!("{}: {over} for {} input bytes", path.display(), input.len());
                 }
+                $(
+                    let reach = $reach;
+                    if returned.as_ref().is_some_and(reach) {
+                        reached += 1;
+                    }
+                )?
+                let _ = returned;
             }
+            $(
+                let _ = stringify!($reach);
+                assert!(
+                    reached > 0,
+                    "no input of the {} corpus got as far as {}",
+                    stringify!($target),
+                    stringify!($reach)
+                );
+            )?
         }
     )+};
 }

@@ -729,7 +729,8 @@ mod tests {
     replay!(
         fuzz_corpus_agent_table => agent_table within agent_table_alloc_bound,
         fuzz_corpus_flow_control => flow_control within flow_control_alloc_bound,
-        fuzz_corpus_proxy_reply => proxy_reply within proxy_reply_alloc_bound,
+        fuzz_corpus_proxy_reply => proxy_reply within proxy_reply_alloc_bound
+            reaching |tunnel: &bool| *tunnel,
     );
 
     /// The harness reaches success: a proxy that grants the tunnel.

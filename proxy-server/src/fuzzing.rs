@@ -2202,8 +2202,10 @@ mod tests {
         fuzz_corpus_connect_head => connect_head within connect_head_alloc_bound,
         fuzz_corpus_token_review => token_review within token_review_alloc_bound,
         fuzz_corpus_lanes => lanes within lanes_alloc_bound,
-        fuzz_corpus_token_claims => token_claims within token_claims_alloc_bound,
-        fuzz_corpus_review_peers => review_peers within review_peers_alloc_bound,
+        fuzz_corpus_token_claims => token_claims within token_claims_alloc_bound
+            reaching |passed: &bool| *passed,
+        fuzz_corpus_review_peers => review_peers within review_peers_alloc_bound
+            reaching |refused: &usize| *refused > 0,
     );
 
     /// The CONNECT head oracle's own reading: where a head ends (lines

@@ -563,7 +563,11 @@ fn a_reused_connect_port_is_told_apart_by_time() {
     later.started = 57.0;
     later.agent = Carrier::Slot(2);
     run.audited.push(later);
-    assert_eq!(failing(&run), Vec::<String>::new(), "agent 1's, under its kill");
+    assert_eq!(
+        failing(&run),
+        Vec::<String>::new(),
+        "agent 1's, under its kill"
+    );
 }
 
 /// A tunnel that began after agent 1's kill and broke within its window

@@ -540,6 +540,28 @@ pub struct ServerSetup<'a> {
     pub keepalive: Duration,
 }
 
+impl ServerSetup<'_> {
+    /// How the servers authenticate agents: the agent CA (mTLS), or
+    /// TokenReviews against the stand-in API (token mode).
+    fn agent_auth(&self) -> Vec<String> {
+        match self.tokens {
+            None => vec![format!(
+                "--cluster-ca-cert={}",
+                self.pki.server_dir.join("agent-ca.crt").display()
+            )],
+            Some(tokens) => vec![
+                "--agent-namespace=kube-system".to_owned(),
+                "--agent-service-account=konnectivity-agent".to_owned(),
+                format!("--authentication-audience={AUDIENCE}"),
+                format!("--kubeconfig={}", tokens.stub.kubeconfig.display()),
+                // Short, so that an outage of the API meets agents whose
+                // review is no longer cached.
+                "--token-review-cache-ttl=10s".to_owned(),
+            ],
+        }
+    }
+}
+
 impl Server {
     /// Starts replica `index` in `mode` and waits until it answers on its
     /// health port.
@@ -604,18 +626,7 @@ impl Server {
                 setup.dial_timeout.as_millis()
             ),
         ]);
-        match setup.tokens {
-            None => args.push(format!("--cluster-ca-cert={}", file("agent-ca.crt"))),
-            Some(tokens) => args.extend([
-                "--agent-namespace=kube-system".to_owned(),
-                "--agent-service-account=konnectivity-agent".to_owned(),
-                format!("--authentication-audience={AUDIENCE}"),
-                format!("--kubeconfig={}", tokens.stub.kubeconfig.display()),
-                // Short, so that an outage of the API meets agents whose
-                // review is no longer cached.
-                "--token-review-cache-ttl=10s".to_owned(),
-            ]),
-        }
+        args.extend(setup.agent_auth());
         args.extend(bins.extra.iter().cloned());
         let mut server = Self {
             index,

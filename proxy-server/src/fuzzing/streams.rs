@@ -552,7 +552,10 @@ mod tests {
 
     include!("../../../fuzz/replay.rs");
 
-    replay!(fuzz_corpus_grpc_packets => grpc_packets within grpc_packets_alloc_bound);
+    replay!(
+        fuzz_corpus_grpc_packets => grpc_packets within grpc_packets_alloc_bound
+            reaching |r: &Reached| r.established > 0 && r.echoed > 0 && r.closed > 0
+    );
 
     /// A `Proxy` stream ended from inside (shutdown) right after its
     /// DIAL_RSP ends only once the answer's grace is over
