@@ -15,7 +15,12 @@
 //!   destination and hangs there) for longer than the judge's stuck bound,
 //!   as an agent whose connections hang;
 //! - then agent 1 killed as a recorded fault, its destination sockets
-//!   destroyed first: the same symptoms, excused.
+//!   destroyed first: the same symptoms, excused;
+//! - a dial refused by a healthy agent while another is killed: agent 0's
+//!   destination policy rewritten to refuse every dial for 3 s during a
+//!   second recorded kill of agent 1; the servers' audit records name
+//!   agent 0 for those failed dials, and the judge must not put them down
+//!   to agent 1's kill (timed, not repeated until a witness saw it).
 //!
 //! A close or a crash breaks only the exchanges the agent is carrying at
 //! that instant, a few at most; with none, the act gives the judge nothing
@@ -146,6 +151,7 @@ pub async fn run(
     tokio::time::sleep(Duration::from_secs(2)).await;
     done.push(until_broken(world, Act::Crash).await?);
     done.extend(stuck_beside_a_kill(world, records).await?);
+    done.extend(refused_beside_a_kill(world, records).await?);
     if faults::agent_back(&world.agents[VICTIM]).await.is_none() {
         anyhow::bail!("agent-{VICTIM} did not come back after the sabotage");
     }
@@ -329,6 +335,63 @@ async fn stuck_beside_a_kill(
         recorded: false,
     });
     Ok(done)
+}
+
+/// The healthy agent whose dials the sabotage refuses during
+/// [`KILLED`]'s second recorded kill.
+const REFUSER: usize = 0;
+
+/// How long [`REFUSER`] refuses every dial: its policy file says `deny
+/// any` for this long (the agent looks at the file once a second).
+const REFUSING: Duration = Duration::from_secs(3);
+
+/// Agent [`KILLED`] killed again as a recorded fault and, meanwhile,
+/// agent [`REFUSER`], healthy, made to refuse every dial for [`REFUSING`]
+/// (its destination policy rewritten, as an agent whose dials fail for no
+/// reason): the judge must not put those failed dials down to the kill of
+/// another agent. The driver does not wait on the judge's witness: the
+/// act is timed, whatever it broke.
+async fn refused_beside_a_kill(
+    world: &mut World,
+    records: &mut Vec<FaultRecord>,
+) -> anyhow::Result<Vec<Sabotaged>> {
+    let policy = world.agent_setup.policy_file(REFUSER);
+    let clock = world.clock;
+    let window = std::sync::Arc::new(std::sync::Mutex::new((0.0, 0.0)));
+    let act = {
+        let (policy, window) = (policy.clone(), window.clone());
+        tokio::spawn(async move {
+            // The kill under way first.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let from = clock.now();
+            eprintln!("soak: {from:.0} s: sabotage: agent-{REFUSER} refuses every dial");
+            tokio::fs::write(&policy, "deny any\n").await?;
+            tokio::time::sleep(REFUSING).await;
+            tokio::fs::write(&policy, super::system::ALLOW_ALL).await?;
+            *window.lock().unwrap_or_else(|e| e.into_inner()) = (from, clock.now());
+            anyhow::Ok(())
+        })
+    };
+    eprintln!(
+        "soak: {:.0} s: agent-{KILLED} killed again as a recorded fault",
+        world.now()
+    );
+    let kill = world.inject(Fault::AgentKill, KILLED).await;
+    // Whatever the kill did, the policy is allowed again before going on.
+    act.await??;
+    let kill = kill?;
+    let (from, to) = *window.lock().unwrap_or_else(|e| e.into_inner());
+    records.push(kill);
+    Ok(vec![Sabotaged {
+        what: "dials refused by a healthy agent during another agent's kill",
+        causes: &[Ending::DialFailed],
+        // The agent sees the rewritten file within a second.
+        after: PROMPT,
+        carrier: Carrier::Slot(REFUSER),
+        from,
+        to,
+        recorded: false,
+    }])
 }
 
 /// Each act on the healthy agent found by the judge: at least one

@@ -727,7 +727,16 @@ impl AgentSetup {
             logs: root.to_owned(),
         }
     }
+
+    /// Agent slot `slot`'s destination policy file (`--destination-policy-file`,
+    /// followed by the agent): the sabotage rewrites it to refuse dials.
+    pub fn policy_file(&self, slot: usize) -> PathBuf {
+        self.logs.join(format!("policy-agent-{slot}"))
+    }
 }
+
+/// A destination policy that allows every dial.
+pub const ALLOW_ALL: &str = "default allow\n";
 
 /// One agent "pod": a slot whose process is replaced on restarts and
 /// rollouts, in the slot's namespace; or a probe agent on the host.
@@ -788,6 +797,14 @@ impl AgentPod {
         };
         self.health = SocketAddr::new(host, health_port);
         let mut args = setup.args.clone();
+        if self.netns.is_some() {
+            let policy = setup.policy_file(self.index);
+            if !policy.exists() {
+                std::fs::write(&policy, ALLOW_ALL)
+                    .with_context(|| format!("writing {}", policy.display()))?;
+            }
+            args.push(format!("--destination-policy-file={}", policy.display()));
+        }
         args.extend([
             format!("--agent-id={}", self.agent_id()),
             format!("--health-server-host={host}"),
