@@ -402,27 +402,13 @@ impl TokenAuth {
         let request = http::Request::get(keys::JWKS_PATH)
             .body(Vec::new())
             .map_err(|e| format!("building the request: {e}"))?;
-        let read = async {
-            let response = self
-                .client
-                .send(request.map(kube::client::Body::from))
-                .await
-                .map_err(|e| e.to_string())?;
-            let code = response.status();
-            let body = response
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| format!("reading the answer: {e}"))?
-                .to_bytes();
-            if !code.is_success() {
-                return Err(format!("the API answered {code}"));
-            }
-            Ok(body.to_vec())
-        };
-        tokio::time::timeout(REVIEW_TIMEOUT, read)
+        let (code, body) = tokio::time::timeout(REVIEW_TIMEOUT, self.send(request))
             .await
-            .map_err(|_| format!("no answer within {REVIEW_TIMEOUT:?}"))?
+            .map_err(|_| format!("no answer within {REVIEW_TIMEOUT:?}"))??;
+        if !code.is_success() {
+            return Err(format!("the API answered {code}"));
+        }
+        Ok(body.to_vec())
     }
 
     /// POSTs `review` and reads the answer. Not `Api::create`: kube's
@@ -434,6 +420,16 @@ impl TokenAuth {
         let request = kube::core::Request::new(TokenReview::url_path(&(), None))
             .create(&PostParams::default(), body)
             .map_err(|e| format!("building the request: {e}"))?;
+        let (code, body) = self.send(request).await?;
+        read_answer(code, &body)
+    }
+
+    /// Sends `request` through the kube client: the answer's status code
+    /// and whole body. The error text never quotes the body.
+    async fn send(
+        &self,
+        request: http::Request<Vec<u8>>,
+    ) -> Result<(http::StatusCode, bytes::Bytes), String> {
         let response = self
             .client
             .send(request.map(kube::client::Body::from))
@@ -446,7 +442,7 @@ impl TokenAuth {
             .await
             .map_err(|e| format!("reading the answer: {e}"))?
             .to_bytes();
-        read_answer(code, &body)
+        Ok((code, body))
     }
 }
 
