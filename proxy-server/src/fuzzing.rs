@@ -90,6 +90,19 @@ struct Watch {
     /// had waited), decayed as a peak EWMA decays, which no later sample
     /// lowers.
     estimates: HashMap<BackendId, (f64, Instant)>,
+    /// Each pending dial's attempts as far as the router may still hold
+    /// them: every DIAL_REQ it sent, and when it went out; removed only
+    /// when the dial leaves the router's table (`Out::Settled`), so never
+    /// fewer than the router has.
+    may_hold: HashMap<i64, Vec<(BackendId, Option<Instant>)>>,
+    /// Per agent stream, the largest sample the router may have taken of
+    /// it from attempts no longer held: how long each had waited when its
+    /// dial left the table, and [`crate::router::FAILURE_COST`] once it
+    /// answered a dial with an error or a DIAL_CLS. A peak EWMA never
+    /// exceeds its largest sample (a slower one is taken as is, a faster
+    /// one averaged in), so with the ages of the attempts still held, this
+    /// bounds its estimate from above.
+    ceilings: HashMap<BackendId, Duration>,
     /// Frontends that broke the protocol (answered MISMATCHED): their
     /// dials may settle unanswered.
     failed: HashSet<FrontendId>,
@@ -209,6 +222,10 @@ impl Watch {
             .entry(dial.0)
             .or_default()
             .push((backend, None));
+        self.may_hold
+            .entry(dial.0)
+            .or_default()
+            .push((backend, None));
     }
 
     /// A packet the router sent frontend `fe`: a DIAL_RSP or DIAL_CLS
@@ -263,6 +280,11 @@ impl Watch {
         for (be, forwarded) in self.attempts.remove(&dial).unwrap_or_default() {
             if let Some(at) = forwarded {
                 self.raise(be, now.saturating_duration_since(at), now);
+            }
+        }
+        for (be, forwarded) in self.may_hold.remove(&dial).unwrap_or_default() {
+            if let Some(at) = forwarded {
+                self.lift(be, now.saturating_duration_since(at));
             }
         }
         self.deadlines.remove(&dial);
@@ -321,6 +343,33 @@ impl Watch {
         })
     }
 
+    /// The router may have sampled `be` with `sample`, and no later
+    /// attempt of the dial is held.
+    fn lift(&mut self, be: BackendId, sample: Duration) {
+        let ceiling = self.ceilings.entry(be).or_default();
+        *ceiling = (*ceiling).max(sample);
+    }
+
+    /// The most the router may weigh `be` in a pick at `now`, given `open`
+    /// connections on it: one more than the attempts it may hold and its
+    /// connections, times the larger of its ceiling and the age of every
+    /// attempt it may hold (its latency estimate and its oldest dial out
+    /// are both below that), in microseconds rounded up.
+    fn most_cost(&self, be: BackendId, open: usize, now: Instant) -> usize {
+        let mut load = open;
+        let mut latency = self.ceilings.get(&be).copied().unwrap_or_default();
+        for (b, forwarded) in self.may_hold.values().flatten() {
+            if *b == be {
+                load += 1;
+                if let Some(at) = forwarded {
+                    latency = latency.max(now.saturating_duration_since(*at));
+                }
+            }
+        }
+        let micros = usize::try_from(latency.as_micros() + 1).unwrap_or(usize::MAX);
+        (load + 1).saturating_mul(micros)
+    }
+
     /// The router surely sampled `be` at `now` with at least `sample`.
     fn raise(&mut self, be: BackendId, sample: Duration, now: Instant) {
         let kept = self.estimate(be, now);
@@ -340,6 +389,9 @@ impl Watch {
             proto::packet::PacketKind::DialCls(c) => (c.random, false),
             _ => return,
         };
+        // Whether or not the harness knows the attempt, the router may
+        // have sampled it as a failure.
+        self.lift(be, crate::router::FAILURE_COST);
         let Some(forwarded) = self.end_attempt(be, random) else {
             return;
         };
@@ -367,6 +419,13 @@ impl Watch {
         policy: DialPolicy,
         median: Duration,
     ) {
+        if let Some(attempt) = self
+            .may_hold
+            .get_mut(&random)
+            .and_then(|list| list.iter_mut().find(|(b, _)| *b == be))
+        {
+            attempt.1.get_or_insert(now);
+        }
         if !self.owner.contains_key(&random) {
             return;
         }
@@ -462,7 +521,8 @@ fn latency(input: &mut Input<'_>) -> Duration {
 /// least delay armed (a fixed delay, or the agents' median and at least
 /// 1 ms), and no agent weighs less in a pick than what it surely did (a
 /// failure at least `FAILURE_COST`, an attempt that ended what it had
-/// waited, both decayed; a dial pending on it its age; its load). Once
+/// waited, both decayed; a dial pending on it its age; its load) nor more
+/// than its samples allow (its largest, its dials' ages, its load). Once
 /// every stream has ended, every table is empty.
 pub fn router(data: &[u8]) {
     let mut input = Input(data);
@@ -688,7 +748,9 @@ impl RouterRun {
 
     /// No agent stream weighs less in a pick than what the harness knows
     /// it did: its load times the greater of its latency estimate's lower
-    /// bound and the age of its oldest dial out.
+    /// bound and the age of its oldest dial out; nor more than its samples
+    /// and dials allow ([`Watch::most_cost`]): a router that inflated a
+    /// healthy agent's cost would let a failing one win its picks.
     fn check_costs(&self) {
         for &be in &self.backends {
             let cost = self
@@ -715,6 +777,12 @@ impl RouterRun {
             assert!(
                 cost >= least,
                 "be{be} weighs {cost} in a pick, less than the {least} it surely did ({load} dials and connections, {latency} s)"
+            );
+            let open = self.watch.open.keys().filter(|(b, _)| *b == be).count();
+            let most = self.watch.most_cost(be, open, self.now);
+            assert!(
+                cost <= most,
+                "be{be} weighs {cost} in a pick, more than the {most} its samples and dials allow"
             );
         }
     }

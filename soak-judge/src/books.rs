@@ -68,6 +68,11 @@ pub struct LifeBooks {
     /// before its end (each widened by [`ACCEPT_SLACK`]), for a process
     /// that ended: what its books may have missed.
     pub tail: u64,
+    /// For a process recorded running whose seat's next process started
+    /// at this time: it ended then at the latest, and nobody recorded
+    /// how (the driver records every kill and drain it does), so it
+    /// crashed.
+    pub vanished: Option<Secs>,
 }
 
 impl LifeBooks {
@@ -143,21 +148,37 @@ pub fn lives(run: &ObservedRun) -> Vec<LifeBooks> {
         run.exchanges.iter().map(|x| (x.id, x.server)).collect();
     run.lives
         .iter()
-        .map(|l| life_books(run, &server_by_id, l))
+        .map(|l| life_books(run, &server_by_id, l, vanished(run, l)))
         .collect()
+}
+
+/// When `l`'s seat's next process started, if `l` was still recorded
+/// running then: a process that ended with no end recorded. Probes are
+/// not one seat's successive processes, and are left out.
+fn vanished(run: &ObservedRun, l: &Life) -> Option<Secs> {
+    if l.end != LifeEnd::Running || l.seat == Seat::Probe {
+        return None;
+    }
+    run.lives
+        .iter()
+        .filter(|next| next.seat == l.seat && next.born > l.born)
+        .map(|next| next.born)
+        .min_by(f64::total_cmp)
 }
 
 fn life_books(
     run: &ObservedRun,
     server_by_id: &std::collections::HashMap<u64, usize>,
     l: &Life,
+    vanished: Option<Secs>,
 ) -> LifeBooks {
     let last = l.books.last();
-    let tail = if l.end != LifeEnd::Running {
+    let died = vanished.unwrap_or(l.died);
+    let tail = if l.end != LifeEnd::Running || vanished.is_some() {
         // From a little before its last reading: a dial the destination
         // accepted just before it may have been counted just after.
         let after = last.map_or(l.born, |s| s.t) - ACCEPT_SLACK;
-        let window = (after, l.died + ACCEPT_SLACK);
+        let window = (after, died + ACCEPT_SLACK);
         match l.seat {
             Seat::Server(s) => accepted_in(run, window, &|n| through_server(server_by_id, n, s)),
             Seat::Agent(_) | Seat::Probe => {
@@ -173,7 +194,7 @@ fn life_books(
         seat: l.seat,
         pid: l.pid,
         born: l.born,
-        died: l.died,
+        died,
         end: l.end,
         readings: l.books.len(),
         last: last.map(|s| s.books),
@@ -184,6 +205,7 @@ fn life_books(
             .map(|s| s.books.unaccounted().abs())
             .fold(0.0, f64::max),
         tail,
+        vanished,
     }
 }
 

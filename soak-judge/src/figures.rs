@@ -135,9 +135,18 @@ impl Figures {
     }
 }
 
+/// What a process that ended with no end recorded is failed for: the
+/// words every such reason starts with.
+pub const VANISHED: &str = "ended with no end recorded";
+
 /// The reasons one process's books give.
 fn life_reasons(b: &LifeBooks, fail: &mut impl FnMut(String)) {
     let name = &b.name;
+    if let Some(next) = b.vanished {
+        fail(format!(
+            "{name}: {VANISHED} (its seat's next process started at {next:.0} s): it crashed"
+        ));
+    }
     match b.last {
         None if b.must_carry() => fail(format!(
             "{name}: lived {:.0} s without readable books",
@@ -158,6 +167,7 @@ fn life_reasons(b: &LifeBooks, fail: &mut impl FnMut(String)) {
                 ));
             }
             match b.end {
+                LifeEnd::Running if b.vanished.is_some() => {}
                 LifeEnd::Running => {
                     if last.unaccounted() != 0.0 || last.open != 0.0 {
                         fail(format!(

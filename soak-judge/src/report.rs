@@ -294,6 +294,7 @@ fn books(out: &mut String, f: &Figures) {
     );
     for b in &f.books {
         let end = match b.end {
+            LifeEnd::Running if b.vanished.is_some() => "**crashed: no end recorded**".to_owned(),
             LifeEnd::Killed => "killed".to_owned(),
             LifeEnd::Exited { ok: true } => "exited, status 0".to_owned(),
             LifeEnd::Exited { ok: false } => "**exited, failed**".to_owned(),

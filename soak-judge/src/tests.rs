@@ -1251,6 +1251,32 @@ fn a_process_that_exited_must_have_exited_with_status_0_without_cutting() {
     );
 }
 
+/// A process that crashed is read no more and told of by nobody: its
+/// last reading is seconds before its end, it is still recorded running,
+/// and its seat's next process starts. The judge fails the run naming it,
+/// and its books are taken as those of a process that ended then (what
+/// the destination accepted from it after its last reading is its tail),
+/// not as those of one running to the end.
+#[test]
+fn a_process_replaced_with_no_end_recorded_crashed() {
+    let mut run = run_of(&healthy_traffic());
+    let crashed = life_mut(&mut run, "agent-1.1");
+    crashed.books.retain(|b| b.t < 25.0);
+    crashed.end = LifeEnd::Running;
+    crashed.died = END;
+    assert_eq!(
+        failing(&run),
+        [
+            "agent-1.1: ended with no end recorded (its seat's next process started at 33 s): it crashed"
+        ]
+    );
+    let books = books_of(&run, "agent-1.1");
+    assert_eq!(books.vanished, Some(33.0));
+    assert!(books.tail > 0, "{books:#?}");
+    // The last process of a seat, and a probe, are not replaced.
+    assert_eq!(books_of(&run, "agent-1.2").vanished, None);
+}
+
 #[test]
 fn performance_reasons_are_advisory_unless_made_fatal_and_correctness_reasons_never_are() {
     let mut run = run_of(&healthy_traffic());

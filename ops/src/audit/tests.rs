@@ -161,13 +161,59 @@ async fn a_deep_queues_records_are_flushed_a_batch_at_a_time() {
     assert!(flushes <= bound, "{flushes} flushes in {took:?}");
 }
 
-/// A queue shallow enough to fill while its writer waited does not wait.
-#[test]
-fn only_a_deep_queue_lingers() {
-    assert!(!lingers(LINGER_QUEUE - 1));
-    assert!(!lingers(1));
-    assert!(lingers(LINGER_QUEUE));
-    assert!(lingers(10_000));
+/// A writer that says when it flushes.
+struct Flushed(std_mpsc::Sender<Instant>);
+
+impl Write for Flushed {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        let _ = self.0.send(Instant::now());
+        Ok(())
+    }
+}
+
+/// How long after each of `trials` lone records (each sent once the one
+/// before was flushed) a writer with a queue of `queue` flushed it.
+async fn lone_flushes(queue: usize, trials: u32) -> Vec<Duration> {
+    let (tx, flushed) = std_mpsc::channel();
+    let log = AuditLog::spawn(
+        Out::Writer(Box::new(Flushed(tx))),
+        queue,
+        AuditMetrics::unregistered(),
+    );
+    let sink = log.sink();
+    let mut delays = Vec::new();
+    for n in 0..trials {
+        let sent = Instant::now();
+        assert!(sink.record(Numbered { n }));
+        let at = flushed
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a lone record is flushed");
+        delays.push(at.saturating_duration_since(sent));
+    }
+    log.close(Duration::from_secs(10)).await;
+    delays
+}
+
+/// A deep queue's writer waits [`LINGER`] for more after a lone record
+/// before it flushes (a sleep never ends early, so every flush comes that
+/// late); a queue shallow enough to fill meanwhile does not wait: of ten
+/// lone records, one at least is flushed sooner than that.
+#[tokio::test]
+async fn only_a_deep_queues_writer_lingers_before_its_flush() {
+    let deep = lone_flushes(LINGER_QUEUE, 5).await;
+    assert!(
+        deep.iter().all(|d| *d >= LINGER),
+        "a deep queue flushed before lingering: {deep:?}"
+    );
+    let shallow = lone_flushes(LINGER_QUEUE - 1, 10).await;
+    let soonest = shallow.iter().min().copied().unwrap_or_default();
+    assert!(
+        soonest < LINGER,
+        "a shallow queue lingered before every flush: {shallow:?}"
+    );
 }
 
 #[tokio::test]
