@@ -32,6 +32,7 @@
 //! - [`watch`]: the samples, and every process's life and books.
 
 pub mod faults;
+pub mod leaf;
 pub mod node;
 pub mod sabotage;
 pub mod system;
@@ -213,6 +214,8 @@ pub struct World {
     /// Destroy a killed agent's destination sockets just before its kill
     /// (the sabotage's recorded kill).
     pub close_before_kill: bool,
+    /// The sabotage's relays, killed at the run's end at the latest.
+    pub relays: Vec<tokio::process::Child>,
     /// Files and logs.
     pub root: tempfile::TempDir,
 }
@@ -366,6 +369,7 @@ impl World {
             partitioned: 0,
             times: opt.times,
             close_before_kill: false,
+            relays: Vec::new(),
             root,
         })
     }

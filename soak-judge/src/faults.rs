@@ -40,7 +40,8 @@ pub fn took_effect(r: &FaultRecord) -> bool {
         Effect::Partitioned { fewest_servers } => fewest_servers.is_some_and(|n| n < 2.0),
         Effect::Stalled { tunnels, reached } => *tunnels >= 2 && *reached >= 2,
         Effect::Slowloris { peers } => !peers.is_empty(),
-        Effect::Rotated { .. } | Effect::CaRotated { .. } => true,
+        Effect::Rotated { served_s, .. } => served_s.is_some(),
+        Effect::CaRotated { .. } => true,
         Effect::RolledOut { exited_s, .. } => exited_s.is_some(),
     }
 }
@@ -65,9 +66,31 @@ pub fn effect_note(effect: &Effect) -> String {
             format!("{tunnels} tunnel(s) opened, {reached} reached the stalled peer")
         }
         Effect::Slowloris { peers } => slowloris_note(peers),
-        Effect::Rotated { admitted_s } => {
+        Effect::Rotated {
+            admitted_s,
+            serial,
+            presented,
+            served_s,
+        } => {
+            let served = match served_s {
+                Some(s) => format!(
+                    "every server presented the new certificate (serial {serial}) in {s:.1} s"
+                ),
+                None => {
+                    let old: Vec<String> = presented
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, p)| *p != serial)
+                        .map(|(i, p)| format!("server-{i} {p}"))
+                        .collect();
+                    format!(
+                        "the servers never all presented the new certificate (serial {serial}): {}",
+                        old.join(", ")
+                    )
+                }
+            };
             format!(
-                "an agent with the new files admitted in {}",
+                "{served}; an agent with the new files admitted in {}",
                 secs(admitted_s)
             )
         }
@@ -143,7 +166,9 @@ pub fn reasons(r: &FaultRecord) -> Vec<Reason> {
     recovery_reasons(r, &what, &mut out);
     match &r.effect {
         Effect::Slowloris { peers } => slowloris_reasons(peers, &what, &mut out),
-        Effect::Rotated { admitted_s: None } => fail(
+        Effect::Rotated {
+            admitted_s: None, ..
+        } => fail(
             &mut out,
             Check::Correctness,
             format!("{what}: no agent with the new files admitted"),
@@ -555,11 +580,45 @@ mod tests {
 
     #[test]
     fn a_certificate_rotation_that_admitted_no_agent_with_the_new_files_fails() {
-        let rotated = |admitted_s| recovered(Fault::CertRotation, Effect::Rotated { admitted_s });
+        let rotated = |admitted_s| {
+            recovered(
+                Fault::CertRotation,
+                Effect::Rotated {
+                    admitted_s,
+                    serial: "0a:01".to_owned(),
+                    presented: vec!["0a:01".to_owned(); 2],
+                    served_s: Some(0.1),
+                },
+            )
+        };
         assert!(texts(&rotated(Some(0.4))).is_empty());
         assert_eq!(
             texts(&rotated(None)),
             ["certificate rotation on agent-1 at 82 s: no agent with the new files admitted"]
+        );
+    }
+
+    /// An agent trusts the same CA whether or not a server reloaded its
+    /// leaf: only the serial the server presents tells.
+    #[test]
+    fn a_certificate_rotation_whose_servers_present_the_old_leaf_fails() {
+        let r = recovered(
+            Fault::CertRotation,
+            Effect::Rotated {
+                admitted_s: Some(0.4),
+                serial: "0a:02".to_owned(),
+                presented: vec!["0a:02".to_owned(), "0a:01".to_owned()],
+                served_s: None,
+            },
+        );
+        assert!(!took_effect(&r));
+        assert_eq!(
+            texts(&r),
+            [
+                "certificate rotation on agent-1 at 82 s: did not take effect (the servers never \
+                 all presented the new certificate (serial 0a:02): server-1 0a:01; an agent with \
+                 the new files admitted in 0.4 s)"
+            ]
         );
     }
 

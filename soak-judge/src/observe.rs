@@ -395,6 +395,13 @@ pub enum Effect {
     Rotated {
         /// Seconds until an agent with the new files was on both servers.
         admitted_s: Option<f64>,
+        /// The serial of the new server certificate file.
+        serial: String,
+        /// The serial each server presented to a new handshake last, in
+        /// server order.
+        presented: Vec<String>,
+        /// Seconds until every server presented the new file's serial.
+        served_s: Option<f64>,
     },
     /// A new CA.
     CaRotated {

@@ -38,6 +38,10 @@ pub const DOWN: Duration = Duration::from_secs(3);
 pub const BACK_LIMIT: Duration = Duration::from_secs(120);
 /// How long an agent of a dropped CA is watched for a connection.
 const OLD_CA_WATCH: Duration = Duration::from_secs(5);
+/// How soon after a certificate rotation every server must present the
+/// new leaf: a server reads its files at each handshake, so the first one
+/// after the rotation should; this leaves room for a loaded machine.
+const SERVED_WITHIN: Duration = Duration::from_secs(10);
 /// Connections of the slowloris frontend, per server.
 const SLOWLORIS: usize = 32;
 
@@ -225,22 +229,6 @@ impl World {
         reaped
     }
 
-    /// Kills agent slot `i`'s process with SIGKILL without a fault
-    /// recorded (the sabotage's crash), starts it again after [`DOWN`] and
-    /// waits until it is back.
-    ///
-    /// # Errors
-    /// It cannot be started again, or is not back.
-    pub async fn crash_agent(&mut self, i: usize) -> anyhow::Result<()> {
-        self.kill_now(Role::Agent, i).await;
-        tokio::time::sleep(DOWN).await;
-        self.start_agent(i)?;
-        agent_back(&self.agents[i])
-            .await
-            .with_context(|| format!("agent-{i} did not come back"))?;
-        Ok(())
-    }
-
     /// Starts server `i` again on its ports, its life recorded.
     ///
     /// # Errors
@@ -418,17 +406,38 @@ impl World {
         Some(Duration::ZERO)
     }
 
-    /// [`Fault::CertRotation`]: new leaves on both sides; how long until a
-    /// new agent connects with them.
+    /// [`Fault::CertRotation`]: new leaves on both sides; how long until
+    /// every server presents the new leaf (its serial, read by a TLS
+    /// client, against the new file's) and until a new agent connects with
+    /// them.
     async fn rotate_leaves(
         &mut self,
         record: &mut FaultRecord,
     ) -> anyhow::Result<Option<Duration>> {
         record.target = "servers and agents".to_owned();
-        self.pki.rotate_leaves()?;
+        let serial = super::leaf::serial_of_pem(&self.pki.rotate_leaves()?)?;
+        let rotated = Instant::now();
+        let mut presented = Vec::new();
+        let served = loop {
+            presented.clear();
+            for server in &self.servers {
+                let seen = super::leaf::presented_serial(server.agent_addr).await;
+                presented.push(seen.unwrap_or_else(|e| format!("none ({e:#})")));
+            }
+            if presented.iter().all(|p| *p == serial) {
+                break Some(rotated.elapsed());
+            }
+            if rotated.elapsed() >= SERVED_WITHIN {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
         let back = self.probe_agent().await;
         record.effect = Effect::Rotated {
             admitted_s: back.map(|d| d.as_secs_f64()),
+            serial,
+            presented,
+            served_s: served.map(|d| d.as_secs_f64()),
         };
         record.ended = self.now();
         Ok(back)

@@ -1,14 +1,21 @@
 //! The judge shown failing end to end (`--soak-sabotage`): a short run
-//! that breaks a healthy agent on purpose, in the three ways a bug would,
+//! that breaks a healthy agent on purpose, in the ways a bug would,
 //! without telling the judge, and does the same to an agent under a
 //! recorded kill:
 //!
-//! - a spurious close: every destination socket of agent 2 destroyed
-//!   (`ss -K`: the agent sees its sockets aborted, the destination a
+//! - a spurious close: agent 2's established sockets to the destinations
+//!   destroyed (`ss -K`: the agent sees them aborted, the destination a
 //!   reset), as an agent that closes connections for no reason;
-//! - a truncation: agent 2 killed with SIGKILL and started again without
-//!   a fault recorded (its kernel ends its destination connections with a
-//!   FIN before their last byte), as an agent that crashes;
+//! - a crash: agent 2 stopped (SIGSTOP), killed with SIGKILL and started
+//!   again as a kubelet would, its books not read and no end recorded;
+//!   the judge must find the process that ended unrecorded, and what it
+//!   cut;
+//! - silent loss: agent 2's connections to the checked destination
+//!   redirected for [`TAMPERING`] through [`RELAY`] in its namespace,
+//!   which leaves 64 bytes out of every answer and ends each connection
+//!   cleanly, as an agent that loses DATA without a close;
+//! - an altered byte: the same, the relay inverting each answer's first
+//!   byte;
 //! - a stuck tunnel: every packet of agent 2 to the checked destination
 //!   that carries data dropped (nftables in its namespace; handshakes and
 //!   acknowledgements pass, so every tunnel it dials then reaches the
@@ -16,34 +23,46 @@
 //!   as an agent whose connections hang;
 //! - then agent 1 killed as a recorded fault, its destination sockets
 //!   destroyed first: the same symptoms, excused;
-//! - a dial refused by a healthy agent while another is killed: agent 0's
-//!   destination policy rewritten to refuse every dial for 3 s during a
-//!   second recorded kill of agent 1; the servers' audit records name
-//!   agent 0 for those failed dials, and the judge must not put them down
-//!   to agent 1's kill (timed, not repeated until a witness saw it).
+//! - beside a second recorded kill of agent 1, two healthy agents broken:
+//!   agent 0's destination policy rewritten to refuse every dial for 3 s
+//!   (the servers' audit records name agent 0 for those failed dials), and
+//!   agent 2's sockets destroyed inside the kill's window; the judge must
+//!   put neither down to agent 1's kill.
 //!
-//! A close or a crash breaks only the exchanges the agent is carrying at
-//! that instant, a few at most; with none, the act gives the judge nothing
-//! to find. So each is done again (up to [`TRIES`] times) until the
-//! destination saw one of agent 2's exchanges break, the ground truth
-//! that there is something to find.
+//! No act waits on what the judge reads (the frontends' records, the
+//! destination's, the processes' books). An act that breaks what an agent
+//! carries at an instant is done again, up to [`TRIES`] times, only until
+//! the kernel says it broke something: `ss -K` prints the established
+//! sockets it destroyed, and a stopped agent's established sockets
+//! (counted by `ss` before its SIGKILL) cannot end before it dies. An
+//! established socket is one whose destination has not closed it yet, so
+//! the exchange it carries cannot have ended cleanly at its frontend. The
+//! other acts are timed.
 //!
-//! The run passes only when the judge found what was done to agent 2 (in
-//! each window, ends of the kind it causes: an error or a reset
-//! within 2 s of a close or a crash; a stuck exchange after the drop) and
-//! nothing else (every unexcused end on agent 2, or on an agent not
-//! witnessed, within a window and its aftermath; no other check failed),
-//! and excused everything on agent 1.
+//! The run passes only when the judge found what was done to each healthy
+//! agent (in each window, ends of the kind it causes: an error or a reset
+//! within 2 s of a close or a crash, silent loss or an altered byte from
+//! the relay, a stuck exchange after the drop, failed dials from the
+//! refusing agent; and for the crash, the process named as ended with no
+//! end recorded) and nothing else (every unexcused end on a broken agent,
+//! or on an agent not witnessed, within a window and its aftermath; no
+//! other check failed), and excused everything on agent 1.
 
 use std::{process::Stdio, time::Duration};
 
 use soak_judge::{
-    Carrier, Check, Fault, FaultRecord, Figures, Judgement, Listener, Reason,
+    Carrier, Check, Fault, FaultRecord, Figures, Judgement, Reason,
     exchanges::{Ending, STUCK},
+    figures::VANISHED,
 };
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use super::{World, faults, system::DEST_IP, traffic::GIVE_UP};
+use super::{
+    World,
+    faults::{self, DOWN},
+    system::DEST_IP,
+    traffic::GIVE_UP,
+};
 
 /// The healthy agent that is broken.
 const VICTIM: usize = 2;
@@ -56,22 +75,25 @@ const AFTERMATH: f64 = GIVE_UP.as_secs_f64() + 5.0;
 /// How soon after a close or a crash its ends reach their witnesses.
 const PROMPT: f64 = 2.0;
 
-/// How long an exchange agent [`VICTIM`] carries should have been open
-/// at the destination before a close or a crash is done to it: one in its
-/// middle, likelier to be cut than one answered and closing.
-const CARRYING_FOR: f64 = 0.3;
+/// How many times an act that breaks what agent [`VICTIM`] carries at an
+/// instant is done until the kernel says it broke something: with no
+/// exchange established at that instant (it happened in CI, a crash that
+/// found 0 ends) the act gives the judge nothing to find.
+const TRIES: usize = 20;
 
-/// How long to wait for such an exchange before acting anyway: whether
-/// the act broke something is checked after it, at the destination.
-const CARRYING_WITHIN: Duration = Duration::from_secs(5);
+/// How long apart those tries are.
+const TRY_EVERY: Duration = Duration::from_millis(250);
 
-/// How many times an act is done to agent [`VICTIM`] until the
-/// destination saw one of its exchanges break. An act that breaks nothing
-/// (no exchange of that agent in its middle: it happened in CI, a crash
-/// that found 0 ends) gives the judge nothing to find; so it is done
-/// again, and the run fails, blaming the act and not the judge, only if
-/// none of these broke anything.
-const TRIES: usize = 10;
+/// The relay the silent loss and the altered byte go through (a binary
+/// beside `bench`).
+const RELAY: &str = "tamper-relay";
+
+/// How long agent [`VICTIM`]'s new connections to the checked destination
+/// go through [`RELAY`].
+const TAMPERING: Duration = Duration::from_secs(2);
+
+/// The mark of the relay's own connections, which its redirect skips.
+const RELAY_MARK: u32 = 0x6b72;
 
 /// One thing done on purpose.
 #[derive(Debug, Clone)]
@@ -90,19 +112,28 @@ pub struct Sabotaged {
     pub to: f64,
     /// Under a recorded fault (so excused).
     pub recorded: bool,
+    /// A process crashed, which the judge must name.
+    pub crashed: bool,
 }
 
-/// Runs `args` in agent slot `slot`'s namespace.
-async fn in_slot(
-    world: &World,
-    slot: usize,
-    args: &[&str],
-    stdin: Option<&str>,
-) -> anyhow::Result<()> {
-    let ns = world
-        .ns
-        .name(slot)
-        .ok_or_else(|| anyhow::anyhow!("no agent slot {slot}"))?;
+impl Sabotaged {
+    /// Something done to agent [`VICTIM`] over `from..to`, unrecorded.
+    fn on_victim(what: &'static str, causes: &'static [Ending], from: f64, to: f64) -> Self {
+        Self {
+            what,
+            causes,
+            after: PROMPT,
+            carrier: Carrier::Slot(VICTIM),
+            from,
+            to,
+            recorded: false,
+            crashed: false,
+        }
+    }
+}
+
+/// Runs `args` in namespace `ns`, `stdin` fed to it; its output.
+async fn in_ns(ns: &str, args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
     let mut child = tokio::process::Command::new("ip")
         .args(["netns", "exec", ns])
         .args(args)
@@ -111,7 +142,7 @@ async fn in_slot(
         } else {
             Stdio::null()
         })
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
     if let (Some(text), Some(mut input)) = (stdin, child.stdin.take()) {
@@ -124,22 +155,67 @@ async fn in_slot(
         args.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Agent slot `slot`'s namespace.
+fn ns_of(world: &World, slot: usize) -> anyhow::Result<String> {
+    world
+        .ns
+        .name(slot)
+        .map(str::to_owned)
+        .ok_or_else(|| anyhow::anyhow!("no agent slot {slot}"))
+}
+
+/// The lines of `ss` output: one per socket (`-H`: no header).
+fn sockets(out: &str) -> usize {
+    out.lines().filter(|l| !l.trim().is_empty()).count()
+}
+
+/// Destroys every established socket in namespace `ns` to the
+/// destinations; how many the kernel destroyed.
+async fn close_in(ns: &str) -> anyhow::Result<usize> {
+    let dst = DEST_IP.to_string();
+    let out = in_ns(
+        ns,
+        &["ss", "-K", "-H", "-tn", "state", "established", "dst", &dst],
+        None,
+    )
+    .await?;
+    Ok(sockets(&out))
+}
+
+/// Destroys every established socket of agent slot `slot` to the
+/// destinations; how many the kernel destroyed.
+pub async fn close_sockets(world: &World, slot: usize) -> anyhow::Result<usize> {
+    close_in(&ns_of(world, slot)?).await
+}
+
+/// Agent slot `slot`'s established sockets to the destinations.
+async fn established(world: &World, slot: usize) -> anyhow::Result<usize> {
+    let dst = DEST_IP.to_string();
+    let out = in_ns(
+        &ns_of(world, slot)?,
+        &["ss", "-H", "-tn", "state", "established", "dst", &dst],
+        None,
+    )
+    .await?;
+    Ok(sockets(&out))
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
+    let status = tokio::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .await?;
+    anyhow::ensure!(status.success(), "kill -{signal} {pid}: {status}");
     Ok(())
 }
 
-/// Destroys every socket of agent slot `slot` to the destinations.
-pub async fn close_sockets(world: &World, slot: usize) -> anyhow::Result<()> {
-    in_slot(
-        world,
-        slot,
-        &["ss", "-K", "dst", &DEST_IP.to_string()],
-        None,
-    )
-    .await
-}
-
-/// Breaks agent [`VICTIM`] three ways and kills agent [`KILLED`] as a
-/// recorded fault (its sockets destroyed first); what was done, when.
+/// Breaks agent [`VICTIM`] in every way and kills agent [`KILLED`] twice
+/// as a recorded fault, breaking healthy agents meanwhile; what was done,
+/// when.
 ///
 /// # Errors
 /// A command fails, or an agent cannot be started again.
@@ -147,131 +223,198 @@ pub async fn run(
     world: &mut World,
     records: &mut Vec<FaultRecord>,
 ) -> anyhow::Result<Vec<Sabotaged>> {
-    let mut done = vec![until_broken(world, Act::Close).await?];
+    let mut done = vec![spurious_close(world).await?];
     tokio::time::sleep(Duration::from_secs(2)).await;
-    done.push(until_broken(world, Act::Crash).await?);
+    done.push(crash(world).await?);
+    done.push(tampered(world, Tamper::Drop).await?);
+    done.push(tampered(world, Tamper::Flip).await?);
     done.extend(stuck_beside_a_kill(world, records).await?);
-    done.extend(refused_beside_a_kill(world, records).await?);
+    done.extend(broken_beside_a_kill(world, records).await?);
     if faults::agent_back(&world.agents[VICTIM]).await.is_none() {
         anyhow::bail!("agent-{VICTIM} did not come back after the sabotage");
     }
     Ok(done)
 }
 
-/// Waits up to [`CARRYING_WITHIN`] until agent [`VICTIM`] carries an
-/// exchange open at the checked destination for [`CARRYING_FOR`]; how
-/// many it carries so.
-async fn carrying(world: &World) -> usize {
-    let deadline = tokio::time::Instant::now() + CARRYING_WITHIN;
-    let open = || {
-        world
-            .node
-            .open_on(Listener::Exchanges, Carrier::Slot(VICTIM), CARRYING_FOR)
-    };
-    while open() == 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+/// The ends a close causes.
+const CLOSE_CAUSES: &[Ending] = &[Ending::Error, Ending::Reset, Ending::Cut];
+
+/// Agent [`VICTIM`]'s established sockets to the destinations destroyed,
+/// again until the kernel destroyed one at least; its window starts at
+/// the first try.
+async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
+    let from = world.now();
+    let ns = ns_of(world, VICTIM)?;
+    for _ in 0..TRIES {
+        let at = world.now();
+        let closed = close_in(&ns).await?;
+        if closed > 0 {
+            eprintln!(
+                "soak: {at:.0} s: sabotage: {closed} of agent-{VICTIM}'s established sockets destroyed"
+            );
+            return Ok(Sabotaged::on_victim(
+                "a spurious close",
+                CLOSE_CAUSES,
+                from,
+                world.now(),
+            ));
+        }
+        tokio::time::sleep(TRY_EVERY).await;
     }
-    open()
+    anyhow::bail!("agent-{VICTIM} had no established socket to close in {TRIES} tries")
 }
 
-/// Whether the destination saw an exchange of agent [`VICTIM`] break
-/// since `from`, waiting up to [`PROMPT`] for it.
-async fn broke_since(world: &World, from: f64) -> bool {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs_f64(PROMPT);
-    loop {
-        let broken = world
-            .node
-            .broken_on(Listener::Exchanges, Carrier::Slot(VICTIM), from);
-        if broken > 0 {
-            return true;
+/// Agent [`VICTIM`] crashes: stopped, so that nothing it carries ends
+/// meanwhile; if the kernel then shows it carrying an established
+/// connection, killed (SIGKILL) with its books not read and no end
+/// recorded, and started again after [`DOWN`] as a kubelet restarts a
+/// crashed container; else let go on and tried again.
+async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
+    let from = world.now();
+    for _ in 0..TRIES {
+        let pid = world.agents[VICTIM]
+            .pid()
+            .ok_or_else(|| anyhow::anyhow!("agent-{VICTIM} is not running"))?;
+        signal(pid, "STOP").await?;
+        let carrying = established(world, VICTIM).await;
+        match carrying {
+            Ok(n) if n > 0 => {
+                eprintln!(
+                    "soak: {:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, its books not \
+                     read, no end recorded; {n} connections established)",
+                    world.now()
+                );
+                if let Some(process) = world.agents[VICTIM].process.take() {
+                    let _ = process.kill_reaped();
+                }
+                let to = world.now();
+                tokio::time::sleep(DOWN).await;
+                world.start_agent(VICTIM)?;
+                let mut done = Sabotaged::on_victim(
+                    "a crash",
+                    &[
+                        Ending::Error,
+                        Ending::Reset,
+                        Ending::Truncated,
+                        Ending::Cut,
+                        Ending::DialFailed,
+                    ],
+                    from,
+                    to,
+                );
+                done.crashed = true;
+                return Ok(done);
+            }
+            _ => {
+                signal(pid, "CONT").await?;
+                carrying?;
+            }
         }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(TRY_EVERY).await;
     }
+    anyhow::bail!("agent-{VICTIM} carried no established connection in {TRIES} tries")
 }
 
-/// An act on agent [`VICTIM`] that breaks what it carries at that
-/// instant: a close or a crash.
+/// What [`RELAY`] does to every answer.
 #[derive(Debug, Clone, Copy)]
-enum Act {
-    /// Every destination socket of it destroyed.
-    Close,
-    /// Killed and started again, no fault recorded.
-    Crash,
+enum Tamper {
+    /// Bytes left out.
+    Drop,
+    /// A byte inverted.
+    Flip,
 }
 
-impl Act {
+impl Tamper {
+    /// Its name on the relay's command line.
+    fn arg(self) -> &'static str {
+        match self {
+            Self::Drop => "drop",
+            Self::Flip => "flip",
+        }
+    }
+
     /// What it is, as the judge is told.
     fn what(self) -> &'static str {
         match self {
-            Self::Close => "a spurious close",
-            Self::Crash => "a crash",
+            Self::Drop => "silent loss (answers' bytes left out, clean ends)",
+            Self::Flip => "an altered byte (each answer's first)",
         }
     }
 
-    /// The ends it must cause.
+    /// The ends it causes: bytes that differ or are missing before a
+    /// clean end; over HTTP CONNECT on a Unix socket, whose only end is an
+    /// EOF, a cut.
     fn causes(self) -> &'static [Ending] {
-        match self {
-            Self::Close => &[Ending::Error, Ending::Reset],
-            Self::Crash => &[
-                Ending::Error,
-                Ending::Reset,
-                Ending::Truncated,
-                Ending::DialFailed,
-            ],
-        }
-    }
-
-    /// Does it once.
-    async fn once(self, world: &mut World, open: usize) -> anyhow::Result<()> {
-        let at = world.now();
-        match self {
-            Self::Close => {
-                eprintln!(
-                    "soak: {at:.0} s: sabotage: agent-{VICTIM}'s sockets destroyed ({open} \
-                     exchanges in their middle)"
-                );
-                close_sockets(world, VICTIM).await
-            }
-            Self::Crash => {
-                eprintln!(
-                    "soak: {at:.0} s: sabotage: agent-{VICTIM} crashes (SIGKILL, no fault \
-                     recorded; {open} exchanges in their middle)"
-                );
-                world.crash_agent(VICTIM).await
-            }
-        }
+        &[Ending::Silent, Ending::Cut]
     }
 }
 
-/// Does `act` to agent [`VICTIM`], again until the destination saw one of
-/// its exchanges break (the ground truth that the act did something the
-/// judge must find); its window starts at the first try.
-async fn until_broken(world: &mut World, act: Act) -> anyhow::Result<Sabotaged> {
-    let from = world.now();
-    for _ in 0..TRIES {
-        let open = carrying(world).await;
-        let at = world.now();
-        act.once(world, open).await?;
-        let to = world.now();
-        if broke_since(world, at).await {
-            return Ok(Sabotaged {
-                what: act.what(),
-                causes: act.causes(),
-                after: PROMPT,
-                carrier: Carrier::Slot(VICTIM),
-                from,
-                to,
-                recorded: false,
-            });
-        }
-    }
-    anyhow::bail!(
-        "{} done to agent-{VICTIM} {TRIES} times and no exchange broke",
-        act.what()
+/// Agent [`VICTIM`]'s new connections to the checked destination sent
+/// through [`RELAY`] for [`TAMPERING`]: each answer relayed with `tamper`
+/// done to it, each connection ended cleanly. Timed, whatever it broke;
+/// the relay runs until the run's end at most.
+async fn tampered(world: &mut World, tamper: Tamper) -> anyhow::Result<Sabotaged> {
+    let ns = ns_of(world, VICTIM)?;
+    let relay = std::env::current_exe()?.with_file_name(RELAY);
+    let upstream = std::net::SocketAddr::new(DEST_IP.into(), world.dest.addr.port());
+    let log = std::fs::File::create(
+        world
+            .root
+            .path()
+            .join(format!("{RELAY}-{}.log", tamper.arg())),
+    )?;
+    let accept_for = TAMPERING.as_secs_f64() + 2.0;
+    let mut child = tokio::process::Command::new("ip")
+        .args(["netns", "exec", &ns])
+        .arg(&relay)
+        .args([
+            "--upstream",
+            &upstream.to_string(),
+            "--tamper",
+            tamper.arg(),
+        ])
+        .args(["--mark", &RELAY_MARK.to_string()])
+        .args(["--accept-for", &accept_for.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("starting {}: {e}", relay.display()))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("{RELAY} has no stdout"))?;
+    let mut line = String::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        BufReader::new(stdout).read_line(&mut line),
     )
+    .await
+    .map_err(|_| anyhow::anyhow!("{RELAY} did not say its port within 10 s"))??;
+    let port: u16 = line
+        .trim()
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{RELAY} said {line:?} for its port: {e}"))?;
+    world.relays.push(child);
+    let rule = format!(
+        "table ip krs_tamper {{\n  chain out {{\n    type nat hook output priority -100;\n    \
+         ip daddr {DEST_IP} tcp dport {} meta mark != {RELAY_MARK} redirect to :{port}\n  }}\n}}\n",
+        upstream.port()
+    );
+    let from = world.now();
+    eprintln!(
+        "soak: {from:.0} s: sabotage: agent-{VICTIM}'s connections to the destination through \
+         {RELAY} ({})",
+        tamper.arg()
+    );
+    in_ns(&ns, &["nft", "-f", "-"], Some(&rule)).await?;
+    tokio::time::sleep(TAMPERING).await;
+    in_ns(&ns, &["nft", "delete", "table", "ip", "krs_tamper"], None).await?;
+    let mut done = Sabotaged::on_victim(tamper.what(), tamper.causes(), from, world.now());
+    // An answer tampered with ends when its exchange does.
+    done.after = AFTERMATH;
+    Ok(done)
 }
 
 /// Agent [`VICTIM`]'s data to the destination dropped past the stuck
@@ -284,11 +427,11 @@ async fn stuck_beside_a_kill(
         "soak: {:.0} s: sabotage: agent-{VICTIM}'s data to the destination dropped",
         world.now()
     );
+    let ns = ns_of(world, VICTIM)?;
     let port = world.dest.addr.port();
     let from = world.now();
-    in_slot(
-        world,
-        VICTIM,
+    in_ns(
+        &ns,
         &["nft", "-f", "-"],
         Some(&format!(
             "table inet krs_sabotage {{\n  chain out {{\n    type filter hook output priority 0;\n    \
@@ -314,26 +457,20 @@ async fn stuck_beside_a_kill(
         from: kill.started,
         to: kill.recovered,
         recorded: true,
+        crashed: false,
     }];
     records.push(kill);
     let hold = (STUCK + 5.0 - (world.now() - from)).max(0.0);
     tokio::time::sleep(Duration::from_secs_f64(hold)).await;
-    in_slot(
-        world,
-        VICTIM,
+    in_ns(
+        &ns,
         &["nft", "delete", "table", "inet", "krs_sabotage"],
         None,
     )
     .await?;
-    done.push(Sabotaged {
-        what: "a stuck tunnel",
-        causes: &[Ending::Stuck],
-        after: AFTERMATH,
-        carrier: Carrier::Slot(VICTIM),
-        from,
-        to: world.now(),
-        recorded: false,
-    });
+    let mut stuck = Sabotaged::on_victim("a stuck tunnel", &[Ending::Stuck], from, world.now());
+    stuck.after = AFTERMATH;
+    done.push(stuck);
     Ok(done)
 }
 
@@ -345,53 +482,88 @@ const REFUSER: usize = 0;
 /// any` for this long (the agent looks at the file once a second).
 const REFUSING: Duration = Duration::from_secs(3);
 
-/// Agent [`KILLED`] killed again as a recorded fault and, meanwhile,
-/// agent [`REFUSER`], healthy, made to refuse every dial for [`REFUSING`]
-/// (its destination policy rewritten, as an agent whose dials fail for no
-/// reason): the judge must not put those failed dials down to the kill of
-/// another agent. The driver does not wait on the judge's witness: the
-/// act is timed, whatever it broke.
-async fn refused_beside_a_kill(
+/// Agent [`KILLED`] killed again as a recorded fault and, meanwhile, two
+/// healthy agents broken: [`REFUSER`] made to refuse every dial for
+/// [`REFUSING`] (its destination policy rewritten, as an agent whose
+/// dials fail for no reason), and [`VICTIM`]'s established sockets
+/// destroyed inside the kill's window. The judge must put neither down
+/// to the kill of another agent.
+async fn broken_beside_a_kill(
     world: &mut World,
     records: &mut Vec<FaultRecord>,
 ) -> anyhow::Result<Vec<Sabotaged>> {
     let policy = world.agent_setup.policy_file(REFUSER);
+    let ns = ns_of(world, VICTIM)?;
     let clock = world.clock;
-    let window = std::sync::Arc::new(std::sync::Mutex::new((0.0, 0.0)));
-    let act = {
-        let (policy, window) = (policy.clone(), window.clone());
-        tokio::spawn(async move {
-            // The kill under way first.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let from = clock.now();
-            eprintln!("soak: {from:.0} s: sabotage: agent-{REFUSER} refuses every dial");
-            tokio::fs::write(&policy, "deny any\n").await?;
+    let act = tokio::spawn(async move {
+        // The kill under way first.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let from = clock.now();
+        eprintln!("soak: {from:.0} s: sabotage: agent-{REFUSER} refuses every dial");
+        tokio::fs::write(&policy, "deny any\n").await?;
+        let refused = async {
             tokio::time::sleep(REFUSING).await;
             tokio::fs::write(&policy, super::system::ALLOW_ALL).await?;
-            *window.lock().unwrap_or_else(|e| e.into_inner()) = (from, clock.now());
-            anyhow::Ok(())
-        })
-    };
+            anyhow::Ok((from, clock.now()))
+        };
+        let closed = async {
+            // Inside the kill's window: it takes [`DOWN`] and more.
+            let from = clock.now();
+            for _ in 0..TRIES {
+                let closed = close_in(&ns).await?;
+                if closed > 0 {
+                    eprintln!(
+                        "soak: {:.0} s: sabotage: {closed} of agent-{VICTIM}'s established \
+                         sockets destroyed during agent-{KILLED}'s kill",
+                        clock.now()
+                    );
+                    return anyhow::Ok(Some((from, clock.now())));
+                }
+                tokio::time::sleep(TRY_EVERY / 5).await;
+            }
+            anyhow::Ok(None)
+        };
+        let (refused, closed) = tokio::join!(refused, closed);
+        anyhow::Ok((refused, closed))
+    });
     eprintln!(
         "soak: {:.0} s: agent-{KILLED} killed again as a recorded fault",
         world.now()
     );
     let kill = world.inject(Fault::AgentKill, KILLED).await;
     // Whatever the kill did, the policy is allowed again before going on.
-    act.await??;
+    let (refused, closed) = act.await??;
     let kill = kill?;
-    let (from, to) = *window.lock().unwrap_or_else(|e| e.into_inner());
+    let (from, to) = refused?;
+    let Some((closed_from, closed_to)) = closed? else {
+        anyhow::bail!(
+            "agent-{VICTIM} had no established socket to close during agent-{KILLED}'s kill"
+        );
+    };
+    anyhow::ensure!(
+        closed_from >= kill.started && closed_to <= kill.recovered,
+        "agent-{VICTIM}'s close at {closed_from:.1}-{closed_to:.1} s fell outside agent-{KILLED}'s \
+         kill at {:.1}-{:.1} s",
+        kill.started,
+        kill.recovered
+    );
     records.push(kill);
-    Ok(vec![Sabotaged {
-        what: "dials refused by a healthy agent during another agent's kill",
-        causes: &[Ending::DialFailed],
-        // The agent sees the rewritten file within a second.
-        after: PROMPT,
-        carrier: Carrier::Slot(REFUSER),
+    let mut refusals = Sabotaged::on_victim(
+        "dials refused by a healthy agent during another agent's kill",
+        &[Ending::DialFailed],
         from,
         to,
-        recorded: false,
-    }])
+    );
+    refusals.carrier = Carrier::Slot(REFUSER);
+    Ok(vec![
+        refusals,
+        Sabotaged::on_victim(
+            "a spurious close inside another agent's kill",
+            CLOSE_CAUSES,
+            closed_from,
+            closed_to,
+        ),
+    ])
 }
 
 /// Each act on the healthy agent found by the judge: at least one
@@ -474,8 +646,16 @@ pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Jud
         }
     }
     let prefix = "no fault on its agent or server explains";
+    let crashed =
+        |text: &str| text.starts_with(&format!("agent-{VICTIM}.")) && text.contains(VANISHED);
+    if done.iter().any(|s| s.crashed) && !verdict.failing().any(|r| crashed(&r.text)) {
+        fail(format!(
+            "the judge did not name agent-{VICTIM}'s crashed process ({VANISHED})"
+        ));
+    }
     for r in verdict.failing() {
-        if !r.text.starts_with(prefix) && !r.text.starts_with("and ") {
+        let crash = crashed(&r.text) && done.iter().any(|s| s.crashed);
+        if !r.text.starts_with(prefix) && !r.text.starts_with("and ") && !crash {
             fail(format!("a check the sabotage should not fail: {}", r.text));
         }
     }

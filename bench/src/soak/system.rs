@@ -291,8 +291,9 @@ impl RotatingPki {
         Ok(())
     }
 
-    /// New leaves from the current CA, with `bundle` as both sides' CA file.
-    fn install_leaves(&self, bundle: &str) -> anyhow::Result<()> {
+    /// New leaves from the current CA, with `bundle` as both sides' CA
+    /// file; the new server certificate, PEM.
+    fn install_leaves(&self, bundle: &str) -> anyhow::Result<String> {
         let sans = ["localhost", "127.0.0.1", &HOST_IP.to_string()].map(str::to_owned);
         let server = self.ca.server_cert("konnectivity-server", &sans)?;
         let agent = self.ca.client_cert("proxy-agent")?;
@@ -311,14 +312,16 @@ impl RotatingPki {
                 (AGENT_FILES[1], &agent.cert_pem),
                 (AGENT_FILES[2], &agent.key_pem),
             ],
-        )
+        )?;
+        Ok(server.cert_pem)
     }
 
-    /// Certificate rotation: new leaves from the same CA.
+    /// Certificate rotation: new leaves from the same CA; the new server
+    /// certificate, PEM.
     ///
     /// # Errors
     /// Generating or writing fails.
-    pub fn rotate_leaves(&self) -> anyhow::Result<()> {
+    pub fn rotate_leaves(&self) -> anyhow::Result<String> {
         let bundle = self.ca.cert_pem().to_owned();
         self.install_leaves(&bundle)
     }
@@ -343,7 +346,7 @@ impl RotatingPki {
     pub fn ca_switch_leaves(&mut self, new: certs::Ca) -> anyhow::Result<()> {
         let bundle = format!("{}{}", self.ca.cert_pem(), new.cert_pem());
         self.old = Some(std::mem::replace(&mut self.ca, new));
-        self.install_leaves(&bundle)
+        self.install_leaves(&bundle).map(drop)
     }
 
     /// Step 3: the old CA is no longer trusted.
