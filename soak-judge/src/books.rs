@@ -60,6 +60,10 @@ pub struct LifeBooks {
     pub readings: usize,
     /// The last reading.
     pub last: Option<crate::observe::Books>,
+    /// Connections it cut after it was told to drain: its last reading's
+    /// cut less that of its last reading before the drain (all it cut,
+    /// for one with no drain recorded).
+    pub cut_draining: f64,
     /// When the last reading was asked for.
     pub last_t: Option<Secs>,
     /// The largest |opened - closed - open| of any reading.
@@ -198,6 +202,7 @@ fn life_books(
         end: l.end,
         readings: l.books.len(),
         last: last.map(|s| s.books),
+        cut_draining: cut_draining(l),
         last_t: last.map(|s| s.t),
         largest_gap: l
             .books
@@ -207,6 +212,19 @@ fn life_books(
         tail,
         vanished,
     }
+}
+
+/// What `l` cut after it was told to drain; for one with no drain
+/// recorded, all it cut.
+fn cut_draining(l: &Life) -> f64 {
+    let before = l.drained.map_or(0.0, |drained| {
+        l.books
+            .iter()
+            .rev()
+            .find(|s| s.t <= drained)
+            .map_or(0.0, |s| s.books.cut)
+    });
+    l.books.last().map_or(0.0, |s| s.books.cut) - before
 }
 
 /// The sum of the last `opened` of every process that `pick` takes.

@@ -180,8 +180,11 @@ fn life_reasons(b: &LifeBooks, fail: &mut impl FnMut(String)) {
                     if !ok {
                         fail(format!("{name}: exited with a failure"));
                     }
-                    if last.cut > 0.0 {
-                        fail(format!("{name}: cut {:.0} connection(s)", last.cut));
+                    if b.cut_draining > 0.0 {
+                        fail(format!(
+                            "{name}: cut {:.0} connection(s) while draining",
+                            b.cut_draining
+                        ));
                     }
                 }
                 // A killed process's last reading is from just before its

@@ -428,7 +428,8 @@ pub enum Effect {
         /// It exited with status 0.
         exit_ok: bool,
         /// Connections it cut (closed as `drain_timeout`, `stream_gone`
-        /// or `overflow`), at its last `/metrics`; `None`: never read.
+        /// or `overflow`) after SIGTERM: at its last `/metrics`, less
+        /// those it had cut at the reading just before; `None`: never read.
         cut: Option<f64>,
     },
 }
@@ -601,6 +602,10 @@ pub struct Life {
     pub died: Secs,
     /// How.
     pub end: LifeEnd,
+    /// When it was told to drain (SIGTERM), its books read just before:
+    /// what it cut after that is the drain's; what it cut before (an
+    /// agent's connections through a server that was killed) is not.
+    pub drained: Option<Secs>,
     /// Its books, every time they were read, in order.
     pub books: Vec<BookSample>,
 }

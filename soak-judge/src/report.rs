@@ -452,6 +452,7 @@ mod tests {
             born,
             died,
             end,
+            drained: None,
             books: readings
                 .iter()
                 .map(|(t, [opened, closed, open])| BookSample {

@@ -72,6 +72,7 @@ fn processes() -> Vec<Life> {
         born,
         died,
         end,
+        drained: None,
         books: Vec::new(),
     };
     vec![
@@ -1086,6 +1087,7 @@ fn a_process_that_lived_under_carries_after_need_not_have_carried_traffic() {
         born: 50.0,
         died: 55.0,
         end: LifeEnd::Exited { ok: true },
+        drained: Some(54.0),
         books: Vec::new(),
     });
     let probe = run.lives.last().unwrap();
@@ -1247,7 +1249,32 @@ fn a_process_that_exited_must_have_exited_with_status_0_without_cutting() {
     );
     assert_eq!(
         failing(&drained(true, 1.0)),
-        ["agent-1.1: cut 1 connection(s)"]
+        ["agent-1.1: cut 1 connection(s) while draining"]
+    );
+}
+
+/// An agent's books count every connection it cut in its life, those
+/// of a server that was killed under it too; a drain is judged by what
+/// it cut after SIGTERM (its books were read just before), not by those.
+#[test]
+fn a_drained_process_is_judged_by_what_it_cut_after_it_was_told_to_drain() {
+    let drained = |before: f64, after: f64| {
+        let mut run = run_of(&healthy_traffic());
+        let life = life_mut(&mut run, "agent-1.1");
+        life.end = LifeEnd::Exited { ok: true };
+        fill_books(&mut run);
+        let life = life_mut(&mut run, "agent-1.1");
+        let n = life.books.len();
+        life.drained = Some(life.books[n - 2].t);
+        for (i, sample) in life.books.iter_mut().enumerate() {
+            sample.books.cut = if i + 1 < n { before } else { after };
+        }
+        run
+    };
+    assert_eq!(failing(&drained(2.0, 2.0)), Vec::<String>::new());
+    assert_eq!(
+        failing(&drained(2.0, 3.0)),
+        ["agent-1.1: cut 1 connection(s) while draining"]
     );
 }
 

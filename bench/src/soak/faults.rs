@@ -530,8 +530,17 @@ impl World {
         record.target = format!("agent-{target}");
         let health = self.agents[target].health;
         let mut old = self.agents[target].process.take();
+        // What it cut before the drain (through a server killed under
+        // it) is not the drain's.
+        let mut cut_before = 0.0;
         if let Some(old) = &old {
-            watch::read_books(self.clock, &self.lives, old.pid(), Role::Agent, health).await;
+            let pid = old.pid();
+            if let Some(books) =
+                watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await
+            {
+                cut_before = books.cut;
+            }
+            self.lives.drained(pid, self.now());
         }
         let sent = Instant::now();
         if let Some(old) = &old {
@@ -557,7 +566,7 @@ impl World {
                 if let Some(books) =
                     watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await
                 {
-                    cut = Some(books.cut);
+                    cut = Some(books.cut - cut_before);
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -651,6 +660,7 @@ impl World {
         };
         let pid = p.pid();
         watch::read_books(self.clock, &self.lives, pid, Role::Agent, probe.health).await;
+        self.lives.drained(pid, self.now());
         let _ = p.terminate();
         let sent = Instant::now();
         loop {

@@ -58,6 +58,7 @@ impl Lives {
             born: t,
             died: t,
             end: LifeEnd::Running,
+            drained: None,
             books: Vec::new(),
         });
     }
@@ -66,6 +67,13 @@ impl Lives {
     pub fn reading(&self, pid: u32, t: f64, books: Books) {
         if let Some(life) = lock(&self.all).iter_mut().rev().find(|l| l.pid == pid) {
             life.books.push(BookSample { t, books });
+        }
+    }
+
+    /// Process `pid` was told to drain at `t`.
+    pub fn drained(&self, pid: u32, t: f64) {
+        if let Some(life) = lock(&self.all).iter_mut().rev().find(|l| l.pid == pid) {
+            life.drained = Some(t);
         }
     }
 
