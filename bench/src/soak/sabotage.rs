@@ -52,7 +52,7 @@ use std::{process::Stdio, time::Duration};
 
 use soak_judge::{
     Carrier, Check, Fault, FaultRecord, Figures, Judgement, Reason,
-    exchanges::{Ending, STUCK},
+    exchanges::{Ending, Judged, STUCK},
     figures::VANISHED,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -569,7 +569,7 @@ async fn broken_beside_a_kill(
 /// Each act on the healthy agent found by the judge: at least one
 /// unexcused end of a kind it causes, on its agent, from its start to
 /// its end plus its delay; what was missed, in words.
-fn missed(unexcused: &[&soak_judge::exchanges::Judged], done: &[Sabotaged]) -> Vec<String> {
+fn missed(unexcused: &[&Judged], done: &[Sabotaged]) -> Vec<String> {
     let mut out = Vec::new();
     for s in done.iter().filter(|s| !s.recorded) {
         let found = unexcused
@@ -607,26 +607,37 @@ fn missed(unexcused: &[&soak_judge::exchanges::Judged], done: &[Sabotaged]) -> V
 /// witnessed, within a sabotage's window and its aftermath; no other
 /// check failed) and excused what was done under the recorded kill.
 pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Judgement {
-    let mut reasons = Vec::new();
-    let mut fail = |text: String| {
-        reasons.push(Reason {
-            check: Check::Correctness,
-            text,
-        });
-    };
     let unexcused = figures.joined.unexcused();
-    let within = |s: &Sabotaged, e: &soak_judge::exchanges::Judged| {
-        e.to >= s.from - 1.0 && e.from <= s.to + AFTERMATH
-    };
-    for text in missed(&unexcused, done) {
-        fail(text);
+    let failing: Vec<&str> = verdict.failing().map(|r| r.text.as_str()).collect();
+    Judgement {
+        reasons: shortfalls(&unexcused, &failing, verdict.held(), done)
+            .into_iter()
+            .map(|text| Reason {
+                check: Check::Correctness,
+                text,
+            })
+            .collect(),
+        performance_fatal: verdict.performance_fatal,
     }
-    for e in &unexcused {
+}
+
+/// What the judge got wrong about a sabotaged run, in words: given the
+/// ends it did not excuse, the texts of the reasons it failed the run
+/// for, whether it held the run, and what was `done`.
+fn shortfalls(
+    unexcused: &[&Judged],
+    failing: &[&str],
+    held: bool,
+    done: &[Sabotaged],
+) -> Vec<String> {
+    let mut out = missed(unexcused, done);
+    let within = |s: &Sabotaged, e: &Judged| e.to >= s.from - 1.0 && e.from <= s.to + AFTERMATH;
+    for e in unexcused {
         let explained = done.iter().any(|s| {
             !s.recorded && (e.carrier == s.carrier || e.carrier == Carrier::Unknown) && within(s, e)
         });
         if !explained {
-            fail(format!(
+            out.push(format!(
                 "a violation no sabotage explains: {}",
                 e.describe()
             ));
@@ -638,7 +649,7 @@ pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Jud
             .filter(|e| e.carrier == s.carrier && e.from >= s.from && e.to <= s.to)
             .count();
         if charged > 0 {
-            fail(format!(
+            out.push(format!(
                 "{charged} end(s) of {} on {} charged to no fault",
                 s.what,
                 s.carrier.describe()
@@ -646,24 +657,25 @@ pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Jud
         }
     }
     let prefix = "no fault on its agent or server explains";
+    let crash_done = done.iter().any(|s| s.crashed);
     let crashed =
         |text: &str| text.starts_with(&format!("agent-{VICTIM}.")) && text.contains(VANISHED);
-    if done.iter().any(|s| s.crashed) && !verdict.failing().any(|r| crashed(&r.text)) {
-        fail(format!(
+    if crash_done && !failing.iter().any(|t| crashed(t)) {
+        out.push(format!(
             "the judge did not name agent-{VICTIM}'s crashed process ({VANISHED})"
         ));
     }
-    for r in verdict.failing() {
-        let crash = crashed(&r.text) && done.iter().any(|s| s.crashed);
-        if !r.text.starts_with(prefix) && !r.text.starts_with("and ") && !crash {
-            fail(format!("a check the sabotage should not fail: {}", r.text));
+    for text in failing {
+        let crash = crash_done && crashed(text);
+        if !text.starts_with(prefix) && !text.starts_with("and ") && !crash {
+            out.push(format!("a check the sabotage should not fail: {text}"));
         }
     }
-    if verdict.held() {
-        fail("the judge found nothing wrong".to_owned());
+    if held {
+        out.push("the judge found nothing wrong".to_owned());
     }
-    Judgement {
-        reasons,
-        performance_fatal: verdict.performance_fatal,
-    }
+    out
 }
+
+#[cfg(test)]
+mod tests;
