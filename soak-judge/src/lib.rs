@@ -40,10 +40,13 @@
 //!   the verdict computed from them.
 //! - [`report`]: the Markdown of `docs/reliability.md`.
 //! - [`verdict`]: what a check that did not hold says, and the verdict.
+//! - [`sabotage`]: the sabotaged run's own verdict: whether the judge
+//!   found exactly what the driver did without telling it.
 //!
 //! Modules import one way: observations ([`observe`], and [`samples`]'
 //! measures over them) → [`exchanges`], [`books`], [`faults`] →
-//! [`figures`] → [`report`]; [`verdict`] is a leaf they all speak.
+//! [`figures`] → [`report`], [`sabotage`]; [`verdict`] is a leaf they all
+//! speak.
 
 pub mod books;
 pub mod exchanges;
@@ -51,6 +54,7 @@ pub mod faults;
 pub mod figures;
 pub mod observe;
 pub mod report;
+pub mod sabotage;
 pub mod samples;
 #[cfg(test)]
 mod tests;

@@ -52,8 +52,8 @@ use std::{process::Stdio, time::Duration};
 
 use soak_judge::{
     Carrier, Check, Fault, FaultRecord, Figures, Judgement, Reason,
-    exchanges::{Ending, Judged, STUCK},
-    figures::VANISHED,
+    exchanges::{Ending, STUCK},
+    sabotage::{self, Sabotaged},
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -95,40 +95,17 @@ const TAMPERING: Duration = Duration::from_secs(2);
 /// The mark of the relay's own connections, which its redirect skips.
 const RELAY_MARK: u32 = 0x6b72;
 
-/// One thing done on purpose.
-#[derive(Debug, Clone)]
-pub struct Sabotaged {
-    /// What.
-    pub what: &'static str,
-    /// The ends it must cause, one at least within its window.
-    pub causes: &'static [Ending],
-    /// How long after its end they may come.
-    pub after: f64,
-    /// On which agent.
-    pub carrier: Carrier,
-    /// From.
-    pub from: f64,
-    /// Until.
-    pub to: f64,
-    /// Under a recorded fault (so excused).
-    pub recorded: bool,
-    /// A process crashed, which the judge must name.
-    pub crashed: bool,
-}
-
-impl Sabotaged {
-    /// Something done to agent [`VICTIM`] over `from..to`, unrecorded.
-    fn on_victim(what: &'static str, causes: &'static [Ending], from: f64, to: f64) -> Self {
-        Self {
-            what,
-            causes,
-            after: PROMPT,
-            carrier: Carrier::Slot(VICTIM),
-            from,
-            to,
-            recorded: false,
-            crashed: false,
-        }
+/// Something done to agent [`VICTIM`] over `from..to`, unrecorded.
+fn on_victim(what: &'static str, causes: &'static [Ending], from: f64, to: f64) -> Sabotaged {
+    Sabotaged {
+        what,
+        causes,
+        after: PROMPT,
+        carrier: Carrier::Slot(VICTIM),
+        from,
+        to,
+        recorded: false,
+        crashed: false,
     }
 }
 
@@ -252,7 +229,7 @@ async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
             eprintln!(
                 "soak: {at:.0} s: sabotage: {closed} of agent-{VICTIM}'s established sockets destroyed"
             );
-            return Ok(Sabotaged::on_victim(
+            return Ok(on_victim(
                 "a spurious close",
                 CLOSE_CAUSES,
                 from,
@@ -290,7 +267,7 @@ async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
                 let to = world.now();
                 tokio::time::sleep(DOWN).await;
                 world.start_agent(VICTIM)?;
-                let mut done = Sabotaged::on_victim(
+                let mut done = on_victim(
                     "a crash",
                     &[
                         Ending::Error,
@@ -411,7 +388,7 @@ async fn tampered(world: &mut World, tamper: Tamper) -> anyhow::Result<Sabotaged
     in_ns(&ns, &["nft", "-f", "-"], Some(&rule)).await?;
     tokio::time::sleep(TAMPERING).await;
     in_ns(&ns, &["nft", "delete", "table", "ip", "krs_tamper"], None).await?;
-    let mut done = Sabotaged::on_victim(tamper.what(), tamper.causes(), from, world.now());
+    let mut done = on_victim(tamper.what(), tamper.causes(), from, world.now());
     // An answer tampered with ends when its exchange does.
     done.after = AFTERMATH;
     Ok(done)
@@ -468,7 +445,7 @@ async fn stuck_beside_a_kill(
         None,
     )
     .await?;
-    let mut stuck = Sabotaged::on_victim("a stuck tunnel", &[Ending::Stuck], from, world.now());
+    let mut stuck = on_victim("a stuck tunnel", &[Ending::Stuck], from, world.now());
     stuck.after = AFTERMATH;
     done.push(stuck);
     Ok(done)
@@ -548,7 +525,7 @@ async fn broken_beside_a_kill(
         kill.recovered
     );
     records.push(kill);
-    let mut refusals = Sabotaged::on_victim(
+    let mut refusals = on_victim(
         "dials refused by a healthy agent during another agent's kill",
         &[Ending::DialFailed],
         from,
@@ -557,7 +534,7 @@ async fn broken_beside_a_kill(
     refusals.carrier = Carrier::Slot(REFUSER);
     Ok(vec![
         refusals,
-        Sabotaged::on_victim(
+        on_victim(
             "a spurious close inside another agent's kill",
             CLOSE_CAUSES,
             closed_from,
@@ -566,51 +543,27 @@ async fn broken_beside_a_kill(
     ])
 }
 
-/// Each act on the healthy agent found by the judge: at least one
-/// unexcused end of a kind it causes, on its agent, from its start to
-/// its end plus its delay; what was missed, in words.
-fn missed(unexcused: &[&Judged], done: &[Sabotaged]) -> Vec<String> {
-    let mut out = Vec::new();
+/// The verdict of a sabotaged run: held when the judge failed the run for
+/// exactly what was done to the healthy agents (each sabotage found in its
+/// window; every unexcused end on such an agent, or on an agent not
+/// witnessed, within a sabotage's window and its aftermath; no other
+/// check failed) and excused what was done under the recorded kills
+/// ([`soak_judge::sabotage::shortfalls`]).
+pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Judgement {
+    let unexcused = figures.joined.unexcused();
     for s in done.iter().filter(|s| !s.recorded) {
-        let found = unexcused
-            .iter()
-            .filter(|e| {
-                e.carrier == s.carrier
-                    && s.causes.contains(&e.ending)
-                    && e.to >= s.from
-                    && e.to <= s.to + s.after
-            })
-            .count();
-        if found == 0 {
-            out.push(format!(
-                "the judge missed {} on {} at {:.0}-{:.0} s",
-                s.what,
-                s.carrier.describe(),
-                s.from,
-                s.to
-            ));
-        }
         eprintln!(
-            "soak: sabotage: {} on {} at {:.0}-{:.0} s: {found} unexcused ends found",
+            "soak: sabotage: {} on {} at {:.0}-{:.0} s: {} unexcused ends found",
             s.what,
             s.carrier.describe(),
             s.from,
-            s.to
+            s.to,
+            sabotage::found(&unexcused, s)
         );
     }
-    out
-}
-
-/// The verdict of a sabotaged run: held when the judge failed the run for
-/// exactly what was done to the healthy agent (each sabotage found in its
-/// window; every unexcused end on that agent, or on an agent not
-/// witnessed, within a sabotage's window and its aftermath; no other
-/// check failed) and excused what was done under the recorded kill.
-pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Judgement {
-    let unexcused = figures.joined.unexcused();
     let failing: Vec<&str> = verdict.failing().map(|r| r.text.as_str()).collect();
     Judgement {
-        reasons: shortfalls(&unexcused, &failing, verdict.held(), done)
+        reasons: sabotage::shortfalls(&unexcused, &failing, verdict.held(), done, AFTERMATH)
             .into_iter()
             .map(|text| Reason {
                 check: Check::Correctness,
@@ -620,62 +573,3 @@ pub fn expect(figures: &Figures, verdict: &Judgement, done: &[Sabotaged]) -> Jud
         performance_fatal: verdict.performance_fatal,
     }
 }
-
-/// What the judge got wrong about a sabotaged run, in words: given the
-/// ends it did not excuse, the texts of the reasons it failed the run
-/// for, whether it held the run, and what was `done`.
-fn shortfalls(
-    unexcused: &[&Judged],
-    failing: &[&str],
-    held: bool,
-    done: &[Sabotaged],
-) -> Vec<String> {
-    let mut out = missed(unexcused, done);
-    let within = |s: &Sabotaged, e: &Judged| e.to >= s.from - 1.0 && e.from <= s.to + AFTERMATH;
-    for e in unexcused {
-        let explained = done.iter().any(|s| {
-            !s.recorded && (e.carrier == s.carrier || e.carrier == Carrier::Unknown) && within(s, e)
-        });
-        if !explained {
-            out.push(format!(
-                "a violation no sabotage explains: {}",
-                e.describe()
-            ));
-        }
-    }
-    for s in done.iter().filter(|s| s.recorded) {
-        let charged = unexcused
-            .iter()
-            .filter(|e| e.carrier == s.carrier && e.from >= s.from && e.to <= s.to)
-            .count();
-        if charged > 0 {
-            out.push(format!(
-                "{charged} end(s) of {} on {} charged to no fault",
-                s.what,
-                s.carrier.describe()
-            ));
-        }
-    }
-    let prefix = "no fault on its agent or server explains";
-    let crash_done = done.iter().any(|s| s.crashed);
-    let crashed =
-        |text: &str| text.starts_with(&format!("agent-{VICTIM}.")) && text.contains(VANISHED);
-    if crash_done && !failing.iter().any(|t| crashed(t)) {
-        out.push(format!(
-            "the judge did not name agent-{VICTIM}'s crashed process ({VANISHED})"
-        ));
-    }
-    for text in failing {
-        let crash = crash_done && crashed(text);
-        if !text.starts_with(prefix) && !text.starts_with("and ") && !crash {
-            out.push(format!("a check the sabotage should not fail: {text}"));
-        }
-    }
-    if held {
-        out.push("the judge found nothing wrong".to_owned());
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests;

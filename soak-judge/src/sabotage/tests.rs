@@ -1,9 +1,33 @@
 //! The sabotaged run's own verdict ([`shortfalls`]): what the judge must
 //! have found, and nothing else.
 
-use soak_judge::{Carrier, exchanges::Side, figures::VANISHED};
-
 use super::*;
+use crate::exchanges::Side;
+
+/// The healthy agent broken, as the driver's.
+const VICTIM: usize = 2;
+/// The agent killed as a recorded fault.
+const KILLED: usize = 1;
+/// How soon a close's ends must come.
+const PROMPT: f64 = 2.0;
+/// How long after an act its ends are explained by it.
+const AFTERMATH: f64 = 45.0;
+/// The ends a close causes.
+const CLOSE_CAUSES: &[Ending] = &[Ending::Error, Ending::Reset, Ending::Cut];
+
+/// Something done to agent [`VICTIM`] over `from..to`, unrecorded.
+fn on_victim(what: &'static str, causes: &'static [Ending], from: f64, to: f64) -> Sabotaged {
+    Sabotaged {
+        what,
+        causes,
+        after: PROMPT,
+        carrier: Carrier::Slot(VICTIM),
+        from,
+        to,
+        recorded: false,
+        crashed: false,
+    }
+}
 
 /// An end the judge did not excuse, on slot `slot`, over `from..to`.
 fn end(ending: Ending, slot: usize, (from, to): (f64, f64)) -> Judged {
@@ -22,13 +46,13 @@ fn end(ending: Ending, slot: usize, (from, to): (f64, f64)) -> Judged {
 /// A close on agent [`VICTIM`] at 10 s, a crash at 20 s and, under a
 /// recorded kill of [`KILLED`] over 30-40 s, the same excused.
 fn done() -> Vec<Sabotaged> {
-    let mut crash = Sabotaged::on_victim("a crash", &[Ending::Error], 20.0, 20.0);
+    let mut crash = on_victim("a crash", &[Ending::Error], 20.0, 20.0);
     crash.crashed = true;
-    let mut kill = Sabotaged::on_victim("a close under a recorded kill", &[], 30.0, 40.0);
+    let mut kill = on_victim("a close under a recorded kill", &[], 30.0, 40.0);
     kill.carrier = Carrier::Slot(KILLED);
     kill.recorded = true;
     vec![
-        Sabotaged::on_victim("a spurious close", CLOSE_CAUSES, 10.0, 10.0),
+        on_victim("a spurious close", CLOSE_CAUSES, 10.0, 10.0),
         crash,
         kill,
     ]
@@ -59,7 +83,7 @@ fn found() -> (Vec<Judged>, Vec<String>) {
 fn judged(ends: &[Judged], failing: &[String], held: bool) -> Vec<String> {
     let refs: Vec<&Judged> = ends.iter().collect();
     let texts: Vec<&str> = failing.iter().map(String::as_str).collect();
-    shortfalls(&refs, &texts, held, &done())
+    shortfalls(&refs, &texts, held, &done(), AFTERMATH)
 }
 
 #[test]
