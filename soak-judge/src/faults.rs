@@ -71,29 +71,7 @@ pub fn effect_note(effect: &Effect) -> String {
             serial,
             presented,
             served_s,
-        } => {
-            let served = match served_s {
-                Some(s) => format!(
-                    "every server presented the new certificate (serial {serial}) in {s:.1} s"
-                ),
-                None => {
-                    let old: Vec<String> = presented
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| *p != serial)
-                        .map(|(i, p)| format!("server-{i} {p}"))
-                        .collect();
-                    format!(
-                        "the servers never all presented the new certificate (serial {serial}): {}",
-                        old.join(", ")
-                    )
-                }
-            };
-            format!(
-                "{served}; an agent with the new files admitted in {}",
-                secs(admitted_s)
-            )
-        }
+        } => rotated_note(*admitted_s, serial, presented, *served_s),
         Effect::CaRotated { steps, old_ca } => format!(
             "an agent with the files of each step admitted in {}; an agent of the old CA {}",
             steps.iter().map(secs).collect::<Vec<_>>().join(", "),
@@ -152,6 +130,36 @@ fn slowloris_note(peers: &[SlowPeer]) -> String {
         ));
     }
     parts.join(", ")
+}
+
+/// A certificate rotation's evidence, in words: when every server
+/// presented the new file's serial (or which still did not), and when an
+/// agent with the new files was admitted.
+fn rotated_note(
+    admitted_s: Option<f64>,
+    serial: &str,
+    presented: &[String],
+    served_s: Option<f64>,
+) -> String {
+    let served = match served_s {
+        Some(s) => {
+            format!("every server presented the new certificate (serial {serial}) in {s:.1} s")
+        }
+        None => {
+            let old: Vec<String> = presented
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| *p != serial)
+                .map(|(i, p)| format!("server-{i} {p}"))
+                .collect();
+            format!(
+                "the servers never all presented the new certificate (serial {serial}): {}",
+                old.join(", ")
+            )
+        }
+    };
+    let admitted = admitted_s.map_or("never".to_owned(), |s| format!("{s:.1} s"));
+    format!("{served}; an agent with the new files admitted in {admitted}")
 }
 
 /// `agent kill -9 on agent-1 at 31 s`.
