@@ -233,11 +233,12 @@ pub fn excuse(
 }
 
 /// The kill of `x`'s server that a failed dial of `x` still belongs to
-/// after the kill's window: `x` ended before its frontend's first whole
-/// exchange through that server since the kill, and within [`RECONNECT`]
-/// of the window's end (`whole`: the starts of each frontend's whole
-/// exchanges through each server, sorted).
-fn reconnecting(
+/// after the kill's window: `x` ended after the kill, before its
+/// frontend's first whole exchange through that server since the kill,
+/// and within [`RECONNECT`] of the window's end (`whole`: the starts of
+/// each frontend's whole exchanges through each server, sorted). (Within
+/// the window, [`excuse`] has found the kill already.)
+pub(crate) fn reconnecting(
     faults: &[FaultRecord],
     ending: Ending,
     x: &Exchange,
@@ -256,7 +257,7 @@ fn reconnecting(
             .unwrap_or(f64::INFINITY);
         f.fault == Fault::ServerKill
             && f.hit == Hit::Server(x.server)
-            && x.ended >= f.started - BEFORE
+            && x.ended >= f.started
             && x.ended <= back.min(f.recovered + AFTER + RECONNECT)
     })
 }
@@ -270,7 +271,7 @@ pub const SAME_DIAL: f64 = 10.0;
 /// The agent `run`'s audit records name for `x`'s dial: the record of
 /// its server with its key that started nearest to it, within
 /// [`SAME_DIAL`].
-fn audited_agent(
+pub(crate) fn audited_agent(
     audited: &HashMap<(usize, &DialKey), Vec<(Secs, Carrier)>>,
     x: &Exchange,
 ) -> Option<Carrier> {

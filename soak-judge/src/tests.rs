@@ -8,7 +8,10 @@ use proptest::prelude::*;
 
 use crate::{
     books::{ACCEPT_SLACK, CARRIES_AFTER, DRIFT},
-    exchanges::{FrontendTally, NodeTally, STUCK},
+    exchanges::{
+        AFTER, BEFORE, Ending, FrontendTally, NodeTally, RECONNECT, SAME_DIAL, STUCK,
+        audited_agent, ends_within, excuse, reconnecting,
+    },
     figures::{NAMED, judge},
     observe::{
         Audited, BookSample, Books, Carrier, DialKey, Effect, Exchange, Fault, FaultRecord,
@@ -1492,5 +1495,120 @@ fn a_connection_from_no_agents_address_breaks_a_witness() {
             .iter()
             .any(|r| r.starts_with("the destination knew every address it was dialed from")),
         "{found:#?}"
+    );
+}
+
+/// A fault record of `fault` on `hit` over `started..recovered`.
+fn window(fault: Fault, hit: Hit, started: f64, recovered: f64) -> FaultRecord {
+    let mut f = FaultRecord::new(fault, hit, started);
+    f.recovered = recovered;
+    f
+}
+
+/// A fault's window holds what ended from [`BEFORE`] before it to
+/// [`AFTER`] past its recovery; a kill, only what was open at it (within
+/// [`BEFORE`]), but any failed dial.
+#[test]
+fn a_faults_window_is_bounded_on_both_sides_and_a_kill_takes_what_was_open_at_it() {
+    let kill = window(Fault::AgentKill, Hit::Agent(1), 30.0, 33.0);
+    let within = |ending, from, to| ends_within(&kill, ending, from, to);
+    assert!(within(Ending::Error, 29.0, 33.0 + AFTER));
+    assert!(!within(Ending::Error, 29.0, 33.0 + AFTER + 0.1));
+    assert!(within(Ending::Error, 28.0, 30.0 - BEFORE));
+    assert!(!within(Ending::Error, 28.0, 30.0 - BEFORE - 0.1));
+    assert!(within(Ending::Error, 30.0 + BEFORE, 31.0));
+    assert!(!within(Ending::Error, 30.0 + BEFORE + 0.1, 31.0));
+    assert!(within(Ending::DialFailed, 32.0, 32.5));
+}
+
+/// An end two faults explain is put down to the first that names its
+/// agent or its server, in the order they came.
+#[test]
+fn an_end_two_faults_explain_is_put_down_to_the_first_that_names_it() {
+    let agent = window(Fault::AgentKill, Hit::Agent(1), 30.0, 33.0);
+    let server = window(Fault::ServerKill, Hit::Server(0), 30.0, 33.0);
+    let on = |faults: &[FaultRecord], server| {
+        excuse(faults, Ending::Error, Carrier::Slot(1), server, 29.0, 31.0)
+    };
+    assert_eq!(on(&[agent.clone(), server.clone()], Some(0)), Some(0));
+    assert_eq!(on(&[server.clone(), agent.clone()], Some(0)), Some(0));
+    // Through an unknown server the server kill names nothing: the agent's.
+    assert_eq!(on(&[server, agent], None), Some(1));
+}
+
+/// A failed dial through a killed server is the kill's after its window
+/// only from the kill on, until its frontend's first whole exchange
+/// through that server since, and for [`RECONNECT`] past the window.
+#[test]
+fn a_reconnecting_failed_dial_is_the_kills_only_from_it_to_the_frontends_next_whole_exchange() {
+    let kill = window(Fault::ServerKill, Hit::Server(0), 40.0, 47.0);
+    let faults = [kill];
+    let dial = |ended: f64| Exchange {
+        id: 1,
+        frontend: Frontend::GrpcGoReused,
+        server: 0,
+        started: ended - 0.05,
+        ended,
+        dial_s: None,
+        end: FrontendEnd::DialFailed,
+        why: None,
+        dial: None,
+    };
+    let last = 47.0 + AFTER + RECONNECT;
+    let none = std::collections::HashMap::new();
+    let at = |ended: f64| reconnecting(&faults, Ending::DialFailed, &dial(ended), &none);
+    assert_eq!(at(last - 0.5), Some(0));
+    assert_eq!(at(last + 0.5), None);
+    assert_eq!(at(39.5), None, "before the kill");
+    assert_eq!(
+        reconnecting(&faults, Ending::Error, &dial(50.0), &none),
+        None,
+        "only a failed dial"
+    );
+    let whole = std::collections::HashMap::from([((Frontend::GrpcGoReused, 0), vec![20.0, 50.0])]);
+    let at = |ended: f64| reconnecting(&faults, Ending::DialFailed, &dial(ended), &whole);
+    assert_eq!(at(49.5), Some(0));
+    assert_eq!(at(50.5), None, "after its frontend's next whole exchange");
+}
+
+/// The audit record that names a dial's agent is its server's record of
+/// its key that started nearest it, and none further than [`SAME_DIAL`].
+#[test]
+fn a_dial_is_named_by_the_nearest_audit_record_within_same_dial() {
+    let key = DialKey::Peer("127.0.0.1:40000".to_owned());
+    let x = Exchange {
+        id: 1,
+        frontend: Frontend::ConnectOurs,
+        server: 1,
+        started: 30.0,
+        ended: 30.5,
+        dial_s: None,
+        end: FrontendEnd::DialFailed,
+        why: None,
+        dial: Some(key.clone()),
+    };
+    let named = |records: Vec<(f64, Carrier)>| {
+        let audited = std::collections::HashMap::from([((1, &key), records)]);
+        audited_agent(&audited, &x)
+    };
+    assert_eq!(
+        named(vec![(24.0, Carrier::Slot(2)), (30.5, Carrier::Slot(1))]),
+        Some(Carrier::Slot(1))
+    );
+    assert_eq!(
+        named(vec![(30.5, Carrier::Slot(1)), (36.0, Carrier::Slot(2))]),
+        Some(Carrier::Slot(1))
+    );
+    assert_eq!(
+        named(vec![(30.0 + SAME_DIAL + 0.5, Carrier::Slot(2))]),
+        None
+    );
+    assert_eq!(
+        named(vec![(30.0 - SAME_DIAL - 0.5, Carrier::Slot(2))]),
+        None
+    );
+    assert_eq!(
+        named(vec![(30.0 + SAME_DIAL, Carrier::Slot(2))]),
+        Some(Carrier::Slot(2))
     );
 }
