@@ -1294,6 +1294,11 @@ fn a_process_replaced_with_no_end_recorded_crashed() {
     crashed.books.retain(|b| b.t < 25.0);
     crashed.end = LifeEnd::Running;
     crashed.died = END;
+    // It was carrying a connection at its last reading: books that do not
+    // balance at the end are the books of a crash, not another failure.
+    let last = &mut crashed.books.last_mut().unwrap().books;
+    last.open += 1.0;
+    last.opened += 1.0;
     assert_eq!(
         failing(&run),
         [
@@ -1305,6 +1310,11 @@ fn a_process_replaced_with_no_end_recorded_crashed() {
     assert!(books.tail > 0, "{books:#?}");
     // The last process of a seat, and a probe, are not replaced.
     assert_eq!(books_of(&run, "agent-1.2").vanished, None);
+    let report = markdown(&run, &judge(&run));
+    assert!(
+        report.contains("| **crashed: no end recorded** |"),
+        "{report}"
+    );
 }
 
 #[test]

@@ -123,6 +123,20 @@ fn an_end_outside_every_window_or_on_an_untouched_agent_is_unexplained() {
         .filter(|s| s.starts_with("a violation no sabotage explains"))
         .collect();
     assert_eq!(unexplained.len(), 2, "{short:#?}");
+    // One that ended a second before an act (the witnesses' clocks) is
+    // its act's; an end on the killed agent outside its kill is not
+    // charged to the kill, only unexplained.
+    let (mut ends, failing) = found();
+    ends.push(end(Ending::Reset, VICTIM, (9.0, 9.5)));
+    assert_eq!(judged(&ends, &failing, false), Vec::<String>::new());
+    let (mut ends, failing) = found();
+    ends.push(end(Ending::Reset, KILLED, (20.0, 21.0)));
+    let short = judged(&ends, &failing, false);
+    assert_eq!(short.len(), 1, "{short:#?}");
+    assert!(
+        short[0].starts_with("a violation no sabotage explains"),
+        "{short:#?}"
+    );
     // An end no witness attributed, inside a window, is explained.
     let (mut ends, failing) = found();
     let mut unknown = end(Ending::Error, 0, (10.0, 10.2));
@@ -154,6 +168,21 @@ fn a_crash_the_judge_did_not_name_and_any_other_failed_check_fall_short() {
         [format!(
             "the judge did not name agent-{VICTIM}'s crashed process ({VANISHED})"
         )]
+    );
+    // A reason about the crashed agent that is not its crash does not
+    // name it.
+    let (ends, mut failing) = found();
+    failing.retain(|t| *t != crash_named());
+    failing.push(format!("agent-{VICTIM}.1: opened no connection in 60 s"));
+    assert_eq!(
+        judged(&ends, &failing, false),
+        [
+            format!("the judge did not name agent-{VICTIM}'s crashed process ({VANISHED})"),
+            format!(
+                "a check the sabotage should not fail: agent-{VICTIM}.1: opened no connection in \
+                 60 s"
+            )
+        ]
     );
     let (ends, mut failing) = found();
     failing.push("agent-0.1: opened no connection in 60 s".to_owned());
