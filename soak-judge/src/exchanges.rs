@@ -346,9 +346,6 @@ pub struct Joined {
     pub ok: u64,
     /// Of them, those the destination saw complete (the same id).
     pub ok_complete: u64,
-    /// The first few exchanges whole at the frontend that the destination
-    /// did not see complete: id and when.
-    pub ok_unseen: Vec<(u64, Secs)>,
 }
 
 impl Joined {
@@ -360,9 +357,6 @@ impl Joined {
             .collect()
     }
 }
-
-/// How many `ok_unseen` to keep.
-const UNSEEN_KEPT: usize = 10;
 
 /// The frontend end's class, the exchange's stuck or not.
 fn frontend_ending(x: &Exchange) -> Option<Ending> {
@@ -467,8 +461,6 @@ fn join_frontends(
                 joined.ok += 1;
                 if seen.is_some_and(|n| n.end == NodeEnd::Complete) {
                     joined.ok_complete += 1;
-                } else if joined.ok_unseen.len() < UNSEEN_KEPT {
-                    joined.ok_unseen.push((x.id, x.ended));
                 }
             }
             Some(e) => {
