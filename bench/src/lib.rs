@@ -311,10 +311,12 @@ pub struct Opt {
     /// keepalive pings and their 2 s wait for an ack, on both sides.
     #[arg(long, default_value = "20s", value_parser = go_duration)]
     pub soak_partition: Duration,
-    /// Break a healthy agent on purpose, without telling the judge (a
-    /// spurious close, a crash, a stuck tunnel), and kill another as a
-    /// recorded fault: the run passes only when the judge fails it for
-    /// exactly what was done to the healthy agent and excuses the killed
+    /// Break healthy agents on purpose, without telling the judge (a
+    /// spurious close, a crash with no end recorded, silent loss and an
+    /// altered byte through a tampering relay, a stuck tunnel, dials
+    /// refused, a close inside another agent's kill), and kill another as
+    /// a recorded fault: the run passes only when the judge fails it for
+    /// exactly what was done to the healthy agents and excuses the killed
     /// one. The judge's end-to-end check; needs nftables.
     #[arg(long)]
     pub soak_sabotage: bool,

@@ -2276,6 +2276,38 @@ mod tests {
             reaching |refused: &usize| *refused > 0,
     );
 
+    /// The router oracle's own arithmetic, which no replay of a correct
+    /// router can check (a bound made weaker still holds): what it is sure
+    /// the router sampled is a lower bound at once, decayed as the peak
+    /// EWMA decays and never lowered by a smaller sample; what the router
+    /// may have sampled and the attempts it may hold make the upper bound.
+    #[test]
+    fn the_router_oracles_bounds_follow_their_samples() {
+        let mut watch = Watch::default();
+        let (be, t0) = (BackendId(7), Instant::now());
+        let decay = crate::router::DECAY;
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(near(watch.estimate(be, t0), 0.0));
+        watch.raise(be, Duration::from_secs(1), t0);
+        assert!(near(watch.estimate(be, t0), 1.0));
+        assert!(near(watch.estimate(be, t0 + decay), (-1f64).exp()));
+        watch.raise(be, Duration::from_millis(10), t0 + decay);
+        assert!(near(watch.estimate(be, t0 + decay), (-1f64).exp()));
+        assert!(near(watch.estimate(BackendId(8), t0), 0.0));
+        // The upper bound: 1 µs at the least, times one more than its load.
+        assert_eq!(watch.most_cost(be, 0, t0), 1);
+        watch.lift(be, Duration::from_millis(5));
+        watch.lift(be, Duration::from_millis(3));
+        assert_eq!(watch.most_cost(be, 2, t0), 3 * 5_001);
+        watch
+            .may_hold
+            .insert(1, vec![(be, Some(t0)), (BackendId(8), None)]);
+        assert_eq!(
+            watch.most_cost(be, 2, t0 + Duration::from_millis(8)),
+            4 * 8_001
+        );
+    }
+
     /// The CONNECT head oracle's own reading: where a head ends (lines
     /// ending with LF or CRLF, blank lines before the request line
     /// skipped), its method, its target, else the Host's; no head before
