@@ -1609,6 +1609,15 @@ fn a_dial_is_named_by_the_nearest_audit_record_within_same_dial() {
         named(vec![(30.5, Carrier::Slot(1)), (36.0, Carrier::Slot(2))]),
         Some(Carrier::Slot(1))
     );
+    // Nearest by distance, whichever side and in either order.
+    assert_eq!(
+        named(vec![(24.0, Carrier::Slot(2)), (31.0, Carrier::Slot(1))]),
+        Some(Carrier::Slot(1))
+    );
+    assert_eq!(
+        named(vec![(31.0, Carrier::Slot(1)), (24.0, Carrier::Slot(2))]),
+        Some(Carrier::Slot(1))
+    );
     assert_eq!(
         named(vec![(30.0 + SAME_DIAL + 0.5, Carrier::Slot(2))]),
         None
