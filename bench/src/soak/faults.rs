@@ -533,12 +533,14 @@ impl World {
         // What it cut before the drain (through a server killed under
         // it) is not the drain's.
         let mut cut_before = 0.0;
+        let mut open_before = None;
         if let Some(old) = &old {
             let pid = old.pid();
             if let Some(books) =
                 watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await
             {
                 cut_before = books.cut;
+                open_before = Some(books.open);
             }
             self.lives.drained(pid, self.now());
         }
@@ -553,6 +555,13 @@ impl World {
         if let Some(p) = &mut old {
             let pid = p.pid();
             loop {
+                // Read before looking for its exit: an idle agent exits
+                // within a tenth of a second of SIGTERM.
+                if let Some(books) =
+                    watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await
+                {
+                    cut = Some(books.cut - cut_before);
+                }
                 if let Some(status) = p.exit_status() {
                     exited = Some(sent.elapsed().as_secs_f64());
                     exit_ok = status.success();
@@ -563,13 +572,14 @@ impl World {
                 if sent.elapsed() >= BACK_LIMIT {
                     break;
                 }
-                if let Some(books) =
-                    watch::read_books(self.clock, &self.lives, pid, Role::Agent, health).await
-                {
-                    cut = Some(books.cut - cut_before);
-                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+        }
+        // Gone before a reading after SIGTERM, with nothing open just
+        // before it: nothing to cut (what it dialed in between, and cut,
+        // its slot's frontends and the destination would see).
+        if cut.is_none() && exited.is_some() && open_before == Some(0.0) {
+            cut = Some(0.0);
         }
         drop(old);
         record.effect = Effect::RolledOut {

@@ -37,6 +37,7 @@ mod metrics;
 mod metrics_reference;
 mod module_cycles;
 mod monitoring;
+mod mutation_survivors;
 mod otel_traces;
 mod proxy_client;
 mod python_interop;
