@@ -103,14 +103,10 @@ pub fn shortfalls(
         .filter(|s| s.crashed)
         .map(|s| format!("{}.", s.carrier.describe()))
         .collect();
-    let crashed = |text: &str| {
-        text.contains(VANISHED) && crashes.iter().any(|agent| text.starts_with(agent.as_str()))
-    };
+    let names = |agent: &str, text: &str| text.starts_with(agent) && text.contains(VANISHED);
+    let crashed = |text: &str| crashes.iter().any(|agent| names(agent, text));
     for agent in &crashes {
-        if !failing
-            .iter()
-            .any(|t| t.starts_with(agent.as_str()) && t.contains(VANISHED))
-        {
+        if !failing.iter().any(|t| names(agent, t)) {
             out.push(format!(
                 "the judge did not name {}'s crashed process ({VANISHED})",
                 agent.trim_end_matches('.')

@@ -114,27 +114,6 @@ impl NodeLog {
             .count()
     }
 
-    /// Connections open now at `listener` carried by `carrier`, accepted
-    /// at least `age` seconds ago.
-    pub fn open_on(&self, listener: Listener, carrier: Carrier, age: f64) -> usize {
-        let before = self.clock.now() - age;
-        lock(&self.open_conns)
-            .values()
-            .filter(|c| c.listener == listener && c.carrier == carrier && c.accepted <= before)
-            .count()
-    }
-
-    /// Connections of `listener` carried by `carrier` that ended broken
-    /// (a reset, or a FIN before the request's last byte) at or after
-    /// `since`.
-    pub fn broken_on(&self, listener: Listener, carrier: Carrier, since: f64) -> usize {
-        lock(&self.conns)
-            .iter()
-            .filter(|c| c.listener == listener && c.carrier == carrier && c.ended >= since)
-            .filter(|c| matches!(c.end, NodeEnd::Reset | NodeEnd::Truncated))
-            .count()
-    }
-
     /// Every record so far, and those still open as [`NodeEnd::Open`]
     /// (ending now).
     pub fn take(&self) -> Vec<NodeConn> {

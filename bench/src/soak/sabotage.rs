@@ -149,35 +149,36 @@ fn sockets(out: &str) -> usize {
     out.lines().filter(|l| !l.trim().is_empty()).count()
 }
 
-/// Destroys every established socket in namespace `ns` to the
-/// destinations; how many the kernel destroyed.
-async fn close_in(ns: &str) -> anyhow::Result<usize> {
+/// The established sockets in namespace `ns` to the destinations, as
+/// `ss` counts them; with `destroy`, destroyed (`ss -K` prints those it
+/// destroyed).
+async fn established_in(ns: &str, destroy: bool) -> anyhow::Result<usize> {
     let dst = DEST_IP.to_string();
-    let out = in_ns(
-        ns,
-        &["ss", "-K", "-H", "-tn", "state", "established", "dst", &dst],
-        None,
-    )
-    .await?;
-    Ok(sockets(&out))
+    let mut args = vec!["ss", "-H", "-tn", "state", "established", "dst", &dst];
+    if destroy {
+        args.insert(1, "-K");
+    }
+    Ok(sockets(&in_ns(ns, &args, None).await?))
 }
 
 /// Destroys every established socket of agent slot `slot` to the
 /// destinations; how many the kernel destroyed.
 pub async fn close_sockets(world: &World, slot: usize) -> anyhow::Result<usize> {
-    close_in(&ns_of(world, slot)?).await
+    established_in(&ns_of(world, slot)?, true).await
 }
 
-/// Agent slot `slot`'s established sockets to the destinations.
-async fn established(world: &World, slot: usize) -> anyhow::Result<usize> {
-    let dst = DEST_IP.to_string();
-    let out = in_ns(
-        &ns_of(world, slot)?,
-        &["ss", "-H", "-tn", "state", "established", "dst", &dst],
-        None,
-    )
-    .await?;
-    Ok(sockets(&out))
+/// Destroys the established sockets in namespace `ns` to the
+/// destinations, again every `every` (up to [`TRIES`] times) until the
+/// kernel destroyed one at least; how many then, or `None`.
+async fn close_until_one(ns: &str, every: Duration) -> anyhow::Result<Option<usize>> {
+    for _ in 0..TRIES {
+        let closed = established_in(ns, true).await?;
+        if closed > 0 {
+            return Ok(Some(closed));
+        }
+        tokio::time::sleep(every).await;
+    }
+    Ok(None)
 }
 
 /// Sends `signal` (`STOP`, `CONT`) to process `pid`.
@@ -221,24 +222,14 @@ const CLOSE_CAUSES: &[Ending] = &[Ending::Error, Ending::Reset, Ending::Cut];
 /// the first try.
 async fn spurious_close(world: &World) -> anyhow::Result<Sabotaged> {
     let from = world.now();
-    let ns = ns_of(world, VICTIM)?;
-    for _ in 0..TRIES {
-        let at = world.now();
-        let closed = close_in(&ns).await?;
-        if closed > 0 {
-            eprintln!(
-                "soak: {at:.0} s: sabotage: {closed} of agent-{VICTIM}'s established sockets destroyed"
-            );
-            return Ok(on_victim(
-                "a spurious close",
-                CLOSE_CAUSES,
-                from,
-                world.now(),
-            ));
-        }
-        tokio::time::sleep(TRY_EVERY).await;
-    }
-    anyhow::bail!("agent-{VICTIM} had no established socket to close in {TRIES} tries")
+    let Some(closed) = close_until_one(&ns_of(world, VICTIM)?, TRY_EVERY).await? else {
+        anyhow::bail!("agent-{VICTIM} had no established socket to close in {TRIES} tries")
+    };
+    let to = world.now();
+    eprintln!(
+        "soak: {to:.0} s: sabotage: {closed} of agent-{VICTIM}'s established sockets destroyed"
+    );
+    Ok(on_victim("a spurious close", CLOSE_CAUSES, from, to))
 }
 
 /// Agent [`VICTIM`] crashes: stopped, so that nothing it carries ends
@@ -253,7 +244,7 @@ async fn crash(world: &mut World) -> anyhow::Result<Sabotaged> {
             .pid()
             .ok_or_else(|| anyhow::anyhow!("agent-{VICTIM} is not running"))?;
         signal(pid, "STOP").await?;
-        let carrying = established(world, VICTIM).await;
+        let carrying = established_in(&ns_of(world, VICTIM)?, false).await;
         match carrying {
             Ok(n) if n > 0 => {
                 eprintln!(
@@ -486,19 +477,15 @@ async fn broken_beside_a_kill(
         let closed = async {
             // Inside the kill's window: it takes [`DOWN`] and more.
             let from = clock.now();
-            for _ in 0..TRIES {
-                let closed = close_in(&ns).await?;
-                if closed > 0 {
-                    eprintln!(
-                        "soak: {:.0} s: sabotage: {closed} of agent-{VICTIM}'s established \
-                         sockets destroyed during agent-{KILLED}'s kill",
-                        clock.now()
-                    );
-                    return anyhow::Ok(Some((from, clock.now())));
-                }
-                tokio::time::sleep(TRY_EVERY / 5).await;
-            }
-            anyhow::Ok(None)
+            let Some(closed) = close_until_one(&ns, TRY_EVERY / 5).await? else {
+                return anyhow::Ok(None);
+            };
+            eprintln!(
+                "soak: {:.0} s: sabotage: {closed} of agent-{VICTIM}'s established sockets \
+                 destroyed during agent-{KILLED}'s kill",
+                clock.now()
+            );
+            anyhow::Ok(Some((from, clock.now())))
         };
         let (refused, closed) = tokio::join!(refused, closed);
         anyhow::Ok((refused, closed))
