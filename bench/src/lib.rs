@@ -253,6 +253,12 @@ pub struct Opt {
         default_value = "idle,shared,latency"
     )]
     pub storm_conditions: Vec<storm::Condition>,
+    /// Keys of the storm server's certificate: rsa-2048 (kubeadm's
+    /// default: each full handshake an RSA signature by the server) or
+    /// ecdsa-p256. The swarm's client certificates are ECDSA P-256 either
+    /// way.
+    #[arg(long, value_enum, default_value_t = certs::KeyAlgorithm::Rsa2048)]
+    pub storm_key_algorithm: certs::KeyAlgorithm,
     /// Round trip the storm's latency condition adds (Go duration).
     #[arg(long, default_value = "200ms", value_parser = go_duration)]
     pub storm_latency: Duration,
@@ -466,6 +472,7 @@ async fn run_soak(opt: Opt) -> anyhow::Result<Report> {
             nofile_limit: raise_nofile(NOFILE_WANTED),
             server_bin: bins.server.display().to_string(),
             agent_bin: bins.agent.display().to_string(),
+            crypto_provider: ops::tls::PROVIDER_NAME.to_owned(),
         },
         notes: vec![
             "soak: the grpc column sums the three frontends of the gRPC server (our client, \
@@ -554,6 +561,7 @@ async fn run_measurements(mut opt: Opt) -> anyhow::Result<Report> {
             nofile_limit: nofile,
             server_bin: bins.server.display().to_string(),
             agent_bin: bins.agent.display().to_string(),
+            crypto_provider: ops::tls::PROVIDER_NAME.to_owned(),
         },
         notes,
         metrics: rec.metrics(),
@@ -616,9 +624,10 @@ fn print_setup(
          proxy-agent inherit it"
     );
     println!(
-        "binaries: {} {}",
+        "binaries: {} {} (rustls with the {} crypto provider)",
         bins.server.display(),
-        bins.agent.display()
+        bins.agent.display(),
+        ops::tls::PROVIDER_NAME
     );
     println!(
         "settings: duration {:?} (+{:?} warm-up), reps {}, conns {}, round trips {}, streams {}, \
@@ -775,6 +784,7 @@ impl Extras {
                 conditions: opt.storm_conditions.clone(),
                 latency: opt.storm_latency,
                 limit: opt.storm_limit,
+                key_algorithm: opt.storm_key_algorithm,
                 go_agents: storm::GoAgents::locate(opt.go_agents.clone())?,
             };
             storm::check(&storm)?;

@@ -1482,6 +1482,8 @@ pub struct Settings {
     pub server_bin: String,
     /// The proxy-agent binary.
     pub agent_bin: String,
+    /// The crypto provider of both binaries' rustls.
+    pub crypto_provider: String,
 }
 
 /// Everything a run found.
@@ -1647,6 +1649,7 @@ mod tests {
                 nofile_limit: 0,
                 server_bin: String::new(),
                 agent_bin: String::new(),
+                crypto_provider: String::new(),
             },
             notes: vec![],
             metrics: r.metrics(),

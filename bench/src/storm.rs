@@ -15,8 +15,9 @@
 //!
 //! The agents are `tests/go/agents` (grpc-go, as ANP's proxy-agent: each
 //! agent its own TLS connection and no session cache, so every handshake
-//! is a full one with an RSA-2048 signature by the server, kubeadm's key;
-//! its own `Connect` stream; a retry 1 to 2 s after a failure). They
+//! is a full one with a signature by the server's key: RSA-2048 as
+//! kubeadm makes it, or ECDSA P-256 (`--storm-key-algorithm`); its own
+//! `Connect` stream; a retry 1 to 2 s after a failure). They
 //! present ECDSA P-256 client certificates from a CA of their own: as cheap
 //! for them as sending a token is for the agents of the Konnectivity docs'
 //! deployment, so the swarm's CPU is not what the storm measures. For
@@ -122,6 +123,8 @@ pub struct StormOpt {
     pub latency: Duration,
     /// Longest wait for all agents to connect, per storm.
     pub limit: Duration,
+    /// The keys of the server's certificates.
+    pub key_algorithm: certs::KeyAlgorithm,
     /// The swarm's binary.
     pub go_agents: GoAgents,
 }
@@ -501,26 +504,17 @@ struct Setup<'a> {
     dir: &'a Path,
     /// The scenario's options.
     opt: &'a StormOpt,
-    /// The server's certificates (RSA-2048).
+    /// The server's certificates (`--storm-key-algorithm`).
     pki: PathBuf,
     /// The agents' certificates (ECDSA P-256).
     agent_pki: PathBuf,
 }
 
 impl<'a> Setup<'a> {
-    /// Writes the server's keys (RSA-2048) and the agents' (ECDSA P-256)
-    /// under `dir`.
+    /// Writes the server's keys (`--storm-key-algorithm`) and the
+    /// agents' (ECDSA P-256) under `dir`.
     fn write(bins: &'a Binaries, dir: &'a Path, opt: &'a StormOpt) -> anyhow::Result<Self> {
-        let (pki, agent_pki) = (dir.join("storm-pki"), dir.join("storm-agent-pki"));
-        for (path, algorithm) in [
-            (&pki, certs::KeyAlgorithm::Rsa2048),
-            (&agent_pki, certs::KeyAlgorithm::EcdsaP256),
-        ] {
-            certs::ClusterPki::generate_with(&[], algorithm)
-                .context("generating the storm scenario's certificates")?
-                .write_to(path)
-                .context("writing the storm scenario's certificates")?;
-        }
+        let (pki, agent_pki) = write_pkis(dir, opt.key_algorithm)?;
         Ok(Self {
             bins,
             dir,
@@ -713,6 +707,22 @@ impl<'a> Setup<'a> {
     }
 }
 
+/// Writes the server's PKI, its keys of `server_keys`, and the agents'
+/// (ECDSA P-256) under `dir`; returns their directories.
+fn write_pkis(dir: &Path, server_keys: certs::KeyAlgorithm) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let (pki, agent_pki) = (dir.join("storm-pki"), dir.join("storm-agent-pki"));
+    for (path, algorithm) in [
+        (&pki, server_keys),
+        (&agent_pki, certs::KeyAlgorithm::EcdsaP256),
+    ] {
+        certs::ClusterPki::generate_with(&[], algorithm)
+            .context("generating the storm scenario's certificates")?
+            .write_to(path)
+            .context("writing the storm scenario's certificates")?;
+    }
+    Ok((pki, agent_pki))
+}
+
 /// The ratio rows of `condition`: time without admission / time with it,
 /// per phase.
 fn push_ratios(rec: &mut Recorder, condition: Condition) {
@@ -739,7 +749,7 @@ fn note(opt: &StormOpt) -> String {
     format!(
         "storm: {} grpc-go agents (tests/go/agents: ANP's way, a TLS connection each with no \
          session cache, one Connect stream, a retry 1-2 s after a failure), the server's key \
-         RSA-2048, the agents' client certificates ECDSA P-256; per condition and variant a fresh server: cold = from the \
+         {:?}, the agents' client certificates ECDSA P-256; per condition and variant a fresh server: cold = from the \
          swarm's start until the server counts all N; restart = from SIGKILL, the server \
          started again at once on the same port, until it counts all N again; thrown away = \
          tls_handshakes_dropped_total for stalled, timeout, failed (after the server signed); \
@@ -747,7 +757,7 @@ fn note(opt: &StormOpt) -> String {
          shared: the swarm on the server's CPUs; latency: as idle, {:?} added to every round \
          trip (netem, half each way, network namespace); limit {:?} per storm (n/a: not all \
          connected by then)",
-        opt.agents, opt.latency, opt.limit
+        opt.agents, opt.key_algorithm, opt.latency, opt.limit
     )
 }
 
@@ -768,4 +778,46 @@ fn report_storm(label: &str, phase: &str, storm: &Storm, drops: &str, swarm: Swa
         if drops.is_empty() { "none" } else { drops },
         load()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use rustls_pki_types::{CertificateDer, pem::PemObject as _};
+    use x509_parser::{oid_registry, prelude::FromDer as _};
+
+    use super::*;
+
+    /// The OID of the public key in the PEM certificate at `path`.
+    fn key_oid(path: &Path) -> String {
+        let der = CertificateDer::from_pem_file(path).unwrap();
+        let (_, cert) = x509_parser::certificate::X509Certificate::from_der(&der).unwrap();
+        cert.public_key().algorithm.algorithm.to_id_string()
+    }
+
+    #[test]
+    fn the_storm_servers_key_is_the_one_asked_for_and_the_agents_stay_ecdsa() {
+        for (asked, oid) in [
+            (
+                certs::KeyAlgorithm::Rsa2048,
+                oid_registry::OID_PKCS1_RSAENCRYPTION,
+            ),
+            (
+                certs::KeyAlgorithm::EcdsaP256,
+                oid_registry::OID_KEY_TYPE_EC_PUBLIC_KEY,
+            ),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let (pki, agent_pki) = write_pkis(dir.path(), asked).unwrap();
+            assert_eq!(
+                key_oid(&pki.join("cluster.crt")),
+                oid.to_id_string(),
+                "{asked:?}"
+            );
+            assert_eq!(
+                key_oid(&agent_pki.join("proxy-agent.crt")),
+                oid_registry::OID_KEY_TYPE_EC_PUBLIC_KEY.to_id_string(),
+                "the agents' keys with a server of {asked:?}"
+            );
+        }
+    }
 }

@@ -120,6 +120,10 @@ impl TlsError {
     }
 }
 
+/// The name of the crypto provider [`provider`] returns, as the bench
+/// prints it beside its figures.
+pub const PROVIDER_NAME: &str = "ring";
+
 /// The ring crypto provider (we never use aws-lc), with AES-128-GCM
 /// preferred: as secure for this use and markedly cheaper per byte than
 /// AES-256-GCM, which rustls lists first. Every suite stays available.
@@ -581,6 +585,15 @@ pub fn client_config(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_provider_is_the_one_named() {
+        let key_provider = format!("{:?}", provider().key_provider).to_lowercase();
+        assert_eq!(
+            key_provider, PROVIDER_NAME,
+            "the bench would name the wrong provider"
+        );
+    }
 
     #[test]
     fn missing_files_are_named() {
