@@ -255,8 +255,9 @@ pub struct Opt {
     pub storm_conditions: Vec<storm::Condition>,
     /// Keys of the storm server's certificate: rsa-2048 (kubeadm's
     /// default: each full handshake an RSA signature by the server) or
-    /// ecdsa-p256. The swarm's client certificates are ECDSA P-256 either
-    /// way.
+    /// ecdsa-p256, signed by an RSA-2048 CA either way (an ECDSA serving
+    /// certificate from a kubeadm CA). The swarm's client certificates
+    /// are ECDSA P-256.
     #[arg(long, value_enum, default_value_t = certs::KeyAlgorithm::Rsa2048)]
     pub storm_key_algorithm: certs::KeyAlgorithm,
     /// Round trip the storm's latency condition adds (Go duration).

@@ -16,7 +16,8 @@
 //! The agents are `tests/go/agents` (grpc-go, as ANP's proxy-agent: each
 //! agent its own TLS connection and no session cache, so every handshake
 //! is a full one with a signature by the server's key: RSA-2048 as
-//! kubeadm makes it, or ECDSA P-256 (`--storm-key-algorithm`); its own
+//! kubeadm makes it, or ECDSA P-256 (`--storm-key-algorithm`), its CA
+//! RSA-2048 either way, as kubeadm's; its own
 //! `Connect` stream; a retry 1 to 2 s after a failure). They
 //! present ECDSA P-256 client certificates from a CA of their own: as cheap
 //! for them as sending a token is for the agents of the Konnectivity docs'
@@ -707,15 +708,17 @@ impl<'a> Setup<'a> {
     }
 }
 
-/// Writes the server's PKI, its keys of `server_keys`, and the agents'
-/// (ECDSA P-256) under `dir`; returns their directories.
+/// Writes the server's PKI, an RSA-2048 CA (kubeadm's) signing a leaf of
+/// `server_keys`, and the agents' (ECDSA P-256) under `dir`; returns their
+/// directories.
 fn write_pkis(dir: &Path, server_keys: certs::KeyAlgorithm) -> anyhow::Result<(PathBuf, PathBuf)> {
+    use certs::KeyAlgorithm::{EcdsaP256, Rsa2048};
     let (pki, agent_pki) = (dir.join("storm-pki"), dir.join("storm-agent-pki"));
-    for (path, algorithm) in [
-        (&pki, server_keys),
-        (&agent_pki, certs::KeyAlgorithm::EcdsaP256),
+    for (path, (cas, leaves)) in [
+        (&pki, (Rsa2048, server_keys)),
+        (&agent_pki, (EcdsaP256, EcdsaP256)),
     ] {
-        certs::ClusterPki::generate_with(&[], algorithm)
+        certs::ClusterPki::generate_with_leaves(&[], cas, leaves)
             .context("generating the storm scenario's certificates")?
             .write_to(path)
             .context("writing the storm scenario's certificates")?;
@@ -748,8 +751,8 @@ fn push_ratios(rec: &mut Recorder, condition: Condition) {
 fn note(opt: &StormOpt) -> String {
     format!(
         "storm: {} grpc-go agents (tests/go/agents: ANP's way, a TLS connection each with no \
-         session cache, one Connect stream, a retry 1-2 s after a failure), the server's key \
-         {:?}, the agents' client certificates ECDSA P-256; per condition and variant a fresh server: cold = from the \
+         session cache, one Connect stream, a retry 1-2 s after a failure), the server's leaf \
+         {:?} under an RSA-2048 CA, the agents' client certificates ECDSA P-256; per condition and variant a fresh server: cold = from the \
          swarm's start until the server counts all N; restart = from SIGKILL, the server \
          started again at once on the same port, until it counts all N again; thrown away = \
          tls_handshakes_dropped_total for stalled, timeout, failed (after the server signed); \
@@ -795,7 +798,7 @@ mod tests {
     }
 
     #[test]
-    fn the_storm_servers_key_is_the_one_asked_for_and_the_agents_stay_ecdsa() {
+    fn the_storm_servers_leaf_is_of_the_key_asked_for_under_an_rsa_ca_and_the_agents_stay_ecdsa() {
         for (asked, oid) in [
             (
                 certs::KeyAlgorithm::Rsa2048,
@@ -808,6 +811,11 @@ mod tests {
         ] {
             let dir = tempfile::tempdir().unwrap();
             let (pki, agent_pki) = write_pkis(dir.path(), asked).unwrap();
+            assert_eq!(
+                key_oid(&pki.join("agent-ca.crt")),
+                oid_registry::OID_PKCS1_RSAENCRYPTION.to_id_string(),
+                "the CA the swarm trusts is RSA-2048, as kubeadm's"
+            );
             assert_eq!(
                 key_oid(&pki.join("cluster.crt")),
                 oid.to_id_string(),

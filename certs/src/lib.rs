@@ -96,7 +96,7 @@ pub struct Ca {
     /// The CA's subject and signing key, used to sign leaves.
     issuer: Issuer<'static, KeyPair>,
     /// The keys of its leaves.
-    algorithm: KeyAlgorithm,
+    leaves: KeyAlgorithm,
 }
 
 impl std::fmt::Debug for Ca {
@@ -137,8 +137,19 @@ impl Ca {
         Ok(Self {
             cert_pem: cert.pem(),
             issuer: Issuer::new(params, key),
-            algorithm,
+            leaves: algorithm,
         })
+    }
+
+    /// The same CA, signing leaves with keys of `algorithm` from now on: an
+    /// ECDSA serving certificate from an RSA CA (kubeadm's), which costs
+    /// the server an ECDSA signature per full handshake, not an RSA one.
+    #[must_use]
+    pub fn with_leaf_keys(self, algorithm: KeyAlgorithm) -> Self {
+        Self {
+            leaves: algorithm,
+            ..self
+        }
     }
 
     /// The CA certificate, PEM.
@@ -212,7 +223,7 @@ impl Ca {
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![usage];
         params.use_authority_key_identifier_extension = true;
-        let key = self.algorithm.generate()?;
+        let key = self.leaves.generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok(CertKey {
             cert_pem: cert.pem(),
@@ -265,9 +276,23 @@ impl ClusterPki {
     ///
     /// As [`generate`](Self::generate).
     pub fn generate_with(sans: &[String], algorithm: KeyAlgorithm) -> Result<Self, rcgen::Error> {
+        Self::generate_with_leaves(sans, algorithm, algorithm)
+    }
+
+    /// [`generate`](Self::generate) with CAs of `cas` keys signing leaves
+    /// of `leaves` keys.
+    ///
+    /// # Errors
+    ///
+    /// As [`generate`](Self::generate).
+    pub fn generate_with_leaves(
+        sans: &[String],
+        cas: KeyAlgorithm,
+        leaves: KeyAlgorithm,
+    ) -> Result<Self, rcgen::Error> {
         let all_sans = server_sans(sans);
-        let frontend_ca = Ca::with_keys("konnectivity-frontend-ca", algorithm)?;
-        let agent_ca = Ca::with_keys("konnectivity-agent-ca", algorithm)?;
+        let frontend_ca = Ca::with_keys("konnectivity-frontend-ca", cas)?.with_leaf_keys(leaves);
+        let agent_ca = Ca::with_keys("konnectivity-agent-ca", cas)?.with_leaf_keys(leaves);
         Ok(Self {
             frontend_server: frontend_ca.server_cert("konnectivity-server", &all_sans)?,
             frontend_client: frontend_ca.client_cert("kube-apiserver")?,
@@ -534,9 +559,32 @@ mod tests {
         }
     }
 
+    #[test]
+    fn mtls_handshake_succeeds_with_ecdsa_leaves_of_an_rsa_ca() {
+        let pki = handshake_with(
+            ClusterPki::generate_with_leaves(&[], KeyAlgorithm::Rsa2048, KeyAlgorithm::EcdsaP256)
+                .unwrap(),
+        );
+        let key_type = |pem: &str| {
+            let der = der(pem);
+            let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+            cert.public_key().algorithm.algorithm.to_id_string()
+        };
+        let (rsa, ec) = ("1.2.840.113549.1.1.1", "1.2.840.10045.2.1");
+        assert_eq!(key_type(&pki.agent_ca), rsa);
+        assert_eq!(key_type(&pki.frontend_ca), rsa);
+        for leaf in [&pki.cluster_server, &pki.agent_client, &pki.frontend_server] {
+            assert_eq!(key_type(&leaf.cert_pem), ec);
+        }
+    }
+
     /// A full mTLS handshake with a PKI of `algorithm` keys.
     fn mtls_handshake(algorithm: KeyAlgorithm) -> ClusterPki {
-        let pki = ClusterPki::generate_with(&[], algorithm).unwrap();
+        handshake_with(ClusterPki::generate_with(&[], algorithm).unwrap())
+    }
+
+    /// A full mTLS handshake with `pki`'s agent-port certificates.
+    fn handshake_with(pki: ClusterPki) -> ClusterPki {
         let key = |pem: &str| PrivateKeyDer::from_pem_slice(pem.as_bytes()).unwrap();
 
         let client_verifier =
