@@ -27,6 +27,7 @@ mod flow_control;
 mod flow_versions;
 mod go_interop;
 mod grpc_mode;
+mod heap_profile;
 mod http_connect_mode;
 mod keepalive;
 mod lease_stub;
