@@ -309,6 +309,15 @@ impl Server {
         }
     }
 
+    /// CPU seconds the running process has used.
+    fn cpu(&self) -> anyhow::Result<f64> {
+        let process = self
+            .process
+            .as_ref()
+            .context("proxy-server is not running")?;
+        Ok(probe::cpu_ticks(process.pid())? as f64 / probe::CLOCK_TICKS_PER_SEC)
+    }
+
     /// `/metrics` now.
     async fn scrape(&self) -> anyhow::Result<String> {
         Ok(probe::http_get(self.health, "/metrics").await?.1)
@@ -375,6 +384,12 @@ impl Swarm {
         })
     }
 
+    /// CPU seconds the swarm has used.
+    fn cpu(&self) -> anyhow::Result<f64> {
+        let pid = self.child.id().context("the grpc-go swarm has exited")?;
+        Ok(probe::cpu_ticks(pid)? as f64 / probe::CLOCK_TICKS_PER_SEC)
+    }
+
     fn counts(&self) -> SwarmCounts {
         *self.latest.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -406,6 +421,8 @@ struct Storm {
     thrown: f64,
     /// The swarm's failed attempts meanwhile.
     failed: u64,
+    /// CPU seconds the server and the swarm used meanwhile.
+    cpu: (f64, f64),
 }
 
 /// Waits until the server counts `n` agents, from `since`; `None` if not
@@ -584,23 +601,29 @@ impl<'a> Setup<'a> {
 
         // Cold: every agent at once.
         let began = Instant::now();
+        let server_cpu = server.cpu()?;
         let mut swarm = Swarm::start(&swarm_argv, self.dir.join(format!("storm-{label}.log")))?;
         let cold = self
-            .storm(&mut server, &mut swarm, began, (&label, "cold start"), 0)
+            .storm(
+                (&mut server, &mut swarm),
+                began,
+                (&label, "cold start"),
+                (0, (server_cpu, 0.0)),
+            )
             .await?;
 
         // Restart: SIGKILL, started again at once on the same port.
         server.kill();
         let began = Instant::now();
+        let swarm_cpu = swarm.cpu()?;
         server.start().await?;
-        // A fresh process: all its counts are the restart's.
+        // A fresh process: all its counts and its CPU are the restart's.
         let restart = self
             .storm(
-                &mut server,
-                &mut swarm,
+                (&mut server, &mut swarm),
                 began,
                 (&label, "restart"),
-                cold.failed,
+                (cold.failed, (0.0, swarm_cpu)),
             )
             .await?;
         let v = usize::from(extra.is_some());
@@ -687,23 +710,30 @@ impl<'a> Setup<'a> {
 
     /// Waits for every agent from `began`, reads what the server threw
     /// away and logs the storm; `failed_before`: the swarm's failures
-    /// before it.
+    /// before it, `cpu_before`: the CPU seconds the server and the swarm
+    /// had used before it.
     async fn storm(
         &self,
-        server: &mut Server,
-        swarm: &mut Swarm,
+        (server, swarm): (&mut Server, &mut Swarm),
         began: Instant,
         (label, phase): (&str, &str),
-        failed_before: u64,
+        (failed_before, cpu_before): (u64, (f64, f64)),
     ) -> anyhow::Result<Storm> {
         let took = until_connected(server, swarm, self.opt.agents, began, self.opt.limit).await?;
+        let cpu = (server.cpu()? - cpu_before.0, swarm.cpu()? - cpu_before.1);
         let (thrown, summary) = drops(&server.scrape().await?);
         let storm = Storm {
             took,
             thrown,
             failed: swarm.counts().failures - failed_before,
+            cpu,
         };
-        report_storm(label, phase, &storm, &summary, swarm.counts());
+        report_storm(
+            (label, phase),
+            (&storm, self.opt.agents),
+            &summary,
+            swarm.counts(),
+        );
         Ok(storm)
     }
 }
@@ -764,17 +794,25 @@ fn note(opt: &StormOpt) -> String {
     )
 }
 
-/// Logs one storm.
-fn report_storm(label: &str, phase: &str, storm: &Storm, drops: &str, swarm: SwarmCounts) {
+/// Logs one storm: its time, what was thrown away, and where the CPU went.
+fn report_storm(
+    (label, phase): (&str, &str),
+    (storm, agents): (&Storm, usize),
+    drops: &str,
+    swarm: SwarmCounts,
+) {
+    let (server_cpu, swarm_cpu) = storm.cpu;
     eprintln!(
-        "storm {label} {phase}: {}; thrown away after signing {}; swarm: {} attempts, {} \
-         failed; server drops: {}; load {}",
+        "storm {label} {phase}: {}; server CPU {server_cpu:.2} s ({:.3} ms an agent), swarm \
+         CPU {swarm_cpu:.2} s; thrown away after signing {}; swarm: {} attempts, {} failed; \
+         server drops: {}; load {}",
         storm
             .took
             .map_or("not all connected".to_owned(), |t| format!(
                 "all connected in {:.2} s",
                 t.as_secs_f64()
             )),
+        server_cpu * 1e3 / agents.max(1) as f64,
         storm.thrown,
         swarm.attempts,
         swarm.failures,
