@@ -61,6 +61,14 @@ pub fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     parse_cpu_ticks(&text).with_context(|| format!("malformed {path}"))
 }
 
+/// CPU time (user + system) used so far by process `pid`, in seconds.
+///
+/// # Errors
+/// As [`cpu_ticks`].
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    Ok(cpu_ticks(pid)? as f64 / CLOCK_TICKS_PER_SEC)
+}
+
 /// The value of the sample `name` (no labels, or the largest over its label
 /// sets) in a Prometheus text exposition; `None` if absent.
 pub fn prometheus_value(exposition: &str, name: &str) -> Option<f64> {

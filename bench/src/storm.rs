@@ -315,7 +315,7 @@ impl Server {
             .process
             .as_ref()
             .context("proxy-server is not running")?;
-        Ok(probe::cpu_ticks(process.pid())? as f64 / probe::CLOCK_TICKS_PER_SEC)
+        probe::cpu_seconds(process.pid())
     }
 
     /// `/metrics` now.
@@ -387,7 +387,7 @@ impl Swarm {
     /// CPU seconds the swarm has used.
     fn cpu(&self) -> anyhow::Result<f64> {
         let pid = self.child.id().context("the grpc-go swarm has exited")?;
-        Ok(probe::cpu_ticks(pid)? as f64 / probe::CLOCK_TICKS_PER_SEC)
+        probe::cpu_seconds(pid)
     }
 
     fn counts(&self) -> SwarmCounts {
