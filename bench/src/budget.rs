@@ -12,13 +12,17 @@
 //!   1-byte packets it read;
 //! - padded: 100 1-byte DATA each carrying a 4 MiB unknown field: the same
 //!   growth;
-//! - streams: `--budget-streams` (10,000) streams on one HTTP/2 connection,
-//!   each uploading 512 KiB over a stopped agent, and 20 echo round trips
-//!   on another stream through another agent while the budget is full: the
-//!   server's peak RSS (`VmHWM`), what it holds beyond the read-ahead's
-//!   half of the budget and HTTP/2's connection window per stream, the slowest round trip, and
-//!   the time until every stream was read to its end (the stalled
-//!   connections are cut 5 s after they stalled, their later DATA dropped).
+//! - streams: `--budget-streams` (4,000) streams on `--budget-connections`
+//!   (8) HTTP/2 connections, each uploading 2 MiB over a stopped agent, and
+//!   20 echo round trips through another agent while the budget is full,
+//!   on a new stream of a flooding connection and on a connection of its
+//!   own: the server's peak RSS (`VmHWM`), what it holds beyond the whole
+//!   budget (per stream too: its HTTP/2 window and state), the slowest
+//!   round trip of each, and the time until the flood settled: every
+//!   stalled connection cut under pressure (5 s after it stalled, its later
+//!   DATA dropped) read to its end, the streams left (as many as the
+//!   read-ahead's half holds without pressure) waiting for their
+//!   destination.
 
 use std::{
     net::{Ipv4Addr, SocketAddr},
@@ -39,11 +43,8 @@ use crate::{
 /// The server's default budget (`--buffer-budget-bytes`), half of which is
 /// the read-ahead's.
 const BUDGET: f64 = 256.0 * 1024.0 * 1024.0;
-/// HTTP/2's connection window of a frontend connection: what it may send
-/// that the server leaves unread.
-const H2_WINDOW: f64 = 128.0 * 1024.0 * 1024.0;
 /// Bytes each stream of the streams part uploads.
-const EACH: usize = 512 * 1024;
+const EACH: usize = 2 * 1024 * 1024;
 /// Packets of the padded part.
 const PADDED: u64 = 100;
 /// Longest wait for a part to reach its state.
@@ -57,6 +58,9 @@ const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connect
 const DATA_FROM_CLIENT: &str = "konnectivity_network_proxy_server_stream_packets_total{packet_type=\"DATA\",segment=\"from_client\"}";
 const PROXY_BLOCKED: &str =
     "konnectivity_network_proxy_server_full_receive_channels{service_method=\"Proxy\"}";
+const READ_AHEAD_HELD: &str =
+    "konnectivity_rs_server_buffer_budget_held_bytes{pool=\"read_ahead\"}";
+const READ_AHEAD_LIMIT: &str = "konnectivity_rs_server_buffer_budget_bytes{pool=\"read_ahead\"}";
 const BUDGET_WAITS: &str = "konnectivity_rs_server_limit_reached_total{limit=\"buffer_budget\"}";
 
 /// Flags of an agent whose window per connection is small (64 KiB, in
@@ -71,6 +75,8 @@ const SMALL_WINDOW: [&str; 2] = [
 pub struct BudgetOpt {
     /// Streams of the streams part (`--budget-streams`).
     pub streams: usize,
+    /// The HTTP/2 connections they share (`--budget-connections`).
+    pub connections: usize,
     /// Empty, and 1-byte, DATA packets of the tiny part
     /// (`--budget-packets`).
     pub packets: u64,
@@ -220,7 +226,7 @@ pub async fn run(
     )
     .await?;
     rec.push(&report::BUDGET_PADDED_GROWN, Route::Grpc, 0, Some(grown));
-    streams(bins, dir, backends, opt.streams, rec).await?;
+    streams(bins, dir, backends, opt, rec).await?;
     Ok(vec![format!(
         "budget runs once, after the repetitions, each part against a server of its own with \
          the default --buffer-budget-bytes (256 MiB) and agents with a 64 KiB window, the \
@@ -228,10 +234,10 @@ pub async fn run(
          grpcio (tests/python/frontend.py); tiny: {} empty then {} 1-byte DATA behind a \
          stalled upload; padded: {PADDED} 1-byte DATA each with a 4 MiB unknown field; growth \
          = jemalloc's allocated bytes once the server read them all or stopped reading, less \
-         before; streams: {} x 512 KiB on one HTTP/2 connection, peak = VmHWM, beyond = \
-         (peak - RSS before - the read-ahead's half of the budget - HTTP/2's 128 MiB \
-         connection window) / streams",
-        opt.packets, opt.packets, opt.streams
+         before; streams: {} x 2 MiB on {} HTTP/2 connections, peak = VmHWM, beyond = peak - \
+         RSS before - the whole budget (per stream: / streams); round trips on a new stream \
+         of a flooding connection and on a connection of its own",
+        opt.packets, opt.packets, opt.streams, opt.connections
     )])
 }
 
@@ -307,9 +313,10 @@ async fn streams(
     bins: &Binaries,
     dir: &Path,
     backends: &Backends,
-    streams: usize,
+    opt: &BudgetOpt,
     rec: &mut Recorder,
 ) -> anyhow::Result<()> {
+    let streams = opt.streams;
     let mut part = start_streams_part(bins, dir).await?;
     let stall = Stall::start_on(Ipv4Addr::new(127, 0, 0, 2));
     let before = probe::rss(part.server.pid())? as f64;
@@ -319,6 +326,7 @@ async fn streams(
         format!("--stalled-address={}", stall.addr),
         format!("--address={}", backends.echo.addr),
         format!("--streams={streams}"),
+        format!("--connections={}", opt.connections),
         format!("--bytes={EACH}"),
         "--round-trips=20".to_owned(),
     ]);
@@ -333,45 +341,72 @@ async fn streams(
     })
     .await?;
     frontend.signal("trips");
-    part.wait("done with the flood", |text| {
-        value(text, DATA_FROM_CLIENT) >= all
-    })
-    .await?;
+    // Settled: the read-ahead's half no longer full (no more cuts to
+    // come), every stream cut for its stall read to its end (its later
+    // DATA dropped), every other one stopped. A stream that carries only
+    // its stalled connection is cut only under pressure: once the streams
+    // still open hold less than the read-ahead's half (each up to 1 MiB
+    // and its agent's 64 KiB window of a 2 MiB upload), they wait, as a
+    // TCP upload to a destination that stopped reading does.
+    let per_stream = (EACH / (16 * 1024)) as f64;
+    let settled = part
+        .wait("settled after the flood", |text| {
+            let open = value(text, ESTABLISHED);
+            open == value(text, PROXY_BLOCKED)
+                && value(text, READ_AHEAD_HELD) < value(text, READ_AHEAD_LIMIT)
+                && value(text, DATA_FROM_CLIENT) >= (streams as f64 - open) * per_stream
+        })
+        .await?;
     let drained = started.elapsed();
+    let left = value(&settled, ESTABLISHED);
     let peak = part.peak_rss() as f64;
     let report = frontend.finish().await;
     if !report.ok() {
         bail!("budget streams: the frontend failed: {report}");
     }
-    let slowest = report.json["slowest_round_trip"].as_f64();
-    let trips = report.json["round_trips"].as_f64().unwrap_or(0.0);
-    let beyond = (peak - before - BUDGET / 2.0 - H2_WINDOW) / streams as f64 / 1024.0;
+    let beyond = peak - before - BUDGET;
+    let beyond_each = beyond / streams as f64 / 1024.0;
     eprintln!(
-        "budget streams: {streams} x {EACH} bytes; RSS {:.0} MB before, {:.0} MB at its peak \
-         ({beyond:.1} KiB per stream beyond the read-ahead budget and HTTP/2's window); {trips} round \
-         trips, slowest {slowest:?} s; every stream read in {drained:?}; {report}",
+        "budget streams: {streams} x {EACH} bytes on {} connections; RSS {:.0} MB before, {:.0} MB \
+         at its peak ({:.0} MB, {beyond_each:.1} KiB per stream, beyond the budget); settled \
+         in {drained:?}, {left} streams left waiting for their destination; {report}",
+        opt.connections,
         before / 1e6,
-        peak / 1e6
+        peak / 1e6,
+        beyond / 1e6,
     );
-    rec.push(
-        &report::BUDGET_STREAMS_PEAK,
-        Route::Grpc,
-        0,
-        Some(peak / 1e6),
-    );
-    rec.push(&report::BUDGET_STREAMS_BEYOND, Route::Grpc, 0, Some(beyond));
-    rec.push(&report::BUDGET_STREAMS_TRIPS, Route::Grpc, 0, Some(trips));
-    rec.push(
-        &report::BUDGET_STREAMS_SLOWEST,
-        Route::Grpc,
-        0,
-        slowest.map(|s| s * 1e3),
-    );
-    rec.push(
-        &report::BUDGET_STREAMS_DRAINED,
-        Route::Grpc,
-        0,
-        Some(drained.as_secs_f64()),
-    );
+    let rows = [
+        (&report::BUDGET_STREAMS_PEAK, Some(peak / 1e6)),
+        (&report::BUDGET_STREAMS_BEYOND, Some(beyond / 1e6)),
+        (&report::BUDGET_STREAMS_PER_STREAM, Some(beyond_each)),
+        (&report::BUDGET_STREAMS_DRAINED, Some(drained.as_secs_f64())),
+        (&report::BUDGET_STREAMS_LEFT, Some(left)),
+    ];
+    for (def, value) in rows {
+        rec.push(def, Route::Grpc, 0, value);
+    }
+    push_round_trips(&report, rec);
     Ok(())
+}
+
+/// The streams part's round trips beside the flood, from the frontend's
+/// report: how many, and the slowest, on each healthy connection.
+fn push_round_trips(report: &python::FrontendReport, rec: &mut Recorder) {
+    for (name, trips_def, slowest_def) in [
+        (
+            "same_connection",
+            &report::BUDGET_STREAMS_TRIPS,
+            &report::BUDGET_STREAMS_SLOWEST,
+        ),
+        (
+            "own_connection",
+            &report::BUDGET_STREAMS_TRIPS_OWN,
+            &report::BUDGET_STREAMS_SLOWEST_OWN,
+        ),
+    ] {
+        let trips = report.json[format!("round_trips_{name}")].as_f64();
+        let slowest = report.json[format!("slowest_round_trip_{name}")].as_f64();
+        rec.push(trips_def, Route::Grpc, 0, Some(trips.unwrap_or(0.0)));
+        rec.push(slowest_def, Route::Grpc, 0, slowest.map(|s| s * 1e3));
+    }
 }

@@ -280,9 +280,12 @@ pub struct Opt {
     /// agent killed under 32 single-use tunnels at a time.
     #[arg(long, default_value_t = 10)]
     pub retries_rounds: usize,
-    /// Streams of the budget scenario.
-    #[arg(long, default_value_t = 10_000)]
+    /// Streams of the budget scenario's streams part.
+    #[arg(long, default_value_t = 4_000)]
     pub budget_streams: usize,
+    /// HTTP/2 connections the budget scenario's streams share.
+    #[arg(long, default_value_t = 8)]
+    pub budget_connections: usize,
     /// Empty, and 1-byte, DATA packets of the budget scenario's tiny flood.
     #[arg(long, default_value_t = 1_000_000)]
     pub budget_packets: u64,
@@ -908,6 +911,7 @@ async fn run_apart(
     if opt.has(Scenario::Budget) {
         let budget = budget::BudgetOpt {
             streams: opt.budget_streams,
+            connections: opt.budget_connections,
             packets: opt.budget_packets,
         };
         let more = budget::run(bins, dir, &system.backends, &budget, rec)

@@ -648,26 +648,50 @@ pub const BUDGET_PADDED_GROWN: Def = def(
 );
 /// The server's peak RSS under the streams part.
 pub const BUDGET_STREAMS_PEAK: Def = def("budget", "stalled streams: peak RSS", "MB", false);
-/// Per stream, the peak beyond the read-ahead's budget and HTTP/2's
-/// window.
-pub const BUDGET_STREAMS_BEYOND: Def = def(
+/// The peak beyond RSS before and the whole buffer budget.
+pub const BUDGET_STREAMS_BEYOND: Def = def("budget", "stalled streams: beyond budget", "MB", false);
+/// The same per stream.
+pub const BUDGET_STREAMS_PER_STREAM: Def = def(
     "budget",
-    "stalled streams: beyond budget+window",
+    "stalled streams: beyond budget per stream",
     "KiB/stream",
     false,
 );
-/// Round trips made beside the stalled streams.
+/// Round trips made beside the stalled streams, on a new stream of a
+/// flooding connection.
 pub const BUDGET_STREAMS_TRIPS: Def = def(
     "budget",
-    "stalled streams: round trips beside",
+    "stalled streams: round trips, same connection",
     "count",
     false,
 );
 /// The slowest of them.
-pub const BUDGET_STREAMS_SLOWEST: Def =
-    def("budget", "stalled streams: slowest round trip", "ms", false);
-/// Until every stream was read to its end.
-pub const BUDGET_STREAMS_DRAINED: Def = def("budget", "stalled streams: all read", "s", false);
+pub const BUDGET_STREAMS_SLOWEST: Def = def(
+    "budget",
+    "stalled streams: slowest round trip, same connection",
+    "ms",
+    false,
+);
+/// Round trips made beside the stalled streams on a connection of their
+/// own.
+pub const BUDGET_STREAMS_TRIPS_OWN: Def = def(
+    "budget",
+    "stalled streams: round trips, own connection",
+    "count",
+    false,
+);
+/// The slowest of them.
+pub const BUDGET_STREAMS_SLOWEST_OWN: Def = def(
+    "budget",
+    "stalled streams: slowest round trip, own connection",
+    "ms",
+    false,
+);
+/// Until the flood settled: every stream cut for its stall read to its
+/// end, every other one stopped.
+pub const BUDGET_STREAMS_DRAINED: Def = def("budget", "stalled streams: settled", "s", false);
+/// Streams left open then, waiting for their destination.
+pub const BUDGET_STREAMS_LEFT: Def = def("budget", "stalled streams: left waiting", "count", false);
 /// Agent CPU per single-use tunnel at 8 clients, our client, no policy.
 pub const POLICY_AGENT_US_NONE: Def = def("policy", "c=8 agent CPU per tunnel, none", "us", false);
 /// The same with the recommended policy.
@@ -1258,9 +1282,13 @@ const ALL: &[&Def] = &[
     &BUDGET_PADDED_GROWN,
     &BUDGET_STREAMS_PEAK,
     &BUDGET_STREAMS_BEYOND,
+    &BUDGET_STREAMS_PER_STREAM,
     &BUDGET_STREAMS_TRIPS,
     &BUDGET_STREAMS_SLOWEST,
+    &BUDGET_STREAMS_TRIPS_OWN,
+    &BUDGET_STREAMS_SLOWEST_OWN,
     &BUDGET_STREAMS_DRAINED,
+    &BUDGET_STREAMS_LEFT,
     &POLICY_AGENT_US_NONE,
     &POLICY_AGENT_US,
     &POLICY_AGENT_RATIO,

@@ -291,8 +291,11 @@ pub struct Args {
     /// legacy tokens without aud) (konnectivity-rs).
     #[arg(long, go_bool = Some(true))]
     pub token_review_local_checks: bool,
-    /// HTTP-CONNECT client connections open at once (konnectivity-rs);
-    /// more are answered 503 and closed.
+    /// Frontend connections open at once, in either mode (konnectivity-rs):
+    /// an HTTP-CONNECT client over it is answered 503 and closed, a gRPC
+    /// connection over it is closed at once (grpc-go retries it after its
+    /// backoff). Each connection costs memory beyond the buffer budget (its
+    /// HTTP/2 and TLS state, a 64 KiB window per open gRPC stream).
     #[arg(long, default_value_t = 65_536)]
     pub max_http_connections: usize,
     /// Dials pending at once on one frontend stream (konnectivity-rs); more

@@ -91,7 +91,8 @@ ops::label_enum! {
         /// `--max-tls-handshakes`: a pending handshake whose peer stalled was
         /// dropped to make room.
         TlsHandshakes = "tls_handshakes",
-        /// `--max-http-connections`: a CONNECT client was refused with 503.
+        /// `--max-http-connections`: a frontend connection was refused (a
+        /// CONNECT client with 503, a gRPC connection closed at once).
         HttpConnections = "http_connections",
         /// An agent connect refused with `Unavailable`:
         /// `--token-review-max-pending` connects were waiting for a token

@@ -3,10 +3,13 @@
 //! - [`grpc`]: `ProxyService/Proxy` streams (konnectivity-client), and
 //!   [`lanes`]: what a stream reads ahead of its waiting uploads, a lane per connection.
 //! - [`http_connect`]: `CONNECT host:port HTTP/1.1` (`--mode=http-connect`).
+//! - [`cap`]: `--max-http-connections`, the frontend connections open at
+//!   once in either mode.
 //!
 //! The layer that lets any `:authority` through to h2 on the Unix socket is
 //! its own crate, `authority`.
 
+pub(crate) mod cap;
 pub(crate) mod grpc;
 pub(crate) mod http_connect;
 pub(crate) mod lanes;

@@ -469,7 +469,7 @@ impl Admission {
             limits: ByLabel::register(
                 m,
                 "konnectivity_rs_server_limit_reached_total",
-                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a CONNECT client was refused; token_reviews: an agent was refused Unavailable, too many connects waiting for a token review or none started in time; buffer_budget: a stream waited for room in the buffer budget)",
+                "Times an admission limit was reached, by limit (agent_queue, frontend_queue: a stream whose peer stopped reading was ended; tls_handshakes: a pending handshake whose peer stalled was dropped to make room; http_connections: a frontend connection was refused, over --max-http-connections; token_reviews: an agent was refused Unavailable, too many connects waiting for a token review or none started in time; buffer_budget: a stream waited for room in the buffer budget)",
                 "limit",
             ),
             handshakes: ByLabel::register(

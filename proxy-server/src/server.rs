@@ -33,22 +33,28 @@ use crate::{
     backend::AgentServiceImpl,
     config::{Config, FrontendListen, Mode},
     control::{Budgets, Control},
-    events::Limit,
-    frontend::{grpc::ProxyServiceImpl, http_connect},
+    frontend::{cap::ConnectionCap, grpc::ProxyServiceImpl, http_connect},
     health,
     metrics::{Handshake, ServerMetrics},
 };
 
-/// What a frontend may send on one stream ahead of the server's reader:
-/// one flow-control window, as much as the reader can forward at once.
-const FRONTEND_STREAM_WINDOW: u32 = flow::WINDOW as u32;
+/// What a frontend may send on one stream ahead of the server's reader,
+/// which HTTP/2 holds until the stream's driver reads it: HTTP/2's default
+/// (grpc-go's too). A driver stops reading only while its read-ahead is
+/// full or waits for the buffer budget, so this is what a stalled stream
+/// makes HTTP/2 hold beyond the budget; a reader that goes on takes the
+/// window back as it reads (hyper gives it back as the stream is read, h2
+/// tells the peer at half the window).
+pub const FRONTEND_STREAM_WINDOW: u32 = 64 * 1024;
 /// What a frontend may send on all its streams ahead of the server's
-/// readers: the most upload bytes one frontend connection makes the server
-/// buffer, whatever its number of streams. h2 gives connection window back
-/// only as a stream's reader takes its data, so it takes 128 streams whose
-/// readers all wait (destinations that stopped reading), each holding its
-/// stream window, to hold up the connection's other uploads.
-const FRONTEND_CONNECTION_WINDOW: u32 = 128 * FRONTEND_STREAM_WINDOW;
+/// readers: HTTP/2's largest, so that streams whose readers wait
+/// (destinations that stopped reading) never hold up the connection's
+/// other streams. Their windows bound what HTTP/2 holds: one each, and the
+/// streams a connection may open, and the connections, are bounded
+/// (`--frontend-max-concurrent-streams`, `--max-http-connections`). With a
+/// smaller connection window, 128 stalled streams of 1 MiB windows held up
+/// a connection's new dials until they were cut.
+const FRONTEND_CONNECTION_WINDOW: u32 = (1 << 31) - 1;
 
 /// The largest gRPC message a frontend may send: ANP's (grpc-go's default
 /// receive limit). kube-apiserver's konnectivity-client sends each write of
@@ -142,9 +148,11 @@ where
         + 'static
         + crate::frontend::FrontendSocket,
 {
-    let admitted = Arc::new(tokio::sync::Semaphore::new(max_connections));
-    // Logged when the cap is first reached, again after it was left.
-    let mut at_cap = false;
+    let mut cap = ConnectionCap::new(
+        max_connections,
+        control.metrics.clone(),
+        "HTTP 503 and a close",
+    );
     loop {
         let next = tokio::select! {
             () = accept_stop.cancelled() => return Ok(()),
@@ -153,19 +161,10 @@ where
         match next {
             None => return Ok(()),
             Some(Ok(io)) => {
-                let Ok(permit) = admitted.clone().try_acquire_owned() else {
-                    if !at_cap {
-                        warn!(
-                            limit = max_connections,
-                            "--max-http-connections reached; refusing CONNECT clients with 503"
-                        );
-                    }
-                    at_cap = true;
-                    control.metrics.limit_reached(Limit::HttpConnections);
+                let Some(permit) = cap.admit() else {
                     tasks.spawn(http_connect::refuse(io));
                     continue;
                 };
-                at_cap = false;
                 let control = control.clone();
                 let shutdown = shutdown.clone();
                 tasks.spawn(async move {
@@ -673,6 +672,13 @@ fn frontend_server(
         )
     };
     let grpc = grpc_frontend(config, control, ends);
+    let grpc_cap = || {
+        ConnectionCap::new(
+            config.max_http_connections,
+            control.metrics.clone(),
+            "a closed connection",
+        )
+    };
     match (config.mode, frontend) {
         (Mode::Grpc, BoundFrontend::Uds { listener, path }) => {
             info!(frontend.path = %path.display(), "frontend listening (grpc over unix socket)");
@@ -683,7 +689,7 @@ fn frontend_server(
             let incoming = UnixListenerStream::new(listener)
                 .map(|accepted| accepted.map(|socket| AnyAuthority::new(ReadAhead::new(socket))));
             (
-                Box::pin(grpc.serve_with_incoming_shutdown(incoming, stop())),
+                Box::pin(grpc.serve_with_incoming_shutdown(grpc_cap().admitted(incoming), stop())),
                 Some(path),
             )
         }
@@ -691,7 +697,7 @@ fn frontend_server(
             info!(frontend.addr = ?listener.local_addr().ok(), "frontend listening (grpc over mTLS)");
             let incoming = tls_incoming(listener, tls);
             (
-                Box::pin(grpc.serve_with_incoming_shutdown(incoming, stop())),
+                Box::pin(grpc.serve_with_incoming_shutdown(grpc_cap().admitted(incoming), stop())),
                 None,
             )
         }

@@ -29,12 +29,16 @@ Cases:
                 built by hand: protobuf skips fields it does not know);
                 then waits for its standard input to close, and reports
                 what it sent
-  streams       --streams Proxy streams on one channel, each dialing
-                --stalled-address; at a first line on standard input (the
-                test stalled them), each uploads --bytes in 16 KiB DATA;
-                at a second, a connection of its own to --address makes
-                --round-trips echo round trips beside them; then waits for
-                its standard input to close (grpc.aio, one event loop)
+  streams       --streams Proxy streams over --connections channels
+                (round robin), each dialing --stalled-address; at a first
+                line on standard input (the test stalled them), each
+                uploads --bytes in 16 KiB DATA; at a second, two
+                connections to --address make --round-trips echo round
+                trips each beside them, in turn: one on a new stream of the
+                first flooding channel, one on a channel of its own (each
+                dial's time is reported, and the slowest round trip); then
+                waits for its standard input to close (grpc.aio, one event
+                loop)
   authority     the :authority grpcio sends for --target/--authority, read
                 off a socket this script listens on (no proxy involved)
   connect-echo  HTTP CONNECT over --socket to an echo backend, byte-exact
@@ -598,16 +602,21 @@ async def streams(args):
                     raise Failure(f"dial {address} failed: {packet.dialResponse.error}")
                 return packet.dialResponse.connectID
 
-    flood_channel = aio_channel()
+    flood_channels = [aio_channel() for _ in range(args.connections)]
     sent = {"bytes": 0, "dialed": 0}
     calls = []
     data = payload(block, 11)
     go = asyncio.Event()
 
-    async def upload():
-        call = proxy(flood_channel)()
+    # Dials in flight at once: under the server's --max-pending-dials-per-agent
+    # (2048), which a burst of thousands would pass (and be refused).
+    dialing = asyncio.Semaphore(256)
+
+    async def upload(channel):
+        call = proxy(channel)()
         calls.append(call)
-        conn = await dial(call, args.stalled_address)
+        async with dialing:
+            conn = await dial(call, args.stalled_address)
         sent["dialed"] += 1
         await go.wait()
         message = pb.Packet(type=pb.DATA, data=pb.Data(connectID=conn, data=data))
@@ -620,35 +629,45 @@ async def streams(args):
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise Failure(f"a flood stream failed: {task.exception()!r}")
 
-    uploads = [asyncio.ensure_future(upload()) for _ in range(args.streams)]
+    uploads = [
+        asyncio.ensure_future(upload(flood_channels[i % len(flood_channels)])) for i in range(args.streams)
+    ]
     await stdin_line()
     failed(uploads)
     go.set()
     await stdin_line()
     failed(uploads)
-    # The streams stay open and held up: a healthy connection on a stream
-    # (and an HTTP/2 connection) of its own makes its round trips beside
-    # them.
+    # The streams stay open and held up: two healthy connections make their
+    # round trips beside them, in turn: one on a new stream of a flooding
+    # HTTP/2 connection, one on a stream (and an HTTP/2 connection) of its
+    # own.
     healthy_channel = aio_channel()
-    call = proxy(healthy_channel)()
-    conn = await dial(call, args.address)
-    trips = []
-    for i in range(args.round_trips):
-        message = payload(100, 2000 + i)
+    healthy = {}
+    dials = {}
+    for name, channel in (("same_connection", flood_channels[0]), ("own_connection", healthy_channel)):
         started = time.monotonic()
-        await call.write(pb.Packet(type=pb.DATA, data=pb.Data(connectID=conn, data=message)))
-        got = b""
-        while len(got) < len(message):
-            packet = await asyncio.wait_for(call.read(), args.timeout)
-            if packet is grpc.aio.EOF:
-                raise Failure(f"the healthy stream ended in round trip {i}")
-            if packet.type != pb.DATA:
-                raise Failure(f"the healthy connection got {pb.PacketType.Name(packet.type)} in round trip {i}")
-            got += packet.data.data
-        if got != message:
-            raise Failure(f"round trip {i} echoed other bytes")
-        trips.append(time.monotonic() - started)
-    call.cancel()
+        call = proxy(channel)()
+        healthy[name] = (call, await dial(call, args.address), [])
+        dials[name] = time.monotonic() - started
+    for i in range(args.round_trips):
+        for name, (call, conn, trips) in healthy.items():
+            message = payload(100, 2000 + i)
+            started = time.monotonic()
+            await call.write(pb.Packet(type=pb.DATA, data=pb.Data(connectID=conn, data=message)))
+            got = b""
+            while len(got) < len(message):
+                packet = await asyncio.wait_for(call.read(), args.timeout)
+                if packet is grpc.aio.EOF:
+                    raise Failure(f"the healthy stream ({name}) ended in round trip {i}")
+                if packet.type != pb.DATA:
+                    kind = pb.PacketType.Name(packet.type)
+                    raise Failure(f"the healthy connection ({name}) got {kind} in round trip {i}")
+                got += packet.data.data
+            if got != message:
+                raise Failure(f"round trip {i} ({name}) echoed other bytes")
+            trips.append(time.monotonic() - started)
+    for call, _, _ in healthy.values():
+        call.cancel()
     await loop.run_in_executor(None, wait_for_stdin_to_close)
     failed(uploads)
     for task in uploads:
@@ -656,13 +675,14 @@ async def streams(args):
     for flood in calls:
         flood.cancel()
     await healthy_channel.close()
-    await flood_channel.close()
-    return {
-        "streams_dialed": sent["dialed"],
-        "bytes_sent": sent["bytes"],
-        "round_trips": len(trips),
-        "slowest_round_trip": round(max(trips), 3) if trips else None,
-    }
+    for channel in flood_channels:
+        await channel.close()
+    report = {"streams_dialed": sent["dialed"], "bytes_sent": sent["bytes"]}
+    for name, (_, _, trips) in healthy.items():
+        report[f"round_trips_{name}"] = len(trips)
+        report[f"slowest_round_trip_{name}"] = round(max(trips), 3) if trips else None
+        report[f"dial_{name}"] = round(dials[name], 3)
+    return report
 
 
 # --- authority: what grpcio puts in :authority, read off the wire ---------
@@ -1137,6 +1157,7 @@ def parse_args(argv):
     p.add_argument("--bytes", type=int, default=1 << 20, help="bytes to echo per tunnel")
     p.add_argument("--tunnels", type=int, default=50, help="concurrent: how many tunnels")
     p.add_argument("--streams", type=int, default=8, help="multi-stream: streams per phase")
+    p.add_argument("--connections", type=int, default=1, help="streams: channels the flood uses")
     p.add_argument("--stalled-address", help="shared-stream: a destination that never reads")
     p.add_argument("--round-trips", type=int, default=20, help="shared-stream, streams: echo round trips")
     p.add_argument("--upload-bytes", type=int, default=0, help="flood: bytes uploaded first")

@@ -14,6 +14,7 @@ mod audit_log;
 mod cert_rotation;
 mod certified_identifiers;
 mod cli;
+mod connection_cap;
 mod data_path;
 mod data_path_modules;
 mod destination_policy;

@@ -163,30 +163,39 @@ async fn one_byte_data_padded_to_4_mib_stays_within_the_budget() {
     assert_eq!(report.json["sent"]["padded"], PADDED, "{report}");
 }
 
-/// 1,000 streams on one HTTP/2 connection, each uploading 512 KiB over a
+/// 1,000 streams on 2 HTTP/2 connections, each uploading 512 KiB over a
 /// connection whose agent is stopped: the server's resident memory at its
 /// peak stays within the budget, what HTTP/2 holds for the flooding
-/// connection (its window: what it may send that the server leaves
+/// streams (each its window: what it may send that the server leaves
 /// unread), [`BASE`] and a per-stream base (the one packet a stream waiting
 /// for the budget holds, its decode buffer, its HTTP/2 and gRPC state);
-/// while the budget is full, a connection on another stream, through
-/// another agent, gets its round trips; and the stalled connections are
-/// cut once stalled for the grace, so that the server reads every stream
-/// to its end. Before, each stream read ahead up to 1 MiB of its own: all
-/// of their uploads, 500 MB (745 MB resident with the budget's limit set
-/// out of reach, against 286 MB with it).
+/// while the budget is full, a new stream on a flooding connection, and one
+/// on a connection of its own, dial and get their round trips, through
+/// another agent, well before the stalled connections are cut (5 s after
+/// they stalled): with a connection window smaller than its streams'
+/// windows together, the flooding connection's window ran out and its new
+/// stream's dial waited for the cut; and the stalled connections are cut
+/// once stalled for the grace, so that the server reads every stream to
+/// its end. Before the budget, each stream read ahead up to 1 MiB of its
+/// own: all of their uploads, 500 MB (745 MB resident with the budget's
+/// limit set out of reach, against 286 MB with it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_streams_uploading_into_stalled_connections_stay_within_the_budget() {
     const STREAMS: usize = 1000;
+    const CONNECTIONS: usize = 2;
     const EACH: usize = 512 * 1024;
-    /// What HTTP/2 may hold for the flooding connection: twice its window
-    /// (`FRONTEND_CONNECTION_WINDOW`, 128 MiB), as h2 keeps the frames it
-    /// received as slices of the buffers it read them into.
-    const H2: usize = 2 * (128 << 20);
+    /// What HTTP/2 may hold for the flooding streams: twice their windows
+    /// (`FRONTEND_STREAM_WINDOW` each), as h2 keeps the frames it received
+    /// as slices of the buffers it read them into.
+    const H2: usize = 2 * STREAMS * proxy_server::server::FRONTEND_STREAM_WINDOW as usize;
     /// Per stream: the 16 KiB packet it may hold beyond the budget, its
     /// decode buffer (grown to a packet), its HTTP/2 and gRPC state (about
     /// 18 KiB, the bench's streams scenario).
     const PER_STREAM: usize = 64 * 1024;
+    /// Longer than a healthy dial or round trip takes on a loaded machine,
+    /// shorter than the grace after which the stalled connections are cut
+    /// (a wait for the cut takes at least that).
+    const PROMPT: f64 = 4.0;
     // Dials to 127.0.0.2 go to the agent that will be stopped, dials to
     // 127.0.0.1 to the other.
     let server = ServerProcess::start(
@@ -217,6 +226,7 @@ async fn many_streams_uploading_into_stalled_connections_stay_within_the_budget(
         format!("--stalled-address={}", stall.addr),
         format!("--address={}", echo.address()),
         format!("--streams={STREAMS}"),
+        format!("--connections={CONNECTIONS}"),
         format!("--bytes={EACH}"),
         "--round-trips=20".to_owned(),
     ]);
@@ -241,7 +251,13 @@ async fn many_streams_uploading_into_stalled_connections_stay_within_the_budget(
     let peak = server.peak_rss() as usize;
     let report = frontend.finish().await;
     report.assert_ok();
-    assert_eq!(report.int("round_trips"), 20, "{report}");
+    for name in ["same_connection", "own_connection"] {
+        assert_eq!(report.int(&format!("round_trips_{name}")), 20, "{report}");
+        for what in ["dial", "slowest_round_trip"] {
+            let took = report.json[format!("{what}_{name}")].as_f64().unwrap();
+            assert!(took < PROMPT, "{what} {name} took {took} s: {report}");
+        }
+    }
     let bound = rss_before + BUDGET + H2 + BASE + STREAMS * PER_STREAM;
     eprintln!(
         "{STREAMS} streams x {EACH} bytes stalled: RSS {rss_before} before, {peak} at its peak \
