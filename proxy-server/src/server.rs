@@ -49,11 +49,12 @@ pub const FRONTEND_STREAM_WINDOW: u32 = 64 * 1024;
 /// What a frontend may send on all its streams ahead of the server's
 /// readers: HTTP/2's largest, so that streams whose readers wait
 /// (destinations that stopped reading) never hold up the connection's
-/// other streams. Their windows bound what HTTP/2 holds: one each, and the
-/// streams a connection may open, and the connections, are bounded
-/// (`--frontend-max-concurrent-streams`, `--max-http-connections`). With a
-/// smaller connection window, 128 stalled streams of 1 MiB windows held up
-/// a connection's new dials until they were cut.
+/// other streams. What HTTP/2 holds is bounded by the streams' windows, a
+/// window per open stream, and the streams by
+/// `--frontend-max-concurrent-streams` per connection and
+/// `--max-http-connections`. A 128 MiB connection window let 128 stalled
+/// streams of 1 MiB windows hold up a connection's new dials until they
+/// were cut.
 const FRONTEND_CONNECTION_WINDOW: u32 = (1 << 31) - 1;
 
 /// The largest gRPC message a frontend may send: ANP's (grpc-go's default

@@ -50,7 +50,6 @@ async fn capped(mode: &str) {
     } else {
         b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     };
-    let served = |answer: &[u8]| served(mode, answer);
     // Two connections that send nothing hold both places (the server
     // admits connections in the order they came).
     let mut held = vec![
@@ -77,7 +76,7 @@ async fn capped(mode: &str) {
     let deadline = tokio::time::Instant::now() + ANSWER;
     loop {
         let (_socket, answer) = first_answer(&server, hello).await;
-        if served(&answer) {
+        if served(mode, &answer) {
             break;
         }
         assert!(

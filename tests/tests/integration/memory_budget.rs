@@ -30,7 +30,7 @@ use integration_tests::{
 /// small, so that each flood is many times larger.
 const BUDGET: usize = 4 << 20;
 /// What the server may allocate beyond the budget while a flood holds:
-/// HTTP/2's buffers for the flooding stream (its 1 MiB window), the
+/// HTTP/2's buffers for the flooding stream (its 64 KiB window), the
 /// stream's decode buffer (up to one 4 MiB message), what waits for the
 /// stopped agent (its queue, 4 MiB, and its HTTP/2 window), and the
 /// allocator's caches.
