@@ -319,6 +319,14 @@ impl Swarm {
         Ok(())
     }
 
+    /// CPU time of all swarm processes so far, clock ticks.
+    fn cpu_ticks(&self) -> anyhow::Result<u64> {
+        self.processes
+            .iter()
+            .map(|p| probe::cpu_ticks(p.pid()))
+            .sum()
+    }
+
     /// RSS of all swarm processes, bytes.
     fn rss(&self) -> anyhow::Result<u64> {
         self.processes.iter().map(|p| probe::rss(p.pid())).sum()
@@ -541,12 +549,20 @@ impl Setup<'_> {
 
         restart_storm(server, &mut swarm, n).await?.push(
             rec,
-            (&report::AGENTS_RESTART, &report::AGENTS_CPU_RESTART),
+            (
+                &report::AGENTS_RESTART,
+                &report::AGENTS_CPU_RESTART,
+                &report::AGENTS_SWARM_CPU_RESTART,
+            ),
             Some(&report::AGENTS_RESUMED),
         );
         cut_storm(server, &mut swarm, n).await?.push(
             rec,
-            (&report::AGENTS_CUT, &report::AGENTS_CPU_CUT),
+            (
+                &report::AGENTS_CUT,
+                &report::AGENTS_CPU_CUT,
+                &report::AGENTS_SWARM_CPU_CUT,
+            ),
             Some(&report::AGENTS_CUT_RESUMED),
         );
         drop(swarm);
@@ -580,7 +596,11 @@ impl Setup<'_> {
         push(rec, &report::AGENTS_ANP_DIAL_P99, p99_anp);
         restart_storm(server, &mut swarm, n).await?.push(
             rec,
-            (&report::AGENTS_ANP_RESTART, &report::AGENTS_ANP_CPU_RESTART),
+            (
+                &report::AGENTS_ANP_RESTART,
+                &report::AGENTS_ANP_CPU_RESTART,
+                &report::AGENTS_ANP_SWARM_CPU_RESTART,
+            ),
             None,
         );
         drop(swarm);
@@ -639,21 +659,41 @@ struct Storm {
     took: Duration,
     /// The server's CPU per agent meanwhile, ms.
     cpu_ms: f64,
+    /// The swarm's CPU per agent meanwhile, ms.
+    swarm_ms: f64,
     /// Handshakes that resumed a TLS session.
     resumed: f64,
 }
 
 impl Storm {
+    /// Its time, each side's CPU per agent, and how busy the machine's
+    /// cores were: server and swarm together over the storm's time, as a
+    /// share of every core (near 100 %, the storm was bound by CPU).
+    fn describe(&self, n: usize) -> String {
+        let secs = self.took.as_secs_f64();
+        let cores = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+        let busy = (self.cpu_ms + self.swarm_ms) * n as f64 / 1000.0 / secs / cores;
+        format!(
+            "{secs:.2} s; CPU per agent: server {:.2} ms, swarm {:.2} ms; cores {:.0} % busy; \
+             {} resumed",
+            self.cpu_ms,
+            self.swarm_ms,
+            busy * 100.0,
+            self.resumed
+        )
+    }
+
     /// Records the storm's time, CPU per agent and, when given, its
     /// resumed handshakes.
     fn push(
         &self,
         rec: &mut Recorder,
-        (took, cpu): (&report::Def, &report::Def),
+        (took, cpu, swarm): (&report::Def, &report::Def, &report::Def),
         resumed: Option<&report::Def>,
     ) {
         rec.push(took, Route::Grpc, 0, Some(self.took.as_secs_f64()));
         rec.push(cpu, Route::Grpc, 0, Some(self.cpu_ms));
+        rec.push(swarm, Route::Grpc, 0, Some(self.swarm_ms));
         if let Some(def) = resumed {
             rec.push(def, Route::Grpc, 0, Some(self.resumed));
         }
@@ -662,47 +702,52 @@ impl Storm {
 
 /// SIGKILL, then the same ports again: until all `n` agents are back.
 async fn restart_storm(server: &mut Server, swarm: &mut Swarm, n: usize) -> anyhow::Result<Storm> {
+    let swarm_cpu = swarm.cpu_ticks()?;
     server.kill();
     let began = Instant::now();
     server.start().await?;
     let took = server.wait_connected(n, began).await?;
     // A fresh process: all its CPU is the storm's.
     let cpu_ms = ticks_ms(probe::cpu_ticks(server.pid()?)?) / n as f64;
+    let swarm_ms = ticks_ms(swarm.cpu_ticks()? - swarm_cpu) / n as f64;
     let resumed = server.handshakes("resumed").await?;
     swarm.check_alive()?;
-    eprintln!(
-        "agents: {n} connected {:.2} s after a server restart; server CPU {cpu_ms:.2} ms per \
-         agent; {resumed} resumed",
-        took.as_secs_f64(),
-    );
-    Ok(Storm {
+    let storm = Storm {
         took,
         cpu_ms,
+        swarm_ms,
         resumed,
-    })
+    };
+    eprintln!(
+        "agents: {n} back after a server restart: {}",
+        storm.describe(n)
+    );
+    Ok(storm)
 }
 
 /// Every agent's link cut, the server kept: until all `n` are back.
 async fn cut_storm(server: &mut Server, swarm: &mut Swarm, n: usize) -> anyhow::Result<Storm> {
     let resumed = server.handshakes("resumed").await?;
     let before = server.handshakes("full").await? + resumed;
-    let cpu = probe::cpu_ticks(server.pid()?)?;
+    let (cpu, swarm_cpu) = (probe::cpu_ticks(server.pid()?)?, swarm.cpu_ticks()?);
     let began = Instant::now();
     swarm.cut()?;
     let took = server.wait_reconnected(n, before, began).await?;
     let cpu_ms = ticks_ms(probe::cpu_ticks(server.pid()?)? - cpu) / n as f64;
+    let swarm_ms = ticks_ms(swarm.cpu_ticks()? - swarm_cpu) / n as f64;
     let resumed = server.handshakes("resumed").await? - resumed;
     swarm.check_alive()?;
-    eprintln!(
-        "agents: {n} back {:.2} s after their links were cut; server CPU {cpu_ms:.2} ms per \
-         agent; {resumed} resumed",
-        took.as_secs_f64()
-    );
-    Ok(Storm {
+    let storm = Storm {
         took,
         cpu_ms,
+        swarm_ms,
         resumed,
-    })
+    };
+    eprintln!(
+        "agents: {n} back after their links were cut: {}",
+        storm.describe(n)
+    );
+    Ok(storm)
 }
 
 /// Service-account token auth against a TokenReview stand-in that answers

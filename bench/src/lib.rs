@@ -1229,7 +1229,7 @@ impl<'a> Rep<'a> {
     fn bulk_rows(
         &self,
         t: &Transfer,
-        (rate, [cpu, server, agent]): (&report::Def, CpuRows),
+        (rate, [cpu, server, agent, server_switches, agent_switches]): (&report::Def, CpuRows),
         up: bool,
         what: &str,
         rec: &mut Recorder,
@@ -1245,13 +1245,16 @@ impl<'a> Rep<'a> {
             self.push(rec, go, Some(t.mb_per_s()));
         }
         eprintln!(
-            "{} {what} {}: {:.0} MB/s{}",
+            "{} {what} {}: {:.0} MB/s{}{}",
             self.ctx,
             self.name(),
             t.mb_per_s(),
             t.cpu_s_per_gib()
                 .zip(t.server_cpu_s_per_gib())
                 .map(|(c, s)| format!(", {c:.2} cpu s/GiB (server {s:.2}, agent {:.2})", c - s))
+                .unwrap_or_default(),
+            t.switches_per_gib()
+                .map(|(s, a)| format!(", context switches per GiB: server {s:.0}, agent {a:.0}"))
                 .unwrap_or_default()
         );
         if opt.has(Scenario::Bulk) {
@@ -1263,6 +1266,9 @@ impl<'a> Rep<'a> {
             self.push(rec, server, server_cpu);
             let agent_cpu = t.cpu_s_per_gib().zip(server_cpu).map(|(c, s)| c - s);
             self.push(rec, agent, agent_cpu);
+            let switches = t.switches_per_gib();
+            self.push(rec, server_switches, switches.map(|(s, _)| s));
+            self.push(rec, agent_switches, switches.map(|(_, a)| a));
         }
     }
 
@@ -1517,31 +1523,40 @@ impl<'a> Rep<'a> {
     }
 }
 
-/// CPU rows of a bulk run: server+agent, server, agent.
-type CpuRows = [&'static report::Def; 3];
+/// CPU rows of a bulk run: server+agent, server, agent, then the
+/// server's and the agent's context switches.
+type CpuRows = [&'static report::Def; 5];
 /// Bulk down, our client.
 const CPU_DOWN_ROWS: CpuRows = [
     &report::CPU_DOWN,
     &report::CPU_DOWN_SERVER,
     &report::CPU_DOWN_AGENT,
+    &report::SWITCHES_DOWN_SERVER,
+    &report::SWITCHES_DOWN_AGENT,
 ];
 /// Bulk up, our client.
 const CPU_UP_ROWS: CpuRows = [
     &report::CPU_UP,
     &report::CPU_UP_SERVER,
     &report::CPU_UP_AGENT,
+    &report::SWITCHES_UP_SERVER,
+    &report::SWITCHES_UP_AGENT,
 ];
 /// Bulk down, grpc-go.
 const CPU_DOWN_GO_ROWS: CpuRows = [
     &report::CPU_DOWN_GO,
     &report::CPU_DOWN_SERVER_GO,
     &report::CPU_DOWN_AGENT_GO,
+    &report::SWITCHES_DOWN_SERVER_GO,
+    &report::SWITCHES_DOWN_AGENT_GO,
 ];
 /// Bulk up, grpc-go.
 const CPU_UP_GO_ROWS: CpuRows = [
     &report::CPU_UP_GO,
     &report::CPU_UP_SERVER_GO,
     &report::CPU_UP_AGENT_GO,
+    &report::SWITCHES_UP_SERVER_GO,
+    &report::SWITCHES_UP_AGENT_GO,
 ];
 /// CPU per tunnel rows, (server, agent).
 type TunnelCpuRows = [&'static report::Def; 2];

@@ -61,6 +61,40 @@ pub fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
     parse_cpu_ticks(&text).with_context(|| format!("malformed {path}"))
 }
 
+/// `voluntary_ctxt_switches + nonvoluntary_ctxt_switches` of a
+/// `/proc/<pid>/task/<tid>/status` text: the times one thread left its CPU.
+pub fn parse_context_switches(status: &str) -> Option<u64> {
+    let count = |key: &str| {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].trim().parse::<u64>().ok()
+    };
+    Some(count("voluntary_ctxt_switches:")? + count("nonvoluntary_ctxt_switches:")?)
+}
+
+/// Context switches so far of process `pid`'s live threads, summed: what
+/// `perf stat -e context-switches` counts, less the threads that exited
+/// (the runtime's workers live as long as the process).
+///
+/// # Errors
+/// The process is gone, or a thread's status has no switch counts.
+pub fn context_switches(pid: u32) -> anyhow::Result<u64> {
+    let dir = format!("/proc/{pid}/task");
+    let mut total = 0;
+    for task in std::fs::read_dir(&dir).with_context(|| format!("reading {dir}"))? {
+        let path = task
+            .with_context(|| format!("reading {dir}"))?
+            .path()
+            .join("status");
+        // A thread that exited since the listing has nothing left to count.
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        total += parse_context_switches(&text)
+            .with_context(|| format!("no context switches in {}", path.display()))?;
+    }
+    Ok(total)
+}
+
 /// CPU time (user + system) used so far by process `pid`, in seconds.
 ///
 /// # Errors
@@ -180,6 +214,27 @@ mod tests {
         let stat = "4242 (proxy-server) S 1 4242 4242 0 -1 4194560 1500 0 0 0 \
                     250 130 0 0 20 0 4 0 123456 200000000 3000 18446744073709551615";
         assert_eq!(parse_cpu_ticks(stat), Some(380));
+    }
+
+    #[test]
+    fn context_switches_are_voluntary_plus_not() {
+        let status = "Name:\tproxy-agent\nvoluntary_ctxt_switches:\t1200\n\
+            nonvoluntary_ctxt_switches:\t34\n";
+        assert_eq!(parse_context_switches(status), Some(1234));
+        assert_eq!(
+            parse_context_switches("voluntary_ctxt_switches:\t5\n"),
+            None
+        );
+        assert_eq!(parse_context_switches(STATUS), None);
+    }
+
+    #[test]
+    fn context_switches_of_this_process_grow() {
+        let pid = std::process::id();
+        let before = context_switches(pid).unwrap();
+        // A sleep gives the CPU up: at least one voluntary switch.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert!(context_switches(pid).unwrap() > before);
     }
 
     #[test]

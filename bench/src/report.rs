@@ -101,6 +101,23 @@ pub const CPU_DOWN_AGENT_GO: Def = def("cpu", "agent, down, grpc-go", "s/GiB", f
 pub const CPU_UP_SERVER_GO: Def = def("cpu", "server, up, grpc-go", "s/GiB", false);
 /// The agent's share of [`CPU_UP_GO`].
 pub const CPU_UP_AGENT_GO: Def = def("cpu", "agent, up, grpc-go", "s/GiB", false);
+/// Context switches of the server per GiB of [`CPU_DOWN`]'s run.
+pub const SWITCHES_DOWN_SERVER: Def = def("cpu", "server switches, bulk down", "/GiB", false);
+/// Context switches of the agent per GiB of [`CPU_DOWN`]'s run.
+pub const SWITCHES_DOWN_AGENT: Def = def("cpu", "agent switches, bulk down", "/GiB", false);
+/// Context switches of the server per GiB of [`CPU_UP`]'s run.
+pub const SWITCHES_UP_SERVER: Def = def("cpu", "server switches, bulk up", "/GiB", false);
+/// Context switches of the agent per GiB of [`CPU_UP`]'s run.
+pub const SWITCHES_UP_AGENT: Def = def("cpu", "agent switches, bulk up", "/GiB", false);
+/// Context switches of the server per GiB of [`CPU_DOWN_GO`]'s run.
+pub const SWITCHES_DOWN_SERVER_GO: Def =
+    def("cpu", "server switches, down, grpc-go", "/GiB", false);
+/// Context switches of the agent per GiB of [`CPU_DOWN_GO`]'s run.
+pub const SWITCHES_DOWN_AGENT_GO: Def = def("cpu", "agent switches, down, grpc-go", "/GiB", false);
+/// Context switches of the server per GiB of [`CPU_UP_GO`]'s run.
+pub const SWITCHES_UP_SERVER_GO: Def = def("cpu", "server switches, up, grpc-go", "/GiB", false);
+/// Context switches of the agent per GiB of [`CPU_UP_GO`]'s run.
+pub const SWITCHES_UP_AGENT_GO: Def = def("cpu", "agent switches, up, grpc-go", "/GiB", false);
 /// Aggregate of the parallel streams.
 pub const PARALLEL_RATE: Def = def("parallel", "16 streams down, total", "MB/s", true);
 /// Jain's index over the parallel streams.
@@ -228,6 +245,13 @@ pub const AGENTS_ANP_RESTART: Def = def("agents", "N ANP-style connected, restar
 /// Server CPU per ANP-style agent after a restart.
 pub const AGENTS_ANP_CPU_RESTART: Def =
     def("agents", "server CPU per ANP-style, restart", "ms", false);
+/// The ANP-style swarm's CPU per agent during its restart storm.
+pub const AGENTS_ANP_SWARM_CPU_RESTART: Def = def(
+    "agents",
+    "swarm CPU per ANP-style agent, restart",
+    "ms",
+    false,
+);
 
 /// Token auth: all agents connected after a cold start.
 pub const AGENTS_TOKEN_COLD: Def = def("agents", "tokens: N connected, cold start", "s", false);
@@ -256,6 +280,12 @@ pub const AGENTS_RESTART: Def = def("agents", "N agents connected, server restar
 pub const AGENTS_CPU_COLD: Def = def("agents", "server CPU per agent, cold start", "ms", false);
 /// Server CPU per agent connection during the restart storm.
 pub const AGENTS_CPU_RESTART: Def = def("agents", "server CPU per agent, restart", "ms", false);
+/// The swarm's CPU per agent during the restart storm (the agents' side of
+/// the handshakes, on the same cores).
+pub const AGENTS_SWARM_CPU_RESTART: Def =
+    def("agents", "swarm CPU per agent, restart", "ms", false);
+/// The swarm's CPU per agent while the cut links came back.
+pub const AGENTS_SWARM_CPU_CUT: Def = def("agents", "swarm CPU per agent, links cut", "ms", false);
 /// Server RSS per connected idle agent.
 pub const AGENTS_RSS_SERVER: Def = def("agents", "server RSS per idle agent", "KiB", false);
 /// Agent-side RSS per agent (the swarm process, beyond one agent).
@@ -1139,17 +1169,25 @@ const ALL: &[&Def] = &[
     &CPU_DOWN,
     &CPU_DOWN_SERVER,
     &CPU_DOWN_AGENT,
+    &SWITCHES_DOWN_SERVER,
+    &SWITCHES_DOWN_AGENT,
     &CPU_UP,
     &CPU_UP_SERVER,
     &CPU_UP_AGENT,
+    &SWITCHES_UP_SERVER,
+    &SWITCHES_UP_AGENT,
     &BULK_DOWN_GO,
     &BULK_UP_GO,
     &CPU_DOWN_GO,
     &CPU_DOWN_SERVER_GO,
     &CPU_DOWN_AGENT_GO,
+    &SWITCHES_DOWN_SERVER_GO,
+    &SWITCHES_DOWN_AGENT_GO,
     &CPU_UP_GO,
     &CPU_UP_SERVER_GO,
     &CPU_UP_AGENT_GO,
+    &SWITCHES_UP_SERVER_GO,
+    &SWITCHES_UP_AGENT_GO,
     &PARALLEL_RATE,
     &PARALLEL_FAIRNESS,
     &HOL_SOLO,
@@ -1207,9 +1245,11 @@ const ALL: &[&Def] = &[
     &AGENTS_RESTART,
     &AGENTS_CPU_COLD,
     &AGENTS_CPU_RESTART,
+    &AGENTS_SWARM_CPU_RESTART,
     &AGENTS_RESUMED,
     &AGENTS_CUT,
     &AGENTS_CPU_CUT,
+    &AGENTS_SWARM_CPU_CUT,
     &AGENTS_CUT_RESUMED,
     &AGENTS_RSS_SERVER,
     &AGENTS_RSS_SWARM,
@@ -1224,6 +1264,7 @@ const ALL: &[&Def] = &[
     &AGENTS_ANP_COLD,
     &AGENTS_ANP_RESTART,
     &AGENTS_ANP_CPU_RESTART,
+    &AGENTS_ANP_SWARM_CPU_RESTART,
     &AGENTS_TOKEN_COLD,
     &AGENTS_TOKEN_COLD_REVIEWS,
     &AGENTS_TOKEN_CUT,

@@ -417,6 +417,17 @@ impl Pids {
         Ok(probe::cpu_ticks(self.server)? + probe::cpu_ticks(self.agent)?)
     }
 
+    /// Context switches so far of (server, agent).
+    ///
+    /// # Errors
+    /// A process is gone.
+    pub fn context_switches(&self) -> anyhow::Result<(u64, u64)> {
+        Ok((
+            probe::context_switches(self.server)?,
+            probe::context_switches(self.agent)?,
+        ))
+    }
+
     /// CPU clock ticks of (server, agent).
     ///
     /// # Errors
