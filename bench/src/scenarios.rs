@@ -121,23 +121,27 @@ impl Transfer {
         self.bytes() as f64 / self.secs / 1e6
     }
 
+    /// GiB moved, all streams.
+    fn gib(&self) -> f64 {
+        self.bytes() as f64 / f64::from(1u32 << 30)
+    }
+
     /// CPU seconds of server + agent per GiB moved.
     pub fn cpu_s_per_gib(&self) -> Option<f64> {
-        let gib = self.bytes() as f64 / f64::from(1u32 << 30);
-        Some(self.cpu_ticks? as f64 / probe::CLOCK_TICKS_PER_SEC / gib).filter(|v| v.is_finite())
+        Some(self.cpu_ticks? as f64 / probe::CLOCK_TICKS_PER_SEC / self.gib())
+            .filter(|v| v.is_finite())
     }
 
     /// The server's share of [`cpu_s_per_gib`](Self::cpu_s_per_gib).
     pub fn server_cpu_s_per_gib(&self) -> Option<f64> {
-        let gib = self.bytes() as f64 / f64::from(1u32 << 30);
-        Some(self.server_ticks? as f64 / probe::CLOCK_TICKS_PER_SEC / gib).filter(|v| v.is_finite())
+        Some(self.server_ticks? as f64 / probe::CLOCK_TICKS_PER_SEC / self.gib())
+            .filter(|v| v.is_finite())
     }
 
     /// Context switches of (server, agent) per GiB moved.
     pub fn switches_per_gib(&self) -> Option<(f64, f64)> {
-        let gib = self.bytes() as f64 / f64::from(1u32 << 30);
         let (server, agent) = self.switches?;
-        let per = (server as f64 / gib, agent as f64 / gib);
+        let per = (server as f64 / self.gib(), agent as f64 / self.gib());
         Some(per).filter(|(s, a)| s.is_finite() && a.is_finite())
     }
 }
@@ -166,23 +170,23 @@ pub async fn measure(
 ) -> anyhow::Result<Transfer> {
     tokio::time::sleep(timing.warmup).await;
     check_streams(streams)?;
-    let cpu0 = pids.map(|p| p.cpu_ticks()).transpose()?;
-    let server0 = pids.map(|p| probe::cpu_ticks(p.server)).transpose()?;
+    let cpu0 = pids.map(|p| p.each_cpu_ticks()).transpose()?;
     let switches0 = pids.map(|p| p.context_switches()).transpose()?;
     let bytes0 = counts();
     let t0 = Instant::now();
     tokio::time::sleep(timing.duration).await;
     let bytes1 = counts();
     let secs = t0.elapsed().as_secs_f64();
-    let cpu1 = pids.map(|p| p.cpu_ticks()).transpose()?;
-    let server1 = pids.map(|p| probe::cpu_ticks(p.server)).transpose()?;
+    let cpu1 = pids.map(|p| p.each_cpu_ticks()).transpose()?;
     let switches1 = pids.map(|p| p.context_switches()).transpose()?;
     check_streams(streams)?;
     Ok(Transfer {
         per_stream: bytes1.iter().zip(&bytes0).map(|(b, a)| b - a).collect(),
         secs,
-        cpu_ticks: cpu0.zip(cpu1).map(|(a, b)| b.saturating_sub(a)),
-        server_ticks: server0.zip(server1).map(|(a, b)| b.saturating_sub(a)),
+        cpu_ticks: cpu0
+            .zip(cpu1)
+            .map(|(a, b)| (b.0 + b.1).saturating_sub(a.0 + a.1)),
+        server_ticks: cpu0.zip(cpu1).map(|(a, b)| b.0.saturating_sub(a.0)),
         switches: switches0
             .zip(switches1)
             .map(|(a, b)| (b.0.saturating_sub(a.0), b.1.saturating_sub(a.1))),

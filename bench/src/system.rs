@@ -409,14 +409,6 @@ impl Pids {
         Ok((probe::rss(self.server)?, probe::rss(self.agent)?))
     }
 
-    /// CPU clock ticks of server and agent together.
-    ///
-    /// # Errors
-    /// A process is gone.
-    pub fn cpu_ticks(&self) -> anyhow::Result<u64> {
-        Ok(probe::cpu_ticks(self.server)? + probe::cpu_ticks(self.agent)?)
-    }
-
     /// Context switches so far of (server, agent).
     ///
     /// # Errors
