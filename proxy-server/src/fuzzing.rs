@@ -36,7 +36,7 @@ use crate::{
 
 include!("../../fuzz/input.rs");
 
-mod streams;
+pub(crate) mod streams;
 pub use streams::{grpc_packets, grpc_packets_alloc_bound};
 
 /// The heap a [`router`] run may use at its peak for `len` input bytes: a

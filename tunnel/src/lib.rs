@@ -17,6 +17,13 @@
 //!   packets, both ways.
 //! - [`compact`]: id-keyed tables give their memory back after a burst.
 
+/// The test build counts each thread's heap, so that tests can bound what
+/// an idle queue holds.
+#[cfg(test)]
+#[global_allocator]
+static ALLOCATOR: heap_count::Counting<std::alloc::System> =
+    heap_count::Counting::new(std::alloc::System);
+
 pub mod blocked;
 pub mod budget;
 pub mod flow;

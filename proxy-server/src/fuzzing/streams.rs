@@ -49,14 +49,14 @@ type Body = StreamBody<
 >;
 
 /// An in-memory request body and the sender that feeds it.
-fn body() -> (mpsc::Sender<Bytes>, Body) {
+pub(crate) fn body() -> (mpsc::Sender<Bytes>, Body) {
     let (tx, rx) = mpsc::channel(4096);
     let frames: fn(Bytes) -> Result<Frame<Bytes>, Status> = |b| Ok(Frame::data(b));
     (tx, StreamBody::new(ReceiverStream::new(rx).map(frames)))
 }
 
 /// `body` as a server reads a request: our codec, the frontend's limit.
-fn streaming(body: Body) -> Streaming<Packet> {
+pub(crate) fn streaming(body: Body) -> Streaming<Packet> {
     let decoder = proto::codec::PacketCodec::<Packet, Packet>::default().decoder();
     Streaming::new_request(decoder, body, None, Some(MAX_FRONTEND_MESSAGE))
 }
@@ -351,7 +351,7 @@ async fn session(data: &[u8]) -> Reached {
 
 /// The server's control core: one strategy (default), dials neither timed
 /// out, retried nor hedged, a 64 MiB buffer budget.
-fn control() -> Arc<Control> {
+pub(crate) fn control() -> Arc<Control> {
     let strategies = [ProxyStrategy::Default];
     let metrics = Arc::new(ServerMetrics::new(&strategies));
     Arc::new(Control::new(
