@@ -166,12 +166,12 @@ where
                     tasks.spawn(http_connect::refuse(io));
                     continue;
                 };
-                let control = control.clone();
-                let shutdown = shutdown.clone();
-                tasks.spawn(async move {
-                    http_connect::serve_connection(io, control, shutdown).await;
-                    drop(permit);
-                });
+                tasks.spawn(http_connect::serve_connection(
+                    io,
+                    control.clone(),
+                    shutdown.clone(),
+                    permit,
+                ));
             }
             Some(Err(error)) => {
                 warn!(%error, "accepting a frontend connection failed");
