@@ -310,13 +310,13 @@ impl AgentService for AgentServiceImpl {
             ))
         })?;
         info!(agent.id = %agent_id, peer.addr = ?peer, credit = scheme.is_credit(), "agent connected");
-        let driver = BackendDriver {
+        let mut driver = BackendDriver {
             id,
             control: self.control.clone(),
             conns: ConnTable::default(),
             end: end.clone(),
         };
-        let inbound = request.into_inner();
+        let mut inbound = request.into_inner();
         let guard = BackendGuard {
             control: self.control.clone(),
             backend: id,
@@ -328,10 +328,15 @@ impl AgentService for AgentServiceImpl {
             &self.control.audit,
             id.taker(),
             info_span!("backend", agent.id = %agent_id),
+            // The driver and its stream live here and are lent to `run`:
+            // moved into it, each would take its room twice in the task.
             async move {
                 let _live = live;
                 let _guard = guard;
-                driver.run(inbound).await;
+                driver.run(&mut inbound).await;
+                // Gone before the guards, as when `run` took them.
+                drop(driver);
+                drop(inbound);
             },
             end.outbound(rx.map(move |packet| {
                 metrics.packets.count(Segment::ToAgent, packet.r#type);

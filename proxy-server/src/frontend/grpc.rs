@@ -107,20 +107,26 @@ impl ProxyService for ProxyServiceImpl {
         let live = metrics.grpc_stream(Method::Proxy);
         let span = debug_span!("frontend", frontend = %link.id());
         let taker = link.id().taker();
-        let driver = FrontendDriver::new(link.clone(), self.control.clone());
+        let mut driver = FrontendDriver::new(link.clone(), self.control.clone());
         let guard = FrontendGuard {
             control: self.control.clone(),
             link,
         };
+        let mut inbound = inbound;
         Ok(Response::new(spawn_driver(
             &self.tasks,
             &self.control.audit,
             taker,
             span,
+            // The driver and its stream live here and are lent to `run`:
+            // moved into it, each would take its room twice in the task.
             async move {
                 let _live = live;
                 let _guard = guard;
-                driver.run(inbound).await;
+                driver.run(&mut inbound).await;
+                // Gone before the guards, as when `run` took them.
+                drop(driver);
+                drop(inbound);
             },
             end.outbound_after(writer, async move { last_answer.fresh_until().await }),
         )))
@@ -190,7 +196,7 @@ impl FrontendDriver {
     /// response is dropped; every wait is raced against that end. Reading
     /// stops while the read-ahead is full. After the frontend ends its
     /// side, what it sent before is still uploaded.
-    async fn run(mut self, mut inbound: Streaming<Packet>) {
+    async fn run(&mut self, inbound: &mut Streaming<Packet>) {
         let tx = self.link.tx.clone();
         let gone = tx.gone();
         tokio::pin!(gone);
@@ -219,7 +225,7 @@ impl FrontendDriver {
                     self.account.taken_more(taken);
                 }
                 packet = next_packet(
-                    &mut inbound,
+                    inbound,
                     never.as_mut(),
                     Segment::FromClient,
                     &tx.end,
@@ -452,4 +458,34 @@ fn upload(conn: Arc<Conn>, chunk: Bytes) -> Wait {
         let ok = conn.upload_chunk(chunk).await;
         Waited::Uploaded(conn.id, ok)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fuzzing::streams;
+
+    #[test]
+    fn a_frontends_driver_borrows_its_stream() {
+        let control = streams::control();
+        let (tx, _rx) = frontend_queue();
+        let link = control.add_frontend(FrontendKind::Grpc, |id| {
+            FrontendTx::new(
+                id,
+                FrontendKind::Grpc,
+                tx,
+                StreamEnd::new(CancellationToken::new()),
+                control.metrics.clone(),
+                control.budgets.to_frontend.clone(),
+            )
+        });
+        let mut driver = FrontendDriver::new(link, control.clone());
+        let (_sender, body) = streams::body();
+        let mut inbound = streams::streaming(body);
+        let run = driver.run(&mut inbound);
+        // Taking the driver and its stream by value, it held each twice
+        // (1,696 bytes), and the task that awaited it a third time.
+        let size = std::mem::size_of_val(&run);
+        assert!(size < 1000, "a frontend's driver is {size} bytes");
+    }
 }
