@@ -147,13 +147,12 @@ mod tests {
     #[test]
     fn an_idle_agents_driver_is_not_sized_by_its_rare_wait() {
         let (_tx, body) = streams::body();
-        let driver = BackendDriver {
+        let mut driver = BackendDriver {
             id: BackendId(1),
             control: streams::control(),
             conns: ConnTable::default(),
             end: StreamEnd::new(CancellationToken::new()),
         };
-        let mut driver = driver;
         let mut inbound = streams::streaming(body);
         let run = driver.run(&mut inbound);
         // Every agent's task holds this future whole: with the wait for

@@ -73,7 +73,7 @@ impl ProxyService for ProxyServiceImpl {
             .unwrap_or_default();
         let subject =
             crate::frontend::client_subject(request.peer_certs().as_deref().map(Vec::as_slice));
-        let inbound = request.into_inner();
+        let mut inbound = request.into_inner();
         let (tx, rx) = frontend_queue();
         let end = StreamEnd::new(self.shutdown.child_token());
         let metrics = self.control.metrics.clone();
@@ -112,7 +112,6 @@ impl ProxyService for ProxyServiceImpl {
             control: self.control.clone(),
             link,
         };
-        let mut inbound = inbound;
         Ok(Response::new(spawn_driver(
             &self.tasks,
             &self.control.audit,
